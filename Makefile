@@ -1,0 +1,42 @@
+# Everything a user or CI runs. Each target installs what it needs into $(VENV) first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP := $(BIN)/python -m pip
+PYTEST_ARGS ?=
+
+# Local server settings (see README "Local server").
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+MIMI_WEIGHTS ?=
+
+.PHONY: venv test serve export bench verify clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --disable-pip-version-check -c requirements/constraints.txt -e '.[export,client,serve,test]'
+	# moshi is the independent streaming reference for tests only; its metadata pins torch<2.10.
+	$(PIP) install --quiet --disable-pip-version-check --no-deps moshi==0.2.13
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+export: $(STAMP)
+	$(BIN)/python -m export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
+
+serve: $(STAMP)
+	$(BIN)/python -m server serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
+
+bench: $(STAMP)
+	$(BIN)/python -m client.bench
+
+verify: $(STAMP)
+	$(BIN)/python -m client.verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
+
+clean:
+	rm -rf build .pytest_cache
