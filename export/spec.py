@@ -1,0 +1,114 @@
+"""The decoder step's tensor spec: the single source of truth for names, dtypes and per-stream shapes.
+
+The same spec drives the ONNX export, the TensorRT optimisation profile and every rendered
+`mimi_decoder` config. Triton pairs input and output states by position in two name-sorted lists,
+so state names carry a two-digit index that sorts identically on both sides.
+
+This module imports only the standard library: the server-side code reads specs from JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+TRITON_DTYPES = {"int32": "TYPE_INT32", "int64": "TYPE_INT64", "float32": "TYPE_FP32", "float16": "TYPE_FP16"}
+ONNX_ELEM_TYPES = {"int32": 6, "int64": 7, "float32": 1, "float16": 10}
+
+CODES = "codes"
+PCM = "pcm"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor; `shape` is per stream (the batch dimension, always first, is not included)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def bytes_per_stream(self) -> int:
+        size = {"int32": 4, "int64": 8, "float32": 4, "float16": 2}[self.dtype]
+        for dim in self.shape:
+            size *= dim
+        return size
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A streaming state tensor: fed as `input`, returned updated as `output`, all-zero on START."""
+
+    input: str
+    output: str
+    dtype: str
+    shape: tuple[int, ...]
+    description: str = ""
+
+    def as_input(self) -> TensorSpec:
+        return TensorSpec(self.input, self.dtype, self.shape)
+
+    def as_output(self) -> TensorSpec:
+        return TensorSpec(self.output, self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Everything a server needs to know about one exported decoder step."""
+
+    num_codebooks: int
+    codebook_size: int
+    frames_per_step: int
+    samples_per_frame: int
+    sample_rate_hz: int
+    window: str
+    kv_cache_dtype: str
+    states: tuple[StateSpec, ...]
+
+    @property
+    def codes(self) -> TensorSpec:
+        return TensorSpec(CODES, "int32", (self.num_codebooks, self.frames_per_step))
+
+    @property
+    def pcm(self) -> TensorSpec:
+        return TensorSpec(PCM, "float32", (self.samples_per_frame * self.frames_per_step,))
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return (self.codes, *(s.as_input() for s in self.states))
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return (self.pcm, *(s.as_output() for s in self.states))
+
+    def state_bytes_per_stream(self) -> int:
+        return sum(s.as_input().bytes_per_stream() for s in self.states)
+
+    def validate(self) -> None:
+        """Raise ValueError if Triton would pair the states wrongly or a name is reused."""
+        ins = sorted(s.input for s in self.states)
+        outs = sorted(s.output for s in self.states)
+        by_in = {s.input: s.output for s in self.states}
+        if [by_in[name] for name in ins] != outs:
+            raise ValueError(f"state names sort differently on the input and output side: {ins} vs {outs}")
+        names = [t.name for t in (*self.inputs, *self.outputs)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate tensor names in spec: {names}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DecoderSpec":
+        fields = dict(data)
+        fields["states"] = tuple(
+            StateSpec(**{**state, "shape": tuple(state["shape"])}) for state in fields["states"]
+        )
+        return cls(**fields)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()

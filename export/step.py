@@ -1,0 +1,379 @@
+"""Mimi's decoder as one streaming step with explicit, fixed-shape state.
+
+`MimiDecoderStep` maps `codes [B, k, F] int32` plus the stream state to `pcm [B, 1920*F] float32`
+plus the updated state. Every state tensor is batch first with a fixed per-stream shape, and an
+all-zero state is a fresh stream. Rows of a batch never interact, so steps of streams of different
+ages batch together. Updates are functional (concatenate, then keep a constant slice): the graph has
+no scatter, no Shape ops and no slicing by runtime values; only the batch dimension is dynamic.
+
+State (see `export.spec`):
+  state_*_00_kv_cache  [L, 2, H, N, D]  keys (RoPE applied) and values of the last N transformer steps
+  state_*_01_conv      [C]              left context of every causal conv and the overlap tail of every
+                                        transposed conv, flattened and concatenated
+  state_*_02_position  [1] int32        transformer steps seen so far (2 per frame)
+
+Window semantics. Mimi's transformer attends over a 250-step context. moshi's streaming decoder
+writes both steps of a frame into a 250-entry ring before attending, so the first step of a frame
+sees 249 keys and the second 250; offline decoding gives every step 250. `window="moshi"` reproduces
+the streaming decoder Moshi-family systems run, `window="exact"` reproduces offline decoding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from export.spec import DecoderSpec, StateSpec
+
+WINDOWS = ("moshi", "exact")
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# Positions are split as hi * ROPE_BLOCK + lo so RoPE angles stay accurate in fp32 for streams of
+# many hours: a plain fp32 `position * inv_freq` loses ~4e-3 rad at 100,000 steps, the split ~1e-4.
+ROPE_BLOCK = 1024
+
+
+class _StreamingConv(nn.Module):
+    """Causal stride-1 conv; its state is the last (kernel - 1) * dilation input samples."""
+
+    def __init__(self, conv: nn.Conv1d, dtype: torch.dtype):
+        super().__init__()
+        if conv.stride[0] != 1 or conv.padding[0] != 0:
+            raise ValueError("streaming conv expects stride 1 and no built-in padding")
+        self.weight = nn.Parameter(conv.weight.detach().to(dtype).clone(), requires_grad=False)
+        self.bias = None
+        if conv.bias is not None:
+            self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
+        self.dilation = conv.dilation[0]
+        self.groups = conv.groups
+        self.context = (conv.kernel_size[0] - 1) * self.dilation
+        self.channels = conv.in_channels
+
+    def forward(self, x: torch.Tensor, state: "_ConvState") -> torch.Tensor:
+        if self.context:
+            x = torch.cat([state.take(self.channels, self.context), x], dim=2)
+            state.put(x[:, :, -self.context :])
+        return F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
+
+
+class _StreamingConvTranspose(nn.Module):
+    """Causal transposed conv; its state is the (kernel - stride) overlap tail, without bias."""
+
+    def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(conv.weight.detach().to(dtype).clone(), requires_grad=False)
+        self.bias = None
+        if conv.bias is not None:
+            self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
+        self.stride = conv.stride[0]
+        self.groups = conv.groups
+        self.tail = conv.kernel_size[0] - self.stride
+        self.channels = conv.out_channels
+        if self.tail <= 0:
+            raise ValueError("streaming transposed conv expects kernel > stride")
+
+    def forward(self, x: torch.Tensor, state: "_ConvState") -> torch.Tensor:
+        steps = x.shape[2]  # static: the step's frame count is fixed at export
+        y = F.conv_transpose1d(x, self.weight, None, stride=self.stride, groups=self.groups)
+        head = y[:, :, : self.tail] + state.take(self.channels, self.tail)
+        y = torch.cat([head, y[:, :, self.tail :]], dim=2)
+        emitted = steps * self.stride
+        state.put(y[:, :, emitted:])
+        y = y[:, :, :emitted]
+        if self.bias is not None:
+            y = y + self.bias[None, :, None]
+        return y
+
+
+class _ConvState:
+    """Reads conv state pieces from the flat state tensor in order and collects their updates."""
+
+    def __init__(self, flat: torch.Tensor | None, dtype: torch.dtype = torch.float32):
+        self.flat = flat
+        self.dtype = dtype
+        self.offset = 0
+        self.updates: list[torch.Tensor] = []
+        self.pieces: list[tuple[int, int]] = []
+
+    def take(self, channels: int, length: int) -> torch.Tensor:
+        size = channels * length
+        self.pieces.append((channels, length))
+        if self.flat is None:  # layout discovery
+            return torch.zeros(1, channels, length, dtype=self.dtype)
+        piece = self.flat[:, self.offset : self.offset + size].reshape(-1, channels, length)
+        self.offset += size
+        return piece
+
+    def put(self, piece: torch.Tensor) -> None:
+        self.updates.append(piece.reshape(piece.shape[0], -1))
+
+
+class _SEANetBlock(nn.Module):
+    """Residual block: ELU, conv k3, ELU, conv k1, plus identity (or 1x1 conv) shortcut."""
+
+    def __init__(self, block, dtype: torch.dtype):
+        super().__init__()
+        from transformers.models.mimi.modeling_mimi import MimiConv1d
+
+        self.layers = nn.ModuleList(
+            [_StreamingConv(layer.conv, dtype) if isinstance(layer, MimiConv1d) else layer for layer in block.block]
+        )
+        self.shortcut = None
+        if isinstance(block.shortcut, MimiConv1d):
+            self.shortcut = _StreamingConv(block.shortcut.conv, dtype)
+
+    def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
+        residual = x if self.shortcut is None else self.shortcut(x, state)
+        for layer in self.layers:
+            x = layer(x, state) if isinstance(layer, _StreamingConv) else layer(x)
+        return residual + x
+
+
+class MimiDecoderStep(nn.Module):
+    """One streaming decoder step over F frames for a batch of independent streams.
+
+    forward(codes [B, k, F] int32, kv_cache, conv, position [B, 1] int32)
+        -> (pcm [B, 1920 * F] float32, kv_cache', conv', position')
+    """
+
+    def __init__(
+        self,
+        model,
+        num_codebooks: int = 8,
+        frames_per_step: int = 1,
+        window: str = "moshi",
+        kv_cache_dtype: str = "float32",
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        from transformers.models.mimi.modeling_mimi import (
+            MimiConv1d,
+            MimiConvTranspose1d,
+            MimiResnetBlock,
+        )
+
+        config = model.config
+        if window not in WINDOWS:
+            raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        if not 1 <= num_codebooks <= config.num_quantizers:
+            raise ValueError(f"num_codebooks must be in [1, {config.num_quantizers}], got {num_codebooks}")
+        if frames_per_step < 1:
+            raise ValueError(f"frames_per_step must be >= 1, got {frames_per_step}")
+        self.num_codebooks = num_codebooks
+        self.codebook_size = config.codebook_size
+        self.frames_per_step = frames_per_step
+        self.window = window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.dtype = dtype
+        self.sample_rate_hz = config.sampling_rate
+        self.samples_per_frame = int(math.prod(config.upsampling_ratios)) * config.latent_stride
+        self.steps_per_frame = config.latent_stride
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.context = config.sliding_window
+        if config.num_key_value_heads != config.num_attention_heads:
+            raise ValueError("grouped-query attention is not part of the Mimi architecture")
+        # Past keys a step needs: offline decoding sees `context` keys including its own; moshi's ring
+        # loses the oldest keys to the rest of the frame, so a frame's steps need steps_per_frame - 1 fewer.
+        self.cache_len = self.context - (self.steps_per_frame if window == "moshi" else 1)
+
+        decoder = model.decoder
+        with torch.no_grad():
+            self.register_buffer("codebook_table", self._fold_quantizer(model.quantizer).to(dtype), persistent=False)
+        self.register_buffer(
+            "codebook_offsets",
+            (torch.arange(num_codebooks, dtype=torch.int32) * self.codebook_size).view(1, num_codebooks, 1),
+            persistent=False,
+        )
+        if decoder.upsample is None:
+            raise ValueError("expected Mimi's learnt upsampling between frame rate and transformer rate")
+        self.upsample = _StreamingConvTranspose(decoder.upsample.conv, dtype)
+
+        transformer = decoder.decoder_transformer
+        self.layers = nn.ModuleList()
+        for layer in transformer.layers:
+            attn = layer.self_attn
+            block = nn.Module()
+            block.norm1 = _copy_layer_norm(layer.input_layernorm, dtype)
+            block.norm2 = _copy_layer_norm(layer.post_attention_layernorm, dtype)
+            block.qkv = nn.Parameter(
+                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach().to(dtype).clone(),
+                requires_grad=False,
+            )
+            block.out = nn.Parameter(attn.o_proj.weight.detach().to(dtype).clone(), requires_grad=False)
+            block.fc1 = nn.Parameter(layer.mlp.fc1.weight.detach().to(dtype).clone(), requires_grad=False)
+            block.fc2 = nn.Parameter(layer.mlp.fc2.weight.detach().to(dtype).clone(), requires_grad=False)
+            block.scale1 = nn.Parameter(layer.self_attn_layer_scale.scale.detach().to(dtype).clone(), requires_grad=False)
+            block.scale2 = nn.Parameter(layer.mlp_layer_scale.scale.detach().to(dtype).clone(), requires_grad=False)
+            self.layers.append(block)
+        if config.hidden_act != "gelu" or config.attention_bias:
+            raise ValueError("expected Mimi's transformer: gelu MLP without attention bias")
+
+        rope = config.rope_parameters or {}
+        theta = float(rope.get("rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        self.register_buffer("rope_inv_freq", inv_freq.to(dtype), persistent=False)
+        self.register_buffer(
+            "rope_block_angle", torch.remainder(inv_freq * ROPE_BLOCK, 2 * math.pi).to(dtype), persistent=False
+        )
+
+        self.seanet = nn.ModuleList()
+        for layer in decoder.decoder_seanet.layers:
+            if isinstance(layer, MimiConv1d):
+                self.seanet.append(_StreamingConv(layer.conv, dtype))
+            elif isinstance(layer, MimiConvTranspose1d):
+                self.seanet.append(_StreamingConvTranspose(layer.conv, dtype))
+            elif isinstance(layer, MimiResnetBlock):
+                self.seanet.append(_SEANetBlock(layer, dtype))
+            else:
+                self.seanet.append(layer)
+
+        steps = self.steps_per_frame * frames_per_step
+        self.register_buffer("attn_allowed", self._window_mask(steps), persistent=False)
+        self.conv_pieces = self._discover_conv_layout()
+        self.conv_state_size = sum(c * n for c, n in self.conv_pieces)
+
+    # ---- construction helpers -------------------------------------------------------------------
+
+    def _fold_quantizer(self, quantizer) -> torch.Tensor:
+        """One [k * codebook_size, hidden] table: each codebook's entries through its output projection."""
+        semantic = quantizer.semantic_residual_vector_quantizer
+        acoustic = quantizer.acoustic_residual_vector_quantizer
+        n_semantic = quantizer.num_semantic_quantizers
+        tables = []
+        for index in range(self.num_codebooks):
+            rvq, j = (semantic, index) if index < n_semantic else (acoustic, index - n_semantic)
+            codebook = rvq.layers[j].codebook
+            embed = codebook.embed_sum.double() / codebook.cluster_usage.double().clamp(min=codebook.epsilon)[:, None]
+            if rvq.output_proj is not None:
+                embed = embed @ rvq.output_proj.weight.double()[:, :, 0].T
+            tables.append(embed)
+        return torch.cat(tables)
+
+    def _window_mask(self, steps: int) -> torch.Tensor:
+        """allowed[t, s]: new step t may attend key slot s (cache slots first, then the new steps)."""
+        n = self.cache_len
+        t = torch.arange(steps).view(-1, 1)
+        s = torch.arange(n + steps).view(1, -1)
+        relative = s - n  # key position minus the step's first position
+        lower = t - (self.context - 1)
+        if self.window == "moshi":
+            # The ring holds the last `context` steps up to the end of the step's frame.
+            lower = lower + (self.steps_per_frame - 1 - t % self.steps_per_frame)
+        return (relative <= t) & (relative >= lower)
+
+    def _discover_conv_layout(self) -> list[tuple[int, int]]:
+        with torch.no_grad():
+            state = _ConvState(None, self.dtype)
+            x = torch.zeros(1, self.upsample.channels, self.frames_per_step, dtype=self.dtype)
+            x = self.upsample(x, state)
+            x = torch.zeros(1, x.shape[1], x.shape[2], dtype=self.dtype)
+            self._seanet(x, state)
+        return state.pieces
+
+    # ---- spec -----------------------------------------------------------------------------------
+
+    def spec(self) -> DecoderSpec:
+        kv_shape = (self.num_layers, 2, self.num_heads, self.cache_len, self.head_dim)
+        return DecoderSpec(
+            num_codebooks=self.num_codebooks,
+            codebook_size=self.codebook_size,
+            frames_per_step=self.frames_per_step,
+            samples_per_frame=self.samples_per_frame,
+            sample_rate_hz=self.sample_rate_hz,
+            window=self.window,
+            kv_cache_dtype=self.kv_cache_dtype,
+            states=(
+                StateSpec("state_in_00_kv_cache", "state_out_00_kv_cache", self.kv_cache_dtype, kv_shape,
+                          "transformer keys (RoPE applied) and values of the last steps"),
+                StateSpec("state_in_01_conv", "state_out_01_conv", "float32", (self.conv_state_size,),
+                          "conv left contexts and transposed-conv overlap tails, flattened"),
+                StateSpec("state_in_02_position", "state_out_02_position", "int32", (1,),
+                          "transformer steps decoded so far"),
+            ),
+        )
+
+    def zero_state(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv_shape = (batch_size, self.num_layers, 2, self.num_heads, self.cache_len, self.head_dim)
+        return (
+            torch.zeros(kv_shape, dtype=KV_CACHE_DTYPES[self.kv_cache_dtype] if self.dtype == torch.float32 else self.dtype),
+            torch.zeros(batch_size, self.conv_state_size, dtype=self.dtype),
+            torch.zeros(batch_size, 1, dtype=torch.int32),
+        )
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def forward(self, codes, kv_cache, conv, position):
+        conv_state = _ConvState(conv)
+        # [B, k, F] -> [B, hidden, F]: sum of the k folded codebook embeddings.
+        latent = self.codebook_table[codes + self.codebook_offsets].sum(dim=1).transpose(1, 2)
+        x = self.upsample(latent, conv_state)
+        x, kv_cache = self._transformer(x.transpose(1, 2), kv_cache, position)
+        pcm = self._seanet(x.transpose(1, 2), conv_state)
+        new_conv = torch.cat(conv_state.updates, dim=1)
+        steps = x.shape[1]
+        return pcm.reshape(pcm.shape[0], -1).float(), kv_cache, new_conv, position + steps
+
+    def _seanet(self, x, state: _ConvState):
+        for layer in self.seanet:
+            x = layer(x, state) if isinstance(layer, (_StreamingConv, _StreamingConvTranspose, _SEANetBlock)) else layer(x)
+        return x
+
+    def _rope(self, position, steps: int):
+        """cos, sin [B, 1, T, head_dim] for positions position + [0, T)."""
+        positions = position + torch.arange(steps, dtype=torch.int32, device=position.device).view(1, -1)
+        block = torch.div(positions, ROPE_BLOCK, rounding_mode="trunc")
+        within = positions - block * ROPE_BLOCK
+        angles = block.to(self.dtype)[..., None] * self.rope_block_angle + within.to(self.dtype)[..., None] * self.rope_inv_freq
+        angles = torch.cat([angles, angles], dim=-1)[:, None]
+        return angles.cos(), angles.sin()
+
+    def _transformer(self, x, kv_cache, position):
+        batch, steps, hidden = x.shape
+        heads, head_dim, n = self.num_heads, self.head_dim, self.cache_len
+        cos, sin = self._rope(position, steps)
+        # A key slot holds a real step only once the stream has produced it.
+        slot = torch.arange(n + steps, dtype=torch.int32, device=x.device).view(1, -1) - n
+        filled = (slot + position) >= 0  # [B, n + T]
+        allowed = self.attn_allowed[None, None] & filled[:, None, None, :]
+        bias = torch.where(allowed, torch.zeros((), dtype=self.dtype), torch.full((), -math.inf, dtype=self.dtype))
+        cache_dtype = kv_cache.dtype
+        new_layers = []
+        for index, block in enumerate(self.layers):
+            h = F.layer_norm(x, (hidden,), block.norm1.weight, block.norm1.bias, block.norm1.eps)
+            qkv = F.linear(h, block.qkv).view(batch, steps, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            # Attend over what the cache will hold, so that F frames per call equal F calls of one frame.
+            k = k.to(cache_dtype).to(self.dtype)
+            v = v.to(cache_dtype).to(self.dtype)
+            keys = torch.cat([kv_cache[:, index, 0].to(self.dtype), k], dim=2)
+            values = torch.cat([kv_cache[:, index, 1].to(self.dtype), v], dim=2)
+            scores = torch.matmul(q, keys.transpose(2, 3)) * (1.0 / math.sqrt(head_dim)) + bias
+            attn = torch.matmul(torch.softmax(scores, dim=-1), values)
+            attn = attn.transpose(1, 2).reshape(batch, steps, hidden)
+            x = x + block.scale1 * F.linear(attn, block.out)
+            h = F.layer_norm(x, (hidden,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
+            x = x + block.scale2 * F.linear(F.gelu(F.linear(h, block.fc1)), block.fc2)
+            new_layers.append(torch.stack([keys[:, :, -n:], values[:, :, -n:]], dim=1).to(cache_dtype))
+        return x, torch.stack(new_layers, dim=1)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _copy_layer_norm(norm: nn.LayerNorm, dtype: torch.dtype) -> nn.LayerNorm:
+    copy = nn.LayerNorm(norm.normalized_shape, eps=norm.eps, dtype=dtype)
+    with torch.no_grad():
+        copy.weight.copy_(norm.weight)
+        copy.bias.copy_(norm.bias)
+    copy.requires_grad_(False)
+    return copy

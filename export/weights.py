@@ -1,0 +1,297 @@
+"""Mimi weights: transformers-format folders, moshi-format checkpoints, seeded random weights.
+
+Every source ends as a flat state dict in the kyutai/mimi (transformers checkpoint) naming, checked
+name by name and shape by shape against the architecture before it is loaded into a
+`transformers.MimiModel`. safetensors only.
+
+- transformers format: a folder with `config.json` + `model.safetensors` (what kyutai/mimi holds),
+  or a hub id resolved through the local hub cache (or the hub, where one is reachable).
+- moshi format: one `.safetensors` file with moshi's module names (PersonaPlex ships
+  `tokenizer-e351c8d8-checkpoint125.safetensors`), mapped onto transformers' names. moshi fuses
+  q/k/v into one projection and applies RoPE to adjacent pairs, transformers rotates halves, so the
+  q and k rows are permuted per head.
+- random: seeded, non-degenerate weights for development and tests. The audio is noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# MimiModel module names -> flat checkpoint names (the layout kyutai/mimi's model.safetensors uses).
+_MODULE_TO_FLAT = (
+    ("encoder.encoder_seanet.layers.", "encoder.layers."),
+    ("encoder.encoder_transformer.", "encoder_transformer."),
+    ("encoder.downsample.", "downsample."),
+    ("decoder.decoder_seanet.layers.", "decoder.layers."),
+    ("decoder.decoder_transformer.", "decoder_transformer."),
+    ("decoder.upsample.", "upsample."),
+)
+
+
+class WeightsError(ValueError):
+    """A checkpoint that does not fit the architecture; the message names the tensors."""
+
+
+@dataclass
+class LoadedMimi:
+    model: "torch.nn.Module"
+    source: str
+    kind: str  # "transformers" | "moshi" | "random"
+    sha256: str  # of the weight file(s), or of the random recipe
+
+
+def _flat_name(module_name: str) -> str:
+    for prefix, flat in _MODULE_TO_FLAT:
+        if module_name.startswith(prefix):
+            return flat + module_name[len(prefix) :]
+    return module_name
+
+
+def _module_name(flat_name: str) -> str:
+    for prefix, flat in _MODULE_TO_FLAT:
+        if flat_name.startswith(flat):
+            return prefix + flat_name[len(flat) :]
+    return flat_name
+
+
+def new_model(config=None):
+    from transformers import MimiConfig, MimiModel
+
+    model = MimiModel(config or MimiConfig())
+    model.eval()
+    return model
+
+
+def flat_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under their checkpoint (flat) names."""
+    return {_flat_name(name): tensor for name, tensor in model.state_dict().items()}
+
+
+def load_flat_state_dict(model, flat: dict[str, torch.Tensor], source: str) -> None:
+    """Load checkpoint-named tensors; a missing, extra or mis-shaped tensor raises WeightsError naming it."""
+    expected = flat_state_dict(model)
+    missing = sorted(set(expected) - set(flat))
+    extra = sorted(set(flat) - set(expected))
+    shapes = sorted(
+        f"{name}: checkpoint {tuple(flat[name].shape)}, model {tuple(expected[name].shape)}"
+        for name in set(expected) & set(flat)
+        if tuple(flat[name].shape) != tuple(expected[name].shape)
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_short(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors ({len(extra)}): {_short(extra)}")
+    if shapes:
+        problems.append(f"mis-shaped tensors ({len(shapes)}): {_short(shapes)}")
+    if problems:
+        raise WeightsError(f"{source} does not fit the Mimi architecture: " + "; ".join(problems))
+    model.load_state_dict({_module_name(name): tensor for name, tensor in flat.items()}, strict=True)
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# ---- moshi format ---------------------------------------------------------------------------------
+
+_MOSHI_RULES = (
+    (r"^(encoder|decoder)\.model\.(\d+)\.(conv\.conv|convtr\.convtr)\.", r"\1.layers.\2.conv."),
+    (r"^(encoder|decoder)\.model\.(\d+)\.block\.(\d+)\.conv\.conv\.", r"\1.layers.\2.block.\3.conv."),
+    (r"^(encoder|decoder)\.model\.(\d+)\.shortcut\.conv\.conv\.", r"\1.layers.\2.shortcut.conv."),
+    (r"^downsample\.conv\.conv\.conv\.", "downsample.conv."),
+    (r"^upsample\.convtr\.convtr\.convtr\.", "upsample.conv."),
+    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.self_attn\.out_projs\.0\.", r"\1_transformer.layers.\2.self_attn.o_proj."),
+    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.norm1\.", r"\1_transformer.layers.\2.input_layernorm."),
+    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.norm2\.", r"\1_transformer.layers.\2.post_attention_layernorm."),
+    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.linear1\.", r"\1_transformer.layers.\2.mlp.fc1."),
+    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.linear2\.", r"\1_transformer.layers.\2.mlp.fc2."),
+    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.layer_scale_1\.", r"\1_transformer.layers.\2.self_attn_layer_scale."),
+    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.layer_scale_2\.", r"\1_transformer.layers.\2.mlp_layer_scale."),
+    (r"^quantizer\.rvq_first\.vq\.layers\.(\d+)\._codebook\.", r"quantizer.semantic_residual_vector_quantizer.layers.\1.codebook."),
+    (r"^quantizer\.rvq_rest\.vq\.layers\.(\d+)\._codebook\.", r"quantizer.acoustic_residual_vector_quantizer.layers.\1.codebook."),
+    (r"^quantizer\.rvq_first\.", "quantizer.semantic_residual_vector_quantizer."),
+    (r"^quantizer\.rvq_rest\.", "quantizer.acoustic_residual_vector_quantizer."),
+)
+_MOSHI_LEAF = {"codebook._initialized": "codebook.initialized", "codebook.embedding_sum": "codebook.embed_sum"}
+_MOSHI_QKV = re.compile(r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.self_attn\.in_projs\.0\.weight$")
+
+
+def _rope_pairs_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder q/k output rows per head from adjacent (real, imag) pairs to (all real, all imag) halves."""
+    rows, cols = weight.shape
+    head_dim = rows // num_heads
+    return weight.view(num_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def moshi_to_flat(state: dict[str, torch.Tensor], num_heads: int = 8) -> dict[str, torch.Tensor]:
+    """Map a moshi-format Mimi state dict onto transformers' flat checkpoint names.
+
+    A name no rule knows raises WeightsError naming it.
+    """
+    flat: dict[str, torch.Tensor] = {}
+    unknown = []
+    for name, tensor in state.items():
+        qkv = _MOSHI_QKV.match(name)
+        if qkv:
+            prefix = f"{qkv.group(1)}_transformer.layers.{qkv.group(2)}.self_attn."
+            q, k, v = tensor.chunk(3, dim=0)
+            flat[prefix + "q_proj.weight"] = _rope_pairs_to_halves(q, num_heads)
+            flat[prefix + "k_proj.weight"] = _rope_pairs_to_halves(k, num_heads)
+            flat[prefix + "v_proj.weight"] = v
+            continue
+        for pattern, replacement in _MOSHI_RULES:
+            mapped, count = re.subn(pattern, replacement, name)
+            if count:
+                for old, new in _MOSHI_LEAF.items():
+                    mapped = mapped.replace(old, new)
+                flat[mapped] = tensor
+                break
+        else:
+            unknown.append(name)
+    if unknown:
+        raise WeightsError(f"moshi checkpoint has tensors with no known Mimi name: {_short(sorted(unknown))}")
+    return flat
+
+
+# ---- random weights -------------------------------------------------------------------------------
+
+def randomize_(model, seed: int) -> None:
+    """Seeded, non-degenerate random weights in place.
+
+    Default inits are degenerate for parity testing (zero codebooks, LayerScale 0.01, convs whose
+    output is nearly constant): codebooks, layer scales and every conv get real variance here.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(shape, std):
+        return torch.randn(shape, generator=generator, dtype=torch.float64).float() * std
+
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()) + sorted(model.named_buffers()):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("embed_sum", "embedding_sum"):
+                param.copy_(randn(param.shape, 1.0))
+            elif leaf == "cluster_usage":
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+            elif leaf in ("initialized", "_initialized"):
+                param.fill_(1.0)
+            elif leaf == "scale":  # LayerScale
+                param.copy_(0.1 + 0.2 * torch.rand(param.shape, generator=generator))
+            elif "layernorm" in name or re.search(r"\.norm\d\.", name):
+                param.copy_((1.0 if leaf == "weight" else 0.0) + randn(param.shape, 0.1))
+            elif leaf == "weight" and param.dim() == 3:  # conv / transposed conv
+                fan_in = param.shape[1] * param.shape[2]
+                param.copy_(randn(param.shape, 1.2 / fan_in**0.5))
+            elif leaf == "weight" and param.dim() == 2:  # linear
+                param.copy_(randn(param.shape, 1.0 / param.shape[1] ** 0.5))
+            elif leaf == "bias":
+                param.copy_(randn(param.shape, 0.05))
+
+
+def random_model(seed: int, config=None) -> LoadedMimi:
+    model = new_model(config)
+    randomize_(model, seed)
+    recipe = json.dumps({"random_seed": seed, "config": model.config.to_dict()}, sort_keys=True, default=str)
+    return LoadedMimi(model, f"random:{seed}", "random", hashlib.sha256(recipe.encode()).hexdigest())
+
+
+# ---- sources --------------------------------------------------------------------------------------
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if path.suffix not in (".safetensors", ".sft"):
+        raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
+    return load_file(str(path))
+
+
+def load_transformers_dir(path: Path) -> LoadedMimi:
+    from transformers import MimiConfig
+
+    config_path, weights_path = path / "config.json", path / "model.safetensors"
+    for needed in (config_path, weights_path):
+        if not needed.is_file():
+            raise WeightsError(f"{path} is not a transformers-format Mimi folder: {needed.name} is missing")
+    config = MimiConfig.from_pretrained(str(path))
+    model = new_model(config)
+    load_flat_state_dict(model, _read_safetensors(weights_path), str(weights_path))
+    return LoadedMimi(model, str(path), "transformers", file_sha256(weights_path))
+
+
+def load_moshi_checkpoint(path: Path, config=None) -> LoadedMimi:
+    model = new_model(config)
+    flat = moshi_to_flat(_read_safetensors(path), model.config.num_attention_heads)
+    load_flat_state_dict(model, flat, str(path))
+    return LoadedMimi(model, str(path), "moshi", file_sha256(path))
+
+
+def _is_moshi_checkpoint(path: Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        return any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in handle.keys())
+
+
+def resolve_hub_id(repo_id: str) -> Path:
+    """A local folder for a hub id: the local hub cache first, then the hub where one is reachable."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["config.json", "model.safetensors"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as error:  # offline, unknown repo, no access
+        raise WeightsError(f"cannot get {repo_id!r} from the local hub cache or the hub: {error}") from error
+
+
+def load_weights(source: str | os.PathLike | None, seed: int | None = None) -> LoadedMimi:
+    """Load Mimi from a transformers folder, a moshi .safetensors file, a hub id, or random (seed).
+
+    With `source=None` a seed is required; random weights produce noise, and say so loudly.
+    """
+    if source is None:
+        if seed is None:
+            raise WeightsError("no weights given: pass a folder, a .safetensors file, a hub id, or a random seed")
+        print(
+            f"WARNING: Mimi with RANDOM weights (seed {seed}): the audio is noise. "
+            "Use real weights (kyutai/mimi or a moshi-format checkpoint) for speech.",
+            file=sys.stderr,
+        )
+        return random_model(seed)
+    path = Path(source)
+    if path.is_dir():
+        return load_transformers_dir(path)
+    if path.is_file():
+        if _is_moshi_checkpoint(path):
+            return load_moshi_checkpoint(path)
+        raise WeightsError(
+            f"{path}: not a moshi-format Mimi checkpoint; for transformers format pass the folder "
+            "holding config.json and model.safetensors"
+        )
+    if re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", str(source)) and path.suffix not in (".safetensors", ".sft"):
+        return load_transformers_dir(resolve_hub_id(str(source)))
+    raise WeightsError(f"{source}: no such file or folder")
