@@ -1,0 +1,125 @@
+"""Command line: `python -m server serve` runs the local tritonserver in the foreground.
+
+    python -m server serve [--model-repository DIR] [--weights PATH]
+                           [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+
+Ctrl-C or SIGTERM stops the server and its Python stubs, removes their shared memory and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from server.triton import LOCALHOST, ServerError, TritonServer, log_tail
+
+
+class _StopRequested(Exception):
+    """Raised in the main thread by the SIGINT/SIGTERM handler."""
+
+
+def prepare_repository(args: argparse.Namespace) -> Path:
+    """The model repository to serve.
+
+    Hook for building the local (python-ort) repository from the export under `build/`, using
+    `args.weights` when given. Today it serves `--model-repository` as it is.
+    """
+    if args.model_repository is not None:
+        repository = Path(args.model_repository)
+        if not repository.is_dir():
+            raise ServerError(f"model repository {repository} is not a directory")
+        return repository
+    raise ServerError(
+        "no model repository: pass --model-repository DIR (building the local python-ort "
+        "repository from the export is not wired into `serve` yet)"
+    )
+
+
+def _raise_stop(signum, frame):
+    raise _StopRequested(signal.Signals(signum).name)
+
+
+def serve(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    server = None
+    try:
+        repository = prepare_repository(args)
+        server = TritonServer(
+            repository,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            host=args.host,
+            log_path=args.log_file,
+            log_verbose=args.log_verbose,
+        )
+        # Signals wait until the process exists and is recorded, so stop() always knows what to end.
+        stop_signals = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        try:
+            server.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+        print(f"tritonserver starting (pid {server.pid}), log: {server.log_path}", flush=True)
+        ready_after_s = server.wait_ready(args.ready_timeout)
+        print(
+            f"tritonserver ready in {ready_after_s:.1f} s, serving {repository}\n"
+            f"  gRPC     {server.grpc_url}\n"
+            f"  HTTP     http://{server.http_url}\n"
+            f"  metrics  {server.metrics_url}\n"
+            "Ctrl-C or SIGTERM stops it.",
+            flush=True,
+        )
+        code = server.wait()
+        print(
+            f"tritonserver exited by itself with code {code}:\n{log_tail(server.log_path)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return code or 1
+    except _StopRequested as stop:
+        print(f"{stop}: stopping tritonserver", flush=True)
+        return 0
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        # A second Ctrl-C must not interrupt the clean-up; stop() is bounded by its grace period.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if server is not None:
+            server.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("serve", help="run tritonserver in the foreground")
+    run.add_argument("--model-repository", type=Path, help="model repository to serve")
+    run.add_argument("--weights", type=Path, help="Mimi weights for building the repository")
+    run.add_argument("--host", default=LOCALHOST, help="address to bind (default %(default)s)")
+    run.add_argument("--http-port", type=int, default=8000)
+    run.add_argument("--grpc-port", type=int, default=8001)
+    run.add_argument("--metrics-port", type=int, default=8002)
+    run.add_argument(
+        "--log-file", type=Path, default=Path("build") / "tritonserver.log",
+        help="server log (default %(default)s)",
+    )
+    run.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbose log level")
+    run.add_argument(
+        "--ready-timeout", type=float, default=120.0, help="seconds to wait for readiness"
+    )
+    run.set_defaults(handler=serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
