@@ -1,0 +1,704 @@
+"""Core of the `code2wav` BLS model: everything that is not Triton plumbing.
+
+Pure numpy + stdlib (no `triton_python_backend_utils`), so it is unit-tested without a server and runs
+on the Python 3.10 of the NGC 24.10 image as well as 3.11.
+
+What it does, per request of a stream (one Triton sequence, keyed by its correlation id):
+
+1. unflatten `input_ids` ([1, k*F] INT64, codebook-major) into codes [k, F] and validate them
+   (dtype, length, code range, request-size limit);
+2. dedupe against the frames the stream has already decoded (its history), with or without
+   `frame_offset` (see `StreamTable.plan`), and apply the new-frames limit;
+3. return a `DecodePlan`: the new frames cut into decoder steps of at most
+   `decoder_frames_per_step` frames (int32 [1, k, S]) with the START/END flags each step carries;
+4. after the decoder ran every step, `StreamTable.commit` records the frames in the history (or
+   removes the stream on END); after a decoder failure `StreamTable.abort` removes the stream.
+
+`StreamTable.process_batch` drives all of it for one `execute()` batch with an injected async
+`decode_step`, so the whole request path, decoder ordering included, is tested here.
+
+A request is validated completely before anything changes: a rejected request leaves its stream as
+it was (only the stream's last-activity time moves, as Triton's own idle timer does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+# Same values as pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END (Triton's C API).
+FLAG_SEQUENCE_START = 1
+FLAG_SEQUENCE_END = 2
+
+DEDUPE_MODES = ("auto", "delta", "cumulative")
+
+# Every kind an error can be counted under (the `kind` label of code2wav_errors_total).
+ERROR_KINDS = (
+    "dtype",
+    "shape",
+    "length",
+    "code_range",
+    "limit",
+    "negative_offset",
+    "gap",
+    "changed_frame",
+    "not_cumulative",
+    "correlation_id",
+    "unknown_stream",
+    "decoder",
+    "internal",
+)
+
+# The parameter that carries the idle timeout (read from the model config, not from `parameters`).
+IDLE_TIMEOUT_FIELD = "sequence_batching.max_sequence_idle_microseconds"
+
+_INT32_MAX = 2**31 - 1
+
+
+class ConfigError(ValueError):
+    """A missing or invalid model-config value; `parameter` names it."""
+
+    def __init__(self, parameter: str, message: str):
+        super().__init__(f"parameter '{parameter}': {message}")
+        self.parameter = parameter
+
+
+class Code2WavError(Exception):
+    """A request failed; `kind` is the short label it is counted under (see ERROR_KINDS)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class RequestError(Code2WavError):
+    """The request is invalid (the client's fault); nothing was decoded and the stream is unchanged."""
+
+
+class DecoderError(Code2WavError):
+    """A decoder step failed; raised by the decoder helper with the decoder's message."""
+
+    def __init__(self, message: str):
+        super().__init__("decoder", message)
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Code2WavSettings:
+    """Everything the core needs from the model config. The defaults are the shipped config.pbtxt."""
+
+    decoder_model_name: str = "mimi_decoder"
+    num_codebooks: int = 8
+    codebook_size: int = 2048
+    samples_per_frame: int = 1920
+    sample_rate_hz: int = 24000
+    decoder_frames_per_step: int = 1
+    dedupe_mode: str = "auto"
+    max_new_frames_per_request: int = 1500
+    max_request_frames: int = 45000
+    stream_idle_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.decoder_model_name, str) or not self.decoder_model_name.strip():
+            raise ConfigError("decoder_model_name", "must be a non-empty model name")
+        for name in (
+            "num_codebooks",
+            "codebook_size",
+            "samples_per_frame",
+            "sample_rate_hz",
+            "decoder_frames_per_step",
+            "max_new_frames_per_request",
+            "max_request_frames",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        # The decoder takes int32 codes.
+        if self.codebook_size > _INT32_MAX:
+            raise ConfigError("codebook_size", f"must be at most {_INT32_MAX}, got {self.codebook_size}")
+        if self.dedupe_mode not in DEDUPE_MODES:
+            raise ConfigError(
+                "dedupe_mode", f"must be one of {', '.join(DEDUPE_MODES)}, got {self.dedupe_mode!r}"
+            )
+        if not self.stream_idle_timeout_s > 0:
+            raise ConfigError(IDLE_TIMEOUT_FIELD, f"must be positive, got {self.stream_idle_timeout_s!r}")
+
+
+# parameter name -> parser of its string value
+_PARAMETER_TYPES = {
+    "decoder_model_name": str,
+    "num_codebooks": int,
+    "codebook_size": int,
+    "samples_per_frame": int,
+    "sample_rate_hz": int,
+    "decoder_frames_per_step": int,
+    "dedupe_mode": str,
+    "max_new_frames_per_request": int,
+    "max_request_frames": int,
+}
+PARAMETER_NAMES = tuple(_PARAMETER_TYPES)
+
+
+def settings_from_parameters(
+    parameters: Mapping[str, str], max_sequence_idle_microseconds: Union[int, str, None]
+) -> Code2WavSettings:
+    """Build the settings from the config's `parameters` (name -> string value) and the
+    `sequence_batching.max_sequence_idle_microseconds` of the same config.
+
+    Every parameter in PARAMETER_NAMES is required and no other is accepted, so a typo fails the
+    load instead of silently running on a default. Raises ConfigError naming the parameter.
+    """
+    unknown = sorted(set(parameters) - set(_PARAMETER_TYPES))
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown parameter (known: {', '.join(PARAMETER_NAMES)})")
+    values = {}
+    for name, parse in _PARAMETER_TYPES.items():
+        if name not in parameters:
+            raise ConfigError(name, "missing from the model config's parameters")
+        text = parameters[name]
+        if not isinstance(text, str):
+            raise ConfigError(name, f"expected a string value, got {text!r}")
+        if parse is int:
+            try:
+                values[name] = int(text.strip())
+            except ValueError:
+                raise ConfigError(name, f"not an integer: {text!r}") from None
+        else:
+            values[name] = text.strip()
+
+    if max_sequence_idle_microseconds is None:
+        raise ConfigError(IDLE_TIMEOUT_FIELD, "missing: set it explicitly (Triton's default is 1 s)")
+    try:
+        # Triton hands uint64 config fields to Python as ints; accept their JSON string form too.
+        idle_us = int(max_sequence_idle_microseconds)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            IDLE_TIMEOUT_FIELD, f"not an integer: {max_sequence_idle_microseconds!r}"
+        ) from None
+    if idle_us <= 0:
+        raise ConfigError(IDLE_TIMEOUT_FIELD, f"must be positive, got {idle_us}")
+    return Code2WavSettings(stream_idle_timeout_s=idle_us / 1e6, **values)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation of one request's tensors
+
+
+def unflatten_codes(input_ids: np.ndarray, num_codebooks: int) -> np.ndarray:
+    """`input_ids` INT64 [1, k*F] (or [k*F]), codebook-major -> codes int64 [k, F] (a view).
+
+    Codebook-major: the F codes of codebook 0 come first, then the F codes of codebook 1, ...
+    Raises RequestError of kind "dtype", "shape" or "length".
+    """
+    input_ids = np.asarray(input_ids)
+    if input_ids.dtype != np.int64:
+        raise RequestError("dtype", f"input_ids must be INT64, got {input_ids.dtype}")
+    if not (input_ids.ndim == 1 or (input_ids.ndim == 2 and input_ids.shape[0] == 1)):
+        raise RequestError(
+            "shape",
+            f"input_ids must have shape [1, k*F] (one request of flat codes), got {list(input_ids.shape)}",
+        )
+    flat = input_ids.reshape(-1)
+    if flat.size % num_codebooks:
+        raise RequestError(
+            "length",
+            f"input_ids holds {flat.size} codes, not a multiple of num_codebooks={num_codebooks}",
+        )
+    return flat.reshape(num_codebooks, flat.size // num_codebooks)
+
+
+def check_code_range(codes: np.ndarray, codebook_size: int) -> None:
+    """Raise RequestError("code_range") naming the first code of `codes` [k, F] outside
+    [0, codebook_size), with its codebook, frame and flat position in input_ids."""
+    if codes.size == 0:
+        return
+    if codes.min() >= 0 and codes.max() < codebook_size:
+        return
+    flat = codes.reshape(-1)
+    position = int(np.flatnonzero((flat < 0) | (flat >= codebook_size))[0])
+    frames = codes.shape[1]
+    raise RequestError(
+        "code_range",
+        f"input_ids[{position}] = {int(flat[position])} (codebook {position // frames}, "
+        f"frame {position % frames}) is outside [0, {codebook_size}) (codebook_size={codebook_size})",
+    )
+
+
+def read_frame_offset(frame_offset: Optional[np.ndarray]) -> Optional[int]:
+    """The optional `frame_offset` INT64 [1, 1] -> int, or None when the request has none."""
+    if frame_offset is None:
+        return None
+    frame_offset = np.asarray(frame_offset)
+    if frame_offset.dtype != np.int64:
+        raise RequestError("dtype", f"frame_offset must be INT64, got {frame_offset.dtype}")
+    if frame_offset.size != 1:
+        raise RequestError(
+            "shape", f"frame_offset must hold one value ([1, 1]), got shape {list(frame_offset.shape)}"
+        )
+    return int(frame_offset.reshape(-1)[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-stream history
+
+
+class CodeHistory:
+    """The codes of the frames a stream has decoded, [k, frames], kept compactly.
+
+    int16 when the codebook fits (2048 entries: 16 bytes per frame, ~720 KB per hour of audio),
+    in a buffer grown geometrically so appending is amortised O(new frames).
+    """
+
+    _INITIAL_CAPACITY = 64
+
+    def __init__(self, num_codebooks: int, codebook_size: int):
+        dtype = np.int16 if codebook_size <= np.iinfo(np.int16).max + 1 else np.int32
+        self._codes = np.zeros((num_codebooks, self._INITIAL_CAPACITY), dtype=dtype)
+        self._frames = 0
+
+    @property
+    def frames(self) -> int:
+        return self._frames
+
+    @property
+    def capacity(self) -> int:
+        return self._codes.shape[1]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._codes.dtype
+
+    def codes(self) -> np.ndarray:
+        """The decoded frames' codes [k, frames] (a read-only view)."""
+        view = self._codes[:, : self._frames]
+        view.flags.writeable = False
+        return view
+
+    def append(self, codes: np.ndarray) -> None:
+        """Append frames [k, n] (values already validated to fit the dtype)."""
+        needed = self._frames + codes.shape[1]
+        if needed > self.capacity:
+            grown = np.zeros((self._codes.shape[0], max(needed, 2 * self.capacity)), self._codes.dtype)
+            grown[:, : self._frames] = self._codes[:, : self._frames]
+            self._codes = grown
+        self._codes[:, self._frames : needed] = codes
+        self._frames = needed
+
+    def first_mismatch(self, codes: np.ndarray, start: int) -> Optional[int]:
+        """Compare `codes` [k, m] with history frames [start, start + m) (all of which exist); return
+        the index within `codes` of the first differing frame, or None when all m are equal."""
+        width = codes.shape[1]
+        differs = (self._codes[:, start : start + width] != codes).any(axis=0)
+        mismatches = np.flatnonzero(differs)
+        return int(mismatches[0]) if mismatches.size else None
+
+
+class _Stream:
+    """Table entry of one live stream."""
+
+    __slots__ = ("history", "decoder_live", "needs_decoder_start", "last_active_s")
+
+    def __init__(self, history: CodeHistory, now_s: float):
+        self.history = history
+        # The decoder holds a sequence for this correlation id (it got a START and no END yet).
+        self.decoder_live = False
+        # The next decoder step must carry START: the stream is new or was reset (barge-in).
+        self.needs_decoder_start = True
+        self.last_active_s = now_s
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecoderStep:
+    """One call into the decoder: `codes` int32 [1, k, S] (C-contiguous), the sequence `flags`
+    (FLAG_SEQUENCE_START / _END bits) and whether its PCM is thrown away (the END-only step)."""
+
+    codes: np.ndarray
+    flags: int
+    discard_output: bool = False
+
+    @property
+    def frames(self) -> int:
+        return self.codes.shape[2]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """What one validated request does. Nothing has changed yet: run the steps in order, then
+    `StreamTable.commit(plan)`, or `StreamTable.abort(plan)` if a step failed."""
+
+    correlation_id: int
+    # Index within the stream of the first new frame (= frames decoded before this request).
+    first_new_frame: int
+    # The new frames, int32 [k, N]; N may be 0.
+    new_codes: np.ndarray
+    steps: Tuple[DecoderStep, ...]
+    # START: the stream is created, or reset if it was live (barge-in).
+    starts_stream: bool
+    # END: the stream is removed once the steps succeeded.
+    ends_stream: bool
+    _stream: Optional[_Stream] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def new_frames(self) -> int:
+        return self.new_codes.shape[1]
+
+    @property
+    def needs_end_only_step(self) -> bool:
+        """END with no new frame while the decoder holds the sequence: one step of zero codes
+        carrying END closes it; its PCM is discarded."""
+        return bool(self.steps) and self.steps[-1].discard_output
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StreamRequest:
+    """One request as the core sees it: the sequence identity and flags Triton gave it, and its
+    input tensors as numpy arrays (`frame_offset` None when absent)."""
+
+    correlation_id: int
+    flags: int
+    input_ids: np.ndarray
+    frame_offset: Optional[np.ndarray] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Code2WavStats:
+    """Counters for metrics (cumulative since the model loaded, except `live_streams`)."""
+
+    live_streams: int
+    frames_decoded: int
+    streams_expired: int
+    errors_by_kind: Mapping[str, int]
+
+
+# decode_step(correlation_id, codes int32 [1, k, S], flags) -> PCM with samples_per_frame * S samples
+DecodeStep = Callable[[int, np.ndarray, int], Awaitable[np.ndarray]]
+
+
+# --------------------------------------------------------------------------------------------------
+# The stream table
+
+
+class StreamTable:
+    """Live streams keyed by correlation id, with their history, lifecycle and idle expiry.
+
+    One table per model instance. Triton's sequence batcher routes every request of a sequence to
+    the same instance, and an instance runs one `execute()` at a time, so the table needs no lock;
+    within a batch `process_batch` serialises the requests of one stream and overlaps the streams.
+    """
+
+    def __init__(self, settings: Code2WavSettings, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self._clock = clock
+        self._streams: Dict[int, _Stream] = {}
+        self._frames_decoded = 0
+        self._streams_expired = 0
+        self._errors: Dict[str, int] = {kind: 0 for kind in ERROR_KINDS}
+
+    # ---- inspection -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __contains__(self, correlation_id: object) -> bool:
+        return correlation_id in self._streams
+
+    def history(self, correlation_id: int) -> np.ndarray:
+        """The decoded codes [k, frames] of a live stream (read-only view); KeyError if not live."""
+        return self._streams[correlation_id].history.codes()
+
+    def stats(self) -> Code2WavStats:
+        return Code2WavStats(
+            live_streams=len(self._streams),
+            frames_decoded=self._frames_decoded,
+            streams_expired=self._streams_expired,
+            errors_by_kind=dict(self._errors),
+        )
+
+    def count_error(self, kind: str) -> None:
+        """Count a failed request (model.py counts the failures that happen outside the core)."""
+        self._errors[kind] = self._errors.get(kind, 0) + 1
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def expire_idle(self, keep: Iterable[int] = ()) -> List[int]:
+        """Drop the streams idle for longer than the timeout and return their ids.
+
+        Triton frees an idle sequence without telling the model, so the table expires entries
+        itself. Streams in `keep` (those with a request in the current batch: Triton accepted them
+        as live) are never dropped.
+        """
+        deadline = self._clock() - self.settings.stream_idle_timeout_s
+        keep = set(keep)
+        expired = [
+            correlation_id
+            for correlation_id, stream in self._streams.items()
+            if stream.last_active_s < deadline and correlation_id not in keep
+        ]
+        for correlation_id in expired:
+            del self._streams[correlation_id]
+        self._streams_expired += len(expired)
+        return expired
+
+    def plan(
+        self,
+        correlation_id: int,
+        flags: int,
+        input_ids: np.ndarray,
+        frame_offset: Optional[np.ndarray] = None,
+    ) -> DecodePlan:
+        """Validate one request and say what decoding it takes. Changes nothing.
+
+        Dedupe (h = frames the stream has decoded; a START request sees h = 0):
+        - with `frame_offset` o: o < 0 and o > h (a gap) are errors; the request's frames in [o, h)
+          must equal the history (else a changed-frame error); frames from h on are new;
+        - without it, by `dedupe_mode`: `delta`: every frame is new; `cumulative`: the request must
+          start with the whole history and only its suffix is new; `auto`: cumulative if the request
+          starts with the whole history, else delta. Known limits of `auto`: a delta that happens
+          to repeat the history's first frames (silence) is taken as a resend and not decoded; a
+          resend shorter than the history is taken as a delta and decoded twice.
+
+        Raises RequestError with a message naming the value, the limit and the parameter.
+        """
+        settings = self.settings
+        if isinstance(correlation_id, bool) or not isinstance(correlation_id, int) or correlation_id <= 0:
+            raise RequestError(
+                "correlation_id",
+                f"requests need a non-zero integer correlation id (one per stream), got {correlation_id!r}",
+            )
+        starts = bool(flags & FLAG_SEQUENCE_START)
+        ends = bool(flags & FLAG_SEQUENCE_END)
+        stream = self._streams.get(correlation_id)
+        if stream is None and not starts:
+            raise RequestError(
+                "unknown_stream",
+                f"stream {correlation_id} is not open: send the first request of the sequence with the "
+                f"START flag (a stream ends with END, with a decoder error, or after "
+                f"{settings.stream_idle_timeout_s:g} s idle)",
+            )
+
+        codes = unflatten_codes(input_ids, settings.num_codebooks)
+        request_frames = codes.shape[1]
+        if request_frames > settings.max_request_frames:
+            raise RequestError(
+                "limit",
+                f"request holds {request_frames} frames, more than "
+                f"max_request_frames={settings.max_request_frames}",
+            )
+        check_code_range(codes, settings.codebook_size)
+        offset = read_frame_offset(frame_offset)
+
+        history = None if (starts or stream is None) else stream.history
+        first_new = self._first_new_frame(correlation_id, codes, offset, history)
+        new_codes = codes[:, first_new:].astype(np.int32)
+        new_frames = new_codes.shape[1]
+        if new_frames > settings.max_new_frames_per_request:
+            raise RequestError(
+                "limit",
+                f"request has {new_frames} new frames, more than "
+                f"max_new_frames_per_request={settings.max_new_frames_per_request}",
+            )
+
+        decoder_live = stream is not None and stream.decoder_live
+        needs_start = starts or stream is None or stream.needs_decoder_start
+        steps = self._steps(new_codes, needs_start, ends)
+        if ends and new_frames == 0 and decoder_live:
+            # The decoder holds a sequence for this id (a START without END reached it): close it
+            # with one step of zero codes. Without a live decoder sequence (e.g. START|END with no
+            # frame) nothing was started there, so nothing is sent.
+            zeros = np.zeros((1, settings.num_codebooks, settings.decoder_frames_per_step), np.int32)
+            steps += (DecoderStep(zeros, FLAG_SEQUENCE_END, discard_output=True),)
+
+        return DecodePlan(
+            correlation_id=correlation_id,
+            first_new_frame=0 if history is None else history.frames,
+            new_codes=new_codes,
+            steps=steps,
+            starts_stream=starts,
+            ends_stream=ends,
+            _stream=stream,
+        )
+
+    def commit(self, plan: DecodePlan) -> None:
+        """Record a plan whose decoder steps all succeeded."""
+        correlation_id = plan.correlation_id
+        stream = self._streams.get(correlation_id)
+        if stream is not plan._stream:
+            # Same-stream requests are serialised, so this is a bug, not a client error.
+            raise RuntimeError(f"stream {correlation_id} changed between plan and commit")
+        self._frames_decoded += plan.new_frames
+        if plan.ends_stream:
+            self._streams.pop(correlation_id, None)
+            return
+        now_s = self._clock()
+        if stream is None:
+            stream = _Stream(CodeHistory(self.settings.num_codebooks, self.settings.codebook_size), now_s)
+            self._streams[correlation_id] = stream
+        elif plan.starts_stream:
+            # Barge-in: the stream starts over. The decoder resets on the next step's START; until
+            # then it still holds the old sequence, so decoder_live is kept.
+            stream.history = CodeHistory(self.settings.num_codebooks, self.settings.codebook_size)
+            stream.needs_decoder_start = True
+        stream.history.append(plan.new_codes)
+        if plan.steps:
+            stream.decoder_live = True
+            stream.needs_decoder_start = False
+        stream.last_active_s = now_s
+
+    def abort(self, plan: DecodePlan) -> None:
+        """A decoder step of `plan` failed: the stream ends (the client must START again)."""
+        self._streams.pop(plan.correlation_id, None)
+
+    # ---- running requests ---------------------------------------------------------------------
+
+    async def run(self, plan: DecodePlan, decode_step: DecodeStep) -> np.ndarray:
+        """Run the plan's steps in order through `decode_step`, commit, and return the PCM of the
+        new frames, float32 [1, samples_per_frame * N]. On any failure the stream is aborted and
+        DecoderError is raised saying to START again."""
+        samples_per_frame = self.settings.samples_per_frame
+        pcm_out = np.empty((1, samples_per_frame * plan.new_frames), np.float32)
+        written = 0
+        for index, step in enumerate(plan.steps):
+            try:
+                pcm = await decode_step(plan.correlation_id, step.codes, step.flags)
+                if not step.discard_output:
+                    samples = samples_per_frame * step.frames
+                    pcm = np.asarray(pcm)
+                    if pcm.size != samples:
+                        raise DecoderError(
+                            f"returned {pcm.size} samples for {step.frames} frame(s), "
+                            f"expected {samples} (samples_per_frame={samples_per_frame})"
+                        )
+                    pcm_out[0, written : written + samples] = pcm.reshape(-1)
+                    written += samples
+            except BaseException as exc:
+                self.abort(plan)
+                if not isinstance(exc, Exception):  # cancellation: the stream is gone all the same
+                    raise
+                raise DecoderError(
+                    f"decoder '{self.settings.decoder_model_name}' failed on step {index + 1} of "
+                    f"{len(plan.steps)} for stream {plan.correlation_id}: {exc}; the stream was ended, "
+                    f"send its next request with the START flag to begin again"
+                ) from exc
+        self.commit(plan)
+        return pcm_out
+
+    async def process(self, request: StreamRequest, decode_step: DecodeStep) -> np.ndarray:
+        """Plan, run and commit one request; count its error, if any, and re-raise it."""
+        try:
+            plan = self.plan(request.correlation_id, request.flags, request.input_ids, request.frame_offset)
+            return await self.run(plan, decode_step)
+        except Code2WavError as exc:
+            self.count_error(exc.kind)
+            raise
+        except Exception:
+            self.count_error("internal")
+            raise
+        finally:
+            stream = self._streams.get(request.correlation_id)
+            if stream is not None:
+                stream.last_active_s = self._clock()
+
+    async def process_batch(
+        self, requests: Sequence[StreamRequest], decode_step: DecodeStep
+    ) -> List[Union[np.ndarray, Exception]]:
+        """Process one `execute()` batch: expire idle streams, then run every stream's requests in
+        arrival order while different streams run concurrently (so the decoder can batch their
+        steps). Returns, per request, its PCM or the exception it failed with; one failing request
+        never affects the others."""
+        self.expire_idle(keep=(request.correlation_id for request in requests))
+        by_stream: Dict[object, List[int]] = {}
+        for index, request in enumerate(requests):
+            by_stream.setdefault(request.correlation_id, []).append(index)
+        results: List[Union[np.ndarray, Exception, None]] = [None] * len(requests)
+
+        async def run_stream(indices: List[int]) -> None:
+            for index in indices:
+                try:
+                    results[index] = await self.process(requests[index], decode_step)
+                except Exception as exc:
+                    results[index] = exc
+
+        await asyncio.gather(*(run_stream(indices) for indices in by_stream.values()))
+        return results  # type: ignore[return-value]
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _first_new_frame(
+        self,
+        correlation_id: int,
+        codes: np.ndarray,
+        offset: Optional[int],
+        history: Optional[CodeHistory],
+    ) -> int:
+        """Index within the request of its first frame to decode (see `plan` for the rules)."""
+        decoded = 0 if history is None else history.frames
+        request_frames = codes.shape[1]
+        if offset is not None:
+            if offset < 0:
+                raise RequestError("negative_offset", f"frame_offset must be >= 0, got {offset}")
+            if offset > decoded:
+                raise RequestError(
+                    "gap",
+                    f"frame_offset {offset} leaves a gap: stream {correlation_id} has decoded {decoded} "
+                    f"frames, so frame_offset must be at most {decoded}",
+                )
+            overlap = min(decoded - offset, request_frames)
+            if overlap > 0:
+                self._check_unchanged(correlation_id, codes[:, :overlap], history, offset)
+            return overlap
+        mode = self.settings.dedupe_mode
+        if mode == "delta" or decoded == 0:
+            return 0
+        if mode == "cumulative":
+            if request_frames < decoded:
+                raise RequestError(
+                    "not_cumulative",
+                    f"dedupe_mode=cumulative: the request holds {request_frames} frames but stream "
+                    f"{correlation_id} has decoded {decoded}; a cumulative request starts with all of them",
+                )
+            self._check_unchanged(correlation_id, codes[:, :decoded], history, 0)
+            return decoded
+        # auto
+        if request_frames >= decoded and history.first_mismatch(codes[:, :decoded], 0) is None:
+            return decoded
+        return 0
+
+    @staticmethod
+    def _check_unchanged(
+        correlation_id: int, codes: np.ndarray, history: CodeHistory, start: int
+    ) -> None:
+        mismatch = history.first_mismatch(codes, start)
+        if mismatch is not None:
+            raise RequestError(
+                "changed_frame",
+                f"frame {start + mismatch} differs from the frame stream {correlation_id} already "
+                f"decoded at that index; decoded frames cannot change (START a new sequence instead)",
+            )
+
+    def _steps(self, new_codes: np.ndarray, needs_start: bool, ends: bool) -> Tuple[DecoderStep, ...]:
+        """Cut [k, N] into steps of at most decoder_frames_per_step frames (the last may be
+        shorter); START on the first step when the decoder must (re)start, END on the last."""
+        per_step = self.settings.decoder_frames_per_step
+        total = new_codes.shape[1]
+        steps = []
+        for first in range(0, total, per_step):
+            flags = 0
+            if first == 0 and needs_start:
+                flags |= FLAG_SEQUENCE_START
+            if first + per_step >= total and ends:
+                flags |= FLAG_SEQUENCE_END
+            chunk = np.ascontiguousarray(new_codes[None, :, first : first + per_step])
+            steps.append(DecoderStep(chunk, flags))
+        return tuple(steps)

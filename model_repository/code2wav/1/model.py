@@ -1,0 +1,223 @@
+"""Triton Python (BLS) model `code2wav`: Mimi codes in, 24 kHz PCM out, one stream per sequence.
+
+Thin on purpose: tensors -> numpy, `code2wav_core` (validation, dedupe, stream table, output
+packing), the `mimi_decoder` calls, numpy -> responses. Everything testable lives in the core.
+"""
+
+import asyncio
+import json
+import os
+import sys
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+# The Python backend appends this version directory to sys.path before importing model.py
+# (python_backend r24.10, ModelContext::StubSetup); keep the import working if it ever stops.
+_MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
+if _MODEL_DIR not in sys.path:
+    sys.path.insert(0, _MODEL_DIR)
+
+import code2wav_core as core  # noqa: E402
+
+# The decoder's tensors (the mimi_decoder interface): codes INT32 [1, k, S] -> pcm FP32 [1, 1920*S].
+DECODER_INPUT_NAME = "codes"
+DECODER_OUTPUT_NAME = "pcm"
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self._model_name = args.get("model_name", "code2wav")
+        parameters = {
+            name: (value.get("string_value") if isinstance(value, dict) else value)
+            for name, value in config.get("parameters", {}).items()
+        }
+        idle_us = config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
+        try:
+            settings = core.settings_from_parameters(parameters, idle_us)
+        except core.ConfigError as exc:
+            raise pb_utils.TritonModelException(f"model '{self._model_name}': {exc}") from None
+
+        self._max_batch_size = int(config.get("max_batch_size", 0))
+        if self._max_batch_size < 1:
+            raise pb_utils.TritonModelException(
+                f"model '{self._model_name}': parameter 'max_batch_size' must be > 0 (requests carry a "
+                f"leading batch dimension), got {self._max_batch_size}"
+            )
+        self._pcm_dtype = _output_dtype(config, "model_outputs", self._model_name)
+        self._sample_rate = np.array(
+            [[settings.sample_rate_hz]], dtype=_output_dtype(config, "sr", self._model_name)
+        )
+        self._decoder_model_name = settings.decoder_model_name
+        self._table = core.StreamTable(settings)
+        self._executor = None
+        self._metrics = _Metrics.create(self._model_name)
+        pb_utils.Logger.log_info(
+            f"model '{self._model_name}': decoder '{settings.decoder_model_name}', "
+            f"{settings.decoder_frames_per_step} frame(s) per step, dedupe_mode={settings.dedupe_mode}, "
+            f"stream idle timeout {settings.stream_idle_timeout_s:g} s"
+        )
+
+    async def execute(self, requests):
+        self._ensure_executor()
+        responses = [None] * len(requests)
+        positions, stream_requests = [], []
+        for position, request in enumerate(requests):
+            try:
+                stream_requests.append(_stream_request(request))
+                positions.append(position)
+            except Exception as exc:
+                self._table.count_error(exc.kind if isinstance(exc, core.Code2WavError) else "internal")
+                responses[position] = self._error_response(exc)
+
+        results = await self._table.process_batch(stream_requests, self._decode_step)
+        for position, result in zip(positions, results):
+            if isinstance(result, Exception):
+                responses[position] = self._error_response(result)
+            else:
+                responses[position] = pb_utils.InferenceResponse(
+                    output_tensors=[
+                        pb_utils.Tensor("model_outputs", result.astype(self._pcm_dtype, copy=False)),
+                        pb_utils.Tensor("sr", self._sample_rate),
+                    ]
+                )
+        if self._metrics is not None:
+            try:
+                self._metrics.report(self._table.stats())
+            except Exception as exc:  # metrics must never fail the batch
+                pb_utils.Logger.log_error(f"model '{self._model_name}': custom metrics disabled: {exc}")
+                self._metrics = None
+        return responses
+
+    async def _decode_step(self, correlation_id, codes, flags):
+        """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM.
+        Raises core.DecoderError with the decoder's message."""
+        request = pb_utils.InferenceRequest(
+            model_name=self._decoder_model_name,
+            inputs=[pb_utils.Tensor(DECODER_INPUT_NAME, codes)],
+            requested_output_names=[DECODER_OUTPUT_NAME],
+            correlation_id=correlation_id,
+            flags=flags,
+        )
+        response = await request.async_exec()
+        if response.has_error():
+            raise core.DecoderError(response.error().message())
+        pcm = pb_utils.get_output_tensor_by_name(response, DECODER_OUTPUT_NAME)
+        if pcm is None:
+            raise core.DecoderError(f"the response has no '{DECODER_OUTPUT_NAME}' output")
+        return pcm.as_numpy()
+
+    def _ensure_executor(self):
+        # async_exec() waits for the decoder in the event loop's default executor, which has
+        # min(32, cores + 4) threads: fewer than a full batch on small hosts, and the decoder could
+        # only batch that many streams. Each request has at most one step in flight, so one thread
+        # per batch slot is enough.
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self._max_batch_size, thread_name_prefix="code2wav-bls"
+            )
+            asyncio.get_running_loop().set_default_executor(self._executor)
+
+    def _error_response(self, exc):
+        if isinstance(exc, core.RequestError):
+            code = pb_utils.TritonError.INVALID_ARG
+        else:
+            code = pb_utils.TritonError.INTERNAL
+            pb_utils.Logger.log_error(
+                f"model '{self._model_name}': "
+                + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            )
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc), code))
+
+    def finalize(self):
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+def _stream_request(request):
+    input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    if input_ids is None:
+        raise core.RequestError("shape", "the request has no input_ids")
+    frame_offset = pb_utils.get_input_tensor_by_name(request, "frame_offset")
+    return core.StreamRequest(
+        correlation_id=request.correlation_id(),
+        flags=request.flags(),
+        input_ids=input_ids.as_numpy(),
+        frame_offset=None if frame_offset is None else frame_offset.as_numpy(),
+    )
+
+
+def _output_dtype(config, name, model_name):
+    output = pb_utils.get_output_config_by_name(config, name)
+    if output is None:
+        raise pb_utils.TritonModelException(f"model '{model_name}': the config declares no output '{name}'")
+    return pb_utils.triton_string_to_numpy(output["data_type"])
+
+
+class _Metrics:
+    """Custom metrics, updated by the change since the last report, so that several instances
+    add up in one series (a gauge moves by its delta too)."""
+
+    @classmethod
+    def create(cls, model_name):
+        try:
+            return cls()
+        except Exception as exc:  # a server started without metrics support
+            pb_utils.Logger.log_warn(f"model '{model_name}': custom metrics disabled: {exc}")
+            return None
+
+    def __init__(self):
+        self._families = [
+            pb_utils.MetricFamily(
+                name="code2wav_live_streams",
+                description="Streams open in code2wav (started, not ended or expired)",
+                kind=pb_utils.MetricFamily.GAUGE,
+            ),
+            pb_utils.MetricFamily(
+                name="code2wav_frames_decoded_total",
+                description="Audio frames (80 ms each) decoded by code2wav",
+                kind=pb_utils.MetricFamily.COUNTER,
+            ),
+            pb_utils.MetricFamily(
+                name="code2wav_errors_total",
+                description="Failed code2wav requests by kind",
+                kind=pb_utils.MetricFamily.COUNTER,
+            ),
+        ]
+        live_family, frames_family, errors_family = self._families
+        self._errors_family = errors_family
+        self._live_streams = live_family.Metric(labels={})
+        self._frames_decoded = frames_family.Metric(labels={})
+        self._errors = {kind: errors_family.Metric(labels={"kind": kind}) for kind in core.ERROR_KINDS}
+        self._reported = core.Code2WavStats(live_streams=0, frames_decoded=0, streams_expired=0, errors_by_kind={})
+
+    def report(self, stats):
+        reported = self._reported
+        if stats.live_streams != reported.live_streams:
+            self._live_streams.increment(stats.live_streams - reported.live_streams)
+        if stats.frames_decoded != reported.frames_decoded:
+            self._frames_decoded.increment(stats.frames_decoded - reported.frames_decoded)
+        for kind, count in stats.errors_by_kind.items():
+            delta = count - reported.errors_by_kind.get(kind, 0)
+            if delta:
+                if kind not in self._errors:
+                    self._errors[kind] = self._errors_family.Metric(labels={"kind": kind})
+                self._errors[kind].increment(delta)
+        self._reported = stats
+
+    def close(self):
+        # This instance's streams leave the shared gauge with it.
+        if self._reported.live_streams:
+            self._live_streams.increment(-self._reported.live_streams)
+        # Metrics go before their families (python_backend custom-metrics contract).
+        self._errors.clear()
+        self._live_streams = self._frames_decoded = None
+        self._families.clear()
+        self._errors_family = None
