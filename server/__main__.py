@@ -37,15 +37,36 @@ def prepare_repository(args: argparse.Namespace) -> Path:
     )
 
 
-def _raise_stop(signum, frame):
-    raise _StopRequested(signal.Signals(signum).name)
+class _StopSignals:
+    """SIGINT/SIGTERM handler. While disarmed (the server process being created) a signal is only
+    recorded, so that stop() always knows the process it has to end; armed, it interrupts the main
+    thread with _StopRequested."""
+
+    def __init__(self):
+        self.armed = False
+        self.received: str | None = None
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+    def __call__(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        if self.armed:
+            raise _StopRequested(self.received)
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def arm(self) -> None:
+        self.armed = True
+        if self.received is not None:
+            raise _StopRequested(self.received)
 
 
 def serve(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
+    stop_signals = _StopSignals()
     server = None
     try:
+        stop_signals.arm()
         repository = prepare_repository(args)
         server = TritonServer(
             repository,
@@ -56,13 +77,9 @@ def serve(args: argparse.Namespace) -> int:
             log_path=args.log_file,
             log_verbose=args.log_verbose,
         )
-        # Signals wait until the process exists and is recorded, so stop() always knows what to end.
-        stop_signals = {signal.SIGINT, signal.SIGTERM}
-        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-        try:
-            server.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+        stop_signals.disarm()
+        server.start()
+        stop_signals.arm()
         print(f"tritonserver starting (pid {server.pid}), log: {server.log_path}", flush=True)
         ready_after_s = server.wait_ready(args.ready_timeout)
         print(

@@ -176,8 +176,10 @@ def free_ports(count: int, host: str = LOCALHOST) -> list[int]:
 
 
 def port_is_free(port: int, host: str = LOCALHOST) -> bool:
-    """True when nothing listens on `host:port` (a bind succeeds)."""
+    """True when nothing listens on `host:port` (a bind succeeds; connections of a closed listener
+    lingering in TIME_WAIT do not count, as they do not stop a new server from binding)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -1,0 +1,52 @@
+"""Shared fixtures: real tritonserver instances on free loopback ports.
+
+`triton_server_factory` (session scope) starts a server for a model repository, waits until it is
+ready and stops it at the end of the session; session fixtures for a particular repository build on
+it. Tests that must see a server stop use `server.triton.running_server` directly. When a test fails,
+the log tails of the servers running at that moment are attached to its report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from server.triton import TritonServer, log_tail, running_server
+
+_RUNNING: list[TritonServer] = []
+
+
+@contextlib.contextmanager
+def tracked_server(model_repository, **kwargs):
+    """`running_server` whose log is attached to the report of any test failing while it runs."""
+    with running_server(model_repository, **kwargs) as server:
+        _RUNNING.append(server)
+        try:
+            yield server
+        finally:
+            _RUNNING.remove(server)
+
+
+@pytest.fixture(scope="session")
+def triton_server_factory():
+    """Callable `start(model_repository, **kwargs) -> TritonServer`: a ready server on free ports
+    (`.grpc_url`, `.http_url`, `.metrics_url`, `.log_path`), stopped when the session ends.
+    Keyword arguments go to `server.triton.TritonServer` (e.g. `log_verbose=1`)."""
+    with contextlib.ExitStack() as stack:
+
+        def start(model_repository, **kwargs) -> TritonServer:
+            return stack.enter_context(tracked_server(model_repository, **kwargs))
+
+        yield start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for server in _RUNNING:
+            report.sections.append(
+                (f"tritonserver log tail ({server.log_path})", log_tail(server.log_path, lines=60))
+            )

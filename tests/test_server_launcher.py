@@ -1,0 +1,229 @@
+"""The local tritonserver launcher (`server.triton`, `python -m server serve`) against the real binary.
+
+Each test writes a tiny Python-backend model into tmp_path, so nothing here needs the Mimi export.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.triton import (
+    SHM_DIR,
+    ServerError,
+    TritonServer,
+    free_ports,
+    port_is_free,
+    running_server,
+)
+
+pytestmark = pytest.mark.server
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+ADD_ONE_CONFIG = """\
+name: "{name}"
+backend: "python"
+max_batch_size: 8
+input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "y" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+"""
+
+ADD_ONE_MODEL = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+{initialize}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", x + 1.0)]))
+        return responses
+"""
+
+
+def write_model(repository: Path, name: str = "add_one", initialize: str = "pass") -> Path:
+    model_dir = repository / name
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(ADD_ONE_CONFIG.format(name=name))
+    body = textwrap.indent(textwrap.dedent(initialize), " " * 8)
+    (model_dir / "1" / "model.py").write_text(ADD_ONE_MODEL.format(initialize=body))
+    return repository
+
+
+def infer_add_one(grpc_url: str, model: str = "add_one") -> np.ndarray:
+    import tritonclient.grpc as grpcclient
+
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        result = client.infer(model, [tensor])
+    y = result.as_numpy("y")
+    np.testing.assert_array_equal(y, x + 1.0)
+    return y
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_serves_grpc_then_stops_leaving_nothing(tmp_path):
+    repository = write_model(tmp_path / "repo")
+    with running_server(repository, log_path=tmp_path / "server.log") as server:
+        pid = server.pid
+        ports = [server.http_port, server.grpc_port, server.metrics_port]
+        assert len(set(ports)) == 3
+        assert server.grpc_url == f"127.0.0.1:{server.grpc_port}"
+        assert server.metrics_url == f"http://127.0.0.1:{server.metrics_port}/metrics"
+        assert server.ready_after_s is not None and server.ready_after_s < 30
+        infer_add_one(server.grpc_url)
+        regions = server.shm_regions()
+        assert regions, "the Python stub's shared-memory region should exist while serving"
+        assert all(port_is_free(port) is False for port in ports)
+    assert server.process.returncode == 0, "SIGTERM should give a clean shutdown"
+    assert not process_exists(pid)
+    assert not group_exists(pid), "a Python stub outlived the server"
+    assert all(port_is_free(port) for port in ports)
+    assert not any(region.exists() for region in regions)
+    assert server.shm_regions() == []
+
+
+def test_model_failing_to_load_fails_wait_ready_fast_with_log_tail(tmp_path):
+    repository = write_model(
+        tmp_path / "repo", initialize='raise RuntimeError("initialize failed on purpose")'
+    )
+    server = TritonServer(repository, log_path=tmp_path / "server.log")
+    started = time.monotonic()
+    server.start()
+    try:
+        with pytest.raises(ServerError) as failure:
+            server.wait_ready(timeout_s=60)
+    finally:
+        server.stop()
+    assert time.monotonic() - started < 30
+    message = str(failure.value)
+    assert "exited with code" in message
+    assert "initialize failed on purpose" in message
+    assert not group_exists(server.pid)
+    assert server.shm_regions() == []
+
+
+def test_model_stuck_loading_times_out_and_stop_cleans_up(tmp_path):
+    # A stub that never finishes starting keeps the server "loading" and never ready.
+    repository = write_model(tmp_path / "repo", initialize="import time; time.sleep(3600)")
+    server = TritonServer(repository, log_path=tmp_path / "server.log", exit_timeout_s=1)
+    server.start()
+    try:
+        with pytest.raises(ServerError, match="not ready after 3 s"):
+            server.wait_ready(timeout_s=3)
+        assert server.is_alive()
+    finally:
+        server.stop(grace_s=5)
+    assert not group_exists(server.pid)
+    assert server.shm_regions() == []
+
+
+def test_running_server_error_carries_log_tail(tmp_path):
+    repository = write_model(
+        tmp_path / "repo", initialize='raise ValueError("bad parameter on purpose")'
+    )
+    with pytest.raises(ServerError, match="bad parameter on purpose"):
+        with running_server(repository, ready_timeout_s=60):
+            pass
+
+
+def _shm_prefix_of(pid: int) -> str:
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    (prefix,) = [
+        arg.split("shm-region-prefix-name=", 1)[1]
+        for arg in cmdline
+        if "shm-region-prefix-name=" in arg
+    ]
+    return prefix
+
+
+def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
+    import tritonclient.http as httpclient
+
+    repository = write_model(tmp_path / "repo")
+    http_port, grpc_port, metrics_port = free_ports(3)
+    command = [
+        sys.executable, "-m", "server", "serve",
+        "--model-repository", str(repository),
+        "--http-port", str(http_port),
+        "--grpc-port", str(grpc_port),
+        "--metrics-port", str(metrics_port),
+        "--log-file", str(tmp_path / "server.log"),
+    ]
+    cli = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        ready = False
+        with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
+            while time.monotonic() < deadline and cli.poll() is None:
+                try:
+                    ready = client.is_server_ready()
+                except Exception:
+                    ready = False
+                if ready:
+                    break
+                time.sleep(0.1)
+        assert ready, f"serve never became ready (exit code {cli.poll()})"
+        infer_add_one(f"127.0.0.1:{grpc_port}")
+        server_pid = int(
+            subprocess.check_output(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"]).split()[0]
+        )
+        prefix = _shm_prefix_of(server_pid)
+        assert list(SHM_DIR.glob(f"{prefix}*"))
+        cli.send_signal(signal.SIGTERM)
+        output, _ = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 0, output
+    assert f"gRPC     127.0.0.1:{grpc_port}" in output
+    assert re.search(r"tritonserver ready in [0-9.]+ s", output)
+    assert "SIGTERM: stopping tritonserver" in output
+    assert not process_exists(server_pid)
+    assert not group_exists(server_pid)
+    assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
+    assert list(SHM_DIR.glob(f"{prefix}*")) == []
+
+
+def test_serve_command_without_repository_explains(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "serve", "--http-port", "0"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1
+    assert "--model-repository" in result.stderr
