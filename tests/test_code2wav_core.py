@@ -1,0 +1,906 @@
+"""Unit tests of model_repository/code2wav/1/code2wav_core.py (no server).
+
+A fake decoder stands in for mimi_decoder: it records every step (stream, codes, flags) and returns
+PCM whose samples encode the frame they came from, so the tests can check exactly which frames were
+decoded, in which order, with which flags, and where their audio landed in the output.
+"""
+
+import asyncio
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CORE_PATH = ROOT / "model_repository" / "code2wav" / "1" / "code2wav_core.py"
+CONFIG_PATH = ROOT / "model_repository" / "code2wav" / "config.pbtxt"
+
+
+def _load_core():
+    spec = importlib.util.spec_from_file_location("code2wav_core", CORE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+core = _load_core()
+
+START = core.FLAG_SEQUENCE_START
+END = core.FLAG_SEQUENCE_END
+K = 8
+SAMPLES = 4  # samples per frame in most tests: small, so outputs are easy to read
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def make_codes(frames, seed=0, codebook_size=2048):
+    """Random codes [K, frames] whose frames are all distinct (codebook 0 holds the frame index).
+    Drawn frame by frame, so make_codes(n, seed) is a prefix of make_codes(n + m, seed)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, codebook_size, size=(frames, K), dtype=np.int64).T.copy()
+    codes[0] = (np.arange(frames) + 7 * seed) % codebook_size
+    return codes
+
+
+def flat(codes):
+    """codes [K, F] -> input_ids INT64 [1, K*F], codebook-major."""
+    return np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1)
+
+
+def offset(value):
+    return np.array([[value]], dtype=np.int64)
+
+
+def frame_signature(codes):
+    """One float per frame of codes [K, F], identifying it (the fake decoder's PCM value)."""
+    codes = np.asarray(codes, dtype=np.float64)
+    return (codes[0] + codes[1] / 4096.0 + codes[2] / 4096.0**2).astype(np.float32)
+
+
+def expected_pcm(codes, samples_per_frame=SAMPLES):
+    return np.repeat(frame_signature(codes), samples_per_frame)[None, :]
+
+
+class FakeDecoder:
+    """Async stand-in for the BLS helper: records steps, returns PCM [1, samples * S]."""
+
+    def __init__(self, samples_per_frame=SAMPLES, fail_on_call=None, wrong_size_on_call=None):
+        self.samples_per_frame = samples_per_frame
+        self.fail_on_call = fail_on_call
+        self.wrong_size_on_call = wrong_size_on_call
+        self.calls = []  # (correlation_id, codes int32 [1, K, S], flags)
+        self.events = []  # ("begin"/"end", correlation_id) in execution order
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def __call__(self, correlation_id, codes, flags):
+        assert codes.dtype == np.int32 and codes.ndim == 3 and codes.shape[:2] == (1, K)
+        assert codes.flags.c_contiguous
+        self.calls.append((correlation_id, codes.copy(), flags))
+        call_number = len(self.calls)
+        self.events.append(("begin", correlation_id))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0)  # let other streams' steps start
+            if call_number == self.fail_on_call:
+                raise core.DecoderError("simulated decoder failure")
+            pcm = np.repeat(frame_signature(codes[0]), self.samples_per_frame)[None, :]
+            if call_number == self.wrong_size_on_call:
+                pcm = pcm[:, :-1]
+            return pcm
+        finally:
+            self.in_flight -= 1
+            self.events.append(("end", correlation_id))
+
+    def flags(self):
+        return [flags for _, _, flags in self.calls]
+
+    def decoded_codes(self, correlation_id=None):
+        """The codes of every non-discarded step, concatenated: [K, frames]."""
+        chunks = [
+            codes[0]
+            for cid, codes, flags in self.calls
+            if correlation_id is None or cid == correlation_id
+        ]
+        return np.concatenate(chunks, axis=1) if chunks else np.zeros((K, 0), np.int32)
+
+
+class FakeClock:
+    def __init__(self, now=1000.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def make_table(clock=None, **overrides):
+    settings = dict(samples_per_frame=SAMPLES)
+    settings.update(overrides)
+    if clock is None:
+        return core.StreamTable(core.Code2WavSettings(**settings))
+    return core.StreamTable(core.Code2WavSettings(**settings), clock=clock)
+
+
+def send(table, decoder, correlation_id, flags, codes=None, frame_offset=None, input_ids=None):
+    """Process one request; returns its PCM (or raises its error)."""
+    if input_ids is None:
+        input_ids = flat(codes if codes is not None else np.zeros((K, 0), np.int64))
+    request = core.StreamRequest(
+        correlation_id=correlation_id,
+        flags=flags,
+        input_ids=input_ids,
+        frame_offset=None if frame_offset is None else offset(frame_offset),
+    )
+    return asyncio.run(table.process(request, decoder))
+
+
+def send_error(table, decoder, correlation_id, flags, codes=None, frame_offset=None, input_ids=None,
+               error=core.RequestError):
+    with pytest.raises(error) as info:
+        send(table, decoder, correlation_id, flags, codes, frame_offset, input_ids)
+    return info.value
+
+
+def open_stream(table, decoder, correlation_id, codes):
+    """START a stream with `codes` decoded."""
+    send(table, decoder, correlation_id, START, codes, frame_offset=0)
+    np.testing.assert_array_equal(table.history(correlation_id), codes)
+
+
+# --------------------------------------------------------------------------------------------------
+# settings and config
+
+
+def test_shipped_config_parses_to_the_default_settings():
+    text_format = pytest.importorskip("google.protobuf.text_format", reason="needs protobuf (tritonclient[grpc])")
+    model_config_pb2 = pytest.importorskip(
+        "tritonclient.grpc.model_config_pb2", reason="needs tritonclient[grpc]"
+    )
+    config = text_format.Parse(CONFIG_PATH.read_text(), model_config_pb2.ModelConfig())
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert set(parameters) == set(core.PARAMETER_NAMES)
+    settings = core.settings_from_parameters(
+        parameters, config.sequence_batching.max_sequence_idle_microseconds
+    )
+    assert settings == core.Code2WavSettings()
+    assert settings.stream_idle_timeout_s == 30.0
+    assert config.max_batch_size > 0
+    assert config.sequence_batching.WhichOneof("strategy_choice") == "oldest"
+    controls = {c.name: c.control[0] for c in config.sequence_batching.control_input}
+    assert set(controls) == {"START", "END", "READY", "CORRID"}
+    assert controls["CORRID"].data_type == model_config_pb2.TYPE_UINT64
+    tensors = {t.name: t for t in list(config.input) + list(config.output)}
+    assert tensors["input_ids"].data_type == model_config_pb2.TYPE_INT64
+    assert list(tensors["input_ids"].dims) == [-1]
+    assert tensors["frame_offset"].optional and list(tensors["frame_offset"].dims) == [1]
+    assert tensors["model_outputs"].data_type == model_config_pb2.TYPE_FP32
+    assert tensors["sr"].data_type == model_config_pb2.TYPE_INT32
+
+
+def default_parameters():
+    settings = core.Code2WavSettings()
+    return {name: str(getattr(settings, name)) for name in core.PARAMETER_NAMES}
+
+
+def test_parameters_are_parsed_from_strings():
+    parameters = default_parameters()
+    parameters.update(decoder_model_name="other_decoder", decoder_frames_per_step="4", dedupe_mode="delta")
+    settings = core.settings_from_parameters(parameters, "5000000")  # JSON form of a uint64
+    assert settings.decoder_model_name == "other_decoder"
+    assert settings.decoder_frames_per_step == 4
+    assert settings.dedupe_mode == "delta"
+    assert settings.stream_idle_timeout_s == 5.0
+
+
+@pytest.mark.parametrize(
+    "change, idle_us, parameter, message",
+    [
+        pytest.param({"num_codebooks": None}, 30_000_000, "num_codebooks", "missing", id="missing"),
+        pytest.param({"dedupe_mod": "auto"}, 30_000_000, "dedupe_mod", "unknown parameter", id="unknown"),
+        pytest.param({"codebook_size": "2k"}, 30_000_000, "codebook_size", "not an integer: '2k'", id="not-int"),
+        pytest.param({"samples_per_frame": "0"}, 30_000_000, "samples_per_frame", "positive integer", id="zero"),
+        pytest.param({"decoder_frames_per_step": "-1"}, 30_000_000, "decoder_frames_per_step",
+                     "positive integer", id="negative"),
+        pytest.param({"dedupe_mode": "both"}, 30_000_000, "dedupe_mode", "auto, delta, cumulative", id="mode"),
+        pytest.param({"decoder_model_name": " "}, 30_000_000, "decoder_model_name", "non-empty", id="name"),
+        pytest.param({}, None, core.IDLE_TIMEOUT_FIELD, "missing", id="idle-missing"),
+        pytest.param({}, 0, core.IDLE_TIMEOUT_FIELD, "must be positive", id="idle-zero"),
+        pytest.param({}, "soon", core.IDLE_TIMEOUT_FIELD, "not an integer", id="idle-not-int"),
+    ],
+)
+def test_bad_parameters_fail_naming_the_parameter(change, idle_us, parameter, message):
+    parameters = default_parameters()
+    for name, value in change.items():
+        if value is None:
+            del parameters[name]
+        else:
+            parameters[name] = value
+    with pytest.raises(core.ConfigError) as info:
+        core.settings_from_parameters(parameters, idle_us)
+    assert info.value.parameter == parameter
+    assert f"'{parameter}'" in str(info.value)
+    assert message in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# unflatten and validation
+
+
+def test_unflatten_is_codebook_major():
+    frames = 5
+    input_ids = np.arange(K * frames, dtype=np.int64).reshape(1, -1)
+    codes = core.unflatten_codes(input_ids, K)
+    assert codes.shape == (K, frames)
+    # All F codes of codebook 0 first, then codebook 1, ...
+    assert codes[0].tolist() == [0, 1, 2, 3, 4]
+    assert codes[1].tolist() == [5, 6, 7, 8, 9]
+    assert codes[:, 2].tolist() == [2 + frames * c for c in range(K)]
+
+
+def test_decoder_receives_each_frame_across_codebooks():
+    table, decoder = make_table(), FakeDecoder()
+    frames = 3
+    send(table, decoder, 1, START, input_ids=np.arange(K * frames, dtype=np.int64).reshape(1, -1))
+    assert [codes[0, :, 0].tolist() for _, codes, _ in decoder.calls] == [
+        [f + frames * c for c in range(K)] for f in range(frames)
+    ]
+
+
+@pytest.mark.parametrize(
+    "input_ids, kind, fragments",
+    [
+        pytest.param(np.zeros((1, 16), np.float32), "dtype", ["INT64", "float32"], id="float"),
+        pytest.param(np.zeros((1, 16), np.int32), "dtype", ["INT64", "int32"], id="int32"),
+        pytest.param(np.zeros((1, 13), np.int64), "length", ["13 codes", "num_codebooks=8"], id="length"),
+        pytest.param(np.zeros((2, 8), np.int64), "shape", ["[1, k*F]", "[2, 8]"], id="batch-2"),
+    ],
+)
+def test_malformed_input_ids_are_rejected(input_ids, kind, fragments):
+    table, decoder = make_table(), FakeDecoder()
+    error = send_error(table, decoder, 1, START, input_ids=input_ids)
+    assert error.kind == kind
+    for fragment in fragments:
+        assert fragment in str(error)
+    assert decoder.calls == [] and 1 not in table
+
+
+@pytest.mark.parametrize(
+    "codebook, frame, value",
+    [
+        pytest.param(0, 0, -1, id="negative"),
+        pytest.param(3, 2, 2048, id="codebook-size"),
+        pytest.param(7, 4, 99999, id="large"),
+    ],
+)
+def test_out_of_range_code_is_named_with_its_position(codebook, frame, value):
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(5)
+    codes[codebook, frame] = value
+    error = send_error(table, decoder, 1, START, codes)
+    assert error.kind == "code_range"
+    position = codebook * 5 + frame
+    assert f"input_ids[{position}] = {value}" in str(error)
+    assert f"codebook {codebook}, frame {frame}" in str(error)
+    assert "[0, 2048)" in str(error)
+    assert decoder.calls == []
+
+
+def test_frame_offset_dtype_and_shape_are_checked():
+    table, decoder = make_table(), FakeDecoder()
+    request = core.StreamRequest(1, START, flat(make_codes(2)), np.array([[0.0]], np.float32))
+    with pytest.raises(core.RequestError, match="frame_offset must be INT64, got float32"):
+        asyncio.run(table.process(request, decoder))
+    request = core.StreamRequest(1, START, flat(make_codes(2)), np.array([[0, 1]], np.int64))
+    with pytest.raises(core.RequestError, match=r"one value \(\[1, 1\]\), got shape \[1, 2\]"):
+        asyncio.run(table.process(request, decoder))
+    assert decoder.calls == [] and 1 not in table
+
+
+@pytest.mark.parametrize("correlation_id", [0, -3, "abc"])
+def test_requests_need_a_positive_correlation_id(correlation_id):
+    table, decoder = make_table(), FakeDecoder()
+    error = send_error(table, decoder, correlation_id, START, make_codes(1))
+    assert error.kind == "correlation_id"
+    assert repr(correlation_id) in str(error)
+
+
+# --------------------------------------------------------------------------------------------------
+# dedupe with frame_offset
+
+
+def test_identical_retry_decodes_nothing():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(5)
+    first = send(table, decoder, 1, START, codes, frame_offset=0)
+    np.testing.assert_array_equal(first, expected_pcm(codes))
+    calls = len(decoder.calls)
+    retry = send(table, decoder, 1, 0, codes, frame_offset=0)
+    assert retry.shape == (1, 0) and retry.dtype == np.float32
+    assert len(decoder.calls) == calls
+    np.testing.assert_array_equal(table.history(1), codes)
+
+
+def test_partial_overlap_decodes_only_the_new_frames():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(9)
+    open_stream(table, decoder, 1, codes[:, :5])
+    decoder.calls.clear()
+    pcm = send(table, decoder, 1, 0, codes[:, 3:], frame_offset=3)
+    np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 5:]))
+    np.testing.assert_array_equal(decoder.decoded_codes(), codes[:, 5:])
+    np.testing.assert_array_equal(table.history(1), codes)
+
+
+def test_identical_consecutive_frames_sent_as_deltas_with_offsets_are_all_decoded():
+    table, decoder = make_table(), FakeDecoder()
+    silence = np.full((K, 3), 11, np.int64)
+    send(table, decoder, 1, START, silence, frame_offset=0)
+    pcm = send(table, decoder, 1, 0, silence, frame_offset=3)
+    assert pcm.shape == (1, 3 * SAMPLES)
+    assert len(decoder.calls) == 6
+    assert table.history(1).shape == (K, 6)
+
+
+def test_offset_past_the_history_is_a_gap():
+    table, decoder = make_table(), FakeDecoder()
+    open_stream(table, decoder, 1, make_codes(5))
+    error = send_error(table, decoder, 1, 0, make_codes(2), frame_offset=6)
+    assert error.kind == "gap"
+    assert "frame_offset 6 leaves a gap" in str(error)
+    assert "has decoded 5 frames" in str(error)
+    assert "at most 5" in str(error)
+
+
+def test_a_start_request_must_begin_at_frame_zero():
+    table, decoder = make_table(), FakeDecoder()
+    error = send_error(table, decoder, 1, START, make_codes(2), frame_offset=1)
+    assert error.kind == "gap" and "has decoded 0 frames" in str(error)
+    assert 1 not in table
+
+
+def test_changed_frame_is_named():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(6)
+    open_stream(table, decoder, 1, codes[:, :5])
+    resend = codes[:, 2:].copy()
+    resend[4, 1] = (resend[4, 1] + 1) % 2048  # frame 3 of the stream
+    error = send_error(table, decoder, 1, 0, resend, frame_offset=2)
+    assert error.kind == "changed_frame"
+    assert "frame 3 differs" in str(error)
+
+
+def test_negative_offset_is_rejected():
+    table, decoder = make_table(), FakeDecoder()
+    open_stream(table, decoder, 1, make_codes(2))
+    error = send_error(table, decoder, 1, 0, make_codes(2), frame_offset=-1)
+    assert error.kind == "negative_offset"
+    assert "frame_offset must be >= 0, got -1" in str(error)
+
+
+def test_offset_overlap_shorter_than_the_history_decodes_nothing():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(6)
+    open_stream(table, decoder, 1, codes)
+    calls = len(decoder.calls)
+    pcm = send(table, decoder, 1, 0, codes[:, 1:3], frame_offset=1)
+    assert pcm.shape == (1, 0) and len(decoder.calls) == calls
+
+
+# --------------------------------------------------------------------------------------------------
+# dedupe without frame_offset
+
+
+def test_auto_cumulative_request_decodes_only_its_suffix():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(7)
+    send(table, decoder, 1, START, codes[:, :4])
+    pcm = send(table, decoder, 1, 0, codes)
+    np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 4:]))
+    np.testing.assert_array_equal(table.history(1), codes)
+
+
+def test_auto_delta_request_is_decoded_whole():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(7)
+    send(table, decoder, 1, START, codes[:, :4])
+    pcm = send(table, decoder, 1, 0, codes[:, 4:])
+    np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 4:]))
+    np.testing.assert_array_equal(table.history(1), codes)
+
+
+def test_auto_documented_limit_silence_delta_equal_to_history_start_is_taken_as_resend():
+    table, decoder = make_table(), FakeDecoder()
+    silence = np.full((K, 2), 5, np.int64)
+    send(table, decoder, 1, START, silence)
+    # A delta of 3 silence frames starts with the whole (silent) history: taken as cumulative, so
+    # only its last frame is decoded and 2 frames of audio are lost.
+    pcm = send(table, decoder, 1, 0, np.full((K, 3), 5, np.int64))
+    assert pcm.shape == (1, SAMPLES)
+    assert table.history(1).shape == (K, 3)
+
+
+def test_auto_documented_limit_short_resend_is_taken_as_delta():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(4)
+    send(table, decoder, 1, START, codes)
+    # A resend of the first 2 frames is shorter than the history: decoded again (duplicated audio).
+    pcm = send(table, decoder, 1, 0, codes[:, :2])
+    np.testing.assert_array_equal(pcm, expected_pcm(codes[:, :2]))
+    assert table.history(1).shape == (K, 6)
+
+
+def test_delta_mode_decodes_a_cumulative_resend_again():
+    table, decoder = make_table(dedupe_mode="delta"), FakeDecoder()
+    codes = make_codes(5)
+    send(table, decoder, 1, START, codes[:, :3])
+    pcm = send(table, decoder, 1, 0, codes)
+    np.testing.assert_array_equal(pcm, expected_pcm(codes))
+    assert table.history(1).shape == (K, 8)
+
+
+def test_delta_mode_still_honours_frame_offset():
+    table, decoder = make_table(dedupe_mode="delta"), FakeDecoder()
+    codes = make_codes(5)
+    send(table, decoder, 1, START, codes[:, :3])
+    pcm = send(table, decoder, 1, 0, codes, frame_offset=0)
+    np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 3:]))
+
+
+def test_cumulative_mode_decodes_the_suffix_and_rejects_non_prefixes():
+    table, decoder = make_table(dedupe_mode="cumulative"), FakeDecoder()
+    codes = make_codes(6)
+    send(table, decoder, 1, START, codes[:, :3])
+    np.testing.assert_array_equal(send(table, decoder, 1, 0, codes[:, :5]), expected_pcm(codes[:, 3:5]))
+
+    error = send_error(table, decoder, 1, 0, codes[:, :4])
+    assert error.kind == "not_cumulative"
+    assert "holds 4 frames" in str(error) and "has decoded 5" in str(error)
+
+    changed = codes.copy()
+    changed[2, 1] = (changed[2, 1] + 1) % 2048
+    error = send_error(table, decoder, 1, 0, changed)
+    assert error.kind == "changed_frame" and "frame 1 differs" in str(error)
+    np.testing.assert_array_equal(table.history(1), codes[:, :5])
+
+
+def test_cumulative_mode_treats_identical_silence_as_already_decoded():
+    table, decoder = make_table(dedupe_mode="cumulative"), FakeDecoder()
+    silence = np.full((K, 2), 5, np.int64)
+    send(table, decoder, 1, START, silence)
+    assert send(table, decoder, 1, 0, np.full((K, 3), 5, np.int64)).shape == (1, SAMPLES)
+
+
+# --------------------------------------------------------------------------------------------------
+# lifecycle
+
+
+def test_start_creates_the_stream_and_flags_reach_the_decoder():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(6)
+    send(table, decoder, 7, START, codes[:, :3])
+    assert 7 in table and len(table) == 1
+    send(table, decoder, 7, 0, codes[:, 3:5])
+    send(table, decoder, 7, END, codes[:, 5:])
+    assert decoder.flags() == [START, 0, 0, 0, 0, END]
+    assert {cid for cid, _, _ in decoder.calls} == {7}
+    np.testing.assert_array_equal(decoder.decoded_codes(), codes)
+    assert 7 not in table and len(table) == 0
+
+
+def test_start_on_a_live_stream_resets_it():
+    table, decoder = make_table(), FakeDecoder()
+    old, new = make_codes(4, seed=1), make_codes(3, seed=2)
+    send(table, decoder, 1, START, old)
+    pcm = send(table, decoder, 1, START, new, frame_offset=0)  # barge-in restarts at frame 0
+    np.testing.assert_array_equal(pcm, expected_pcm(new))
+    np.testing.assert_array_equal(table.history(1), new)
+    assert decoder.flags() == [START, 0, 0, 0, START, 0, 0]
+
+
+def test_start_without_frames_on_a_live_stream_restarts_the_decoder_on_the_next_step():
+    table, decoder = make_table(), FakeDecoder()
+    send(table, decoder, 1, START, make_codes(2, seed=1))
+    send(table, decoder, 1, START)
+    assert table.history(1).shape == (K, 0)
+    send(table, decoder, 1, 0, make_codes(2, seed=2), frame_offset=0)
+    assert decoder.flags() == [START, 0, START, 0]
+
+
+def test_end_removes_the_stream_and_later_requests_must_start_again():
+    table, decoder = make_table(), FakeDecoder()
+    send(table, decoder, 1, START, make_codes(2))
+    send(table, decoder, 1, END, make_codes(3), frame_offset=0)
+    assert 1 not in table
+    error = send_error(table, decoder, 1, 0, make_codes(1))
+    assert error.kind == "unknown_stream"
+    assert "stream 1 is not open" in str(error) and "START" in str(error)
+
+
+def test_start_end_in_one_request_decodes_and_closes():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(3)
+    pcm = send(table, decoder, 1, START | END, codes)
+    np.testing.assert_array_equal(pcm, expected_pcm(codes))
+    assert decoder.flags() == [START, 0, END]
+    assert 1 not in table
+
+
+def test_start_end_single_frame_carries_both_flags_on_one_step():
+    table, decoder = make_table(), FakeDecoder()
+    send(table, decoder, 1, START | END, make_codes(1))
+    assert decoder.flags() == [START | END]
+
+
+def test_start_end_without_frames_calls_no_decoder():
+    # Nothing was started in the decoder, so there is nothing to end there.
+    table, decoder = make_table(), FakeDecoder()
+    pcm = send(table, decoder, 1, START | END)
+    assert pcm.shape == (1, 0)
+    assert decoder.calls == [] and 1 not in table
+
+
+def test_start_then_end_without_frames_calls_no_decoder():
+    table, decoder = make_table(), FakeDecoder()
+    send(table, decoder, 1, START)
+    assert 1 in table
+    assert send(table, decoder, 1, END).shape == (1, 0)
+    assert decoder.calls == [] and 1 not in table
+
+
+def test_end_without_new_frames_closes_the_decoder_with_one_discarded_step():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(3)
+    send(table, decoder, 1, START, codes)
+    pcm = send(table, decoder, 1, END, codes, frame_offset=0)  # a retry carrying END: no new frame
+    assert pcm.shape == (1, 0)
+    assert decoder.flags() == [START, 0, 0, END]
+    _, trailing, _ = decoder.calls[-1]
+    assert trailing.shape == (1, K, 1) and not trailing.any()
+    assert 1 not in table
+
+
+def test_end_only_plan_says_it_needs_the_trailing_step():
+    table, decoder = make_table(), FakeDecoder()
+    send(table, decoder, 1, START, make_codes(1))
+    plan = table.plan(1, END, flat(make_codes(1)), offset(0))
+    assert plan.new_frames == 0 and plan.needs_end_only_step
+    assert [step.flags for step in plan.steps] == [END] and plan.steps[0].discard_output
+    plan = table.plan(1, END, flat(make_codes(2)), offset(0))
+    assert plan.new_frames == 1 and not plan.needs_end_only_step
+    assert 1 in table  # planning changes nothing
+
+
+def test_barge_in_start_end_without_frames_closes_the_old_decoder_sequence():
+    table, decoder = make_table(), FakeDecoder()
+    send(table, decoder, 1, START, make_codes(2))
+    send(table, decoder, 1, START | END)
+    assert decoder.flags() == [START, 0, END]
+    assert 1 not in table
+
+
+def test_unknown_stream_without_start_is_rejected():
+    table, decoder = make_table(stream_idle_timeout_s=12.5), FakeDecoder()
+    error = send_error(table, decoder, 42, 0, make_codes(2))
+    assert error.kind == "unknown_stream"
+    assert "stream 42 is not open" in str(error)
+    assert "with the START flag" in str(error)
+    assert "12.5 s idle" in str(error)
+    assert decoder.calls == [] and 42 not in table
+
+
+def test_decoder_failure_part_way_ends_the_stream():
+    table, decoder = make_table(), FakeDecoder(fail_on_call=4)
+    codes = make_codes(5)
+    send(table, decoder, 1, START, codes[:, :2])
+    error = send_error(table, decoder, 1, 0, codes[:, 2:], frame_offset=2, error=core.DecoderError)
+    assert error.kind == "decoder"
+    assert "failed on step 2 of 3 for stream 1" in str(error)
+    assert "simulated decoder failure" in str(error)
+    assert "START" in str(error)
+    assert len(decoder.calls) == 4  # the third step was never sent
+    assert 1 not in table
+    stats = table.stats()
+    assert stats.errors_by_kind["decoder"] == 1 and stats.frames_decoded == 2
+    assert send_error(table, decoder, 1, 0, codes[:, 4:], frame_offset=4).kind == "unknown_stream"
+    # START begins again from frame 0 and the decoder gets START.
+    send(table, decoder, 1, START, codes, frame_offset=0)
+    assert decoder.flags()[-5] == START
+    np.testing.assert_array_equal(table.history(1), codes)
+
+
+def test_decoder_output_of_the_wrong_size_ends_the_stream():
+    table, decoder = make_table(), FakeDecoder(wrong_size_on_call=2)
+    error = send_error(table, decoder, 1, START, make_codes(3), error=core.DecoderError)
+    assert f"returned {SAMPLES - 1} samples for 1 frame(s), expected {SAMPLES}" in str(error)
+    assert 1 not in table
+
+
+def test_unexpected_exception_in_the_decoder_helper_ends_the_stream():
+    table = make_table()
+
+    async def broken(correlation_id, codes, flags):
+        raise KeyError("pcm")
+
+    error = send_error(table, broken, 1, START, make_codes(1), error=core.DecoderError)
+    assert "KeyError" not in str(error) and "'pcm'" in str(error)
+    assert isinstance(error.__cause__, KeyError)
+    assert 1 not in table
+
+
+# --------------------------------------------------------------------------------------------------
+# rejected requests leave the stream unchanged
+
+
+REJECTED = [
+    pytest.param(dict(input_ids=np.zeros((1, 8), np.float64)), "dtype", id="dtype"),
+    pytest.param(dict(input_ids=np.zeros((1, 9), np.int64)), "length", id="length"),
+    pytest.param(dict(input_ids=np.full((1, 8), 2048, np.int64)), "code_range", id="code_range"),
+    pytest.param(dict(frame_offset=-2), "negative_offset", id="negative_offset"),
+    pytest.param(dict(frame_offset=9), "gap", id="gap"),
+    pytest.param(dict(frame_offset=0, changed=True), "changed_frame", id="changed_frame"),
+    pytest.param(dict(frames=4), "limit", id="limit-new"),
+    pytest.param(dict(frames=11, frame_offset=0), "limit", id="limit-request"),
+]
+
+
+@pytest.mark.parametrize("flags", [0, START, END], ids=["plain", "start", "end"])
+@pytest.mark.parametrize("request_kwargs, kind", REJECTED)
+def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flags):
+    table, decoder = make_table(max_new_frames_per_request=3, max_request_frames=10), FakeDecoder()
+    codes = make_codes(9)
+    send(table, decoder, 1, START, codes[:, :3])
+    calls = len(decoder.calls)
+    kwargs = dict(request_kwargs)
+    if kind in ("gap", "changed_frame") and flags & START:
+        kwargs = dict(frame_offset=1)  # a START restarts at 0, so offset 1 is a gap there
+        kind = "gap"
+    frames = kwargs.pop("frames", 2)
+    request_codes = make_codes(frames, seed=3)
+    if kwargs.pop("changed", False):
+        request_codes = codes[:, :2].copy()
+        request_codes[0, 1] += 1
+    error = send_error(table, decoder, 1, flags, request_codes, **kwargs)
+    assert error.kind == kind
+    assert len(decoder.calls) == calls
+    assert 1 in table
+    np.testing.assert_array_equal(table.history(1), codes[:, :3])
+    assert table.stats().errors_by_kind[kind] == 1
+    # The stream carries on where it was: no START needed, the next frame is still frame 3.
+    pcm = send(table, decoder, 1, 0, codes[:, 3:5], frame_offset=3)
+    np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 3:5]))
+    assert decoder.flags()[-2:] == [0, 0]
+
+
+def test_rejected_start_does_not_create_a_stream():
+    table, decoder = make_table(), FakeDecoder()
+    send_error(table, decoder, 1, START, input_ids=np.zeros((1, 9), np.int64))
+    assert 1 not in table and len(table) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# limits
+
+
+def test_new_frames_limit_names_the_parameter():
+    table, decoder = make_table(max_new_frames_per_request=4), FakeDecoder()
+    error = send_error(table, decoder, 1, START, make_codes(5))
+    assert error.kind == "limit"
+    assert "5 new frames" in str(error) and "max_new_frames_per_request=4" in str(error)
+    assert decoder.calls == []
+
+
+def test_new_frames_limit_counts_only_new_frames():
+    table, decoder = make_table(max_new_frames_per_request=4), FakeDecoder()
+    codes = make_codes(8)
+    send(table, decoder, 1, START, codes[:, :4])
+    pcm = send(table, decoder, 1, 0, codes, frame_offset=0)  # 8 frames, 4 of them new
+    assert pcm.shape == (1, 4 * SAMPLES)
+
+
+def test_request_length_limit_names_the_parameter():
+    table, decoder = make_table(max_request_frames=6), FakeDecoder()
+    codes = make_codes(7)
+    send(table, decoder, 1, START, codes[:, :6])
+    error = send_error(table, decoder, 1, 0, codes, frame_offset=0)  # 1 new frame, 7 in all
+    assert error.kind == "limit"
+    assert "holds 7 frames" in str(error) and "max_request_frames=6" in str(error)
+
+
+# --------------------------------------------------------------------------------------------------
+# idle expiry
+
+
+def test_idle_streams_expire_on_the_next_batch():
+    clock = FakeClock()
+    table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), FakeDecoder()
+    send(table, decoder, 1, START, make_codes(1))
+    send(table, decoder, 2, START, make_codes(1))
+    clock.now += 20.0
+    send(table, decoder, 2, 0, make_codes(2), frame_offset=0)
+    clock.now += 15.0  # stream 1 idle 35 s, stream 2 idle 15 s
+
+    asyncio.run(table.process_batch([], decoder))
+    assert 1 not in table and 2 in table
+    assert table.stats().streams_expired == 1 and table.stats().live_streams == 1
+    error = send_error(table, decoder, 1, 0, make_codes(2), frame_offset=1)
+    assert error.kind == "unknown_stream"
+
+
+def test_a_stream_idle_exactly_the_timeout_is_kept():
+    clock = FakeClock()
+    table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), FakeDecoder()
+    send(table, decoder, 1, START, make_codes(1))
+    clock.now += 30.0
+    assert table.expire_idle() == []
+    clock.now += 0.001
+    assert table.expire_idle() == [1]
+
+
+def test_a_stream_with_a_request_in_the_batch_is_not_expired():
+    # Triton accepted the request as part of a live sequence, so the stream is live.
+    clock = FakeClock()
+    table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), FakeDecoder()
+    codes = make_codes(3)
+    send(table, decoder, 1, START, codes[:, :1])
+    clock.now += 100.0
+    results = asyncio.run(
+        table.process_batch([core.StreamRequest(1, 0, flat(codes), offset(0))], decoder)
+    )
+    np.testing.assert_array_equal(results[0], expected_pcm(codes[:, 1:]))
+
+
+def test_rejected_requests_keep_a_stream_alive():
+    clock = FakeClock()
+    table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), FakeDecoder()
+    send(table, decoder, 1, START, make_codes(1))
+    clock.now += 20.0
+    send_error(table, decoder, 1, 0, make_codes(1), frame_offset=5)
+    clock.now += 20.0
+    assert table.expire_idle() == []
+
+
+# --------------------------------------------------------------------------------------------------
+# steps and output packing
+
+
+def test_steps_of_several_frames_with_a_shorter_last_step():
+    table, decoder = make_table(decoder_frames_per_step=2), FakeDecoder()
+    codes = make_codes(5)
+    pcm = send(table, decoder, 1, START | END, codes)
+    assert [codes.shape[2] for _, codes, _ in decoder.calls] == [2, 2, 1]
+    assert decoder.flags() == [START, 0, END]
+    np.testing.assert_array_equal(pcm, expected_pcm(codes))
+
+
+def test_trailing_end_step_has_the_configured_step_size():
+    table, decoder = make_table(decoder_frames_per_step=3), FakeDecoder()
+    send(table, decoder, 1, START, make_codes(3))
+    send(table, decoder, 1, END)
+    _, trailing, flags = decoder.calls[-1]
+    assert flags == END and trailing.shape == (1, K, 3) and not trailing.any()
+
+
+def test_output_is_float32_with_samples_per_frame_per_new_frame():
+    table, decoder = make_table(samples_per_frame=1920), FakeDecoder(samples_per_frame=1920)
+    codes = make_codes(3)
+    pcm = send(table, decoder, 1, START, codes)
+    assert pcm.dtype == np.float32 and pcm.shape == (1, 1920 * 3) and pcm.flags.c_contiguous
+    np.testing.assert_array_equal(pcm, expected_pcm(codes, 1920))
+
+
+def test_plan_steps_are_int32_chunks_of_the_new_frames():
+    table = make_table(decoder_frames_per_step=2)
+    codes = make_codes(3)
+    plan = table.plan(1, START, flat(codes))
+    assert plan.new_codes.dtype == np.int32
+    np.testing.assert_array_equal(plan.new_codes, codes)
+    np.testing.assert_array_equal(
+        np.concatenate([step.codes[0] for step in plan.steps], axis=1), codes
+    )
+    assert [step.flags for step in plan.steps] == [START, 0]
+    assert 1 not in table
+
+
+# --------------------------------------------------------------------------------------------------
+# batches
+
+
+def test_batch_overlaps_streams_and_keeps_each_stream_in_order():
+    table, decoder = make_table(), FakeDecoder()
+    a, b = make_codes(3, seed=1), make_codes(6, seed=2)
+    requests = [
+        core.StreamRequest(1, START, flat(a)),
+        core.StreamRequest(2, START, flat(b[:, :3])),
+        core.StreamRequest(2, 0, flat(b[:, 3:])),  # same stream twice in one batch: runs after
+    ]
+    results = asyncio.run(table.process_batch(requests, decoder))
+    np.testing.assert_array_equal(results[0], expected_pcm(a))
+    np.testing.assert_array_equal(results[1], expected_pcm(b[:, :3]))
+    np.testing.assert_array_equal(results[2], expected_pcm(b[:, 3:]))
+    np.testing.assert_array_equal(decoder.decoded_codes(2), b)
+    assert [flags for cid, _, flags in decoder.calls if cid == 2] == [START, 0, 0, 0, 0, 0]
+    # The two streams' steps were in flight together, one stream's never were.
+    assert decoder.max_in_flight == 2
+    first_end_of_1 = decoder.events.index(("end", 1))
+    assert ("begin", 2) in decoder.events[:first_end_of_1]
+
+
+def test_one_bad_request_does_not_fail_its_batch_mates():
+    table, decoder = make_table(), FakeDecoder(fail_on_call=1)
+    good = make_codes(2, seed=5)
+    requests = [
+        core.StreamRequest(1, START, flat(make_codes(1))),  # decoder fails on its step
+        core.StreamRequest(2, 0, flat(good)),  # unknown stream
+        core.StreamRequest(3, START, np.zeros((1, 3), np.int64)),  # bad length
+        core.StreamRequest(4, START, flat(good)),
+    ]
+    results = asyncio.run(table.process_batch(requests, decoder))
+    assert isinstance(results[0], core.DecoderError)
+    assert isinstance(results[1], core.RequestError) and results[1].kind == "unknown_stream"
+    assert isinstance(results[2], core.RequestError) and results[2].kind == "length"
+    np.testing.assert_array_equal(results[3], expected_pcm(good))
+    assert sorted(cid for cid in (1, 2, 3, 4) if cid in table) == [4]
+
+
+# --------------------------------------------------------------------------------------------------
+# history and stats
+
+
+def test_history_grows_geometrically_and_keeps_every_frame():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(1000, seed=9)
+    send(table, decoder, 1, START, codes[:, :1])
+    capacities = set()
+    position, step = 1, 1
+    while position < 1000:
+        end = min(1000, position + step)
+        send(table, decoder, 1, 0, codes[:, position:end], frame_offset=position)
+        capacities.add(table._streams[1].history.capacity)
+        position, step = end, step % 7 + 1
+    history = table.history(1)
+    np.testing.assert_array_equal(history, codes)
+    assert history.dtype == np.int16
+    assert not history.flags.writeable
+    assert len(capacities) <= 6  # 64 -> 128 -> ... -> 1024: a handful of reallocations
+    assert 1000 <= max(capacities) <= 2048
+    assert table.stats().frames_decoded == 1000
+
+
+def test_history_of_a_large_codebook_is_int32():
+    history = core.CodeHistory(K, 40000)
+    codes = np.full((K, 3), 39999, np.int64)
+    history.append(codes)
+    assert history.dtype == np.int32
+    np.testing.assert_array_equal(history.codes(), codes)
+
+
+def test_history_first_mismatch():
+    history = core.CodeHistory(2, 2048)
+    history.append(np.array([[1, 2, 3, 4], [5, 6, 7, 8]]))
+    assert history.first_mismatch(np.array([[2, 3], [6, 7]]), 1) is None
+    assert history.first_mismatch(np.array([[2, 3], [6, 0]]), 1) == 1
+    assert history.first_mismatch(np.array([[9, 3], [6, 7]]), 1) == 0
+
+
+def test_stats_count_frames_streams_and_errors_by_kind():
+    table, decoder = make_table(), FakeDecoder()
+    send(table, decoder, 1, START, make_codes(3))
+    send(table, decoder, 2, START, make_codes(2))
+    send(table, decoder, 2, END, make_codes(4), frame_offset=0)
+    send_error(table, decoder, 3, 0, make_codes(1))
+    send_error(table, decoder, 1, 0, make_codes(1), frame_offset=7)
+    send_error(table, decoder, 1, 0, make_codes(1), frame_offset=8)
+    table.count_error("internal")
+    stats = table.stats()
+    assert stats.live_streams == 1
+    assert stats.frames_decoded == 3 + 2 + 2
+    assert stats.errors_by_kind["unknown_stream"] == 1
+    assert stats.errors_by_kind["gap"] == 2
+    assert stats.errors_by_kind["internal"] == 1
+    assert set(core.ERROR_KINDS) <= set(stats.errors_by_kind)
