@@ -71,11 +71,12 @@ class _StreamingConvTranspose(nn.Module):
         self.groups = conv.groups
         self.tail = conv.kernel_size[0] - self.stride
         self.channels = conv.out_channels
+        self.input_length = 0  # set once the step's frame count is known
         if self.tail <= 0:
             raise ValueError("streaming transposed conv expects kernel > stride")
 
     def forward(self, x: torch.Tensor, state: "_ConvState") -> torch.Tensor:
-        steps = x.shape[2]  # static: the step's frame count is fixed at export
+        steps = self.input_length  # a Python int: shape reads would become Shape ops in the graph
         y = F.conv_transpose1d(x, self.weight, None, stride=self.stride, groups=self.groups)
         head = y[:, :, : self.tail] + state.take(self.channels, self.tail)
         y = torch.cat([head, y[:, :, self.tail :]], dim=2)
@@ -107,7 +108,7 @@ class _ConvState:
         return piece
 
     def put(self, piece: torch.Tensor) -> None:
-        self.updates.append(piece.reshape(piece.shape[0], -1))
+        self.updates.append(piece.flatten(1))
 
 
 class _SEANetBlock(nn.Module):
@@ -173,6 +174,7 @@ class MimiDecoderStep(nn.Module):
         self.samples_per_frame = int(math.prod(config.upsampling_ratios)) * config.latent_stride
         self.steps_per_frame = config.latent_stride
         self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.context = config.sliding_window
@@ -233,8 +235,14 @@ class MimiDecoderStep(nn.Module):
             else:
                 self.seanet.append(layer)
 
-        steps = self.steps_per_frame * frames_per_step
-        self.register_buffer("attn_allowed", self._window_mask(steps), persistent=False)
+        self.steps = self.steps_per_frame * frames_per_step
+        self.upsample.input_length = frames_per_step
+        length = self.steps
+        for layer in self.seanet:
+            if isinstance(layer, _StreamingConvTranspose):
+                layer.input_length = length
+                length *= layer.stride
+        self.register_buffer("attn_allowed", self._window_mask(self.steps), persistent=False)
         self.conv_pieces = self._discover_conv_layout()
         self.conv_state_size = sum(c * n for c, n in self.conv_pieces)
 
@@ -316,8 +324,7 @@ class MimiDecoderStep(nn.Module):
         x, kv_cache = self._transformer(x.transpose(1, 2), kv_cache, position)
         pcm = self._seanet(x.transpose(1, 2), conv_state)
         new_conv = torch.cat(conv_state.updates, dim=1)
-        steps = x.shape[1]
-        return pcm.reshape(pcm.shape[0], -1).float(), kv_cache, new_conv, position + steps
+        return pcm.flatten(1).float(), kv_cache, new_conv, position + self.steps
 
     def _seanet(self, x, state: _ConvState):
         for layer in self.seanet:
@@ -334,7 +341,7 @@ class MimiDecoderStep(nn.Module):
         return angles.cos(), angles.sin()
 
     def _transformer(self, x, kv_cache, position):
-        batch, steps, hidden = x.shape
+        steps, hidden = self.steps, self.hidden_size
         heads, head_dim, n = self.num_heads, self.head_dim, self.cache_len
         cos, sin = self._rope(position, steps)
         # A key slot holds a real step only once the stream has produced it.
@@ -346,18 +353,20 @@ class MimiDecoderStep(nn.Module):
         new_layers = []
         for index, block in enumerate(self.layers):
             h = F.layer_norm(x, (hidden,), block.norm1.weight, block.norm1.bias, block.norm1.eps)
-            qkv = F.linear(h, block.qkv).view(batch, steps, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+            qkv = F.linear(h, block.qkv).view(-1, steps, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
             q, k, v = qkv[0], qkv[1], qkv[2]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + _rotate_half(q, head_dim // 2) * sin
+            k = k * cos + _rotate_half(k, head_dim // 2) * sin
             # Attend over what the cache will hold, so that F frames per call equal F calls of one frame.
-            k = k.to(cache_dtype).to(self.dtype)
-            v = v.to(cache_dtype).to(self.dtype)
-            keys = torch.cat([kv_cache[:, index, 0].to(self.dtype), k], dim=2)
-            values = torch.cat([kv_cache[:, index, 1].to(self.dtype), v], dim=2)
+            past_k, past_v = kv_cache[:, index, 0], kv_cache[:, index, 1]
+            if cache_dtype != self.dtype:
+                k, v = k.to(cache_dtype).to(self.dtype), v.to(cache_dtype).to(self.dtype)
+                past_k, past_v = past_k.to(self.dtype), past_v.to(self.dtype)
+            keys = torch.cat([past_k, k], dim=2)
+            values = torch.cat([past_v, v], dim=2)
             scores = torch.matmul(q, keys.transpose(2, 3)) * (1.0 / math.sqrt(head_dim)) + bias
             attn = torch.matmul(torch.softmax(scores, dim=-1), values)
-            attn = attn.transpose(1, 2).reshape(batch, steps, hidden)
+            attn = attn.transpose(1, 2).reshape(-1, steps, hidden)
             x = x + block.scale1 * F.linear(attn, block.out)
             h = F.layer_norm(x, (hidden,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
             x = x + block.scale2 * F.linear(F.gelu(F.linear(h, block.fc1)), block.fc2)
@@ -365,8 +374,7 @@ class MimiDecoderStep(nn.Module):
         return x, torch.stack(new_layers, dim=1)
 
 
-def _rotate_half(x):
-    half = x.shape[-1] // 2
+def _rotate_half(x, half: int):
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 

@@ -1,0 +1,131 @@
+"""ONNX export of the decoder step, with a manifest so a stale export can be detected.
+
+The graph is static apart from the batch dimension: sizes are Python ints at trace time, so no Shape
+op, no scatter and no slice by a runtime value appears. Opset 17-20 and an IR version the ONNX
+Runtime inside the NGC 24.10 image reads (1.19: IR <= 10) keep the model loadable there.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from export.spec import DecoderSpec
+from export.step import MimiDecoderStep
+
+OPSETS = (17, 18, 19, 20)
+MAX_IR_VERSION = 10  # onnxruntime 1.19 (NGC 24.10) reads IR versions up to 10
+MODEL_FILE = "model.onnx"
+MANIFEST_FILE = "manifest.json"
+# Ops that must never appear: they would make shapes data-dependent or break TensorRT's static plan.
+FORBIDDEN_OPS = ("Shape", "ScatterND", "ScatterElements", "Scatter", "NonZero", "Loop", "If", "Range")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    num_codebooks: int = 8
+    frames_per_step: int = 1
+    window: str = "moshi"
+    kv_cache_dtype: str = "float32"
+    opset: int = 17
+
+    def validate(self) -> None:
+        if self.opset not in OPSETS:
+            raise ValueError(f"opset must be one of {OPSETS} (what the NGC image's runtimes read), got {self.opset}")
+
+
+def build_step(model, options: ExportOptions) -> MimiDecoderStep:
+    return MimiDecoderStep(
+        model,
+        num_codebooks=options.num_codebooks,
+        frames_per_step=options.frames_per_step,
+        window=options.window,
+        kv_cache_dtype=options.kv_cache_dtype,
+    ).eval()
+
+
+def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -> DecoderSpec:
+    """Write `path` (an .onnx file) for `step`; returns its spec. Runs onnx.checker with the full check."""
+    import onnx
+
+    spec = step.spec()
+    spec.validate()
+    batch = 2  # any size > 1, so the exporter cannot specialise the batch dimension
+    codes = torch.zeros(batch, spec.num_codebooks, spec.frames_per_step, dtype=torch.int32)
+    args = (codes, *step.zero_state(batch))
+    input_names = [t.name for t in spec.inputs]
+    output_names = [t.name for t in spec.outputs]
+    dynamic_axes = {name: {0: "batch"} for name in input_names + output_names}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    log(f"exporting ONNX (opset {opset}, {spec.frames_per_step} frame(s) per step, window {spec.window}, "
+        f"kv cache {spec.kv_cache_dtype}) ...")
+    with torch.no_grad():
+        torch.onnx.export(
+            step,
+            args,
+            str(path),
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_axes=dynamic_axes,
+            opset_version=opset,
+            dynamo=False,
+            do_constant_folding=True,
+        )
+    log(f"  traced in {time.monotonic() - started:.1f} s; checking ...")
+    model = onnx.load(str(path))
+    if model.ir_version > MAX_IR_VERSION:
+        model.ir_version = MAX_IR_VERSION
+        onnx.save(model, str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    found = sorted({node.op_type for node in model.graph.node} & set(FORBIDDEN_OPS))
+    if found:
+        raise RuntimeError(f"exported graph contains ops that break static shapes: {found}")
+    log(f"  {path} ({path.stat().st_size / 2**20:.1f} MiB) passed onnx.checker (full check)")
+    return spec
+
+
+def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weights_source: str,
+                   weights_kind: str, weights_sha256: str) -> Path:
+    import onnx
+
+    manifest = {
+        "weights": {"source": weights_source, "kind": weights_kind, "sha256": weights_sha256},
+        "options": asdict(options),
+        "spec": spec.to_dict(),
+        "spec_sha256": spec.sha256(),
+        "versions": {"torch": torch.__version__, "onnx": onnx.__version__},
+        "created_unix": int(time.time()),
+    }
+    path = folder / MANIFEST_FILE
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_manifest(folder: Path) -> dict | None:
+    path = folder / MANIFEST_FILE
+    if not path.is_file() or not (folder / MODEL_FILE).is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def stale_reason(folder: Path, options: ExportOptions, weights_sha256: str) -> str | None:
+    """Why the export in `folder` does not match these weights and options (None if it does)."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return f"no export in {folder}"
+    if manifest["weights"]["sha256"] != weights_sha256:
+        return "the weights changed"
+    if manifest["options"] != asdict(options):
+        return f"the options changed ({manifest['options']} -> {asdict(options)})"
+    spec = DecoderSpec.from_dict(manifest["spec"])
+    if spec.sha256() != manifest["spec_sha256"]:
+        return "the manifest's spec does not match its hash"
+    return None

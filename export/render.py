@@ -1,0 +1,171 @@
+"""Render `mimi_decoder` Triton configs from a decoder spec.
+
+Three targets share one spec:
+  onnxruntime  native ORT backend with implicit state (checked in under model_repository/)
+  tensorrt     the same state block over a TensorRT plan (rendered into a build folder)
+  python-ort   a Python-backend model running the same ONNX with onnxruntime and keeping the state
+               itself (rendered into a build folder; for servers without the native ORT backend)
+
+Templates are filled with `string.Template.substitute`, which raises on a missing key, and never
+written over a tracked file except the one checked-in native config, on request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from export.spec import TRITON_DTYPES, DecoderSpec, TensorSpec
+
+TEMPLATES = Path(__file__).parent / "templates"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
+CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
+PYTHON_ORT_MODEL = Path(__file__).parent / "python_ort_model.py"
+TARGETS = ("onnxruntime", "tensorrt", "python-ort")
+
+# code2wav's own idle timeout (model_repository/code2wav/config.pbtxt); the decoder's sits above it.
+CODE2WAV_IDLE_TIMEOUT_US = 30_000_000
+DECODER_IDLE_MARGIN_US = 5_000_000
+
+
+@dataclass
+class DecoderServing:
+    """Serving knobs of a rendered decoder config (not part of the exported graph)."""
+
+    model_name: str = "mimi_decoder"
+    max_batch_size: int = 64
+    idle_timeout_us: int = CODE2WAV_IDLE_TIMEOUT_US + DECODER_IDLE_MARGIN_US
+    max_candidate_sequences: int = 1024
+    preferred_batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32, 64])
+    max_queue_delay_us: int = 2000
+    instance_kind: str = "KIND_GPU"
+    instance_count: int = 1
+    intra_op_threads: int = 0
+
+    def validate(self) -> None:
+        if self.instance_kind not in ("KIND_GPU", "KIND_CPU"):
+            raise ValueError(f"instance_kind must be KIND_GPU or KIND_CPU, got {self.instance_kind!r}")
+        if self.max_batch_size < 1 or self.instance_count < 1:
+            raise ValueError("max_batch_size and instance_count must be >= 1")
+        too_big = [size for size in self.preferred_batch_sizes if size > self.max_batch_size]
+        if too_big:
+            raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size {self.max_batch_size}")
+
+
+def _tensor_block(kind: str, tensors: tuple[TensorSpec, ...]) -> str:
+    items = [
+        f'  {{ name: "{t.name}" data_type: {TRITON_DTYPES[t.dtype]} dims: [ {", ".join(map(str, t.shape))} ] }}'
+        for t in tensors
+    ]
+    return f"{kind} [\n" + ",\n".join(items) + "\n]"
+
+
+def _state_block(spec: DecoderSpec) -> str:
+    lines = ["  state ["]
+    for index, state in enumerate(spec.states):
+        dtype = TRITON_DTYPES[state.dtype]
+        dims = ", ".join(map(str, state.shape))
+        lines.append(
+            f'    {{\n      input_name: "{state.input}"\n      output_name: "{state.output}"\n'
+            f"      data_type: {dtype}\n      dims: [ {dims} ]\n"
+            f'      initial_state {{ data_type: {dtype} dims: [ {dims} ] zero_data: true name: "fresh_stream" }}\n'
+            f"    }}{',' if index < len(spec.states) - 1 else ''}"
+        )
+    lines.append("  ]")
+    return "\n".join(lines)
+
+
+def _pbtxt_string(value: str) -> str:
+    return json.dumps(value)  # a JSON string literal is a valid protobuf text-format string
+
+
+def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None = None) -> str:
+    """The config.pbtxt text of `mimi_decoder` for one target."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    serving = serving or DecoderServing()
+    serving.validate()
+    spec.validate()
+    common = {
+        "spec_sha256": spec.sha256(),
+        "model_name": serving.model_name,
+        "max_batch_size": serving.max_batch_size,
+        "inputs": _tensor_block("input", (spec.codes,)),
+        "outputs": _tensor_block("output", (spec.pcm,)),
+        "idle_timeout_us": serving.idle_timeout_us,
+        "max_candidate_sequences": serving.max_candidate_sequences,
+        "preferred_batch_sizes": ", ".join(map(str, serving.preferred_batch_sizes)),
+        "max_queue_delay_us": serving.max_queue_delay_us,
+        "instance_count": serving.instance_count,
+    }
+    if target == "python-ort":
+        state_spec = [
+            {"input": s.input, "output": s.output, "dtype": s.dtype, "shape": list(s.shape)} for s in spec.states
+        ]
+        template = (TEMPLATES / "decoder_python_ort.pbtxt.tmpl").read_text()
+        return string.Template(template).substitute(
+            common,
+            intra_op_threads=serving.intra_op_threads,
+            state_spec_json=_pbtxt_string(json.dumps(state_spec, separators=(",", ":"))),
+        )
+    if target == "onnxruntime":
+        backend_line = 'backend: "onnxruntime"'
+        extra = ""
+    else:
+        backend_line = 'backend: "tensorrt"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"'
+        extra = ""
+    template = (TEMPLATES / "decoder_native.pbtxt.tmpl").read_text()
+    return string.Template(template).substitute(
+        common,
+        target=target,
+        backend_line=backend_line,
+        states=_state_block(spec),
+        instance_kind=serving.instance_kind,
+        extra=extra,
+    ).rstrip() + "\n"
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() or target.is_symlink():
+        target.unlink()
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
+                      serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
+    """A complete model repository in `out_dir`: code2wav (copied) plus mimi_decoder for `target`.
+
+    `out_dir` must not be inside the tracked model_repository/ folder.
+    """
+    out_dir = out_dir.resolve()
+    if out_dir == (REPO_ROOT / "model_repository").resolve() or (REPO_ROOT / "model_repository").resolve() in out_dir.parents:
+        raise ValueError(f"refusing to render into the tracked model repository: {out_dir}")
+    serving = serving or DecoderServing(instance_kind="KIND_CPU" if target == "python-ort" else "KIND_GPU")
+    code2wav = out_dir / "code2wav"
+    if code2wav.exists():
+        shutil.rmtree(code2wav)
+    shutil.copytree(CODE2WAV_DIR, code2wav, ignore=shutil.ignore_patterns("__pycache__"))
+    decoder = out_dir / serving.model_name
+    version = decoder / "1"
+    if decoder.exists():
+        shutil.rmtree(decoder)
+    version.mkdir(parents=True)
+    (decoder / "config.pbtxt").write_text(render_config(spec, target, serving))
+    if target == "tensorrt":
+        if plan_path is None:
+            raise ValueError("the tensorrt target needs a plan file (export/tensorrt_build.py builds one)")
+        _link_or_copy(plan_path, version / "model.plan")
+    else:
+        _link_or_copy(onnx_path, version / "model.onnx")
+    if target == "python-ort":
+        shutil.copy2(PYTHON_ORT_MODEL, version / "model.py")
+    return out_dir

@@ -1,0 +1,122 @@
+"""Build a TensorRT plan from an exported decoder step (run on the GPU host, e.g. in the NGC image).
+
+  python -m export.tensorrt_build --export-dir build/export/<variant> [--fp16] [--max-batch 64]
+                                   [--out model_repository/mimi_decoder/1/model.plan] [--trtexec PATH]
+
+One optimisation profile over batch 1..max covers every input (codes and each state), so the plan
+serves any batch the Triton config allows (`max_batch_size` <= --max-batch). With --fp16 the layers
+that compute RoPE angles stay in fp32 (a half-precision angle at large positions is off by radians).
+
+Untested here: TensorRT does not install on CPU-only machines. What can be checked without it is
+checked by tests/test_export.py (every op is one TensorRT's ONNX parser supports, static shapes apart
+from batch, a profile that names every input). Without trtexec or the tensorrt module this exits 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from export.spec import DecoderSpec
+
+EXIT_NO_TENSORRT = 3
+
+
+def profile_shapes(spec: DecoderSpec, max_batch: int, opt_batch: int | None = None) -> dict[str, dict[str, list[int]]]:
+    """min/opt/max shapes of every input for one optimisation profile over batch."""
+    opt_batch = opt_batch or max(1, min(max_batch, 16))
+    return {
+        tensor.name: {
+            "min": [1, *tensor.shape],
+            "opt": [opt_batch, *tensor.shape],
+            "max": [max_batch, *tensor.shape],
+        }
+        for tensor in spec.inputs
+    }
+
+
+def trtexec_command(trtexec: str, onnx_path: Path, plan_path: Path, spec: DecoderSpec, max_batch: int,
+                    fp16: bool) -> list[str]:
+    shapes = profile_shapes(spec, max_batch)
+
+    def arg(kind: str) -> str:
+        return ",".join(f"{name}:{'x'.join(map(str, dims[kind]))}" for name, dims in shapes.items())
+
+    command = [
+        trtexec,
+        f"--onnx={onnx_path}",
+        f"--saveEngine={plan_path}",
+        f"--minShapes={arg('min')}",
+        f"--optShapes={arg('opt')}",
+        f"--maxShapes={arg('max')}",
+    ]
+    if fp16:
+        # Everything fp16 where it is faster, except the RoPE angle computation (Cos/Sin and their inputs).
+        command += ["--fp16", "--precisionConstraints=obey", f"--layerPrecisions={_rope_layer_precisions(onnx_path)}"]
+    return command
+
+
+def _rope_layer_precisions(onnx_path: Path) -> str:
+    """trtexec --layerPrecisions pinning the RoPE angle nodes (and Cos/Sin) to fp32."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    producers = {out: node for node in model.graph.node for out in node.output}
+    pinned: set[str] = set()
+    frontier = [node for node in model.graph.node if node.op_type in ("Cos", "Sin")]
+    while frontier:  # walk back from Cos/Sin to the position input through the angle arithmetic
+        node = frontier.pop()
+        if node.name in pinned or node.op_type == "Constant":
+            continue
+        pinned.add(node.name)
+        for name in node.input:
+            parent = producers.get(name)
+            if parent is not None and parent.op_type in ("Mul", "Add", "Cast", "Unsqueeze", "Concat", "Sub", "Div"):
+                frontier.append(parent)
+    return ",".join(f"{name}:fp32" for name in sorted(pinned))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.tensorrt_build", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--export-dir", type=Path, required=True, help="folder with model.onnx and manifest.json")
+    parser.add_argument("--out", type=Path, help="plan path (default: <export-dir>/model.plan)")
+    parser.add_argument("--max-batch", type=int, default=64, help="must be >= the config's max_batch_size")
+    parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--trtexec", default=None, help="trtexec binary (default: from PATH)")
+    parser.add_argument("--print-command", action="store_true", help="print the trtexec command and exit")
+    args = parser.parse_args(argv)
+
+    manifest_path = args.export_dir / "manifest.json"
+    onnx_path = args.export_dir / "model.onnx"
+    if not manifest_path.is_file() or not onnx_path.is_file():
+        print(f"error: {args.export_dir} holds no export (run `python -m export build` first)", file=sys.stderr)
+        return 2
+    spec = DecoderSpec.from_dict(json.loads(manifest_path.read_text())["spec"])
+    plan_path = args.out or args.export_dir / "model.plan"
+    trtexec = args.trtexec or shutil.which("trtexec") or next(
+        (p for p in ("/usr/src/tensorrt/bin/trtexec",) if Path(p).is_file()), None
+    )
+    command = trtexec_command(trtexec or "trtexec", onnx_path, plan_path, spec, args.max_batch, args.fp16)
+    if args.print_command:
+        print(" ".join(command))
+        return 0
+    if trtexec is None:
+        print(
+            "error: TensorRT is not available here (no trtexec on PATH or in /usr/src/tensorrt/bin). "
+            "Build the plan on the GPU host, e.g. inside the NGC tritonserver image: "
+            "docker compose run --rm export --tensorrt",
+            file=sys.stderr,
+        )
+        return EXIT_NO_TENSORRT
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    print("running:", " ".join(command), file=sys.stderr, flush=True)
+    return subprocess.call(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
