@@ -467,7 +467,8 @@ class StreamTable:
           start with the whole history and only its suffix is new; `auto`: cumulative if the request
           starts with the whole history, else delta. Known limits of `auto`: a delta that happens
           to repeat the history's first frames (silence) is taken as a resend and not decoded; a
-          resend shorter than the history is taken as a delta and decoded twice.
+          resend shorter than the history is taken as a delta and decoded twice. Cumulative
+          requests resend and compare the whole history each time: O(n^2) bytes over a stream.
 
         Raises RequestError with a message naming the value, the limit and the parameter.
         """
