@@ -14,6 +14,9 @@ import pytest
 
 from server.triton import TritonServer, log_tail, running_server
 
+# Session-scoped Mimi fixtures (seeded checkpoints, references, exports) shared by every test module.
+pytest_plugins = ("mimi_fixtures",)
+
 _RUNNING: list[TritonServer] = []
 
 

@@ -1,0 +1,217 @@
+"""Shared, session-scoped Mimi fixtures: seeded checkpoints, references, exports (built once per run).
+
+The real architecture (kyutai/mimi's config) with seeded random weights is used wherever parity or
+serving needs it; a tiny config covers the rest of the option matrix.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SEED = 1234
+CODES_SEED = 5
+
+# The streaming scenario of the parity tests: 168 calls of one frame per row, where
+#   row 0 decodes stream A from the start,
+#   row 1 decodes junk until call 20, is reset, then decodes stream B (rows of different ages),
+#   row 2 decodes stream C1 for 88 frames, is reset mid-run, then decodes stream C2.
+# Every boundary is a multiple of 4, so F = 1, 2 and 4 frames per call run the same scenario.
+CALLS = 168
+B_START = 20
+C_RESET = 88
+
+
+def snr_db(output: np.ndarray, reference: np.ndarray) -> float:
+    output, reference = np.asarray(output, np.float64), np.asarray(reference, np.float64)
+    noise = np.sum((output - reference) ** 2)
+    return float("inf") if noise == 0 else float(10 * np.log10(np.sum(reference**2) / noise))
+
+
+def assert_equal_audio(output, reference, max_abs: float = 1e-4, min_snr_db: float = 100.0, what: str = ""):
+    """DESIGN.md's "equal": same sample count, max abs error and SNR within bounds."""
+    output, reference = np.asarray(output), np.asarray(reference)
+    assert output.shape == reference.shape, f"{what}: shape {output.shape} != reference {reference.shape}"
+    error = float(np.max(np.abs(output.astype(np.float64) - reference)))
+    snr = snr_db(output, reference)
+    assert error <= max_abs and snr >= min_snr_db, f"{what}: max abs error {error:.3g} (<= {max_abs}), SNR {snr:.1f} dB (>= {min_snr_db})"
+    return error, snr
+
+
+def tiny_config():
+    from transformers import MimiConfig
+
+    return MimiConfig(
+        hidden_size=64, num_filters=8, upsampling_ratios=[4, 3, 2, 2], num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, codebook_size=64, codebook_dim=16, vector_quantization_hidden_dimension=16,
+        num_quantizers=8, sliding_window=20, upsample_groups=64,
+    )
+
+
+@dataclass
+class Scenario:
+    codes: np.ndarray  # [3, k, CALLS] what each row is fed, call by call
+    resets: dict[int, list[int]]  # call index -> rows whose state is zeroed before that call
+    streams: dict[str, np.ndarray]  # name -> [k, T] codes of each stream
+    # where each stream's audio sits in the scenario's output: name -> (row, first call, frames)
+    placement: dict[str, tuple[int, int, int]]
+
+
+def make_scenario(num_codebooks: int = 8, codebook_size: int = 2048, seed: int = CODES_SEED) -> Scenario:
+    rng = np.random.default_rng(seed)
+    streams = {
+        "A": rng.integers(0, codebook_size, (num_codebooks, CALLS)),
+        "B": rng.integers(0, codebook_size, (num_codebooks, CALLS - B_START)),
+        "C1": rng.integers(0, codebook_size, (num_codebooks, C_RESET)),
+        "C2": rng.integers(0, codebook_size, (num_codebooks, CALLS - C_RESET)),
+    }
+    junk = rng.integers(0, codebook_size, (num_codebooks, B_START))
+    codes = np.stack([
+        streams["A"],
+        np.concatenate([junk, streams["B"]], axis=1),
+        np.concatenate([streams["C1"], streams["C2"]], axis=1),
+    ]).astype(np.int32)
+    placement = {"A": (0, 0, CALLS), "B": (1, B_START, CALLS - B_START), "C1": (2, 0, C_RESET),
+                 "C2": (2, C_RESET, CALLS - C_RESET)}
+    return Scenario(codes, {B_START: [1], C_RESET: [2]}, streams, placement)
+
+
+def run_scenario(step_fn, zero_state_fn, scenario: Scenario, frames_per_call: int) -> np.ndarray:
+    """Run the batched scenario through a step function; returns PCM [3, CALLS * samples_per_frame]."""
+    state = list(zero_state_fn(3))
+    chunks = []
+    for call in range(0, CALLS, frames_per_call):
+        for row in scenario.resets.get(call, []):
+            fresh = zero_state_fn(1)
+            for index, tensor in enumerate(state):
+                tensor[row] = fresh[index][0]
+        pcm, *state = step_fn(scenario.codes[:, :, call : call + frames_per_call], state)
+        chunks.append(np.asarray(pcm))
+    return np.concatenate(chunks, axis=1)
+
+
+def stream_audio(pcm: np.ndarray, scenario: Scenario, name: str, samples_per_frame: int = 1920) -> np.ndarray:
+    row, first, frames = scenario.placement[name]
+    return pcm[row, first * samples_per_frame : (first + frames) * samples_per_frame]
+
+
+def torch_step_fn(step):
+    import torch
+
+    def run(codes, state):
+        with torch.no_grad():
+            out = step(torch.from_numpy(np.ascontiguousarray(codes)), *[torch.as_tensor(s) for s in state])
+        return [o.numpy().copy() for o in out]
+
+    return run
+
+
+def torch_zero_state(step):
+    return lambda batch: [s.numpy().copy() for s in step.zero_state(batch)]
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def moshi_checkpoint(tmp_path_factory):
+    """A moshi-format Mimi checkpoint of seeded random weights, and the moshi model it came from."""
+    import torch
+    from safetensors.torch import save_file
+
+    from export.weights import randomize_
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    from moshi.models.loaders import get_mimi
+
+    torch.manual_seed(SEED)
+    model = get_mimi(None, device="cpu", num_codebooks=8)
+    randomize_(model, SEED)
+    model.eval()
+    path = tmp_path_factory.mktemp("moshi") / "tokenizer-test-checkpoint.safetensors"
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(path))
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def mimi(moshi_checkpoint):
+    """The transformers MimiModel loaded from the moshi checkpoint through the name mapping."""
+    from export.weights import load_weights
+
+    return load_weights(moshi_checkpoint[0])
+
+
+@pytest.fixture(scope="session")
+def scenario():
+    return make_scenario()
+
+
+@pytest.fixture(scope="session")
+def moshi_streams(moshi_checkpoint, scenario):
+    """moshi's streaming decode (one frame per call inside mimi.streaming) of each scenario stream."""
+    import torch
+
+    model = moshi_checkpoint[1]
+    names = list(scenario.streams)
+    # Shorter streams are padded at the end: streaming is causal, so padding cannot change earlier audio.
+    padded = np.stack([np.pad(scenario.streams[n], ((0, 0), (0, CALLS - scenario.streams[n].shape[1]))) for n in names])
+    codes = torch.from_numpy(padded).long()
+    chunks = []
+    with torch.no_grad(), model.streaming(len(names)):
+        for call in range(CALLS):
+            chunks.append(model.decode(codes[:, :, call : call + 1])[:, 0].numpy())
+    pcm = np.concatenate(chunks, axis=1)
+    return {n: pcm[i, : scenario.streams[n].shape[1] * 1920] for i, n in enumerate(names)}
+
+
+@pytest.fixture(scope="session")
+def export_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("exports")
+
+
+def _export(mimi, root: Path, **options):
+    from export.__main__ import build
+    from export.onnx_export import ExportOptions
+
+    opts = ExportOptions(**options)
+    folder = root / f"f{opts.frames_per_step}-{opts.window}-{opts.kv_cache_dtype}"
+    build(opts, mimi, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def onnx_fp32(mimi, export_root):
+    """The serving export (F=1, moshi window, fp32 KV cache) of the real architecture."""
+    return _export(mimi, export_root)
+
+
+@pytest.fixture(scope="session")
+def onnx_fp16(mimi, export_root):
+    return _export(mimi, export_root, kv_cache_dtype="float16")
+
+
+def ort_session(folder: Path, threads: int = 2):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+
+
+def ort_step_fn(session):
+    names = [i.name for i in session.get_inputs()]
+
+    def run(codes, state):
+        return session.run(None, dict(zip(names, [np.ascontiguousarray(codes), *state])))
+
+    return run
+
+
+def spec_zero_state(spec):
+    def zero(batch):
+        return [np.zeros((batch, *s.shape), dtype=s.dtype) for s in spec.states]
+
+    return zero

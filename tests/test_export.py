@@ -1,0 +1,284 @@
+"""Parity of the streaming decoder step, in layers (real architecture, seeded random weights):
+
+  moshi streaming vs moshi offline   (the reference itself)
+  step module vs moshi streaming     (F = 1, 2, 4; rows of different ages; a row reset mid-run)
+  exact window vs transformers' offline decode
+  ONNX Runtime vs step module        (fp32 KV cache, and fp16 with its own measured bound)
+  long streams: fp32 vs float64 at ~100,000 transformer steps
+and the exported graph's structure (opset, IR version, static shapes, TensorRT-parsable ops).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mimi_fixtures import (
+    CALLS,
+    assert_equal_audio,
+    make_scenario,
+    ort_session,
+    ort_step_fn,
+    run_scenario,
+    snr_db,
+    spec_zero_state,
+    stream_audio,
+    tiny_config,
+    torch_step_fn,
+    torch_zero_state,
+)
+
+torch = pytest.importorskip("torch", reason="the export extra (torch) is needed for export tests")
+
+SPF = 1920
+STREAMS = ("A", "B", "C1", "C2")
+
+
+@pytest.fixture(scope="session")
+def step_pcm(mimi, scenario):
+    """Scenario PCM of the step module, per frames-per-call, computed once."""
+    from export.step import MimiDecoderStep
+
+    cache = {}
+
+    def get(frames_per_call: int, window: str = "moshi"):
+        key = (frames_per_call, window)
+        if key not in cache:
+            step = MimiDecoderStep(mimi.model, frames_per_step=frames_per_call, window=window).eval()
+            cache[key] = run_scenario(torch_step_fn(step), torch_zero_state(step), scenario, frames_per_call)
+        return cache[key]
+
+    return get
+
+
+def test_moshi_streaming_reference_matches_offline_until_window_fills(moshi_checkpoint, moshi_streams, scenario):
+    model = moshi_checkpoint[1]
+    with torch.no_grad():
+        offline = model.decode(torch.from_numpy(scenario.streams["A"])[None].long())[0, 0].numpy()
+    streaming = moshi_streams["A"]
+    assert streaming.shape == offline.shape == (CALLS * SPF,)
+    # Until 125 frames (250 steps) both see every past step: equal.
+    assert_equal_audio(streaming[: 120 * SPF], offline[: 120 * SPF], what="moshi streaming vs offline, frames < 120")
+    # Then moshi's ring gives the first step of each frame one key less: close, but not equal.
+    late = snr_db(streaming[130 * SPF :], offline[130 * SPF :])
+    assert 45 < late < 90, f"window semantics difference expected ~60-67 dB, got {late:.1f} dB"
+
+
+def test_test_weights_are_not_degenerate(moshi_streams):
+    a, b = moshi_streams["A"], moshi_streams["B"]
+    assert a.std() > 0.05 and b.std() > 0.05, (a.std(), b.std())
+    # Different codes give different audio: far from equal.
+    n = min(len(a), len(b))
+    assert snr_db(a[:n], b[:n]) < 10
+    # And every frame carries signal (no silent stretch that parity could pass on).
+    frame_std = a.reshape(-1, SPF).std(axis=1)
+    assert frame_std.min() > 0.01
+
+
+@pytest.mark.parametrize("frames_per_call", [pytest.param(1, id="F1"), pytest.param(2, id="F2"), pytest.param(4, id="F4")])
+def test_step_equals_moshi_streaming(step_pcm, moshi_streams, scenario, frames_per_call):
+    pcm = step_pcm(frames_per_call)
+    for name in STREAMS:
+        error, snr = assert_equal_audio(stream_audio(pcm, scenario, name), moshi_streams[name],
+                                        what=f"F={frames_per_call} stream {name}")
+        print(f"F={frames_per_call} stream {name}: max abs {error:.2e}, SNR {snr:.1f} dB")
+
+
+@pytest.mark.parametrize("frames_per_call", [pytest.param(2, id="F2"), pytest.param(4, id="F4")])
+def test_frames_per_call_do_not_change_audio(step_pcm, frames_per_call):
+    np.testing.assert_allclose(step_pcm(frames_per_call), step_pcm(1), atol=1e-5, rtol=0)
+
+
+def test_exact_window_equals_transformers_offline_decode(mimi, scenario, step_pcm):
+    pcm = step_pcm(1, "exact")
+    with torch.no_grad():
+        offline = mimi.model.decode(torch.from_numpy(scenario.streams["A"])[None].long()).audio_values[0, 0].numpy()
+    assert_equal_audio(stream_audio(pcm, scenario, "A"), offline, what="exact window vs MimiModel.decode")
+    # And the two windows really differ once the window is full.
+    moshi_window = stream_audio(step_pcm(1), scenario, "A")
+    assert snr_db(moshi_window[130 * SPF :], offline[130 * SPF :]) < 90
+
+
+def test_onnx_runtime_equals_step_module(onnx_fp32, scenario, step_pcm, moshi_streams):
+    from export.onnx_export import read_manifest
+    from export.spec import DecoderSpec
+
+    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    pcm = run_scenario(ort_step_fn(ort_session(onnx_fp32)), spec_zero_state(spec), scenario, 1)
+    reference = step_pcm(1)
+    for name in STREAMS:
+        assert_equal_audio(stream_audio(pcm, scenario, name), stream_audio(reference, scenario, name),
+                           what=f"ORT vs step, stream {name}")
+        error, snr = assert_equal_audio(stream_audio(pcm, scenario, name), moshi_streams[name],
+                                        what=f"ORT vs moshi, stream {name}")
+        print(f"ORT fp32 stream {name} vs moshi streaming: max abs {error:.2e}, SNR {snr:.1f} dB")
+
+
+# fp16 keys/values, measured with these seeded weights against moshi's fp32 streaming decode:
+# 95.3-97.3 dB SNR and 1.6e-4-2.0e-4 max abs over the four scenario streams (fp32: ~117 dB, 7.7e-6).
+# The bounds leave ~5 dB of margin for other CPUs' kernels; they still fail an fp16 cache that drops
+# precision anywhere else (e.g. fp16 RoPE angles or fp16 attention scores fall far below 80 dB).
+FP16_MIN_SNR_DB = 90.0
+FP16_MAX_ABS = 5e-4
+
+
+def test_onnx_runtime_fp16_kv_cache_within_measured_bound(onnx_fp16, scenario, moshi_streams):
+    from export.onnx_export import read_manifest
+    from export.spec import DecoderSpec
+
+    spec = DecoderSpec.from_dict(read_manifest(onnx_fp16)["spec"])
+    assert spec.kv_cache_dtype == "float16" and spec.states[0].dtype == "float16"
+    pcm = run_scenario(ort_step_fn(ort_session(onnx_fp16)), spec_zero_state(spec), scenario, 1)
+    for name in STREAMS:
+        error, snr = assert_equal_audio(stream_audio(pcm, scenario, name), moshi_streams[name], FP16_MAX_ABS,
+                                        FP16_MIN_SNR_DB, what=f"ORT fp16-KV vs moshi, stream {name}")
+        print(f"ORT fp16 KV stream {name}: max abs {error:.2e}, SNR {snr:.1f} dB")
+
+
+def test_long_stream_position_matches_float64(mimi):
+    """At ~100,000 transformer steps (over an hour of audio), fp32 RoPE stays close to float64."""
+    import copy
+
+    from export.step import MimiDecoderStep
+
+    start = 100_000
+    step32 = MimiDecoderStep(mimi.model, window="moshi").eval()
+    step64 = MimiDecoderStep(copy.deepcopy(mimi.model).double(), window="moshi", dtype=torch.float64).eval()
+    rng = np.random.default_rng(11)
+    codes = torch.from_numpy(rng.integers(0, 2048, (1, 8, 24)).astype(np.int32))
+    out = {}
+    for name, step in (("fp32", step32), ("fp64", step64)):
+        kv, conv, position = step.zero_state(1)
+        position += start
+        chunks = []
+        with torch.no_grad():
+            for frame in range(codes.shape[2]):
+                pcm, kv, conv, position = step(codes[:, :, frame : frame + 1], kv, conv, position)
+                chunks.append(pcm.double().numpy())
+        assert int(position) == start + 2 * codes.shape[2]
+        out[name] = np.concatenate(chunks, axis=1)[0]
+    error, snr = assert_equal_audio(out["fp32"], out["fp64"], max_abs=1e-4, min_snr_db=100.0,
+                                    what="fp32 vs float64 at position 100,000")
+    print(f"position {start}: fp32 vs float64 max abs {error:.2e}, SNR {snr:.1f} dB")
+
+
+# ---- tiny config: the rest of the option matrix ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_mimi():
+    from export.weights import new_model, randomize_
+
+    model = new_model(tiny_config())
+    randomize_(model, 7)
+    return model
+
+
+@pytest.mark.parametrize("window", ["moshi", "exact"])
+@pytest.mark.parametrize("frames_per_step", [1, 2, 4])
+def test_tiny_onnx_matches_step(tiny_mimi, tmp_path, window, frames_per_step):
+    from export.onnx_export import export_onnx
+    from export.step import MimiDecoderStep
+
+    step = MimiDecoderStep(tiny_mimi, frames_per_step=frames_per_step, window=window).eval()
+    reference_step = MimiDecoderStep(tiny_mimi, frames_per_step=1, window=window).eval()
+    spec = export_onnx(step, tmp_path / "model.onnx", log=lambda *_: None)
+    scenario = make_scenario(codebook_size=64)
+    pcm = run_scenario(ort_step_fn(ort_session(tmp_path)), spec_zero_state(spec), scenario, frames_per_step)
+    reference = run_scenario(torch_step_fn(reference_step), torch_zero_state(reference_step), scenario, 1)
+    spf = step.samples_per_frame
+    assert pcm.shape == (3, CALLS * spf)
+    assert reference.std() > 0.05
+    for name in STREAMS:
+        assert_equal_audio(stream_audio(pcm, scenario, name, spf), stream_audio(reference, scenario, name, spf),
+                           what=f"tiny {window} F={frames_per_step} stream {name}")
+
+
+def test_tiny_exact_window_equals_offline(tiny_mimi):
+    from export.step import MimiDecoderStep
+
+    step = MimiDecoderStep(tiny_mimi, window="exact").eval()
+    codes = np.random.default_rng(3).integers(0, 64, (1, 8, 60)).astype(np.int32)  # window 20: fills at 10 frames
+    state = step.zero_state(1)
+    chunks = []
+    with torch.no_grad():
+        for frame in range(codes.shape[2]):
+            pcm, *state = step(torch.from_numpy(codes[:, :, frame : frame + 1]), *state)
+            chunks.append(pcm.numpy())
+        offline = tiny_mimi.decode(torch.from_numpy(codes).long()).audio_values[0, 0].numpy()
+    assert_equal_audio(np.concatenate(chunks, axis=1)[0], offline, what="tiny exact vs offline")
+
+
+# ---- graph structure ------------------------------------------------------------------------------
+
+def _graph(folder: Path):
+    import onnx
+
+    return onnx.load(str(folder / "model.onnx"), load_external_data=False)
+
+
+def test_graph_opset_and_ir_version_fit_the_ngc_runtime(onnx_fp32):
+    from export.onnx_export import MAX_IR_VERSION
+
+    model = _graph(onnx_fp32)
+    opsets = {o.domain: o.version for o in model.opset_import}
+    assert 17 <= opsets.get("", opsets.get("ai.onnx", 0)) <= 20
+    assert model.ir_version <= MAX_IR_VERSION == 10
+
+
+def test_graph_is_static_apart_from_batch(onnx_fp32):
+    from export.onnx_export import FORBIDDEN_OPS
+
+    model = _graph(onnx_fp32)
+    ops = {node.op_type for node in model.graph.node}
+    assert not ops & set(FORBIDDEN_OPS), ops & set(FORBIDDEN_OPS)
+    for value in list(model.graph.input) + list(model.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        assert dims[0].dim_param == "batch", f"{value.name}: first dim must be the dynamic batch"
+        assert all(d.dim_value > 0 for d in dims[1:]), f"{value.name}: only the batch dim may be dynamic"
+
+
+def test_every_op_is_supported_by_tensorrt_onnx_parser(onnx_fp32, onnx_fp16):
+    listed = Path(__file__).parent.parent / "export" / "tensorrt_onnx_ops.txt"
+    supported = {line.strip() for line in listed.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    assert {"MatMul", "Conv", "ConvTranspose", "LayerNormalization"} <= supported
+    for folder in (onnx_fp32, onnx_fp16):
+        ops = {node.op_type for node in _graph(folder).graph.node}
+        assert ops <= supported, f"not parsable by TensorRT: {sorted(ops - supported)}"
+
+
+def test_tensorrt_profile_covers_every_input(onnx_fp32):
+    from export.onnx_export import read_manifest
+    from export.spec import DecoderSpec
+    from export.tensorrt_build import profile_shapes, trtexec_command
+
+    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    inputs = {i.name for i in _graph(onnx_fp32).graph.input}
+    shapes = profile_shapes(spec, max_batch=64)
+    assert set(shapes) == inputs
+    for name, dims in shapes.items():
+        assert dims["min"][0] == 1 and dims["max"][0] == 64 and dims["min"][1:] == dims["max"][1:]
+    command = " ".join(trtexec_command("trtexec", onnx_fp32 / "model.onnx", Path("x.plan"), spec, 64, fp16=True))
+    assert "Cos" in command and ":fp32" in command  # RoPE angles pinned to fp32 in fp16 builds
+
+
+def test_tensorrt_build_without_tensorrt_exits_clearly(onnx_fp32, capsys, monkeypatch):
+    from export import tensorrt_build
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    code = tensorrt_build.main(["--export-dir", str(onnx_fp32)])
+    assert code == tensorrt_build.EXIT_NO_TENSORRT
+    assert "TensorRT is not available here" in capsys.readouterr().err
+
+
+def test_export_is_skipped_when_manifest_matches_and_redone_when_options_change(mimi, onnx_fp32, capsys):
+    from export.__main__ import build
+    from export.onnx_export import ExportOptions, stale_reason
+
+    before = (onnx_fp32 / "model.onnx").stat().st_mtime_ns
+    build(ExportOptions(), mimi, onnx_fp32)
+    assert "up to date" in capsys.readouterr().err
+    assert (onnx_fp32 / "model.onnx").stat().st_mtime_ns == before
+    assert "options changed" in stale_reason(onnx_fp32, ExportOptions(kv_cache_dtype="float16"), mimi.sha256)
+    assert stale_reason(onnx_fp32, ExportOptions(), "0" * 64) == "the weights changed"
