@@ -195,7 +195,11 @@ def log_tail(path: Path | str | None, lines: int = 40) -> str:
         text = Path(path).read_text(errors="replace")
     except OSError as exc:
         return f"(log {path} unreadable: {exc})"
-    kept = [line for line in text.splitlines() if line.strip() and not line.startswith(_TABLE_LINE_PREFIXES)]
+    kept = [
+        line
+        for line in text.splitlines()
+        if line.strip() and not line.startswith(_TABLE_LINE_PREFIXES)
+    ]
     return "\n".join(kept[-lines:]) if kept else "(log is empty)"
 
 
@@ -473,7 +477,9 @@ def running_server(
     new ports, up to `attempts` times. Any other failure raises ServerError with the log tail.
     Keyword arguments go to TritonServer (fixed ports given there are used as they are).
     """
-    ports_fixed = any(kwargs.get(name) is not None for name in ("http_port", "grpc_port", "metrics_port"))
+    ports_fixed = any(
+        kwargs.get(name) is not None for name in ("http_port", "grpc_port", "metrics_port")
+    )
     for attempt in range(1, attempts + 1):
         server = TritonServer(model_repository, **kwargs)
         server.start()

@@ -1,0 +1,573 @@
+"""The python-ort decoder model (`export/python_ort_model.py`): implicit state done by hand.
+
+A tiny ONNX step model with known arithmetic stands in for the Mimi decoder:
+    S = sum(codes); acc' = acc + S; count' = count + 1; pcm = [acc' x4, count', S]
+so every expected output follows from the codes a sequence has sent since its START.
+The core is tested directly, then the same file is served as `model.py` by the real tritonserver.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_SOURCE = REPO_ROOT / "export" / "python_ort_model.py"
+
+ACC = 4
+PCM = ACC + 2
+CODEBOOKS = 8
+STATE_SPEC = [
+    {"input": "state_in_00_acc", "output": "state_out_00_acc", "dtype": "float32", "shape": [ACC]},
+    {"input": "state_in_01_count", "output": "state_out_01_count", "dtype": "int64", "shape": [1]},
+]
+IDLE_TIMEOUT_US = 2_000_000
+
+
+def load_model_module():
+    spec = importlib.util.spec_from_file_location("python_ort_model", MODEL_SOURCE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as Triton's stub imports it (dataclasses need the entry)
+    spec.loader.exec_module(module)
+    return module
+
+
+pom = load_model_module()
+
+
+def build_step_onnx(path: Path) -> Path:
+    import onnx
+    from onnx import TensorProto, helper
+
+    batch = "batch"
+    graph = helper.make_graph(
+        nodes=[
+            helper.make_node("Cast", ["codes"], ["codes_f"], to=TensorProto.FLOAT),
+            helper.make_node("ReduceSum", ["codes_f", "sum_axes"], ["sum3"], keepdims=1),
+            helper.make_node("Squeeze", ["sum3", "squeeze_axes"], ["code_sum"]),
+            helper.make_node("Add", ["state_in_00_acc", "code_sum"], ["state_out_00_acc"]),
+            helper.make_node("Add", ["state_in_01_count", "one"], ["state_out_01_count"]),
+            helper.make_node("Cast", ["state_out_01_count"], ["count_f"], to=TensorProto.FLOAT),
+            helper.make_node("Concat", ["state_out_00_acc", "count_f", "code_sum"], ["pcm"], axis=1),
+        ],
+        name="tiny_step",
+        inputs=[
+            helper.make_tensor_value_info("codes", TensorProto.INT32, [batch, CODEBOOKS, 1]),
+            helper.make_tensor_value_info("state_in_00_acc", TensorProto.FLOAT, [batch, ACC]),
+            helper.make_tensor_value_info("state_in_01_count", TensorProto.INT64, [batch, 1]),
+        ],
+        outputs=[
+            helper.make_tensor_value_info("pcm", TensorProto.FLOAT, [batch, PCM]),
+            helper.make_tensor_value_info("state_out_00_acc", TensorProto.FLOAT, [batch, ACC]),
+            helper.make_tensor_value_info("state_out_01_count", TensorProto.INT64, [batch, 1]),
+        ],
+        initializer=[
+            helper.make_tensor("sum_axes", TensorProto.INT64, [2], [1, 2]),
+            helper.make_tensor("squeeze_axes", TensorProto.INT64, [1], [2]),
+            helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+class Reference:
+    """Expected outputs of one sequence of the tiny model."""
+
+    def __init__(self):
+        self.acc = 0.0
+        self.count = 0
+
+    def step(self, codes: np.ndarray) -> np.ndarray:
+        code_sum = float(codes.sum())
+        self.acc += code_sum
+        self.count += 1
+        return np.array([[self.acc] * ACC + [self.count, code_sum]], dtype=np.float32)
+
+
+def codes_for(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2048, size=(1, CODEBOOKS, 1), dtype=np.int32)
+
+
+# --- the core, without a server -------------------------------------------------------------------
+MODEL_CONFIG = {
+    "name": "decoder",
+    "max_batch_size": 8,
+    "input": [{"name": "codes", "data_type": "TYPE_INT32", "dims": ["8", "1"]}],
+    "output": [{"name": "pcm", "data_type": "TYPE_FP32", "dims": [str(PCM)]}],
+    "sequence_batching": {"max_sequence_idle_microseconds": str(IDLE_TIMEOUT_US)},
+    "parameters": {
+        "state_spec": {"string_value": json.dumps(STATE_SPEC)},
+        "intra_op_threads": {"string_value": "1"},
+    },
+}
+TRITON_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32}
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def onnx_session(tmp_path_factory):
+    import onnxruntime as ort
+
+    path = build_step_onnx(tmp_path_factory.mktemp("onnx") / "model.onnx")
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def make_core(session, clock=None, run_wrapper=None, config=None):
+    config = config or pom.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = pom.check_against_onnx(config, session.get_inputs(), session.get_outputs())
+    names = [t.name for t in config.outputs] + [s.output for s in config.states]
+    calls = []
+
+    def run(feeds):
+        calls.append({name: array.shape for name, array in feeds.items()})
+        if run_wrapper is not None:
+            run_wrapper(feeds)
+        return session.run(names, feeds)
+
+    core = pom.StreamingDecoderCore(config, run, clock=clock or FakeClock(), model_name="decoder")
+    return core, calls
+
+
+def request(sequence_id, codes, start=False, end=False):
+    return pom.StepRequest(sequence_id, start, end, {"codes": codes})
+
+
+def test_parse_model_config_reads_parameters_and_timeout():
+    config = pom.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    assert config.idle_timeout_s == 2.0
+    assert config.intra_op_threads == 1
+    assert config.onnx_file == "model.onnx"
+    assert [s.input for s in config.states] == ["state_in_00_acc", "state_in_01_count"]
+    assert config.states[1].dtype == np.int64 and config.states[1].shape == (1,)
+    assert config.inputs[0].dims == (8, 1) and config.batched
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        pytest.param({"parameters": {}}, "'state_spec' is required", id="no-state-spec"),
+        pytest.param(
+            {"parameters": {"state_spec": {"string_value": "[{\"input\": \"a\"}]"}}},
+            "must have exactly the keys",
+            id="state-spec-keys",
+        ),
+        pytest.param(
+            {"parameters": {"state_spec": {"string_value": json.dumps(
+                [{**STATE_SPEC[0], "dtype": "float64"}])}}},
+            "dtype 'float64'",
+            id="state-dtype",
+        ),
+        pytest.param(
+            {"parameters": {**MODEL_CONFIG["parameters"], "intra_op_threads": {"string_value": "x"}}},
+            "intra_op_threads",
+            id="threads",
+        ),
+        pytest.param({"sequence_batching": None}, "needs sequence_batching", id="no-sequence-batching"),
+        pytest.param(
+            {"sequence_batching": {"state": [{"input_name": "a"}]}},
+            "remove sequence_batching.state",
+            id="state-block",
+        ),
+    ],
+)
+def test_parse_model_config_rejects(change, message):
+    config = {**MODEL_CONFIG, **change}
+    config = {key: value for key, value in config.items() if value is not None}
+    with pytest.raises(ValueError, match=message):
+        pom.parse_model_config(config, TRITON_TYPES.__getitem__)
+
+
+def test_check_against_onnx_rejects_mismatched_state(onnx_session):
+    spec = [STATE_SPEC[0], {**STATE_SPEC[1], "dtype": "int32"}]
+    config = pom.parse_model_config(
+        {**MODEL_CONFIG, "parameters": {"state_spec": {"string_value": json.dumps(spec)}}},
+        TRITON_TYPES.__getitem__,
+    )
+    with pytest.raises(ValueError, match="state input 'state_in_01_count'"):
+        pom.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+    renamed = [STATE_SPEC[0], {**STATE_SPEC[1], "input": "state_in_01_other"}]
+    config = pom.parse_model_config(
+        {**MODEL_CONFIG, "parameters": {"state_spec": {"string_value": json.dumps(renamed)}}},
+        TRITON_TYPES.__getitem__,
+    )
+    with pytest.raises(ValueError, match="not fed"):
+        pom.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+
+
+def test_core_carries_resets_and_ends(onnx_session):
+    core, _ = make_core(onnx_session)
+    reference = Reference()
+    for step in range(3):
+        codes = codes_for(step)
+        (result,) = core.step([request(7, codes, start=step == 0)])
+        np.testing.assert_array_equal(result["pcm"], reference.step(codes))
+    # START on a live sequence resets it.
+    reference = Reference()
+    (result,) = core.step([request(7, codes_for(10), start=True)])
+    np.testing.assert_array_equal(result["pcm"], reference.step(codes_for(10)))
+    # END decodes its step, then drops the state.
+    (result,) = core.step([request(7, codes_for(11), end=True)])
+    np.testing.assert_array_equal(result["pcm"], reference.step(codes_for(11)))
+    assert core.live_streams == 0
+    (error,) = core.step([request(7, codes_for(12))])
+    assert isinstance(error, pom.StepError) and "START" in str(error) and "sequence 7" in str(error)
+
+
+def test_core_batches_streams_and_keeps_them_independent(onnx_session):
+    core, calls = make_core(onnx_session)
+    references = {sid: Reference() for sid in (1, 2, 3)}
+    for step in range(4):
+        batch = [request(sid, codes_for(100 * sid + step), start=step == 0) for sid in (3, 1, 2)]
+        results = core.step(batch)
+        for req, result in zip(batch, results):
+            np.testing.assert_array_equal(
+                result["pcm"], references[req.sequence_id].step(req.inputs["codes"])
+            )
+    assert [call["codes"] for call in calls] == [(3, 8, 1)] * 4
+    assert core.runs_total == 4 and core.rows_total == 12 and core.run_sizes == [3] * 4
+
+
+def test_core_reuses_previous_run_states_without_copy(onnx_session):
+    fed = []
+    core, _ = make_core(onnx_session, run_wrapper=lambda feeds: fed.append(feeds["state_in_00_acc"]))
+    references = {1: Reference(), 2: Reference()}
+    for step, order in enumerate([(1, 2), (2, 1), (1, 2)]):
+        batch = [request(sid, codes_for(10 * sid + step), start=step == 0) for sid in order]
+        if step == 2:
+            previous_output = core._streams[1].rows.arrays[0]
+        for req, result in zip(batch, core.step(batch)):
+            np.testing.assert_array_equal(
+                result["pcm"], references[req.sequence_id].step(req.inputs["codes"])
+            )
+    # The same two streams again: the previous run's state output is fed back as it is.
+    assert fed[2] is previous_output
+
+
+def test_core_runs_two_steps_of_one_sequence_in_order(onnx_session):
+    core, calls = make_core(onnx_session)
+    reference = Reference()
+    results = core.step(
+        [request(5, codes_for(1), start=True), request(6, codes_for(9), start=True),
+         request(5, codes_for(2), end=True)]
+    )
+    np.testing.assert_array_equal(results[0]["pcm"], reference.step(codes_for(1)))
+    np.testing.assert_array_equal(results[2]["pcm"], reference.step(codes_for(2)))
+    assert [call["codes"][0] for call in calls] == [2, 1]
+    assert not core.has_stream(5) and core.has_stream(6)
+
+
+def test_core_bad_request_fails_alone_and_leaves_state(onnx_session):
+    core, _ = make_core(onnx_session)
+    reference = Reference()
+    other = Reference()
+    core.step([request(1, codes_for(1), start=True), request(2, codes_for(2), start=True)])
+    reference.step(codes_for(1))
+    other.step(codes_for(2))
+    bad_batch = np.zeros((2, CODEBOOKS, 1), dtype=np.int32)
+    bad_dtype = np.zeros((1, CODEBOOKS, 1), dtype=np.int64)
+    results = core.step(
+        [request(1, bad_batch), request(2, codes_for(3)), request(1, bad_dtype)]
+    )
+    assert "has shape [2, 8, 1], expected [1, 8, 1]" in str(results[0])
+    assert "dtype int64" in str(results[2])
+    np.testing.assert_array_equal(results[1]["pcm"], other.step(codes_for(3)))
+    (result,) = core.step([request(1, codes_for(4))])
+    np.testing.assert_array_equal(result["pcm"], reference.step(codes_for(4)))
+    # A rejected START on a new sequence creates nothing; a rejected END still ends.
+    (error,) = core.step([request(9, bad_batch, start=True)])
+    assert isinstance(error, pom.StepError) and not core.has_stream(9)
+    (error,) = core.step([request(1, bad_batch, end=True)])
+    assert isinstance(error, pom.StepError) and not core.has_stream(1)
+
+
+def test_core_expires_idle_streams(onnx_session):
+    clock = FakeClock()
+    core, _ = make_core(onnx_session, clock=clock)
+    core.step([request(1, codes_for(1), start=True), request(2, codes_for(2), start=True)])
+    clock.now += 1.5
+    core.step([request(2, codes_for(3))])
+    clock.now += 1.0  # sequence 1 idle 2.5 s > 2 s, sequence 2 idle 1.0 s
+    assert core.expire_idle() == 1
+    assert not core.has_stream(1) and core.has_stream(2)
+    (error,) = core.step([request(1, codes_for(4))])
+    assert "idle for more than 2 s" in str(error)
+    # A stream whose request is in the batch is not expired before it runs, however late it is.
+    clock.now += 10.0
+    (result,) = core.step([request(2, codes_for(5))])
+    assert isinstance(result, dict) and core.expired_total == 1
+
+
+def test_core_step_failure_ends_the_batch_sequences(onnx_session):
+    def fail(feeds):
+        raise RuntimeError("boom")
+
+    core, _ = make_core(onnx_session)
+    core.step([request(1, codes_for(1), start=True)])
+    failing, _ = make_core(onnx_session, run_wrapper=fail)
+    failing._streams = core._streams
+    (error,) = failing.step([request(1, codes_for(2))])
+    assert error.internal and "boom" in str(error) and "START it again" in str(error)
+    assert not failing.has_stream(1)
+
+
+# --- served by the real tritonserver --------------------------------------------------------------
+DECODER_CONFIG = """\
+name: "decoder"
+backend: "python"
+max_batch_size: 8
+# Frames per step (-1 here) are fixed to 1 by the ONNX graph: the model checks that itself.
+input [ {{ name: "codes" data_type: TYPE_INT32 dims: [ 8, -1 ] }} ]
+output [ {{ name: "pcm" data_type: TYPE_FP32 dims: [ {pcm} ] }} ]
+sequence_batching {{
+  max_sequence_idle_microseconds: {idle_us}
+  oldest {{
+    max_candidate_sequences: 64
+    preferred_batch_size: [ 8 ]
+    max_queue_delay_microseconds: 5000
+  }}
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}
+  ]
+}}
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+parameters {{ key: "state_spec" value: {{ string_value: '{state_spec}' }} }}
+parameters {{ key: "onnx_file" value: {{ string_value: "model.onnx" }} }}
+parameters {{ key: "intra_op_threads" value: {{ string_value: "1" }} }}
+"""
+
+
+@pytest.fixture(scope="module")
+def decoder_server(tmp_path_factory, triton_server_factory):
+    repository = tmp_path_factory.mktemp("python_ort_repo")
+    version_dir = repository / "decoder" / "1"
+    version_dir.mkdir(parents=True)
+    build_step_onnx(version_dir / "model.onnx")
+    shutil.copyfile(MODEL_SOURCE, version_dir / "model.py")
+    (repository / "decoder" / "config.pbtxt").write_text(
+        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(STATE_SPEC))
+    )
+    return triton_server_factory(repository, log_path=repository / "server.log")
+
+
+class Client:
+    def __init__(self, url: str):
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.client = grpcclient.InferenceServerClient(url)
+
+    def step(self, sequence_id, codes, start=False, end=False) -> np.ndarray:
+        tensor = self._grpc.InferInput("codes", list(codes.shape), "INT32")
+        tensor.set_data_from_numpy(codes)
+        result = self.client.infer(
+            "decoder", [tensor], sequence_id=sequence_id, sequence_start=start, sequence_end=end
+        )
+        return result.as_numpy("pcm")
+
+    def close(self):
+        self.client.close()
+
+
+@pytest.fixture
+def client(decoder_server):
+    c = Client(decoder_server.grpc_url)
+    yield c
+    c.close()
+
+
+def server_error(call) -> str:
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as failure:
+        call()
+    return str(failure.value)
+
+
+def metrics(server) -> dict[str, float]:
+    from server.triton import fetch_metrics
+
+    return fetch_metrics(server.metrics_url)
+
+
+def metric(server, name) -> float | None:
+    from server.triton import metric_value
+
+    return metric_value(metrics(server), name, model="decoder")
+
+
+@pytest.mark.server
+def test_served_state_carries_resets_and_ends(client):
+    reference = Reference()
+    for step in range(3):
+        codes = codes_for(step)
+        np.testing.assert_array_equal(client.step(11, codes, start=step == 0), reference.step(codes))
+    reference = Reference()
+    np.testing.assert_array_equal(
+        client.step(11, codes_for(5), start=True), reference.step(codes_for(5))
+    )
+    np.testing.assert_array_equal(client.step(11, codes_for(6), end=True), reference.step(codes_for(6)))
+    message = server_error(lambda: client.step(11, codes_for(7)))
+    assert "START" in message
+
+
+@pytest.mark.server
+def test_served_start_and_end_in_one_request(client):
+    np.testing.assert_array_equal(
+        client.step(12, codes_for(1), start=True, end=True), Reference().step(codes_for(1))
+    )
+    assert "START" in server_error(lambda: client.step(12, codes_for(2)))
+
+
+@pytest.mark.server
+def test_served_unknown_sequence_is_told_to_start(client):
+    message = server_error(lambda: client.step(987654, codes_for(1)))
+    assert "START" in message
+
+
+@pytest.mark.server
+def test_served_model_reports_sequence_without_state(client):
+    # Triton starts the sequence, the model rejects its first request (two frames where the graph
+    # takes one), so the model has no state for a sequence that Triton considers live: the model's
+    # own error answers.
+    two_frames = np.zeros((1, CODEBOOKS, 2), dtype=np.int32)
+    assert "expected [1, 8, 1]" in server_error(lambda: client.step(13, two_frames, start=True))
+    message = server_error(lambda: client.step(13, codes_for(1)))
+    assert "sequence 13 has no decoder state in model 'decoder'" in message
+    assert "START" in message
+    client.step(13, codes_for(1), start=True, end=True)
+
+
+@pytest.mark.server
+def test_served_interleaved_sequences_are_independent(client):
+    references = {21: Reference(), 22: Reference()}
+    order = [21, 22, 22, 21, 21, 22]
+    started = set()
+    for n, sid in enumerate(order):
+        codes = codes_for(sid * 10 + n)
+        out = client.step(sid, codes, start=sid not in started)
+        started.add(sid)
+        np.testing.assert_array_equal(out, references[sid].step(codes))
+    for sid in references:
+        client.step(sid, codes_for(0), end=True)
+
+
+@pytest.mark.server
+def test_served_bad_request_fails_alone(client):
+    reference = Reference()
+    other = Reference()
+    np.testing.assert_array_equal(
+        client.step(31, codes_for(1), start=True), reference.step(codes_for(1))
+    )
+    np.testing.assert_array_equal(client.step(32, codes_for(2), start=True), other.step(codes_for(2)))
+    # Two frames where the graph takes one: rejected by the model, the stream untouched.
+    two_frames = np.zeros((1, CODEBOOKS, 2), dtype=np.int32)
+    message = server_error(lambda: client.step(31, two_frames))
+    assert "input 'codes' has shape [1, 8, 2], expected [1, 8, 1]" in message
+    # Shapes that contradict the config: rejected by Triton before the model.
+    seven_codebooks = np.zeros((1, CODEBOOKS - 1, 1), dtype=np.int32)
+    assert "shape" in server_error(lambda: client.step(31, seven_codebooks))
+    two_rows = np.concatenate([codes_for(3), codes_for(4)])
+    assert "batch-size 1" in server_error(lambda: client.step(31, two_rows))
+    np.testing.assert_array_equal(client.step(32, codes_for(5)), other.step(codes_for(5)))
+    np.testing.assert_array_equal(client.step(31, codes_for(6), end=True), reference.step(codes_for(6)))
+    np.testing.assert_array_equal(client.step(32, codes_for(7), end=True), other.step(codes_for(7)))
+
+
+@pytest.mark.server
+def test_served_concurrent_sequences_are_batched(decoder_server):
+    before_runs = metric(decoder_server, "mimi_decoder_batches_total") or 0.0
+    before_rows = metric(decoder_server, "mimi_decoder_batched_requests_total") or 0.0
+    sequences = list(range(41, 49))
+    steps = 12
+    failures = []
+    barrier = threading.Barrier(len(sequences))
+
+    def stream(sid):
+        c = Client(decoder_server.grpc_url)
+        try:
+            reference = Reference()
+            barrier.wait()
+            for step in range(steps):
+                codes = codes_for(sid * 100 + step)
+                out = c.step(sid, codes, start=step == 0, end=step == steps - 1)
+                np.testing.assert_array_equal(out, reference.step(codes))
+        except Exception as exc:  # reported below, with the sequence
+            failures.append((sid, exc))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=stream, args=(sid,)) for sid in sequences]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not failures, failures
+    runs = metric(decoder_server, "mimi_decoder_batches_total") - before_runs
+    rows = metric(decoder_server, "mimi_decoder_batched_requests_total") - before_rows
+    assert rows == len(sequences) * steps
+    assert runs < rows, f"{rows} requests ran in {runs} session runs: no batch had two rows"
+    samples = metrics(decoder_server)
+    from server.triton import metric_value
+
+    count = metric_value(samples, "mimi_decoder_batch_size_count", model="decoder")
+    single = metric_value(samples, "mimi_decoder_batch_size_bucket", model="decoder", le="1")
+    assert count is not None and single is not None and count > single
+
+
+@pytest.mark.server
+def test_served_idle_sequences_expire(decoder_server, client):
+    client.step(51, codes_for(1), start=True)
+    client.step(52, codes_for(2), start=True)
+    assert metric(decoder_server, "mimi_decoder_live_streams") >= 2
+    expired_before = metric(decoder_server, "mimi_decoder_expired_streams_total") or 0.0
+    deadline = time.monotonic() + IDLE_TIMEOUT_US / 1e6 + 5
+    while time.monotonic() < deadline and metric(decoder_server, "mimi_decoder_live_streams") != 0:
+        time.sleep(0.2)
+    assert metric(decoder_server, "mimi_decoder_live_streams") == 0
+    assert metric(decoder_server, "mimi_decoder_expired_streams_total") >= expired_before + 2
+    assert "START" in server_error(lambda: client.step(51, codes_for(3)))
+    reference = Reference()
+    np.testing.assert_array_equal(
+        client.step(51, codes_for(4), start=True, end=True), reference.step(codes_for(4))
+    )
+
+
+@pytest.mark.server
+def test_served_bad_parameter_fails_the_load(tmp_path):
+    from server.triton import ServerError, running_server
+
+    version_dir = tmp_path / "repo" / "decoder" / "1"
+    version_dir.mkdir(parents=True)
+    build_step_onnx(version_dir / "model.onnx")
+    shutil.copyfile(MODEL_SOURCE, version_dir / "model.py")
+    wrong_dtype = [STATE_SPEC[0], {**STATE_SPEC[1], "dtype": "int32"}]
+    (tmp_path / "repo" / "decoder" / "config.pbtxt").write_text(
+        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(wrong_dtype))
+    )
+    with pytest.raises(ServerError) as failure:
+        with running_server(tmp_path / "repo", log_path=tmp_path / "server.log"):
+            pass
+    assert "state input 'state_in_01_count': ONNX type tensor(int64), expected int32" in str(
+        failure.value
+    )
