@@ -235,7 +235,7 @@ def metric_value(samples: dict[str, float], name: str, **labels: str) -> float |
 class TritonServer:
     """One tritonserver process on loopback ports, started in its own process group.
 
-    Ports left as None are picked free at `start()`. Use as a context manager (start, wait for
+    Ports left as None (or 0) are picked free at `start()`. Use as a context manager (start, wait for
     readiness, stop on exit) or call `start()`, `wait_ready()`, `stop()` yourself.
 
     Addresses, once started: `grpc_url` and `http_url` are "host:port" as tritonclient takes them,
@@ -260,9 +260,10 @@ class TritonServer:
     ):
         self.model_repository = Path(model_repository).resolve()
         self.host = host
-        self.http_port = http_port
-        self.grpc_port = grpc_port
-        self.metrics_port = metrics_port
+        # 0 means "any free port", as for a socket bind.
+        self.http_port = http_port or None
+        self.grpc_port = grpc_port or None
+        self.metrics_port = metrics_port or None
         self.allow_metrics = allow_metrics
         self.log_path = Path(log_path) if log_path is not None else None
         self.log_verbose = log_verbose
