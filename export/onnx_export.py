@@ -78,15 +78,27 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
         )
     log(f"  traced in {time.monotonic() - started:.1f} s; checking ...")
     model = onnx.load(str(path))
-    if model.ir_version > MAX_IR_VERSION:
-        model.ir_version = MAX_IR_VERSION
-        onnx.save(model, str(path))
+    _pin_io_shapes(model, spec)
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    onnx.save(model, str(path))
     onnx.checker.check_model(str(path), full_check=True)
     found = sorted({node.op_type for node in model.graph.node} & set(FORBIDDEN_OPS))
     if found:
         raise RuntimeError(f"exported graph contains ops that break static shapes: {found}")
     log(f"  {path} ({path.stat().st_size / 2**20:.1f} MiB) passed onnx.checker (full check)")
     return spec
+
+
+def _pin_io_shapes(model, spec: DecoderSpec) -> None:
+    """Declare every graph input and output as [batch, *per-stream shape] from the spec."""
+    by_name = {t.name: t for t in (*spec.inputs, *spec.outputs)}
+    for value in list(model.graph.input) + list(model.graph.output):
+        tensor = by_name[value.name]
+        dims = value.type.tensor_type.shape.dim
+        del dims[:]
+        dims.add().dim_param = "batch"
+        for size in tensor.shape:
+            dims.add().dim_value = size
 
 
 def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weights_source: str,

@@ -286,6 +286,8 @@ def load_weights(source: str | os.PathLike | None, seed: int | None = None) -> L
     if path.is_dir():
         return load_transformers_dir(path)
     if path.is_file():
+        if path.suffix not in (".safetensors", ".sft"):
+            raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
         if _is_moshi_checkpoint(path):
             return load_moshi_checkpoint(path)
         raise WeightsError(

@@ -1,0 +1,138 @@
+"""Weight loading round trips: moshi-format checkpoints, transformers-format folders, random weights,
+and the errors a checkpoint that does not fit gets (each names the tensor)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mimi_fixtures import assert_equal_audio, tiny_config
+
+torch = pytest.importorskip("torch", reason="the export extra (torch) is needed for weight loading")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from export.weights import WeightsError, load_weights, new_model, randomize_  # noqa: E402
+
+
+def test_moshi_loads_the_checkpoint_and_both_decode_alike(moshi_checkpoint, mimi):
+    """The test checkpoint is one moshi itself loads; through our mapping it decodes the same audio."""
+    from moshi.models.loaders import get_mimi
+
+    path, _ = moshi_checkpoint
+    moshi_model = get_mimi(str(path), device="cpu", num_codebooks=8)  # moshi's own loader, strict
+    codes = torch.from_numpy(np.random.default_rng(0).integers(0, 2048, (1, 8, 20)))
+    with torch.no_grad():
+        reference = moshi_model.decode(codes)[0, 0].numpy()
+        ours = mimi.model.decode(codes).audio_values[0, 0].numpy()
+    assert mimi.kind == "moshi" and len(mimi.sha256) == 64
+    assert_equal_audio(ours, reference, what="transformers MimiModel (mapped) vs moshi, offline decode")
+
+
+def test_moshi_mapping_covers_the_encoder(moshi_checkpoint, mimi):
+    """Encoder weights map too (WAV -> codes uses them): both encoders pick the same codes."""
+    from moshi.models.loaders import get_mimi
+
+    moshi_model = get_mimi(str(moshi_checkpoint[0]), device="cpu", num_codebooks=8)
+    audio = torch.from_numpy(np.random.default_rng(1).standard_normal((1, 1, 24000)).astype(np.float32) * 0.1)
+    with torch.no_grad():
+        reference = moshi_model.encode(audio).numpy()
+        ours = mimi.model.encode(audio, num_quantizers=8).audio_codes.numpy()
+    assert ours.shape == reference.shape == (1, 8, 13)
+    assert (ours == reference).mean() > 0.95, (ours == reference).mean()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A transformers-format folder written by transformers' own save_pretrained."""
+    model = new_model(tiny_config())
+    randomize_(model, 3)
+    folder = tmp_path_factory.mktemp("tiny_mimi")
+    model.save_pretrained(str(folder))
+    return folder, model
+
+
+def test_transformers_folder_round_trip(tiny_dir):
+    folder, source = tiny_dir
+    loaded = load_weights(folder)
+    assert loaded.kind == "transformers"
+    codes = torch.from_numpy(np.random.default_rng(2).integers(0, 64, (2, 8, 12)))
+    with torch.no_grad():
+        expected = source.decode(codes).audio_values
+        got = loaded.model.decode(codes).audio_values
+    assert expected.std() > 0.05
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def _rewrite(folder, tmp_path, edit):
+    target = tmp_path / "edited"
+    target.mkdir()
+    (target / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(target / "model.safetensors"))
+    return target
+
+
+def test_missing_tensor_is_named(tiny_dir, tmp_path):
+    name = "decoder.layers.0.conv.weight"
+    edited = _rewrite(tiny_dir[0], tmp_path, lambda t: t.pop(name))
+    with pytest.raises(WeightsError, match=r"missing tensors \(1\): decoder\.layers\.0\.conv\.weight"):
+        load_weights(edited)
+
+
+def test_renamed_tensor_is_named_both_ways(tiny_dir, tmp_path):
+    old, new = "decoder_transformer.layers.1.mlp.fc1.weight", "decoder_transformer.layers.1.mlp.fc_1.weight"
+    edited = _rewrite(tiny_dir[0], tmp_path, lambda t: t.__setitem__(new, t.pop(old)))
+    with pytest.raises(WeightsError) as error:
+        load_weights(edited)
+    assert f"missing tensors (1): {old}" in str(error.value)
+    assert f"unexpected tensors (1): {new}" in str(error.value)
+
+
+def test_misshaped_tensor_is_named_with_shapes(tiny_dir, tmp_path):
+    name = "upsample.conv.weight"
+    edited = _rewrite(tiny_dir[0], tmp_path, lambda t: t.__setitem__(name, t[name][:, :, :2].contiguous()))
+    with pytest.raises(WeightsError, match=r"mis-shaped tensors \(1\): upsample\.conv\.weight: checkpoint \(64, 1, 2\), model \(64, 1, 4\)"):
+        load_weights(edited)
+
+
+def test_moshi_checkpoint_with_unknown_or_missing_tensor(moshi_checkpoint, tmp_path):
+    tensors = load_file(str(moshi_checkpoint[0]))
+    extra = dict(tensors, **{"decoder.model.99.lstm.weight": torch.zeros(1)})
+    save_file(extra, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(WeightsError, match=r"no known Mimi name: decoder\.model\.99\.lstm\.weight"):
+        load_weights(tmp_path / "extra.safetensors")
+    missing = dict(tensors)
+    missing.pop("decoder_transformer.transformer.layers.3.linear2.weight")
+    save_file(missing, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(WeightsError, match=r"missing tensors \(1\): decoder_transformer\.layers\.3\.mlp\.fc2\.weight"):
+        load_weights(tmp_path / "missing.safetensors")
+
+
+def test_bad_sources_fail_clearly(tmp_path, monkeypatch):
+    with pytest.raises(WeightsError, match="no such file or folder"):
+        load_weights(tmp_path / "nope.safetensors")
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(WeightsError, match="only safetensors"):
+        load_weights(tmp_path / "weights.bin")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(WeightsError, match="config.json is missing"):
+        load_weights(tmp_path / "empty")
+    with pytest.raises(WeightsError, match="no weights given"):
+        load_weights(None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(WeightsError, match="cannot get 'no-such-org/no-such-mimi'"):
+        load_weights("no-such-org/no-such-mimi")
+
+
+def test_random_weights_are_seeded_and_loud(capsys):
+    a = load_weights(None, seed=4)
+    assert "RANDOM weights" in capsys.readouterr().err
+    b = load_weights(None, seed=4)
+    c = load_weights(None, seed=5)
+    assert a.sha256 == b.sha256 != c.sha256
+    wa, wb, wc = (m.model.decoder.decoder_seanet.layers[0].conv.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    json.dumps(a.source)
