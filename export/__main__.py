@@ -64,6 +64,27 @@ def build(options: ExportOptions, loaded, out_dir: Path, force: bool = False) ->
     return out_dir
 
 
+def prepare_local_repository(weights: str | None = None, random_init: bool = False, seed: int | None = None,
+                             build_root: Path = Path("build"), options: ExportOptions | None = None) -> Path:
+    """Export (when missing or stale) and render the python-ort model repository for a local server.
+
+    Weights: `weights` (folder, .safetensors file or hub id), else random when `random_init`, else
+    kyutai/mimi from the local hub cache or the hub, else seeded random weights with a loud warning.
+    """
+    from export.onnx_export import MODEL_FILE, read_manifest
+    from export.render import DecoderServing, render_repository
+    from export.spec import DecoderSpec
+
+    options = options or ExportOptions()
+    loaded = load_weights_arg(weights, random_init, seed, allow_default=True)
+    export_dir = build(options, loaded, export_dir_for(options, build_root / "export"))
+    spec = DecoderSpec.from_dict(read_manifest(export_dir)["spec"])
+    serving = DecoderServing(instance_kind="KIND_CPU")
+    repository = render_repository(spec, export_dir / MODEL_FILE, build_root / "model_repository", "python-ort", serving)
+    _log(f"model repository: {repository} (code2wav + python-ort mimi_decoder, weights {loaded.source})")
+    return repository
+
+
 def spec_for_options(options: ExportOptions):
     """The spec an export with these options has; it depends on the architecture, not the weights."""
     from export.onnx_export import build_step

@@ -21,20 +21,21 @@ class _StopRequested(Exception):
 
 
 def prepare_repository(args: argparse.Namespace) -> Path:
-    """The model repository to serve.
-
-    Hook for building the local (python-ort) repository from the export under `build/`, using
-    `args.weights` when given. Today it serves `--model-repository` as it is.
-    """
+    """The model repository to serve: `--model-repository` as it is, else the local python-ort
+    repository under build/, exported first when missing or stale for the weights (`--weights`,
+    `--random-init`, else kyutai/mimi when available, else seeded random weights)."""
     if args.model_repository is not None:
         repository = Path(args.model_repository)
         if not repository.is_dir():
             raise ServerError(f"model repository {repository} is not a directory")
         return repository
-    raise ServerError(
-        "no model repository: pass --model-repository DIR (building the local python-ort "
-        "repository from the export is not wired into `serve` yet)"
-    )
+    from export.__main__ import prepare_local_repository
+    from export.weights import WeightsError
+
+    try:
+        return prepare_local_repository(args.weights, args.random_init, args.seed, Path(args.build_dir))
+    except WeightsError as error:
+        raise ServerError(str(error)) from error
 
 
 class _StopSignals:
@@ -116,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("serve", help="run tritonserver in the foreground")
     run.add_argument("--model-repository", type=Path, help="model repository to serve")
-    run.add_argument("--weights", type=Path, help="Mimi weights for building the repository")
+    run.add_argument("--weights", help="Mimi weights: transformers folder, moshi .safetensors file or hub id "
+                     "(default: kyutai/mimi when available, else seeded random weights)")
+    run.add_argument("--random-init", action="store_true", help="serve seeded random weights (noise)")
+    run.add_argument("--seed", type=int, default=None, help="seed for --random-init")
+    run.add_argument("--build-dir", default="build", help="where exports and the rendered repository go")
     run.add_argument("--host", default=LOCALHOST, help="address to bind (default %(default)s)")
     run.add_argument("--http-port", type=int, default=8000)
     run.add_argument("--grpc-port", type=int, default=8001)
