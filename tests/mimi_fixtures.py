@@ -47,7 +47,7 @@ def tiny_config():
 
     return MimiConfig(
         hidden_size=64, num_filters=8, upsampling_ratios=[4, 3, 2, 2], num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, codebook_size=64, codebook_dim=16, vector_quantization_hidden_dimension=16,
+        num_attention_heads=4, num_key_value_heads=4, codebook_size=64, codebook_dim=16, vector_quantization_hidden_dimension=16,
         num_quantizers=8, sliding_window=20, upsample_groups=64,
     )
 
@@ -215,3 +215,21 @@ def spec_zero_state(spec):
         return [np.zeros((batch, *s.shape), dtype=s.dtype) for s in spec.states]
 
     return zero
+
+
+@pytest.fixture(scope="session")
+def served_repository(onnx_fp32, tmp_path_factory):
+    """A python-ort model repository (code2wav + mimi_decoder) over the real-architecture export."""
+    from export.onnx_export import read_manifest
+    from export.render import DecoderServing, render_repository
+    from export.spec import DecoderSpec
+
+    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    out = tmp_path_factory.mktemp("served") / "model_repository"
+    return render_repository(spec, onnx_fp32 / "model.onnx", out, "python-ort", DecoderServing(instance_kind="KIND_CPU"))
+
+
+@pytest.fixture(scope="session")
+def code2wav_server(served_repository, triton_server_factory):
+    """A real tritonserver serving code2wav + the python-ort mimi_decoder (started once per session)."""
+    return triton_server_factory(served_repository)
