@@ -76,6 +76,8 @@ class _StreamingConvTranspose(nn.Module):
             raise ValueError("streaming transposed conv expects kernel > stride")
 
     def forward(self, x: torch.Tensor, state: "_ConvState") -> torch.Tensor:
+        if self.tail == self.stride and self.groups in (1, self.channels):
+            return self._forward_kernel_twice_stride(x, state)
         steps = self.input_length  # a Python int: shape reads would become Shape ops in the graph
         y = F.conv_transpose1d(x, self.weight, None, stride=self.stride, groups=self.groups)
         head = y[:, :, : self.tail] + state.take(self.channels, self.tail)
@@ -83,6 +85,30 @@ class _StreamingConvTranspose(nn.Module):
         emitted = steps * self.stride
         state.put(y[:, :, emitted:])
         y = y[:, :, :emitted]
+        if self.bias is not None:
+            y = y + self.bias[None, :, None]
+        return y
+
+
+    def _forward_kernel_twice_stride(self, x: torch.Tensor, state: "_ConvState") -> torch.Tensor:
+        """kernel = 2 * stride (every Mimi transposed conv) as one matmul plus an overlap-add.
+
+        Input step t writes kernel taps [0, s) to output block t and [s, 2s) to block t + 1, so
+        block t = first half of step t + second half of step t - 1 (the state for t = 0). Small
+        CPU inputs run this several times faster than a ConvTranspose kernel.
+        """
+        steps, stride, channels = self.input_length, self.stride, self.channels
+        if self.groups == 1:
+            # [B, T, Cin] @ [Cin, Cout * K] -> [B, T, Cout, K]
+            cols = torch.matmul(x.transpose(1, 2), self.weight.flatten(1)).view(-1, steps, channels, 2 * stride)
+        else:  # depthwise: [B, T, C, 1] * [C, K]
+            cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
+        first, second = cols[..., :stride], cols[..., stride:]
+        previous = state.take(channels, stride)[:, None]  # [B, 1, Cout, s]
+        if steps > 1:
+            previous = torch.cat([previous, second[:, : steps - 1]], dim=1)
+        state.put(second[:, steps - 1])
+        y = (first + previous).permute(0, 2, 1, 3).reshape(-1, channels, steps * stride)
         if self.bias is not None:
             y = y + self.bias[None, :, None]
         return y
@@ -349,29 +375,36 @@ class MimiDecoderStep(nn.Module):
         filled = (slot + position) >= 0  # [B, n + T]
         allowed = self.attn_allowed[None, None] & filled[:, None, None, :]
         bias = torch.where(allowed, torch.zeros((), dtype=self.dtype), torch.full((), -math.inf, dtype=self.dtype))
+        bias_past, bias_new = bias[..., :n], bias[..., n:]
         cache_dtype = kv_cache.dtype
-        new_layers = []
+        scale = 1.0 / math.sqrt(head_dim)
+        new_entries = []
         for index, block in enumerate(self.layers):
             h = F.layer_norm(x, (hidden,), block.norm1.weight, block.norm1.bias, block.norm1.eps)
             qkv = F.linear(h, block.qkv).view(-1, steps, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
             q, k, v = qkv[0], qkv[1], qkv[2]
             q = q * cos + _rotate_half(q, head_dim // 2) * sin
             k = k * cos + _rotate_half(k, head_dim // 2) * sin
-            # Attend over what the cache will hold, so that F frames per call equal F calls of one frame.
             past_k, past_v = kv_cache[:, index, 0], kv_cache[:, index, 1]
             if cache_dtype != self.dtype:
+                # Attend over what the cache will hold, so F frames per call equal F calls of one frame.
                 k, v = k.to(cache_dtype).to(self.dtype), v.to(cache_dtype).to(self.dtype)
                 past_k, past_v = past_k.to(self.dtype), past_v.to(self.dtype)
-            keys = torch.cat([past_k, k], dim=2)
-            values = torch.cat([past_v, v], dim=2)
-            scores = torch.matmul(q, keys.transpose(2, 3)) * (1.0 / math.sqrt(head_dim)) + bias
-            attn = torch.matmul(torch.softmax(scores, dim=-1), values)
+            # Scores against the cache and against the new steps separately: no copy of the cache.
+            scores = torch.cat([
+                torch.matmul(q, past_k.transpose(2, 3)) * scale + bias_past,
+                torch.matmul(q, k.transpose(2, 3)) * scale + bias_new,
+            ], dim=-1)
+            weights = torch.softmax(scores, dim=-1)
+            attn = torch.matmul(weights[..., :n], past_v) + torch.matmul(weights[..., n:], v)
             attn = attn.transpose(1, 2).reshape(-1, steps, hidden)
             x = x + block.scale1 * F.linear(attn, block.out)
             h = F.layer_norm(x, (hidden,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
             x = x + block.scale2 * F.linear(F.gelu(F.linear(h, block.fc1)), block.fc2)
-            new_layers.append(torch.stack([keys[:, :, -n:], values[:, :, -n:]], dim=1).to(cache_dtype))
-        return x, torch.stack(new_layers, dim=1)
+            new_entries.append(torch.stack([k, v], dim=1))  # [B, 2, H, T, D]
+        # Shift the whole cache once: drop the oldest `steps` entries of every layer, append the new.
+        new = torch.stack(new_entries, dim=1).to(cache_dtype)
+        return x, torch.cat([kv_cache[:, :, :, :, steps:], new], dim=4)
 
 
 def _rotate_half(x, half: int):
