@@ -101,6 +101,16 @@ def _pin_io_shapes(model, spec: DecoderSpec) -> None:
             dims.add().dim_value = size
 
 
+def exporter_sha256() -> str:
+    """Hash of the code that shapes the graph: an export made by other code is stale."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("step.py", "spec.py", "onnx_export.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()
+
+
 def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weights_source: str,
                    weights_kind: str, weights_sha256: str) -> Path:
     import onnx
@@ -110,6 +120,7 @@ def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weig
         "options": asdict(options),
         "spec": spec.to_dict(),
         "spec_sha256": spec.sha256(),
+        "exporter_sha256": exporter_sha256(),
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__},
         "created_unix": int(time.time()),
     }
@@ -135,6 +146,8 @@ def stale_reason(folder: Path, options: ExportOptions, weights_sha256: str) -> s
         return f"no export in {folder}"
     if manifest["weights"]["sha256"] != weights_sha256:
         return "the weights changed"
+    if manifest.get("exporter_sha256") != exporter_sha256():
+        return "the export code changed"
     if manifest["options"] != asdict(options):
         return f"the options changed ({manifest['options']} -> {asdict(options)})"
     spec = DecoderSpec.from_dict(manifest["spec"])
