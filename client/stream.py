@@ -103,7 +103,7 @@ class StreamOptions:
     first_chunk_frames: int = FIRST_CHUNK_FRAMES
     mode: str = "delta"  # delta: each request holds its new frames; cumulative: the stream so far
     send_frame_offset: bool = True
-    paced: bool = True
+    paced: bool = False
     model_name: str = MODEL_NAME
     # A request without an answer for this long fails the run.
     response_timeout_s: float = 60.0

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# perf_analyzer (2.51.0) against code2wav: gRPC streaming, one sequence per stream, steps from
+# generated input data (client/perf_inputs.py: deltas without frame_offset), decoder stats reported
+# through --bls-composing-models. Extra arguments go to perf_analyzer and choose the load, e.g.
+#
+#   client/perf.sh --concurrency-range 4                                   # 4 streams, unpaced
+#   client/perf.sh --request-rate-range 12.5 --num-of-sequences 4 --serial-sequences   # paced load
+#
+# Variables (defaults): URL (127.0.0.1:8001), MODEL (code2wav), STREAMS (8: sequences in the input
+# data), FRAMES (64 per sequence), CHUNK_FRAMES (4), SEED (0), SEQUENCE_ID_RANGE (1000000:2000000),
+# MEASUREMENT_INTERVAL_MS (4000), CSV (build/perf/perf.csv), PYTHON (.venv/bin/python),
+# PERF_ANALYZER (next to PYTHON), BUILD_DIR (build/perf).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+URL=${URL:-127.0.0.1:8001}
+MODEL=${MODEL:-code2wav}
+STREAMS=${STREAMS:-8}
+FRAMES=${FRAMES:-64}
+CHUNK_FRAMES=${CHUNK_FRAMES:-4}
+SEED=${SEED:-0}
+SEQUENCE_ID_RANGE=${SEQUENCE_ID_RANGE:-1000000:2000000}
+MEASUREMENT_INTERVAL_MS=${MEASUREMENT_INTERVAL_MS:-4000}
+BUILD_DIR=${BUILD_DIR:-$ROOT/build/perf}
+CSV=${CSV:-$BUILD_DIR/perf.csv}
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+PERF_ANALYZER=${PERF_ANALYZER:-$(dirname "$PYTHON")/perf_analyzer}
+INPUT_DATA=$BUILD_DIR/inputs-s$STREAMS-f$FRAMES-c$CHUNK_FRAMES-seed$SEED.json
+# One step of 1 frame, then steps of CHUNK_FRAMES frames: the whole generated sequence, every time.
+SEQUENCE_LENGTH=$(( 1 + (FRAMES - 1 + CHUNK_FRAMES - 1) / CHUNK_FRAMES ))
+
+# perf_analyzer links libb64.so.0d and libcudart.so.12; the pytriton wheel carries both, renamed.
+LIB_DIR=$BUILD_DIR/lib
+mkdir -p "$LIB_DIR"
+WHEEL_LIBS=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia_pytriton.libs
+for pair in "libb64.so.0d:libb64-*.so.0d" "libcudart.so.12:libcudart-*.so.12*"; do
+  name=${pair%%:*}
+  # shellcheck disable=SC2086  # the pattern must glob
+  found=$(ls $WHEEL_LIBS/${pair#*:} 2>/dev/null | head -n 1 || true)
+  if [ -n "$found" ]; then ln -sfn "$found" "$LIB_DIR/$name"; fi
+done
+export LD_LIBRARY_PATH=$LIB_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+cd "$ROOT"
+"$PYTHON" -m client.perf_inputs --out "$INPUT_DATA" --streams "$STREAMS" --frames "$FRAMES" \
+  --chunk-frames "$CHUNK_FRAMES" --seed "$SEED" > /dev/null
+mkdir -p "$(dirname "$CSV")"
+
+exec "$PERF_ANALYZER" -m "$MODEL" -u "$URL" -i grpc --streaming \
+  --input-data "$INPUT_DATA" \
+  --sequence-length "$SEQUENCE_LENGTH" --sequence-length-variation 0 \
+  --sequence-id-range "$SEQUENCE_ID_RANGE" \
+  --bls-composing-models=mimi_decoder \
+  --measurement-interval "$MEASUREMENT_INTERVAL_MS" \
+  -f "$CSV" "$@"

@@ -1,0 +1,101 @@
+"""perf_analyzer input data for code2wav: one sequence per stream, one step per chunk.
+
+    python -m client.perf_inputs --out build/perf/inputs.json [--streams 4] [--frames 64]
+                                 [--chunk-frames 4] [--seed 0]
+
+The file is perf_analyzer's `--input-data` JSON for sequence models (checked with perf_analyzer
+2.51.0): a top-level "data" list with one inner list per sequence, one dict per step, each input as
+{"content": [flat values], "shape": [dims without the batch dimension]} (perf_analyzer adds the batch
+dimension of 1 itself, since code2wav has max_batch_size > 0):
+
+    {"data": [[{"input_ids": {"content": [...], "shape": [8]}},
+               {"input_ids": {"content": [...], "shape": [32]}}, ...],
+              [...]]}
+
+Steps are deltas WITHOUT frame_offset: when a measurement window ends or the load changes,
+perf_analyzer ends in-flight sequences by sending their last step with END, skipping the steps in
+between, and an offset would then (correctly) be rejected as a gap. Chunking follows the client:
+a first step of one frame, then `chunk_frames` frames per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from client.stream import (
+    DEFAULT_CHUNK_FRAMES,
+    FIRST_CHUNK_FRAMES,
+    NUM_CODEBOOKS,
+    chunk_bounds,
+    random_codes,
+    request_arrays,
+)
+
+DEFAULT_FRAMES = 64
+
+
+def sequence_steps(codes: np.ndarray, chunk_frames: int = DEFAULT_CHUNK_FRAMES,
+                   first_chunk_frames: int = FIRST_CHUNK_FRAMES) -> list[dict]:
+    """perf_analyzer steps for one stream of codes [k, F]: delta input_ids, no frame_offset."""
+    steps = []
+    for start, stop in chunk_bounds(codes.shape[1], chunk_frames, first_chunk_frames):
+        input_ids = request_arrays(codes, start, stop, "delta", send_frame_offset=False)["input_ids"][0]
+        steps.append({"input_ids": {"content": input_ids.tolist(), "shape": [int(input_ids.size)]}})
+    return steps
+
+
+def input_data(streams: int, frames: int, chunk_frames: int = DEFAULT_CHUNK_FRAMES, seed: int = 0) -> dict:
+    """The --input-data document: `streams` sequences of `frames` seeded random frames each
+    (stream i uses seed + i)."""
+    if streams < 1:
+        raise ValueError(f"streams must be >= 1, got {streams}")
+    return {"data": [sequence_steps(random_codes(frames, seed + i), chunk_frames) for i in range(streams)]}
+
+
+def describe(document: dict) -> dict:
+    """Steps per sequence and frames per step of an input-data document (what a perf run needs to
+    turn requests/s into frames/s)."""
+    step_frames = [
+        [step["input_ids"]["shape"][0] // NUM_CODEBOOKS for step in sequence] for sequence in document["data"]
+    ]
+    steps = {len(s) for s in step_frames}
+    if len(steps) != 1:
+        raise ValueError(f"sequences differ in length: {sorted(steps)} steps")
+    all_frames = [f for s in step_frames for f in s]
+    return {
+        "sequences": len(step_frames),
+        "steps_per_sequence": steps.pop(),
+        "frames_per_sequence": sum(step_frames[0]),
+        "mean_frames_per_step": float(np.mean(all_frames)),
+    }
+
+
+def write_input_data(path: Path, streams: int, frames: int, chunk_frames: int = DEFAULT_CHUNK_FRAMES, seed: int = 0) -> dict:
+    """Write the document to `path`; returns `describe()` of it."""
+    document = input_data(streams, frames, chunk_frames, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, separators=(",", ":")))
+    return describe(document)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m client.perf_inputs", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument("--streams", type=int, default=4, help="sequences in the file (default %(default)s)")
+    parser.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="frames per sequence (default %(default)s)")
+    parser.add_argument("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES,
+                        help=f"frames per step after the first, which holds {FIRST_CHUNK_FRAMES} (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of stream 0; stream i uses seed + i")
+    args = parser.parse_args(argv)
+    info = write_input_data(args.out, args.streams, args.frames, args.chunk_frames, args.seed)
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
