@@ -1,0 +1,153 @@
+#!/bin/sh
+# One-shot jobs of docker-compose.yml. Runs from the root of the project tree it sits in: /app in
+# the export image, the read-only checkout mounted at /workspace in the NGC tritonserver image.
+#
+#   export           (export image) Export model.onnx from the mounted weights into $EXPORT_DIR,
+#                    skipped when the export there matches the weights and options; render the
+#                    native ONNX Runtime repository (code2wav + mimi_decoder) with KIND_GPU
+#                    instances into $MODELS_DIR and with KIND_CPU instances into $MODELS_CPU_DIR;
+#                    write the trtexec command lines the TensorRT profile runs.
+#   tensorrt-plan    (NGC tritonserver image, GPU) Build the TensorRT plan with the image's own
+#                    trtexec, i.e. the TensorRT that will deserialize it. Skipped when the plan in
+#                    $EXPORT_DIR/tensorrt was built from the same export, command and GPU model.
+#   tensorrt-render  (export image) Render the TensorRT repository around that plan into $MODELS_DIR.
+#
+# Nothing is installed or downloaded here: every dependency is in the image.
+#
+# Environment (defaults in brackets):
+#   MIMI_WEIGHTS       file or folder inside $WEIGHTS_ROOT: a transformers folder (config.json +
+#                      model.safetensors) or a moshi-format .safetensors file [the folder itself]
+#   MIMI_RANDOM_INIT   1: seeded random weights instead (the audio is noise; smoke tests) [0]
+#   MIMI_RANDOM_SEED   seed for MIMI_RANDOM_INIT [0]
+#   EXPORT_ARGS        extra flags for `python -m export build`, e.g. "--kv-cache-dtype float16" []
+#   RENDER_ARGS        extra flags for `python -m export render`, e.g. "--instance-count 2" []
+#   MAX_BATCH_SIZE     the decoder config's max_batch_size, and the TensorRT profile's max batch [64]
+#   TENSORRT_FP16      1: the fp16 plan (RoPE angles kept in fp32) instead of the fp32 one [0]
+#   TENSORRT_REBUILD   1: rebuild the plan even when it is up to date [0]
+#   WEIGHTS_ROOT [/weights]  EXPORT_DIR [/export]  MODELS_DIR [/models]  MODELS_CPU_DIR [/models-cpu]
+#   PYTHON [python]  TRTEXEC [/usr/src/tensorrt/bin/trtexec, where the NGC image has it]
+set -eu
+
+cd "$(dirname "$0")/.."
+
+WEIGHTS_ROOT=${WEIGHTS_ROOT:-/weights}
+EXPORT_DIR=${EXPORT_DIR:-/export}
+MODELS_DIR=${MODELS_DIR:-/models}
+MODELS_CPU_DIR=${MODELS_CPU_DIR:-/models-cpu}
+MIMI_WEIGHTS=${MIMI_WEIGHTS:-}
+MIMI_RANDOM_INIT=${MIMI_RANDOM_INIT:-0}
+MIMI_RANDOM_SEED=${MIMI_RANDOM_SEED:-0}
+EXPORT_ARGS=${EXPORT_ARGS:-}
+RENDER_ARGS=${RENDER_ARGS:-}
+MAX_BATCH_SIZE=${MAX_BATCH_SIZE:-64}
+TENSORRT_FP16=${TENSORRT_FP16:-0}
+TENSORRT_REBUILD=${TENSORRT_REBUILD:-0}
+PYTHON=${PYTHON:-python}
+TRTEXEC=${TRTEXEC:-/usr/src/tensorrt/bin/trtexec}
+TENSORRT_DIR=$EXPORT_DIR/tensorrt
+CHECKED_IN_CONFIG=model_repository/mimi_decoder/config.pbtxt
+
+log() { printf 'export-entrypoint: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 2; }
+
+if [ "$TENSORRT_FP16" = 1 ]; then precision=fp16; else precision=fp32; fi
+plan=$TENSORRT_DIR/model-$precision.plan
+trtexec_args=$TENSORRT_DIR/trtexec-$precision.args
+
+export_model() {
+    if [ "$MIMI_RANDOM_INIT" = 1 ]; then
+        log "RANDOM weights (seed $MIMI_RANDOM_SEED): the server will decode noise"
+        set -- --random-init --seed "$MIMI_RANDOM_SEED"
+    else
+        weights=$WEIGHTS_ROOT${MIMI_WEIGHTS:+/$MIMI_WEIGHTS}
+        if [ ! -e "$weights" ] || { [ -d "$weights" ] && [ -z "$(ls -A "$weights")" ]; }; then
+            die "no Mimi weights at $weights. Set MIMI_WEIGHTS_DIR to the host folder that holds them" \
+                "(mounted read-only at $WEIGHTS_ROOT) and MIMI_WEIGHTS to the file or folder inside it:" \
+                "a transformers folder (config.json + model.safetensors, as kyutai/mimi) or a moshi-format" \
+                ".safetensors file. MIMI_RANDOM_INIT=1 exports seeded random weights (noise) instead."
+        fi
+        set -- --weights "$weights"
+    fi
+    # EXPORT_ARGS is a list of flags: split on purpose.
+    # shellcheck disable=SC2086
+    "$PYTHON" -m export build "$@" --out "$EXPORT_DIR" $EXPORT_ARGS >/dev/null
+}
+
+render() {  # target, repository folder, instance kind, extra arguments...
+    target=$1 out=$2 kind=$3
+    shift 3
+    # shellcheck disable=SC2086
+    "$PYTHON" -m export render --target "$target" --export-dir "$EXPORT_DIR" --out "$out" \
+        --instance-kind "$kind" --max-batch-size "$MAX_BATCH_SIZE" "$@" $RENDER_ARGS >/dev/null
+    log "$out: code2wav + mimi_decoder ($target, $kind)"
+}
+
+# One argument per line, so that no shell ever re-splits the command (layer names, paths).
+write_trtexec_args() {
+    "$PYTHON" - "$EXPORT_DIR" "$TENSORRT_DIR" "$TRTEXEC" "$MAX_BATCH_SIZE" <<'PYTHON'
+import json
+import sys
+from pathlib import Path
+
+from export.spec import DecoderSpec
+from export.tensorrt_build import trtexec_command
+
+export_dir, out_dir, trtexec, max_batch = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+spec = DecoderSpec.from_dict(json.loads((export_dir / "manifest.json").read_text())["spec"])
+out_dir.mkdir(parents=True, exist_ok=True)
+for precision in ("fp32", "fp16"):
+    command = trtexec_command(trtexec, export_dir / "model.onnx", out_dir / f"model-{precision}.plan", spec,
+                              max_batch, fp16=precision == "fp16")
+    (out_dir / f"trtexec-{precision}.args").write_text("".join(f"{arg}\n" for arg in command))
+PYTHON
+}
+
+# What a plan depends on: the export (its manifest), the trtexec command and the GPU model.
+plan_fingerprint() {
+    cat "$trtexec_args" "$EXPORT_DIR/manifest.json"
+    nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
+}
+
+build_plan() {
+    [ -f "$trtexec_args" ] || die "no $trtexec_args: the export service writes it (run it first)"
+    if [ "$TENSORRT_REBUILD" != 1 ] && [ -s "$plan" ] && [ -f "$plan.stamp" ] \
+        && plan_fingerprint | cmp -s - "$plan.stamp"; then
+        log "$plan: up to date (TENSORRT_REBUILD=1 rebuilds it)"
+        return 0
+    fi
+    rm -f "$plan" "$plan.stamp"
+    set --
+    while IFS= read -r arg; do set -- "$@" "$arg"; done <"$trtexec_args"
+    [ -x "$1" ] || die "no trtexec at $1: the tensorrt-plan service runs in the NGC tritonserver image"
+    log "building $plan ($precision, max batch $MAX_BATCH_SIZE); this takes minutes"
+    "$@"
+    [ -s "$plan" ] || die "trtexec exited 0 but wrote no $plan"
+    plan_fingerprint >"$plan.stamp"
+    log "$plan: built"
+}
+
+mode=${1:-export}
+case $mode in
+    export)
+        export_model
+        render onnxruntime "$MODELS_DIR" KIND_GPU
+        if cmp -s "$MODELS_DIR/mimi_decoder/config.pbtxt" "$CHECKED_IN_CONFIG"; then
+            log "$MODELS_DIR/mimi_decoder/config.pbtxt equals the checked-in $CHECKED_IN_CONFIG"
+        else
+            log "note: $MODELS_DIR/mimi_decoder/config.pbtxt differs from the checked-in $CHECKED_IN_CONFIG" \
+                "(EXPORT_ARGS, RENDER_ARGS or MAX_BATCH_SIZE set); it matches the export"
+        fi
+        render onnxruntime "$MODELS_CPU_DIR" KIND_CPU
+        write_trtexec_args
+        ;;
+    tensorrt-plan)
+        build_plan
+        ;;
+    tensorrt-render)
+        [ -s "$plan" ] || die "no plan at $plan: the tensorrt-plan service builds it (run it first)"
+        render tensorrt "$MODELS_DIR" KIND_GPU --plan "$plan"
+        ;;
+    *)
+        die "unknown job '$mode' (export | tensorrt-plan | tensorrt-render)"
+        ;;
+esac

@@ -1,0 +1,48 @@
+# The export image: PyTorch (CPU) + transformers + ONNX, and the project's export/ package.
+# It turns mounted Mimi weights into model.onnx and renders the Triton model repositories
+# (docker/export-entrypoint.sh). Every dependency is installed here, at build time, pinned by
+# pyproject.toml's `export` extra and requirements/constraints.txt; the container installs nothing.
+#
+#   docker compose build export
+#
+# Build context: the repository root. docker/export.Dockerfile.dockerignore keeps the context small.
+
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+FROM ${PYTHON_IMAGE}
+
+# Equal to the torch pin of pyproject.toml's `export` extra (the build fails otherwise). The CPU
+# wheel comes from PyTorch's CPU index: PyPI's Linux wheel of the same version is the CUDA build.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+
+WORKDIR /app
+
+# Dependencies first (their layer survives code changes). The project itself is not installed:
+# the export runs from /app with `python -m export`.
+COPY pyproject.toml ./
+COPY requirements/constraints.txt requirements/constraints.txt
+RUN python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(project['dependencies'] + project['optional-dependencies']['export']))" \
+        > /tmp/requirements-export.txt \
+    && if ! grep -qx "torch==${TORCH_VERSION}" /tmp/requirements-export.txt; then \
+           echo "TORCH_VERSION=${TORCH_VERSION} is not the torch pin of pyproject.toml's export extra" >&2; exit 1; \
+       fi \
+    && pip install --no-deps --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+cpu" \
+    && pip install -c requirements/constraints.txt -r /tmp/requirements-export.txt \
+    && pip check \
+    && python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}' and not torch.version.cuda, torch.__version__"
+
+COPY export/ export/
+COPY model_repository/code2wav/ model_repository/code2wav/
+COPY model_repository/mimi_decoder/config.pbtxt model_repository/mimi_decoder/config.pbtxt
+COPY docker/export-entrypoint.sh docker/export-entrypoint.sh
+
+ENTRYPOINT ["sh", "/app/docker/export-entrypoint.sh"]
+CMD ["export"]
