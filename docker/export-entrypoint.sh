@@ -100,6 +100,7 @@ for precision in ("fp32", "fp16"):
                               max_batch, fp16=precision == "fp16")
     (out_dir / f"trtexec-{precision}.args").write_text("".join(f"{arg}\n" for arg in command))
 PYTHON
+    log "$TENSORRT_DIR: trtexec command lines for the tensorrt profile"
 }
 
 # What a plan depends on: the export (its manifest), the trtexec command and the GPU model.

@@ -1,0 +1,549 @@
+"""docker-compose.yml, docker/export.Dockerfile and docker/export-entrypoint.sh: what breaks in practice.
+
+No container can run here (no docker engine, no NGC images), so the compose file is checked
+structurally as a user's `docker compose` would interpolate it with no variables set, validated by
+`docker-compose config -q` / `docker compose config -q` where such a binary exists, and the
+entrypoint's jobs run for real on this machine with their folders pointed into tmp dirs.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+DOCKERFILE = REPO_ROOT / "docker" / "export.Dockerfile"
+DOCKERIGNORE = REPO_ROOT / "docker" / "export.Dockerfile.dockerignore"
+ENTRYPOINT = REPO_ROOT / "docker" / "export-entrypoint.sh"
+CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
+CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
+
+# NGC release -> the tritonserver (and SDK: perf_analyzer, tritonclient) version it carries.
+NGC_TRITON_VERSIONS = {"24.10": "2.51.0"}
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
+SDK_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3-sdk"
+
+GPU_SERVICES = ("triton", "tensorrt-plan", "triton-tensorrt")
+SERVERS = ("triton", "triton-cpu", "triton-tensorrt")
+PROFILES = {
+    "export": None,
+    "triton": None,
+    "triton-cpu": ["cpu"],
+    "tensorrt-plan": ["tensorrt"],
+    "tensorrt-render": ["tensorrt"],
+    "triton-tensorrt": ["tensorrt"],
+    "perf": ["bench"],
+}
+# (server, the one-shot service that writes its repository, that service's variable naming the folder)
+REPOSITORY_WRITERS = (
+    ("triton", "export", "MODELS_DIR"),
+    ("triton-cpu", "export", "MODELS_CPU_DIR"),
+    ("triton-tensorrt", "tensorrt-render", "MODELS_DIR"),
+)
+# service -> the service whose successful completion it waits for
+COMPLETION_DEPENDENCIES = {
+    "triton": "export",
+    "triton-cpu": "export",
+    "tensorrt-plan": "export",
+    "tensorrt-render": "tensorrt-plan",
+    "triton-tensorrt": "tensorrt-render",
+}
+INSTALL_AT_START = re.compile(r"\b(pip3?|uv|conda|apt-get|apt|apk|git|wget)\b|curl\s|pip install|git clone")
+
+_VARIABLE = re.compile(r"\$(?:\$|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+def interpolate(value, env: dict[str, str]):
+    """Compose variable interpolation (`${X}`, `${X:-d}`, `${X-d}`, `$X`, `$$`) over a loaded document."""
+    if isinstance(value, dict):
+        return {key: interpolate(item, env) for key, item in value.items()}
+    if isinstance(value, list):
+        return [interpolate(item, env) for item in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group("braced") or match.group("bare")
+        op, default = match.group("op"), match.group("default") or ""
+        if op in (":-", ":?"):
+            return env.get(name) or default
+        if op in ("-", "?"):
+            return env.get(name, default)
+        return env.get(name, "")
+
+    return _VARIABLE.sub(substitute, value)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    """The compose file as `docker compose` sees it in a shell that sets none of its variables."""
+    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), {})
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def volume_mounts(service: dict) -> dict[str, tuple[str, bool]]:
+    """Container path -> (source, read_only) of a service's short- and long-syntax volumes."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            mounts[volume["target"]] = (volume.get("source", ""), bool(volume.get("read_only")))
+            continue
+        parts = volume.split(":")
+        source, target = parts[0], parts[1]
+        mode = parts[2] if len(parts) > 2 else "rw"
+        mounts[target] = (source, "ro" in mode.split(","))
+    return mounts
+
+
+def command_args(service: dict) -> list[str]:
+    command = service.get("command", [])
+    return shlex.split(command) if isinstance(command, str) else list(command)
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    for arg in args:
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+# ---- the compose file ------------------------------------------------------------------------------
+
+def test_services_and_profiles(compose, services):
+    # A top-level `name:` is rejected by docker-compose 1.29 (Debian's); profiles decide what starts.
+    assert "name" not in compose
+    assert {name: service.get("profiles") for name, service in services.items()} == PROFILES
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_images_pinned(services, name):
+    image = services[name]["image"]
+    repository, _, tag = image.rpartition(":")
+    assert repository and "/" not in tag, f"{name}: image {image!r} has no explicit tag"
+    assert tag != "latest", f"{name}: image {image!r} floats"
+
+
+def test_ngc_images_match_the_client_and_local_server():
+    """The NGC release serves the tritonserver version the client pins (and the local server runs)."""
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    client_pins = [req for req in pyproject["project"]["optional-dependencies"]["client"] if req.startswith("tritonclient")]
+    assert client_pins, "pyproject's client extra pins no tritonclient"
+    client_version = client_pins[0].split("==")[1]
+    release = TRITON_IMAGE.rsplit(":", 1)[1].split("-")[0]
+    assert NGC_TRITON_VERSIONS[release] == client_version
+    assert SDK_IMAGE.startswith(TRITON_IMAGE)
+
+
+def test_server_and_bench_images(services):
+    for name in (*SERVERS, "tensorrt-plan"):
+        assert services[name]["image"] == TRITON_IMAGE, name
+    assert services["perf"]["image"] == SDK_IMAGE
+
+
+def test_published_ports_are_loopback_only(services):
+    published = 0
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            if isinstance(port, dict):
+                host_ip = port.get("host_ip")
+            else:
+                parts = str(port).split(":")
+                host_ip = parts[0] if len(parts) == 3 else None
+            assert host_ip == "127.0.0.1", f"{name}: port {port!r} listens beyond loopback"
+            published += 1
+    assert published >= 3 * len(SERVERS)
+
+
+@pytest.mark.parametrize("name", SERVERS)
+def test_server_ports_and_healthcheck(services, name):
+    server = services[name]
+    container_ports = {int(str(port).rsplit(":", 1)[1]) for port in server["ports"]}
+    assert container_ports == {8000, 8001, 8002}
+    args = command_args(server)
+    for flag, port in (("--http-port", "8000"), ("--grpc-port", "8001"), ("--metrics-port", "8002")):
+        assert flag_value(args, flag) in (None, port), f"{name}: {flag} moved away from the published port"
+    test = server["healthcheck"]["test"]
+    assert test[0] == "CMD" and test[1] == "curl" and "-fsS" in test, test
+    assert test[-1] == "http://localhost:8000/v2/health/ready", test
+    assert server["healthcheck"].get("start_period"), "a server loading models needs a start period"
+
+
+@pytest.mark.parametrize("name", SERVERS)
+def test_server_shutdown_and_shared_memory(services, name):
+    server = services[name]
+    grace = server.get("stop_grace_period")
+    assert grace, f"{name}: no stop_grace_period (Docker's 10 s cuts in-flight streams)"
+    grace_s = int(re.fullmatch(r"(\d+)s", grace).group(1))
+    exit_timeout_s = int(flag_value(command_args(server), "--exit-timeout-secs") or 30)
+    assert grace_s > exit_timeout_s, f"{name}: Docker kills tritonserver before it drains ({grace} <= {exit_timeout_s}s)"
+    # The Python backend (code2wav) fails to grow its pool in Docker's default 64 MB /dev/shm.
+    assert re.fullmatch(r"\d+(gb|g)", str(server.get("shm_size", "")).lower()), f"{name}: shm_size too small or unset"
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_gpu_reservation_only_where_a_gpu_is_needed(services, name):
+    devices = services[name].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    if name in GPU_SERVICES:
+        assert len(devices) == 1, f"{name}: no GPU reservation"
+        assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == 1 and "gpu" in devices[0]["capabilities"]
+    else:
+        assert not devices, f"{name} must start on a host without a GPU"
+
+
+def test_cpu_profile_needs_no_gpu(services):
+    """`--profile cpu up triton-cpu` starts triton-cpu and its dependencies: none may need a GPU."""
+    pending, needed = ["triton-cpu"], set()
+    while pending:
+        name = pending.pop()
+        needed.add(name)
+        pending += [dep for dep in services[name].get("depends_on", {}) if dep not in needed]
+    assert needed == {"triton-cpu", "export"}
+    assert not needed & set(GPU_SERVICES)
+
+
+@pytest.mark.parametrize("name", sorted(COMPLETION_DEPENDENCIES))
+def test_depends_on_successful_completion(services, name):
+    depends_on = services[name]["depends_on"]
+    assert isinstance(depends_on, dict), f"{name}: short depends_on waits only for the start"
+    dependency = COMPLETION_DEPENDENCIES[name]
+    assert depends_on == {dependency: {"condition": "service_completed_successfully"}}
+
+
+@pytest.mark.parametrize(("server", "writer", "variable"), REPOSITORY_WRITERS)
+def test_servers_serve_the_repository_their_writer_renders(services, server, writer, variable):
+    """The volume the writer renders into (at its $variable) is the one the server serves at /models."""
+    writer_env = services[writer]["environment"]
+    writer_mounts = volume_mounts(services[writer])
+    written_to = writer_env[variable]
+    assert written_to in writer_mounts, f"{writer}: {variable}={written_to} is not a mounted volume"
+    volume, read_only = writer_mounts[written_to]
+    assert not read_only, f"{writer} cannot write {written_to}"
+    server_mounts = volume_mounts(services[server])
+    repository = flag_value(command_args(services[server]), "--model-repository")
+    assert command_args(services[server])[0] == "tritonserver"
+    assert repository == "/models"
+    assert server_mounts[repository] == (volume, True), f"{server} serves {server_mounts.get(repository)}, {writer} writes {volume}"
+
+
+def test_repository_volumes_are_named_volumes(compose, services):
+    for server, writer, variable in REPOSITORY_WRITERS:
+        volume = volume_mounts(services[server])["/models"][0]
+        assert volume in compose["volumes"], f"{volume} is a bind mount: the export would write into the host tree"
+
+
+def test_checked_in_config_loads_model_onnx():
+    """The native ORT backend loads `model.onnx` unless the config names another file; the export
+    writes <repository>/mimi_decoder/1/model.onnx (checked by the entrypoint tests below)."""
+    config = CHECKED_IN_CONFIG.read_text()
+    assert re.search(r'^name: "mimi_decoder"$', config, re.M)
+    assert re.search(r'^backend: "onnxruntime"$', config, re.M)
+    assert "default_model_filename" not in config
+
+
+def test_tensorrt_jobs_share_the_export_paths(services):
+    """trtexec's command lines carry absolute paths: every job must see the export where it was written."""
+    export_dir = services["export"]["environment"]["EXPORT_DIR"]
+    export_volume = volume_mounts(services["export"])[export_dir][0]
+    for name in ("tensorrt-plan", "tensorrt-render"):
+        env = services[name]["environment"]
+        assert env["EXPORT_DIR"] == export_dir and env["MAX_BATCH_SIZE"] == services["export"]["environment"]["MAX_BATCH_SIZE"]
+        assert volume_mounts(services[name])[export_dir][0] == export_volume, name
+    assert volume_mounts(services["tensorrt-plan"])[export_dir][1] is False, "tensorrt-plan writes the plan"
+    # tensorrt-plan runs the entrypoint from the checkout mounted into the NGC image.
+    plan_args = command_args(services["tensorrt-plan"])
+    workspace = services["tensorrt-plan"]["working_dir"]
+    assert volume_mounts(services["tensorrt-plan"])[workspace] == (".", True)
+    script = Path(plan_args[1])
+    assert plan_args[0] == "sh" and script.is_relative_to(workspace) and plan_args[2] == "tensorrt-plan"
+    assert (REPO_ROOT / script.relative_to(workspace)).is_file()
+
+
+def test_weights_mounted_read_only_and_only_into_the_export(services):
+    export = services["export"]
+    weights_root = export["environment"]["WEIGHTS_ROOT"]
+    source, read_only = volume_mounts(export)[weights_root]
+    assert read_only, "the weights must be mounted read-only"
+    assert source == "./weights", "MIMI_WEIGHTS_DIR (default ./weights) names the host folder"
+    assert "${MIMI_WEIGHTS_DIR:-./weights}:" in COMPOSE_FILE.read_text()
+    for name, service in services.items():
+        if name != "export":
+            assert weights_root not in volume_mounts(service), f"{name} has no use for the weights"
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_nothing_installs_at_container_start(services, name):
+    service = services[name]
+    for key in ("command", "entrypoint"):
+        value = service.get(key)
+        text = value if isinstance(value, str) else " ".join(value or [])
+        assert not INSTALL_AT_START.search(text), f"{name}: {key} installs or downloads at start: {text}"
+
+
+def test_entrypoint_script_installs_nothing():
+    code = "\n".join(line for line in ENTRYPOINT.read_text().splitlines() if not line.lstrip().startswith("#"))
+    assert not INSTALL_AT_START.search(code)
+
+
+def test_perf_service_runs_perf_sh_against_the_server(services):
+    perf = services["perf"]
+    args = command_args(perf)
+    assert args[:2] == ["bash", "client/perf.sh"]
+    assert (REPO_ROOT / args[1]).is_file()
+    assert volume_mounts(perf)[perf["working_dir"]] == (".", True)
+    # perf.sh writes its inputs and CSV under BUILD_DIR: it must be a writable mount.
+    build_dir = perf["environment"]["BUILD_DIR"]
+    assert volume_mounts(perf)[build_dir][1] is False
+    host, port = perf["environment"]["URL"].split(":")
+    assert port == "8001"
+    reachable = {"triton"} | {alias for name in SERVERS for alias in services[name].get("networks", {}).get("default", {}).get("aliases", [])}
+    assert host in reachable and reachable == {"triton"}
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(["docker-compose"], id="docker-compose-v1"),
+        pytest.param(["docker", "compose"], id="docker-compose-v2"),
+    ],
+)
+def test_compose_config_validates(command):
+    if shutil.which(command[0]) is None:
+        pytest.skip(f"{command[0]} is not installed")
+    if command == ["docker", "compose"]:
+        probe = subprocess.run([*command, "version"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            pytest.skip("docker has no compose plugin")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("COMPOSE_", "DOCKER_"))}
+    result = subprocess.run(
+        [*command, "-f", str(COMPOSE_FILE), "config", "-q"], cwd=REPO_ROOT, env=env,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# ---- the export image -------------------------------------------------------------------------------
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    lines, current = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.lstrip().startswith("#"):
+            continue
+        current += line.rstrip()
+        if current.endswith("\\"):
+            current = current[:-1] + " "
+            continue
+        lines.append(current.strip())
+        current = ""
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def dockerfile_args() -> dict[str, str]:
+    return dict(arguments.split("=", 1) for instruction, arguments in dockerfile_instructions()
+                if instruction == "ARG" and "=" in arguments)
+
+
+def test_dockerfile_pins_its_base_image():
+    args = dockerfile_args()
+    froms = [arguments for instruction, arguments in dockerfile_instructions() if instruction == "FROM"]
+    assert len(froms) == 1
+    image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], froms[0].split()[0])
+    repository, _, tag = image.rpartition(":")
+    assert repository == "python" and tag.startswith("3.11."), f"base image {image!r}: pin a patch release"
+    assert tag != "latest" and "@" not in repository
+
+
+def test_dockerfile_torch_is_pyprojects_cpu_build():
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    torch_pins = [req for req in pyproject["project"]["optional-dependencies"]["export"] if req.startswith("torch==")]
+    assert len(torch_pins) == 1
+    args = dockerfile_args()
+    assert args["TORCH_VERSION"] == torch_pins[0].split("==")[1]
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    runs = " ".join(arguments for instruction, arguments in dockerfile_instructions() if instruction == "RUN")
+    assert '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+cpu"' in runs
+    # Everything else from pyproject's extra under the project's constraints, at build time.
+    assert "pip install -c requirements/constraints.txt -r /tmp/requirements-export.txt" in runs
+    assert "['optional-dependencies']['export']" in runs
+
+
+def test_dockerfile_entrypoint_is_the_copied_script():
+    instructions = dockerfile_instructions()
+    workdir = next(arguments for instruction, arguments in instructions if instruction == "WORKDIR")
+    copies = [arguments.split() for instruction, arguments in instructions if instruction == "COPY"]
+    entrypoint = next(arguments for instruction, arguments in instructions if instruction == "ENTRYPOINT")
+    script = yaml.safe_load(entrypoint)[-1]
+    assert ["docker/export-entrypoint.sh", str(Path(script).relative_to(workdir))] in copies
+    # What the entrypoint reads at run time is in the image.
+    for needed in ("export/", "model_repository/code2wav/", "model_repository/mimi_decoder/config.pbtxt"):
+        assert [needed, needed] in copies, needed
+
+
+def dockerignore_allows(path: str) -> bool:
+    """Whether docker/export.Dockerfile.dockerignore keeps `path` in the build context (last match wins,
+    a pattern matching a parent folder covers what is inside)."""
+    rules = []
+    for line in DOCKERIGNORE.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line[1:] if negate else line
+        regex = re.escape(pattern.rstrip("/")).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*").replace(r"\*", "[^/]*")
+        rules.append((re.compile(regex + r"\Z"), negate))
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    allowed = True
+    for regex, negate in rules:
+        if any(regex.match(candidate) for candidate in candidates):
+            allowed = negate
+    return allowed
+
+
+def test_build_context_holds_the_copied_sources_and_no_model_files():
+    copies = [arguments.split()[:-1] for instruction, arguments in dockerfile_instructions() if instruction == "COPY"]
+    for sources in copies:
+        for source in sources:
+            path = REPO_ROOT / source
+            assert path.exists(), f"COPY {source}: missing from the repository"
+            files = [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts] if path.is_dir() else [path]
+            for file in files:
+                relative = file.relative_to(REPO_ROOT).as_posix()
+                assert dockerignore_allows(relative), f"{relative} is copied but left out of the build context"
+    for kept_out in ("weights/model.safetensors", "build/export/f1/model.onnx", ".venv/bin/python",
+                     "model_repository/mimi_decoder/1/model.onnx", "export/__pycache__/spec.cpython-311.pyc"):
+        assert not dockerignore_allows(kept_out), kept_out
+
+
+# ---- the entrypoint's jobs, run here -----------------------------------------------------------------
+
+def run_entrypoint(job: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    base = {key: value for key, value in os.environ.items()
+            if not key.startswith(("MIMI_", "EXPORT_", "RENDER_", "TENSORRT_", "MODELS_"))}
+    base.update(
+        PYTHON=sys.executable,
+        WEIGHTS_ROOT=str(tmp_path / "weights"),
+        EXPORT_DIR=str(tmp_path / "export"),
+        MODELS_DIR=str(tmp_path / "models"),
+        MODELS_CPU_DIR=str(tmp_path / "models-cpu"),
+        TRTEXEC=str(tmp_path / "trtexec"),
+    )
+    base.update(env)
+    return subprocess.run(["sh", str(ENTRYPOINT), job], cwd=tmp_path, env=base, capture_output=True, text=True, timeout=600)
+
+
+def test_entrypoint_without_weights_says_how_to_mount_them(tmp_path):
+    (tmp_path / "weights").mkdir()
+    result = run_entrypoint("export", tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert f"no Mimi weights at {tmp_path / 'weights'}" in result.stderr
+    assert "MIMI_WEIGHTS_DIR" in result.stderr and "MIMI_RANDOM_INIT=1" in result.stderr
+    assert not (tmp_path / "export").exists() and not (tmp_path / "models").exists()
+
+
+def test_entrypoint_rejects_unknown_jobs_and_missing_inputs(tmp_path):
+    result = run_entrypoint("serve", tmp_path)
+    assert result.returncode == 2 and "unknown job 'serve'" in result.stderr
+    result = run_entrypoint("tensorrt-plan", tmp_path)
+    assert result.returncode == 2 and "the export service writes it" in result.stderr
+    result = run_entrypoint("tensorrt-render", tmp_path)
+    assert result.returncode == 2 and "the tensorrt-plan service builds it" in result.stderr
+
+
+FAKE_TRTEXEC = """\
+#!/bin/sh
+# Stands in for trtexec: records its command line and writes the engine file it was asked for.
+printf '%s\\n' "$*" >> "{calls}"
+for arg in "$@"; do
+    case $arg in --saveEngine=*) printf 'engine' > "${{arg#--saveEngine=}}" ;; esac
+done
+"""
+
+
+@pytest.mark.slow
+def test_entrypoint_jobs_write_the_served_repositories(tmp_path, moshi_checkpoint, onnx_fp32):
+    """export -> tensorrt-plan -> tensorrt-render with a moshi-format checkpoint as the mounted weights.
+
+    The export folder starts with the session's export of the same checkpoint, so the job finds it
+    up to date instead of exporting again (which is what a second `docker compose up` does).
+    """
+    checkpoint = moshi_checkpoint[0]
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    try:
+        os.link(checkpoint, weights / checkpoint.name)
+    except OSError:
+        shutil.copy2(checkpoint, weights / checkpoint.name)
+    export_dir = tmp_path / "export"
+    export_dir.mkdir()
+    for name in ("manifest.json", "model.onnx"):
+        shutil.copy2(onnx_fp32 / name, export_dir / name)
+    calls = tmp_path / "trtexec-calls.txt"
+    trtexec = tmp_path / "trtexec"
+    trtexec.write_text(FAKE_TRTEXEC.format(calls=calls))
+    trtexec.chmod(0o755)
+
+    result = run_entrypoint("export", tmp_path, MIMI_WEIGHTS=checkpoint.name)
+    assert result.returncode == 0, result.stderr
+    assert "up to date" in result.stderr and "nothing to do" in result.stderr, result.stderr
+
+    # GPU repository: the checked-in config, model.onnx where that config expects it, code2wav as tracked.
+    models = tmp_path / "models"
+    assert (models / "mimi_decoder" / "config.pbtxt").read_text() == CHECKED_IN_CONFIG.read_text()
+    assert "equals the checked-in" in result.stderr
+    gpu_config = CHECKED_IN_CONFIG.read_text()
+    cpu_config = (tmp_path / "models-cpu" / "mimi_decoder" / "config.pbtxt").read_text()
+    assert "kind: KIND_CPU" in cpu_config and cpu_config == gpu_config.replace("KIND_GPU", "KIND_CPU")
+    for repository in (models, tmp_path / "models-cpu"):
+        onnx = repository / "mimi_decoder" / "1" / "model.onnx"
+        assert onnx.stat().st_size == (export_dir / "model.onnx").stat().st_size
+        assert os.path.samefile(onnx, export_dir / "model.onnx") or filecmp.cmp(onnx, export_dir / "model.onnx", shallow=False)
+        for file in ("config.pbtxt", "1/model.py"):
+            assert (repository / "code2wav" / file).read_bytes() == (CODE2WAV_DIR / file).read_bytes()
+        assert sorted(p.name for p in repository.iterdir()) == ["code2wav", "mimi_decoder"]
+
+    # trtexec command lines, one argument per line, with the paths the NGC job will see.
+    for precision in ("fp32", "fp16"):
+        args = (export_dir / "tensorrt" / f"trtexec-{precision}.args").read_text().splitlines()
+        assert args[0] == str(trtexec)
+        assert f"--onnx={export_dir / 'model.onnx'}" in args
+        assert f"--saveEngine={export_dir / 'tensorrt' / f'model-{precision}.plan'}" in args
+        assert any(arg.startswith("--maxShapes=codes:64x") for arg in args)
+        assert ("--fp16" in args) == (precision == "fp16")
+
+    # tensorrt-plan builds once, then finds the plan up to date until told to rebuild.
+    plan = export_dir / "tensorrt" / "model-fp16.plan"
+    for expected_calls, env in ((1, {}), (1, {}), (2, {"TENSORRT_REBUILD": "1"})):
+        result = run_entrypoint("tensorrt-plan", tmp_path, TENSORRT_FP16="1", **env)
+        assert result.returncode == 0, result.stderr
+        assert len(calls.read_text().splitlines()) == expected_calls, result.stderr
+        assert plan.read_text() == "engine"
+    assert "--fp16" in calls.read_text().split()
+
+    # tensorrt-render: the TensorRT repository around that plan.
+    trt_models = tmp_path / "models-tensorrt"
+    result = run_entrypoint("tensorrt-render", tmp_path, TENSORRT_FP16="1", MODELS_DIR=str(trt_models))
+    assert result.returncode == 0, result.stderr
+    trt_config = (trt_models / "mimi_decoder" / "config.pbtxt").read_text()
+    assert 'backend: "tensorrt"' in trt_config and "kind: KIND_GPU" in trt_config and "max_batch_size: 64" in trt_config
+    assert (trt_models / "mimi_decoder" / "1" / "model.plan").read_text() == "engine"
+    assert (trt_models / "code2wav" / "1" / "model.py").is_file()
