@@ -1,0 +1,77 @@
+"""perf_analyzer input data for code2wav: its format, and a short real perf_analyzer run through
+client/perf.sh against the session's code2wav server."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client.perf_inputs import describe, input_data, sequence_steps
+
+ROOT = Path(__file__).resolve().parent.parent
+PERF_SH = ROOT / "client" / "perf.sh"
+
+
+def test_one_inner_list_per_stream_one_step_per_chunk():
+    document = input_data(streams=3, frames=9, chunk_frames=4, seed=7)
+    assert len(document["data"]) == 3
+    for sequence in document["data"]:
+        # Deltas without frame_offset: perf_analyzer may jump to a sequence's last step.
+        assert [set(step) for step in sequence] == [{"input_ids"}] * 3
+        assert [step["input_ids"]["shape"] for step in sequence] == [[8], [32], [32]]
+        assert all(len(step["input_ids"]["content"]) == step["input_ids"]["shape"][0] for step in sequence)
+    assert document["data"][0] != document["data"][1]
+    assert describe(document) == {"sequences": 3, "steps_per_sequence": 3, "frames_per_sequence": 9,
+                                  "mean_frames_per_step": 3.0}
+
+
+def test_steps_are_codebook_major_deltas():
+    codes = np.arange(8 * 5).reshape(8, 5)
+    steps = sequence_steps(codes, chunk_frames=2)
+    rebuilt = np.concatenate([np.array(s["input_ids"]["content"]).reshape(8, -1) for s in steps], axis=1)
+    np.testing.assert_array_equal(rebuilt, codes)
+
+
+def _perf_analyzer_problem() -> str | None:
+    """Why perf_analyzer cannot run here, or None."""
+    binary = Path(sysconfig.get_paths()["scripts"]) / "perf_analyzer"
+    if not binary.exists():
+        return f"perf_analyzer is not installed ({binary} missing; it comes with tritonclient[all]==2.51.0)"
+    libs = Path(sysconfig.get_paths()["purelib"]) / "nvidia_pytriton.libs"
+    if not list(libs.glob("libb64-*.so.0d")) or not list(libs.glob("libcudart-*.so.12*")):
+        return f"libb64/libcudart that perf_analyzer links are not in {libs} (the nvidia-pytriton wheel)"
+    return None
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    "load",
+    [
+        pytest.param(["--concurrency-range", "2"], id="concurrency"),
+        pytest.param(["--request-rate-range", "10", "--num-of-sequences", "2", "--serial-sequences"], id="request-rate"),
+    ],
+)
+def test_perf_analyzer_accepts_the_inputs(code2wav_server, tmp_path, load):
+    problem = _perf_analyzer_problem()
+    if problem:
+        pytest.skip(problem)
+    csv_path = tmp_path / "perf.csv"
+    env = dict(
+        os.environ, URL=code2wav_server.grpc_url, STREAMS="2", FRAMES="9", CHUNK_FRAMES="4",
+        BUILD_DIR=str(tmp_path / "perf"), CSV=str(csv_path), PYTHON=sys.executable,
+    )
+    # One measurement of a fixed request count: short, and no stability search to fail on busy cores.
+    # (perf_analyzer 2.51 requires the count to be at least the request rate.)
+    done = subprocess.run([str(PERF_SH), *load, "--request-count", "12"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "mimi_decoder" in done.stdout  # the composing model's statistics are reported
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
