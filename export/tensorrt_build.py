@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "error: TensorRT is not available here (no trtexec on PATH or in /usr/src/tensorrt/bin). "
             "Build the plan on the GPU host, e.g. inside the NGC tritonserver image: "
-            "docker compose run --rm export --tensorrt",
+            "docker compose --profile tensorrt up triton-tensorrt",
             file=sys.stderr,
         )
         return EXIT_NO_TENSORRT

@@ -113,7 +113,7 @@ _MOSHI_RULES = (
     (r"^(encoder|decoder)\.model\.(\d+)\.shortcut\.conv\.conv\.", r"\1.layers.\2.shortcut.conv."),
     (r"^downsample\.conv\.conv\.conv\.", "downsample.conv."),
     (r"^upsample\.convtr\.convtr\.convtr\.", "upsample.conv."),
-    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.self_attn\.out_projs\.0\.", r"\1_transformer.layers.\2.self_attn.o_proj."),
+    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.self_attn\.out_projs?(\.0)?\.", r"\1_transformer.layers.\2.self_attn.o_proj."),
     (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.norm1\.", r"\1_transformer.layers.\2.input_layernorm."),
     (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.norm2\.", r"\1_transformer.layers.\2.post_attention_layernorm."),
     (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.linear1\.", r"\1_transformer.layers.\2.mlp.fc1."),
@@ -126,7 +126,11 @@ _MOSHI_RULES = (
     (r"^quantizer\.rvq_rest\.", "quantizer.acoustic_residual_vector_quantizer."),
 )
 _MOSHI_LEAF = {"codebook._initialized": "codebook.initialized", "codebook.embedding_sum": "codebook.embed_sum"}
-_MOSHI_QKV = re.compile(r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.self_attn\.in_projs\.0\.weight$")
+# Shipped checkpoints name the fused projections `in_proj_weight` / `out_proj.weight`; moshi's modules
+# call them `in_projs.0.weight` / `out_projs.0.weight` (moshi's loader accepts both, and so do we).
+_MOSHI_QKV = re.compile(
+    r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.self_attn\.(?:in_projs\.0\.weight|in_proj_weight|in_proj\.weight)$"
+)
 
 
 def _rope_pairs_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -134,6 +138,16 @@ def _rope_pairs_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows, cols = weight.shape
     head_dim = rows // num_heads
     return weight.view(num_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_shipped_moshi_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """moshi module names -> the names of the checkpoints Kyutai ships (and rustymimi reads)."""
+    renamed = {}
+    for name, tensor in state.items():
+        name = re.sub(r"\.self_attn\.in_projs\.0\.weight$", ".self_attn.in_proj_weight", name)
+        name = re.sub(r"\.self_attn\.out_projs\.0\.weight$", ".self_attn.out_proj.weight", name)
+        renamed[name] = tensor
+    return renamed
 
 
 def moshi_to_flat(state: dict[str, torch.Tensor], num_heads: int = 8) -> dict[str, torch.Tensor]:

@@ -122,7 +122,7 @@ def moshi_checkpoint(tmp_path_factory):
     import torch
     from safetensors.torch import save_file
 
-    from export.weights import randomize_
+    from export.weights import randomize_, to_shipped_moshi_names
 
     warnings.filterwarnings("ignore", category=UserWarning)
     from moshi.models.loaders import get_mimi
@@ -132,7 +132,8 @@ def moshi_checkpoint(tmp_path_factory):
     randomize_(model, SEED)
     model.eval()
     path = tmp_path_factory.mktemp("moshi") / "tokenizer-test-checkpoint.safetensors"
-    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(path))
+    # Written with the names of the checkpoints Kyutai ships (in_proj_weight, out_proj.weight).
+    save_file(to_shipped_moshi_names({n: t.contiguous() for n, t in model.state_dict().items()}), str(path))
     return path, model
 
 

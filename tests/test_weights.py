@@ -136,3 +136,29 @@ def test_random_weights_are_seeded_and_loud(capsys):
     wa, wb, wc = (m.model.decoder.decoder_seanet.layers[0].conv.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     json.dumps(a.source)
+
+
+def test_moshi_module_names_load_the_same_weights(moshi_checkpoint, mimi, tmp_path):
+    """moshi's own module names (in_projs.0.weight) map exactly like the shipped ones (in_proj_weight)."""
+    tensors = load_file(str(moshi_checkpoint[0]))
+    assert any(name.endswith("self_attn.in_proj_weight") for name in tensors)
+    renamed = {name.replace("self_attn.in_proj_weight", "self_attn.in_projs.0.weight")
+               .replace("self_attn.out_proj.weight", "self_attn.out_projs.0.weight"): t for name, t in tensors.items()}
+    save_file(renamed, str(tmp_path / "module-names.safetensors"))
+    other = load_weights(tmp_path / "module-names.safetensors")
+    for (name, a), (_, b) in zip(sorted(mimi.model.state_dict().items()), sorted(other.model.state_dict().items())):
+        assert torch.equal(a, b), name
+
+
+def test_rustymimi_reads_the_test_checkpoint(moshi_checkpoint, moshi_streams, scenario):
+    """Kyutai's Rust Mimi reads the same file: it is in the shipped format, and decodes alike
+    while the attention window is not yet full (its window semantics differ later)."""
+    rustymimi = pytest.importorskip("rustymimi", reason="rustymimi is a test extra")
+    tokenizer = rustymimi.Tokenizer(str(moshi_checkpoint[0]), num_codebooks=8)
+    codes = scenario.streams["A"][:, :20].astype(np.uint32)
+    pcm = np.concatenate([np.asarray(tokenizer.decode_step(np.ascontiguousarray(codes[None, :, i : i + 1]))).reshape(-1) for i in range(20)])
+    reference = moshi_streams["A"][: 20 * 1920]
+    from mimi_fixtures import snr_db
+
+    assert pcm.shape == reference.shape
+    assert snr_db(pcm, reference) > 60, snr_db(pcm, reference)

@@ -1,0 +1,232 @@
+"""Decoder speed on this machine: moshi PyTorch streaming, the step module (eager PyTorch), ONNX
+Runtime and rustymimi, in one run, against the machine's measured fp32 matmul peak.
+
+  python -m export.bench_decoder [--weights moshi.safetensors] [--seconds 2] [--out bench_results]
+
+Prints a markdown table and writes `decoder.json` + `decoder.md`. Times are per stream-frame
+(80 ms of audio): `x realtime` = 80 ms / time per frame; `of bound` = the compute bound (FLOPs per
+frame / measured peak at that thread count) / the measured time. Without --weights a seeded random
+moshi-format checkpoint is written and used (speed does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FRAME_MS = 80.0
+
+
+def _timed(run, seconds: float, warmup: int = 2, min_calls: int = 5) -> float:
+    """Median seconds per call over at least `seconds` (noise-robust)."""
+    for _ in range(warmup):
+        run()
+    samples, started = [], time.perf_counter()
+    while len(samples) < min_calls or time.perf_counter() - started < seconds:
+        begin = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - begin)
+    return float(np.median(samples))
+
+
+def matmul_peak_gflops(threads: int, seconds: float) -> float:
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    per_call = _timed(lambda: torch.mm(a, b), seconds)
+    return 2 * 1024**3 / per_call / 1e9
+
+
+def step_flops_per_frame(step) -> float:
+    """Multiply-adds x 2 of one frame through the step module (convs, transformer, attention)."""
+    from export.step import _SEANetBlock, _StreamingConv, _StreamingConvTranspose
+
+    flops = 0.0
+    steps = step.steps_per_frame
+    hidden, inter = step.hidden_size, step.layers[0].fc1.shape[0]
+    per_step = 2 * hidden * 3 * hidden + 2 * hidden * hidden + 2 * 2 * hidden * inter
+    flops += step.num_layers * steps * (per_step + 2 * 2 * step.context * hidden)
+
+    def conv(layer, length):
+        out_ch, in_per_group, kernel = layer.weight.shape
+        return 2 * out_ch * in_per_group * kernel * length
+
+    def convtr(layer):
+        in_ch, out_per_group, kernel = layer.weight.shape
+        return 2 * in_ch * out_per_group * kernel * layer.input_length
+
+    flops += convtr(step.upsample) / step.frames_per_step
+    length = steps
+    for layer in step.seanet:
+        if isinstance(layer, _StreamingConvTranspose):
+            flops += convtr(layer) / step.frames_per_step
+            length = layer.input_length * layer.stride // step.frames_per_step
+        elif isinstance(layer, _StreamingConv):
+            flops += conv(layer, length)
+        elif isinstance(layer, _SEANetBlock):
+            flops += sum(conv(sub, length) for sub in layer.layers if isinstance(sub, _StreamingConv))
+    return flops
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.bench_decoder", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", type=Path, help="moshi-format .safetensors (default: seeded random)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per configuration")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--frames-per-call", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    args = parser.parse_args(argv)
+
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    from export.onnx_export import ExportOptions, build_step, export_onnx
+    from export.weights import load_weights, randomize_, to_shipped_moshi_names
+
+    work = Path(tempfile.mkdtemp(prefix="mimi-bench-"))
+    weights = args.weights
+    if weights is None:
+        from moshi.models.loaders import get_mimi
+        from safetensors.torch import save_file
+
+        model = get_mimi(None, device="cpu")
+        randomize_(model, 0)
+        weights = work / "mimi-random.safetensors"
+        save_file(to_shipped_moshi_names({k: v.contiguous() for k, v in model.state_dict().items()}), str(weights))
+    loaded = load_weights(weights)
+    rows: list[dict] = []
+    rng = np.random.default_rng(0)
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    peaks = {t: matmul_peak_gflops(t, args.seconds) for t in args.threads}
+    log("fp32 matmul peak (1024^3 torch.mm): " + ", ".join(f"{t} thread(s) {g:.1f} GFLOP/s" for t, g in peaks.items()))
+    flops = step_flops_per_frame(build_step(loaded.model, ExportOptions()))
+    log(f"decoder: {flops / 1e9:.3f} GFLOP per frame")
+
+    def record(engine, batch, frames, threads, seconds_per_call):
+        ms = seconds_per_call * 1000 / (batch * frames)
+        bound_ms = flops / (peaks[threads] * 1e9) * 1000 if threads in peaks else float("nan")
+        rows.append({"engine": engine, "batch": batch, "frames_per_call": frames, "threads": threads,
+                     "ms_per_frame": ms, "frames_per_s": 1000 / ms, "x_realtime": FRAME_MS / ms,
+                     "fraction_of_bound": bound_ms / ms})
+        log(f"  {engine:10s} batch {batch:2d} F {frames} threads {threads}: {ms:7.2f} ms/frame")
+
+    # moshi PyTorch streaming, one frame per call (what Moshi-family servers run).
+    from moshi.models.loaders import get_mimi
+
+    moshi = get_mimi(str(weights), device="cpu", num_codebooks=8)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in args.batches:
+            codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, 1)))
+            with torch.no_grad(), moshi.streaming(batch):
+                record("moshi", batch, 1, threads, _timed(lambda: moshi.decode(codes), args.seconds))
+
+    # The step module in eager PyTorch and in ONNX Runtime.
+    import onnxruntime as ort
+
+    for frames in args.frames_per_call:
+        step = build_step(loaded.model, ExportOptions(frames_per_step=frames))
+        folder = work / f"f{frames}"
+        spec = export_onnx(step, folder / "model.onnx", log=lambda *_: None)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+            names = [t.name for t in spec.inputs]
+            for batch in args.batches:
+                codes = rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32)
+                state = list(step.zero_state(batch))
+
+                def eager():
+                    nonlocal state
+                    with torch.no_grad():
+                        _, *state = step(torch.from_numpy(codes), *state)
+
+                record("step-eager", batch, frames, threads, _timed(eager, args.seconds))
+                ort_state = [np.zeros((batch, *s.shape), dtype=s.dtype) for s in spec.states]
+
+                def onnx():
+                    nonlocal ort_state
+                    _, *ort_state = session.run(None, dict(zip(names, [codes, *ort_state])))
+
+                record("onnxruntime", batch, frames, threads, _timed(onnx, args.seconds))
+
+    # rustymimi (Kyutai's Rust Mimi), batch 1, one frame per call; it picks its own threads.
+    try:
+        import rustymimi
+
+        tokenizer = rustymimi.Tokenizer(str(weights), num_codebooks=8)
+        codes = rng.integers(0, 2048, (1, 8, 1)).astype(np.uint32)
+        record("rustymimi", 1, 1, max(args.threads), _timed(lambda: tokenizer.decode_step(codes), args.seconds))
+    except ImportError as error:
+        log(f"rustymimi not installed ({error}); skipped")
+
+    def find(engine, batch, frames, threads):
+        return next((r for r in rows if (r["engine"], r["batch"], r["frames_per_call"], r["threads"]) ==
+                     (engine, batch, frames, threads)), None)
+
+    t = max(args.threads)
+    ratios = {}
+    ort1, moshi1, rusty = find("onnxruntime", 1, 1, t), find("moshi", 1, 1, t), find("rustymimi", 1, 1, t)
+    if ort1 and moshi1:
+        ratios[f"moshi / onnxruntime, batch 1, {t} threads"] = moshi1["ms_per_frame"] / ort1["ms_per_frame"]
+    if ort1 and rusty:
+        ratios["rustymimi / onnxruntime, batch 1"] = rusty["ms_per_frame"] / ort1["ms_per_frame"]
+    best8 = min((r for r in rows if r["engine"] == "onnxruntime" and r["batch"] == max(args.batches)),
+                key=lambda r: r["ms_per_frame"], default=None)
+    if best8:
+        ratios[f"onnxruntime batch {best8['batch']} (F={best8['frames_per_call']}, {best8['threads']} threads) "
+               "measured / compute bound"] = 1 / best8["fraction_of_bound"]
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    try:
+        model_name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        machine = f"{model_name}, {os.cpu_count()} cores"
+    except (OSError, StopIteration):
+        pass
+    lines = [
+        f"Machine: {machine}. Commit {commit}. Command: `python -m export.bench_decoder --seconds {args.seconds}`.",
+        f"fp32 matmul peak: " + ", ".join(f"{g:.1f} GFLOP/s ({k} thread{'s' if k > 1 else ''})" for k, g in peaks.items())
+        + f"; decoder {flops / 1e9:.3f} GFLOP/frame.",
+        "",
+        "| engine | batch | frames/call | threads | ms/frame | frames/s | x realtime | of compute bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['engine']} | {r['batch']} | {r['frames_per_call']} | {r['threads']} | {r['ms_per_frame']:.2f} | "
+                     f"{r['frames_per_s']:.1f} | {r['x_realtime']:.1f} | {r['fraction_of_bound']:.0%} |")
+    lines.append("")
+    lines += [f"- {name}: {value:.2f}x" for name, value in ratios.items()]
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decoder.md").write_text(table + "\n")
+    (args.out / "decoder.json").write_text(json.dumps(
+        {"machine": machine, "commit": commit, "matmul_peak_gflops": peaks, "gflop_per_frame": flops / 1e9,
+         "rows": rows, "ratios": ratios}, indent=2) + "\n")
+    log(f"wrote {args.out / 'decoder.md'} and {args.out / 'decoder.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
