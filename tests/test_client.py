@@ -202,3 +202,26 @@ def test_encode_resamples_and_writes_codes(moshi_checkpoint, tmp_path, capsys):
     codes = np.load(codes_path)
     assert codes.shape == (8, 7) and codes.dtype == np.int64  # 0.5 s -> 6.25 frames, rounded up
     assert codes.min() >= 0 and codes.max() < 2048
+
+
+# ---- make verify ----------------------------------------------------------------------------------
+
+@pytest.mark.server
+def test_verify_passes_against_moshi_for_the_served_checkpoint(code2wav_server, moshi_checkpoint, capsys):
+    from client.verify import main
+
+    code = main(["--url", code2wav_server.grpc_url, "--weights", str(moshi_checkpoint[0]), "--streams", "2", "--frames", "12"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "reference: moshi streaming decode of" in out and "SNR" in out
+    assert out.strip().splitlines()[-1].startswith("PASS")
+
+
+@pytest.mark.server
+def test_verify_fails_for_other_weights(code2wav_server, capsys):
+    from client.verify import main
+
+    code = main(["--url", code2wav_server.grpc_url, "--random-init", "--seed", "3", "--streams", "1", "--frames", "4"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "step module" in out and out.strip().splitlines()[-1].startswith("FAIL")
