@@ -1,0 +1,377 @@
+"""Benchmark code2wav over a sweep of concurrent streams, unpaced and paced at 80 ms per frame.
+
+    python -m client.bench [--url HOST:PORT] [--streams 1,2,4,8] [--frames 64] [--chunk-frames 4]
+                           [--point-seconds 5] [--out-dir bench_results] [--no-client] [--no-perf]
+
+Without --url it starts a local server first, as `make serve` does but from its own build folder
+(build/bench, seeded random weights unless --weights: speed does not depend on the weight values).
+
+For each number of streams N:
+- the streaming client (client.stream) decodes N streams of `--frames` seeded frames, paced and
+  unpaced: first-chunk latency, per-request latency p50/p90/p99, real-time factor;
+- perf_analyzer (client/perf.sh, one measurement of a fixed request count per point)
+    unpaced  --concurrency-range N: N sequences, each sending its next step when the last returned;
+    paced    --request-rate-range N*12.5/F --num-of-sequences N --serial-sequences, F the mean frames
+             per step: in total the frames of N real-time streams per second;
+  client-side p50/p90/p99 and the server's queue and compute times from its CSV, decoder statistics
+  from its report on the composing model `mimi_decoder`.
+Results go to OUT_DIR: bench.md (tables), bench.json, bench.png (latency and throughput against
+streams) and raw/ (perf_analyzer CSVs and reports). The load generators run on the same CPU cores as
+the server, and the tables say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from client.perf_inputs import describe, input_data
+from client.stream import (
+    DEFAULT_CHUNK_FRAMES,
+    FRAME_DURATION_S,
+    ClientError,
+    Code2WavStreamer,
+    StreamOptions,
+    random_codes,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+PERF_SH = Path(__file__).resolve().parent / "perf.sh"
+FRAMES_PER_S_REAL_TIME = 1 / FRAME_DURATION_S  # 12.5 frames/s per live stream
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} CPU cores ({cpu}), no GPU, {platform.system()} {platform.release()}"
+
+
+def git_commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+        return done.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ---- perf_analyzer ---------------------------------------------------------------------------------
+
+def parse_perf_report(text: str) -> dict:
+    """Server and composing-model counts from perf_analyzer's text report."""
+    parsed = {}
+    server = re.search(r"Server:\s*\n\s*Inference count: (\d+)\s*\n\s*Execution count: (\d+)", text)
+    if server:
+        parsed["code2wav_requests"], parsed["code2wav_executions"] = int(server.group(1)), int(server.group(2))
+    decoder = re.search(
+        r"mimi_decoder, version: \S*\s*\n\s*Inference count: (\d+)\s*\n\s*Execution count: (\d+).*?"
+        r"queue (\d+) usec \+ compute input (\d+) usec \+ compute infer (\d+) usec",
+        text, re.S,
+    )
+    if decoder:
+        inferences, executions = int(decoder.group(1)), int(decoder.group(2))
+        parsed.update(
+            decoder_steps=inferences,
+            decoder_mean_batch=inferences / executions if executions else None,
+            decoder_queue_ms=int(decoder.group(3)) / 1e3,
+            decoder_compute_infer_ms=int(decoder.group(5)) / 1e3,
+        )
+    return parsed
+
+
+def run_perf_point(args, url: str, streams: int, paced: bool, info: dict, request_rate_estimate: float | None,
+                   raw_dir: Path) -> dict:
+    """One perf_analyzer measurement; returns the row (with 'error' when it failed)."""
+    name = f"perf-{'paced' if paced else 'unpaced'}-{streams}"
+    csv_path = raw_dir / f"{name}.csv"
+    if paced:
+        rate = streams * FRAMES_PER_S_REAL_TIME / info["mean_frames_per_step"]
+        # perf_analyzer 2.51 requires the request count to be at least the rate.
+        count = max(math.ceil(rate * args.point_seconds), math.ceil(rate), 2 * streams)
+        load = ["--request-rate-range", f"{rate:.4f}", "--num-of-sequences", str(streams), "--serial-sequences"]
+    else:
+        rate = None
+        estimate = request_rate_estimate or 10.0
+        count = max(math.ceil(estimate * args.point_seconds), 4 * streams)
+        load = ["--concurrency-range", str(streams)]
+    env = dict(
+        os.environ, URL=url, STREAMS=str(streams), FRAMES=str(args.frames), CHUNK_FRAMES=str(args.chunk_frames),
+        SEED=str(args.seed), CSV=str(csv_path), BUILD_DIR=str(raw_dir / "perf-build"), PYTHON=sys.executable,
+    )
+    command = [str(PERF_SH), *load, "--request-count", str(count)]
+    started = time.monotonic()
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=max(120.0, 20 * args.point_seconds))
+    (raw_dir / f"{name}.txt").write_text(f"$ {' '.join(command)}\n{done.stdout}\n{done.stderr}")
+    row = {
+        "streams": streams, "paced": paced, "request_rate": rate, "request_count": count,
+        "command": " ".join(["client/perf.sh", *load, "--request-count", str(count)]),
+        "seconds": time.monotonic() - started,
+    }
+    if done.returncode != 0 or not csv_path.exists():
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        error_lines = [line for line in lines if "rror" in line or "ailed" in line]
+        row["error"] = f"perf_analyzer exit {done.returncode}: {(error_lines or lines or ['no output'])[0].strip()}"
+        return row
+    record = next(csv.DictReader(csv_path.open()))
+    us = lambda column: float(record[column]) / 1e3  # noqa: E731  (CSV times are microseconds)
+    row.update(
+        requests_per_s=float(record["Inferences/Second"]),
+        frames_per_s=float(record["Inferences/Second"]) * info["mean_frames_per_step"],
+        p50_ms=us("p50 latency"), p90_ms=us("p90 latency"), p99_ms=us("p99 latency"),
+        server_queue_ms=us("Server Queue"),
+        server_compute_ms=us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output"),
+    )
+    row.update(parse_perf_report(done.stdout))
+    return row
+
+
+# ---- client ----------------------------------------------------------------------------------------
+
+def run_client_point(url: str, streams: int, paced: bool, args) -> dict:
+    codes = [random_codes(args.frames, args.seed + i) for i in range(streams)]
+    options = StreamOptions(chunk_frames=args.chunk_frames, paced=paced)
+    with Code2WavStreamer(url) as streamer:
+        report = streamer.run(codes, options)
+    stats = report.summary()
+    return {
+        "streams": streams, "paced": paced,
+        "first_chunk_ms": stats["first_chunk_latency_ms_mean"],
+        "first_chunk_ms_max": stats["first_chunk_latency_ms_max"],
+        "p50_ms": stats["chunk_latency_ms_p50"], "p90_ms": stats["chunk_latency_ms_p90"],
+        "p99_ms": stats["chunk_latency_ms_p99"],
+        "real_time_factor": stats["real_time_factor"],
+        "real_time_factor_per_stream_min": stats["real_time_factor_per_stream_min"],
+        "frames_per_s": stats["frames_per_s"],
+        "requests_per_s": stats["requests"] / stats["wall_s"],
+    }
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def markdown_report(results: dict) -> str:
+    meta = results["meta"]
+    lines = [
+        "# code2wav benchmark",
+        "",
+        f"- machine: {meta['machine']}",
+        f"- commit: {meta['commit']}, {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- server: {meta['server']}",
+        f"- streams of {meta['frames']} frames ({meta['frames'] * FRAME_DURATION_S:.2f} s), requests of 1 then "
+        f"{meta['chunk_frames']} frames (deltas; the client sends frame_offset, perf_analyzer does not)",
+        f"- **the load generators (this client, perf_analyzer) share the machine's {os.cpu_count()} CPU cores with "
+        "the server**: numbers are lower bounds for a dedicated server",
+        "",
+    ]
+    if results["client"]:
+        lines += [
+            "## Streaming client (client.stream)",
+            "",
+            "Unpaced: each stream sends its next request when the previous one returned. Paced: each request "
+            "leaves when its last frame would exist (80 ms per frame). RTF = audio seconds of all streams / "
+            "wall seconds (paced: at most about the number of streams).",
+            "",
+            "| streams | pacing | first chunk ms (mean / max) | request p50 / p90 / p99 ms | RTF total | RTF slowest stream | frames/s |",
+            "|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for row in results["client"]:
+            if "error" in row:
+                lines.append(f"| {row['streams']} | {'paced' if row['paced'] else 'unpaced'} | {row['error']} | | | | |")
+                continue
+            lines.append(
+                f"| {row['streams']} | {'paced' if row['paced'] else 'unpaced'} | {_fmt(row['first_chunk_ms'])} / "
+                f"{_fmt(row['first_chunk_ms_max'])} | {_fmt(row['p50_ms'])} / {_fmt(row['p90_ms'])} / {_fmt(row['p99_ms'])} | "
+                f"{_fmt(row['real_time_factor'], 2)} | {_fmt(row['real_time_factor_per_stream_min'], 2)} | "
+                f"{_fmt(row['frames_per_s'])} |"
+            )
+        lines.append("")
+    if results["perf"]:
+        lines += [
+            "## perf_analyzer 2.51 (gRPC streaming, sequences)",
+            "",
+            "Unpaced: `--concurrency-range N`. Paced: `--request-rate-range` = N x 12.5 frames/s / mean frames "
+            "per request, `--num-of-sequences N --serial-sequences`. frames/s = requests/s x mean frames per "
+            "request of the input data. Latency is perf_analyzer's client-side request latency; queue and "
+            "compute are code2wav's server-side averages; the decoder columns are `mimi_decoder` "
+            "(composing model): mean batch size and compute per batched step.",
+            "",
+            "| streams | load | requests/s | frames/s | real time needs frames/s | p50 / p90 / p99 ms | code2wav queue ms | code2wav compute ms | decoder batch | decoder compute ms |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in results["perf"]:
+            load = f"paced {row['request_rate']:.2f} req/s" if row["paced"] else f"concurrency {row['streams']}"
+            needed = _fmt(row["streams"] * FRAMES_PER_S_REAL_TIME)
+            if "error" in row:
+                lines.append(f"| {row['streams']} | {load} | {row['error']} | | {needed} | | | | | |")
+                continue
+            lines.append(
+                f"| {row['streams']} | {load} | {_fmt(row['requests_per_s'], 2)} | {_fmt(row['frames_per_s'])} | {needed} | "
+                f"{_fmt(row['p50_ms'])} / {_fmt(row['p90_ms'])} / {_fmt(row['p99_ms'])} | {_fmt(row['server_queue_ms'])} | "
+                f"{_fmt(row['server_compute_ms'])} | {_fmt(row.get('decoder_mean_batch'), 2)} | "
+                f"{_fmt(row.get('decoder_compute_infer_ms'))} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    """Latency and throughput against streams; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, (latency_axes, throughput_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = [(source, rows, marker, paced, style) for source, rows, marker in
+              (("client", results["client"], "o"), ("perf_analyzer", results["perf"], "s"))
+              for paced, style in ((False, "-"), (True, "--"))]
+    for color, (source, rows, marker, paced, style) in zip(("C0", "C1", "C2", "C3"), series):
+        points = [r for r in rows if r["paced"] == paced and "error" not in r]
+        if not points:
+            continue
+        streams = [r["streams"] for r in points]
+        label = f"{source} {'paced' if paced else 'unpaced'}"
+        latency_axes.plot(streams, [r["p50_ms"] for r in points], style, marker=marker, color=color, label=f"{label} p50")
+        latency_axes.plot(streams, [r["p99_ms"] for r in points], ":", marker=marker, color=color, alpha=0.6,
+                          label=f"{label} p99")
+        throughput_axes.plot(streams, [r["frames_per_s"] for r in points], style, marker=marker, color=color, label=label)
+    all_streams = sorted({r["streams"] for r in results["client"] + results["perf"]})
+    if all_streams:
+        throughput_axes.plot(all_streams, [s * FRAMES_PER_S_REAL_TIME for s in all_streams], ":", color="gray",
+                             label="real time (12.5 frames/s per stream)")
+    latency_axes.set(xlabel="concurrent streams", ylabel="request latency (ms)", title="Latency per request")
+    throughput_axes.set(xlabel="concurrent streams", ylabel="decoded frames / s", title="Throughput")
+    for axes in (latency_axes, throughput_axes):
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=7)
+        if all_streams:
+            axes.set_xticks(all_streams)
+    figure.suptitle(f"code2wav on {results['meta']['machine']} (load generator on the same cores)", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def local_server(args):
+    """A local server on free ports over a repository exported into args.build_dir."""
+    try:
+        from export.__main__ import prepare_local_repository
+        from server.triton import running_server
+    except ImportError as exc:
+        raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
+    repository = prepare_local_repository(args.weights, args.weights is None, 0, Path(args.build_dir))
+    log_path = Path(args.build_dir) / "tritonserver.log"
+    with running_server(repository, log_path=log_path, ready_timeout_s=120.0) as server:
+        yield server.grpc_url, f"local tritonserver 2.51 (pytriton wheel), python-ort decoder, log {log_path}"
+
+
+def parse_streams(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("streams: comma-separated integers >= 1")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m client.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="Triton gRPC address of a running server (default: start a local one)")
+    parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
+    parser.add_argument("--build-dir", default=str(ROOT / "build" / "bench"), help="export folder of the local server")
+    parser.add_argument("--streams", type=parse_streams, default=[1, 2, 4, 8], help="sweep (default 1,2,4,8)")
+    parser.add_argument("--frames", type=int, default=64, help="frames per stream (default %(default)s)")
+    parser.add_argument("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES, help="frames per request after the first")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the codes; stream i uses seed + i")
+    parser.add_argument("--point-seconds", type=float, default=5.0, help="approximate seconds per perf_analyzer point")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench_results", help="where results go (default bench_results/)")
+    parser.add_argument("--no-client", action="store_true", help="skip the streaming-client runs")
+    parser.add_argument("--no-perf", action="store_true", help="skip perf_analyzer")
+    args = parser.parse_args(argv)
+
+    raw_dir = args.out_dir / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    info = describe(input_data(1, args.frames, args.chunk_frames, args.seed))
+    results = {"meta": {}, "client": [], "perf": []}
+    failures = 0
+    try:
+        with contextlib.ExitStack() as stack:
+            if args.url:
+                url, server = args.url, f"running server at {args.url}"
+            else:
+                print("starting a local server ...", file=sys.stderr, flush=True)
+                url, server = stack.enter_context(local_server(args))
+            with Code2WavStreamer(url) as streamer:
+                streamer.check_ready()
+            results["meta"] = {
+                "machine": machine_description(), "commit": git_commit(),
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "command": "python -m client.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "server": server, "url": url, "frames": args.frames, "chunk_frames": args.chunk_frames,
+                "streams": args.streams, "input_data": info,
+            }
+            for streams in args.streams:
+                request_rate_estimate = None
+                for paced in (False, True):
+                    label = f"{streams} stream(s) {'paced' if paced else 'unpaced'}"
+                    if not args.no_client:
+                        print(f"client        {label} ...", file=sys.stderr, flush=True)
+                        try:
+                            row = run_client_point(url, streams, paced, args)
+                            if not paced:
+                                request_rate_estimate = row["requests_per_s"]
+                        except ClientError as exc:
+                            row, failures = {"streams": streams, "paced": paced, "error": str(exc)}, failures + 1
+                        results["client"].append(row)
+                    if not args.no_perf:
+                        print(f"perf_analyzer {label} ...", file=sys.stderr, flush=True)
+                        row = run_perf_point(args, url, streams, paced, info, request_rate_estimate, raw_dir)
+                        failures += "error" in row
+                        results["perf"].append(row)
+    except ClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    (args.out_dir / "bench.json").write_text(json.dumps(results, indent=2))
+    report = markdown_report(results)
+    (args.out_dir / "bench.md").write_text(report + "\n")
+    plotted = plot(results, args.out_dir / "bench.png")
+    print(report)
+    print(f"wrote {args.out_dir}/bench.md, bench.json" + (", bench.png" if plotted else " (no plot: matplotlib is not installed)")
+          + f" and raw/")
+    if failures:
+        print(f"{failures} point(s) failed: see the tables and {raw_dir}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
