@@ -1,0 +1,866 @@
+"""End to end through a real tritonserver: gRPC client -> code2wav (BLS) -> python-ort mimi_decoder.
+
+The served decoder is the real-architecture ONNX export with seeded random weights; every stream's
+PCM is compared with moshi's streaming decode of the same codes (DESIGN.md's "equal": exact sample
+counts, max abs error 1e-4 and >= 100 dB SNR) and, where it ran alone or batched, with the same ONNX
+step run directly in ONNX Runtime (within 1e-5).
+
+Covered: the three ways a client sends a stream (deltas, cumulative prefixes, offsets) over unary and
+bidirectional streaming gRPC; dedupe of retries, overlaps and repeated frames; 16 interleaved streams
+batched by the decoder; every row of the stream lifecycle and each kind of bad request; idle expiry and
+the cancelled-request regression on a server with second-scale timeouts; `python -m server serve`
+from a clean build folder.
+
+Every test uses its own sequence ids and ends the streams it opens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from mimi_fixtures import assert_equal_audio, ort_session, ort_step_fn, spec_zero_state
+from server.triton import SHM_DIR, fetch_metrics, free_ports, metric_value, port_is_free
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL = "code2wav"
+NUM_CODEBOOKS = 8
+CODEBOOK_SIZE = 2048
+SAMPLES_PER_FRAME = 1920
+SAMPLE_RATE_HZ = 24000
+MAX_NEW_FRAMES_PER_REQUEST = 1500
+MAX_REQUEST_FRAMES = 45000
+# A stream batched with others stays within this of its solo run (DESIGN.md section 1).
+BATCHED_MAX_ABS = 1e-5
+# Triton's own answer to a request for a sequence it does not hold, and the core's, both say this.
+START_HINT = "START flag"
+
+# Idle timeouts of the short-timeout server: the decoder's sits above code2wav's, as in the shipped
+# configs (code2wav 30 s, mimi_decoder 35 s).
+SHORT_CODE2WAV_IDLE_US = 2_000_000
+SHORT_DECODER_IDLE_US = 3_000_000
+
+# Sequence ids far from small numbers another test module might pick on the shared server.
+_SEQUENCE_IDS = itertools.count(7_000_001)
+
+
+def new_sequence_id() -> int:
+    return next(_SEQUENCE_IDS)
+
+
+# ---- the request contract ------------------------------------------------------------------------
+
+def raw_input(name: str, array: np.ndarray, datatype: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def code2wav_inputs(codes: np.ndarray, frame_offset: int | None = None) -> list[grpcclient.InferInput]:
+    """codes [k, F] -> `input_ids` INT64 [1, k*F] (codebook-major: all F codes of codebook 0, then
+    codebook 1, ...) and, when given, `frame_offset` INT64 [1, 1]."""
+    codes = np.asarray(codes)
+    assert codes.ndim == 2 and codes.shape[0] == NUM_CODEBOOKS
+    inputs = [raw_input("input_ids", np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1), "INT64")]
+    if frame_offset is not None:
+        inputs.append(raw_input("frame_offset", np.array([[frame_offset]], np.int64), "INT64"))
+    return inputs
+
+
+def pcm_of(result, new_frames: int | None = None) -> np.ndarray:
+    """The response's `model_outputs` as 1-D float32, after checking `sr` and the output shape."""
+    sr = result.as_numpy("sr")
+    assert sr is not None and sr.dtype == np.int32 and sr.shape == (1, 1), sr
+    assert int(sr[0, 0]) == SAMPLE_RATE_HZ
+    pcm = result.as_numpy("model_outputs")
+    assert pcm.dtype == np.float32 and pcm.ndim == 2 and pcm.shape[0] == 1, (pcm.dtype, pcm.shape)
+    assert pcm.shape[1] % SAMPLES_PER_FRAME == 0, pcm.shape
+    if new_frames is not None:
+        assert pcm.shape[1] == new_frames * SAMPLES_PER_FRAME, (
+            f"{pcm.shape[1]} samples, expected {new_frames} frame(s) = {new_frames * SAMPLES_PER_FRAME}"
+        )
+    return pcm[0]
+
+
+def infer(client, sequence_id: int, codes, frame_offset=None, start=False, end=False,
+          new_frames: int | None = None) -> np.ndarray:
+    """One unary request; returns the PCM of the frames it decoded (checked to be `new_frames`)."""
+    result = client.infer(
+        MODEL, code2wav_inputs(codes, frame_offset),
+        sequence_id=sequence_id, sequence_start=start, sequence_end=end,
+    )
+    return pcm_of(result, new_frames)
+
+
+def infer_error(client, sequence_id: int, inputs, *expected: str, start=False, end=False) -> str:
+    """Send `inputs` (a codes array [k, F] or a list of InferInput) expecting an error whose message
+    contains every `expected` substring; returns the message."""
+    if isinstance(inputs, np.ndarray):
+        inputs = code2wav_inputs(inputs)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(MODEL, inputs, sequence_id=sequence_id, sequence_start=start, sequence_end=end)
+    message = info.value.message()
+    for text in expected:
+        assert text in message, f"{text!r} not in the error {message!r}"
+    return message
+
+
+def frames_of(pcm: np.ndarray, first: int, stop: int) -> np.ndarray:
+    return pcm[first * SAMPLES_PER_FRAME : stop * SAMPLES_PER_FRAME]
+
+
+def chunk_bounds(rng: np.random.Generator, total_frames: int, max_chunk: int = 8) -> list[tuple[int, int]]:
+    """Random chunking of [0, total) into (start, stop) pairs, the first one frame long."""
+    bounds, start = [], 0
+    while start < total_frames:
+        size = 1 if start == 0 else int(rng.integers(1, max_chunk + 1))
+        stop = min(start + size, total_frames)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class StreamingClient:
+    """One bidirectional gRPC stream carrying requests of any number of sequences; responses are
+    routed back by request id. Errors fail the test (the stream transport is used for valid
+    requests only: an error response carries no request id)."""
+
+    def __init__(self, url: str):
+        self.client = grpcclient.InferenceServerClient(url)
+        self._responses: queue.Queue = queue.Queue()
+        self._request_ids = itertools.count(1)
+        self.client.start_stream(callback=lambda result, error: self._responses.put((result, error)))
+
+    def send(self, sequence_id: int, codes, frame_offset=None, start=False, end=False) -> str:
+        request_id = str(next(self._request_ids))
+        self.client.async_stream_infer(
+            MODEL, code2wav_inputs(codes, frame_offset), request_id=request_id,
+            sequence_id=sequence_id, sequence_start=start, sequence_end=end,
+        )
+        return request_id
+
+    def collect(self, count: int, timeout_s: float = 120.0) -> dict[str, object]:
+        """Wait for `count` responses; returns {request id: InferResult}."""
+        results = {}
+        deadline = time.monotonic() + timeout_s
+        while len(results) < count:
+            result, error = self._responses.get(timeout=max(deadline - time.monotonic(), 0.001))
+            if error is not None:
+                raise AssertionError(f"streamed request failed: {error}")
+            results[result.get_response().id] = result
+        return results
+
+    def close(self, cancel_requests: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel_requests)
+        self.client.close()
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServingMetrics:
+    code2wav_live: float
+    code2wav_frames: float
+    decoder_live: float
+    decoder_runs: float
+    decoder_rows: float
+    decoder_runs_of_one: float  # histogram bucket le="1"
+    decoder_expired: float
+    errors: dict[str, float]
+
+    @classmethod
+    def read(cls, metrics_url: str) -> "ServingMetrics":
+        samples = fetch_metrics(metrics_url)
+
+        def value(name, **labels):
+            found = metric_value(samples, name, **labels)
+            return 0.0 if found is None else found
+
+        errors = {}
+        for key, count in samples.items():
+            match = re.fullmatch(r'code2wav_errors_total\{kind="([a-z_]+)"\}', key)
+            if match:
+                errors[match.group(1)] = count
+        return cls(
+            code2wav_live=value("code2wav_live_streams"),
+            code2wav_frames=value("code2wav_frames_decoded_total"),
+            decoder_live=value("mimi_decoder_live_streams"),
+            decoder_runs=value("mimi_decoder_batches_total"),
+            decoder_rows=value("mimi_decoder_batched_requests_total"),
+            decoder_runs_of_one=value("mimi_decoder_batch_size_bucket", le="1"),
+            decoder_expired=value("mimi_decoder_expired_streams_total"),
+            errors=errors,
+        )
+
+
+def wait_for_metrics(metrics_url: str, condition, timeout_s: float, poll_s: float = 0.1):
+    """Poll the metrics until `condition(ServingMetrics)` holds; returns (metrics, seconds waited)
+    or fails with the last values read."""
+    started = time.monotonic()
+    while True:
+        metrics = ServingMetrics.read(metrics_url)
+        if condition(metrics):
+            return metrics, time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"metrics did not reach the expected state in {timeout_s} s: {metrics}")
+        time.sleep(poll_s)
+
+
+# ---- references ----------------------------------------------------------------------------------
+
+def ort_decode(step, zero_state, codes: np.ndarray) -> np.ndarray:
+    """The served ONNX step run directly, alone (batch 1), one frame per call: PCM float32 [1920*T]."""
+    state = zero_state(1)
+    chunks = []
+    for frame in range(codes.shape[1]):
+        pcm, *state = step(np.ascontiguousarray(codes[None, :, frame : frame + 1], dtype=np.int32), state)
+        chunks.append(np.asarray(pcm)[0])
+    return np.concatenate(chunks)
+
+
+def moshi_decode(model, codes: np.ndarray) -> np.ndarray:
+    """moshi's streaming decode of codes [k, T], one frame per call: PCM float32 [1920*T]."""
+    import torch
+
+    codes = torch.from_numpy(np.asarray(codes, np.int64))[None]
+    with torch.no_grad(), model.streaming(1):
+        chunks = [model.decode(codes[:, :, frame : frame + 1])[0, 0].numpy() for frame in range(codes.shape[2])]
+    return np.concatenate(chunks)
+
+
+@pytest.fixture(scope="module")
+def ort_decoder(onnx_fp32):
+    from export.onnx_export import read_manifest
+    from export.spec import DecoderSpec
+
+    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    step = ort_step_fn(ort_session(onnx_fp32))
+    zero_state = spec_zero_state(spec)
+    return lambda codes: ort_decode(step, zero_state, codes)
+
+
+@pytest.fixture(scope="module")
+def ort_streams(ort_decoder, scenario):
+    """Each scenario stream decoded alone by the ONNX step in ONNX Runtime."""
+    return {name: ort_decoder(codes) for name, codes in scenario.streams.items()}
+
+
+def repeated_frame_codes(scenario) -> np.ndarray:
+    """[k, 18]: runs of identical consecutive frames, as silence produces, the first at the start."""
+    a = scenario.streams["A"]
+    silence = 40  # any frame; repeated, it plays the part of a silence frame
+    columns = [silence, silence, silence, 0, 1, 1, 1, 2, silence, silence, silence, silence, 3, 3, 4,
+               silence, silence, 5]
+    return np.ascontiguousarray(a[:, columns])
+
+
+@pytest.fixture(scope="module")
+def repeated(scenario, moshi_checkpoint, ort_decoder):
+    """The repeated-frame codes with their moshi and ORT references."""
+    codes = repeated_frame_codes(scenario)
+    return codes, moshi_decode(moshi_checkpoint[1], codes), ort_decoder(codes)
+
+
+def assert_matches(pcm, moshi_reference, ort_reference, what: str) -> float:
+    """Equal to moshi's streaming decode, and within 1e-5 of the ONNX step run directly. Returns the
+    max abs difference to the ONNX step."""
+    assert_equal_audio(pcm, moshi_reference, what=f"{what} vs moshi")
+    error, _ = assert_equal_audio(pcm, ort_reference, max_abs=BATCHED_MAX_ABS, what=f"{what} vs ONNX step")
+    return error
+
+
+@pytest.fixture
+def grpc_client(code2wav_server):
+    with grpcclient.InferenceServerClient(code2wav_server.grpc_url) as client:
+        yield client
+
+
+# ---- 1. one stream, every way of sending it ------------------------------------------------------
+
+SEND_CASES = [
+    pytest.param("unary", "delta", "A", 11, id="unary-delta-A"),
+    pytest.param("unary", "cumulative", "B", 12, id="unary-cumulative-B"),
+    pytest.param("unary", "offsets", "C1", 13, id="unary-offsets-C1"),
+    pytest.param("streaming", "delta", "C2", 14, id="streaming-delta-C2"),
+    pytest.param("streaming", "cumulative", "C1", 15, id="streaming-cumulative-C1"),
+    pytest.param("streaming", "offsets", "A", 16, id="streaming-offsets-A"),
+]
+
+
+@pytest.mark.parametrize("transport, mode, name, seed", SEND_CASES)
+def test_one_stream_equals_moshi_and_the_onnx_step(
+    code2wav_server, scenario, moshi_streams, ort_streams, transport, mode, name, seed
+):
+    codes = scenario.streams[name]
+    bounds = chunk_bounds(np.random.default_rng(seed), codes.shape[1])
+    requests = []  # (codes, frame_offset, start, end, new frames)
+    for index, (first, stop) in enumerate(bounds):
+        sent = {"delta": codes[:, first:stop], "cumulative": codes[:, :stop], "offsets": codes[:, first:stop]}[mode]
+        offset = first if mode == "offsets" else None
+        requests.append((sent, offset, index == 0, index == len(bounds) - 1, stop - first))
+
+    sequence_id = new_sequence_id()
+    if transport == "unary":
+        with grpcclient.InferenceServerClient(code2wav_server.grpc_url) as client:
+            chunks = [
+                infer(client, sequence_id, sent, offset, start, end, new_frames)
+                for sent, offset, start, end, new_frames in requests
+            ]
+    else:
+        stream = StreamingClient(code2wav_server.grpc_url)
+        try:
+            request_ids = [stream.send(sequence_id, sent, offset, start, end) for sent, offset, start, end, _ in requests]
+            results = stream.collect(len(request_ids))
+        finally:
+            stream.close()
+        chunks = [pcm_of(results[rid], request[4]) for rid, request in zip(request_ids, requests)]
+
+    assert_matches(np.concatenate(chunks), moshi_streams[name], ort_streams[name], f"{transport} {mode} {name}")
+
+
+def test_one_frame_per_request_round_trip(code2wav_server, grpc_client, scenario, moshi_streams, ort_streams):
+    """The live pattern: one frame every request, with offsets. Reports the round trip per frame."""
+    codes = scenario.streams["C2"][:, :40]
+    sequence_id = new_sequence_id()
+    chunks, round_trips_ms = [], []
+    for frame in range(codes.shape[1]):
+        started = time.perf_counter()
+        chunks.append(infer(grpc_client, sequence_id, codes[:, frame : frame + 1], frame, start=frame == 0,
+                            end=frame == codes.shape[1] - 1, new_frames=1))
+        round_trips_ms.append((time.perf_counter() - started) * 1e3)
+    pcm = np.concatenate(chunks)
+    assert_matches(pcm, moshi_streams["C2"][: pcm.size], ort_streams["C2"][: pcm.size], "one frame per request")
+    p50, p90 = np.percentile(round_trips_ms[1:], [50, 90])
+    print(f"\none frame per request through Triton: p50 {p50:.1f} ms, p90 {p90:.1f} ms "
+          f"(first request {round_trips_ms[0]:.1f} ms)")
+
+
+# ---- 2. dedupe -----------------------------------------------------------------------------------
+
+def test_identical_consecutive_frames_sent_as_offset_deltas_are_all_decoded(grpc_client, repeated):
+    codes, moshi_reference, ort_reference = repeated
+    # Chunk edges inside runs of identical frames: each chunk starts with a copy of the frame before.
+    bounds = [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 12), (12, 13), (13, 16),
+              (16, 17), (17, 18)]
+    sequence_id = new_sequence_id()
+    chunks = [
+        infer(grpc_client, sequence_id, codes[:, first:stop], first, start=first == 0,
+              end=stop == codes.shape[1], new_frames=stop - first)
+        for first, stop in bounds
+    ]
+    assert_matches(np.concatenate(chunks), moshi_reference, ort_reference, "repeated frames")
+
+
+def test_retries_and_overlaps_decode_only_new_frames(grpc_client, scenario, moshi_streams, ort_streams):
+    codes, moshi_reference, ort_reference = scenario.streams["B"], moshi_streams["B"], ort_streams["B"]
+    sequence_id = new_sequence_id()
+    decoded = []
+
+    def send(first, stop, new_frames, start=False, end=False):
+        pcm = infer(grpc_client, sequence_id, codes[:, first:stop], first, start=start, end=end,
+                    new_frames=new_frames)
+        if new_frames:
+            new_first = stop - new_frames
+            assert_matches(pcm, frames_of(moshi_reference, new_first, stop),
+                           frames_of(ort_reference, new_first, stop), f"frames [{new_first}, {stop})")
+            decoded.append(pcm)
+
+    send(0, 4, 4, start=True)
+    send(0, 4, 0)  # identical retry: nothing new
+    send(2, 4, 0)  # a retry of the tail only
+    send(2, 7, 3)  # overlaps 2 decoded frames, decodes 3
+    send(1, 3, 0)  # entirely inside the history
+    send(7, 10, 3)
+    send(9, 10, 0)
+    send(8, 12, 2, end=True)  # the last request overlaps too
+    assert_matches(np.concatenate(decoded), moshi_reference[: 12 * SAMPLES_PER_FRAME],
+                   ort_reference[: 12 * SAMPLES_PER_FRAME], "retries and overlaps")
+
+
+def test_documented_limit_of_requests_without_offsets(grpc_client, repeated):
+    """Without frame_offset, `auto` dedupe takes a request that starts with the whole history for a
+    resend (DESIGN.md section 1): a delta of silence equal to the history is not decoded. The same
+    frame sent with its offset is."""
+    codes, moshi_reference, ort_reference = repeated
+    sequence_id = new_sequence_id()
+    chunks = [infer(grpc_client, sequence_id, codes[:, :1], start=True, new_frames=1)]
+    # Frame 1 repeats frame 0, the whole history: taken for a resend, nothing decoded.
+    infer(grpc_client, sequence_id, codes[:, 1:2], new_frames=0)
+    # With its offset it is decoded, and the stream goes on exactly.
+    chunks.append(infer(grpc_client, sequence_id, codes[:, 1:2], 1, new_frames=1))
+    chunks.append(infer(grpc_client, sequence_id, codes[:, 2:6], 2, end=True, new_frames=4))
+    assert_matches(np.concatenate(chunks), moshi_reference[: 6 * SAMPLES_PER_FRAME],
+                   ort_reference[: 6 * SAMPLES_PER_FRAME], "silence delta sent again with its offset")
+
+
+# ---- 3. many streams at once ---------------------------------------------------------------------
+
+@dataclass
+class StreamPlan:
+    """One stream of an interleaved run: `codes` [k, T] sent with offsets in `bounds` chunks, one
+    chunk per round from round `join_round` on."""
+
+    sequence_id: int
+    codes: np.ndarray
+    bounds: list
+    join_round: int = 0
+
+    def __post_init__(self):
+        self.chunks: list[np.ndarray] = []
+
+    @property
+    def frames(self) -> int:
+        return self.bounds[-1][1]
+
+    def pcm(self) -> np.ndarray:
+        return np.concatenate(self.chunks)
+
+
+def run_interleaved(grpc_url: str, plans: list[StreamPlan]) -> float:
+    """Send every plan over one bidirectional gRPC stream, round by round (each active stream sends
+    its next chunk, then the round's responses are awaited), so that the server sees the streams'
+    requests together. Fills each plan's `chunks`; returns the wall time in seconds."""
+    client = StreamingClient(grpc_url)
+    started = time.perf_counter()
+    try:
+        for round_index in itertools.count():
+            sent = {}
+            for plan in plans:
+                step = round_index - plan.join_round
+                if 0 <= step < len(plan.bounds):
+                    first, stop = plan.bounds[step]
+                    request_id = client.send(plan.sequence_id, plan.codes[:, first:stop], first,
+                                             start=step == 0, end=step == len(plan.bounds) - 1)
+                    sent[request_id] = (plan, stop - first)
+            if not sent:
+                if all(round_index - plan.join_round >= len(plan.bounds) for plan in plans):
+                    break
+                continue
+            results = client.collect(len(sent))
+            for request_id, (plan, new_frames) in sent.items():
+                plan.chunks.append(pcm_of(results[request_id], new_frames))
+    finally:
+        client.close()
+    return time.perf_counter() - started
+
+
+def test_sixteen_interleaved_streams_are_batched_and_each_equals_its_solo_run(
+    code2wav_server, scenario, moshi_streams, ort_streams
+):
+    names = ["A", "B", "C1", "C2"]
+    rng = np.random.default_rng(21)
+    plans, references = [], []
+    for index in range(16):
+        name = names[index % 4]
+        frames = 24 + index  # 24..39 frames
+        # Streams join one round apart, so every batch mixes rows of different ages.
+        plans.append(StreamPlan(new_sequence_id(), scenario.streams[name][:, :frames],
+                                chunk_bounds(rng, frames, max_chunk=3), join_round=index))
+        references.append((name, frames * SAMPLES_PER_FRAME))
+
+    before = ServingMetrics.read(code2wav_server.metrics_url)
+    elapsed_s = run_interleaved(code2wav_server.grpc_url, plans)
+    after = ServingMetrics.read(code2wav_server.metrics_url)
+
+    worst = 0.0
+    for plan, (name, samples) in zip(plans, references):
+        worst = max(worst, assert_matches(plan.pcm(), moshi_streams[name][:samples], ort_streams[name][:samples],
+                                          f"stream {plan.sequence_id} ({name}, {plan.frames} frames)"))
+
+    total_frames = sum(plan.frames for plan in plans)
+    runs = after.decoder_runs - before.decoder_runs
+    rows = after.decoder_rows - before.decoder_rows
+    runs_of_one = after.decoder_runs_of_one - before.decoder_runs_of_one
+    # Each frame was decoded exactly once (one decoder row per frame), and the decoder batched steps
+    # of different streams (a BLS that serialised its decoder calls would give runs of one row only).
+    assert after.code2wav_frames - before.code2wav_frames == total_frames
+    assert rows == total_frames, f"{rows} decoder rows for {total_frames} frames"
+    assert runs_of_one < runs, f"{runs} decoder runs for {rows} rows, all of one row"
+    assert after.code2wav_live == before.code2wav_live and after.decoder_live == before.decoder_live
+    print(f"\n16 interleaved streams: {total_frames} frames in {elapsed_s:.1f} s = {total_frames / elapsed_s:.0f} "
+          f"frames/s ({total_frames * 0.08 / elapsed_s:.1f}x real time); decoder: {runs:.0f} runs, mean "
+          f"{rows / runs:.1f} rows, {runs - runs_of_one:.0f} runs of > 1 row; worst |diff| to the solo ONNX "
+          f"step {worst:.2g}")
+
+
+# ---- 4. stream lifecycle -------------------------------------------------------------------------
+
+def test_start_and_end_in_one_request(grpc_client, scenario, moshi_streams, ort_streams):
+    a = scenario.streams["A"]
+    sequence_id = new_sequence_id()
+    pcm = infer(grpc_client, sequence_id, a[:, :10], start=True, end=True, new_frames=10)
+    assert_matches(pcm, moshi_streams["A"][: pcm.size], ort_streams["A"][: pcm.size], "START|END")
+    # The stream ended with its first request.
+    infer_error(grpc_client, sequence_id, code2wav_inputs(a[:, 10:11], 10), START_HINT)
+    # START|END with no frame at all decodes nothing and leaves nothing open.
+    empty = new_sequence_id()
+    infer(grpc_client, empty, a[:, :0], start=True, end=True, new_frames=0)
+    infer_error(grpc_client, empty, a[:, :1], START_HINT)
+    assert grpc_client.is_server_ready()
+
+
+def test_end_without_frames_ends_the_stream_and_its_decoder_sequence(
+    code2wav_server, grpc_client, scenario, moshi_streams, ort_streams
+):
+    url = code2wav_server.metrics_url
+    a = scenario.streams["A"]
+    sequence_id = new_sequence_id()
+    before = ServingMetrics.read(url)
+    first = infer(grpc_client, sequence_id, a[:, :5], 0, start=True, new_frames=5)
+    opened = ServingMetrics.read(url)
+    assert (opened.code2wav_live, opened.decoder_live) == (before.code2wav_live + 1, before.decoder_live + 1)
+
+    infer(grpc_client, sequence_id, a[:, :0], end=True, new_frames=0)
+    closed = ServingMetrics.read(url)
+    assert (closed.code2wav_live, closed.decoder_live) == (before.code2wav_live, before.decoder_live)
+    # The decoder got END on one step whose output was discarded.
+    assert closed.decoder_rows - opened.decoder_rows == 1
+    assert closed.code2wav_frames == opened.code2wav_frames
+
+    message = infer_error(grpc_client, sequence_id, code2wav_inputs(a[:, 5:6], 5), START_HINT)
+    assert str(sequence_id) in message
+    # START again: a fresh stream from frame 0.
+    again = infer(grpc_client, sequence_id, a[:, :6], 0, start=True, end=True, new_frames=6)
+    assert_matches(first, moshi_streams["A"][: first.size], ort_streams["A"][: first.size], "before END")
+    assert_matches(again, moshi_streams["A"][: again.size], ort_streams["A"][: again.size], "after a new START")
+
+
+def test_start_on_a_live_stream_resets_it(code2wav_server, grpc_client, scenario, moshi_streams, ort_streams):
+    url = code2wav_server.metrics_url
+    a, b = scenario.streams["A"], scenario.streams["B"]
+    sequence_id = new_sequence_id()
+    before = ServingMetrics.read(url)
+    infer(grpc_client, sequence_id, a[:, :1], 0, start=True, new_frames=1)
+    infer(grpc_client, sequence_id, a[:, 1:7], 1, new_frames=6)
+    # Barge-in: START on the live stream starts stream B over it; offsets count from 0 again.
+    chunks = [infer(grpc_client, sequence_id, b[:, :2], 0, start=True, new_frames=2)]
+    during = ServingMetrics.read(url)
+    assert (during.code2wav_live, during.decoder_live) == (before.code2wav_live + 1, before.decoder_live + 1)
+    chunks.append(infer(grpc_client, sequence_id, b[:, 1:5], 1, new_frames=3))
+    chunks.append(infer(grpc_client, sequence_id, b[:, 5:12], 5, end=True, new_frames=7))
+    pcm = np.concatenate(chunks)
+    assert_matches(pcm, moshi_streams["B"][: pcm.size], ort_streams["B"][: pcm.size], "after the barge-in")
+    after = ServingMetrics.read(url)
+    assert (after.code2wav_live, after.decoder_live) == (before.code2wav_live, before.decoder_live)
+
+
+def test_requests_for_streams_not_started_are_refused_saying_to_start(grpc_client, scenario):
+    a = scenario.streams["A"]
+    sequence_id = new_sequence_id()
+    message = infer_error(grpc_client, sequence_id, a[:, :1], START_HINT)
+    assert str(sequence_id) in message
+    infer_error(grpc_client, sequence_id, code2wav_inputs(a[:, :1], 0), START_HINT)
+    infer_error(grpc_client, 0, a[:, :1], "non-zero", start=True)
+    assert grpc_client.is_server_ready() and grpc_client.is_model_ready(MODEL)
+
+
+def _with_code(codes: np.ndarray, codebook: int, frame: int, value: int) -> np.ndarray:
+    codes = np.array(codes, dtype=np.int64)
+    codes[codebook, frame] = value
+    return codes
+
+
+def _random_codes(frames: int) -> np.ndarray:
+    return np.random.default_rng(frames).integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, frames))
+
+
+# The victim stream has decoded frames [0, 3) of stream A when each of these arrives:
+# (inputs built from stream A's codes, substrings of the error, the error kind code2wav counts or None
+# when Triton rejects the request before the model).
+BAD_REQUESTS = [
+    pytest.param(lambda a: [raw_input("input_ids", np.arange(19, dtype=np.int64)[None], "INT64")],
+                 ["holds 19 codes", "not a multiple of num_codebooks=8"], "length", id="length"),
+    pytest.param(lambda a: code2wav_inputs(_with_code(a[:, 3:5], 2, 1, CODEBOOK_SIZE), 3),
+                 ["input_ids[5] = 2048", "codebook 2, frame 1", "outside [0, 2048)"], "code_range",
+                 id="code-too-large"),
+    pytest.param(lambda a: code2wav_inputs(_with_code(a[:, 3:5], 0, 0, -1), 3),
+                 ["input_ids[0] = -1", "outside [0, 2048)"], "code_range", id="negative-code"),
+    pytest.param(lambda a: code2wav_inputs(a[:, 3:4], -1), ["frame_offset must be >= 0, got -1"],
+                 "negative_offset", id="negative-offset"),
+    pytest.param(lambda a: code2wav_inputs(a[:, 5:6], 5),
+                 ["frame_offset 5 leaves a gap", "has decoded 3 frames", "at most 3"], "gap", id="gap"),
+    pytest.param(lambda a: code2wav_inputs(_with_code(a[:, 1:5], 4, 1, (int(a[4, 2]) + 1) % CODEBOOK_SIZE), 1),
+                 ["frame 2 differs", "cannot change"], "changed_frame", id="changed-frame"),
+    pytest.param(lambda a: [raw_input("input_ids", a[:, 3:4].astype(np.float32).reshape(1, -1), "FP32")],
+                 ["input_ids", "data-type is 'FP32'", "expects 'INT64'"], None, id="float-input-ids"),
+    pytest.param(lambda a: code2wav_inputs(a[:, 3:4])[:1] + [raw_input("frame_offset", np.array([[3]], np.int32), "INT32")],
+                 ["frame_offset", "data-type is 'INT32'", "expects 'INT64'"], None, id="int32-frame-offset"),
+    pytest.param(lambda a: code2wav_inputs(a[:, 3:4])[:1] + [raw_input("frame_offset", np.array([[3, 4]], np.int64), "INT64")],
+                 ["unexpected shape for input 'frame_offset'"], None, id="frame-offset-shape"),
+    pytest.param(lambda a: [raw_input("input_ids", np.ascontiguousarray(a[:, 3:5], np.int64).reshape(2, -1), "INT64")],
+                 ["batch-size 1"], None, id="two-rows"),
+    pytest.param(lambda a: [raw_input("frame_offset", np.array([[3]], np.int64), "INT64")],
+                 ["no input_ids"], "shape", id="no-input-ids"),
+    pytest.param(lambda a: code2wav_inputs(a[:, 3:4]) + [raw_input("bogus", np.array([[3]], np.int64), "INT64")],
+                 ["unexpected inference input 'bogus'"], None, id="unknown-input"),
+    pytest.param(lambda a: code2wav_inputs(_random_codes(MAX_NEW_FRAMES_PER_REQUEST + 1), 3),
+                 ["1501 new frames", "max_new_frames_per_request=1500"], "limit", id="too-many-new-frames"),
+    pytest.param(lambda a: code2wav_inputs(np.zeros((NUM_CODEBOOKS, MAX_REQUEST_FRAMES + 1), np.int64)),
+                 ["45001 frames", "max_request_frames=45000"], "limit", id="too-many-frames"),
+]
+
+
+@pytest.mark.parametrize("build, expected, kind", BAD_REQUESTS)
+def test_bad_request_names_the_problem_and_leaves_streams_as_they_were(
+    code2wav_server, grpc_client, scenario, moshi_streams, ort_streams, build, expected, kind
+):
+    url = code2wav_server.metrics_url
+    a, b = scenario.streams["A"], scenario.streams["B"]
+    victim, bystander = new_sequence_id(), new_sequence_id()
+    victim_pcm = [infer(grpc_client, victim, a[:, :3], 0, start=True, new_frames=3)]
+    bystander_pcm = [infer(grpc_client, bystander, b[:, :2], 0, start=True, new_frames=2)]
+
+    before = ServingMetrics.read(url)
+    infer_error(grpc_client, victim, build(a), *expected)
+    assert grpc_client.is_server_ready() and grpc_client.is_model_ready(MODEL)
+    after = ServingMetrics.read(url)
+    counted = {k: after.errors.get(k, 0) - before.errors.get(k, 0) for k in after.errors}
+    assert {k: v for k, v in counted.items() if v} == ({kind: 1} if kind else {})
+    # Rejected before any decoder call.
+    assert (after.code2wav_frames, after.decoder_rows) == (before.code2wav_frames, before.decoder_rows)
+    assert (after.code2wav_live, after.decoder_live) == (before.code2wav_live, before.decoder_live)
+
+    # Both streams go on exactly where they were.
+    bystander_pcm.append(infer(grpc_client, bystander, b[:, 2:5], 2, end=True, new_frames=3))
+    victim_pcm.append(infer(grpc_client, victim, a[:, 3:7], 3, end=True, new_frames=4))
+    victim_pcm, bystander_pcm = np.concatenate(victim_pcm), np.concatenate(bystander_pcm)
+    assert_matches(victim_pcm, moshi_streams["A"][: victim_pcm.size], ort_streams["A"][: victim_pcm.size], "victim")
+    assert_matches(bystander_pcm, moshi_streams["B"][: bystander_pcm.size], ort_streams["B"][: bystander_pcm.size],
+                   "bystander")
+
+
+# ---- 5, 6. idle expiry and the cancelled-request regression, with second-scale timeouts -----------
+
+def set_idle_timeout(config: Path, idle_us: int) -> None:
+    text = config.read_text()
+    edited, count = re.subn(r"max_sequence_idle_microseconds: *\d+", f"max_sequence_idle_microseconds: {idle_us}", text)
+    assert count == 1, f"{config}: expected one max_sequence_idle_microseconds, found {count}"
+    config.write_text(edited)
+
+
+@pytest.fixture(scope="module")
+def short_timeout_server(served_repository, triton_server_factory, tmp_path_factory):
+    """The served repository with idle timeouts of 2 s (code2wav) and 3 s (mimi_decoder)."""
+    repository = tmp_path_factory.mktemp("short_idle") / "model_repository"
+    # The ONNX file (~190 MB) is linked, not copied.
+    shutil.copytree(served_repository, repository, ignore=shutil.ignore_patterns("*.onnx", "__pycache__"))
+    for onnx_file in Path(served_repository).glob("*/*/*.onnx"):
+        (repository / onnx_file.relative_to(served_repository)).symlink_to(onnx_file.resolve())
+    set_idle_timeout(repository / "code2wav" / "config.pbtxt", SHORT_CODE2WAV_IDLE_US)
+    set_idle_timeout(repository / "mimi_decoder" / "config.pbtxt", SHORT_DECODER_IDLE_US)
+    return triton_server_factory(repository)
+
+
+def live_streams(metrics: ServingMetrics) -> tuple[float, float]:
+    return metrics.code2wav_live, metrics.decoder_live
+
+
+def test_a_stream_sending_within_the_timeout_outlives_it(short_timeout_server, scenario, moshi_streams, ort_streams):
+    a = scenario.streams["A"]
+    sequence_id = new_sequence_id()
+    gap_s = 0.7 * SHORT_CODE2WAV_IDLE_US / 1e6
+    with grpcclient.InferenceServerClient(short_timeout_server.grpc_url) as client:
+        chunks = [infer(client, sequence_id, a[:, :1], 0, start=True, new_frames=1)]
+        for frame in (1, 2):
+            time.sleep(gap_s)
+            chunks.append(infer(client, sequence_id, a[:, frame : frame + 1], frame, end=frame == 2, new_frames=1))
+    pcm = np.concatenate(chunks)
+    assert_matches(pcm, moshi_streams["A"][: pcm.size], ort_streams["A"][: pcm.size], "kept alive")
+
+
+def test_idle_streams_expire_everywhere_without_further_requests(
+    short_timeout_server, scenario, moshi_streams, ort_streams
+):
+    server = short_timeout_server
+    a = scenario.streams["A"]
+    expiring, closing = new_sequence_id(), new_sequence_id()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        baseline = ServingMetrics.read(server.metrics_url)
+        first = infer(client, expiring, a[:, :4], 0, start=True, new_frames=4)
+        infer(client, closing, a[:, :2], 0, start=True, new_frames=2)
+        opened = ServingMetrics.read(server.metrics_url)
+        idle_started = time.monotonic()
+        assert live_streams(opened) == (baseline.code2wav_live + 2, baseline.decoder_live + 2)
+
+        # Nothing is sent while waiting: code2wav and the decoder each drop the streams by themselves.
+        expired, _ = wait_for_metrics(
+            server.metrics_url, lambda m: live_streams(m) == live_streams(baseline), timeout_s=20
+        )
+        idle_s = time.monotonic() - idle_started
+        assert idle_s > SHORT_CODE2WAV_IDLE_US / 1e6
+        assert expired.decoder_expired - baseline.decoder_expired == 2
+        # Continuing an expired stream is refused, saying to START.
+        infer_error(client, expiring, code2wav_inputs(a[:, 4:5], 4), START_HINT)
+        # START|END with no frame on an expired stream: nothing to decode, nothing to end.
+        infer(client, closing, a[:, :0], start=True, end=True, new_frames=0)
+        # A new START with the same id is a fresh stream.
+        again = [infer(client, expiring, a[:, :1], 0, start=True, new_frames=1),
+                 infer(client, expiring, a[:, 1:8], 1, end=True, new_frames=7)]
+        assert client.is_server_ready()
+    again = np.concatenate(again)
+    assert_matches(first, moshi_streams["A"][: first.size], ort_streams["A"][: first.size], "before expiry")
+    assert_matches(again, moshi_streams["A"][: again.size], ort_streams["A"][: again.size], "restarted")
+    assert live_streams(ServingMetrics.read(server.metrics_url)) == live_streams(baseline)
+    print(f"\nidle streams gone from code2wav and mimi_decoder {idle_s:.1f} s after their last request "
+          f"(timeouts {SHORT_CODE2WAV_IDLE_US / 1e6:g} s and {SHORT_DECODER_IDLE_US / 1e6:g} s)")
+
+
+def test_cancelled_requests_then_idle_timeout_leave_no_shared_state(
+    short_timeout_server, scenario, moshi_streams, ort_streams
+):
+    """Regression (DESIGN.md section 4): a cancelled request followed by an idle timeout once released
+    one sequence slot twice, so that two later sequences shared one state."""
+    server = short_timeout_server
+    a, b = scenario.streams["A"], scenario.streams["B"]
+    unary_cancelled, stream_cancelled = new_sequence_id(), new_sequence_id()
+    baseline = ServingMetrics.read(server.metrics_url)
+
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        infer(client, unary_cancelled, a[:, :2], 0, start=True, new_frames=2)
+        outcome, done = [], threading.Event()
+
+        def on_done(result, error):
+            outcome.append((result, error))
+            done.set()
+
+        call = client.async_infer(MODEL, code2wav_inputs(a[:, 2:80], 2), callback=on_done,
+                                  sequence_id=unary_cancelled)
+        time.sleep(0.2)
+        call.cancel()
+        assert done.wait(60)
+        (result, error), = outcome
+        assert result is None and error is not None and "CANCELLED" in str(error).upper(), (result, error)
+
+    # A stream closed with requests in flight and queued behind them.
+    stream = StreamingClient(server.grpc_url)
+    stream.send(stream_cancelled, b[:, :1], 0, start=True)
+    stream.send(stream_cancelled, b[:, 1:60], 1)
+    for frame in range(60, 64):
+        stream.send(stream_cancelled, b[:, frame : frame + 1], frame)
+    time.sleep(0.2)
+    stream.close(cancel_requests=True)
+
+    wait_for_metrics(server.metrics_url, lambda m: live_streams(m) == live_streams(baseline), timeout_s=60)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        assert client.is_server_ready()
+        infer_error(client, unary_cancelled, code2wav_inputs(a[:, 80:81], 80), START_HINT)
+
+    # Three streams at once, two of them on the ids of the cancelled ones: each is its own stream.
+    rng = np.random.default_rng(31)
+    plans = {
+        "C1": StreamPlan(unary_cancelled, scenario.streams["C1"][:, :36], chunk_bounds(rng, 36, 3)),
+        "C2": StreamPlan(stream_cancelled, scenario.streams["C2"][:, :36], chunk_bounds(rng, 36, 3)),
+        "A": StreamPlan(new_sequence_id(), a[:, :36], chunk_bounds(rng, 36, 3), join_round=1),
+    }
+    run_interleaved(server.grpc_url, list(plans.values()))
+    for name, plan in plans.items():
+        pcm = plan.pcm()
+        assert_matches(pcm, moshi_streams[name][: pcm.size], ort_streams[name][: pcm.size],
+                       f"stream {plan.sequence_id} ({name}) after the cancellations")
+    final = ServingMetrics.read(server.metrics_url)
+    assert live_streams(final) == live_streams(baseline)
+
+
+# ---- 7. `make serve` ----------------------------------------------------------------------------
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command name) of the live processes whose parent is `pid`."""
+    children = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        if int(fields.get("PPid", "0")) == pid and not fields.get("State", "").startswith("Z"):
+            children.append((int(status.parent.name), fields.get("Name", "").strip()))
+    return children
+
+
+def _process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_until(condition, timeout_s: float, poll_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    http_port, grpc_port, metrics_port = free_ports(3)
+    build_dir = tmp_path / "build"
+    output_path = tmp_path / "serve.out"
+    command = [
+        sys.executable, "-m", "server", "serve", "--random-init", "--seed", "0",
+        "--build-dir", str(build_dir), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--metrics-port", str(metrics_port), "--log-file", str(tmp_path / "tritonserver.log"),
+    ]
+    started = time.monotonic()
+    with open(output_path, "w") as output:
+        cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=output, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL)
+    server_pid = None
+    try:
+        def ready() -> bool:
+            assert cli.poll() is None, f"serve exited with {cli.returncode}:\n{output_path.read_text()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as response:
+                    return response.status == 200
+            except (urllib.error.URLError, OSError):
+                return False
+
+        assert _wait_until(ready, timeout_s=600, poll_s=0.5), f"not ready:\n{output_path.read_text()}"
+        ready_s = time.monotonic() - started
+        (server_pid, name), = [child for child in _children(cli.pid) if child[1] == "tritonserver"]
+        cmdline = Path(f"/proc/{server_pid}/cmdline").read_bytes().decode().split("\0")
+        (shm_prefix,) = [arg.split("shm-region-prefix-name=", 1)[1] for arg in cmdline if "shm-region-prefix-name=" in arg]
+        assert list(SHM_DIR.glob(f"{shm_prefix}*")), "the Python stubs hold shared memory while serving"
+        assert (build_dir / "model_repository" / "mimi_decoder" / "1" / "model.onnx").is_file()
+
+        codes = _random_codes(3)
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+            pcm = infer(client, new_sequence_id(), codes, 0, start=True, end=True, new_frames=3)
+        assert np.all(np.isfinite(pcm)) and np.any(pcm != 0)
+
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=60) == 0, output_path.read_text()
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    text = output_path.read_text()
+    assert "SIGTERM: stopping tritonserver" in text
+    assert _wait_until(lambda: not Path(f"/proc/{server_pid}").exists() and not _process_group_alive(server_pid), 10), \
+        "tritonserver or one of its Python stubs outlived serve"
+    assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
+    assert list(SHM_DIR.glob(f"{shm_prefix}*")) == []
+    print(f"\nserve from a clean build folder: ready after {ready_s:.0f} s (export included)")
