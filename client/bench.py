@@ -333,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                 url, server = stack.enter_context(local_server(args))
             with Code2WavStreamer(url) as streamer:
                 streamer.check_ready()
+                # Warm-up: the first requests of a fresh server pay one-off set-up costs.
+                streamer.run([random_codes(2 * args.chunk_frames + 1, args.seed)], StreamOptions(chunk_frames=args.chunk_frames))
             results["meta"] = {
                 "machine": machine_description(), "commit": git_commit(),
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
