@@ -266,7 +266,8 @@ def plot(results: dict, path: Path) -> bool:
     if all_streams:
         throughput_axes.plot(all_streams, [s * FRAMES_PER_S_REAL_TIME for s in all_streams], ":", color="gray",
                              label="real time (12.5 frames/s per stream)")
-    latency_axes.set(xlabel="concurrent streams", ylabel="request latency (ms)", title="Latency per request")
+    latency_axes.set(xlabel="concurrent streams", ylabel="request latency (ms, log scale)", title="Latency per request",
+                     yscale="log")
     throughput_axes.set(xlabel="concurrent streams", ylabel="decoded frames / s", title="Throughput")
     for axes in (latency_axes, throughput_axes):
         axes.grid(True, alpha=0.3)

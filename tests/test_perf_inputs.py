@@ -4,6 +4,7 @@ client/perf.sh against the session's code2wav server."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,22 @@ def test_perf_analyzer_accepts_the_inputs(code2wav_server, tmp_path, load):
     assert "mimi_decoder" in done.stdout  # the composing model's statistics are reported
     rows = list(csv.DictReader(csv_path.open()))
     assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+
+
+@pytest.mark.server
+def test_bench_one_point_writes_tables_json_and_plot(code2wav_server, tmp_path):
+    problem = _perf_analyzer_problem()
+    if problem:
+        pytest.skip(problem)
+    from client.bench import main
+
+    out = tmp_path / "bench"
+    assert main(["--url", code2wav_server.grpc_url, "--streams", "1", "--frames", "9", "--point-seconds", "1",
+                 "--out-dir", str(out)]) == 0
+    results = json.loads((out / "bench.json").read_text())
+    assert [(r["streams"], r["paced"]) for r in results["perf"]] == [(1, False), (1, True)]
+    assert all(r["frames_per_s"] > 0 and r["decoder_steps"] > 0 for r in results["perf"])
+    assert all(r["real_time_factor"] > 0 for r in results["client"])
+    report = (out / "bench.md").read_text()
+    assert "share the machine's" in report and "| 1 | concurrency 1 |" in report
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
