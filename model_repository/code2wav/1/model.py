@@ -54,6 +54,8 @@ class TritonPythonModel:
         self._decoder_model_name = settings.decoder_model_name
         self._table = core.StreamTable(settings)
         self._executor = None
+        self._idle_sweeper = None
+        self._executing = False
         self._metrics = _Metrics.create(self._model_name)
         pb_utils.Logger.log_info(
             f"model '{self._model_name}': decoder '{settings.decoder_model_name}', "
@@ -63,6 +65,14 @@ class TritonPythonModel:
 
     async def execute(self, requests):
         self._ensure_executor()
+        self._ensure_idle_sweeper()
+        self._executing = True
+        try:
+            return await self._execute(requests)
+        finally:
+            self._executing = False
+
+    async def _execute(self, requests):
         responses = [None] * len(requests)
         positions, stream_requests = [], []
         for position, request in enumerate(requests):
@@ -84,13 +94,16 @@ class TritonPythonModel:
                         pb_utils.Tensor("sr", self._sample_rate),
                     ]
                 )
+        self._report_metrics()
+        return responses
+
+    def _report_metrics(self):
         if self._metrics is not None:
             try:
                 self._metrics.report(self._table.stats())
             except Exception as exc:  # metrics must never fail the batch
                 pb_utils.Logger.log_error(f"model '{self._model_name}': custom metrics disabled: {exc}")
                 self._metrics = None
-        return responses
 
     async def _decode_step(self, correlation_id, codes, flags):
         """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM.
@@ -121,6 +134,28 @@ class TritonPythonModel:
             )
             asyncio.get_running_loop().set_default_executor(self._executor)
 
+    def _ensure_idle_sweeper(self):
+        # Triton drops an idle sequence without telling the model, and each batch expires the
+        # table's idle streams first; with no request coming, this task does it instead, so idle
+        # streams (and the live-streams gauge) do not wait for traffic.
+        if self._idle_sweeper is None:
+            self._idle_sweeper = asyncio.get_running_loop().create_task(self._sweep_idle())
+
+    async def _sweep_idle(self):
+        # Runs on execute()'s event loop, so it never interleaves with the table's own use except
+        # at execute()'s awaits, where it stands aside: the batch in flight expires streams itself,
+        # and requests queued behind it belong to streams Triton still holds.
+        interval_s = min(max(self._table.settings.stream_idle_timeout_s / 4, 0.05), 1.0)
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._executing:
+                continue
+            try:
+                if self._table.expire_idle():
+                    self._report_metrics()
+            except Exception as exc:
+                pb_utils.Logger.log_error(f"model '{self._model_name}': idle expiry failed: {exc}")
+
     def _error_response(self, exc):
         if isinstance(exc, core.RequestError):
             code = pb_utils.TritonError.INVALID_ARG
@@ -133,6 +168,9 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc), code))
 
     def finalize(self):
+        if self._idle_sweeper is not None:
+            self._idle_sweeper.get_loop().call_soon_threadsafe(self._idle_sweeper.cancel)
+            self._idle_sweeper = None
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
