@@ -3,7 +3,7 @@
     python -m client.bench [--url HOST:PORT] [--streams 1,2,4,8] [--frames 64] [--chunk-frames 4]
                            [--point-seconds 5] [--out-dir bench_results] [--no-client] [--no-perf]
 
-Without --url it starts a local server first, as `make serve` does but from its own build folder
+Without --url (or $URL) it starts a local server first, as `make serve` does but from its own build folder
 (build/bench, seeded random weights unless --weights: speed does not depend on the weight values).
 
 For each number of streams N:
@@ -307,7 +307,9 @@ def parse_streams(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m client.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="Triton gRPC address of a running server (default: start a local one)")
+    parser.add_argument("--url", default=os.environ.get("URL") or None,
+                        help="Triton gRPC address of a running server (default: $URL, as perf.sh reads it, "
+                        "else start a local one; `make bench URL=host:port`)")
     parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
     parser.add_argument("--build-dir", default=str(ROOT / "build" / "bench"), help="export folder of the local server")
     parser.add_argument("--streams", type=parse_streams, default=[1, 2, 4, 8], help="sweep (default 1,2,4,8)")
