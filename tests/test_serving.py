@@ -840,7 +840,7 @@ def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_pa
 
         assert _wait_until(ready, timeout_s=600, poll_s=0.5), f"not ready:\n{output_path.read_text()}"
         ready_s = time.monotonic() - started
-        (server_pid, name), = [child for child in _children(cli.pid) if child[1] == "tritonserver"]
+        (server_pid, _), = [child for child in _children(cli.pid) if child[1] == "tritonserver"]
         cmdline = Path(f"/proc/{server_pid}/cmdline").read_bytes().decode().split("\0")
         (shm_prefix,) = [arg.split("shm-region-prefix-name=", 1)[1] for arg in cmdline if "shm-region-prefix-name=" in arg]
         assert list(SHM_DIR.glob(f"{shm_prefix}*")), "the Python stubs hold shared memory while serving"
