@@ -11,6 +11,8 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 MIMI_WEIGHTS ?=
+# A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
+URL ?=
 
 .PHONY: venv test serve export bench verify clean
 
@@ -33,10 +35,10 @@ serve: $(STAMP)
 	$(BIN)/python -m server serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
 bench: $(STAMP)
-	$(BIN)/python -m client.bench
+	$(BIN)/python -m client.bench $(if $(URL),--url $(URL),)
 
 verify: $(STAMP)
-	$(BIN)/python -m client.verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
+	$(BIN)/python -m client.verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),--random-init --seed 0) $(if $(URL),--url $(URL),)
 
 clean:
 	rm -rf build .pytest_cache
