@@ -1,0 +1,187 @@
+"""Every command in the README's shell blocks is either run here (with small arguments, against the
+session's real server) or listed with the reason it cannot run here. A new README command without
+an entry below fails this test."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PY = str(Path(sys.executable))
+
+
+def readme_commands() -> list[str]:
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S):
+        for line in block.splitlines():
+            line = re.sub(r"\s+#.*$", "", line.strip())
+            if line and not line.startswith("#"):
+                commands.append(line)
+    return commands
+
+
+NOT_RUN = {
+    "make serve": "a foreground server on fixed ports 8000-8002; test_serving.py runs the same entry "
+                  "point (`python -m server serve`) on free ports, checks readiness and a clean SIGTERM",
+    "make serve MIMI_WEIGHTS=/path/to/tokenizer-e351c8d8-checkpoint125.safetensors":
+        "real weights cannot be downloaded here; the same loader reads the tests' moshi-format checkpoint",
+    "make test": "the command that runs this test",
+    'make test PYTEST_ARGS="-k parity"': "runs the test suite from inside the test suite",
+    "make clean": "removes the working tree's build/ folder (exports) while tests may use it",
+    "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
+                  "client/perf.sh on generated inputs against a real server",
+    ".venv/bin/python -m export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "
+                  "which exists here; test_weights.py checks the hub-id failure message",
+    **{command: "no Docker engine here; test_compose.py checks the file's structure (and docker-compose config -q where present)"
+       for command in (
+           "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose up --build",
+           "MIMI_WEIGHTS_DIR=/path/to/ckpts MIMI_WEIGHTS=tokenizer-e351c8d8-checkpoint125.safetensors docker compose up --build",
+           "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile cpu up --build triton-cpu",
+           "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile tensorrt up --build triton-tensorrt",
+           "docker compose --profile bench run --rm perf",
+       )},
+}
+
+RUN = {
+    ".venv/bin/python -m client decode --url 127.0.0.1:8001 --random --frames 50 --out out.wav": "decode_random",
+    ".venv/bin/python -m client decode --codes codes.npy --out speech.wav": "decode_codes",
+    ".venv/bin/python -m client decode --random --frames 125 --streams 8 --paced": "decode_paced",
+    ".venv/bin/python -m client encode --weights /path/to/mimi speech.wav --out codes.npy": "encode",
+    "make verify MIMI_WEIGHTS=/path/to/tokenizer-e351c8d8-checkpoint125.safetensors": "verify",
+    ".venv/bin/python -m export build --weights /path/to/mimi": "export_transformers_folder",
+    ".venv/bin/python -m export build --weights tokenizer-e351c8d8-checkpoint125.safetensors": "export_moshi_file",
+    ".venv/bin/python -m export build --random-init --seed 0": "export_random",
+    ".venv/bin/python -m export build --random-init --seed 0 --frames-per-step 2 --window exact "
+    "--kv-cache-dtype float16 --opset 17 --out build/export/custom": "export_custom",
+    "make venv": "make_venv",
+    ".venv/bin/python -m export.bench_decoder": "bench_decoder",
+    ".venv/bin/python -m export.tensorrt_build --export-dir build/export/f1-moshi-kvfloat32-k8 --fp16 --max-batch 64":
+        "tensorrt_build",
+}
+
+
+def test_every_readme_command_is_run_or_has_a_reason():
+    commands = readme_commands()
+    assert commands, "no shell blocks found in README.md"
+    unknown = [c for c in commands if c not in RUN and c not in NOT_RUN]
+    assert not unknown, f"README commands with neither a runner nor a reason: {unknown}"
+    stale = [c for c in (*RUN, *NOT_RUN) if c not in commands]
+    assert not stale, f"entries for commands no longer in the README: {stale}"
+
+
+def _run(args, cwd, timeout=600, env=None):
+    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, f"{args} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def _python(command: str) -> list[str]:
+    """`.venv/bin/python -m ...` of the README, run with this interpreter (the same venv)."""
+    assert command.startswith(".venv/bin/python ")
+    return [PY, *command.split()[1:]]
+
+
+def _read_wav(path: Path) -> tuple[np.ndarray, int]:
+    from client.wav import read_wav
+
+    data = read_wav(path)
+    return data.to_float32_mono(), data.sample_rate_hz
+
+
+@pytest.fixture
+def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scenario):
+    """Runs one README command with small arguments against the session's server."""
+    url = code2wav_server.grpc_url
+    checkpoint = moshi_checkpoint[0]
+
+    def decode_random(command):
+        out = tmp_path / "out.wav"
+        _run(_python(command.replace("127.0.0.1:8001", url).replace("out.wav", str(out))), tmp_path)
+        audio, rate = _read_wav(out)
+        assert rate == 24000 and audio.shape[-1] == 50 * 1920
+
+    def decode_codes(command):
+        np.save(tmp_path / "codes.npy", scenario.streams["A"][:, :20])
+        _run(_python(command) + ["--url", url], tmp_path)
+        audio, rate = _read_wav(tmp_path / "speech.wav")
+        assert rate == 24000 and audio.shape[-1] == 20 * 1920
+
+    def decode_paced(command):
+        result = _run(_python(command.replace("--frames 125", "--frames 10").replace("--streams 8", "--streams 2"))
+                      + ["--url", url], tmp_path)
+        assert "real-time factor" in result.stdout + result.stderr
+
+    def encode(command):
+        from client.wav import write_wav
+
+        rng = np.random.default_rng(0)
+        write_wav(tmp_path / "speech.wav", (0.1 * rng.standard_normal(24000)).astype(np.float32), 24000)
+        _run(_python(command.replace("/path/to/mimi", str(checkpoint))), tmp_path)
+        codes = np.load(tmp_path / "codes.npy")
+        assert codes.shape == (8, 13) and codes.min() >= 0 and codes.max() < 2048
+
+    def verify(command):
+        # The session server serves exactly this checkpoint.
+        args = command.replace("/path/to/tokenizer-e351c8d8-checkpoint125.safetensors", str(checkpoint)).split()
+        result = _run(args + [f"URL={url}"], ROOT)
+        assert "PASS" in result.stdout
+
+    def export_transformers_folder(command):
+        from export.weights import new_model, randomize_
+        from mimi_fixtures import tiny_config
+
+        model = new_model(tiny_config())
+        randomize_(model, 1)
+        folder = tmp_path / "mimi"
+        model.save_pretrained(str(folder))
+        result = _run(_python(command.replace("/path/to/mimi", str(folder))), tmp_path)
+        assert (tmp_path / result.stdout.strip() / "model.onnx").is_file()
+
+    def export_moshi_file(command):
+        shutil.copy(checkpoint, tmp_path / "tokenizer-e351c8d8-checkpoint125.safetensors")
+        result = _run(_python(command), tmp_path)
+        assert (tmp_path / result.stdout.strip() / "manifest.json").is_file()
+
+    def export_random(command):
+        result = _run(_python(command), tmp_path)
+        assert "RANDOM weights" in result.stderr and "state per stream: 7.80 MiB" in result.stderr
+
+    def export_custom(command):
+        result = _run(_python(command), tmp_path)
+        import json
+
+        manifest = json.loads((tmp_path / "build/export/custom/manifest.json").read_text())
+        assert manifest["options"] == {"num_codebooks": 8, "frames_per_step": 2, "window": "exact",
+                                       "kv_cache_dtype": "float16", "opset": 17}
+        assert "passed onnx.checker" in result.stderr
+
+    def make_venv(command):
+        _run(command.split() + [f"VENV={Path(PY).parent.parent}"], ROOT)
+
+    def bench_decoder(command):
+        result = _run(_python(command) + ["--seconds", "0.05", "--batches", "1", "--frames-per-call", "1",
+                                          "--threads", "1", "--weights", str(checkpoint), "--out", str(tmp_path)],
+                      tmp_path, timeout=900)
+        assert "| onnxruntime | 1 | 1 | 1 |" in result.stdout and (tmp_path / "decoder.json").is_file()
+
+    def tensorrt_build(command):
+        args = _python(command.replace("build/export/f1-moshi-kvfloat32-k8", str(onnx_fp32)))
+        result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PATH": "/usr/bin:/bin"})
+        assert result.returncode == 3 and "TensorRT is not available here" in result.stderr
+
+    return locals()
+
+
+@pytest.mark.parametrize("command", list(RUN))
+def test_readme_command_runs(command, runner):
+    runner[RUN[command]](command)
