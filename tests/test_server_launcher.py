@@ -220,10 +220,15 @@ def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
     assert list(SHM_DIR.glob(f"{prefix}*")) == []
 
 
-def test_serve_command_without_repository_explains(tmp_path):
+def test_serve_command_with_missing_weights_explains(tmp_path):
+    """Without --model-repository, serve builds the repository from the weights; weights that do not
+    exist stop it before any server starts, with one line naming them."""
+    missing = tmp_path / "no-such-checkpoint.safetensors"
     result = subprocess.run(
-        [sys.executable, "-m", "server", "serve", "--http-port", "0"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "server", "serve", "--weights", str(missing), "--build-dir", str(tmp_path / "build"),
+         "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 1
-    assert "--model-repository" in result.stderr
+    assert f"error: {missing}: no such file or folder" in result.stderr
+    assert not (tmp_path / "build" / "model_repository").exists()
