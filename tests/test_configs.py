@@ -1,0 +1,134 @@
+"""Rendered `mimi_decoder` configs: they parse as Triton ModelConfigs, match the exported ONNX graph
+(names, dtypes, ranks, state pairing in Triton's name-sorted order), and the checked-in native config
+equals a fresh rendering."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from export.onnx_export import ExportOptions, read_manifest
+from export.render import CHECKED_IN_CONFIG, REPO_ROOT, TARGETS, DecoderServing, render_config, render_repository
+from export.spec import ONNX_ELEM_TYPES, TRITON_DTYPES, DecoderSpec, StateSpec
+
+TRITON_TO_ONNX = {TRITON_DTYPES[name]: ONNX_ELEM_TYPES[name] for name in TRITON_DTYPES}
+
+
+def parse(text: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def dtype_name(value: int) -> str:
+    return model_config_pb2.DataType.Name(value)
+
+
+@pytest.fixture(scope="module")
+def spec(onnx_fp32) -> DecoderSpec:
+    return DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+
+
+@pytest.fixture(scope="module")
+def graph(onnx_fp32):
+    import onnx
+
+    model = onnx.load(str(onnx_fp32 / "model.onnx"), load_external_data=False)
+
+    def io(values):
+        return {v.name: (v.type.tensor_type.elem_type, [d.dim_value for d in v.type.tensor_type.shape.dim][1:])
+                for v in values}
+
+    return io(model.graph.input), io(model.graph.output)
+
+
+def test_checked_in_config_equals_a_fresh_rendering():
+    from export.__main__ import spec_for_options
+
+    fresh = render_config(spec_for_options(ExportOptions()), "onnxruntime")
+    assert CHECKED_IN_CONFIG.read_text() == fresh, (
+        "model_repository/mimi_decoder/config.pbtxt is stale: run `python -m export render --check-in`")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
+    inputs, outputs = graph
+    config = parse(render_config(spec, target))
+    assert config.name == "mimi_decoder" and config.max_batch_size == 64
+    assert config.backend == {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt", "python-ort": "python"}[target]
+    for declared, graph_io in ((config.input, inputs), (config.output, outputs)):
+        for tensor in declared:
+            assert tensor.name in graph_io, f"{tensor.name} is not a graph tensor"
+            elem, dims = graph_io[tensor.name]
+            assert TRITON_TO_ONNX[dtype_name(tensor.data_type)] == elem, tensor.name
+            assert list(tensor.dims) == dims, tensor.name
+    assert [t.name for t in config.input] == ["codes"] and [t.name for t in config.output] == ["pcm"]
+    batching = config.sequence_batching
+    assert batching.HasField("oldest") and batching.max_sequence_idle_microseconds > 30_000_000
+
+    if target == "python-ort":
+        assert not batching.state, "the Python backend must not get a state block (it copies the initial state)"
+        states = json.loads(config.parameters["state_spec"].string_value)
+        assert [(s["input"], s["output"]) for s in states] == [(s.input, s.output) for s in spec.states]
+        for state in states:
+            assert inputs[state["input"]] == outputs[state["output"]] == (ONNX_ELEM_TYPES[state["dtype"]], state["shape"])
+        return
+
+    # Triton pairs input and output states by position in two name-sorted lists.
+    pairs = {s.input_name: s.output_name for s in batching.state}
+    sorted_inputs, sorted_outputs = sorted(pairs), sorted(pairs.values())
+    assert [pairs[name] for name in sorted_inputs] == sorted_outputs
+    assert set(pairs) | {"codes"} == set(inputs) and set(pairs.values()) | {"pcm"} == set(outputs)
+    for state in batching.state:
+        elem, dims = inputs[state.input_name]
+        assert outputs[state.output_name] == (elem, dims)
+        assert TRITON_TO_ONNX[dtype_name(state.data_type)] == elem
+        assert list(state.dims) == dims
+        assert state.initial_state[0].zero_data and list(state.initial_state[0].dims) == dims
+    kind = config.instance_group[0].kind
+    assert model_config_pb2.ModelInstanceGroup.Kind.Name(kind) == "KIND_GPU"
+
+
+def test_decoder_idle_timeout_is_above_code2wavs():
+    code2wav = parse((REPO_ROOT / "model_repository" / "code2wav" / "config.pbtxt").read_text())
+    decoder = parse(CHECKED_IN_CONFIG.read_text())
+    assert decoder.sequence_batching.max_sequence_idle_microseconds > code2wav.sequence_batching.max_sequence_idle_microseconds
+
+
+def test_serving_knobs_render(spec):
+    config = parse(render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU", instance_count=3,
+                                                                      max_batch_size=16, preferred_batch_sizes=[4, 16])))
+    assert model_config_pb2.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_CPU"
+    assert config.instance_group[0].count == 3 and config.max_batch_size == 16
+    assert list(config.sequence_batching.oldest.preferred_batch_size) == [4, 16]
+    with pytest.raises(ValueError, match=r"preferred batch sizes \[32\] exceed max_batch_size 16"):
+        render_config(spec, "onnxruntime", DecoderServing(max_batch_size=16, preferred_batch_sizes=[8, 32]))
+
+
+def test_spec_refuses_names_that_sort_differently():
+    good = DecoderSpec(8, 2048, 1, 1920, 24000, "moshi", "float32",
+                       (StateSpec("state_in_00_a", "state_out_00_a", "float32", (1,)),
+                        StateSpec("state_in_01_b", "state_out_01_b", "int32", (1,))))
+    good.validate()
+    bad = DecoderSpec(8, 2048, 1, 1920, 24000, "moshi", "float32",
+                      (StateSpec("x", "x_next", "float32", (1,)), StateSpec("x_len", "x_len_next", "int32", (1,))))
+    with pytest.raises(ValueError, match="sort differently"):
+        bad.validate()
+    assert DecoderSpec.from_dict(json.loads(good.to_json())) == good
+
+
+def test_render_repository_never_writes_into_the_tracked_repository(spec, onnx_fp32):
+    with pytest.raises(ValueError, match="refusing to render into the tracked model repository"):
+        render_repository(spec, onnx_fp32 / "model.onnx", REPO_ROOT / "model_repository", "python-ort")
+
+
+def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
+    out = render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "repo", "python-ort")
+    for path in ("code2wav/config.pbtxt", "code2wav/1/model.py", "code2wav/1/code2wav_core.py",
+                 "mimi_decoder/config.pbtxt", "mimi_decoder/1/model.py", "mimi_decoder/1/model.onnx"):
+        assert (out / path).is_file(), path
+    with pytest.raises(ValueError, match="needs a plan file"):
+        render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "trt", "tensorrt")
+    assert Path(out / "mimi_decoder/1/model.onnx").stat().st_size == (onnx_fp32 / "model.onnx").stat().st_size
