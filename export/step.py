@@ -374,7 +374,8 @@ class MimiDecoderStep(nn.Module):
         slot = torch.arange(n + steps, dtype=torch.int32, device=x.device).view(1, -1) - n
         filled = (slot + position) >= 0  # [B, n + T]
         allowed = self.attn_allowed[None, None] & filled[:, None, None, :]
-        bias = torch.where(allowed, torch.zeros((), dtype=self.dtype), torch.full((), -math.inf, dtype=self.dtype))
+        bias = torch.where(allowed, torch.zeros((), dtype=self.dtype, device=x.device),
+                           torch.full((), -math.inf, dtype=self.dtype, device=x.device))
         bias_past, bias_new = bias[..., :n], bias[..., n:]
         cache_dtype = kv_cache.dtype
         scale = 1.0 / math.sqrt(head_dim)

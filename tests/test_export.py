@@ -281,3 +281,12 @@ def test_export_is_skipped_when_manifest_matches_and_redone_when_options_change(
     assert (onnx_fp32 / "model.onnx").stat().st_mtime_ns == before
     assert "options changed" in stale_reason(onnx_fp32, ExportOptions(kv_cache_dtype="float16"), mimi.sha256)
     assert stale_reason(onnx_fp32, ExportOptions(), "0" * 64) == "the weights changed"
+
+
+def test_gpu_benchmark_without_cuda_exits_clearly(capsys):
+    from export import bench_gpu
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the benchmark would run")
+    assert bench_gpu.main(["--batches", "1"]) == bench_gpu.EXIT_NO_CUDA
+    assert "no CUDA device" in capsys.readouterr().err

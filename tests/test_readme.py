@@ -37,6 +37,8 @@ NOT_RUN = {
     "make test": "the command that runs this test",
     'make test PYTEST_ARGS="-k parity"': "runs the test suite from inside the test suite",
     "make clean": "removes the working tree's build/ folder (exports) while tests may use it",
+    ".venv/bin/python -m export.bench_gpu": "needs a CUDA GPU; without one it exits 3 with a message "
+                                             "(test_export.py::test_gpu_benchmark_without_cuda_exits_clearly)",
     "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
                   "client/perf.sh on generated inputs against a real server",
     ".venv/bin/python -m export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "
