@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip
 PYTEST_ARGS ?=
 
-# Local server settings (see README "Local server").
+# Local server settings (see README "Quick start").
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
@@ -38,7 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python -m client.bench $(if $(URL),--url $(URL),)
 
 verify: $(STAMP)
-	$(BIN)/python -m client.verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),--random-init --seed 0) $(if $(URL),--url $(URL),)
+	$(BIN)/python -m client.verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(URL),--url $(URL),)
 
 clean:
 	rm -rf build .pytest_cache

@@ -102,8 +102,24 @@ def load_codes(args: argparse.Namespace) -> np.ndarray:
     return random_codes(args.frames, args.seed)
 
 
+def check_writable(paths: list[Path]) -> None:
+    """Fail before streaming (not after, losing the audio) when an output file cannot be written."""
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            existed = path.exists()
+            with open(path, "ab"):
+                pass
+            if not existed:
+                path.unlink()
+        except OSError as exc:
+            raise ClientError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 def decode_command(args: argparse.Namespace) -> int:
     codes = load_codes(args)
+    if args.out is not None:
+        check_writable(output_paths(args.out, args.streams))
     options = StreamOptions(
         chunk_frames=args.chunk_frames,
         mode=args.mode,

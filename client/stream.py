@@ -4,7 +4,7 @@ One stream of codes = one Triton sequence: a non-zero sequence id, START on its 
 its last. Frames are sent the way the speech pipeline sends them: a first chunk of one frame (the
 shortest time to first audio), then chunks of `chunk_frames` frames.
 
-Request contract (DESIGN.md section 1), every tensor with a leading batch dimension of 1:
+Request contract (README, "The request contract"), every tensor with a leading batch dimension of 1:
     input_ids     INT64 [1, k*F]  codebook-major codes of the chunk (delta) or of the stream so far
                                   (cumulative)
     frame_offset  INT64 [1, 1]    index of the first frame of input_ids within the stream (optional)
@@ -261,7 +261,12 @@ class Code2WavStreamer:
         try:
             live = self._client.is_server_live(client_timeout=timeout_s)
         except InferenceServerException as exc:
-            raise ClientError(f"cannot reach Triton (gRPC) at {self.url}: {_grpc_reason(exc)}; is the server running?") from None
+            hint = "is the server running?"
+            if "://" in self.url:
+                hint = "give the gRPC address as host:port, without a scheme such as http://"
+            elif ":" not in self.url:
+                hint = "give the gRPC address as host:port (the gRPC port, 8001 by default)"
+            raise ClientError(f"cannot reach Triton (gRPC) at {self.url}: {_grpc_reason(exc)}; {hint}") from None
         if not live:
             raise ClientError(f"Triton at {self.url} answers but is not live")
         try:

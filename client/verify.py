@@ -10,7 +10,7 @@ the reference in PyTorch, one frame per call:
 - a transformers folder, a hub id or random weights: no moshi loader reads those, so the reference is
   this project's PyTorch streaming step (`export.step.MimiDecoderStep`, moshi window), which the
   parity tests hold equal to moshi's streaming decode.
-Each stream passes with max abs error <= 1e-4 and SNR >= 100 dB (DESIGN.md). Exit code 0 on PASS,
+Each stream passes with max abs error <= 1e-4 and SNR >= 100 dB (the README's tolerances). Exit code 0 on PASS,
 1 on FAIL or error. The server must be serving the same weights (`make serve MIMI_WEIGHTS=...` with
 the same file): it does not report which weights it serves, so a mismatch shows as FAIL.
 
@@ -122,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
 
     codes = np.stack([random_codes(args.frames, args.codes_seed + i) for i in range(args.streams)])
     try:
+        # The reference first: weights that cannot be read fail before anything is streamed.
+        reference, what = reference_decode(args, codes)
         with Code2WavStreamer(args.url) as streamer:
             streamer.check_ready()
             print(f"server {args.url}: streaming {args.streams} x {args.frames} frames of seeded codes "
                   f"(chunks of 1 then {args.chunk_frames} frames, with frame_offset)", flush=True)
             report = streamer.run(list(codes), StreamOptions(chunk_frames=args.chunk_frames))
-        reference, what = reference_decode(args, codes)
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import filecmp
 import os
+import re
 import shutil
 import signal
 import socket
@@ -373,9 +374,12 @@ class TritonServer:
         while True:
             code = self.process.poll()
             if code is not None:
+                tail = log_tail(self.log_path)
+                in_use = re.search(r"Socket '([^']+)' already in use", tail)
+                cause = f": address {in_use.group(1)} is already in use (choose other ports)" if in_use else ""
                 raise ServerError(
-                    f"tritonserver exited with code {code} before it was ready "
-                    f"(log {self.log_path}):\n{log_tail(self.log_path)}"
+                    f"tritonserver exited with code {code} before it was ready{cause} "
+                    f"(log {self.log_path}):\n{tail}"
                 )
             try:
                 with urllib.request.urlopen(url, timeout=1.0) as response:
