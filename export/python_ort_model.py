@@ -39,6 +39,7 @@ the classes after them are the thin Triton glue.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import threading
@@ -106,6 +107,7 @@ class DecoderConfig:
     idle_timeout_s: float
     onnx_file: str = "model.onnx"
     intra_op_threads: int = 0
+    codebook_size: int = 0  # > 0: codes of the `codes` input must lie in [0, codebook_size)
 
     @property
     def batched(self) -> bool:
@@ -199,6 +201,10 @@ def parse_model_config(
         raise ValueError("config parameter 'intra_op_threads' must be an integer") from None
     if intra_op_threads < 0:
         raise ValueError("config parameter 'intra_op_threads' must be >= 0")
+    try:
+        codebook_size = int(_parameter(config, "codebook_size", "0"))
+    except ValueError:
+        raise ValueError("config parameter 'codebook_size' must be an integer") from None
     decoder = DecoderConfig(
         inputs=io_tensors("input"),
         outputs=io_tensors("output"),
@@ -207,6 +213,7 @@ def parse_model_config(
         idle_timeout_s=idle_us / 1e6,
         onnx_file=_parameter(config, "onnx_file", "model.onnx"),
         intra_op_threads=intra_op_threads,
+        codebook_size=codebook_size,
     )
     io_names = [t.name for t in decoder.inputs + decoder.outputs]
     state_names = [s.input for s in decoder.states] + [s.output for s in decoder.states]
@@ -358,7 +365,8 @@ class StreamingDecoderCore:
         self.runs_total = 0
         self.rows_total = 0
         self.expired_total = 0
-        self.run_sizes: list[int] = []  # sizes of runs not yet published; the publisher drains it
+        # Sizes of runs not yet published; the publisher drains it (bounded: metrics may be off).
+        self.run_sizes: collections.deque[int] = collections.deque(maxlen=4096)
 
     @property
     def live_streams(self) -> int:
@@ -414,6 +422,14 @@ class StreamingDecoderCore:
                 raise StepError(
                     f"input '{spec.name}' has shape {list(array.shape)}, expected "
                     f"{_format_dims(expected)} (one request is one step of one sequence)"
+                )
+            if spec.name == "codes" and self.config.codebook_size and array.size and (
+                array.min() < 0 or array.max() >= self.config.codebook_size
+            ):
+                # Checked here so a bad row fails alone instead of failing the batched run.
+                raise StepError(
+                    f"input 'codes' holds values in [{array.min()}, {array.max()}], outside "
+                    f"[0, {self.config.codebook_size})"
                 )
             rows[spec.name] = array if self.config.batched else array[np.newaxis]
         return rows
@@ -478,7 +494,9 @@ class StreamingDecoderCore:
             members = [members[k] for k in order]
             previous = [previous[k] for k in order]
             state_feeds = list(reuse.arrays)
+            reused = reuse
         else:
+            reused = None
             state_feeds = []
             for position, zero in enumerate(self._zero_rows):
                 parts = [
@@ -536,9 +554,23 @@ class StreamingDecoderCore:
                 self._streams[request.sequence_id] = _Stream(new_rows, row, now)
             else:
                 stream.rows, stream.row, stream.last_used = new_rows, row, now
+        self._release_shared_rows(previous, reused)
         self.runs_total += 1
         self.rows_total += count
         self.run_sizes.append(count)
+
+    def _release_shared_rows(self, previous, reused) -> None:
+        """Streams left behind in a multi-row state array that this run's streams moved away from
+        get their own row, so one idle stream never keeps a whole batch's arrays alive."""
+        left = {id(rows): rows for rows, _ in previous
+                if rows is not None and rows is not reused and rows.arrays[0].shape[0] > 1}
+        if not left:
+            return
+        for stream in self._streams.values():
+            if stream.rows is not None and id(stream.rows) in left:
+                old = stream.rows
+                stream.rows = _StateRows([array[stream.row : stream.row + 1].copy() for array in old.arrays])
+                stream.row = 0
 
 
 # --- Triton glue ----------------------------------------------------------------------------------

@@ -111,6 +111,7 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
         return string.Template(template).substitute(
             common,
             intra_op_threads=serving.intra_op_threads,
+            codebook_size=spec.codebook_size,
             state_spec_json=_pbtxt_string(json.dumps(state_spec, separators=(",", ":"))),
         )
     if target == "onnxruntime":

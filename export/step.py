@@ -188,6 +188,8 @@ class MimiDecoderStep(nn.Module):
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if not 1 <= num_codebooks <= config.num_quantizers:
             raise ValueError(f"num_codebooks must be in [1, {config.num_quantizers}], got {num_codebooks}")
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be float32 or float64 (RoPE angles need >= fp32), got {dtype}")
         if frames_per_step < 1:
             raise ValueError(f"frames_per_step must be >= 1, got {frames_per_step}")
         self.num_codebooks = num_codebooks

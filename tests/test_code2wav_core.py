@@ -649,7 +649,7 @@ REJECTED = [
 ]
 
 
-@pytest.mark.parametrize("flags", [0, START, END], ids=["plain", "start", "end"])
+@pytest.mark.parametrize("flags", [0, START], ids=["plain", "start"])
 @pytest.mark.parametrize("request_kwargs, kind", REJECTED)
 def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flags):
     table, decoder = make_table(max_new_frames_per_request=3, max_request_frames=10), FakeDecoder()
@@ -732,11 +732,32 @@ def test_idle_streams_expire_on_the_next_batch():
     assert error.kind == "unknown_stream"
 
 
-def test_a_stream_idle_exactly_the_timeout_is_kept():
+@pytest.mark.parametrize("request_kwargs, kind", REJECTED)
+def test_rejected_request_with_end_ends_the_stream(request_kwargs, kind):
+    """Triton releases a sequence when it schedules its END request, whatever the model answers:
+    a rejected END ends the stream, and its decoder sequence gets a discarded END step."""
+    table, decoder = make_table(max_new_frames_per_request=3, max_request_frames=10), FakeDecoder()
+    codes = make_codes(9)
+    send(table, decoder, 1, START, codes[:, :3])
+    calls = len(decoder.calls)
+    kwargs = dict(request_kwargs)
+    frames = kwargs.pop("frames", 2)
+    request_codes = make_codes(frames, seed=3)
+    if kwargs.pop("changed", False):
+        request_codes = codes[:, :2].copy()
+        request_codes[0, 1] += 1
+    error = send_error(table, decoder, 1, END, request_codes, **kwargs)
+    assert error.kind == kind and "the request carried END, so the stream has ended" in str(error)
+    assert 1 not in table
+    assert len(decoder.calls) == calls + 1 and decoder.flags()[-1] == END
+    assert not decoder.calls[-1][1].any()  # zero codes, output discarded
+
+
+def test_a_stream_idle_exactly_the_timeout_plus_grace_is_kept():
     clock = FakeClock()
     table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), FakeDecoder()
     send(table, decoder, 1, START, make_codes(1))
-    clock.now += 30.0
+    clock.now += 30.0 + core.IDLE_GRACE_S
     assert table.expire_idle() == []
     clock.now += 0.001
     assert table.expire_idle() == [1]
@@ -755,14 +776,18 @@ def test_a_stream_with_a_request_in_the_batch_is_not_expired():
     np.testing.assert_array_equal(results[0], expected_pcm(codes[:, 1:]))
 
 
-def test_rejected_requests_keep_a_stream_alive():
+def test_requests_that_decode_nothing_do_not_keep_a_stream_alive():
+    """Idle time runs from the last decoder step: retries and rejected requests never reach the
+    decoder, whose own idle timeout would otherwise drop the state under a live stream."""
     clock = FakeClock()
     table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), FakeDecoder()
-    send(table, decoder, 1, START, make_codes(1))
+    codes = make_codes(1)
+    send(table, decoder, 1, START, codes)
     clock.now += 20.0
     send_error(table, decoder, 1, 0, make_codes(1), frame_offset=5)
+    assert send(table, decoder, 1, 0, codes, frame_offset=0).size == 0  # identical retry
     clock.now += 20.0
-    assert table.expire_idle() == []
+    assert table.expire_idle() == [1]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ What it does, per request of a stream (one Triton sequence, keyed by its correla
 `decode_step`, so the whole request path, decoder ordering included, is tested here.
 
 A request is validated completely before anything changes: a rejected request leaves its stream as
-it was (only the stream's last-activity time moves, as Triton's own idle timer does).
+it was, unless it carried END (Triton releases the sequence with it, so the stream ends and its
+decoder sequence gets a discarded END step). Idle time runs from the last decoder step, so requests
+that decode nothing cannot keep a stream past the decoder's own idle timeout.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 FLAG_SEQUENCE_START = 1
 FLAG_SEQUENCE_END = 2
 
+IDLE_GRACE_S = 1.0  # streams expire this long after the idle timeout (see StreamTable.expire_idle)
 DEDUPE_MODES = ("auto", "delta", "cumulative")
 
 # Every kind an error can be counted under (the `kind` label of code2wav_errors_total).
@@ -439,7 +442,9 @@ class StreamTable:
         itself. Streams in `keep` (those with a request in the current batch: Triton accepted them
         as live) are never dropped.
         """
-        deadline = self._clock() - self.settings.stream_idle_timeout_s
+        # A second late: Triton itself refuses a non-START request for a sequence it expired, so
+        # this only frees memory, and the grace spares a request queued just before the timeout.
+        deadline = self._clock() - self.settings.stream_idle_timeout_s - IDLE_GRACE_S
         keep = set(keep)
         expired = [
             correlation_id
@@ -555,7 +560,10 @@ class StreamTable:
         if plan.steps:
             stream.decoder_live = True
             stream.needs_decoder_start = False
-        stream.last_active_s = now_s
+        if plan.steps or plan.starts_stream:
+            # Idle time runs from the last decoder step: requests that decode nothing (retries,
+            # resends, rejected requests) must not outlive the decoder's own idle timeout.
+            stream.last_active_s = now_s
 
     def abort(self, plan: DecodePlan) -> None:
         """A decoder step of `plan` failed: the stream ends (the client must START again)."""
@@ -600,16 +608,33 @@ class StreamTable:
         try:
             plan = self.plan(request.correlation_id, request.flags, request.input_ids, request.frame_offset)
             return await self.run(plan, decode_step)
+        except RequestError as exc:
+            self.count_error(exc.kind)
+            if request.flags & FLAG_SEQUENCE_END and await self._end_rejected(request.correlation_id, decode_step):
+                # Triton has released the sequence with this END: nothing can continue the stream.
+                raise RequestError(exc.kind, f"{exc}; the request carried END, so the stream has ended") from exc
+            raise
         except Code2WavError as exc:
             self.count_error(exc.kind)
             raise
         except Exception:
             self.count_error("internal")
             raise
-        finally:
-            stream = self._streams.get(request.correlation_id)
-            if stream is not None:
-                stream.last_active_s = self._clock()
+
+    async def _end_rejected(self, correlation_id, decode_step: DecodeStep) -> bool:
+        """A rejected request carried END: drop the stream and close its decoder sequence (one
+        zero-code END step, output discarded). Returns whether a stream was dropped."""
+        stream = self._streams.pop(correlation_id, None)
+        if stream is None:
+            return False
+        if stream.decoder_live:
+            settings = self.settings
+            zeros = np.zeros((1, settings.num_codebooks, settings.decoder_frames_per_step), np.int32)
+            try:
+                await decode_step(correlation_id, zeros, FLAG_SEQUENCE_END)
+            except Exception:  # the decoder frees the sequence on its idle timeout anyway
+                pass
+        return True
 
     async def process_batch(
         self, requests: Sequence[StreamRequest], decode_step: DecodeStep

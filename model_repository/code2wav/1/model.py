@@ -41,6 +41,13 @@ class TritonPythonModel:
         except core.ConfigError as exc:
             raise pb_utils.TritonModelException(f"model '{self._model_name}': {exc}") from None
 
+        if settings.decoder_frames_per_step != 1:
+            # The exported decoders take a fixed number of frames per call, and a request's new
+            # frames need not be a multiple of it (its last step would be shorter).
+            raise pb_utils.TritonModelException(
+                f"model '{self._model_name}': decoder_frames_per_step must be 1 with the exported "
+                f"decoders (fixed frames per call), got {settings.decoder_frames_per_step}"
+            )
         self._max_batch_size = int(config.get("max_batch_size", 0))
         if self._max_batch_size < 1:
             raise pb_utils.TritonModelException(
