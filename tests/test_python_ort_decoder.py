@@ -243,7 +243,7 @@ def test_core_batches_streams_and_keeps_them_independent(onnx_session):
                 result["pcm"], references[req.sequence_id].step(req.inputs["codes"])
             )
     assert [call["codes"] for call in calls] == [(3, 8, 1)] * 4
-    assert core.runs_total == 4 and core.rows_total == 12 and core.run_sizes == [3] * 4
+    assert core.runs_total == 4 and core.rows_total == 12 and list(core.run_sizes) == [3] * 4
 
 
 def test_core_reuses_previous_run_states_without_copy(onnx_session):
@@ -571,3 +571,32 @@ def test_served_bad_parameter_fails_the_load(tmp_path):
     assert "state input 'state_in_01_count': ONNX type tensor(int64), expected int32" in str(
         failure.value
     )
+
+
+def test_codes_out_of_range_fail_their_row_alone(onnx_session):
+    """With codebook_size set, a bad row is rejected before the batched run: its batch-mates step."""
+    config = pom.parse_model_config(
+        {**MODEL_CONFIG, "parameters": {**MODEL_CONFIG["parameters"], "codebook_size": {"string_value": "2048"}}},
+        TRITON_TYPES.__getitem__,
+    )
+    assert config.codebook_size == 2048
+    core, _ = make_core(onnx_session, config=config)
+    good = np.zeros((1, 8, 1), np.int32)
+    bad = np.full((1, 8, 1), 2048, np.int32)
+    results = core.step([
+        pom.StepRequest(sequence_id=1, start=True, end=False, inputs={"codes": good}),
+        pom.StepRequest(sequence_id=2, start=True, end=False, inputs={"codes": bad}),
+    ])
+    assert isinstance(results[1], pom.StepError) and "outside [0, 2048)" in str(results[1])
+    assert not isinstance(results[0], pom.StepError) and core.has_stream(1) and not core.has_stream(2)
+
+
+def test_streams_left_behind_do_not_keep_a_whole_batch_alive(onnx_session):
+    core, _ = make_core(onnx_session)
+    codes = np.zeros((1, 8, 1), np.int32)
+    core.step([pom.StepRequest(sequence_id=i, start=True, end=False, inputs={"codes": codes}) for i in range(1, 5)])
+    # Only stream 1 steps again: streams 2-4 must not share the 4-row arrays any more.
+    core.step([pom.StepRequest(sequence_id=1, start=False, end=False, inputs={"codes": codes})])
+    for sequence_id in (2, 3, 4):
+        stream = core._streams[sequence_id]
+        assert stream.rows.arrays[0].shape[0] == 1 and stream.row == 0
