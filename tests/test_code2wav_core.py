@@ -649,9 +649,9 @@ REJECTED = [
 ]
 
 
-@pytest.mark.parametrize("flags", [0, START], ids=["plain", "start"])
-@pytest.mark.parametrize("request_kwargs, kind", REJECTED)
-def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flags):
+def send_rejected(request_kwargs, kind, flags):
+    """A stream with frames 0-2 decoded, then one REJECTED request with `flags`.
+    Returns (table, decoder, the stream's 9 frames of codes, decoder calls before it, error, kind)."""
     table, decoder = make_table(max_new_frames_per_request=3, max_request_frames=10), FakeDecoder()
     codes = make_codes(9)
     send(table, decoder, 1, START, codes[:, :3])
@@ -666,6 +666,13 @@ def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flag
         request_codes = codes[:, :2].copy()
         request_codes[0, 1] += 1
     error = send_error(table, decoder, 1, flags, request_codes, **kwargs)
+    return table, decoder, codes, calls, error, kind
+
+
+@pytest.mark.parametrize("flags", [0, START], ids=["plain", "start"])
+@pytest.mark.parametrize("request_kwargs, kind", REJECTED)
+def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flags):
+    table, decoder, codes, calls, error, kind = send_rejected(request_kwargs, kind, flags)
     assert error.kind == kind
     assert len(decoder.calls) == calls
     assert 1 in table
@@ -736,17 +743,7 @@ def test_idle_streams_expire_on_the_next_batch():
 def test_rejected_request_with_end_ends_the_stream(request_kwargs, kind):
     """Triton releases a sequence when it schedules its END request, whatever the model answers:
     a rejected END ends the stream, and its decoder sequence gets a discarded END step."""
-    table, decoder = make_table(max_new_frames_per_request=3, max_request_frames=10), FakeDecoder()
-    codes = make_codes(9)
-    send(table, decoder, 1, START, codes[:, :3])
-    calls = len(decoder.calls)
-    kwargs = dict(request_kwargs)
-    frames = kwargs.pop("frames", 2)
-    request_codes = make_codes(frames, seed=3)
-    if kwargs.pop("changed", False):
-        request_codes = codes[:, :2].copy()
-        request_codes[0, 1] += 1
-    error = send_error(table, decoder, 1, END, request_codes, **kwargs)
+    table, decoder, _, calls, error, kind = send_rejected(request_kwargs, kind, END)
     assert error.kind == kind and "the request carried END, so the stream has ended" in str(error)
     assert 1 not in table
     assert len(decoder.calls) == calls + 1 and decoder.flags()[-1] == END
