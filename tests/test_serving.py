@@ -542,6 +542,23 @@ def test_end_without_frames_ends_the_stream_and_its_decoder_sequence(
     assert_matches(again, moshi_streams["A"][: again.size], ort_streams["A"][: again.size], "after a new START")
 
 
+def test_a_rejected_end_ends_the_stream_and_its_decoder_sequence(code2wav_server, grpc_client, scenario):
+    """Triton releases a sequence when it schedules its END request, whatever the model answers: a
+    rejected END must not leave the stream (and ~8 MiB of decoder state) behind until the timeout."""
+    url = code2wav_server.metrics_url
+    a = scenario.streams["A"]
+    sequence_id = new_sequence_id()
+    before = ServingMetrics.read(url)
+    infer(grpc_client, sequence_id, a[:, :3], 0, start=True, new_frames=3)
+    opened = ServingMetrics.read(url)
+    assert (opened.code2wav_live, opened.decoder_live) == (before.code2wav_live + 1, before.decoder_live + 1)
+    infer_error(grpc_client, sequence_id, code2wav_inputs(a[:, 5:6], 5), "gap",
+                "the request carried END, so the stream has ended", end=True)
+    closed = ServingMetrics.read(url)
+    assert (closed.code2wav_live, closed.decoder_live) == (before.code2wav_live, before.decoder_live)
+    assert closed.decoder_rows - opened.decoder_rows == 1  # the discarded END step
+
+
 def test_start_on_a_live_stream_resets_it(code2wav_server, grpc_client, scenario, moshi_streams, ort_streams):
     url = code2wav_server.metrics_url
     a, b = scenario.streams["A"], scenario.streams["B"]
