@@ -94,7 +94,11 @@ def load_codes(args: argparse.Namespace) -> np.ndarray:
     if args.codes is not None:
         try:
             codes = np.load(args.codes, allow_pickle=False)
-        except (OSError, ValueError) as exc:
+        except ValueError:
+            # numpy says "pickled data" for any file that is not .npy / .npz
+            raise ClientError(f"cannot read codes from {args.codes}: not a .npy file of integer codes "
+                              f"[{NUM_CODEBOOKS}, frames] (np.save writes one)") from None
+        except OSError as exc:
             raise ClientError(f"cannot read codes from {args.codes}: {exc}") from None
         return validate_codes(codes)
     if args.frames is None or args.frames < 1:
@@ -249,10 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "streams", 1) < 1:
-        print("error: --streams must be >= 1", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("streams", "chunk_frames", "frames"):  # usage errors: exit 2, like argparse's own
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     try:
         return args.handler(args)
     except ClientError as exc:
