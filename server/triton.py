@@ -358,6 +358,8 @@ class TritonServer:
                 # Own process group: Ctrl-C in a terminal does not reach it, and stop() can end the
                 # server together with its Python stubs and nothing else.
                 start_new_session=True,
+                # If this process dies without stop() (SIGKILL, a test timeout), the server follows.
+                preexec_fn=_terminate_with_parent,
             )
 
     def wait_ready(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> float:
@@ -461,6 +463,16 @@ class TritonServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: ask Linux to send SIGTERM when the parent dies (PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux/glibc: stop() remains the only way
+        pass
 
 
 def _port_taken(server: TritonServer) -> bool:

@@ -232,3 +232,36 @@ def test_serve_command_with_missing_weights_explains(tmp_path):
     assert result.returncode == 1
     assert f"error: {missing}: no such file or folder" in result.stderr
     assert not (tmp_path / "build" / "model_repository").exists()
+
+
+def test_server_ends_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL leaves the launcher no chance to stop the server: the kernel's parent-death signal
+    must end tritonserver anyway, so no orphan keeps the ports."""
+    repository = write_model(tmp_path / "repo")
+    server_pid = None
+    http_port, grpc_port, metrics_port = free_ports(3)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+         "--log-file", str(tmp_path / "server.log")],
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and server_pid is None:
+            found = subprocess.run(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"], capture_output=True, text=True)
+            server_pid = int(found.stdout.split()[0]) if found.stdout.strip() else None
+            time.sleep(0.1)
+        assert server_pid is not None, "tritonserver never started"
+        cli.kill()
+        cli.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and process_exists(server_pid):
+            time.sleep(0.1)
+        assert not process_exists(server_pid), "tritonserver outlived its killed launcher"
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        if server_pid is not None and process_exists(server_pid):
+            os.kill(server_pid, signal.SIGKILL)  # never leave an orphan behind a failed test
