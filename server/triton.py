@@ -359,7 +359,7 @@ class TritonServer:
                 # server together with its Python stubs and nothing else.
                 start_new_session=True,
                 # If this process dies without stop() (SIGKILL, a test timeout), the server follows.
-                preexec_fn=_terminate_with_parent,
+                preexec_fn=_parent_death_signal(),
             )
 
     def wait_ready(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> float:
@@ -465,14 +465,17 @@ class TritonServer:
         self.stop()
 
 
-def _terminate_with_parent() -> None:
-    """In the child before exec: ask Linux to send SIGTERM when the parent dies (PR_SET_PDEATHSIG)."""
+def _parent_death_signal():
+    """A preexec_fn asking Linux to SIGTERM the child when its parent dies (PR_SET_PDEATHSIG), or
+    None where that is unavailable. libc is loaded here, in the parent: the child only calls it."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux/glibc: stop() remains the only way
-        pass
+        return None
+    set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+    return lambda: prctl(set_pdeathsig, sigterm, 0, 0, 0)
 
 
 def _port_taken(server: TritonServer) -> bool:
