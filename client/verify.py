@@ -47,18 +47,24 @@ def snr_db(output: np.ndarray, reference: np.ndarray) -> float:
     return float("inf") if noise == 0 else float(10 * np.log10(np.sum(reference**2) / noise))
 
 
-def moshi_reference(checkpoint: str, codes: np.ndarray) -> np.ndarray:
-    """moshi's streaming decode, one frame per call: codes [B, k, F] -> PCM float32 [B, F*1920]."""
+def moshi_stream_decode(model, codes: np.ndarray) -> np.ndarray:
+    """moshi's streaming decode (inside `model.streaming(B)`), one frame per call, as Moshi-family
+    servers run it: codes [B, k, F] -> PCM float32 [B, F*1920]."""
     import torch
-    from moshi.models.loaders import get_mimi
 
-    model = get_mimi(checkpoint, device="cpu", num_codebooks=codes.shape[1])
     chunks = []
     with torch.no_grad(), model.streaming(codes.shape[0]):
-        tensor = torch.from_numpy(codes).long()
+        tensor = torch.from_numpy(np.asarray(codes)).long()
         for frame in range(codes.shape[2]):
             chunks.append(model.decode(tensor[:, :, frame : frame + 1])[:, 0].numpy())
     return np.concatenate(chunks, axis=1)
+
+
+def moshi_reference(checkpoint: str, codes: np.ndarray) -> np.ndarray:
+    """moshi's streaming decode of a moshi-format checkpoint: codes [B, k, F] -> [B, F*1920]."""
+    from moshi.models.loaders import get_mimi
+
+    return moshi_stream_decode(get_mimi(checkpoint, device="cpu", num_codebooks=codes.shape[1]), codes)
 
 
 def step_reference(model, codes: np.ndarray) -> np.ndarray:

@@ -116,10 +116,8 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
         )
     if target == "onnxruntime":
         backend_line = 'backend: "onnxruntime"'
-        extra = ""
     else:
         backend_line = 'backend: "tensorrt"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"'
-        extra = ""
     template = (TEMPLATES / "decoder_native.pbtxt.tmpl").read_text()
     return string.Template(template).substitute(
         common,
@@ -127,7 +125,6 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
         backend_line=backend_line,
         states=_state_block(spec),
         instance_kind=serving.instance_kind,
-        extra=extra,
     ).rstrip() + "\n"
 
 

@@ -59,7 +59,13 @@ class _StreamingConv(nn.Module):
 
 
 class _StreamingConvTranspose(nn.Module):
-    """Causal transposed conv; its state is the (kernel - stride) overlap tail, without bias."""
+    """Causal transposed conv with kernel = 2 * stride (every Mimi transposed conv); its state is
+    the stride-long overlap tail, without bias.
+
+    Computed as one matmul plus an overlap-add: input step t writes kernel taps [0, s) to output
+    block t and [s, 2s) to block t + 1, so block t = first half of step t + second half of step
+    t - 1 (the state for t = 0). Small CPU inputs run this several times faster than ConvTranspose.
+    """
 
     def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
         super().__init__()
@@ -69,34 +75,12 @@ class _StreamingConvTranspose(nn.Module):
             self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
         self.stride = conv.stride[0]
         self.groups = conv.groups
-        self.tail = conv.kernel_size[0] - self.stride
         self.channels = conv.out_channels
         self.input_length = 0  # set once the step's frame count is known
-        if self.tail <= 0:
-            raise ValueError("streaming transposed conv expects kernel > stride")
+        if conv.kernel_size[0] != 2 * self.stride or self.groups not in (1, self.channels):
+            raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
 
     def forward(self, x: torch.Tensor, state: "_ConvState") -> torch.Tensor:
-        if self.tail == self.stride and self.groups in (1, self.channels):
-            return self._forward_kernel_twice_stride(x, state)
-        steps = self.input_length  # a Python int: shape reads would become Shape ops in the graph
-        y = F.conv_transpose1d(x, self.weight, None, stride=self.stride, groups=self.groups)
-        head = y[:, :, : self.tail] + state.take(self.channels, self.tail)
-        y = torch.cat([head, y[:, :, self.tail :]], dim=2)
-        emitted = steps * self.stride
-        state.put(y[:, :, emitted:])
-        y = y[:, :, :emitted]
-        if self.bias is not None:
-            y = y + self.bias[None, :, None]
-        return y
-
-
-    def _forward_kernel_twice_stride(self, x: torch.Tensor, state: "_ConvState") -> torch.Tensor:
-        """kernel = 2 * stride (every Mimi transposed conv) as one matmul plus an overlap-add.
-
-        Input step t writes kernel taps [0, s) to output block t and [s, 2s) to block t + 1, so
-        block t = first half of step t + second half of step t - 1 (the state for t = 0). Small
-        CPU inputs run this several times faster than a ConvTranspose kernel.
-        """
         steps, stride, channels = self.input_length, self.stride, self.channels
         if self.groups == 1:
             # [B, T, Cin] @ [Cin, Cout * K] -> [B, T, Cout, K]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.verify import snr_db  # noqa: F401  (re-exported for the test modules)
+from client.verify import moshi_stream_decode, snr_db  # noqa: F401  (snr_db re-exported for the tests)
 
 SEED = 1234
 CODES_SEED = 5
@@ -149,18 +149,11 @@ def scenario():
 @pytest.fixture(scope="session")
 def moshi_streams(moshi_checkpoint, scenario):
     """moshi's streaming decode (one frame per call inside mimi.streaming) of each scenario stream."""
-    import torch
-
     model = moshi_checkpoint[1]
     names = list(scenario.streams)
     # Shorter streams are padded at the end: streaming is causal, so padding cannot change earlier audio.
     padded = np.stack([np.pad(scenario.streams[n], ((0, 0), (0, CALLS - scenario.streams[n].shape[1]))) for n in names])
-    codes = torch.from_numpy(padded).long()
-    chunks = []
-    with torch.no_grad(), model.streaming(len(names)):
-        for call in range(CALLS):
-            chunks.append(model.decode(codes[:, :, call : call + 1])[:, 0].numpy())
-    pcm = np.concatenate(chunks, axis=1)
+    pcm = moshi_stream_decode(model, padded)
     return {n: pcm[i, : scenario.streams[n].shape[1] * 1920] for i, n in enumerate(names)}
 
 

@@ -34,6 +34,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from client.verify import moshi_stream_decode
 from mimi_fixtures import assert_equal_audio, ort_session, ort_step_fn, spec_zero_state
 from server.triton import SHM_DIR, fetch_metrics, free_ports, metric_value, port_is_free
 
@@ -237,12 +238,7 @@ def ort_decode(step, zero_state, codes: np.ndarray) -> np.ndarray:
 
 def moshi_decode(model, codes: np.ndarray) -> np.ndarray:
     """moshi's streaming decode of codes [k, T], one frame per call: PCM float32 [1920*T]."""
-    import torch
-
-    codes = torch.from_numpy(np.asarray(codes, np.int64))[None]
-    with torch.no_grad(), model.streaming(1):
-        chunks = [model.decode(codes[:, :, frame : frame + 1])[0, 0].numpy() for frame in range(codes.shape[2])]
-    return np.concatenate(chunks)
+    return moshi_stream_decode(model, np.asarray(codes)[None])[0]
 
 
 @pytest.fixture(scope="module")
