@@ -1,7 +1,7 @@
-"""Client side of code2wav: the gRPC streaming helper (`client.stream`), the `python -m client` CLI
-(decode codes to WAV, encode WAV to codes), `client.verify` (server vs reference), perf_analyzer inputs
-(`client.perf_inputs`, `client/perf.sh`) and `client.bench`.
+"""Client side of code2wav (`mimi_code2wav.client`): the gRPC streaming helper (`stream`), the
+`code2wav-client decode` CLI, WAV I/O (`wav`) and perf_analyzer inputs (`perf_inputs`, `perf.sh`).
 
-Installs without PyTorch: numpy and tritonclient, matplotlib for the benchmark plot. `encode` and
-`verify` import PyTorch lazily (the export extra) and say so when it is missing.
+Needs numpy and tritonclient only: nothing here imports PyTorch, the export or the server side
+(a test holds it to that). Imports inside the package are relative, so `python -m client.perf_inputs`
+also runs from a plain checkout (the perf_analyzer SDK container does that).
 """

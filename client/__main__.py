@@ -1,12 +1,11 @@
-"""Command line for the code2wav client.
+"""Command line of the code2wav client (`code2wav-client`, or `python -m mimi_code2wav.client`).
 
-    python -m client decode --url 127.0.0.1:8001 (--codes codes.npy | --random --frames N --seed S)
-                            [--out out.wav] [--chunk-frames 4] [--mode delta|cumulative] [--no-offsets]
-                            [--streams N] [--paced|--unpaced] [--wav-format float32|int16]
-    python -m client encode --weights WEIGHTS in.wav --out codes.npy [--num-codebooks 8]
+    code2wav-client decode --url 127.0.0.1:8001 (--codes codes.npy | --random --frames N --seed S)
+                           [--out out.wav] [--chunk-frames 4] [--mode delta|cumulative] [--no-offsets]
+                           [--streams N] [--paced|--unpaced] [--wav-format float32|int16]
 
-decode streams the codes through a running server and prints a summary table; encode (needs the
-`export` extra: PyTorch and transformers) turns a WAV file into codes with Mimi's encoder.
+decode streams the codes through a running server, prints a summary table and writes WAV. Argument
+parsing and output only: streaming is `client.stream`. Needs numpy and tritonclient, never PyTorch.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from client.stream import (
+from .stream import (
     CODEBOOK_SIZE,
     DEFAULT_CHUNK_FRAMES,
     DEFAULT_URL,
@@ -34,7 +33,7 @@ from client.stream import (
     random_codes,
     validate_codes,
 )
-from client.wav import SAMPLE_FORMATS, WavError, read_wav, write_wav
+from .wav import SAMPLE_FORMATS, write_wav
 
 # A progress bar is drawn only on a terminal and only for streams longer than this (20 s of audio).
 PROGRESS_MIN_FRAMES = 250
@@ -147,50 +146,8 @@ def decode_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def resample_linear(audio: np.ndarray, from_hz: int, to_hz: int) -> np.ndarray:
-    """Linear-interpolation resampling (no anti-aliasing filter: fine for speech near 24 kHz)."""
-    if from_hz == to_hz:
-        return audio
-    duration_s = len(audio) / from_hz
-    target_times = np.arange(int(round(duration_s * to_hz))) / to_hz
-    return np.interp(target_times, np.arange(len(audio)) / from_hz, audio).astype(np.float32)
-
-
-def encode_command(args: argparse.Namespace) -> int:
-    try:
-        import torch
-    except ImportError:
-        raise ClientError(
-            "encode needs PyTorch and transformers, which the client does not install: "
-            "pip install -e '.[export]'"
-        ) from None
-    from export.weights import WeightsError, load_weights
-
-    try:
-        wav = read_wav(args.input)
-    except (OSError, WavError) as exc:
-        raise ClientError(f"cannot read {args.input}: {exc}") from None
-    audio = wav.to_float32_mono()
-    if wav.channels > 1:
-        print(f"note: {args.input} has {wav.channels} channels; encoding their average", file=sys.stderr)
-    if wav.sample_rate_hz != SAMPLE_RATE_HZ:
-        print(f"note: resampling {wav.sample_rate_hz} Hz -> {SAMPLE_RATE_HZ} Hz by linear interpolation", file=sys.stderr)
-        audio = resample_linear(audio, wav.sample_rate_hz, SAMPLE_RATE_HZ)
-    try:
-        model = load_weights(args.weights).model.eval()
-    except WeightsError as exc:
-        raise ClientError(str(exc)) from None
-    with torch.no_grad():
-        codes = model.encode(torch.from_numpy(audio).view(1, 1, -1), num_quantizers=args.num_codebooks).audio_codes
-    codes = codes[0].numpy().astype(np.int64)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(args.out, codes)
-    print(f"wrote {args.out}: codes {list(codes.shape)} ({codes.shape[1]} frames, {len(audio) / SAMPLE_RATE_HZ:.2f} s of audio)")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="code2wav-client", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     decode = commands.add_parser(
@@ -238,17 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     progress.add_argument("--no-progress", dest="progress", action="store_false", help="never draw one")
     decode.set_defaults(handler=decode_command)
 
-    encode = commands.add_parser(
-        "encode",
-        help="turn a WAV file into codes with Mimi's encoder (needs the export extra)",
-        description="Encode audio into Mimi codes [k, frames] saved as .npy (needs PyTorch: pip install -e '.[export]'). "
-        f"Mimi takes {SAMPLE_RATE_HZ} Hz: other rates are resampled by linear interpolation (no anti-aliasing), with a note.",
-    )
-    encode.add_argument("input", type=Path, help="WAV file (PCM 8/16/24/32-bit or float; channels are averaged)")
-    encode.add_argument("--weights", required=True, help="Mimi weights: transformers folder, moshi .safetensors file or hub id")
-    encode.add_argument("--out", type=Path, required=True, help=".npy file to write")
-    encode.add_argument("--num-codebooks", type=int, default=NUM_CODEBOOKS, help="codebooks to keep (default %(default)s)")
-    encode.set_defaults(handler=encode_command)
     return parser
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from client.stream import (
+from .stream import (
     DEFAULT_CHUNK_FRAMES,
     FIRST_CHUNK_FRAMES,
     NUM_CODEBOOKS,

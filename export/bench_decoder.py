@@ -1,7 +1,7 @@
 """Decoder speed on this machine: moshi PyTorch streaming, the step module (eager PyTorch), ONNX
 Runtime and rustymimi, in one run, against the machine's measured fp32 matmul peak.
 
-  python -m export.bench_decoder [--weights moshi.safetensors] [--seconds 2] [--out bench_results]
+  python -m mimi_code2wav.export.bench_decoder [--weights moshi.safetensors] [--seconds 2] [--out bench_results]
 
 Prints a markdown table and writes `decoder.json` + `decoder.md`. Times are per stream-frame
 (80 ms of audio): `x realtime` = 80 ms / time per frame; `of bound` = the compute bound (FLOPs per
@@ -49,7 +49,7 @@ def matmul_peak_gflops(threads: int, seconds: float) -> float:
 
 def step_flops_per_frame(step) -> float:
     """Multiply-adds x 2 of one frame through the step module (convs, transformer, attention)."""
-    from export.step import _SEANetBlock, _StreamingConv, _StreamingConvTranspose
+    from .step import _SEANetBlock, _StreamingConv, _StreamingConvTranspose
 
     flops = 0.0
     steps = step.steps_per_frame
@@ -79,7 +79,7 @@ def step_flops_per_frame(step) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.bench_decoder", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.export.bench_decoder", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", type=Path, help="moshi-format .safetensors (default: seeded random)")
     parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per configuration")
@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     warnings.filterwarnings("ignore")
-    from export.onnx_export import ExportOptions, build_step, export_onnx
-    from export.weights import load_weights, randomize_, to_shipped_moshi_names
+    from .onnx_export import ExportOptions, build_step, export_onnx
+    from .weights import load_weights, randomize_, to_shipped_moshi_names
 
     work = Path(tempfile.mkdtemp(prefix="mimi-bench-"))
     weights = args.weights
@@ -197,15 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         ratios[f"onnxruntime batch {best8['batch']} (F={best8['frames_per_call']}, {best8['threads']} threads) "
                "measured / compute bound"] = 1 / best8["fraction_of_bound"]
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    try:
-        model_name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-        machine = f"{model_name}, {os.cpu_count()} cores"
-    except (OSError, StopIteration):
-        pass
+    from .provenance import git_commit, machine_description
+
+    commit, machine = git_commit(), machine_description()
     lines = [
-        f"Machine: {machine}. Commit {commit}. Command: `python -m export.bench_decoder --seconds {args.seconds}`.",
+        f"Machine: {machine}. Commit {commit}. Command: `python -m mimi_code2wav.export.bench_decoder --seconds {args.seconds}`.",
         f"fp32 matmul peak: " + ", ".join(f"{g:.1f} GFLOP/s ({k} thread{'s' if k > 1 else ''})" for k, g in peaks.items())
         + f"; decoder {flops / 1e9:.3f} GFLOP/frame.",
         "",

@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NO_CUDA
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 numerics, as the parity tests check them
     torch.backends.cudnn.allow_tf32 = False
-    from export.step import MimiDecoderStep
-    from export.weights import random_model
+    from .step import MimiDecoderStep
+    from .weights import random_model
 
     device = torch.device("cuda")
     loaded = random_model(0)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from export.spec import DecoderSpec
-from export.step import MimiDecoderStep
+from .spec import DecoderSpec
+from .step import MimiDecoderStep
 
 OPSETS = (17, 18, 19, 20)
 MAX_IR_VERSION = 10  # onnxruntime 1.19 (NGC 24.10) reads IR versions up to 10

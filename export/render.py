@@ -19,7 +19,7 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from export.spec import TRITON_DTYPES, DecoderSpec, TensorSpec
+from .spec import TRITON_DTYPES, DecoderSpec, TensorSpec
 
 TEMPLATES = Path(__file__).parent / "templates"
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.spec import DecoderSpec, StateSpec
+from .spec import DecoderSpec, StateSpec
 
 WINDOWS = ("moshi", "exact")
 KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}

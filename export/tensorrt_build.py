@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from export.spec import DecoderSpec
+from .spec import DecoderSpec
 
 EXIT_NO_TENSORRT = 3
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.verify import moshi_stream_decode, snr_db  # noqa: F401  (snr_db re-exported for the tests)
+from mimi_code2wav.export.reference import moshi_stream_decode, snr_db  # noqa: F401  (snr_db re-exported for the tests)
 
 SEED = 1234
 CODES_SEED = 5
@@ -118,7 +118,7 @@ def moshi_checkpoint(tmp_path_factory):
     import torch
     from safetensors.torch import save_file
 
-    from export.weights import randomize_, to_shipped_moshi_names
+    from mimi_code2wav.export.weights import randomize_, to_shipped_moshi_names
 
     warnings.filterwarnings("ignore", category=UserWarning)
     from moshi.models.loaders import get_mimi
@@ -136,7 +136,7 @@ def moshi_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mimi(moshi_checkpoint):
     """The transformers MimiModel loaded from the moshi checkpoint through the name mapping."""
-    from export.weights import load_weights
+    from mimi_code2wav.export.weights import load_weights
 
     return load_weights(moshi_checkpoint[0])
 
@@ -163,8 +163,8 @@ def export_root(tmp_path_factory):
 
 
 def _export(mimi, root: Path, **options):
-    from export.__main__ import build
-    from export.onnx_export import ExportOptions
+    from mimi_code2wav.export.pipeline import build
+    from mimi_code2wav.export.onnx_export import ExportOptions
 
     opts = ExportOptions(**options)
     folder = root / f"f{opts.frames_per_step}-{opts.window}-{opts.kv_cache_dtype}"
@@ -210,9 +210,9 @@ def spec_zero_state(spec):
 @pytest.fixture(scope="session")
 def served_repository(onnx_fp32, tmp_path_factory):
     """A python-ort model repository (code2wav + mimi_decoder) over the real-architecture export."""
-    from export.onnx_export import read_manifest
-    from export.render import DecoderServing, render_repository
-    from export.spec import DecoderSpec
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.render import DecoderServing, render_repository
+    from mimi_code2wav.export.spec import DecoderSpec
 
     spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
     out = tmp_path_factory.mktemp("served") / "model_repository"

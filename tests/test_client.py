@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.stream import ClientError, chunk_bounds, request_arrays, validate_codes
-from client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
+from mimi_code2wav.client.stream import ClientError, chunk_bounds, request_arrays, validate_codes
+from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
 from mimi_fixtures import assert_equal_audio
-from server.triton import fetch_metrics, free_port, metric_value
+from mimi_code2wav.server.triton import fetch_metrics, free_port, metric_value
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAMES = 40
@@ -88,7 +88,7 @@ def test_int16_wav_clips(tmp_path):
 
 def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-m", "mimi_code2wav.client", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
     )
 
 
@@ -179,19 +179,8 @@ def test_decode_model_not_ready_names_the_model(code2wav_server, codes_file):
     assert f"error: model 'no_such_model' is not ready on Triton at {code2wav_server.grpc_url}" in done.stderr
 
 
-def test_encode_without_torch_says_what_to_install(tmp_path):
-    script = (
-        "import sys; sys.modules['torch'] = None\n"
-        "from client.__main__ import main\n"
-        f"sys.exit(main(['encode', '--weights', 'w', 'in.wav', '--out', {str(tmp_path / 'c.npy')!r}]))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert "encode needs PyTorch and transformers" in done.stderr and "pip install -e '.[export]'" in done.stderr
-
-
 def test_encode_resamples_and_writes_codes(moshi_checkpoint, tmp_path, capsys):
-    from client.__main__ import main
+    from mimi_code2wav.export.__main__ import main
 
     rate_hz = 16000
     audio = 0.3 * np.sin(2 * np.pi * 220 * np.arange(rate_hz // 2) / rate_hz)  # 0.5 s
@@ -208,9 +197,9 @@ def test_encode_resamples_and_writes_codes(moshi_checkpoint, tmp_path, capsys):
 
 @pytest.mark.server
 def test_verify_passes_against_moshi_for_the_served_checkpoint(code2wav_server, moshi_checkpoint, capsys):
-    from client.verify import main
+    from mimi_code2wav.server.__main__ import main
 
-    code = main(["--url", code2wav_server.grpc_url, "--weights", str(moshi_checkpoint[0]), "--streams", "2", "--frames", "12"])
+    code = main(["verify", "--url", code2wav_server.grpc_url, "--weights", str(moshi_checkpoint[0]), "--streams", "2", "--frames", "12"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "reference: moshi streaming decode of" in out and "SNR" in out
@@ -219,9 +208,9 @@ def test_verify_passes_against_moshi_for_the_served_checkpoint(code2wav_server, 
 
 @pytest.mark.server
 def test_verify_fails_for_other_weights(code2wav_server, capsys):
-    from client.verify import main
+    from mimi_code2wav.server.__main__ import main
 
-    code = main(["--url", code2wav_server.grpc_url, "--random-init", "--seed", "3", "--streams", "1", "--frames", "4"])
+    code = main(["verify", "--url", code2wav_server.grpc_url, "--random-init", "--seed", "3", "--streams", "1", "--frames", "4"])
     out = capsys.readouterr().out
     assert code == 1
     assert "step module" in out and out.strip().splitlines()[-1].startswith("FAIL")

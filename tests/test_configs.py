@@ -11,9 +11,9 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from export.onnx_export import ExportOptions, read_manifest
-from export.render import CHECKED_IN_CONFIG, REPO_ROOT, TARGETS, DecoderServing, render_config, render_repository
-from export.spec import ONNX_ELEM_TYPES, TRITON_DTYPES, DecoderSpec, StateSpec
+from mimi_code2wav.export.onnx_export import ExportOptions, read_manifest
+from mimi_code2wav.export.render import CHECKED_IN_CONFIG, REPO_ROOT, TARGETS, DecoderServing, render_config, render_repository
+from mimi_code2wav.export.spec import ONNX_ELEM_TYPES, TRITON_DTYPES, DecoderSpec, StateSpec
 
 TRITON_TO_ONNX = {TRITON_DTYPES[name]: ONNX_ELEM_TYPES[name] for name in TRITON_DTYPES}
 
@@ -45,7 +45,7 @@ def graph(onnx_fp32):
 
 
 def test_checked_in_config_equals_a_fresh_rendering():
-    from export.__main__ import spec_for_options
+    from mimi_code2wav.export.pipeline import spec_for_options
 
     fresh = render_config(spec_for_options(ExportOptions()), "onnxruntime")
     assert CHECKED_IN_CONFIG.read_text() == fresh, (

@@ -39,7 +39,7 @@ STREAMS = ("A", "B", "C1", "C2")
 @pytest.fixture(scope="session")
 def step_pcm(mimi, scenario):
     """Scenario PCM of the step module, per frames-per-call, computed once."""
-    from export.step import MimiDecoderStep
+    from mimi_code2wav.export.step import MimiDecoderStep
 
     cache = {}
 
@@ -102,8 +102,8 @@ def test_exact_window_equals_transformers_offline_decode(mimi, scenario, step_pc
 
 
 def test_onnx_runtime_equals_step_module(onnx_fp32, scenario, step_pcm, moshi_streams):
-    from export.onnx_export import read_manifest
-    from export.spec import DecoderSpec
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.spec import DecoderSpec
 
     spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
     pcm = run_scenario(ort_step_fn(ort_session(onnx_fp32)), spec_zero_state(spec), scenario, 1)
@@ -124,8 +124,8 @@ FP16_MAX_ABS = 5e-4
 
 
 def test_onnx_runtime_fp16_kv_cache_within_measured_bound(onnx_fp16, scenario, moshi_streams):
-    from export.onnx_export import read_manifest
-    from export.spec import DecoderSpec
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.spec import DecoderSpec
 
     spec = DecoderSpec.from_dict(read_manifest(onnx_fp16)["spec"])
     assert spec.kv_cache_dtype == "float16" and spec.states[0].dtype == "float16"
@@ -140,7 +140,7 @@ def test_long_stream_position_matches_float64(mimi):
     """At ~100,000 transformer steps (over an hour of audio), fp32 RoPE stays close to float64."""
     import copy
 
-    from export.step import MimiDecoderStep
+    from mimi_code2wav.export.step import MimiDecoderStep
 
     start = 100_000
     step32 = MimiDecoderStep(mimi.model, window="moshi").eval()
@@ -167,7 +167,7 @@ def test_long_stream_position_matches_float64(mimi):
 
 @pytest.fixture(scope="module")
 def tiny_mimi():
-    from export.weights import new_model, randomize_
+    from mimi_code2wav.export.weights import new_model, randomize_
 
     model = new_model(tiny_config())
     randomize_(model, 7)
@@ -177,8 +177,8 @@ def tiny_mimi():
 @pytest.mark.parametrize("window", ["moshi", "exact"])
 @pytest.mark.parametrize("frames_per_step", [1, 2, 4])
 def test_tiny_onnx_matches_step(tiny_mimi, tmp_path, window, frames_per_step):
-    from export.onnx_export import export_onnx
-    from export.step import MimiDecoderStep
+    from mimi_code2wav.export.onnx_export import export_onnx
+    from mimi_code2wav.export.step import MimiDecoderStep
 
     step = MimiDecoderStep(tiny_mimi, frames_per_step=frames_per_step, window=window).eval()
     reference_step = MimiDecoderStep(tiny_mimi, frames_per_step=1, window=window).eval()
@@ -195,7 +195,7 @@ def test_tiny_onnx_matches_step(tiny_mimi, tmp_path, window, frames_per_step):
 
 
 def test_tiny_exact_window_equals_offline(tiny_mimi):
-    from export.step import MimiDecoderStep
+    from mimi_code2wav.export.step import MimiDecoderStep
 
     step = MimiDecoderStep(tiny_mimi, window="exact").eval()
     codes = np.random.default_rng(3).integers(0, 64, (1, 8, 60)).astype(np.int32)  # window 20: fills at 10 frames
@@ -218,7 +218,7 @@ def _graph(folder: Path):
 
 
 def test_graph_opset_and_ir_version_fit_the_ngc_runtime(onnx_fp32):
-    from export.onnx_export import MAX_IR_VERSION
+    from mimi_code2wav.export.onnx_export import MAX_IR_VERSION
 
     model = _graph(onnx_fp32)
     opsets = {o.domain: o.version for o in model.opset_import}
@@ -227,7 +227,7 @@ def test_graph_opset_and_ir_version_fit_the_ngc_runtime(onnx_fp32):
 
 
 def test_graph_is_static_apart_from_batch(onnx_fp32):
-    from export.onnx_export import FORBIDDEN_OPS
+    from mimi_code2wav.export.onnx_export import FORBIDDEN_OPS
 
     model = _graph(onnx_fp32)
     ops = {node.op_type for node in model.graph.node}
@@ -248,9 +248,9 @@ def test_every_op_is_supported_by_tensorrt_onnx_parser(onnx_fp32, onnx_fp16):
 
 
 def test_tensorrt_profile_covers_every_input(onnx_fp32):
-    from export.onnx_export import read_manifest
-    from export.spec import DecoderSpec
-    from export.tensorrt_build import profile_shapes, trtexec_command
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.spec import DecoderSpec
+    from mimi_code2wav.export.tensorrt_build import profile_shapes, trtexec_command
 
     spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
     inputs = {i.name for i in _graph(onnx_fp32).graph.input}
@@ -263,7 +263,7 @@ def test_tensorrt_profile_covers_every_input(onnx_fp32):
 
 
 def test_tensorrt_build_without_tensorrt_exits_clearly(onnx_fp32, capsys, monkeypatch):
-    from export import tensorrt_build
+    from mimi_code2wav.export import tensorrt_build
 
     monkeypatch.setenv("PATH", "/nonexistent")
     code = tensorrt_build.main(["--export-dir", str(onnx_fp32)])
@@ -272,8 +272,8 @@ def test_tensorrt_build_without_tensorrt_exits_clearly(onnx_fp32, capsys, monkey
 
 
 def test_export_is_skipped_when_manifest_matches_and_redone_when_options_change(mimi, onnx_fp32, capsys):
-    from export.__main__ import build
-    from export.onnx_export import ExportOptions, stale_reason
+    from mimi_code2wav.export.pipeline import build
+    from mimi_code2wav.export.onnx_export import ExportOptions, stale_reason
 
     before = (onnx_fp32 / "model.onnx").stat().st_mtime_ns
     build(ExportOptions(), mimi, onnx_fp32)
@@ -284,7 +284,7 @@ def test_export_is_skipped_when_manifest_matches_and_redone_when_options_change(
 
 
 def test_gpu_benchmark_without_cuda_exits_clearly(capsys):
-    from export import bench_gpu
+    from mimi_code2wav.export import bench_gpu
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the benchmark would run")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.perf_inputs import describe, input_data, sequence_steps
+from mimi_code2wav.client.perf_inputs import describe, input_data, sequence_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 PERF_SH = ROOT / "client" / "perf.sh"
@@ -83,10 +83,10 @@ def test_bench_one_point_writes_tables_json_and_plot(code2wav_server, tmp_path):
     problem = _perf_analyzer_problem()
     if problem:
         pytest.skip(problem)
-    from client.bench import main
+    from mimi_code2wav.server.__main__ import main
 
     out = tmp_path / "bench"
-    assert main(["--url", code2wav_server.grpc_url, "--streams", "1", "--frames", "9", "--point-seconds", "1",
+    assert main(["bench", "--url", code2wav_server.grpc_url, "--streams", "1", "--frames", "9", "--point-seconds", "1",
                  "--out-dir", str(out)]) == 0
     results = json.loads((out / "bench.json").read_text())
     assert [(r["streams"], r["paced"]) for r in results["perf"]] == [(1, False), (1, True)]

@@ -405,13 +405,13 @@ def server_error(call) -> str:
 
 
 def metrics(server) -> dict[str, float]:
-    from server.triton import fetch_metrics
+    from mimi_code2wav.server.triton import fetch_metrics
 
     return fetch_metrics(server.metrics_url)
 
 
 def metric(server, name) -> float | None:
-    from server.triton import metric_value
+    from mimi_code2wav.server.triton import metric_value
 
     return metric_value(metrics(server), name, model="decoder")
 
@@ -528,7 +528,7 @@ def test_served_concurrent_sequences_are_batched(decoder_server):
     assert rows == len(sequences) * steps
     assert runs < rows, f"{rows} requests ran in {runs} session runs: no batch had two rows"
     samples = metrics(decoder_server)
-    from server.triton import metric_value
+    from mimi_code2wav.server.triton import metric_value
 
     count = metric_value(samples, "mimi_decoder_batch_size_count", model="decoder")
     single = metric_value(samples, "mimi_decoder_batch_size_bucket", model="decoder", le="1")
@@ -555,7 +555,7 @@ def test_served_idle_sequences_expire(decoder_server, client):
 
 @pytest.mark.server
 def test_served_bad_parameter_fails_the_load(tmp_path):
-    from server.triton import ServerError, running_server
+    from mimi_code2wav.server.triton import ServerError, running_server
 
     version_dir = tmp_path / "repo" / "decoder" / "1"
     version_dir.mkdir(parents=True)

@@ -94,7 +94,7 @@ def _python(command: str) -> list[str]:
 
 
 def _read_wav(path: Path) -> tuple[np.ndarray, int]:
-    from client.wav import read_wav
+    from mimi_code2wav.client.wav import read_wav
 
     data = read_wav(path)
     return data.to_float32_mono(), data.sample_rate_hz
@@ -124,7 +124,7 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         assert "real-time factor" in result.stdout + result.stderr
 
     def encode(command):
-        from client.wav import write_wav
+        from mimi_code2wav.client.wav import write_wav
 
         rng = np.random.default_rng(0)
         write_wav(tmp_path / "speech.wav", (0.1 * rng.standard_normal(24000)).astype(np.float32), 24000)
@@ -139,7 +139,7 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         assert "PASS" in result.stdout
 
     def export_transformers_folder(command):
-        from export.weights import new_model, randomize_
+        from mimi_code2wav.export.weights import new_model, randomize_
         from mimi_fixtures import tiny_config
 
         model = new_model(tiny_config())

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.triton import (
+from mimi_code2wav.server.triton import (
     SHM_DIR,
     ServerError,
     TritonServer,
@@ -175,7 +175,7 @@ def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
     repository = write_model(tmp_path / "repo")
     http_port, grpc_port, metrics_port = free_ports(3)
     command = [
-        sys.executable, "-m", "server", "serve",
+        sys.executable, "-m", "mimi_code2wav.server", "serve",
         "--model-repository", str(repository),
         "--http-port", str(http_port),
         "--grpc-port", str(grpc_port),
@@ -225,7 +225,7 @@ def test_serve_command_with_missing_weights_explains(tmp_path):
     exist stop it before any server starts, with one line naming them."""
     missing = tmp_path / "no-such-checkpoint.safetensors"
     result = subprocess.run(
-        [sys.executable, "-m", "server", "serve", "--weights", str(missing), "--build-dir", str(tmp_path / "build"),
+        [sys.executable, "-m", "mimi_code2wav.server", "serve", "--weights", str(missing), "--build-dir", str(tmp_path / "build"),
          "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
@@ -241,7 +241,7 @@ def test_server_ends_when_the_launcher_is_killed(tmp_path):
     server_pid = None
     http_port, grpc_port, metrics_port = free_ports(3)
     cli = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--model-repository", str(repository),
+        [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
          "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
          "--log-file", str(tmp_path / "server.log")],
         cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

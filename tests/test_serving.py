@@ -34,9 +34,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from client.verify import moshi_stream_decode
+from mimi_code2wav.export.reference import moshi_stream_decode
 from mimi_fixtures import assert_equal_audio, ort_session, ort_step_fn, spec_zero_state
-from server.triton import SHM_DIR, fetch_metrics, free_ports, metric_value, port_is_free
+from mimi_code2wav.server.triton import SHM_DIR, fetch_metrics, free_ports, metric_value, port_is_free
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -243,8 +243,8 @@ def moshi_decode(model, codes: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def ort_decoder(onnx_fp32):
-    from export.onnx_export import read_manifest
-    from export.spec import DecoderSpec
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.spec import DecoderSpec
 
     spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
     step = ort_step_fn(ort_session(onnx_fp32))
@@ -833,7 +833,7 @@ def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_pa
     build_dir = tmp_path / "build"
     output_path = tmp_path / "serve.out"
     command = [
-        sys.executable, "-m", "server", "serve", "--random-init", "--seed", "0",
+        sys.executable, "-m", "mimi_code2wav.server", "serve", "--random-init", "--seed", "0",
         "--build-dir", str(build_dir), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--metrics-port", str(metrics_port), "--log-file", str(tmp_path / "tritonserver.log"),
     ]

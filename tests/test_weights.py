@@ -13,7 +13,7 @@ from mimi_fixtures import assert_equal_audio, tiny_config
 torch = pytest.importorskip("torch", reason="the export extra (torch) is needed for weight loading")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from export.weights import WeightsError, load_weights, new_model, randomize_  # noqa: E402
+from mimi_code2wav.export.weights import WeightsError, load_weights, new_model, randomize_  # noqa: E402
 
 
 def test_moshi_loads_the_checkpoint_and_both_decode_alike(moshi_checkpoint, mimi):

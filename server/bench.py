@@ -1,7 +1,7 @@
 """Benchmark code2wav over a sweep of concurrent streams, unpaced and paced at 80 ms per frame.
 
-    python -m client.bench [--url HOST:PORT] [--streams 1,2,4,8] [--frames 64] [--chunk-frames 4]
-                           [--point-seconds 5] [--out-dir bench_results] [--no-client] [--no-perf]
+    code2wav-server bench [--url HOST:PORT] [--streams 1,2,4,8] [--frames 64] [--chunk-frames 4]
+                          [--point-seconds 5] [--out-dir bench_results] [--no-client] [--no-perf]
 
 Without --url (or $URL) it starts a local server first, as `make serve` does but from its own build folder
 (build/bench, seeded random weights unless --weights: speed does not depend on the weight values).
@@ -38,8 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from client.perf_inputs import describe, input_data
-from client.stream import (
+from mimi_code2wav import client as client_package
+from mimi_code2wav.client.perf_inputs import describe, input_data
+from mimi_code2wav.client.stream import (
     DEFAULT_CHUNK_FRAMES,
     FRAME_DURATION_S,
     ClientError,
@@ -48,29 +49,11 @@ from client.stream import (
     random_codes,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-PERF_SH = Path(__file__).resolve().parent / "perf.sh"
+from mimi_code2wav.export.provenance import REPO_ROOT as ROOT
+from mimi_code2wav.export.provenance import git_commit, machine_description
+
+PERF_SH = Path(client_package.__file__).resolve().parent / "perf.sh"
 FRAMES_PER_S_REAL_TIME = 1 / FRAME_DURATION_S  # 12.5 frames/s per live stream
-
-
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{os.cpu_count()} CPU cores ({cpu}), no GPU, {platform.system()} {platform.release()}"
-
-
-def git_commit() -> str:
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10)
-        return done.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 # ---- perf_analyzer ---------------------------------------------------------------------------------
@@ -287,8 +270,8 @@ def plot(results: dict, path: Path) -> bool:
 def local_server(args):
     """A local server on free ports over a repository exported into args.build_dir."""
     try:
-        from export.__main__ import prepare_local_repository
-        from server.triton import running_server
+        from mimi_code2wav.export.pipeline import prepare_local_repository
+        from .triton import running_server
     except ImportError as exc:
         raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
     repository = prepare_local_repository(args.weights, args.weights is None, 0, Path(args.build_dir))
@@ -304,9 +287,7 @@ def parse_streams(text: str) -> list[int]:
     return values
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m client.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=os.environ.get("URL") or None,
                         help="Triton gRPC address of a running server (default: $URL, as perf.sh reads it, "
                         "else start a local one; `make bench URL=host:port`)")
@@ -320,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench_results", help="where results go (default bench_results/)")
     parser.add_argument("--no-client", action="store_true", help="skip the streaming-client runs")
     parser.add_argument("--no-perf", action="store_true", help="skip perf_analyzer")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
 
     raw_dir = args.out_dir / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
@@ -341,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             results["meta"] = {
                 "machine": machine_description(), "commit": git_commit(),
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "command": "python -m client.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "command": "code2wav-server bench " + " ".join(sys.argv[2:]),
                 "server": server, "url": url, "frames": args.frames, "chunk_frames": args.chunk_frames,
                 "streams": args.streams, "input_data": info,
             }
@@ -377,6 +360,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{failures} point(s) failed: see the tables and {raw_dir}", file=sys.stderr)
     return 1 if failures else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

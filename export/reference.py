@@ -1,0 +1,74 @@
+"""Independent streaming references for parity: moshi's streaming decoder, and this project's PyTorch
+step module run one frame per call. Used by `code2wav-server verify`, the benchmarks and the tests.
+
+moshi (installed with --no-deps in the test environment: its metadata pins an older torch) is the
+reference Moshi-family systems run; it reads moshi-format checkpoints only. The step module stands in
+for other weight formats; the parity tests hold it equal to moshi's streaming decode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def snr_db(output: np.ndarray, reference: np.ndarray) -> float:
+    output, reference = np.asarray(output, np.float64), np.asarray(reference, np.float64)
+    noise = np.sum((output - reference) ** 2)
+    return float("inf") if noise == 0 else float(10 * np.log10(np.sum(reference**2) / noise))
+
+
+def moshi_stream_decode(model, codes: np.ndarray) -> np.ndarray:
+    """moshi's streaming decode (inside `model.streaming(B)`), one frame per call, as Moshi-family
+    servers run it: codes [B, k, F] -> PCM float32 [B, F*1920]."""
+    import torch
+
+    chunks = []
+    with torch.no_grad(), model.streaming(codes.shape[0]):
+        tensor = torch.from_numpy(np.asarray(codes)).long()
+        for frame in range(codes.shape[2]):
+            chunks.append(model.decode(tensor[:, :, frame : frame + 1])[:, 0].numpy())
+    return np.concatenate(chunks, axis=1)
+
+
+def moshi_reference(checkpoint: str, codes: np.ndarray) -> np.ndarray:
+    """moshi's streaming decode of a moshi-format checkpoint: codes [B, k, F] -> [B, F*1920]."""
+    from moshi.models.loaders import get_mimi
+
+    return moshi_stream_decode(get_mimi(checkpoint, device="cpu", num_codebooks=codes.shape[1]), codes)
+
+
+def step_reference(model, codes: np.ndarray) -> np.ndarray:
+    """The PyTorch streaming step (moshi window), one frame per call: [B, k, F] -> [B, F*1920]."""
+    import torch
+
+    from .step import MimiDecoderStep
+
+    step = MimiDecoderStep(model, num_codebooks=codes.shape[1], frames_per_step=1, window="moshi").eval()
+    state = step.zero_state(codes.shape[0])
+    chunks = []
+    with torch.no_grad():
+        tensor = torch.from_numpy(codes.astype(np.int32))
+        for frame in range(codes.shape[2]):
+            pcm, *state = step(tensor[:, :, frame : frame + 1], *state)
+            chunks.append(pcm.numpy())
+    return np.concatenate(chunks, axis=1)
+
+
+def reference_decode(weights: str | None, random_init: bool, seed: int | None,
+                     codes: np.ndarray) -> tuple[np.ndarray, str]:
+    """The reference decode of codes [B, k, F] for the weights `code2wav-server serve` would choose
+    with the same arguments: (PCM float32 [B, F*1920], a line saying what the reference is).
+    Raises WeightsError when the weights cannot be read."""
+    from .pipeline import choose_weights
+
+    loaded = choose_weights(weights, random_init, seed, allow_default=True)
+    if loaded.kind == "moshi":
+        try:
+            pcm = moshi_reference(loaded.source, codes)
+            return pcm, f"moshi streaming decode of {loaded.source}"
+        except ImportError:
+            note = " (moshi is not installed: using the step module instead)"
+    else:
+        note = f" (no moshi loader reads {loaded.kind} weights)"
+    pcm = step_reference(loaded.model, codes)
+    return pcm, f"PyTorch streaming step module (moshi window) with weights {loaded.source}{note}"
