@@ -14,7 +14,7 @@ MIMI_WEIGHTS ?=
 # A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
-.PHONY: venv test serve export bench verify clean
+.PHONY: venv lint test serve export bench verify clean
 
 venv: $(STAMP)
 
@@ -25,20 +25,23 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PIP) install --quiet --disable-pip-version-check --no-deps moshi==0.2.13
 	touch $(STAMP)
 
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 export: $(STAMP)
-	$(BIN)/python -m export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
+	$(BIN)/code2wav-export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
 serve: $(STAMP)
-	$(BIN)/python -m server serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
+	$(BIN)/code2wav-server serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
 bench: $(STAMP)
-	$(BIN)/python -m client.bench $(if $(URL),--url $(URL),)
+	$(BIN)/code2wav-server bench $(if $(URL),--url $(URL),)
 
 verify: $(STAMP)
-	$(BIN)/python -m client.verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(URL),--url $(URL),)
+	$(BIN)/code2wav-server verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(URL),--url $(URL),)
 
 clean:
 	rm -rf build .pytest_cache

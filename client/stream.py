@@ -245,7 +245,7 @@ class Code2WavStreamer:
         self._grpc = grpcclient
         self._client = grpcclient.InferenceServerClient(url, verbose=verbose)
 
-    def __enter__(self) -> "Code2WavStreamer":
+    def __enter__(self) -> Code2WavStreamer:
         return self
 
     def __exit__(self, *exc_info) -> None:

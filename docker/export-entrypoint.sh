@@ -19,8 +19,8 @@
 #                      model.safetensors) or a moshi-format .safetensors file [the folder itself]
 #   MIMI_RANDOM_INIT   1: seeded random weights instead (the audio is noise; smoke tests) [0]
 #   MIMI_RANDOM_SEED   seed for MIMI_RANDOM_INIT [0]
-#   EXPORT_ARGS        extra flags for `python -m export build`, e.g. "--kv-cache-dtype float16" []
-#   RENDER_ARGS        extra flags for `python -m export render`, e.g. "--instance-count 2" []
+#   EXPORT_ARGS        extra flags for `code2wav-export build`, e.g. "--kv-cache-dtype float16" []
+#   RENDER_ARGS        extra flags for `code2wav-export render`, e.g. "--instance-count 2" []
 #   MAX_BATCH_SIZE     the decoder config's max_batch_size, and the TensorRT profile's max batch [64]
 #   TENSORRT_FP16      1: the fp16 plan (RoPE angles kept in fp32) instead of the fp32 one [0]
 #   TENSORRT_REBUILD   1: rebuild the plan even when it is up to date [0]
@@ -70,14 +70,14 @@ export_model() {
     fi
     # EXPORT_ARGS is a list of flags: split on purpose.
     # shellcheck disable=SC2086
-    "$PYTHON" -m export build "$@" --out "$EXPORT_DIR" $EXPORT_ARGS >/dev/null
+    "$PYTHON" -m mimi_code2wav.export build "$@" --out "$EXPORT_DIR" $EXPORT_ARGS >/dev/null
 }
 
 render() {  # target, repository folder, instance kind, extra arguments...
     target=$1 out=$2 kind=$3
     shift 3
     # shellcheck disable=SC2086
-    "$PYTHON" -m export render --target "$target" --export-dir "$EXPORT_DIR" --out "$out" \
+    "$PYTHON" -m mimi_code2wav.export render --target "$target" --export-dir "$EXPORT_DIR" --out "$out" \
         --instance-kind "$kind" --max-batch-size "$MAX_BATCH_SIZE" "$@" $RENDER_ARGS >/dev/null
     log "$out: code2wav + mimi_decoder ($target, $kind)"
 }
@@ -89,8 +89,8 @@ import json
 import sys
 from pathlib import Path
 
-from export.spec import DecoderSpec
-from export.tensorrt_build import trtexec_command
+from mimi_code2wav.export.spec import DecoderSpec
+from mimi_code2wav.export.tensorrt_build import trtexec_command
 
 export_dir, out_dir, trtexec, max_batch = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 spec = DecoderSpec.from_dict(json.loads((export_dir / "manifest.json").read_text())["spec"])

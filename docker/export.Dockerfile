@@ -1,4 +1,4 @@
-# The export image: PyTorch (CPU) + transformers + ONNX, and the project's export/ package.
+# The export image: PyTorch (CPU) + transformers + ONNX, and the project (mimi_code2wav, editable).
 # It turns mounted Mimi weights into model.onnx and renders the Triton model repositories
 # (docker/export-entrypoint.sh). Every dependency is installed here, at build time, pinned by
 # pyproject.toml's `export` extra and requirements/constraints.txt; the container installs nothing.
@@ -25,8 +25,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# Dependencies first (their layer survives code changes). The project itself is not installed:
-# the export runs from /app with `python -m export`.
+# Dependencies first (their layer survives code changes); the project itself is installed editable
+# from /app afterwards, so `code2wav-export` renders from the model_repository/ sources copied here.
 COPY pyproject.toml ./
 COPY requirements/constraints.txt requirements/constraints.txt
 RUN python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(project['dependencies'] + project['optional-dependencies']['export']))" \
@@ -39,10 +39,13 @@ RUN python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb
     && pip check \
     && python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}' and not torch.version.cuda, torch.__version__"
 
+COPY README.md ./
+COPY client/ client/
 COPY export/ export/
-COPY model_repository/code2wav/ model_repository/code2wav/
-COPY model_repository/mimi_decoder/config.pbtxt model_repository/mimi_decoder/config.pbtxt
+COPY server/ server/
+COPY model_repository/ model_repository/
 COPY docker/export-entrypoint.sh docker/export-entrypoint.sh
+RUN pip install --no-deps -e . && python -c "import mimi_code2wav.export.render"
 
 ENTRYPOINT ["sh", "/app/docker/export-entrypoint.sh"]
 CMD ["export"]

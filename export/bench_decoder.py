@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -202,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     commit, machine = git_commit(), machine_description()
     lines = [
         f"Machine: {machine}. Commit {commit}. Command: `python -m mimi_code2wav.export.bench_decoder --seconds {args.seconds}`.",
-        f"fp32 matmul peak: " + ", ".join(f"{g:.1f} GFLOP/s ({k} thread{'s' if k > 1 else ''})" for k, g in peaks.items())
+        "fp32 matmul peak: " + ", ".join(f"{g:.1f} GFLOP/s ({k} thread{'s' if k > 1 else ''})" for k, g in peaks.items())
         + f"; decoder {flops / 1e9:.3f} GFLOP/frame.",
         "",
         "| engine | batch | frames/call | threads | ms/frame | frames/s | x realtime | of compute bound |",

@@ -100,7 +100,7 @@ class DecoderSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "DecoderSpec":
+    def from_dict(cls, data: dict) -> DecoderSpec:
         fields = dict(data)
         fields["states"] = tuple(
             StateSpec(**{**state, "shape": tuple(state["shape"])}) for state in fields["states"]

@@ -51,7 +51,7 @@ class _StreamingConv(nn.Module):
         self.context = (conv.kernel_size[0] - 1) * self.dilation
         self.channels = conv.in_channels
 
-    def forward(self, x: torch.Tensor, state: "_ConvState") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
         if self.context:
             x = torch.cat([state.take(self.channels, self.context), x], dim=2)
             state.put(x[:, :, -self.context :])
@@ -80,7 +80,7 @@ class _StreamingConvTranspose(nn.Module):
         if conv.kernel_size[0] != 2 * self.stride or self.groups not in (1, self.channels):
             raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
 
-    def forward(self, x: torch.Tensor, state: "_ConvState") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
         steps, stride, channels = self.input_length, self.stride, self.channels
         if self.groups == 1:
             # [B, T, Cin] @ [Cin, Cout * K] -> [B, T, Cout, K]

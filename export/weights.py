@@ -45,7 +45,7 @@ class WeightsError(ValueError):
 
 @dataclass
 class LoadedMimi:
-    model: "torch.nn.Module"
+    model: torch.nn.Module
     source: str
     kind: str  # "transformers" | "moshi" | "random"
     sha256: str  # of the weight file(s), or of the random recipe
@@ -264,7 +264,7 @@ def _is_moshi_checkpoint(path: Path) -> bool:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as handle:
-        return any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in handle.keys())
+        return any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in handle.keys())  # safe_open is not iterable
 
 
 def resolve_hub_id(repo_id: str) -> Path:

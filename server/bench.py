@@ -29,14 +29,11 @@ import datetime
 import json
 import math
 import os
-import platform
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 from mimi_code2wav import client as client_package
 from mimi_code2wav.client.perf_inputs import describe, input_data
@@ -48,7 +45,6 @@ from mimi_code2wav.client.stream import (
     StreamOptions,
     random_codes,
 )
-
 from mimi_code2wav.export.provenance import REPO_ROOT as ROOT
 from mimi_code2wav.export.provenance import git_commit, machine_description
 
@@ -271,6 +267,7 @@ def local_server(args):
     """A local server on free ports over a repository exported into args.build_dir."""
     try:
         from mimi_code2wav.export.pipeline import prepare_local_repository
+
         from .triton import running_server
     except ImportError as exc:
         raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
@@ -355,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     plotted = plot(results, args.out_dir / "bench.png")
     print(report)
     print(f"wrote {args.out_dir}/bench.md, bench.json" + (", bench.png" if plotted else " (no plot: matplotlib is not installed)")
-          + f" and raw/")
+          + " and raw/")
     if failures:
         print(f"{failures} point(s) failed: see the tables and {raw_dir}", file=sys.stderr)
     return 1 if failures else 0

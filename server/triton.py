@@ -452,7 +452,7 @@ class TritonServer:
             with contextlib.suppress(FileNotFoundError):
                 region.unlink()
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         self.start()
         try:
             self.wait_ready()

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mimi_code2wav.export.reference import moshi_stream_decode, snr_db  # noqa: F401  (snr_db re-exported for the tests)
+from mimi_code2wav.export.reference import moshi_stream_decode, snr_db
 
 SEED = 1234
 CODES_SEED = 5
@@ -163,8 +163,8 @@ def export_root(tmp_path_factory):
 
 
 def _export(mimi, root: Path, **options):
-    from mimi_code2wav.export.pipeline import build
     from mimi_code2wav.export.onnx_export import ExportOptions
+    from mimi_code2wav.export.pipeline import build
 
     opts = ExportOptions(**options)
     folder = root / f"f{opts.frames_per_step}-{opts.window}-{opts.kv_cache_dtype}"

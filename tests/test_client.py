@@ -14,8 +14,9 @@ import pytest
 
 from mimi_code2wav.client.stream import ClientError, chunk_bounds, request_arrays, validate_codes
 from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
-from mimi_fixtures import assert_equal_audio
 from mimi_code2wav.server.triton import fetch_metrics, free_port, metric_value
+
+from mimi_fixtures import assert_equal_audio
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAMES = 40
@@ -82,6 +83,75 @@ def test_int16_wav_clips(tmp_path):
     wav = read_wav(path)
     assert wav.sample_format == "int16"
     assert wav.samples[:, 0].tolist() == [-32767, -32767, 0, 16384, 32767, 32767]
+
+
+# ---- the client side imports neither torch, the export nor the server side -------------------------
+
+# Runs `code2wav-client ARGS` with torch, mimi_code2wav.export and mimi_code2wav.server unimportable,
+# then prints which of them got loaded anyway (none may).
+WITHOUT_TORCH = """
+import importlib.abc, runpy, sys
+
+FORBIDDEN = ("torch", "mimi_code2wav.export", "mimi_code2wav.server")
+
+def forbidden(name):
+    return any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if forbidden(name):
+            raise ImportError(f"{name} cannot be imported here")
+
+sys.meta_path.insert(0, Refuse())
+try:
+    import torch  # noqa: F401
+    print("torch imported", file=sys.stderr)
+except ImportError:
+    pass
+sys.argv = ["code2wav-client", *sys.argv[1:]]
+try:
+    runpy.run_module("mimi_code2wav.client", run_name="__main__")
+finally:
+    print("loaded:", sorted(m for m in sys.modules if forbidden(m)), file=sys.stderr)
+"""
+
+
+def run_without_torch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_client_package_imports_only_itself():
+    """No module of client/ names the export or server side (or torch) in an import."""
+    import ast
+
+    for path in sorted((ROOT / "client").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else []
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(("torch", "mimi_code2wav.export", "mimi_code2wav.server",
+                                            "export", "server")), f"{path.name} imports {name}"
+
+
+def test_decode_help_runs_where_torch_cannot_be_imported():
+    done = run_without_torch("decode", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "usage: code2wav-client decode" in done.stdout
+    assert "torch imported" not in done.stderr and "loaded: []" in done.stderr
+
+
+@pytest.mark.server
+def test_decode_streams_where_torch_cannot_be_imported(code2wav_server, tmp_path):
+    out = tmp_path / "no_torch.wav"
+    done = run_without_torch("decode", "--url", code2wav_server.grpc_url, "--random", "--frames", "6", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "loaded: []" in done.stderr
+    assert read_wav(out).samples.shape == (6 * 1920, 1)
 
 
 # ---- the CLI against a real server -----------------------------------------------------------------

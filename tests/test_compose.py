@@ -15,10 +15,10 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -243,7 +243,7 @@ def test_servers_serve_the_repository_their_writer_renders(services, server, wri
 
 
 def test_repository_volumes_are_named_volumes(compose, services):
-    for server, writer, variable in REPOSITORY_WRITERS:
+    for server, _writer, _variable in REPOSITORY_WRITERS:
         volume = volume_mounts(services[server])["/models"][0]
         assert volume in compose["volumes"], f"{volume} is a bind mount: the export would write into the host tree"
 
@@ -394,7 +394,7 @@ def test_dockerfile_entrypoint_is_the_copied_script():
     script = yaml.safe_load(entrypoint)[-1]
     assert ["docker/export-entrypoint.sh", str(Path(script).relative_to(workdir))] in copies
     # What the entrypoint reads at run time is in the image.
-    for needed in ("export/", "model_repository/code2wav/", "model_repository/mimi_decoder/config.pbtxt"):
+    for needed in ("client/", "export/", "server/", "model_repository/", "pyproject.toml", "README.md"):
         assert [needed, needed] in copies, needed
 
 

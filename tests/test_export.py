@@ -256,7 +256,7 @@ def test_tensorrt_profile_covers_every_input(onnx_fp32):
     inputs = {i.name for i in _graph(onnx_fp32).graph.input}
     shapes = profile_shapes(spec, max_batch=64)
     assert set(shapes) == inputs
-    for name, dims in shapes.items():
+    for _name, dims in shapes.items():
         assert dims["min"][0] == 1 and dims["max"][0] == 64 and dims["min"][1:] == dims["max"][1:]
     command = " ".join(trtexec_command("trtexec", onnx_fp32 / "model.onnx", Path("x.plan"), spec, 64, fp16=True))
     assert "Cos" in command and ":fp32" in command  # RoPE angles pinned to fp32 in fp16 builds
@@ -272,8 +272,8 @@ def test_tensorrt_build_without_tensorrt_exits_clearly(onnx_fp32, capsys, monkey
 
 
 def test_export_is_skipped_when_manifest_matches_and_redone_when_options_change(mimi, onnx_fp32, capsys):
-    from mimi_code2wav.export.pipeline import build
     from mimi_code2wav.export.onnx_export import ExportOptions, stale_reason
+    from mimi_code2wav.export.pipeline import build
 
     before = (onnx_fp32 / "model.onnx").stat().st_mtime_ns
     build(ExportOptions(), mimi, onnx_fp32)

@@ -140,6 +140,7 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
 
     def export_transformers_folder(command):
         from mimi_code2wav.export.weights import new_model, randomize_
+
         from mimi_fixtures import tiny_config
 
         model = new_model(tiny_config())
