@@ -29,7 +29,7 @@ C_RESET = 88
 
 
 def assert_equal_audio(output, reference, max_abs: float = 1e-4, min_snr_db: float = 100.0, what: str = ""):
-    """DESIGN.md's "equal": same sample count, max abs error and SNR within bounds."""
+    """docs/design.md §2.3 "equal": same sample count, max abs error and SNR within bounds."""
     output, reference = np.asarray(output), np.asarray(reference)
     assert output.shape == reference.shape, f"{what}: shape {output.shape} != reference {reference.shape}"
     error = float(np.max(np.abs(output.astype(np.float64) - reference)))

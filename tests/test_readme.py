@@ -31,17 +31,17 @@ def readme_commands() -> list[str]:
 
 NOT_RUN = {
     "make serve": "a foreground server on fixed ports 8000-8002; test_serving.py runs the same entry "
-                  "point (`python -m server serve`) on free ports, checks readiness and a clean SIGTERM",
+                  "point (`code2wav-server serve`) on free ports, checks readiness and a clean SIGTERM",
     "make serve MIMI_WEIGHTS=/path/to/tokenizer-e351c8d8-checkpoint125.safetensors":
         "real weights cannot be downloaded here; the same loader reads the tests' moshi-format checkpoint",
     "make test": "the command that runs this test",
     'make test PYTEST_ARGS="-k parity"': "runs the test suite from inside the test suite",
     "make clean": "removes the working tree's build/ folder (exports) while tests may use it",
-    ".venv/bin/python -m export.bench_gpu": "needs a CUDA GPU; without one it exits 3 with a message "
+    ".venv/bin/python -m mimi_code2wav.export.bench_gpu": "needs a CUDA GPU; without one it exits 3 with a message "
                                              "(test_export.py::test_gpu_benchmark_without_cuda_exits_clearly)",
     "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
                   "client/perf.sh on generated inputs against a real server",
-    ".venv/bin/python -m export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "
+    ".venv/bin/code2wav-export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "
                   "which exists here; test_weights.py checks the hub-id failure message",
     **{command: "no Docker engine here; test_compose.py checks the file's structure (and docker-compose config -q where present)"
        for command in (
@@ -54,19 +54,20 @@ NOT_RUN = {
 }
 
 RUN = {
-    ".venv/bin/python -m client decode --url 127.0.0.1:8001 --random --frames 50 --out out.wav": "decode_random",
-    ".venv/bin/python -m client decode --codes codes.npy --out speech.wav": "decode_codes",
-    ".venv/bin/python -m client decode --random --frames 125 --streams 8 --paced": "decode_paced",
-    ".venv/bin/python -m client encode --weights /path/to/mimi speech.wav --out codes.npy": "encode",
+    ".venv/bin/code2wav-client decode --url 127.0.0.1:8001 --random --frames 50 --out out.wav": "decode_random",
+    ".venv/bin/code2wav-client decode --codes codes.npy --out speech.wav": "decode_codes",
+    ".venv/bin/code2wav-client decode --random --frames 125 --streams 8 --paced": "decode_paced",
+    ".venv/bin/code2wav-export encode --weights /path/to/mimi speech.wav --out codes.npy": "encode",
     "make verify MIMI_WEIGHTS=/path/to/tokenizer-e351c8d8-checkpoint125.safetensors": "verify",
-    ".venv/bin/python -m export build --weights /path/to/mimi": "export_transformers_folder",
-    ".venv/bin/python -m export build --weights tokenizer-e351c8d8-checkpoint125.safetensors": "export_moshi_file",
-    ".venv/bin/python -m export build --random-init --seed 0": "export_random",
-    ".venv/bin/python -m export build --random-init --seed 0 --frames-per-step 2 --window exact "
+    ".venv/bin/code2wav-export build --weights /path/to/mimi": "export_transformers_folder",
+    ".venv/bin/code2wav-export build --weights tokenizer-e351c8d8-checkpoint125.safetensors": "export_moshi_file",
+    ".venv/bin/code2wav-export build --random-init --seed 0": "export_random",
+    ".venv/bin/code2wav-export build --random-init --seed 0 --frames-per-step 2 --window exact "
     "--kv-cache-dtype float16 --opset 17 --out build/export/custom": "export_custom",
     "make venv": "make_venv",
-    ".venv/bin/python -m export.bench_decoder": "bench_decoder",
-    ".venv/bin/python -m export.tensorrt_build --export-dir build/export/f1-moshi-kvfloat32-k8 --fp16 --max-batch 64":
+    "make lint": "make_lint",
+    ".venv/bin/python -m mimi_code2wav.export.bench_decoder": "bench_decoder",
+    ".venv/bin/python -m mimi_code2wav.export.tensorrt_build --export-dir build/export/f1-moshi-kvfloat32-k8 --fp16 --max-batch 64":
         "tensorrt_build",
 }
 
@@ -88,9 +89,11 @@ def _run(args, cwd, timeout=600, env=None):
 
 
 def _python(command: str) -> list[str]:
-    """`.venv/bin/python -m ...` of the README, run with this interpreter (the same venv)."""
-    assert command.startswith(".venv/bin/python ")
-    return [PY, *command.split()[1:]]
+    """`.venv/bin/python -m ...` or `.venv/bin/<console script> ...` of the README, run from this
+    interpreter's venv."""
+    program, *args = command.split()
+    assert program.startswith(".venv/bin/"), command
+    return [str(Path(PY).parent / Path(program).name), *args]
 
 
 def _read_wav(path: Path) -> tuple[np.ndarray, int]:
@@ -170,6 +173,10 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
 
     def make_venv(command):
         _run(command.split() + [f"VENV={Path(PY).parent.parent}"], ROOT)
+
+    def make_lint(command):
+        result = _run(command.split() + [f"VENV={Path(PY).parent.parent}"], ROOT)
+        assert "All checks passed" in result.stdout
 
     def bench_decoder(command):
         result = _run(_python(command) + ["--seconds", "0.05", "--batches", "1", "--frames-per-call", "1",
