@@ -1,6 +1,6 @@
 """GPU throughput estimate: the step module in PyTorch on CUDA, eager and as a CUDA graph.
 
-  python -m export.bench_gpu [--batches 1 8 64 256] [--frames-per-call 1 2] [--dtype float32|float16]
+  python -m mimi_code2wav.export.bench_gpu [--batches 1 8 64 256] [--frames-per-call 1 2] [--dtype float32|float16]
                              [--seconds 3] [--out bench_results]
 
 Runs on a machine with a CUDA GPU and PyTorch built with CUDA (no TensorRT or onnxruntime-gpu
@@ -74,7 +74,7 @@ def measure(step, batch: int, seconds: float, device) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.bench_gpu", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.export.bench_gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--frames-per-call", type=int, nargs="+", default=[1, 2])
@@ -109,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {mode:10s} batch {batch:3d} F {frames}: {per_call * 1000:8.2f} ms/call", file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
 
+    from .provenance import git_commit, machine_description
+
     name = torch.cuda.get_device_name(0)
-    lines = [f"GPU: {name}; PyTorch {torch.__version__}; KV cache {args.kv_cache_dtype}; fp32 weights (no TF32).",
+    machine, commit = machine_description(gpu=name), git_commit()
+    lines = [f"Machine: {machine}. Commit {commit}.",
+             f"GPU: {name}; PyTorch {torch.__version__}; KV cache {args.kv_cache_dtype}; fp32 weights (no TF32).",
              "", "| mode | batch | frames/call | ms/call | ms/frame | frames/s | streams at real time |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.md").write_text(table + "\n")
-    (args.out / "gpu.json").write_text(json.dumps({"gpu": name, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+    (args.out / "gpu.json").write_text(json.dumps({"machine": machine, "commit": commit, "gpu": name, "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Build a TensorRT plan from an exported decoder step (run on the GPU host, e.g. in the NGC image).
 
-  python -m export.tensorrt_build --export-dir build/export/<variant> [--fp16] [--max-batch 64]
+  python -m mimi_code2wav.export.tensorrt_build --export-dir build/export/<variant> [--fp16] [--max-batch 64]
                                    [--out model_repository/mimi_decoder/1/model.plan] [--trtexec PATH]
 
 One optimisation profile over batch 1..max covers every input (codes and each state), so the plan
@@ -81,7 +81,7 @@ def _rope_layer_precisions(onnx_path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.tensorrt_build", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.export.tensorrt_build", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--export-dir", type=Path, required=True, help="folder with model.onnx and manifest.json")
     parser.add_argument("--out", type=Path, help="plan path (default: <export-dir>/model.plan)")
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest_path = args.export_dir / "manifest.json"
     onnx_path = args.export_dir / "model.onnx"
     if not manifest_path.is_file() or not onnx_path.is_file():
-        print(f"error: {args.export_dir} holds no export (run `python -m export build` first)", file=sys.stderr)
+        print(f"error: {args.export_dir} holds no export (run `code2wav-export build` first)", file=sys.stderr)
         return 2
     spec = DecoderSpec.from_dict(json.loads(manifest_path.read_text())["spec"])
     plan_path = args.out or args.export_dir / "model.plan"

@@ -1,4 +1,4 @@
-"""The local tritonserver launcher (`server.triton`, `python -m server serve`) against the real binary.
+"""The local tritonserver launcher (`server/triton.py`, `code2wav-server serve`) against the real binary.
 
 Each test writes a tiny Python-backend model into tmp_path, so nothing here needs the Mimi export.
 """
