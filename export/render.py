@@ -4,7 +4,8 @@ Three targets share one spec:
   onnxruntime  native ORT backend with implicit state (checked in under model_repository/)
   tensorrt     the same state block over a TensorRT plan (rendered into a build folder)
   python-ort   a Python-backend model running the same ONNX with onnxruntime and keeping the state
-               itself (rendered into a build folder; for servers without the native ORT backend)
+               itself (rendered into a build folder; for servers without the native ORT backend):
+               model_repository/mimi_decoder/python_ort/ holds its model files and config template
 
 Templates are filled with `string.Template.substitute`, which raises on a missing key, and never
 written over a tracked file except the one checked-in native config, on request.
@@ -25,7 +26,10 @@ TEMPLATES = Path(__file__).parent / "templates"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
-PYTHON_ORT_MODEL = Path(__file__).parent / "python_ort_model.py"
+PYTHON_ORT_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
+PYTHON_ORT_FILES = ("model.py", "python_ort_core.py")
+# Shared by both Python models: copied beside each model.py (it is no model itself).
+SHARED_MODEL_FILE = REPO_ROOT / "model_repository" / "common" / "triton_streams.py"
 TARGETS = ("onnxruntime", "tensorrt", "python-ort")
 
 # code2wav's own idle timeout (model_repository/code2wav/config.pbtxt); the decoder's sits above it.
@@ -107,12 +111,12 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
         state_spec = [
             {"input": s.input, "output": s.output, "dtype": s.dtype, "shape": list(s.shape)} for s in spec.states
         ]
-        template = (TEMPLATES / "decoder_python_ort.pbtxt.tmpl").read_text()
+        template = (PYTHON_ORT_DIR / "config.pbtxt.tmpl").read_text()
         return string.Template(template).substitute(
             common,
             intra_op_threads=serving.intra_op_threads,
-            codebook_size=spec.codebook_size,
             state_spec_json=_pbtxt_string(json.dumps(state_spec, separators=(",", ":"))),
+            value_ranges_json=_pbtxt_string(json.dumps({spec.codes.name: [0, spec.codebook_size]})),
         )
     if target == "onnxruntime":
         backend_line = 'backend: "onnxruntime"'
@@ -140,7 +144,8 @@ def _link_or_copy(source: Path, target: Path) -> None:
 
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
-    """A complete model repository in `out_dir`: code2wav (copied) plus mimi_decoder for `target`.
+    """A complete model repository in `out_dir`: code2wav (copied) plus mimi_decoder for `target`,
+    with model_repository/common/triton_streams.py beside each Python model's model.py.
 
     `out_dir` must not be inside the tracked model_repository/ folder.
     """
@@ -152,6 +157,7 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     if code2wav.exists():
         shutil.rmtree(code2wav)
     shutil.copytree(CODE2WAV_DIR, code2wav, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(SHARED_MODEL_FILE, code2wav / "1" / SHARED_MODEL_FILE.name)
     decoder = out_dir / serving.model_name
     version = decoder / "1"
     if decoder.exists():
@@ -165,5 +171,7 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     else:
         _link_or_copy(onnx_path, version / "model.onnx")
     if target == "python-ort":
-        shutil.copy2(PYTHON_ORT_MODEL, version / "model.py")
+        for name in PYTHON_ORT_FILES:
+            shutil.copy2(PYTHON_ORT_DIR / name, version / name)
+        shutil.copy2(SHARED_MODEL_FILE, version / SHARED_MODEL_FILE.name)
     return out_dir

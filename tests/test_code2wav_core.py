@@ -16,6 +16,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE_PATH = ROOT / "model_repository" / "code2wav" / "1" / "code2wav_core.py"
 CONFIG_PATH = ROOT / "model_repository" / "code2wav" / "config.pbtxt"
+# The core imports triton_streams, which render copies beside it; here it is found on the path.
+sys.path.insert(0, str(ROOT / "model_repository" / "common"))
 
 
 def _load_core():
@@ -162,12 +164,11 @@ def test_shipped_config_parses_to_the_default_settings():
     model_config_pb2 = pytest.importorskip(
         "tritonclient.grpc.model_config_pb2", reason="needs tritonclient[grpc]"
     )
+    json_format = pytest.importorskip("google.protobuf.json_format")
     config = text_format.Parse(CONFIG_PATH.read_text(), model_config_pb2.ModelConfig())
-    parameters = {key: value.string_value for key, value in config.parameters.items()}
-    assert set(parameters) == set(core.PARAMETER_NAMES)
-    settings = core.settings_from_parameters(
-        parameters, config.sequence_batching.max_sequence_idle_microseconds
-    )
+    assert set(config.parameters) == set(core.PARAMETER_TYPES)
+    # The JSON form Triton hands to initialize (uint64 fields as strings).
+    settings = core.settings_from_config(json_format.MessageToDict(config, preserving_proto_field_name=True))
     assert settings == core.Code2WavSettings()
     assert settings.stream_idle_timeout_s == 30.0
     assert config.max_batch_size > 0
@@ -183,17 +184,22 @@ def test_shipped_config_parses_to_the_default_settings():
     assert tensors["sr"].data_type == model_config_pb2.TYPE_INT32
 
 
-def default_parameters():
+def model_config(idle_us=30_000_000, **changes):
+    """A model config as Triton hands it to initialize, with the default settings; a change of None
+    removes that parameter."""
     settings = core.Code2WavSettings()
-    return {name: str(getattr(settings, name)) for name in core.PARAMETER_NAMES}
+    parameters = {name: str(getattr(settings, name)) for name in core.PARAMETER_TYPES}
+    parameters.update(changes)
+    config = {"parameters": {name: {"string_value": value} for name, value in parameters.items() if value is not None}}
+    if idle_us is not None:
+        config["sequence_batching"] = {"max_sequence_idle_microseconds": idle_us}
+    return config
 
 
 def test_parameters_are_parsed_from_strings():
-    parameters = default_parameters()
-    parameters.update(decoder_model_name="other_decoder", decoder_frames_per_step="4", dedupe_mode="delta")
-    settings = core.settings_from_parameters(parameters, "5000000")  # JSON form of a uint64
+    config = model_config(idle_us="5000000", decoder_model_name="other_decoder", dedupe_mode="delta")
+    settings = core.settings_from_config(config)  # the idle timeout in the JSON form of a uint64
     assert settings.decoder_model_name == "other_decoder"
-    assert settings.decoder_frames_per_step == 4
     assert settings.dedupe_mode == "delta"
     assert settings.stream_idle_timeout_s == 5.0
 
@@ -205,8 +211,10 @@ def test_parameters_are_parsed_from_strings():
         pytest.param({"dedupe_mod": "auto"}, 30_000_000, "dedupe_mod", "unknown parameter", id="unknown"),
         pytest.param({"codebook_size": "2k"}, 30_000_000, "codebook_size", "not an integer: '2k'", id="not-int"),
         pytest.param({"samples_per_frame": "0"}, 30_000_000, "samples_per_frame", "positive integer", id="zero"),
-        pytest.param({"decoder_frames_per_step": "-1"}, 30_000_000, "decoder_frames_per_step",
-                     "positive integer", id="negative"),
+        pytest.param({"max_request_frames": "-1"}, 30_000_000, "max_request_frames", "positive integer",
+                     id="negative"),
+        pytest.param({"decoder_frames_per_step": "1"}, 30_000_000, "decoder_frames_per_step",
+                     "unknown parameter (known: decoder_model_name, num_codebooks", id="removed"),
         pytest.param({"dedupe_mode": "both"}, 30_000_000, "dedupe_mode", "auto, delta, cumulative", id="mode"),
         pytest.param({"decoder_model_name": " "}, 30_000_000, "decoder_model_name", "non-empty", id="name"),
         pytest.param({}, None, core.IDLE_TIMEOUT_FIELD, "missing", id="idle-missing"),
@@ -215,14 +223,8 @@ def test_parameters_are_parsed_from_strings():
     ],
 )
 def test_bad_parameters_fail_naming_the_parameter(change, idle_us, parameter, message):
-    parameters = default_parameters()
-    for name, value in change.items():
-        if value is None:
-            del parameters[name]
-        else:
-            parameters[name] = value
     with pytest.raises(core.ConfigError) as info:
-        core.settings_from_parameters(parameters, idle_us)
+        core.settings_from_config(model_config(idle_us, **change))
     assert info.value.parameter == parameter
     assert f"'{parameter}'" in str(info.value)
     assert message in str(info.value)
@@ -599,7 +601,7 @@ def test_decoder_failure_part_way_ends_the_stream():
     codes = make_codes(5)
     send(table, decoder, 1, START, codes[:, :2])
     error = send_error(table, decoder, 1, 0, codes[:, 2:], frame_offset=2, error=core.DecoderError)
-    assert error.kind == "decoder"
+    assert error.kind == "decoder" and error.code == "INTERNAL"
     assert "failed on step 2 of 3 for stream 1" in str(error)
     assert "simulated decoder failure" in str(error)
     assert "START" in str(error)
@@ -673,7 +675,7 @@ def send_rejected(request_kwargs, kind, flags):
 @pytest.mark.parametrize("request_kwargs, kind", REJECTED)
 def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flags):
     table, decoder, codes, calls, error, kind = send_rejected(request_kwargs, kind, flags)
-    assert error.kind == kind
+    assert error.kind == kind and error.code == "INVALID_ARG"
     assert len(decoder.calls) == calls
     assert 1 in table
     np.testing.assert_array_equal(table.history(1), codes[:, :3])
@@ -791,21 +793,13 @@ def test_requests_that_decode_nothing_do_not_keep_a_stream_alive():
 # steps and output packing
 
 
-def test_steps_of_several_frames_with_a_shorter_last_step():
-    table, decoder = make_table(decoder_frames_per_step=2), FakeDecoder()
-    codes = make_codes(5)
+def test_each_new_frame_is_one_decoder_step():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(3)
     pcm = send(table, decoder, 1, START | END, codes)
-    assert [codes.shape[2] for _, codes, _ in decoder.calls] == [2, 2, 1]
+    assert [codes.shape[2] for _, codes, _ in decoder.calls] == [1, 1, 1]
     assert decoder.flags() == [START, 0, END]
     np.testing.assert_array_equal(pcm, expected_pcm(codes))
-
-
-def test_trailing_end_step_has_the_configured_step_size():
-    table, decoder = make_table(decoder_frames_per_step=3), FakeDecoder()
-    send(table, decoder, 1, START, make_codes(3))
-    send(table, decoder, 1, END)
-    _, trailing, flags = decoder.calls[-1]
-    assert flags == END and trailing.shape == (1, K, 3) and not trailing.any()
 
 
 def test_output_is_float32_with_samples_per_frame_per_new_frame():
@@ -816,16 +810,17 @@ def test_output_is_float32_with_samples_per_frame_per_new_frame():
     np.testing.assert_array_equal(pcm, expected_pcm(codes, 1920))
 
 
-def test_plan_steps_are_int32_chunks_of_the_new_frames():
-    table = make_table(decoder_frames_per_step=2)
+def test_plan_steps_are_int32_frames_of_the_new_frames():
+    table = make_table()
     codes = make_codes(3)
     plan = table.plan(1, START, flat(codes))
     assert plan.new_codes.dtype == np.int32
     np.testing.assert_array_equal(plan.new_codes, codes)
+    assert all(step.codes.shape == (1, K, 1) and step.codes.flags.c_contiguous for step in plan.steps)
     np.testing.assert_array_equal(
         np.concatenate([step.codes[0] for step in plan.steps], axis=1), codes
     )
-    assert [step.flags for step in plan.steps] == [START, 0]
+    assert [step.flags for step in plan.steps] == [START, 0, 0]
     assert 1 not in table
 
 

@@ -12,7 +12,14 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from mimi_code2wav.export.onnx_export import ExportOptions, read_manifest
-from mimi_code2wav.export.render import CHECKED_IN_CONFIG, REPO_ROOT, TARGETS, DecoderServing, render_config, render_repository
+from mimi_code2wav.export.render import (
+    CHECKED_IN_CONFIG,
+    REPO_ROOT,
+    TARGETS,
+    DecoderServing,
+    render_config,
+    render_repository,
+)
 from mimi_code2wav.export.spec import ONNX_ELEM_TYPES, TRITON_DTYPES, DecoderSpec, StateSpec
 
 TRITON_TO_ONNX = {TRITON_DTYPES[name]: ONNX_ELEM_TYPES[name] for name in TRITON_DTYPES}
@@ -38,7 +45,9 @@ def graph(onnx_fp32):
     model = onnx.load(str(onnx_fp32 / "model.onnx"), load_external_data=False)
 
     def io(values):
-        return {v.name: (v.type.tensor_type.elem_type, [d.dim_value for d in v.type.tensor_type.shape.dim][1:])
+        # A symbolic dim (batch, frames, samples) reads as -1, as Triton's dims write a variable one.
+        return {v.name: (v.type.tensor_type.elem_type,
+                         [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim][1:])
                 for v in values}
 
     return io(model.graph.input), io(model.graph.output)
@@ -49,7 +58,7 @@ def test_checked_in_config_equals_a_fresh_rendering():
 
     fresh = render_config(spec_for_options(ExportOptions()), "onnxruntime")
     assert CHECKED_IN_CONFIG.read_text() == fresh, (
-        "model_repository/mimi_decoder/config.pbtxt is stale: run `python -m export render --check-in`")
+        "model_repository/mimi_decoder/config.pbtxt is stale: run `code2wav-export render --check-in`")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -74,6 +83,7 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
         assert [(s["input"], s["output"]) for s in states] == [(s.input, s.output) for s in spec.states]
         for state in states:
             assert inputs[state["input"]] == outputs[state["output"]] == (ONNX_ELEM_TYPES[state["dtype"]], state["shape"])
+        assert json.loads(config.parameters["value_ranges"].string_value) == {"codes": [0, spec.codebook_size]}
         return
 
     # Triton pairs input and output states by position in two name-sorted lists.
@@ -127,7 +137,8 @@ def test_render_repository_never_writes_into_the_tracked_repository(spec, onnx_f
 def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
     out = render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "repo", "python-ort")
     for path in ("code2wav/config.pbtxt", "code2wav/1/model.py", "code2wav/1/code2wav_core.py",
-                 "mimi_decoder/config.pbtxt", "mimi_decoder/1/model.py", "mimi_decoder/1/model.onnx"):
+                 "code2wav/1/triton_streams.py", "mimi_decoder/config.pbtxt", "mimi_decoder/1/model.py",
+                 "mimi_decoder/1/python_ort_core.py", "mimi_decoder/1/triton_streams.py", "mimi_decoder/1/model.onnx"):
         assert (out / path).is_file(), path
     with pytest.raises(ValueError, match="needs a plan file"):
         render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "trt", "tensorrt")

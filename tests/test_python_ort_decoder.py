@@ -1,9 +1,10 @@
-"""The python-ort decoder model (`export/python_ort_model.py`): implicit state done by hand.
+"""The python-ort decoder model (`model_repository/mimi_decoder/python_ort/`): implicit state done by hand.
 
 A tiny ONNX step model with known arithmetic stands in for the Mimi decoder:
     S = sum(codes); acc' = acc + S; count' = count + 1; pcm = [acc' x4, count', S]
 so every expected output follows from the codes a sequence has sent since its START.
-The core is tested directly, then the same file is served as `model.py` by the real tritonserver.
+The core (`python_ort_core.py`) is tested directly, then the model files are served, laid out as
+render lays them out, by the real tritonserver.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_SOURCE = REPO_ROOT / "export" / "python_ort_model.py"
+MODEL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
+SHARED_FILE = REPO_ROOT / "model_repository" / "common" / "triton_streams.py"
 
 ACC = 4
 PCM = ACC + 2
@@ -32,15 +34,24 @@ STATE_SPEC = [
 IDLE_TIMEOUT_US = 2_000_000
 
 
-def load_model_module():
-    spec = importlib.util.spec_from_file_location("python_ort_model", MODEL_SOURCE)
+def load_core_module():
+    # The core imports triton_streams, which render copies beside it; here it is found on the path.
+    if str(SHARED_FILE.parent) not in sys.path:
+        sys.path.insert(0, str(SHARED_FILE.parent))
+    spec = importlib.util.spec_from_file_location("python_ort_core", MODEL_DIR / "python_ort_core.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as Triton's stub imports it (dataclasses need the entry)
+    sys.modules[spec.name] = module  # as model.py imports it (dataclasses need the entry)
     spec.loader.exec_module(module)
     return module
 
 
-pom = load_model_module()
+ort_core = load_core_module()
+
+
+def install_model(version_dir: Path) -> None:
+    """The model files of a rendered python-ort version folder (render copies the same three)."""
+    for source in (MODEL_DIR / "model.py", MODEL_DIR / "python_ort_core.py", SHARED_FILE):
+        shutil.copyfile(source, version_dir / source.name)
 
 
 def build_step_onnx(path: Path) -> Path:
@@ -108,10 +119,18 @@ MODEL_CONFIG = {
     "output": [{"name": "pcm", "data_type": "TYPE_FP32", "dims": [str(PCM)]}],
     "sequence_batching": {"max_sequence_idle_microseconds": str(IDLE_TIMEOUT_US)},
     "parameters": {
-        "state_spec": {"string_value": json.dumps(STATE_SPEC)},
+        "onnx_file": {"string_value": "model.onnx"},
         "intra_op_threads": {"string_value": "1"},
+        "state_spec": {"string_value": json.dumps(STATE_SPEC)},
+        "value_ranges": {"string_value": "{}"},
     },
 }
+
+
+def config_with(**parameters):
+    """MODEL_CONFIG with some parameters replaced (None: removed)."""
+    merged = {**MODEL_CONFIG["parameters"], **{key: {"string_value": value} for key, value in parameters.items()}}
+    return {**MODEL_CONFIG, "parameters": {key: value for key, value in merged.items() if value["string_value"] is not None}}
 TRITON_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32}
 
 
@@ -132,8 +151,8 @@ def onnx_session(tmp_path_factory):
 
 
 def make_core(session, clock=None, run_wrapper=None, config=None):
-    config = config or pom.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
-    config = pom.check_against_onnx(config, session.get_inputs(), session.get_outputs())
+    config = config or ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_core.check_against_onnx(config, session.get_inputs(), session.get_outputs())
     names = [t.name for t in config.outputs] + [s.output for s in config.states]
     calls = []
 
@@ -143,74 +162,77 @@ def make_core(session, clock=None, run_wrapper=None, config=None):
             run_wrapper(feeds)
         return session.run(names, feeds)
 
-    core = pom.StreamingDecoderCore(config, run, clock=clock or FakeClock(), model_name="decoder")
+    core = ort_core.StreamingDecoderCore(config, run, clock=clock or FakeClock(), model_name="decoder")
     return core, calls
 
 
 def request(sequence_id, codes, start=False, end=False):
-    return pom.StepRequest(sequence_id, start, end, {"codes": codes})
+    return ort_core.StepRequest(sequence_id, start, end, {"codes": codes})
 
 
 def test_parse_model_config_reads_parameters_and_timeout():
-    config = pom.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
     assert config.idle_timeout_s == 2.0
     assert config.intra_op_threads == 1
     assert config.onnx_file == "model.onnx"
     assert [s.input for s in config.states] == ["state_in_00_acc", "state_in_01_count"]
     assert config.states[1].dtype == np.int64 and config.states[1].shape == (1,)
-    assert config.inputs[0].dims == (8, 1) and config.batched
+    assert config.inputs[0].dims == (8, 1) and config.max_batch_size == 8
+    assert config.value_ranges == {}
+    ranged = ort_core.parse_model_config(config_with(value_ranges='{"codes": [0, 2048]}'), TRITON_TYPES.__getitem__)
+    assert ranged.value_ranges == {"codes": (0, 2048)}
 
 
 @pytest.mark.parametrize(
-    "change, message",
+    "config, message",
     [
-        pytest.param({"parameters": {}}, "'state_spec' is required", id="no-state-spec"),
-        pytest.param(
-            {"parameters": {"state_spec": {"string_value": "[{\"input\": \"a\"}]"}}},
-            "must have exactly the keys",
-            id="state-spec-keys",
-        ),
-        pytest.param(
-            {"parameters": {"state_spec": {"string_value": json.dumps(
-                [{**STATE_SPEC[0], "dtype": "float64"}])}}},
-            "dtype 'float64'",
-            id="state-dtype",
-        ),
-        pytest.param(
-            {"parameters": {**MODEL_CONFIG["parameters"], "intra_op_threads": {"string_value": "x"}}},
-            "intra_op_threads",
-            id="threads",
-        ),
-        pytest.param({"sequence_batching": None}, "needs sequence_batching", id="no-sequence-batching"),
-        pytest.param(
-            {"sequence_batching": {"state": [{"input_name": "a"}]}},
-            "remove sequence_batching.state",
-            id="state-block",
-        ),
+        pytest.param(config_with(state_spec=None), "parameter 'state_spec': missing from the model config's parameters",
+                     id="no-state-spec"),
+        pytest.param(config_with(value_ranges=None),
+                     "parameter 'value_ranges': missing from the model config's parameters", id="no-value-ranges"),
+        pytest.param(config_with(codebook_size="2048"),
+                     "parameter 'codebook_size': unknown parameter (known: onnx_file, intra_op_threads, state_spec, "
+                     "value_ranges)", id="unknown"),
+        pytest.param(config_with(state_spec='[{"input": "a"}]'),
+                     "parameter 'state_spec': entry 0 must have exactly the keys", id="state-spec-keys"),
+        pytest.param(config_with(state_spec=json.dumps([{**STATE_SPEC[0], "dtype": "float64"}])),
+                     "parameter 'state_spec': entry 0 dtype 'float64' is not one of", id="state-dtype"),
+        pytest.param(config_with(state_spec="[{"), "parameter 'state_spec': not valid JSON", id="state-json"),
+        pytest.param(config_with(intra_op_threads="x"), "parameter 'intra_op_threads': not an integer: 'x'",
+                     id="threads"),
+        pytest.param(config_with(intra_op_threads="-1"), "parameter 'intra_op_threads': must be >= 0", id="threads-<0"),
+        pytest.param(config_with(value_ranges='{"codes": [5, 5]}'),
+                     "parameter 'value_ranges': input 'codes': expected [low, high] with integers low < high, got [5, 5]",
+                     id="empty-range"),
+        pytest.param(config_with(value_ranges='{"tokens": [0, 10]}'),
+                     "parameter 'value_ranges': ['tokens'] are not config inputs (['codes'])", id="range-not-input"),
+        pytest.param(config_with(value_ranges="[0, 2048]"), "parameter 'value_ranges': must be a JSON object",
+                     id="range-not-object"),
+        pytest.param({**MODEL_CONFIG, "sequence_batching": {}},
+                     "parameter 'sequence_batching.max_sequence_idle_microseconds': missing: set it explicitly",
+                     id="no-idle-timeout"),
+        pytest.param({**MODEL_CONFIG, "max_batch_size": 0}, "max_batch_size must be > 0", id="no-batching"),
+        pytest.param({**MODEL_CONFIG, "sequence_batching": None}, "needs sequence_batching", id="no-sequence-batching"),
+        pytest.param({**MODEL_CONFIG, "sequence_batching": {"state": [{"input_name": "a"}]}},
+                     "remove sequence_batching.state", id="state-block"),
     ],
 )
-def test_parse_model_config_rejects(change, message):
-    config = {**MODEL_CONFIG, **change}
+def test_parse_model_config_rejects(config, message):
     config = {key: value for key, value in config.items() if value is not None}
-    with pytest.raises(ValueError, match=message):
-        pom.parse_model_config(config, TRITON_TYPES.__getitem__)
+    with pytest.raises(ValueError) as failure:
+        ort_core.parse_model_config(config, TRITON_TYPES.__getitem__)
+    assert message in str(failure.value)
 
 
 def test_check_against_onnx_rejects_mismatched_state(onnx_session):
     spec = [STATE_SPEC[0], {**STATE_SPEC[1], "dtype": "int32"}]
-    config = pom.parse_model_config(
-        {**MODEL_CONFIG, "parameters": {"state_spec": {"string_value": json.dumps(spec)}}},
-        TRITON_TYPES.__getitem__,
-    )
+    config = ort_core.parse_model_config(config_with(state_spec=json.dumps(spec)), TRITON_TYPES.__getitem__)
     with pytest.raises(ValueError, match="state input 'state_in_01_count'"):
-        pom.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+        ort_core.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
     renamed = [STATE_SPEC[0], {**STATE_SPEC[1], "input": "state_in_01_other"}]
-    config = pom.parse_model_config(
-        {**MODEL_CONFIG, "parameters": {"state_spec": {"string_value": json.dumps(renamed)}}},
-        TRITON_TYPES.__getitem__,
-    )
+    config = ort_core.parse_model_config(config_with(state_spec=json.dumps(renamed)), TRITON_TYPES.__getitem__)
     with pytest.raises(ValueError, match="not fed"):
-        pom.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+        ort_core.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
 
 
 def test_core_carries_resets_and_ends(onnx_session):
@@ -229,7 +251,7 @@ def test_core_carries_resets_and_ends(onnx_session):
     np.testing.assert_array_equal(result["pcm"], reference.step(codes_for(11)))
     assert core.live_streams == 0
     (error,) = core.step([request(7, codes_for(12))])
-    assert isinstance(error, pom.StepError) and "START" in str(error) and "sequence 7" in str(error)
+    assert isinstance(error, ort_core.ModelError) and "START" in str(error) and "sequence 7" in str(error)
 
 
 def test_core_batches_streams_and_keeps_them_independent(onnx_session):
@@ -294,9 +316,18 @@ def test_core_bad_request_fails_alone_and_leaves_state(onnx_session):
     np.testing.assert_array_equal(result["pcm"], reference.step(codes_for(4)))
     # A rejected START on a new sequence creates nothing; a rejected END still ends.
     (error,) = core.step([request(9, bad_batch, start=True)])
-    assert isinstance(error, pom.StepError) and not core.has_stream(9)
+    assert isinstance(error, ort_core.ModelError) and not core.has_stream(9)
     (error,) = core.step([request(1, bad_batch, end=True)])
-    assert isinstance(error, pom.StepError) and not core.has_stream(1)
+    assert isinstance(error, ort_core.ModelError) and not core.has_stream(1)
+
+
+@pytest.mark.parametrize("sequence_id", [0, "stream-1", None])
+def test_core_needs_a_uint64_correlation_id(onnx_session, sequence_id):
+    core, calls = make_core(onnx_session)
+    (error,) = core.step([request(sequence_id, codes_for(1), start=True)])
+    assert isinstance(error, ort_core.ModelError) and error.kind == "correlation_id" and error.code == "INVALID_ARG"
+    assert f"send a non-zero uint64 correlation id, got {sequence_id!r}" in str(error)
+    assert calls == [] and core.live_streams == 0
 
 
 def test_core_expires_idle_streams(onnx_session):
@@ -325,7 +356,8 @@ def test_core_step_failure_ends_the_batch_sequences(onnx_session):
     failing, _ = make_core(onnx_session, run_wrapper=fail)
     failing._streams = core._streams
     (error,) = failing.step([request(1, codes_for(2))])
-    assert error.internal and "boom" in str(error) and "START it again" in str(error)
+    assert error.code == "INTERNAL" and error.kind == "decoder"
+    assert "boom" in str(error) and "START it again" in str(error)
     assert not failing.has_stream(1)
 
 
@@ -354,6 +386,7 @@ instance_group [ {{ kind: KIND_CPU count: 1 }} ]
 parameters {{ key: "state_spec" value: {{ string_value: '{state_spec}' }} }}
 parameters {{ key: "onnx_file" value: {{ string_value: "model.onnx" }} }}
 parameters {{ key: "intra_op_threads" value: {{ string_value: "1" }} }}
+parameters {{ key: "value_ranges" value: {{ string_value: '{{"codes": [0, 2048]}}' }} }}
 """
 
 
@@ -363,7 +396,7 @@ def decoder_server(tmp_path_factory, triton_server_factory):
     version_dir = repository / "decoder" / "1"
     version_dir.mkdir(parents=True)
     build_step_onnx(version_dir / "model.onnx")
-    shutil.copyfile(MODEL_SOURCE, version_dir / "model.py")
+    install_model(version_dir)
     (repository / "decoder" / "config.pbtxt").write_text(
         DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(STATE_SPEC))
     )
@@ -489,6 +522,11 @@ def test_served_bad_request_fails_alone(client):
     assert "shape" in server_error(lambda: client.step(31, seven_codebooks))
     two_rows = np.concatenate([codes_for(3), codes_for(4)])
     assert "batch-size 1" in server_error(lambda: client.step(31, two_rows))
+    # Codes outside the value range the config gives: rejected by the model, the stream untouched.
+    too_big = np.full((1, CODEBOOKS, 1), 2048, dtype=np.int32)
+    assert "input 'codes' holds values in [2048, 2048], outside [0, 2048)" in server_error(
+        lambda: client.step(31, too_big)
+    )
     np.testing.assert_array_equal(client.step(32, codes_for(5)), other.step(codes_for(5)))
     np.testing.assert_array_equal(client.step(31, codes_for(6), end=True), reference.step(codes_for(6)))
     np.testing.assert_array_equal(client.step(32, codes_for(7), end=True), other.step(codes_for(7)))
@@ -560,7 +598,7 @@ def test_served_bad_parameter_fails_the_load(tmp_path):
     version_dir = tmp_path / "repo" / "decoder" / "1"
     version_dir.mkdir(parents=True)
     build_step_onnx(version_dir / "model.onnx")
-    shutil.copyfile(MODEL_SOURCE, version_dir / "model.py")
+    install_model(version_dir)
     wrong_dtype = [STATE_SPEC[0], {**STATE_SPEC[1], "dtype": "int32"}]
     (tmp_path / "repo" / "decoder" / "config.pbtxt").write_text(
         DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(wrong_dtype))
@@ -573,30 +611,27 @@ def test_served_bad_parameter_fails_the_load(tmp_path):
     )
 
 
-def test_codes_out_of_range_fail_their_row_alone(onnx_session):
-    """With codebook_size set, a bad row is rejected before the batched run: its batch-mates step."""
-    config = pom.parse_model_config(
-        {**MODEL_CONFIG, "parameters": {**MODEL_CONFIG["parameters"], "codebook_size": {"string_value": "2048"}}},
-        TRITON_TYPES.__getitem__,
-    )
-    assert config.codebook_size == 2048
+def test_values_out_of_range_fail_their_row_alone(onnx_session):
+    """With a value range for an input, a bad row is rejected before the batched run: its batch-mates step."""
+    config = ort_core.parse_model_config(config_with(value_ranges='{"codes": [0, 2048]}'), TRITON_TYPES.__getitem__)
     core, _ = make_core(onnx_session, config=config)
     good = np.zeros((1, 8, 1), np.int32)
     bad = np.full((1, 8, 1), 2048, np.int32)
     results = core.step([
-        pom.StepRequest(sequence_id=1, start=True, end=False, inputs={"codes": good}),
-        pom.StepRequest(sequence_id=2, start=True, end=False, inputs={"codes": bad}),
+        ort_core.StepRequest(sequence_id=1, start=True, end=False, inputs={"codes": good}),
+        ort_core.StepRequest(sequence_id=2, start=True, end=False, inputs={"codes": bad}),
     ])
-    assert isinstance(results[1], pom.StepError) and "outside [0, 2048)" in str(results[1])
-    assert not isinstance(results[0], pom.StepError) and core.has_stream(1) and not core.has_stream(2)
+    assert isinstance(results[1], ort_core.ModelError) and results[1].kind == "value_range"
+    assert "input 'codes' holds values in [2048, 2048], outside [0, 2048) (parameter value_ranges)" in str(results[1])
+    assert not isinstance(results[0], ort_core.ModelError) and core.has_stream(1) and not core.has_stream(2)
 
 
 def test_streams_left_behind_do_not_keep_a_whole_batch_alive(onnx_session):
     core, _ = make_core(onnx_session)
     codes = np.zeros((1, 8, 1), np.int32)
-    core.step([pom.StepRequest(sequence_id=i, start=True, end=False, inputs={"codes": codes}) for i in range(1, 5)])
+    core.step([ort_core.StepRequest(sequence_id=i, start=True, end=False, inputs={"codes": codes}) for i in range(1, 5)])
     # Only stream 1 steps again: streams 2-4 must not share the 4-row arrays any more.
-    core.step([pom.StepRequest(sequence_id=1, start=False, end=False, inputs={"codes": codes})])
+    core.step([ort_core.StepRequest(sequence_id=1, start=False, end=False, inputs={"codes": codes})])
     for sequence_id in (2, 3, 4):
         stream = core._streams[sequence_id]
         assert stream.rows.arrays[0].shape[0] == 1 and stream.row == 0

@@ -1,7 +1,8 @@
 """Core of the `code2wav` BLS model: everything that is not Triton plumbing.
 
 Pure numpy + stdlib (no `triton_python_backend_utils`), so it is unit-tested without a server and runs
-on the Python 3.10 of the NGC 24.10 image as well as 3.11.
+on the Python 3.10 of the NGC 24.10 image as well as 3.11. It imports `triton_streams` (stdlib only),
+which `export/render.py` copies beside it from model_repository/common/.
 
 What it does, per request of a stream (one Triton sequence, keyed by its correlation id):
 
@@ -9,8 +10,8 @@ What it does, per request of a stream (one Triton sequence, keyed by its correla
    (dtype, length, code range, request-size limit);
 2. dedupe against the frames the stream has already decoded (its history), with or without
    `frame_offset` (see `StreamTable.plan`), and apply the new-frames limit;
-3. return a `DecodePlan`: the new frames cut into decoder steps of at most
-   `decoder_frames_per_step` frames (int32 [1, k, S]) with the START/END flags each step carries;
+3. return a `DecodePlan`: one decoder step per new frame (int32 [1, k, 1], what the exported
+   decoders take) with the START/END flags each step carries;
 4. after the decoder ran every step, `StreamTable.commit` records the frames in the history (or
    removes the stream on END); after a decoder failure `StreamTable.abort` removes the stream.
 
@@ -32,6 +33,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
+
+from triton_streams import IDLE_TIMEOUT_FIELD, ConfigError, ModelError, read_parameters
 
 # Same values as pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END (Triton's C API).
 FLAG_SEQUENCE_START = 1
@@ -57,37 +60,22 @@ ERROR_KINDS = (
     "internal",
 )
 
-# The parameter that carries the idle timeout (read from the model config, not from `parameters`).
-IDLE_TIMEOUT_FIELD = "sequence_batching.max_sequence_idle_microseconds"
-
 _INT32_MAX = 2**31 - 1
 
 
-class ConfigError(ValueError):
-    """A missing or invalid model-config value; `parameter` names it."""
-
-    def __init__(self, parameter: str, message: str):
-        super().__init__(f"parameter '{parameter}': {message}")
-        self.parameter = parameter
-
-
-class Code2WavError(Exception):
-    """A request failed; `kind` is the short label it is counted under (see ERROR_KINDS)."""
+class RequestError(ModelError):
+    """The request is invalid (the client's fault); nothing was decoded and the stream is unchanged.
+    `kind` is one of ERROR_KINDS."""
 
     def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
+        super().__init__(kind, message, "INVALID_ARG")
 
 
-class RequestError(Code2WavError):
-    """The request is invalid (the client's fault); nothing was decoded and the stream is unchanged."""
-
-
-class DecoderError(Code2WavError):
+class DecoderError(ModelError):
     """A decoder step failed; raised by the decoder helper with the decoder's message."""
 
     def __init__(self, message: str):
-        super().__init__("decoder", message)
+        super().__init__("decoder", message, "INTERNAL")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,7 +91,6 @@ class Code2WavSettings:
     codebook_size: int = 2048
     samples_per_frame: int = 1920
     sample_rate_hz: int = 24000
-    decoder_frames_per_step: int = 1
     dedupe_mode: str = "auto"
     max_new_frames_per_request: int = 1500
     max_request_frames: int = 45000
@@ -117,7 +104,6 @@ class Code2WavSettings:
             "codebook_size",
             "samples_per_frame",
             "sample_rate_hz",
-            "decoder_frames_per_step",
             "max_new_frames_per_request",
             "max_request_frames",
         ):
@@ -135,60 +121,25 @@ class Code2WavSettings:
             raise ConfigError(IDLE_TIMEOUT_FIELD, f"must be positive, got {self.stream_idle_timeout_s!r}")
 
 
-# parameter name -> parser of its string value
-_PARAMETER_TYPES = {
+# The config's `parameters`: name -> parser of its string value.
+PARAMETER_TYPES = {
     "decoder_model_name": str,
     "num_codebooks": int,
     "codebook_size": int,
     "samples_per_frame": int,
     "sample_rate_hz": int,
-    "decoder_frames_per_step": int,
     "dedupe_mode": str,
     "max_new_frames_per_request": int,
     "max_request_frames": int,
 }
-PARAMETER_NAMES = tuple(_PARAMETER_TYPES)
 
 
-def settings_from_parameters(
-    parameters: Mapping[str, str], max_sequence_idle_microseconds: Union[int, str, None]
-) -> Code2WavSettings:
-    """Build the settings from the config's `parameters` (name -> string value) and the
-    `sequence_batching.max_sequence_idle_microseconds` of the same config.
-
-    Every parameter in PARAMETER_NAMES is required and no other is accepted, so a typo fails the
-    load instead of silently running on a default. Raises ConfigError naming the parameter.
-    """
-    unknown = sorted(set(parameters) - set(_PARAMETER_TYPES))
-    if unknown:
-        raise ConfigError(unknown[0], f"unknown parameter (known: {', '.join(PARAMETER_NAMES)})")
-    values = {}
-    for name, parse in _PARAMETER_TYPES.items():
-        if name not in parameters:
-            raise ConfigError(name, "missing from the model config's parameters")
-        text = parameters[name]
-        if not isinstance(text, str):
-            raise ConfigError(name, f"expected a string value, got {text!r}")
-        if parse is int:
-            try:
-                values[name] = int(text.strip())
-            except ValueError:
-                raise ConfigError(name, f"not an integer: {text!r}") from None
-        else:
-            values[name] = text.strip()
-
-    if max_sequence_idle_microseconds is None:
-        raise ConfigError(IDLE_TIMEOUT_FIELD, "missing: set it explicitly (Triton's default is 1 s)")
-    try:
-        # Triton hands uint64 config fields to Python as ints; accept their JSON string form too.
-        idle_us = int(max_sequence_idle_microseconds)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            IDLE_TIMEOUT_FIELD, f"not an integer: {max_sequence_idle_microseconds!r}"
-        ) from None
-    if idle_us <= 0:
-        raise ConfigError(IDLE_TIMEOUT_FIELD, f"must be positive, got {idle_us}")
-    return Code2WavSettings(stream_idle_timeout_s=idle_us / 1e6, **values)
+def settings_from_config(config: Mapping) -> Code2WavSettings:
+    """Build the settings from the model config (the JSON Triton hands to `initialize`, parsed): its
+    `parameters` (every one of PARAMETER_TYPES required, no other accepted) and its
+    `sequence_batching.max_sequence_idle_microseconds`. Raises ConfigError naming the parameter."""
+    values, idle_timeout_s = read_parameters(config, PARAMETER_TYPES)
+    return Code2WavSettings(stream_idle_timeout_s=idle_timeout_s, **values)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,8 +293,6 @@ class DecodePlan:
     `StreamTable.commit(plan)`, or `StreamTable.abort(plan)` if a step failed."""
 
     correlation_id: int
-    # Index within the stream of the first new frame (= frames decoded before this request).
-    first_new_frame: int
     # The new frames, int32 [k, N]; N may be 0.
     new_codes: np.ndarray
     steps: Tuple[DecoderStep, ...]
@@ -397,8 +346,10 @@ class StreamTable:
     """Live streams keyed by correlation id, with their history, lifecycle and idle expiry.
 
     One table per model instance. Triton's sequence batcher routes every request of a sequence to
-    the same instance, and an instance runs one `execute()` at a time, so the table needs no lock;
-    within a batch `process_batch` serialises the requests of one stream and overlaps the streams.
+    the same instance, and an instance runs one `execute()` at a time; model.py holds the idle
+    sweeper's lock around each batch, so `expire_idle` from the sweeper thread never interleaves
+    with it. Within a batch `process_batch` serialises the requests of one stream and overlaps the
+    streams.
     """
 
     def __init__(self, settings: Code2WavSettings, clock: Callable[[], float] = time.monotonic):
@@ -523,12 +474,10 @@ class StreamTable:
             # The decoder holds a sequence for this id (a START without END reached it): close it
             # with one step of zero codes. Without a live decoder sequence (e.g. START|END with no
             # frame) nothing was started there, so nothing is sent.
-            zeros = np.zeros((1, settings.num_codebooks, settings.decoder_frames_per_step), np.int32)
-            steps += (DecoderStep(zeros, FLAG_SEQUENCE_END, discard_output=True),)
+            steps += (DecoderStep(self._zero_step_codes(), FLAG_SEQUENCE_END, discard_output=True),)
 
         return DecodePlan(
             correlation_id=correlation_id,
-            first_new_frame=0 if history is None else history.frames,
             new_codes=new_codes,
             steps=steps,
             starts_stream=starts,
@@ -614,7 +563,7 @@ class StreamTable:
                 # Triton has released the sequence with this END: nothing can continue the stream.
                 raise RequestError(exc.kind, f"{exc}; the request carried END, so the stream has ended") from exc
             raise
-        except Code2WavError as exc:
+        except ModelError as exc:
             self.count_error(exc.kind)
             raise
         except Exception:
@@ -628,10 +577,8 @@ class StreamTable:
         if stream is None:
             return False
         if stream.decoder_live:
-            settings = self.settings
-            zeros = np.zeros((1, settings.num_codebooks, settings.decoder_frames_per_step), np.int32)
             try:
-                await decode_step(correlation_id, zeros, FLAG_SEQUENCE_END)
+                await decode_step(correlation_id, self._zero_step_codes(), FLAG_SEQUENCE_END)
             except Exception:  # the decoder frees the sequence on its idle timeout anyway
                 pass
         return True
@@ -713,18 +660,21 @@ class StreamTable:
                 f"decoded at that index; decoded frames cannot change (START a new sequence instead)",
             )
 
-    def _steps(self, new_codes: np.ndarray, needs_start: bool, ends: bool) -> Tuple[DecoderStep, ...]:
-        """Cut [k, N] into steps of at most decoder_frames_per_step frames (the last may be
-        shorter); START on the first step when the decoder must (re)start, END on the last."""
-        per_step = self.settings.decoder_frames_per_step
+    def _zero_step_codes(self) -> np.ndarray:
+        """The codes of an END-only step (its output is discarded): one frame of zeros."""
+        return np.zeros((1, self.settings.num_codebooks, 1), np.int32)
+
+    @staticmethod
+    def _steps(new_codes: np.ndarray, needs_start: bool, ends: bool) -> Tuple[DecoderStep, ...]:
+        """One 1-frame step per frame of [k, N] (the exported decoders take one frame per call);
+        START on the first step when the decoder must (re)start, END on the last."""
         total = new_codes.shape[1]
         steps = []
-        for first in range(0, total, per_step):
+        for frame in range(total):
             flags = 0
-            if first == 0 and needs_start:
+            if frame == 0 and needs_start:
                 flags |= FLAG_SEQUENCE_START
-            if first + per_step >= total and ends:
+            if frame == total - 1 and ends:
                 flags |= FLAG_SEQUENCE_END
-            chunk = np.ascontiguousarray(new_codes[None, :, first : first + per_step])
-            steps.append(DecoderStep(chunk, flags))
+            steps.append(DecoderStep(np.ascontiguousarray(new_codes[None, :, frame : frame + 1]), flags))
         return tuple(steps)

@@ -1,7 +1,9 @@
 """Triton Python (BLS) model `code2wav`: Mimi codes in, 24 kHz PCM out, one stream per sequence.
 
 Thin on purpose: tensors -> numpy, `code2wav_core` (validation, dedupe, stream table, output
-packing), the `mimi_decoder` calls, numpy -> responses. Everything testable lives in the core.
+packing), the `mimi_decoder` calls, numpy -> responses. Everything testable lives in the core and in
+`triton_streams` (idle sweeper, errors, parameter policy, metric labels), which `export/render.py`
+copies here from model_repository/common/.
 """
 
 import asyncio
@@ -21,8 +23,9 @@ if _MODEL_DIR not in sys.path:
     sys.path.insert(0, _MODEL_DIR)
 
 import code2wav_core as core  # noqa: E402
+import triton_streams  # noqa: E402
 
-# The decoder's tensors (the mimi_decoder interface): codes INT32 [1, k, S] -> pcm FP32 [1, 1920*S].
+# The decoder's tensors (the mimi_decoder interface): codes INT32 [1, k, 1] -> pcm FP32 [1, 1920].
 DECODER_INPUT_NAME = "codes"
 DECODER_OUTPUT_NAME = "pcm"
 
@@ -31,23 +34,10 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self._model_name = args.get("model_name", "code2wav")
-        parameters = {
-            name: (value.get("string_value") if isinstance(value, dict) else value)
-            for name, value in config.get("parameters", {}).items()
-        }
-        idle_us = config.get("sequence_batching", {}).get("max_sequence_idle_microseconds")
         try:
-            settings = core.settings_from_parameters(parameters, idle_us)
+            settings = core.settings_from_config(config)
         except core.ConfigError as exc:
             raise pb_utils.TritonModelException(f"model '{self._model_name}': {exc}") from None
-
-        if settings.decoder_frames_per_step != 1:
-            # The exported decoders take a fixed number of frames per call, and a request's new
-            # frames need not be a multiple of it (its last step would be shorter).
-            raise pb_utils.TritonModelException(
-                f"model '{self._model_name}': decoder_frames_per_step must be 1 with the exported "
-                f"decoders (fixed frames per call), got {settings.decoder_frames_per_step}"
-            )
         self._max_batch_size = int(config.get("max_batch_size", 0))
         if self._max_batch_size < 1:
             raise pb_utils.TritonModelException(
@@ -61,23 +51,28 @@ class TritonPythonModel:
         self._decoder_model_name = settings.decoder_model_name
         self._table = core.StreamTable(settings)
         self._executor = None
-        self._idle_sweeper = None
-        self._executing = False
-        self._metrics = _Metrics.create(self._model_name)
+        self._metrics = _Metrics.create(self._model_name, args["model_version"])
+        self._sweeper = triton_streams.IdleSweeper(
+            settings.stream_idle_timeout_s,
+            self._expire_idle,
+            name=f"{self._model_name}-idle-expiry",
+            log_error=pb_utils.Logger.log_error,
+        )
+        self._sweeper.start()
         pb_utils.Logger.log_info(
             f"model '{self._model_name}': decoder '{settings.decoder_model_name}', "
-            f"{settings.decoder_frames_per_step} frame(s) per step, dedupe_mode={settings.dedupe_mode}, "
-            f"stream idle timeout {settings.stream_idle_timeout_s:g} s"
+            f"dedupe_mode={settings.dedupe_mode}, stream idle timeout {settings.stream_idle_timeout_s:g} s"
         )
 
     async def execute(self, requests):
         self._ensure_executor()
-        self._ensure_idle_sweeper()
-        self._executing = True
+        # Held for the whole batch, awaits included: the sweeper is the only other user of the table
+        # and an instance runs one execute at a time, so it only ever waits for this batch.
+        self._sweeper.lock.acquire()
         try:
             return await self._execute(requests)
         finally:
-            self._executing = False
+            self._sweeper.lock.release()
 
     async def _execute(self, requests):
         responses = [None] * len(requests)
@@ -87,7 +82,7 @@ class TritonPythonModel:
                 stream_requests.append(_stream_request(request))
                 positions.append(position)
             except Exception as exc:
-                self._table.count_error(exc.kind if isinstance(exc, core.Code2WavError) else "internal")
+                self._table.count_error(exc.kind if isinstance(exc, triton_streams.ModelError) else "internal")
                 responses[position] = self._error_response(exc)
 
         results = await self._table.process_batch(stream_requests, self._decode_step)
@@ -113,7 +108,7 @@ class TritonPythonModel:
                 self._metrics = None
 
     async def _decode_step(self, correlation_id, codes, flags):
-        """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM.
+        """The one way into the decoder: one step of one stream, codes int32 [1, k, 1] -> PCM.
         Raises core.DecoderError with the decoder's message."""
         request = pb_utils.InferenceRequest(
             model_name=self._decoder_model_name,
@@ -141,43 +136,25 @@ class TritonPythonModel:
             )
             asyncio.get_running_loop().set_default_executor(self._executor)
 
-    def _ensure_idle_sweeper(self):
-        # Triton drops an idle sequence without telling the model, and each batch expires the
-        # table's idle streams first; with no request coming, this task does it instead, so idle
-        # streams (and the live-streams gauge) do not wait for traffic.
-        if self._idle_sweeper is None:
-            self._idle_sweeper = asyncio.get_running_loop().create_task(self._sweep_idle())
-
-    async def _sweep_idle(self):
-        # Runs on execute()'s event loop, so it never interleaves with the table's own use except
-        # at execute()'s awaits, where it stands aside: the batch in flight expires streams itself,
-        # and requests queued behind it belong to streams Triton still holds.
-        interval_s = min(max(self._table.settings.stream_idle_timeout_s / 4, 0.05), 1.0)
-        while True:
-            await asyncio.sleep(interval_s)
-            if self._executing:
-                continue
-            try:
-                if self._table.expire_idle():
-                    self._report_metrics()
-            except Exception as exc:
-                pb_utils.Logger.log_error(f"model '{self._model_name}': idle expiry failed: {exc}")
+    def _expire_idle(self):
+        # Called by the sweeper thread under its lock.
+        if self._table.expire_idle():
+            self._report_metrics()
 
     def _error_response(self, exc):
-        if isinstance(exc, core.RequestError):
-            code = pb_utils.TritonError.INVALID_ARG
-        else:
-            code = pb_utils.TritonError.INTERNAL
+        code = triton_streams.error_code(exc)
+        if code == "INTERNAL":
             pb_utils.Logger.log_error(
                 f"model '{self._model_name}': "
                 + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             )
-        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc), code))
+        return pb_utils.InferenceResponse(
+            output_tensors=[], error=pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, code))
+        )
 
     def finalize(self):
-        if self._idle_sweeper is not None:
-            self._idle_sweeper.get_loop().call_soon_threadsafe(self._idle_sweeper.cancel)
-            self._idle_sweeper = None
+        if not self._sweeper.stop(timeout_s=5.0):
+            pb_utils.Logger.log_warn(f"model '{self._model_name}': the idle sweeper did not stop in 5 s")
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
@@ -207,60 +184,57 @@ def _output_dtype(config, name, model_name):
 
 
 class _Metrics:
-    """Custom metrics, updated by the change since the last report, so that several instances
-    add up in one series (a gauge moves by its delta too)."""
+    """Custom metrics, labelled {model, version} and sent as changes (triton_streams.DeltaMetric), so
+    that several instances add up in one series."""
 
     @classmethod
-    def create(cls, model_name):
+    def create(cls, model_name, version):
         try:
-            return cls()
+            return cls(triton_streams.metric_labels(model_name, version))
         except Exception as exc:  # a server started without metrics support
             pb_utils.Logger.log_warn(f"model '{model_name}': custom metrics disabled: {exc}")
             return None
 
-    def __init__(self):
+    def __init__(self, labels):
+        family = pb_utils.MetricFamily
+        # The families must outlive their metrics: a metric of a collected family stops working.
         self._families = [
-            pb_utils.MetricFamily(
+            family(
                 name="code2wav_live_streams",
                 description="Streams open in code2wav (started, not ended or expired)",
-                kind=pb_utils.MetricFamily.GAUGE,
+                kind=family.GAUGE,
             ),
-            pb_utils.MetricFamily(
+            family(
                 name="code2wav_frames_decoded_total",
                 description="Audio frames (80 ms each) decoded by code2wav",
-                kind=pb_utils.MetricFamily.COUNTER,
+                kind=family.COUNTER,
             ),
-            pb_utils.MetricFamily(
+            family(
                 name="code2wav_errors_total",
                 description="Failed code2wav requests by kind",
-                kind=pb_utils.MetricFamily.COUNTER,
+                kind=family.COUNTER,
             ),
         ]
-        live_family, frames_family, errors_family = self._families
-        self._errors_family = errors_family
-        self._live_streams = live_family.Metric(labels={})
-        self._frames_decoded = frames_family.Metric(labels={})
-        self._errors = {kind: errors_family.Metric(labels={"kind": kind}) for kind in core.ERROR_KINDS}
-        self._reported = core.Code2WavStats(live_streams=0, frames_decoded=0, streams_expired=0, errors_by_kind={})
+        live_family, frames_family, self._errors_family = self._families
+        self._labels = labels
+        self._live_streams = triton_streams.DeltaMetric(live_family.Metric(labels=labels))
+        self._frames_decoded = triton_streams.DeltaMetric(frames_family.Metric(labels=labels))
+        self._errors = {kind: self._error_metric(kind) for kind in core.ERROR_KINDS}
+
+    def _error_metric(self, kind):
+        return triton_streams.DeltaMetric(self._errors_family.Metric(labels={**self._labels, "kind": kind}))
 
     def report(self, stats):
-        reported = self._reported
-        if stats.live_streams != reported.live_streams:
-            self._live_streams.increment(stats.live_streams - reported.live_streams)
-        if stats.frames_decoded != reported.frames_decoded:
-            self._frames_decoded.increment(stats.frames_decoded - reported.frames_decoded)
+        self._live_streams.update(stats.live_streams)
+        self._frames_decoded.update(stats.frames_decoded)
         for kind, count in stats.errors_by_kind.items():
-            delta = count - reported.errors_by_kind.get(kind, 0)
-            if delta:
-                if kind not in self._errors:
-                    self._errors[kind] = self._errors_family.Metric(labels={"kind": kind})
-                self._errors[kind].increment(delta)
-        self._reported = stats
+            if kind not in self._errors:
+                self._errors[kind] = self._error_metric(kind)
+            self._errors[kind].update(count)
 
     def close(self):
         # This instance's streams leave the shared gauge with it.
-        if self._reported.live_streams:
-            self._live_streams.increment(-self._reported.live_streams)
+        self._live_streams.withdraw()
         # Metrics go before their families (python_backend custom-metrics contract).
         self._errors.clear()
         self._live_streams = self._frames_decoded = None

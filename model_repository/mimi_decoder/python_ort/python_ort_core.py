@@ -1,13 +1,17 @@
-"""Triton Python-backend decoder: a streaming step in ONNX Runtime, keeping the streaming state itself.
+"""Core of the python-ort `mimi_decoder`: a streaming ONNX step whose state this model keeps itself.
 
-This file is copied as `model.py` into a rendered `mimi_decoder/1/`, next to `model.onnx`. The native
-ONNX Runtime backend keeps per-sequence state itself (`sequence_batching { state [...] }`); the Python
-backend ignores that block, so this model does the same work by hand:
+Pure numpy + stdlib (no `triton_python_backend_utils`, no onnxruntime: `model.py` owns the session),
+so it is unit-tested without a server. It imports `triton_streams`, which `export/render.py` copies
+beside it from model_repository/common/.
 
-- per correlation id, one numpy array per state tensor; START (also on a live sequence) sets it to
-  zeros, each step feeds it to the model and keeps the step's output state, END drops it after the
-  step, and a sequence idle longer than `max_sequence_idle_microseconds` is dropped (Triton frees its
-  slot without telling the model, so a background thread expires entries on the same clock);
+The native ONNX Runtime backend keeps per-sequence state itself (`sequence_batching { state [...] }`);
+the Python backend ignores that block, so this model does the same work by hand:
+
+- per correlation id (a uint64), one numpy array per state tensor; START (also on a live sequence)
+  sets it to zeros, each step feeds it to the model and keeps the step's output state, END drops it
+  after the step, and a sequence idle longer than `max_sequence_idle_microseconds` is dropped (Triton
+  frees its slot without telling the model, so a background thread expires entries on the same
+  clock);
 - all valid requests of one `execute()` (steps of different sequences, gathered by the `oldest`
   sequence batcher) run as one batched `session.run`, rows concatenated along the batch dimension,
   and the outputs are split back per request;
@@ -15,26 +19,22 @@ backend ignores that block, so this model does the same work by hand:
   sequence: Triton has already released it); a request without START for a sequence with no state
   gets an error telling to START the sequence.
 
-Configuration (`config.pbtxt`): `input` / `output` list the non-state tensors (with `max_batch_size` > 0
-every request carries a leading batch dimension of 1); `sequence_batching` has the `oldest` strategy,
-START/END/CORRID control inputs and `max_sequence_idle_microseconds`; there is no `state` block. The
-`parameters` (string values):
+Configuration (`config.pbtxt`, rendered from `config.pbtxt.tmpl`): `input` / `output` list the
+non-state tensors; `max_batch_size` > 0 (every request carries a leading batch dimension of 1);
+`sequence_batching` has the `oldest` strategy, START/END/CORRID (TYPE_UINT64) control inputs and a
+positive `max_sequence_idle_microseconds`; there is no `state` block. The `parameters` (string values,
+all required, no other accepted: `triton_streams.read_parameters`):
 
-| key | default | meaning |
-|---|---|---|
-| `state_spec` | required | JSON list of `{"input", "output", "dtype", "shape"}`, shape per stream |
-| `onnx_file` | `model.onnx` | ONNX file, relative to the version folder |
-| `intra_op_threads` | `0` | ONNX Runtime intra-op threads (0: its default) |
+| key | meaning |
+|---|---|
+| `onnx_file` | ONNX file, relative to the version folder |
+| `intra_op_threads` | ONNX Runtime intra-op threads (0: its default) |
+| `state_spec` | JSON list of `{"input", "output", "dtype", "shape"}`, shape per stream (no batch) |
+| `value_ranges` | JSON object: input name -> `[low, high]`, its values must lie in [low, high) (`{}`: none) |
 
-In `state_spec` the shape excludes the batch dimension, dtype is one of float32, float16, int32,
-int64, and an optional `description` per entry is ignored.
-
-Metrics (labels `model`, `version`, `instance`): gauge `mimi_decoder_live_streams`; counters
-`mimi_decoder_batches_total` (session runs), `mimi_decoder_batched_requests_total` (rows run),
-`mimi_decoder_expired_streams_total`; histogram `mimi_decoder_batch_size` (rows per run).
-
-The configuration parsing and `StreamingDecoderCore` are plain numpy, unit-tested without a server;
-the classes after them are the thin Triton glue.
+In `state_spec` dtype is one of float32, float16, int32, int64, and an optional `description` per
+entry is ignored. `value_ranges` is checked per request, so a bad row fails alone instead of failing
+the batched run.
 """
 
 from __future__ import annotations
@@ -42,21 +42,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import threading
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-try:
-    import triton_python_backend_utils as pb_utils
-except ImportError:  # imported outside Triton: the core below is tested on its own
-    pb_utils = None
+from triton_streams import ConfigError, ModelError, read_parameters
 
-DEFAULT_IDLE_TIMEOUT_US = 1_000_000  # Triton's default when the config leaves it at 0
 STATE_DTYPES = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
@@ -75,7 +69,6 @@ ORT_TYPES = {
     "tensor(uint8)": np.dtype(np.uint8),
     "tensor(bool)": np.dtype(np.bool_),
 }
-BATCH_SIZE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 
 
 # --- configuration --------------------------------------------------------------------------------
@@ -105,71 +98,83 @@ class DecoderConfig:
     states: tuple[StateTensor, ...]
     max_batch_size: int
     idle_timeout_s: float
-    onnx_file: str = "model.onnx"
-    intra_op_threads: int = 0
-    codebook_size: int = 0  # > 0: codes of the `codes` input must lie in [0, codebook_size)
+    onnx_file: str
+    intra_op_threads: int
+    # Input name -> (low, high): its values must lie in [low, high).
+    value_ranges: Mapping[str, tuple[int, int]]
 
-    @property
-    def batched(self) -> bool:
-        """With max_batch_size > 0 each request carries a leading batch dimension (of 1)."""
-        return self.max_batch_size > 0
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
 
 
 def parse_state_spec(text: str) -> tuple[StateTensor, ...]:
-    """Parse the `state_spec` parameter strictly; raises ValueError naming what is wrong."""
-    try:
-        entries = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"state_spec is not valid JSON: {exc}") from None
+    """Parse the `state_spec` parameter strictly; raises ValueError saying what is wrong."""
+    entries = _json(text)
     if not isinstance(entries, list) or not entries:
-        raise ValueError("state_spec must be a non-empty JSON list")
+        raise ValueError("must be a non-empty JSON list")
     states = []
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict):
-            raise ValueError(f"state_spec[{index}] must be an object")
+            raise ValueError(f"entry {index} must be an object")
         keys = set(entry) - {"description"}
         if keys != STATE_SPEC_KEYS:
             raise ValueError(
-                f"state_spec[{index}] must have exactly the keys {sorted(STATE_SPEC_KEYS)} "
+                f"entry {index} must have exactly the keys {sorted(STATE_SPEC_KEYS)} "
                 f"(and optionally 'description'), got {sorted(entry)}"
             )
         if entry["dtype"] not in STATE_DTYPES:
-            raise ValueError(
-                f"state_spec[{index}] dtype {entry['dtype']!r} is not one of {sorted(STATE_DTYPES)}"
-            )
+            raise ValueError(f"entry {index} dtype {entry['dtype']!r} is not one of {sorted(STATE_DTYPES)}")
         shape = entry["shape"]
-        if not isinstance(shape, list) or not all(
-            isinstance(dim, int) and not isinstance(dim, bool) and dim > 0 for dim in shape
-        ):
-            raise ValueError(
-                f"state_spec[{index}] shape must be a list of positive ints, got {shape!r}"
-            )
+        if not isinstance(shape, list) or not all(_is_int(dim) and dim > 0 for dim in shape):
+            raise ValueError(f"entry {index} shape must be a list of positive ints, got {shape!r}")
         for key in ("input", "output"):
             if not isinstance(entry[key], str) or not entry[key]:
-                raise ValueError(f"state_spec[{index}] {key} must be a non-empty string")
+                raise ValueError(f"entry {index} {key} must be a non-empty string")
         states.append(
             StateTensor(entry["input"], entry["output"], STATE_DTYPES[entry["dtype"]], tuple(shape))
         )
     names = [s.input for s in states] + [s.output for s in states]
     if len(set(names)) != len(names):
-        raise ValueError(f"state_spec reuses a tensor name: {names}")
+        raise ValueError(f"reuses a tensor name: {names}")
     return tuple(states)
 
 
-def _parameter(config: Mapping, key: str, default: str | None = None) -> str:
-    value = config.get("parameters", {}).get(key, {}).get("string_value")
-    if value is None:
-        if default is None:
-            raise ValueError(f"config parameter '{key}' is required")
-        return default
-    return value
+def parse_value_ranges(text: str) -> dict[str, tuple[int, int]]:
+    """Parse the `value_ranges` parameter: {"input name": [low, high], ...}, values in [low, high)."""
+    ranges = _json(text)
+    if not isinstance(ranges, dict):
+        raise ValueError(f'must be a JSON object {{"input name": [low, high], ...}}, got {text!r}')
+    parsed = {}
+    for name, bounds in ranges.items():
+        if not (isinstance(bounds, list) and len(bounds) == 2 and all(map(_is_int, bounds))
+                and bounds[0] < bounds[1]):
+            raise ValueError(f"input '{name}': expected [low, high] with integers low < high, got {bounds!r}")
+        parsed[name] = (bounds[0], bounds[1])
+    return parsed
+
+
+# The config's `parameters`: name -> parser of its string value (all required).
+PARAMETER_TYPES = {
+    "onnx_file": str,
+    "intra_op_threads": int,
+    "state_spec": parse_state_spec,
+    "value_ranges": parse_value_ranges,
+}
 
 
 def parse_model_config(
     config: Mapping, triton_string_to_numpy: Callable[[str], type]
 ) -> DecoderConfig:
     """Read everything the model needs from its config (the JSON Triton hands to initialize).
-    Raises ValueError on a missing or malformed parameter or an unsupported config."""
+    Raises ValueError (ConfigError for a parameter) on anything missing, malformed or unsupported."""
 
     def io_tensors(section: str) -> tuple[IOTensor, ...]:
         tensors = []
@@ -193,33 +198,33 @@ def parse_model_config(
             "remove sequence_batching.state: the Python backend ignores it; the state is described "
             "by the state_spec parameter"
         )
-    idle_us = int(sequence_batching.get("max_sequence_idle_microseconds", 0) or 0)
-    idle_us = idle_us or DEFAULT_IDLE_TIMEOUT_US
-    try:
-        intra_op_threads = int(_parameter(config, "intra_op_threads", "0"))
-    except ValueError:
-        raise ValueError("config parameter 'intra_op_threads' must be an integer") from None
-    if intra_op_threads < 0:
-        raise ValueError("config parameter 'intra_op_threads' must be >= 0")
-    try:
-        codebook_size = int(_parameter(config, "codebook_size", "0"))
-    except ValueError:
-        raise ValueError("config parameter 'codebook_size' must be an integer") from None
+    max_batch_size = int(config.get("max_batch_size", 0))
+    if max_batch_size < 1:
+        raise ValueError(
+            f"max_batch_size must be > 0 (requests of different sequences are batched, each with a "
+            f"leading batch dimension of 1), got {max_batch_size}"
+        )
+    values, idle_timeout_s = read_parameters(config, PARAMETER_TYPES)
+    if values["intra_op_threads"] < 0:
+        raise ConfigError("intra_op_threads", f"must be >= 0 (0: ONNX Runtime's default), got {values['intra_op_threads']}")
     decoder = DecoderConfig(
         inputs=io_tensors("input"),
         outputs=io_tensors("output"),
-        states=parse_state_spec(_parameter(config, "state_spec")),
-        max_batch_size=int(config.get("max_batch_size", 0)),
-        idle_timeout_s=idle_us / 1e6,
-        onnx_file=_parameter(config, "onnx_file", "model.onnx"),
-        intra_op_threads=intra_op_threads,
-        codebook_size=codebook_size,
+        states=values["state_spec"],
+        max_batch_size=max_batch_size,
+        idle_timeout_s=idle_timeout_s,
+        onnx_file=values["onnx_file"],
+        intra_op_threads=values["intra_op_threads"],
+        value_ranges=values["value_ranges"],
     )
     io_names = [t.name for t in decoder.inputs + decoder.outputs]
     state_names = [s.input for s in decoder.states] + [s.output for s in decoder.states]
     clash = set(io_names) & set(state_names)
     if clash:
         raise ValueError(f"state tensors must not be listed as config inputs/outputs: {sorted(clash)}")
+    unknown = sorted(set(decoder.value_ranges) - {t.name for t in decoder.inputs})
+    if unknown:
+        raise ConfigError("value_ranges", f"{unknown} are not config inputs ({[t.name for t in decoder.inputs]})")
     return decoder
 
 
@@ -258,7 +263,7 @@ def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -
                 f"{what} '{arg.name}': ONNX shape {list(arg.shape)} is not [batch] + {list(dims)}"
             )
         batch = graph_dims[0]
-        if batch is not None and batch < max(config.max_batch_size, 1):
+        if batch is not None and batch < config.max_batch_size:
             raise ValueError(
                 f"{what} '{arg.name}': ONNX batch dimension is fixed to {batch}, below "
                 f"max_batch_size {config.max_batch_size}"
@@ -285,21 +290,12 @@ def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -
 
 
 # --- the streaming core ---------------------------------------------------------------------------
-class StepError(Exception):
-    """One request's failure; the message goes to its client. `internal` marks a decoder failure
-    (not the client's fault)."""
-
-    def __init__(self, message: str, internal: bool = False):
-        super().__init__(message)
-        self.internal = internal
-
-
 @dataclass
 class StepRequest:
-    """One request as the core sees it: the sequence, its flags, its non-state inputs as received
-    (`[1, *dims]` with max_batch_size > 0, `[*dims]` otherwise)."""
+    """One request as the core sees it: its sequence (correlation id), its flags, its non-state
+    inputs as received (`[1, *dims]`)."""
 
-    sequence_id: int | str
+    sequence_id: int
     start: bool
     end: bool
     inputs: Mapping[str, np.ndarray | None]
@@ -309,8 +305,8 @@ class _StateRows:
     """The output states of one session run: one `[rows, ...]` array per state tensor. Each stream
     of that run holds a row index into it, so no copy is made after a run; a later run whose rows are
     exactly the same streams feeds these arrays back as they are. The price: the arrays live until
-    every stream of that run has stepped again or gone, so one idle stream can hold a whole batch's
-    state until it steps, ends or expires."""
+    every stream of that run has stepped again or gone, or until `_release_shared_rows` gives the
+    streams left behind their own rows."""
 
     __slots__ = ("arrays",)
 
@@ -337,7 +333,7 @@ class StreamingDecoderCore:
     `run(feeds)` runs one batched step: `feeds` maps every input and state-input name to a
     `[rows, ...]` array; it returns the outputs in the order of `output_names` (config outputs,
     then state outputs), each `[rows, ...]`. Not thread-safe: callers serialise `step()` and
-    `expire_idle()`.
+    `expire_idle()`. Request failures are `ModelError`s (kind, message, TritonError code name).
     """
 
     def __init__(
@@ -360,7 +356,7 @@ class StreamingDecoderCore:
             zero = np.zeros((1, *state.shape), dtype=state.dtype)
             zero.flags.writeable = False
             self._zero_rows.append(zero)
-        self._streams: dict[int | str, _Stream] = {}
+        self._streams: dict[int, _Stream] = {}
         # Statistics since creation, read by the metrics publisher.
         self.runs_total = 0
         self.rows_total = 0
@@ -390,8 +386,9 @@ class StreamingDecoderCore:
         self.expired_total += len(idle)
         return len(idle)
 
-    def _unknown_sequence(self, sequence_id) -> StepError:
-        return StepError(
+    def _unknown_sequence(self, sequence_id) -> ModelError:
+        return ModelError(
+            "unknown_sequence",
             f"sequence {sequence_id} has no decoder state in model '{self._model_name}': send its "
             "first request with the START flag (it was never started, has ended, or was idle for "
             f"more than {self.config.idle_timeout_s:g} s)"
@@ -399,46 +396,43 @@ class StreamingDecoderCore:
 
     def _row_inputs(self, request: StepRequest) -> dict[str, np.ndarray]:
         """Validate one request's inputs; return them as `[1, *dims]` arrays (views, no copy)."""
-        if request.sequence_id in (0, "", None):
-            raise StepError("this model needs a sequence: send a non-zero correlation id")
+        sequence_id = request.sequence_id
+        if not _is_int(sequence_id) or sequence_id <= 0:
+            raise ModelError(
+                "correlation_id",
+                f"this model needs a sequence: send a non-zero uint64 correlation id, got {sequence_id!r}",
+            )
         rows = {}
         for spec in self.config.inputs:
             array = request.inputs.get(spec.name)
             if array is None:
-                raise StepError(f"input '{spec.name}' is missing")
+                raise ModelError("missing_input", f"input '{spec.name}' is missing")
             if array.dtype != spec.dtype:
-                raise StepError(f"input '{spec.name}' has dtype {array.dtype}, expected {spec.dtype}")
-            if self.config.batched:
-                expected = (1, *spec.dims)
-                row_shape = array.shape[1:]
-                batch_ok = array.ndim == len(spec.dims) + 1 and array.shape[0] == 1
-            else:
-                expected = spec.dims
-                row_shape = array.shape
-                batch_ok = array.ndim == len(spec.dims)
-            if not batch_ok or any(
-                want not in (-1, got) for want, got in zip(spec.dims, row_shape)
+                raise ModelError("dtype", f"input '{spec.name}' has dtype {array.dtype}, expected {spec.dtype}")
+            if not (array.ndim == len(spec.dims) + 1 and array.shape[0] == 1) or any(
+                want not in (-1, got) for want, got in zip(spec.dims, array.shape[1:])
             ):
-                raise StepError(
+                raise ModelError(
+                    "shape",
                     f"input '{spec.name}' has shape {list(array.shape)}, expected "
-                    f"{_format_dims(expected)} (one request is one step of one sequence)"
+                    f"{_format_dims((1, *spec.dims))} (one request is one step of one sequence)",
                 )
-            if spec.name == "codes" and self.config.codebook_size and array.size and (
-                array.min() < 0 or array.max() >= self.config.codebook_size
-            ):
+            bounds = self.config.value_ranges.get(spec.name)
+            if bounds is not None and array.size and (array.min() < bounds[0] or array.max() >= bounds[1]):
                 # Checked here so a bad row fails alone instead of failing the batched run.
-                raise StepError(
-                    f"input 'codes' holds values in [{array.min()}, {array.max()}], outside "
-                    f"[0, {self.config.codebook_size})"
+                raise ModelError(
+                    "value_range",
+                    f"input '{spec.name}' holds values in [{array.min()}, {array.max()}], outside "
+                    f"[{bounds[0]}, {bounds[1]}) (parameter value_ranges)",
                 )
-            rows[spec.name] = array if self.config.batched else array[np.newaxis]
+            rows[spec.name] = array
         return rows
 
-    def step(self, requests: Sequence[StepRequest]) -> list[dict[str, np.ndarray] | StepError]:
-        """Run one step for each request; returns, per request, its outputs (`[1, *dims]`, or
-        `[*dims]` without batching) or a StepError. Requests of one sequence run in order (each
-        later one in a following run); all others run together, grouped by input shapes."""
-        results: list[dict[str, np.ndarray] | StepError | None] = [None] * len(requests)
+    def step(self, requests: Sequence[StepRequest]) -> list[dict[str, np.ndarray] | ModelError]:
+        """Run one step for each request; returns, per request, its outputs (`[1, *dims]`) or a
+        ModelError. Requests of one sequence run in order (each later one in a following run); all
+        others run together, grouped by input shapes."""
+        results: list[dict[str, np.ndarray] | ModelError | None] = [None] * len(requests)
         in_this_batch = frozenset(r.sequence_id for r in requests)
         self.expire_idle(keep=in_this_batch)
 
@@ -459,7 +453,7 @@ class StreamingDecoderCore:
                     rows = self._row_inputs(request)
                     if not request.start and request.sequence_id not in self._streams:
                         raise self._unknown_sequence(request.sequence_id)
-                except StepError as error:
+                except ModelError as error:
                     results[index] = error
                     if request.end:
                         # Triton has already released the sequence: nothing can reach this state.
@@ -522,10 +516,11 @@ class StreamingDecoderCore:
                 )
         except Exception as exc:
             for index, _ in members:
-                results[index] = StepError(
+                results[index] = ModelError(
+                    "decoder",
                     f"decoder step failed ({type(exc).__name__}: {exc}); the sequence was ended, "
                     "START it again",
-                    internal=True,
+                    "INTERNAL",
                 )
                 self._streams.pop(requests[index].sequence_id, None)
             self._log_error(
@@ -538,14 +533,9 @@ class StreamingDecoderCore:
         new_rows = _StateRows(outputs[num_outputs:])
         for row, (index, _) in enumerate(members):
             request = requests[index]
-            if self.config.batched:
-                results[index] = {
-                    spec.name: outputs[k][row : row + 1] for k, spec in enumerate(self.config.outputs)
-                }
-            else:
-                results[index] = {
-                    spec.name: outputs[k][row] for k, spec in enumerate(self.config.outputs)
-                }
+            results[index] = {
+                spec.name: outputs[k][row : row + 1] for k, spec in enumerate(self.config.outputs)
+            }
             if request.end:
                 self._streams.pop(request.sequence_id, None)
                 continue
@@ -571,196 +561,3 @@ class StreamingDecoderCore:
                 old = stream.rows
                 stream.rows = _StateRows([array[stream.row : stream.row + 1].copy() for array in old.arrays])
                 stream.row = 0
-
-
-# --- Triton glue ----------------------------------------------------------------------------------
-def create_session(path: Path, intra_op_threads: int, instance_kind: str, device_id: int):
-    """An ONNX Runtime session: CUDA for a GPU instance (onnxruntime-gpu), else CPU."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if intra_op_threads > 0:
-        options.intra_op_num_threads = intra_op_threads
-    if instance_kind.upper() == "GPU":
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise ValueError("a GPU instance needs onnxruntime-gpu (no CUDAExecutionProvider here)")
-        providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
-    else:
-        providers = ["CPUExecutionProvider"]
-    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
-
-
-class _Metrics:
-    """The model's Prometheus metrics; every call is an IPC round trip to the server, so values are
-    only sent when they change."""
-
-    def __init__(self, labels: dict[str, str]):
-        family = pb_utils.MetricFamily
-        # The families must outlive their metrics: a metric of a collected family stops working.
-        self._families = []
-
-        def metric(name, description, kind, **kwargs):
-            self._families.append(family(name=name, description=description, kind=kind))
-            return self._families[-1].Metric(labels=labels, **kwargs)
-
-        self.live = metric(
-            "mimi_decoder_live_streams",
-            "Sequences with decoder state held by this instance",
-            family.GAUGE,
-        )
-        self.batches = metric(
-            "mimi_decoder_batches_total",
-            "Batched decoder steps run (one session run each)",
-            family.COUNTER,
-        )
-        self.batched_requests = metric(
-            "mimi_decoder_batched_requests_total",
-            "Requests run in batched decoder steps (rows over all runs)",
-            family.COUNTER,
-        )
-        self.expired = metric(
-            "mimi_decoder_expired_streams_total",
-            "Sequences whose decoder state was dropped after the idle timeout",
-            family.COUNTER,
-        )
-        self.batch_size = metric(
-            "mimi_decoder_batch_size",
-            "Rows per decoder session run",
-            family.HISTOGRAM,
-            buckets=BATCH_SIZE_BUCKETS,
-        )
-        self._sent = {"live": 0, "runs": 0, "rows": 0, "expired": 0}
-
-    def publish(self, core: StreamingDecoderCore) -> None:
-        sent = self._sent
-        if core.live_streams != sent["live"]:
-            self.live.set(core.live_streams)
-            sent["live"] = core.live_streams
-        if core.runs_total != sent["runs"]:
-            self.batches.increment(core.runs_total - sent["runs"])
-            sent["runs"] = core.runs_total
-        if core.rows_total != sent["rows"]:
-            self.batched_requests.increment(core.rows_total - sent["rows"])
-            sent["rows"] = core.rows_total
-        if core.expired_total != sent["expired"]:
-            self.expired.increment(core.expired_total - sent["expired"])
-            sent["expired"] = core.expired_total
-        for size in core.run_sizes:
-            self.batch_size.observe(size)
-        core.run_sizes.clear()
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self._name = args["model_name"]
-        model_config = json.loads(args["model_config"])
-        try:
-            config = parse_model_config(model_config, pb_utils.triton_string_to_numpy)
-            onnx_path = Path(args["model_repository"]) / args["model_version"] / config.onnx_file
-            if not onnx_path.is_file():
-                raise ValueError(f"ONNX file {onnx_path} does not exist (parameter onnx_file)")
-            session = create_session(
-                onnx_path,
-                config.intra_op_threads,
-                args.get("model_instance_kind", "CPU"),
-                int(args.get("model_instance_device_id", "0")),
-            )
-            config = check_against_onnx(config, session.get_inputs(), session.get_outputs())
-        except ValueError as exc:
-            raise pb_utils.TritonModelException(f"model '{self._name}': {exc}") from None
-
-        core_outputs = [t.name for t in config.outputs] + [s.output for s in config.states]
-        self._core = StreamingDecoderCore(
-            config,
-            lambda feeds: session.run(core_outputs, feeds),
-            model_name=self._name,
-            log_error=pb_utils.Logger.log_error,
-        )
-        self._input_names = [t.name for t in config.inputs]
-        self._start_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
-        self._end_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
-        labels = {
-            "model": self._name,
-            "version": args["model_version"],
-            "instance": args.get("model_instance_name", ""),
-        }
-        try:
-            self._metrics = _Metrics(labels)
-        except Exception as exc:  # metrics disabled on this server, or no MetricFamily
-            pb_utils.Logger.log_warn(f"{self._name}: metrics unavailable ({exc})")
-            self._metrics = None
-        # Serialises the core between execute() and the idle sweeper.
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._sweeper = threading.Thread(
-            target=self._sweep_idle, name=f"{self._name}-idle-expiry", daemon=True
-        )
-        self._sweeper.start()
-        pb_utils.Logger.log_info(
-            f"{self._name}: {len(config.states)} state tensors, idle timeout "
-            f"{config.idle_timeout_s:g} s, ONNX {onnx_path.name}, providers "
-            f"{session.get_providers()}"
-        )
-
-    def _publish_metrics(self) -> None:
-        if self._metrics is not None:
-            try:
-                self._metrics.publish(self._core)
-            except Exception as exc:
-                pb_utils.Logger.log_warn(f"{self._name}: metrics update failed, metrics off ({exc})")
-                self._metrics = None
-
-    def _sweep_idle(self) -> None:
-        """Expire idle sequences even when no request comes, so their memory (and the live-streams
-        gauge) does not wait for traffic."""
-        interval_s = min(max(self._core.config.idle_timeout_s / 4, 0.05), 1.0)
-        while not self._stopping.wait(interval_s):
-            with self._lock:
-                if self._core.expire_idle():
-                    self._publish_metrics()
-
-    def execute(self, requests):
-        step_requests = []
-        for request in requests:
-            tensors = {tensor.name(): tensor for tensor in request.inputs()}
-            inputs = {
-                name: tensors[name].as_numpy() if name in tensors else None
-                for name in self._input_names
-            }
-            flags = request.flags()
-            step_requests.append(
-                StepRequest(
-                    request.correlation_id(),
-                    bool(flags & self._start_flag),
-                    bool(flags & self._end_flag),
-                    inputs,
-                )
-            )
-        with self._lock:
-            results = self._core.step(step_requests)
-            self._publish_metrics()
-
-        responses = []
-        for result in results:
-            if isinstance(result, StepError):
-                if result.internal:
-                    code = pb_utils.TritonError.INTERNAL
-                else:
-                    pb_utils.Logger.log_verbose(f"{self._name}: rejected: {result}")
-                    code = pb_utils.TritonError.INVALID_ARG
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[], error=pb_utils.TritonError(str(result), code)
-                    )
-                )
-            else:
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor(name, array) for name, array in result.items()]
-                    )
-                )
-        return responses
-
-    def finalize(self):
-        self._stopping.set()
-        self._sweeper.join(timeout=5)

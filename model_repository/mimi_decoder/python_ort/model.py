@@ -1,0 +1,197 @@
+"""Triton Python-backend `mimi_decoder` (the python-ort target): the streaming ONNX step in ONNX Runtime,
+with the per-sequence state kept by the model.
+
+Thin on purpose: the config and state handling, validation and batched stepping are in
+`python_ort_core` (pure numpy, unit-tested); idle expiry, errors, the parameter policy and metric
+labels in `triton_streams`. This file reads the config, builds the ONNX Runtime session, turns
+tensors into numpy and back, and publishes the metrics.
+
+Triton never loads this file from the tracked `model_repository/mimi_decoder/python_ort/`: it only
+considers numeric version folders of a model. `export/render.py` copies it, `python_ort_core.py` and
+`triton_streams.py` into a rendered `mimi_decoder/1/` next to `model.onnx`, with the config rendered
+from `config.pbtxt.tmpl`.
+
+Metrics (labels `model`, `version`; instances add up): gauge `mimi_decoder_live_streams`; counters
+`mimi_decoder_batches_total` (session runs), `mimi_decoder_batched_requests_total` (rows run),
+`mimi_decoder_expired_streams_total`; histogram `mimi_decoder_batch_size` (rows per run).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+# The Python backend appends this version directory to sys.path before importing model.py
+# (python_backend r24.10, ModelContext::StubSetup); keep the sibling imports working if it ever stops.
+_MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
+if _MODEL_DIR not in sys.path:
+    sys.path.insert(0, _MODEL_DIR)
+
+import python_ort_core as core  # noqa: E402
+import triton_streams  # noqa: E402
+
+BATCH_SIZE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+
+
+def create_session(path: Path, intra_op_threads: int, instance_kind: str, device_id: int):
+    """An ONNX Runtime session: CUDA for a GPU instance (onnxruntime-gpu), else CPU."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if intra_op_threads > 0:
+        options.intra_op_num_threads = intra_op_threads
+    if instance_kind.upper() == "GPU":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise ValueError("a GPU instance needs onnxruntime-gpu (no CUDAExecutionProvider here)")
+        providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+    else:
+        providers = ["CPUExecutionProvider"]
+    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+
+
+class _Metrics:
+    """The model's Prometheus metrics, sent as changes (every call is an IPC round trip)."""
+
+    def __init__(self, labels):
+        family = pb_utils.MetricFamily
+        # The families must outlive their metrics: a metric of a collected family stops working.
+        self._families = []
+
+        def metric(name, description, kind, **kwargs):
+            self._families.append(family(name=name, description=description, kind=kind))
+            return self._families[-1].Metric(labels=labels, **kwargs)
+
+        self.live = triton_streams.DeltaMetric(metric(
+            "mimi_decoder_live_streams", "Sequences with decoder state held by the model", family.GAUGE
+        ))
+        self.batches = triton_streams.DeltaMetric(metric(
+            "mimi_decoder_batches_total", "Batched decoder steps run (one session run each)", family.COUNTER
+        ))
+        self.batched_requests = triton_streams.DeltaMetric(metric(
+            "mimi_decoder_batched_requests_total",
+            "Requests run in batched decoder steps (rows over all runs)",
+            family.COUNTER,
+        ))
+        self.expired = triton_streams.DeltaMetric(metric(
+            "mimi_decoder_expired_streams_total",
+            "Sequences whose decoder state was dropped after the idle timeout",
+            family.COUNTER,
+        ))
+        self.batch_size = metric(
+            "mimi_decoder_batch_size", "Rows per decoder session run", family.HISTOGRAM, buckets=BATCH_SIZE_BUCKETS
+        )
+
+    def publish(self, decoder: core.StreamingDecoderCore) -> None:
+        self.live.update(decoder.live_streams)
+        self.batches.update(decoder.runs_total)
+        self.batched_requests.update(decoder.rows_total)
+        self.expired.update(decoder.expired_total)
+        for size in decoder.run_sizes:
+            self.batch_size.observe(size)
+        decoder.run_sizes.clear()
+
+    def close(self) -> None:
+        # This instance's streams leave the shared gauge with it.
+        self.live.withdraw()
+        # Metrics go before their families (python_backend custom-metrics contract).
+        self.live = self.batches = self.batched_requests = self.expired = self.batch_size = None
+        self._families.clear()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self._name = args["model_name"]
+        try:
+            config = core.parse_model_config(json.loads(args["model_config"]), pb_utils.triton_string_to_numpy)
+            onnx_path = Path(args["model_repository"]) / args["model_version"] / config.onnx_file
+            if not onnx_path.is_file():
+                raise ValueError(f"ONNX file {onnx_path} does not exist (parameter onnx_file)")
+            session = create_session(
+                onnx_path,
+                config.intra_op_threads,
+                args.get("model_instance_kind", "CPU"),
+                int(args.get("model_instance_device_id", "0")),
+            )
+            config = core.check_against_onnx(config, session.get_inputs(), session.get_outputs())
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(f"model '{self._name}': {exc}") from None
+
+        self._core = core.StreamingDecoderCore(
+            config,
+            lambda feeds: session.run(self._core.output_names, feeds),
+            model_name=self._name,
+            log_error=pb_utils.Logger.log_error,
+        )
+        self._input_names = [t.name for t in config.inputs]
+        self._start_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+        self._end_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+        try:
+            self._metrics = _Metrics(triton_streams.metric_labels(self._name, args["model_version"]))
+        except Exception as exc:  # metrics disabled on this server, or no MetricFamily
+            pb_utils.Logger.log_warn(f"{self._name}: metrics unavailable ({exc})")
+            self._metrics = None
+        self._sweeper = triton_streams.IdleSweeper(
+            config.idle_timeout_s,
+            self._expire_idle,
+            name=f"{self._name}-idle-expiry",
+            log_error=pb_utils.Logger.log_error,
+        )
+        self._sweeper.start()
+        pb_utils.Logger.log_info(
+            f"{self._name}: {len(config.states)} state tensors, idle timeout "
+            f"{config.idle_timeout_s:g} s, ONNX {onnx_path.name}, providers {session.get_providers()}"
+        )
+
+    def _publish_metrics(self) -> None:
+        if self._metrics is not None:
+            try:
+                self._metrics.publish(self._core)
+            except Exception as exc:
+                pb_utils.Logger.log_warn(f"{self._name}: metrics update failed, metrics off ({exc})")
+                self._metrics = None
+
+    def _expire_idle(self) -> None:
+        # Called by the sweeper thread under its lock.
+        if self._core.expire_idle():
+            self._publish_metrics()
+
+    def execute(self, requests):
+        step_requests = []
+        for request in requests:
+            tensors = {tensor.name(): tensor for tensor in request.inputs()}
+            flags = request.flags()
+            step_requests.append(
+                core.StepRequest(
+                    request.correlation_id(),
+                    bool(flags & self._start_flag),
+                    bool(flags & self._end_flag),
+                    {name: tensors[name].as_numpy() if name in tensors else None for name in self._input_names},
+                )
+            )
+        with self._sweeper.lock:
+            results = self._core.step(step_requests)
+            self._publish_metrics()
+
+        responses = []
+        for result in results:
+            if isinstance(result, triton_streams.ModelError):
+                if result.code == "INVALID_ARG":
+                    pb_utils.Logger.log_verbose(f"{self._name}: rejected: {result}")
+                error = pb_utils.TritonError(str(result), getattr(pb_utils.TritonError, result.code))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+            else:
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[pb_utils.Tensor(name, array) for name, array in result.items()]
+                    )
+                )
+        return responses
+
+    def finalize(self):
+        if not self._sweeper.stop(timeout_s=5.0):
+            pb_utils.Logger.log_warn(f"{self._name}: the idle sweeper did not stop in 5 s")
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None

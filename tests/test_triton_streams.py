@@ -1,0 +1,174 @@
+"""Unit tests of model_repository/common/triton_streams.py, the file both Python models share (no server)."""
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+COMMON_DIR = Path(__file__).resolve().parents[1] / "model_repository" / "common"
+sys.path.insert(0, str(COMMON_DIR))  # as render places it: beside the models, imported by name
+
+import triton_streams  # noqa: E402
+
+# --------------------------------------------------------------------------------------------------
+# idle sweeper
+
+
+def test_sweep_interval_is_a_quarter_of_the_timeout_within_bounds():
+    assert triton_streams.sweep_interval_s(2.0) == 0.5
+    assert triton_streams.sweep_interval_s(0.1) == 0.05
+    assert triton_streams.sweep_interval_s(30.0) == 1.0
+
+
+def test_sweeper_expires_on_its_own_under_the_lock_and_stops_promptly():
+    calls, held = [], []
+    swept = threading.Event()
+
+    def expire():
+        calls.append(time.monotonic())
+        held.append(sweeper.lock.locked())
+        if len(calls) >= 3:
+            swept.set()
+
+    sweeper = triton_streams.IdleSweeper(0.2, expire, name="test-sweeper")  # interval 50 ms
+    assert sweeper.interval_s == 0.05
+    sweeper.start()
+    try:
+        assert swept.wait(5), "the sweeper never called expire()"
+        # While execute holds the lock, no sweep runs.
+        with sweeper.lock:
+            count = len(calls)
+            time.sleep(0.2)
+            assert len(calls) == count
+    finally:
+        started = time.monotonic()
+        assert sweeper.stop(timeout_s=2.0)
+        assert time.monotonic() - started < 0.5
+    assert all(held)
+    count = len(calls)
+    time.sleep(0.15)
+    assert len(calls) == count
+
+
+def test_sweeper_survives_a_failing_expiry_and_logs_it():
+    logged, calls = [], []
+    done = threading.Event()
+
+    def expire():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        done.set()
+
+    sweeper = triton_streams.IdleSweeper(0.2, expire, name="failing-sweeper", log_error=logged.append)
+    sweeper.start()
+    try:
+        assert done.wait(5)
+    finally:
+        assert sweeper.stop()
+    assert "failing-sweeper: idle expiry failed" in logged[0] and "RuntimeError: boom" in logged[0]
+
+
+def test_a_sweeper_never_started_stops():
+    assert triton_streams.IdleSweeper(1.0, lambda: None, name="idle").stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# parameter policy
+
+SCHEMA = {"name": str, "count": int, "ratio": float, "table": json.loads}
+
+
+def model_config(idle_us="30000000", **parameters):
+    values = {"name": " decoder ", "count": "3", "ratio": "0.5", "table": '{"a": [0, 2]}'}
+    values.update(parameters)
+    config = {"parameters": {key: {"string_value": value} for key, value in values.items() if value is not None}}
+    if idle_us is not None:
+        config["sequence_batching"] = {"max_sequence_idle_microseconds": idle_us}
+    return config
+
+
+def test_parameters_are_parsed_by_type():
+    values, idle_timeout_s = triton_streams.read_parameters(model_config(), SCHEMA)
+    assert values == {"name": "decoder", "count": 3, "ratio": 0.5, "table": {"a": [0, 2]}}
+    assert idle_timeout_s == 30.0
+    # Triton's JSON gives uint64 fields as strings; an int works as well.
+    assert triton_streams.read_parameters(model_config(idle_us=2_000_000), SCHEMA)[1] == 2.0
+
+
+@pytest.mark.parametrize(
+    "config, parameter, message",
+    [
+        pytest.param(model_config(count=None), "count", "missing from the model config's parameters", id="missing"),
+        pytest.param(model_config(cuont="3"), "cuont", "unknown parameter (known: name, count, ratio, table)",
+                     id="unknown"),
+        pytest.param(model_config(count="3x"), "count", "not an integer: '3x'", id="not-int"),
+        pytest.param(model_config(ratio="half"), "ratio", "not a number: 'half'", id="not-float"),
+        pytest.param(model_config(table="{a"), "table", "not valid JSON: '{a'", id="not-json"),
+        pytest.param({**model_config(), "parameters": {**model_config()["parameters"], "count": {"int_value": 3}}},
+                     "count", "expected a string_value", id="not-string"),
+        pytest.param(model_config(idle_us=None), triton_streams.IDLE_TIMEOUT_FIELD,
+                     "missing: set it explicitly (Triton's default is 1 s)", id="idle-missing"),
+        pytest.param(model_config(idle_us="0"), triton_streams.IDLE_TIMEOUT_FIELD, "must be positive, got 0",
+                     id="idle-zero"),
+        pytest.param(model_config(idle_us="soon"), triton_streams.IDLE_TIMEOUT_FIELD, "not an integer: 'soon'",
+                     id="idle-not-int"),
+    ],
+)
+def test_bad_parameters_fail_naming_the_parameter(config, parameter, message):
+    with pytest.raises(triton_streams.ConfigError) as info:
+        triton_streams.read_parameters(config, SCHEMA)
+    assert info.value.parameter == parameter
+    assert str(info.value).startswith(f"parameter '{parameter}': ")
+    assert message in str(info.value)
+
+
+def test_a_parser_of_its_own_words_its_error():
+    def positive(text):
+        if int(text) <= 0:
+            raise ValueError(f"must be positive, got {text}")
+        return int(text)
+
+    with pytest.raises(triton_streams.ConfigError, match=r"^parameter 'count': must be positive, got -1$"):
+        triton_streams.read_parameters(model_config(count="-1"), {**SCHEMA, "count": positive})
+
+
+# --------------------------------------------------------------------------------------------------
+# errors and metrics
+
+
+def test_model_errors_carry_a_kind_and_a_triton_error_code_name():
+    client = triton_streams.ModelError("shape", "input 'codes' has shape [2]")
+    assert client.kind == "shape" and client.code == "INVALID_ARG" and str(client) == "input 'codes' has shape [2]"
+    server = triton_streams.ModelError("decoder", "step failed", "INTERNAL")
+    assert triton_streams.error_code(client) == "INVALID_ARG"
+    assert triton_streams.error_code(server) == "INTERNAL"
+    assert triton_streams.error_code(KeyError("bug")) == "INTERNAL"
+    with pytest.raises(ValueError, match="error code 'BAD_REQUEST' is not one of UNKNOWN, INTERNAL"):
+        triton_streams.ModelError("shape", "message", "BAD_REQUEST")
+
+
+def test_metric_labels_name_the_model_and_version():
+    assert triton_streams.metric_labels("mimi_decoder", 1) == {"model": "mimi_decoder", "version": "1"}
+
+
+class FakeMetric:
+    def __init__(self):
+        self.value = 0
+
+    def increment(self, delta):
+        self.value += delta
+
+
+def test_delta_metrics_of_two_instances_add_up_and_withdraw():
+    shared = FakeMetric()  # one series: same name and labels
+    first, second = triton_streams.DeltaMetric(shared), triton_streams.DeltaMetric(shared)
+    first.update(3)
+    second.update(2)
+    first.update(1)
+    assert shared.value == 3
+    first.withdraw()
+    assert shared.value == 2 and first.sent == 0
