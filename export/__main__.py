@@ -1,6 +1,6 @@
 """Command line of the export side (`code2wav-export`, or `python -m mimi_code2wav.export`).
 
-  code2wav-export build  [--weights SRC | --random-init --seed N] [--frames-per-step F] [--window moshi|exact]
+  code2wav-export build  [--weights SRC | --random-init --seed N] [--max-frames-per-step 16] [--window moshi|exact]
                          [--kv-cache-dtype float32|float16] [--opset 17] [--out DIR] [--force]
   code2wav-export render --target onnxruntime|tensorrt|python-ort --export-dir DIR --out DIR
   code2wav-export render --check-in      (rewrites model_repository/mimi_decoder/config.pbtxt)
@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_options(p):
         p.add_argument("--num-codebooks", type=int, default=8)
-        p.add_argument("--frames-per-step", type=int, default=1, help="frames per decoder call (serving uses 1)")
+        p.add_argument("--max-frames-per-step", type=int, default=16,
+                       help="the most frames one decoder call takes (any 1..N per call, one state)")
         p.add_argument("--window", choices=("moshi", "exact"), default="moshi",
                        help="moshi: equal to moshi's streaming decoder; exact: equal to offline decoding")
         p.add_argument("--kv-cache-dtype", choices=("float32", "float16"), default="float32")
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"error: {error}")
                 return 1
             return 0
-        options = ExportOptions(args.num_codebooks, args.frames_per_step, args.window, args.kv_cache_dtype, args.opset)
+        options = ExportOptions(args.num_codebooks, args.max_frames_per_step, args.window, args.kv_cache_dtype, args.opset)
         if args.command == "build":
             loaded = choose_weights(args.weights, args.random_init, args.seed)
             print(build(options, loaded, args.out or export_dir_for(options), args.force))

@@ -58,16 +58,16 @@ def step_flops_per_frame(step) -> float:
         out_ch, in_per_group, kernel = layer.weight.shape
         return 2 * out_ch * in_per_group * kernel * length
 
-    def convtr(layer):
+    def convtr(layer, length):
         in_ch, out_per_group, kernel = layer.weight.shape
-        return 2 * in_ch * out_per_group * kernel * layer.input_length
+        return 2 * in_ch * out_per_group * kernel * length
 
-    flops += convtr(step.upsample) / step.frames_per_step
+    flops += convtr(step.upsample, 1)
     length = steps
     for layer in step.seanet:
         if isinstance(layer, _StreamingConvTranspose):
-            flops += convtr(layer) / step.frames_per_step
-            length = layer.input_length * layer.stride // step.frames_per_step
+            flops += convtr(layer, length)
+            length *= layer.stride
         elif isinstance(layer, _StreamingConv):
             flops += conv(layer, length)
         elif isinstance(layer, _SEANetBlock):
@@ -138,16 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     # The step module in eager PyTorch and in ONNX Runtime.
     import onnxruntime as ort
 
+    step = build_step(loaded.model, ExportOptions(max_frames_per_step=max(args.frames_per_call)))
+    spec = export_onnx(step, work / "model.onnx", log=lambda *_: None)
     for frames in args.frames_per_call:
-        step = build_step(loaded.model, ExportOptions(frames_per_step=frames))
-        folder = work / f"f{frames}"
-        spec = export_onnx(step, folder / "model.onnx", log=lambda *_: None)
         for threads in args.threads:
             torch.set_num_threads(threads)
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
-            session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(str(work / "model.onnx"), options, providers=["CPUExecutionProvider"])
             names = [t.name for t in spec.inputs]
             for batch in args.batches:
                 codes = rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32)

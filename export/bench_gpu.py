@@ -39,11 +39,10 @@ def _time_cuda(run, seconds: float, warmup: int = 3) -> float:
     return (time.perf_counter() - started) / calls
 
 
-def measure(step, batch: int, seconds: float, device) -> dict[str, float]:
-    """Seconds per call, eager and CUDA graph, for one batch size."""
+def measure(step, batch: int, frames: int, seconds: float, device) -> dict[str, float]:
+    """Seconds per call, eager and CUDA graph, for one batch size and frames per call."""
     import torch
 
-    frames = step.frames_per_step
     codes = torch.randint(0, step.codebook_size, (batch, step.num_codebooks, frames), dtype=torch.int32, device=device)
     state = [s.to(device) for s in step.zero_state(batch)]
 
@@ -96,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     loaded = random_model(0)
     rows = []
+    step = MimiDecoderStep(loaded.model, max_frames_per_step=max(args.frames_per_call),
+                           kv_cache_dtype=args.kv_cache_dtype).eval().to(device)
     for frames in args.frames_per_call:
-        step = MimiDecoderStep(loaded.model, frames_per_step=frames, kv_cache_dtype=args.kv_cache_dtype).eval().to(device)
         for batch in args.batches:
-            timing = measure(step, batch, args.seconds, device)
+            timing = measure(step, batch, frames, args.seconds, device)
             for mode in ("eager", "cuda_graph"):
                 per_call = timing[f"{mode}_s"]
                 per_frame_ms = per_call * 1000 / (batch * frames)

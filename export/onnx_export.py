@@ -1,8 +1,9 @@
 """ONNX export of the decoder step, with a manifest so a stale export can be detected.
 
-The graph is static apart from the batch dimension: sizes are Python ints at trace time, so no Shape
-op, no scatter and no slice by a runtime value appears. Opset 17-20 and an IR version the ONNX
-Runtime inside the NGC 24.10 image reads (1.19: IR <= 10) keep the model loadable there.
+The batch and frame dimensions are the graph's only dynamic ones: every other size is a Python int at
+trace time, and nothing is data-dependent (no scatter, no NonZero, no control flow). Opset 17-20 and
+an IR version the ONNX Runtime inside the NGC 24.10 image reads (1.19: IR <= 10) keep the model
+loadable there.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ OPSETS = (17, 18, 19, 20)
 MAX_IR_VERSION = 10  # onnxruntime 1.19 (NGC 24.10) reads IR versions up to 10
 MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
-# Ops that must never appear: they would make shapes data-dependent or break TensorRT's static plan.
-FORBIDDEN_OPS = ("Shape", "ScatterND", "ScatterElements", "Scatter", "NonZero", "Loop", "If", "Range")
+# Ops that must never appear: they would make shapes depend on values, not on (batch, frames).
+FORBIDDEN_OPS = ("ScatterND", "ScatterElements", "Scatter", "NonZero", "Loop", "If")
+# The symbolic dims of the dynamic axes, in the graph and in the TensorRT profile.
+BATCH_DIM, FRAMES_DIM, SAMPLES_DIM = "batch", "frames", "samples"
 
 
 @dataclass(frozen=True)
 class ExportOptions:
     num_codebooks: int = 8
-    frames_per_step: int = 1
+    max_frames_per_step: int = 16
     window: str = "moshi"
     kv_cache_dtype: str = "float32"
     opset: int = 17
@@ -42,7 +45,7 @@ def build_step(model, options: ExportOptions) -> MimiDecoderStep:
     return MimiDecoderStep(
         model,
         num_codebooks=options.num_codebooks,
-        frames_per_step=options.frames_per_step,
+        max_frames_per_step=options.max_frames_per_step,
         window=options.window,
         kv_cache_dtype=options.kv_cache_dtype,
     ).eval()
@@ -54,15 +57,18 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
 
     spec = step.spec()
     spec.validate()
-    batch = 2  # any size > 1, so the exporter cannot specialise the batch dimension
-    codes = torch.zeros(batch, spec.num_codebooks, spec.frames_per_step, dtype=torch.int32)
+    # Sizes > 1 that occur nowhere else, so the tracer cannot specialise either dynamic dimension.
+    batch, frames = 2, 3
+    codes = torch.zeros(batch, spec.num_codebooks, frames, dtype=torch.int32)
     args = (codes, *step.zero_state(batch))
     input_names = [t.name for t in spec.inputs]
     output_names = [t.name for t in spec.outputs]
-    dynamic_axes = {name: {0: "batch"} for name in input_names + output_names}
+    dynamic_axes = {name: {0: BATCH_DIM} for name in input_names + output_names}
+    dynamic_axes[spec.codes.name][2] = FRAMES_DIM
+    dynamic_axes[spec.pcm.name][1] = SAMPLES_DIM
     path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    log(f"exporting ONNX (opset {opset}, {spec.frames_per_step} frame(s) per step, window {spec.window}, "
+    log(f"exporting ONNX (opset {opset}, 1-{spec.max_frames_per_step} frames per call, window {spec.window}, "
         f"kv cache {spec.kv_cache_dtype}) ...")
     with torch.no_grad():
         torch.onnx.export(
@@ -84,21 +90,26 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
     onnx.checker.check_model(str(path), full_check=True)
     found = sorted({node.op_type for node in model.graph.node} & set(FORBIDDEN_OPS))
     if found:
-        raise RuntimeError(f"exported graph contains ops that break static shapes: {found}")
+        raise RuntimeError(f"exported graph contains data-dependent ops: {found}")
     log(f"  {path} ({path.stat().st_size / 2**20:.1f} MiB) passed onnx.checker (full check)")
     return spec
 
 
 def _pin_io_shapes(model, spec: DecoderSpec) -> None:
-    """Declare every graph input and output as [batch, *per-stream shape] from the spec."""
+    """Declare every graph input and output as [batch, *per-stream shape] from the spec (its -1 dims
+    as `frames` for codes and `samples` for PCM)."""
     by_name = {t.name: t for t in (*spec.inputs, *spec.outputs)}
+    variable = {spec.codes.name: FRAMES_DIM, spec.pcm.name: SAMPLES_DIM}
     for value in list(model.graph.input) + list(model.graph.output):
         tensor = by_name[value.name]
         dims = value.type.tensor_type.shape.dim
         del dims[:]
-        dims.add().dim_param = "batch"
+        dims.add().dim_param = BATCH_DIM
         for size in tensor.shape:
-            dims.add().dim_value = size
+            if size == -1:
+                dims.add().dim_param = variable[value.name]
+            else:
+                dims.add().dim_value = size
 
 
 def exporter_sha256() -> str:

@@ -20,7 +20,7 @@ def log(message: str) -> None:
 
 
 def export_dir_for(options: ExportOptions, root: Path = DEFAULT_EXPORT_DIR) -> Path:
-    return root / f"f{options.frames_per_step}-{options.window}-kv{options.kv_cache_dtype}-k{options.num_codebooks}"
+    return root / f"f{options.max_frames_per_step}-{options.window}-kv{options.kv_cache_dtype}-k{options.num_codebooks}"
 
 
 def choose_weights(weights: str | None, random_init: bool, seed: int | None, allow_default: bool = False):

@@ -43,7 +43,7 @@ def step_reference(model, codes: np.ndarray) -> np.ndarray:
 
     from .step import MimiDecoderStep
 
-    step = MimiDecoderStep(model, num_codebooks=codes.shape[1], frames_per_step=1, window="moshi").eval()
+    step = MimiDecoderStep(model, num_codebooks=codes.shape[1], window="moshi").eval()
     state = step.zero_state(codes.shape[0])
     chunks = []
     with torch.no_grad():

@@ -23,7 +23,8 @@ PCM = "pcm"
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor; `shape` is per stream (the batch dimension, always first, is not included)."""
+    """One tensor; `shape` is per stream (the batch dimension, always first, is not included);
+    -1 marks the frame dimension, which varies from call to call (1 .. max_frames_per_step)."""
 
     name: str
     dtype: str
@@ -59,7 +60,7 @@ class DecoderSpec:
 
     num_codebooks: int
     codebook_size: int
-    frames_per_step: int
+    max_frames_per_step: int
     samples_per_frame: int
     sample_rate_hz: int
     window: str
@@ -68,11 +69,11 @@ class DecoderSpec:
 
     @property
     def codes(self) -> TensorSpec:
-        return TensorSpec(CODES, "int32", (self.num_codebooks, self.frames_per_step))
+        return TensorSpec(CODES, "int32", (self.num_codebooks, -1))
 
     @property
     def pcm(self) -> TensorSpec:
-        return TensorSpec(PCM, "float32", (self.samples_per_frame * self.frames_per_step,))
+        return TensorSpec(PCM, "float32", (-1,))
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:

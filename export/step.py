@@ -1,10 +1,11 @@
 """Mimi's decoder as one streaming step with explicit, fixed-shape state.
 
 `MimiDecoderStep` maps `codes [B, k, F] int32` plus the stream state to `pcm [B, 1920*F] float32`
-plus the updated state. Every state tensor is batch first with a fixed per-stream shape, and an
+plus the updated state, for any F in [1, max_frames_per_step]. Every state tensor is batch first with
+a fixed per-stream shape that does not depend on F, so one stream may mix call sizes freely, and an
 all-zero state is a fresh stream. Rows of a batch never interact, so steps of streams of different
-ages batch together. Updates are functional (concatenate, then keep a constant slice): the graph has
-no scatter, no Shape ops and no slicing by runtime values; only the batch dimension is dynamic.
+ages batch together. Updates are functional (concatenate, then keep a constant slice): no scatter, no
+data-dependent shapes; the batch and frame dimensions are the only dynamic ones.
 
 State (see `export.spec`):
   state_*_00_kv_cache  [L, 2, H, N, D]  keys (RoPE applied) and values of the last N transformer steps
@@ -76,23 +77,21 @@ class _StreamingConvTranspose(nn.Module):
         self.stride = conv.stride[0]
         self.groups = conv.groups
         self.channels = conv.out_channels
-        self.input_length = 0  # set once the step's frame count is known
         if conv.kernel_size[0] != 2 * self.stride or self.groups not in (1, self.channels):
             raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
 
     def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
-        steps, stride, channels = self.input_length, self.stride, self.channels
+        stride, channels = self.stride, self.channels
         if self.groups == 1:
             # [B, T, Cin] @ [Cin, Cout * K] -> [B, T, Cout, K]
-            cols = torch.matmul(x.transpose(1, 2), self.weight.flatten(1)).view(-1, steps, channels, 2 * stride)
+            cols = torch.matmul(x.transpose(1, 2), self.weight.flatten(1)).unflatten(2, (channels, 2 * stride))
         else:  # depthwise: [B, T, C, 1] * [C, K]
             cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
         first, second = cols[..., :stride], cols[..., stride:]
-        previous = state.take(channels, stride)[:, None]  # [B, 1, Cout, s]
-        if steps > 1:
-            previous = torch.cat([previous, second[:, : steps - 1]], dim=1)
-        state.put(second[:, steps - 1])
-        y = (first + previous).permute(0, 2, 1, 3).reshape(-1, channels, steps * stride)
+        # Block t takes the second half of step t - 1: the state for t = 0, then steps 0 .. T-2.
+        previous = torch.cat([state.take(channels, stride)[:, None], second[:, :-1]], dim=1)  # [B, T, Cout, s]
+        state.put(second[:, -1])
+        y = (first + previous).permute(0, 2, 1, 3).flatten(2)
         if self.bias is not None:
             y = y + self.bias[None, :, None]
         return y
@@ -143,7 +142,8 @@ class _SEANetBlock(nn.Module):
 
 
 class MimiDecoderStep(nn.Module):
-    """One streaming decoder step over F frames for a batch of independent streams.
+    """One streaming decoder step over F frames (1 <= F <= max_frames_per_step) for a batch of
+    independent streams.
 
     forward(codes [B, k, F] int32, kv_cache, conv, position [B, 1] int32)
         -> (pcm [B, 1920 * F] float32, kv_cache', conv', position')
@@ -153,7 +153,7 @@ class MimiDecoderStep(nn.Module):
         self,
         model,
         num_codebooks: int = 8,
-        frames_per_step: int = 1,
+        max_frames_per_step: int = 16,
         window: str = "moshi",
         kv_cache_dtype: str = "float32",
         dtype: torch.dtype = torch.float32,
@@ -174,11 +174,9 @@ class MimiDecoderStep(nn.Module):
             raise ValueError(f"num_codebooks must be in [1, {config.num_quantizers}], got {num_codebooks}")
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be float32 or float64 (RoPE angles need >= fp32), got {dtype}")
-        if frames_per_step < 1:
-            raise ValueError(f"frames_per_step must be >= 1, got {frames_per_step}")
         self.num_codebooks = num_codebooks
         self.codebook_size = config.codebook_size
-        self.frames_per_step = frames_per_step
+        self.max_frames_per_step = max_frames_per_step
         self.window = window
         self.kv_cache_dtype = kv_cache_dtype
         self.dtype = dtype
@@ -195,6 +193,10 @@ class MimiDecoderStep(nn.Module):
         # Past keys a step needs: offline decoding sees `context` keys including its own; moshi's ring
         # loses the oldest keys to the rest of the frame, so a frame's steps need steps_per_frame - 1 fewer.
         self.cache_len = self.context - (self.steps_per_frame if window == "moshi" else 1)
+        # A call's new keys must fit the cache it shifts through (the window covers far fewer frames).
+        if not 1 <= max_frames_per_step * self.steps_per_frame <= self.cache_len:
+            raise ValueError(f"max_frames_per_step must be in [1, {self.cache_len // self.steps_per_frame}], "
+                             f"got {max_frames_per_step}")
 
         decoder = model.decoder
         with torch.no_grad():
@@ -247,14 +249,9 @@ class MimiDecoderStep(nn.Module):
             else:
                 self.seanet.append(layer)
 
-        self.steps = self.steps_per_frame * frames_per_step
-        self.upsample.input_length = frames_per_step
-        length = self.steps
-        for layer in self.seanet:
-            if isinstance(layer, _StreamingConvTranspose):
-                layer.input_length = length
-                length *= layer.stride
-        self.register_buffer("attn_allowed", self._window_mask(self.steps), persistent=False)
+        # The mask of the largest call; a call of T steps uses its first T rows and n + T columns.
+        max_steps = self.steps_per_frame * max_frames_per_step
+        self.register_buffer("attn_allowed", self._window_mask(max_steps), persistent=False)
         self.conv_pieces = self._discover_conv_layout()
         self.conv_state_size = sum(c * n for c, n in self.conv_pieces)
 
@@ -290,7 +287,7 @@ class MimiDecoderStep(nn.Module):
     def _discover_conv_layout(self) -> list[tuple[int, int]]:
         with torch.no_grad():
             state = _ConvState(None, self.dtype)
-            x = torch.zeros(1, self.upsample.channels, self.frames_per_step, dtype=self.dtype)
+            x = torch.zeros(1, self.upsample.channels, 1, dtype=self.dtype)
             x = self.upsample(x, state)
             x = torch.zeros(1, x.shape[1], x.shape[2], dtype=self.dtype)
             self._seanet(x, state)
@@ -303,7 +300,7 @@ class MimiDecoderStep(nn.Module):
         return DecoderSpec(
             num_codebooks=self.num_codebooks,
             codebook_size=self.codebook_size,
-            frames_per_step=self.frames_per_step,
+            max_frames_per_step=self.max_frames_per_step,
             samples_per_frame=self.samples_per_frame,
             sample_rate_hz=self.sample_rate_hz,
             window=self.window,
@@ -336,14 +333,14 @@ class MimiDecoderStep(nn.Module):
         x, kv_cache = self._transformer(x.transpose(1, 2), kv_cache, position)
         pcm = self._seanet(x.transpose(1, 2), conv_state)
         new_conv = torch.cat(conv_state.updates, dim=1)
-        return pcm.flatten(1).float(), kv_cache, new_conv, position + self.steps
+        return pcm.flatten(1).float(), kv_cache, new_conv, position + codes.shape[2] * self.steps_per_frame
 
     def _seanet(self, x, state: _ConvState):
         for layer in self.seanet:
             x = layer(x, state) if isinstance(layer, (_StreamingConv, _StreamingConvTranspose, _SEANetBlock)) else layer(x)
         return x
 
-    def _rope(self, position, steps: int):
+    def _rope(self, position, steps):
         """cos, sin [B, 1, T, head_dim] for positions position + [0, T)."""
         positions = position + torch.arange(steps, dtype=torch.int32, device=position.device).view(1, -1)
         block = torch.div(positions, ROPE_BLOCK, rounding_mode="trunc")
@@ -353,13 +350,13 @@ class MimiDecoderStep(nn.Module):
         return angles.cos(), angles.sin()
 
     def _transformer(self, x, kv_cache, position):
-        steps, hidden = self.steps, self.hidden_size
+        steps, hidden = x.shape[1], self.hidden_size
         heads, head_dim, n = self.num_heads, self.head_dim, self.cache_len
         cos, sin = self._rope(position, steps)
         # A key slot holds a real step only once the stream has produced it.
         slot = torch.arange(n + steps, dtype=torch.int32, device=x.device).view(1, -1) - n
         filled = (slot + position) >= 0  # [B, n + T]
-        allowed = self.attn_allowed[None, None] & filled[:, None, None, :]
+        allowed = self.attn_allowed[:steps, : n + steps][None, None] & filled[:, None, None, :]
         bias = torch.where(allowed, torch.zeros((), dtype=self.dtype, device=x.device),
                            torch.full((), -math.inf, dtype=self.dtype, device=x.device))
         bias_past, bias_new = bias[..., :n], bias[..., n:]
@@ -368,7 +365,7 @@ class MimiDecoderStep(nn.Module):
         new_entries = []
         for index, block in enumerate(self.layers):
             h = F.layer_norm(x, (hidden,), block.norm1.weight, block.norm1.bias, block.norm1.eps)
-            qkv = F.linear(h, block.qkv).view(-1, steps, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+            qkv = F.linear(h, block.qkv).unflatten(2, (3, heads, head_dim)).permute(2, 0, 3, 1, 4)
             q, k, v = qkv[0], qkv[1], qkv[2]
             q = q * cos + _rotate_half(q, head_dim // 2) * sin
             k = k * cos + _rotate_half(k, head_dim // 2) * sin
@@ -384,14 +381,14 @@ class MimiDecoderStep(nn.Module):
             ], dim=-1)
             weights = torch.softmax(scores, dim=-1)
             attn = torch.matmul(weights[..., :n], past_v) + torch.matmul(weights[..., n:], v)
-            attn = attn.transpose(1, 2).reshape(-1, steps, hidden)
+            attn = attn.transpose(1, 2).flatten(2)
             x = x + block.scale1 * F.linear(attn, block.out)
             h = F.layer_norm(x, (hidden,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
             x = x + block.scale2 * F.linear(F.gelu(F.linear(h, block.fc1)), block.fc2)
             new_entries.append(torch.stack([k, v], dim=1))  # [B, 2, H, T, D]
-        # Shift the whole cache once: drop the oldest `steps` entries of every layer, append the new.
+        # Shift the whole cache once: append the new entries of every layer, keep the last n.
         new = torch.stack(new_entries, dim=1).to(cache_dtype)
-        return x, torch.cat([kv_cache[:, :, :, :, steps:], new], dim=4)
+        return x, torch.cat([kv_cache, new], dim=4)[:, :, :, :, -n:]
 
 
 def _rotate_half(x, half: int):

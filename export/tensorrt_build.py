@@ -26,14 +26,20 @@ from .spec import DecoderSpec
 EXIT_NO_TENSORRT = 3
 
 
-def profile_shapes(spec: DecoderSpec, max_batch: int, opt_batch: int | None = None) -> dict[str, dict[str, list[int]]]:
-    """min/opt/max shapes of every input for one optimisation profile over batch."""
+def profile_shapes(spec: DecoderSpec, max_batch: int, opt_batch: int | None = None,
+                   opt_frames: int = 1) -> dict[str, dict[str, list[int]]]:
+    """min/opt/max shapes of every input for one optimisation profile over (batch, frames): batch
+    1..max_batch, frames 1..max_frames_per_step (the -1 dim of codes); opt at live streams' 1 frame."""
     opt_batch = opt_batch or max(1, min(max_batch, 16))
+
+    def dims(tensor, batch: int, frames: int) -> list[int]:
+        return [batch, *(frames if size == -1 else size for size in tensor.shape)]
+
     return {
         tensor.name: {
-            "min": [1, *tensor.shape],
-            "opt": [opt_batch, *tensor.shape],
-            "max": [max_batch, *tensor.shape],
+            "min": dims(tensor, 1, 1),
+            "opt": dims(tensor, opt_batch, opt_frames),
+            "max": dims(tensor, max_batch, spec.max_frames_per_step),
         }
         for tensor in spec.inputs
     }

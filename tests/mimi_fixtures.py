@@ -6,6 +6,7 @@ serving needs it; a tiny config covers the rest of the option matrix.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,12 @@ CODES_SEED = 5
 #   row 0 decodes stream A from the start,
 #   row 1 decodes junk until call 20, is reset, then decodes stream B (rows of different ages),
 #   row 2 decodes stream C1 for 88 frames, is reset mid-run, then decodes stream C2.
-# Every boundary is a multiple of 4, so F = 1, 2 and 4 frames per call run the same scenario.
+# A schedule of call sizes is cut at the resets, so any schedule runs the same scenario.
 CALLS = 168
+# Mixed call sizes within one stream, every F from 1 to 16, laid out so that the resets (calls 20 and
+# 88) fall between calls: streams may mix call sizes freely on one state.
+MIXED_CALLS = (1, 3, 16, 2, 12, 10, 9, 8, 7, 6, 5, 4, 3, 2, 16, 15, 14, 13, 11, 1, 10)
+MAX_FRAMES_PER_CALL = 16
 B_START = 20
 C_RESET = 88
 
@@ -76,17 +81,33 @@ def make_scenario(num_codebooks: int = 8, codebook_size: int = 2048, seed: int =
     return Scenario(codes, {B_START: [1], C_RESET: [2]}, streams, placement)
 
 
-def run_scenario(step_fn, zero_state_fn, scenario: Scenario, frames_per_call: int) -> np.ndarray:
-    """Run the batched scenario through a step function; returns PCM [3, CALLS * samples_per_frame]."""
+def call_sizes(schedule: int | tuple[int, ...], scenario: Scenario) -> list[int]:
+    """Frames per call over the scenario: the schedule repeated (an int: always that many), each call
+    cut short where it would cross a reset or the end."""
+    sizes = itertools.cycle((schedule,) if isinstance(schedule, int) else schedule)
+    boundaries = sorted({*scenario.resets, CALLS})
+    calls, position = [], 0
+    while position < CALLS:
+        limit = next(b for b in boundaries if b > position)
+        calls.append(min(next(sizes), limit - position))
+        position += calls[-1]
+    return calls
+
+
+def run_scenario(step_fn, zero_state_fn, scenario: Scenario, schedule: int | tuple[int, ...]) -> np.ndarray:
+    """Run the batched scenario through a step function, `schedule` frames per call (an int, or call
+    sizes that repeat); returns PCM [3, CALLS * samples_per_frame]."""
     state = list(zero_state_fn(3))
     chunks = []
-    for call in range(0, CALLS, frames_per_call):
+    call = 0
+    for frames in call_sizes(schedule, scenario):
         for row in scenario.resets.get(call, []):
             fresh = zero_state_fn(1)
             for index, tensor in enumerate(state):
                 tensor[row] = fresh[index][0]
-        pcm, *state = step_fn(scenario.codes[:, :, call : call + frames_per_call], state)
+        pcm, *state = step_fn(scenario.codes[:, :, call : call + frames], state)
         chunks.append(np.asarray(pcm))
+        call += frames
     return np.concatenate(chunks, axis=1)
 
 
@@ -167,14 +188,14 @@ def _export(mimi, root: Path, **options):
     from mimi_code2wav.export.pipeline import build
 
     opts = ExportOptions(**options)
-    folder = root / f"f{opts.frames_per_step}-{opts.window}-{opts.kv_cache_dtype}"
+    folder = root / f"f{opts.max_frames_per_step}-{opts.window}-{opts.kv_cache_dtype}"
     build(opts, mimi, folder)
     return folder
 
 
 @pytest.fixture(scope="session")
 def onnx_fp32(mimi, export_root):
-    """The serving export (F=1, moshi window, fp32 KV cache) of the real architecture."""
+    """The serving export (1-16 frames per call, moshi window, fp32 KV cache) of the real architecture."""
     return _export(mimi, export_root)
 
 

@@ -1,11 +1,12 @@
 """Parity of the streaming decoder step, in layers (real architecture, seeded random weights):
 
   moshi streaming vs moshi offline   (the reference itself)
-  step module vs moshi streaming     (F = 1, 2, 4; rows of different ages; a row reset mid-run)
+  step module vs moshi streaming     (F = 1, 2, 4, 16 and mixed call sizes covering every F in 1..16;
+                                      rows of different ages; a row reset mid-run)
   exact window vs transformers' offline decode
-  ONNX Runtime vs step module        (fp32 KV cache, and fp16 with its own measured bound)
+  ONNX Runtime vs step module        (one graph for every F; fp32 KV cache, and fp16 with its own bound)
   long streams: fp32 vs float64 at ~100,000 transformer steps
-and the exported graph's structure (opset, IR version, static shapes, TensorRT-parsable ops).
+and the exported graph's structure (opset, IR version, dynamic batch and frames only, TensorRT-parsable ops).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import pytest
 
 from mimi_fixtures import (
     CALLS,
+    MAX_FRAMES_PER_CALL,
+    MIXED_CALLS,
     assert_equal_audio,
+    call_sizes,
     make_scenario,
     ort_session,
     ort_step_fn,
@@ -38,16 +42,18 @@ STREAMS = ("A", "B", "C1", "C2")
 
 @pytest.fixture(scope="session")
 def step_pcm(mimi, scenario):
-    """Scenario PCM of the step module, per frames-per-call, computed once."""
+    """Scenario PCM of the step module, per call schedule (see run_scenario), computed once."""
     from mimi_code2wav.export.step import MimiDecoderStep
 
-    cache = {}
+    cache, steps = {}, {}
 
-    def get(frames_per_call: int, window: str = "moshi"):
-        key = (frames_per_call, window)
+    def get(schedule: int | tuple[int, ...], window: str = "moshi"):
+        key = (schedule, window)
         if key not in cache:
-            step = MimiDecoderStep(mimi.model, frames_per_step=frames_per_call, window=window).eval()
-            cache[key] = run_scenario(torch_step_fn(step), torch_zero_state(step), scenario, frames_per_call)
+            if window not in steps:
+                steps[window] = MimiDecoderStep(mimi.model, max_frames_per_step=MAX_FRAMES_PER_CALL, window=window).eval()
+            step = steps[window]
+            cache[key] = run_scenario(torch_step_fn(step), torch_zero_state(step), scenario, schedule)
         return cache[key]
 
     return get
@@ -77,18 +83,29 @@ def test_test_weights_are_not_degenerate(moshi_streams):
     assert frame_std.min() > 0.01
 
 
-@pytest.mark.parametrize("frames_per_call", [pytest.param(1, id="F1"), pytest.param(2, id="F2"), pytest.param(4, id="F4")])
-def test_step_equals_moshi_streaming(step_pcm, moshi_streams, scenario, frames_per_call):
-    pcm = step_pcm(frames_per_call)
+SCHEDULES = [pytest.param(1, id="F1"), pytest.param(2, id="F2"), pytest.param(4, id="F4"),
+             pytest.param(16, id="F16"), pytest.param(MIXED_CALLS, id="mixed")]
+
+
+def test_mixed_schedule_covers_every_frame_count(scenario):
+    sizes = call_sizes(MIXED_CALLS, scenario)
+    assert sum(sizes) == CALLS and set(range(1, MAX_FRAMES_PER_CALL + 1)) <= set(sizes)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_step_equals_moshi_streaming(step_pcm, moshi_streams, scenario, schedule):
+    pcm = step_pcm(schedule)
     for name in STREAMS:
         error, snr = assert_equal_audio(stream_audio(pcm, scenario, name), moshi_streams[name],
-                                        what=f"F={frames_per_call} stream {name}")
-        print(f"F={frames_per_call} stream {name}: max abs {error:.2e}, SNR {snr:.1f} dB")
+                                        what=f"F={schedule} stream {name}")
+        print(f"F={schedule} stream {name}: max abs {error:.2e}, SNR {snr:.1f} dB")
 
 
-@pytest.mark.parametrize("frames_per_call", [pytest.param(2, id="F2"), pytest.param(4, id="F4")])
-def test_frames_per_call_do_not_change_audio(step_pcm, frames_per_call):
-    np.testing.assert_allclose(step_pcm(frames_per_call), step_pcm(1), atol=1e-5, rtol=0)
+@pytest.mark.parametrize("schedule", SCHEDULES[1:])
+def test_frames_per_call_do_not_change_audio(step_pcm, schedule):
+    """One state for every call size: a stream fed F frames per call (or mixed sizes) equals the
+    same stream fed one frame per call."""
+    np.testing.assert_allclose(step_pcm(schedule), step_pcm(1), atol=1e-5, rtol=0)
 
 
 def test_exact_window_equals_transformers_offline_decode(mimi, scenario, step_pcm):
@@ -101,19 +118,21 @@ def test_exact_window_equals_transformers_offline_decode(mimi, scenario, step_pc
     assert snr_db(moshi_window[130 * SPF :], offline[130 * SPF :]) < 90
 
 
-def test_onnx_runtime_equals_step_module(onnx_fp32, scenario, step_pcm, moshi_streams):
+@pytest.mark.parametrize("schedule", [pytest.param(1, id="F1"), pytest.param(MIXED_CALLS, id="mixed")])
+def test_onnx_runtime_equals_step_module(onnx_fp32, scenario, step_pcm, moshi_streams, schedule):
     from mimi_code2wav.export.onnx_export import read_manifest
     from mimi_code2wav.export.spec import DecoderSpec
 
     spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
-    pcm = run_scenario(ort_step_fn(ort_session(onnx_fp32)), spec_zero_state(spec), scenario, 1)
+    assert spec.max_frames_per_step == MAX_FRAMES_PER_CALL
+    pcm = run_scenario(ort_step_fn(ort_session(onnx_fp32)), spec_zero_state(spec), scenario, schedule)
     reference = step_pcm(1)
     for name in STREAMS:
         assert_equal_audio(stream_audio(pcm, scenario, name), stream_audio(reference, scenario, name),
-                           what=f"ORT vs step, stream {name}")
+                           what=f"ORT F={schedule} vs step F=1, stream {name}")
         error, snr = assert_equal_audio(stream_audio(pcm, scenario, name), moshi_streams[name],
-                                        what=f"ORT vs moshi, stream {name}")
-        print(f"ORT fp32 stream {name} vs moshi streaming: max abs {error:.2e}, SNR {snr:.1f} dB")
+                                        what=f"ORT F={schedule} vs moshi, stream {name}")
+        print(f"ORT fp32 F={schedule} stream {name} vs moshi streaming: max abs {error:.2e}, SNR {snr:.1f} dB")
 
 
 # fp16 keys/values, measured with these seeded weights against moshi's fp32 streaming decode:
@@ -175,29 +194,37 @@ def tiny_mimi():
 
 
 @pytest.mark.parametrize("window", ["moshi", "exact"])
-@pytest.mark.parametrize("frames_per_step", [1, 2, 4])
-def test_tiny_onnx_matches_step(tiny_mimi, tmp_path, window, frames_per_step):
+def test_tiny_onnx_matches_step(tiny_mimi, tmp_path, window):
+    """The tiny config's window (20 steps) holds at most 9 frames per call: F = 1, 2, 4, 9 and mixed."""
     from mimi_code2wav.export.onnx_export import export_onnx
     from mimi_code2wav.export.step import MimiDecoderStep
 
-    step = MimiDecoderStep(tiny_mimi, frames_per_step=frames_per_step, window=window).eval()
-    reference_step = MimiDecoderStep(tiny_mimi, frames_per_step=1, window=window).eval()
+    step = MimiDecoderStep(tiny_mimi, max_frames_per_step=9, window=window).eval()
     spec = export_onnx(step, tmp_path / "model.onnx", log=lambda *_: None)
+    session = ort_session(tmp_path)
     scenario = make_scenario(codebook_size=64)
-    pcm = run_scenario(ort_step_fn(ort_session(tmp_path)), spec_zero_state(spec), scenario, frames_per_step)
-    reference = run_scenario(torch_step_fn(reference_step), torch_zero_state(reference_step), scenario, 1)
+    reference = run_scenario(torch_step_fn(step), torch_zero_state(step), scenario, 1)
     spf = step.samples_per_frame
-    assert pcm.shape == (3, CALLS * spf)
     assert reference.std() > 0.05
-    for name in STREAMS:
-        assert_equal_audio(stream_audio(pcm, scenario, name, spf), stream_audio(reference, scenario, name, spf),
-                           what=f"tiny {window} F={frames_per_step} stream {name}")
+    for schedule in (1, 2, 4, 9, (1, 3, 9, 2, 5)):
+        pcm = run_scenario(ort_step_fn(session), spec_zero_state(spec), scenario, schedule)
+        assert pcm.shape == (3, CALLS * spf)
+        for name in STREAMS:
+            assert_equal_audio(stream_audio(pcm, scenario, name, spf), stream_audio(reference, scenario, name, spf),
+                               what=f"tiny {window} F={schedule} stream {name}")
+
+
+def test_max_frames_per_step_must_fit_the_cache(tiny_mimi):
+    from mimi_code2wav.export.step import MimiDecoderStep
+
+    with pytest.raises(ValueError, match=r"max_frames_per_step must be in \[1, 9\], got 10"):
+        MimiDecoderStep(tiny_mimi, max_frames_per_step=10)
 
 
 def test_tiny_exact_window_equals_offline(tiny_mimi):
     from mimi_code2wav.export.step import MimiDecoderStep
 
-    step = MimiDecoderStep(tiny_mimi, window="exact").eval()
+    step = MimiDecoderStep(tiny_mimi, max_frames_per_step=9, window="exact").eval()
     codes = np.random.default_rng(3).integers(0, 64, (1, 8, 60)).astype(np.int32)  # window 20: fills at 10 frames
     state = step.zero_state(1)
     chunks = []
@@ -226,16 +253,21 @@ def test_graph_opset_and_ir_version_fit_the_ngc_runtime(onnx_fp32):
     assert model.ir_version <= MAX_IR_VERSION == 10
 
 
-def test_graph_is_static_apart_from_batch(onnx_fp32):
+def test_graph_is_static_apart_from_batch_and_frames(onnx_fp32):
     from mimi_code2wav.export.onnx_export import FORBIDDEN_OPS
 
     model = _graph(onnx_fp32)
     ops = {node.op_type for node in model.graph.node}
     assert not ops & set(FORBIDDEN_OPS), ops & set(FORBIDDEN_OPS)
+    variable = {"codes": (2, "frames"), "pcm": (1, "samples")}
     for value in list(model.graph.input) + list(model.graph.output):
         dims = value.type.tensor_type.shape.dim
         assert dims[0].dim_param == "batch", f"{value.name}: first dim must be the dynamic batch"
-        assert all(d.dim_value > 0 for d in dims[1:]), f"{value.name}: only the batch dim may be dynamic"
+        for index, dim in enumerate(dims[1:], start=1):
+            if variable.get(value.name, (None,))[0] == index:
+                assert dim.dim_param == variable[value.name][1], f"{value.name}: dim {index} is the frame dim"
+            else:
+                assert dim.dim_value > 0, f"{value.name}: dim {index} must be static"
 
 
 def test_every_op_is_supported_by_tensorrt_onnx_parser(onnx_fp32, onnx_fp16):
@@ -256,8 +288,11 @@ def test_tensorrt_profile_covers_every_input(onnx_fp32):
     inputs = {i.name for i in _graph(onnx_fp32).graph.input}
     shapes = profile_shapes(spec, max_batch=64)
     assert set(shapes) == inputs
-    for _name, dims in shapes.items():
-        assert dims["min"][0] == 1 and dims["max"][0] == 64 and dims["min"][1:] == dims["max"][1:]
+    assert shapes["codes"] == {"min": [1, 8, 1], "opt": [16, 8, 1], "max": [64, 8, MAX_FRAMES_PER_CALL]}
+    for name, dims in shapes.items():
+        assert dims["min"][0] == 1 and dims["max"][0] == 64
+        if name != "codes":
+            assert dims["min"][1:] == dims["max"][1:], name
     command = " ".join(trtexec_command("trtexec", onnx_fp32 / "model.onnx", Path("x.plan"), spec, 64, fp16=True))
     assert "Cos" in command and ":fp32" in command  # RoPE angles pinned to fp32 in fp16 builds
 

@@ -62,12 +62,12 @@ RUN = {
     ".venv/bin/code2wav-export build --weights /path/to/mimi": "export_transformers_folder",
     ".venv/bin/code2wav-export build --weights tokenizer-e351c8d8-checkpoint125.safetensors": "export_moshi_file",
     ".venv/bin/code2wav-export build --random-init --seed 0": "export_random",
-    ".venv/bin/code2wav-export build --random-init --seed 0 --frames-per-step 2 --window exact "
+    ".venv/bin/code2wav-export build --random-init --seed 0 --max-frames-per-step 4 --window exact "
     "--kv-cache-dtype float16 --opset 17 --out build/export/custom": "export_custom",
     "make venv": "make_venv",
     "make lint": "make_lint",
     ".venv/bin/python -m mimi_code2wav.export.bench_decoder": "bench_decoder",
-    ".venv/bin/python -m mimi_code2wav.export.tensorrt_build --export-dir build/export/f1-moshi-kvfloat32-k8 --fp16 --max-batch 64":
+    ".venv/bin/python -m mimi_code2wav.export.tensorrt_build --export-dir build/export/f16-moshi-kvfloat32-k8 --fp16 --max-batch 64":
         "tensorrt_build",
 }
 
@@ -150,7 +150,8 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         randomize_(model, 1)
         folder = tmp_path / "mimi"
         model.save_pretrained(str(folder))
-        result = _run(_python(command.replace("/path/to/mimi", str(folder))), tmp_path)
+        # The tiny config's 20-step window holds at most 9 frames per call (the real one: 124).
+        result = _run(_python(command.replace("/path/to/mimi", str(folder))) + ["--max-frames-per-step", "9"], tmp_path)
         assert (tmp_path / result.stdout.strip() / "model.onnx").is_file()
 
     def export_moshi_file(command):
@@ -167,7 +168,7 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         import json
 
         manifest = json.loads((tmp_path / "build/export/custom/manifest.json").read_text())
-        assert manifest["options"] == {"num_codebooks": 8, "frames_per_step": 2, "window": "exact",
+        assert manifest["options"] == {"num_codebooks": 8, "max_frames_per_step": 4, "window": "exact",
                                        "kv_cache_dtype": "float16", "opset": 17}
         assert "passed onnx.checker" in result.stderr
 
@@ -185,7 +186,7 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         assert "| onnxruntime | 1 | 1 | 1 |" in result.stdout and (tmp_path / "decoder.json").is_file()
 
     def tensorrt_build(command):
-        args = _python(command.replace("build/export/f1-moshi-kvfloat32-k8", str(onnx_fp32)))
+        args = _python(command.replace("build/export/f16-moshi-kvfloat32-k8", str(onnx_fp32)))
         result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PATH": "/usr/bin:/bin"})
         assert result.returncode == 3 and "TensorRT is not available here" in result.stderr
 
