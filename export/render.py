@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import string
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
             intra_op_threads=serving.intra_op_threads,
             state_spec_json=_pbtxt_string(json.dumps(state_spec, separators=(",", ":"))),
             value_ranges_json=_pbtxt_string(json.dumps({spec.codes.name: [0, spec.codebook_size]})),
+            max_dims_json=_pbtxt_string(json.dumps({spec.codes.name: [spec.num_codebooks, spec.max_frames_per_step]})),
         )
     if target == "onnxruntime":
         backend_line = 'backend: "onnxruntime"'
@@ -142,9 +144,20 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
+def set_string_parameter(config_text: str, key: str, value: str) -> str:
+    """`config_text` (a config.pbtxt) with the string value of parameter `key` replaced; the parameter
+    must appear exactly once, written as `key: "KEY"` then `value: { string_value: "..." }`."""
+    pattern = re.compile(r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*)"[^"]*"')
+    replaced, count = pattern.subn(lambda match: match.group(1) + json.dumps(value), config_text)
+    if count != 1:
+        raise ValueError(f"parameter '{key}' appears {count} times in the config, expected once")
+    return replaced
+
+
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
-    """A complete model repository in `out_dir`: code2wav (copied) plus mimi_decoder for `target`,
+    """A complete model repository in `out_dir`: code2wav (copied, its decoder_max_frames_per_step set to
+    the export's max_frames_per_step) plus mimi_decoder for `target`,
     with model_repository/common/triton_streams.py beside each Python model's model.py.
 
     `out_dir` must not be inside the tracked model_repository/ folder.
@@ -158,6 +171,9 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
         shutil.rmtree(code2wav)
     shutil.copytree(CODE2WAV_DIR, code2wav, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(SHARED_MODEL_FILE, code2wav / "1" / SHARED_MODEL_FILE.name)
+    config = code2wav / "config.pbtxt"
+    config.write_text(set_string_parameter(config.read_text(), "decoder_max_frames_per_step",
+                                           str(spec.max_frames_per_step)))
     decoder = out_dir / serving.model_name
     version = decoder / "1"
     if decoder.exists():

@@ -122,7 +122,9 @@ class FakeClock:
 
 
 def make_table(clock=None, **overrides):
-    settings = dict(samples_per_frame=SAMPLES)
+    # One frame per decoder call unless a test says otherwise: the step-by-step tests below read
+    # flags and failures per frame; the multi-frame tests set decoder_max_frames_per_step.
+    settings = dict(samples_per_frame=SAMPLES, decoder_max_frames_per_step=1)
     settings.update(overrides)
     if clock is None:
         return core.StreamTable(core.Code2WavSettings(**settings))
@@ -808,6 +810,32 @@ def test_output_is_float32_with_samples_per_frame_per_new_frame():
     pcm = send(table, decoder, 1, START, codes)
     assert pcm.dtype == np.float32 and pcm.shape == (1, 1920 * 3) and pcm.flags.c_contiguous
     np.testing.assert_array_equal(pcm, expected_pcm(codes, 1920))
+
+
+@pytest.mark.parametrize(
+    "new_frames, max_frames, request_flags, sizes, step_flags",
+    [
+        pytest.param(1, 16, START, [1], [START], id="1-frame-request-1-frame-step"),
+        pytest.param(16, 16, START | END, [16], [START | END], id="one-call-up-to-max"),
+        pytest.param(7, 4, START | END, [4, 3], [START, END], id="full-calls-then-remainder"),
+        pytest.param(9, 4, START, [4, 4, 1], [START, 0, 0], id="three-calls"),
+    ],
+)
+def test_new_frames_go_to_the_decoder_in_as_few_calls_as_it_takes(new_frames, max_frames, request_flags, sizes,
+                                                                   step_flags):
+    table, decoder = make_table(decoder_max_frames_per_step=max_frames), FakeDecoder()
+    codes = make_codes(new_frames)
+    pcm = send(table, decoder, 1, request_flags, codes)
+    assert [c.shape[2] for _, c, _ in decoder.calls] == sizes
+    assert decoder.flags() == step_flags
+    np.testing.assert_array_equal(pcm, expected_pcm(codes))
+
+
+def test_a_failure_on_a_later_call_of_a_request_ends_the_stream():
+    table, decoder = make_table(decoder_max_frames_per_step=4), FakeDecoder(fail_on_call=2)
+    error = send_error(table, decoder, 1, START, make_codes(6), error=core.DecoderError)
+    assert "failed on step 2 of 2" in str(error) and "START" in str(error)
+    assert 1 not in table
 
 
 def test_plan_steps_are_int32_frames_of_the_new_frames():

@@ -84,6 +84,7 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
         for state in states:
             assert inputs[state["input"]] == outputs[state["output"]] == (ONNX_ELEM_TYPES[state["dtype"]], state["shape"])
         assert json.loads(config.parameters["value_ranges"].string_value) == {"codes": [0, spec.codebook_size]}
+        assert json.loads(config.parameters["max_dims"].string_value) == {"codes": [8, spec.max_frames_per_step]}
         return
 
     # Triton pairs input and output states by position in two name-sorted lists.
@@ -143,3 +144,18 @@ def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
     with pytest.raises(ValueError, match="needs a plan file"):
         render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "trt", "tensorrt")
     assert Path(out / "mimi_decoder/1/model.onnx").stat().st_size == (onnx_fp32 / "model.onnx").stat().st_size
+
+
+def test_code2wav_sends_at_most_what_the_export_takes(spec, onnx_fp32, tmp_path):
+    """The tracked code2wav config matches the default export; a rendered one, the export it is rendered with."""
+    from mimi_code2wav.export.onnx_export import ExportOptions
+    from mimi_code2wav.export.render import set_string_parameter
+
+    tracked = parse((REPO_ROOT / "model_repository" / "code2wav" / "config.pbtxt").read_text())
+    assert tracked.parameters["decoder_max_frames_per_step"].string_value == str(ExportOptions().max_frames_per_step)
+    smaller = DecoderSpec.from_dict({**spec.to_dict(), "max_frames_per_step": 4})
+    out = render_repository(smaller, onnx_fp32 / "model.onnx", tmp_path / "repo", "python-ort")
+    rendered = parse((out / "code2wav" / "config.pbtxt").read_text())
+    assert rendered.parameters["decoder_max_frames_per_step"].string_value == "4"
+    with pytest.raises(ValueError, match="parameter 'no_such' appears 0 times in the config, expected once"):
+        set_string_parameter((out / "code2wav" / "config.pbtxt").read_text(), "no_such", "1")

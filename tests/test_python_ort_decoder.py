@@ -123,6 +123,7 @@ MODEL_CONFIG = {
         "intra_op_threads": {"string_value": "1"},
         "state_spec": {"string_value": json.dumps(STATE_SPEC)},
         "value_ranges": {"string_value": "{}"},
+        "max_dims": {"string_value": "{}"},
     },
 }
 
@@ -192,7 +193,16 @@ def test_parse_model_config_reads_parameters_and_timeout():
                      "parameter 'value_ranges': missing from the model config's parameters", id="no-value-ranges"),
         pytest.param(config_with(codebook_size="2048"),
                      "parameter 'codebook_size': unknown parameter (known: onnx_file, intra_op_threads, state_spec, "
-                     "value_ranges)", id="unknown"),
+                     "value_ranges, max_dims)", id="unknown"),
+        pytest.param(config_with(max_dims=None), "parameter 'max_dims': missing from the model config's parameters",
+                     id="no-max-dims"),
+        pytest.param(config_with(max_dims='{"codes": [8, 0]}'),
+                     "parameter 'max_dims': input 'codes': expected a list of positive integers, got [8, 0]",
+                     id="max-dims-zero"),
+        pytest.param(config_with(max_dims='{"codes": [8, 2]}'),
+                     "parameter 'max_dims': input 'codes': [8, 2] does not fit its dims [8, 1]", id="max-dims-fixed"),
+        pytest.param(config_with(max_dims='{"tokens": [4]}'),
+                     "parameter 'max_dims': ['tokens'] are not config inputs (['codes'])", id="max-dims-not-input"),
         pytest.param(config_with(state_spec='[{"input": "a"}]'),
                      "parameter 'state_spec': entry 0 must have exactly the keys", id="state-spec-keys"),
         pytest.param(config_with(state_spec=json.dumps([{**STATE_SPEC[0], "dtype": "float64"}])),
@@ -387,6 +397,7 @@ parameters {{ key: "state_spec" value: {{ string_value: '{state_spec}' }} }}
 parameters {{ key: "onnx_file" value: {{ string_value: "model.onnx" }} }}
 parameters {{ key: "intra_op_threads" value: {{ string_value: "1" }} }}
 parameters {{ key: "value_ranges" value: {{ string_value: '{{"codes": [0, 2048]}}' }} }}
+parameters {{ key: "max_dims" value: {{ string_value: '{{"codes": [8, 1]}}' }} }}
 """
 
 
@@ -624,6 +635,31 @@ def test_values_out_of_range_fail_their_row_alone(onnx_session):
     assert isinstance(results[1], ort_core.ModelError) and results[1].kind == "value_range"
     assert "input 'codes' holds values in [2048, 2048], outside [0, 2048) (parameter value_ranges)" in str(results[1])
     assert not isinstance(results[0], ort_core.ModelError) and core.has_stream(1) and not core.has_stream(2)
+
+
+def test_variable_frames_are_bounded_and_rows_of_equal_shape_run_together():
+    """With a variable frame dim, a request over `max_dims` fails alone, and steps of different
+    frame counts run in separate session runs, each with all the rows of its shape."""
+    config = ort_core.parse_model_config(
+        {**config_with(max_dims='{"codes": [8, 4]}'),
+         "input": [{"name": "codes", "data_type": "TYPE_INT32", "dims": ["8", "-1"]}]},
+        TRITON_TYPES.__getitem__,
+    )
+    runs = []
+
+    def run(feeds):
+        rows, frames = feeds["codes"].shape[0], feeds["codes"].shape[2]
+        runs.append((rows, frames))
+        return [np.full((rows, PCM), frames, np.float32), feeds["state_in_00_acc"] + 1, feeds["state_in_01_count"] + frames]
+
+    core = ort_core.StreamingDecoderCore(config, run, clock=FakeClock(), model_name="decoder")
+    frames = {1: 2, 2: 1, 3: 2, 4: 5}
+    results = core.step([request(sid, np.zeros((1, 8, f), np.int32), start=True) for sid, f in frames.items()])
+    assert sorted(runs) == [(1, 1), (2, 2)]
+    assert [float(results[i]["pcm"][0, 0]) for i in range(3)] == [2.0, 1.0, 2.0]
+    assert isinstance(results[3], ort_core.ModelError) and results[3].kind == "shape"
+    assert "input 'codes' has shape [1, 8, 5], at most [1, 8, 4] per request (parameter max_dims)" in str(results[3])
+    assert not core.has_stream(4)
 
 
 def test_streams_left_behind_do_not_keep_a_whole_batch_alive(onnx_session):

@@ -10,8 +10,9 @@ What it does, per request of a stream (one Triton sequence, keyed by its correla
    (dtype, length, code range, request-size limit);
 2. dedupe against the frames the stream has already decoded (its history), with or without
    `frame_offset` (see `StreamTable.plan`), and apply the new-frames limit;
-3. return a `DecodePlan`: one decoder step per new frame (int32 [1, k, 1], what the exported
-   decoders take) with the START/END flags each step carries;
+3. return a `DecodePlan`: the new frames in as few decoder calls as the decoder takes (int32
+   [1, k, S], S <= decoder_max_frames_per_step: one call for most requests) with the START/END
+   flags each call carries;
 4. after the decoder ran every step, `StreamTable.commit` records the frames in the history (or
    removes the stream on END); after a decoder failure `StreamTable.abort` removes the stream.
 
@@ -91,6 +92,7 @@ class Code2WavSettings:
     codebook_size: int = 2048
     samples_per_frame: int = 1920
     sample_rate_hz: int = 24000
+    decoder_max_frames_per_step: int = 16
     dedupe_mode: str = "auto"
     max_new_frames_per_request: int = 1500
     max_request_frames: int = 45000
@@ -104,6 +106,7 @@ class Code2WavSettings:
             "codebook_size",
             "samples_per_frame",
             "sample_rate_hz",
+            "decoder_max_frames_per_step",
             "max_new_frames_per_request",
             "max_request_frames",
         ):
@@ -128,6 +131,7 @@ PARAMETER_TYPES = {
     "codebook_size": int,
     "samples_per_frame": int,
     "sample_rate_hz": int,
+    "decoder_max_frames_per_step": int,
     "dedupe_mode": str,
     "max_new_frames_per_request": int,
     "max_request_frames": int,
@@ -664,17 +668,18 @@ class StreamTable:
         """The codes of an END-only step (its output is discarded): one frame of zeros."""
         return np.zeros((1, self.settings.num_codebooks, 1), np.int32)
 
-    @staticmethod
-    def _steps(new_codes: np.ndarray, needs_start: bool, ends: bool) -> Tuple[DecoderStep, ...]:
-        """One 1-frame step per frame of [k, N] (the exported decoders take one frame per call);
-        START on the first step when the decoder must (re)start, END on the last."""
-        total = new_codes.shape[1]
+    def _steps(self, new_codes: np.ndarray, needs_start: bool, ends: bool) -> Tuple[DecoderStep, ...]:
+        """The new frames [k, N] in as few decoder calls as the decoder takes: one call when N <=
+        decoder_max_frames_per_step, else full calls and the remainder last (requests of equal size
+        give equal calls, which the decoder batches). START on the first step when the decoder must
+        (re)start, END on the last."""
+        total, per_step = new_codes.shape[1], self.settings.decoder_max_frames_per_step
         steps = []
-        for frame in range(total):
+        for first in range(0, total, per_step):
             flags = 0
-            if frame == 0 and needs_start:
+            if first == 0 and needs_start:
                 flags |= FLAG_SEQUENCE_START
-            if frame == total - 1 and ends:
+            if first + per_step >= total and ends:
                 flags |= FLAG_SEQUENCE_END
-            steps.append(DecoderStep(np.ascontiguousarray(new_codes[None, :, frame : frame + 1]), flags))
+            steps.append(DecoderStep(np.ascontiguousarray(new_codes[None, :, first : first + per_step]), flags))
         return tuple(steps)

@@ -31,10 +31,12 @@ all required, no other accepted: `triton_streams.read_parameters`):
 | `intra_op_threads` | ONNX Runtime intra-op threads (0: its default) |
 | `state_spec` | JSON list of `{"input", "output", "dtype", "shape"}`, shape per stream (no batch) |
 | `value_ranges` | JSON object: input name -> `[low, high]`, its values must lie in [low, high) (`{}`: none) |
+| `max_dims` | JSON object: input name -> its largest dims per request (bounds the config's -1 dims; `{}`: none) |
 
 In `state_spec` dtype is one of float32, float16, int32, int64, and an optional `description` per
-entry is ignored. `value_ranges` is checked per request, so a bad row fails alone instead of failing
-the batched run.
+entry is ignored. `value_ranges` and `max_dims` are checked per request, so a bad row fails alone
+instead of failing the batched run. Requests whose inputs differ in shape (e.g. a different number of
+frames) run in different session runs: rows of one run have equal shapes.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class DecoderConfig:
     intra_op_threads: int
     # Input name -> (low, high): its values must lie in [low, high).
     value_ranges: Mapping[str, tuple[int, int]]
+    # Input name -> the largest dims (no batch) one request may have.
+    max_dims: Mapping[str, tuple[int, ...]]
 
 
 def _is_int(value) -> bool:
@@ -161,12 +165,26 @@ def parse_value_ranges(text: str) -> dict[str, tuple[int, int]]:
     return parsed
 
 
+def parse_max_dims(text: str) -> dict[str, tuple[int, ...]]:
+    """Parse the `max_dims` parameter: {"input name": [dim, ...], ...}, positive ints, no batch dim."""
+    limits = _json(text)
+    if not isinstance(limits, dict):
+        raise ValueError(f'must be a JSON object {{"input name": [dim, ...], ...}}, got {text!r}')
+    parsed = {}
+    for name, dims in limits.items():
+        if not (isinstance(dims, list) and dims and all(_is_int(dim) and dim > 0 for dim in dims)):
+            raise ValueError(f"input '{name}': expected a list of positive integers, got {dims!r}")
+        parsed[name] = tuple(dims)
+    return parsed
+
+
 # The config's `parameters`: name -> parser of its string value (all required).
 PARAMETER_TYPES = {
     "onnx_file": str,
     "intra_op_threads": int,
     "state_spec": parse_state_spec,
     "value_ranges": parse_value_ranges,
+    "max_dims": parse_max_dims,
 }
 
 
@@ -216,15 +234,22 @@ def parse_model_config(
         onnx_file=values["onnx_file"],
         intra_op_threads=values["intra_op_threads"],
         value_ranges=values["value_ranges"],
+        max_dims=values["max_dims"],
     )
     io_names = [t.name for t in decoder.inputs + decoder.outputs]
     state_names = [s.input for s in decoder.states] + [s.output for s in decoder.states]
     clash = set(io_names) & set(state_names)
     if clash:
         raise ValueError(f"state tensors must not be listed as config inputs/outputs: {sorted(clash)}")
-    unknown = sorted(set(decoder.value_ranges) - {t.name for t in decoder.inputs})
-    if unknown:
-        raise ConfigError("value_ranges", f"{unknown} are not config inputs ({[t.name for t in decoder.inputs]})")
+    inputs = {t.name: t for t in decoder.inputs}
+    for parameter, names in (("value_ranges", decoder.value_ranges), ("max_dims", decoder.max_dims)):
+        unknown = sorted(set(names) - set(inputs))
+        if unknown:
+            raise ConfigError(parameter, f"{unknown} are not config inputs ({list(inputs)})")
+    for name, dims in decoder.max_dims.items():
+        declared = inputs[name].dims
+        if len(dims) != len(declared) or any(want not in (-1, limit) for want, limit in zip(declared, dims)):
+            raise ConfigError("max_dims", f"input '{name}': {list(dims)} does not fit its dims {list(declared)}")
     return decoder
 
 
@@ -416,6 +441,13 @@ class StreamingDecoderCore:
                     "shape",
                     f"input '{spec.name}' has shape {list(array.shape)}, expected "
                     f"{_format_dims((1, *spec.dims))} (one request is one step of one sequence)",
+                )
+            limit = self.config.max_dims.get(spec.name)
+            if limit is not None and any(got > most for got, most in zip(array.shape[1:], limit)):
+                raise ModelError(
+                    "shape",
+                    f"input '{spec.name}' has shape {list(array.shape)}, at most {[1, *limit]} per request "
+                    "(parameter max_dims)",
                 )
             bounds = self.config.value_ranges.get(spec.name)
             if bounds is not None and array.size and (array.min() < bounds[0] or array.max() >= bounds[1]):
