@@ -57,8 +57,8 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
 
     spec = step.spec()
     spec.validate()
-    # Sizes > 1 that occur nowhere else, so the tracer cannot specialise either dynamic dimension.
-    batch, frames = 2, 3
+    # Sizes > 1 where the step allows them, so the tracer cannot specialise a dynamic dimension.
+    batch, frames = 2, min(3, spec.max_frames_per_step)
     codes = torch.zeros(batch, spec.num_codebooks, frames, dtype=torch.int32)
     args = (codes, *step.zero_state(batch))
     input_names = [t.name for t in spec.inputs]
