@@ -6,8 +6,10 @@
 #   client/perf.sh --concurrency-range 4                                   # 4 streams, unpaced
 #   client/perf.sh --request-rate-range 12.5 --num-of-sequences 4 --serial-sequences   # paced load
 #
-# Variables (defaults): URL (127.0.0.1:8001), MODEL (code2wav), STREAMS (8: sequences in the input
-# data), FRAMES (64 per sequence), CHUNK_FRAMES (4), SEED (0), SEQUENCE_ID_RANGE (1000000:2000000),
+# Variables (defaults): URL (127.0.0.1:8001), MODEL (code2wav; mimi_decoder loads the decoder itself
+# with its own input layout), STREAMS (8: sequences in the input data), FRAMES (64 per sequence),
+# CHUNK_FRAMES (4), SCHEDULE (empty; e.g. 1,3,1,16,2: frames per step in turn, instead of
+# CHUNK_FRAMES), SEED (0), SEQUENCE_ID_RANGE (1000000:2000000),
 # MEASUREMENT_INTERVAL_MS (4000), CSV (build/perf/perf.csv), PYTHON (.venv/bin/python),
 # PERF_ANALYZER (next to PYTHON), BUILD_DIR (build/perf).
 set -euo pipefail
@@ -18,6 +20,7 @@ MODEL=${MODEL:-code2wav}
 STREAMS=${STREAMS:-8}
 FRAMES=${FRAMES:-64}
 CHUNK_FRAMES=${CHUNK_FRAMES:-4}
+SCHEDULE=${SCHEDULE:-}
 SEED=${SEED:-0}
 SEQUENCE_ID_RANGE=${SEQUENCE_ID_RANGE:-1000000:2000000}
 MEASUREMENT_INTERVAL_MS=${MEASUREMENT_INTERVAL_MS:-4000}
@@ -25,9 +28,7 @@ BUILD_DIR=${BUILD_DIR:-$ROOT/build/perf}
 CSV=${CSV:-$BUILD_DIR/perf.csv}
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 PERF_ANALYZER=${PERF_ANALYZER:-$(dirname "$PYTHON")/perf_analyzer}
-INPUT_DATA=$BUILD_DIR/inputs-s$STREAMS-f$FRAMES-c$CHUNK_FRAMES-seed$SEED.json
-# One step of 1 frame, then steps of CHUNK_FRAMES frames: the whole generated sequence, every time.
-SEQUENCE_LENGTH=$(( 1 + (FRAMES - 1 + CHUNK_FRAMES - 1) / CHUNK_FRAMES ))
+INPUT_DATA=$BUILD_DIR/inputs-$MODEL-s$STREAMS-f$FRAMES-c$CHUNK_FRAMES-sched${SCHEDULE//,/_}-seed$SEED.json
 
 # perf_analyzer links libb64.so.0d and libcudart.so.12; the pytriton wheel carries both, renamed.
 LIB_DIR=$BUILD_DIR/lib
@@ -42,14 +43,19 @@ done
 export LD_LIBRARY_PATH=$LIB_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 cd "$ROOT"
-"$PYTHON" -m client.perf_inputs --out "$INPUT_DATA" --streams "$STREAMS" --frames "$FRAMES" \
-  --chunk-frames "$CHUNK_FRAMES" --seed "$SEED" > /dev/null
+# Every sequence runs all its generated steps: perf_inputs reports how many there are.
+SEQUENCE_LENGTH=$("$PYTHON" -m client.perf_inputs --out "$INPUT_DATA" --model "$MODEL" --streams "$STREAMS" \
+  --frames "$FRAMES" --chunk-frames "$CHUNK_FRAMES" ${SCHEDULE:+--schedule "$SCHEDULE"} --seed "$SEED" \
+  | "$PYTHON" -c 'import json, sys; print(json.load(sys.stdin)["steps_per_sequence"])')
 mkdir -p "$(dirname "$CSV")"
+# code2wav's statistics include its composing model; the decoder alone has none.
+COMPOSING=()
+if [ "$MODEL" = code2wav ]; then COMPOSING=(--bls-composing-models=mimi_decoder); fi
 
 exec "$PERF_ANALYZER" -m "$MODEL" -u "$URL" -i grpc --streaming \
   --input-data "$INPUT_DATA" \
   --sequence-length "$SEQUENCE_LENGTH" --sequence-length-variation 0 \
   --sequence-id-range "$SEQUENCE_ID_RANGE" \
-  --bls-composing-models=mimi_decoder \
+  "${COMPOSING[@]}" \
   --measurement-interval "$MEASUREMENT_INTERVAL_MS" \
   -f "$CSV" "$@"

@@ -2,7 +2,7 @@
 
   code2wav-export build  [--weights SRC | --random-init --seed N] [--max-frames-per-step 16] [--window moshi|exact]
                          [--kv-cache-dtype float32|float16] [--opset 17] [--out DIR] [--force]
-  code2wav-export render --target onnxruntime|tensorrt|python-ort --export-dir DIR --out DIR
+  code2wav-export render --target onnxruntime|tensorrt|python-ort|null --export-dir DIR --out DIR
   code2wav-export render --check-in      (rewrites model_repository/mimi_decoder/config.pbtxt)
   code2wav-export encode --weights SRC in.wav --out codes.npy
 
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .onnx_export import OPSETS, ExportOptions
 from .pipeline import DEFAULT_EXPORT_DIR, build, check_in_config, choose_weights, export_dir_for, log, render_export
+from .render import PYTHON_TARGETS, TARGETS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(b)
 
     r = sub.add_parser("render", help="render mimi_decoder config(s) / a model repository")
-    r.add_argument("--target", choices=("onnxruntime", "tensorrt", "python-ort"), default="python-ort")
+    r.add_argument("--target", choices=TARGETS, default="python-ort",
+                   help="null: the bench decoder (silence at once) that measures the front's ceiling")
     r.add_argument("--export-dir", type=Path, help="an export folder (model.onnx + manifest.json)")
     r.add_argument("--out", type=Path, help="model repository folder to write (code2wav + mimi_decoder)")
     r.add_argument("--plan", type=Path, help="TensorRT plan for --target tensorrt")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("render needs --export-dir and --out (or --check-in)")
         from .render import DecoderServing
 
-        kind = args.instance_kind or ("KIND_CPU" if args.target == "python-ort" else "KIND_GPU")
+        kind = args.instance_kind or ("KIND_CPU" if args.target in PYTHON_TARGETS else "KIND_GPU")
         serving = DecoderServing(
             instance_kind=kind, instance_count=args.instance_count, max_batch_size=args.max_batch_size,
             preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],

@@ -1,11 +1,13 @@
 """Render `mimi_decoder` Triton configs from a decoder spec.
 
-Three targets share one spec:
+Three serving targets and one bench target share one spec:
   onnxruntime  native ORT backend with implicit state (checked in under model_repository/)
   tensorrt     the same state block over a TensorRT plan (rendered into a build folder)
   python-ort   a Python-backend model running the same ONNX with onnxruntime and keeping the state
                itself (rendered into a build folder; for servers without the native ORT backend):
                model_repository/mimi_decoder/python_ort/ holds its model files and config template
+  null         (bench only) the decoder's interface returning silence at once, no state: behind
+               code2wav it measures the front's own ceiling (model_repository/mimi_decoder/null/)
 
 Templates are filled with `string.Template.substitute`, which raises on a missing key, and never
 written over a tracked file except the one checked-in native config, on request.
@@ -29,9 +31,11 @@ CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pb
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
 PYTHON_ORT_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
 PYTHON_ORT_FILES = ("model.py", "python_ort_core.py")
+NULL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "null"
 # Shared by both Python models: copied beside each model.py (it is no model itself).
 SHARED_MODEL_FILE = REPO_ROOT / "model_repository" / "common" / "triton_streams.py"
-TARGETS = ("onnxruntime", "tensorrt", "python-ort")
+TARGETS = ("onnxruntime", "tensorrt", "python-ort", "null")
+PYTHON_TARGETS = ("python-ort", "null")  # Python-backend decoders: no implicit state block
 
 # code2wav's own idle timeout (model_repository/code2wav/config.pbtxt); the decoder's sits above it.
 CODE2WAV_IDLE_TIMEOUT_US = 30_000_000
@@ -120,6 +124,9 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
             value_ranges_json=_pbtxt_string(json.dumps({spec.codes.name: [0, spec.codebook_size]})),
             max_dims_json=_pbtxt_string(json.dumps({spec.codes.name: [spec.num_codebooks, spec.max_frames_per_step]})),
         )
+    if target == "null":
+        template = (NULL_DIR / "config.pbtxt.tmpl").read_text()
+        return string.Template(template).substitute(common, samples_per_frame=spec.samples_per_frame)
     if target == "onnxruntime":
         backend_line = 'backend: "onnxruntime"'
     else:
@@ -165,7 +172,7 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     out_dir = out_dir.resolve()
     if out_dir == (REPO_ROOT / "model_repository").resolve() or (REPO_ROOT / "model_repository").resolve() in out_dir.parents:
         raise ValueError(f"refusing to render into the tracked model repository: {out_dir}")
-    serving = serving or DecoderServing(instance_kind="KIND_CPU" if target == "python-ort" else "KIND_GPU")
+    serving = serving or DecoderServing(instance_kind="KIND_CPU" if target in PYTHON_TARGETS else "KIND_GPU")
     code2wav = out_dir / "code2wav"
     if code2wav.exists():
         shutil.rmtree(code2wav)
@@ -184,10 +191,13 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
         if plan_path is None:
             raise ValueError("the tensorrt target needs a plan file (export/tensorrt_build.py builds one)")
         _link_or_copy(plan_path, version / "model.plan")
-    else:
+    elif target != "null":
         _link_or_copy(onnx_path, version / "model.onnx")
     if target == "python-ort":
         for name in PYTHON_ORT_FILES:
             shutil.copy2(PYTHON_ORT_DIR / name, version / name)
+    elif target == "null":
+        shutil.copy2(NULL_DIR / "model.py", version / "model.py")
+    if target in PYTHON_TARGETS:
         shutil.copy2(SHARED_MODEL_FILE, version / SHARED_MODEL_FILE.name)
     return out_dir

@@ -66,7 +66,8 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
     inputs, outputs = graph
     config = parse(render_config(spec, target))
     assert config.name == "mimi_decoder" and config.max_batch_size == 64
-    assert config.backend == {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt", "python-ort": "python"}[target]
+    assert config.backend == {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt", "python-ort": "python",
+                              "null": "python"}[target]
     for declared, graph_io in ((config.input, inputs), (config.output, outputs)):
         for tensor in declared:
             assert tensor.name in graph_io, f"{tensor.name} is not a graph tensor"
@@ -77,6 +78,10 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
     batching = config.sequence_batching
     assert batching.HasField("oldest") and batching.max_sequence_idle_microseconds > 30_000_000
 
+    if target == "null":
+        assert not batching.state and set(config.parameters) == {"samples_per_frame"}
+        assert config.parameters["samples_per_frame"].string_value == "1920"
+        return
     if target == "python-ort":
         assert not batching.state, "the Python backend must not get a state block (it copies the initial state)"
         states = json.loads(config.parameters["state_spec"].string_value)

@@ -78,6 +78,41 @@ def test_perf_analyzer_accepts_the_inputs(code2wav_server, tmp_path, load):
     assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
 
 
+def test_decoder_steps_follow_the_schedule():
+    document = input_data(streams=2, frames=10, schedule=(1, 3, 16), model="mimi_decoder")
+    for sequence in document["data"]:
+        assert [step["codes"]["shape"] for step in sequence] == [[8, 1], [8, 3], [8, 6]]
+        assert all(len(step["codes"]["content"]) == 8 * step["codes"]["shape"][1] for step in sequence)
+    assert describe(document)["steps_per_sequence"] == 3 and describe(document)["frames_per_sequence"] == 10
+
+
+# Steps of every size from 1 to 16 frames, in turn.
+MIXED_SCHEDULE = "1,3,1,16,2,5,8,4"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", ["mimi_decoder", "code2wav"])
+def test_variable_frame_counts_survive_sustained_load(code2wav_server, tmp_path, model):
+    """32 concurrent sequences, steps of 1-16 frames in turn, straight to the decoder (clients can
+    reach it on the same port) and through code2wav: every request succeeds and the server stays up.
+    A sequence-batched model with a variable input dim once crashed tritonserver 2.51 under such
+    load (docs/design.md §7)."""
+    problem = _perf_analyzer_problem()
+    if problem:
+        pytest.skip(problem)
+    csv_path = tmp_path / "perf.csv"
+    env = dict(
+        os.environ, URL=code2wav_server.grpc_url, MODEL=model, STREAMS="32", FRAMES="40", SCHEDULE=MIXED_SCHEDULE,
+        BUILD_DIR=str(tmp_path / "perf"), CSV=str(csv_path), PYTHON=sys.executable,
+    )
+    done = subprocess.run([str(PERF_SH), "--concurrency-range", "32", "--request-count", "480"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+    assert code2wav_server.is_alive(), "tritonserver died under load"
+
+
 @pytest.mark.server
 def test_bench_one_point_writes_tables_json_and_plot(code2wav_server, tmp_path):
     problem = _perf_analyzer_problem()

@@ -878,3 +878,29 @@ def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_pa
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
     assert list(SHM_DIR.glob(f"{shm_prefix}*")) == []
     print(f"\nserve from a clean build folder: ready after {ready_s:.0f} s (export included)")
+
+
+# ---- the null decoder (bench target) ----------------------------------------------------------------
+
+@pytest.mark.server
+def test_null_decoder_behind_code2wav_returns_silence_of_the_right_length(onnx_fp32, tmp_path, triton_server_factory):
+    """The bench target that measures the front's ceiling: code2wav in front, silence at once behind,
+    requests of several frames still one decoder call each."""
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.render import DecoderServing, render_repository
+    from mimi_code2wav.export.spec import DecoderSpec
+
+    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    repository = render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "repo", "null",
+                                   DecoderServing(instance_kind="KIND_CPU"))
+    assert not (repository / "mimi_decoder" / "1" / "model.onnx").exists()
+    server = triton_server_factory(repository)
+    codes = np.random.default_rng(3).integers(0, 2048, (8, 11))
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        sequence_id = new_sequence_id()
+        first = infer(client, sequence_id, codes[:, :1], frame_offset=0, start=True, new_frames=1)
+        rest = infer(client, sequence_id, codes[:, 1:], frame_offset=1, end=True, new_frames=10)
+    assert first.shape == (1920,) and rest.shape == (10 * 1920,)
+    assert not first.any() and not rest.any()
+    samples = fetch_metrics(server.metrics_url)
+    assert metric_value(samples, "nv_inference_exec_count", model="mimi_decoder", version="1") == 2

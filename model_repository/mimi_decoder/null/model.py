@@ -1,0 +1,39 @@
+"""Triton Python-backend `mimi_decoder` of the `null` bench target: the decoder's exact interface
+(sequence-batched; codes INT32 [1, k, F] -> pcm FP32 [1, samples_per_frame * F]) returning silence at
+once, with no decoding and no state.
+
+Behind code2wav it measures what gRPC, code2wav and the sequence-batcher hop carry by themselves:
+the front's ceiling, which bounds what any decoder behind it can be given (`code2wav-server bench
+--decoder null`). It is never served for audio. Like the python-ort target, `export/render.py`
+copies it with `triton_streams.py` into a rendered `mimi_decoder/1/`; Triton never loads it from here.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+_MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
+if _MODEL_DIR not in sys.path:
+    sys.path.insert(0, _MODEL_DIR)
+
+import triton_streams  # noqa: E402
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        try:
+            values, _ = triton_streams.read_parameters(json.loads(args["model_config"]), {"samples_per_frame": int})
+        except triton_streams.ConfigError as exc:
+            raise pb_utils.TritonModelException(f"model '{args['model_name']}': {exc}") from None
+        self._samples_per_frame = values["samples_per_frame"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            frames = pb_utils.get_input_tensor_by_name(request, "codes").as_numpy().shape[-1]
+            pcm = np.zeros((1, self._samples_per_frame * frames), np.float32)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("pcm", pcm)]))
+        return responses
