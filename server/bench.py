@@ -1,20 +1,23 @@
-"""Benchmark code2wav over a sweep of concurrent streams, unpaced and paced at 80 ms per frame.
+"""Benchmark code2wav through Triton: unpaced streams x request sizes, and paced live streams.
 
-    code2wav-server bench [--url HOST:PORT] [--streams 1,2,4,8] [--frames 64] [--chunk-frames 4]
+    code2wav-server bench [--url HOST:PORT] [--decoder python-ort|null] [--streams 1,8,32]
+                          [--chunk-frames 1,4,16] [--paced-streams 4,8,12,16,24,32] [--frames 96]
                           [--point-seconds 5] [--out-dir bench_results] [--no-client] [--no-perf]
 
-Without --url (or $URL) it starts a local server first, as `make serve` does but from its own build folder
-(build/bench, seeded random weights unless --weights: speed does not depend on the weight values).
+Without --url (or $URL) it starts a local server first, as `make serve` does but from its own build
+folder (build/bench, seeded random weights unless --weights: speed does not depend on the weight
+values), with the python-ort decoder or, with `--decoder null`, the null decoder (the decoder's
+interface returning silence at once): that run measures the front's own ceiling, what gRPC, code2wav
+and the sequence-batcher hop carry, which bounds what any decoder behind it can be given.
 
-For each number of streams N:
-- the streaming client (client.stream) decodes N streams of `--frames` seeded frames, paced and
-  unpaced: first-chunk latency, per-request latency p50/p90/p99, real-time factor;
-- perf_analyzer (client/perf.sh, one measurement of a fixed request count per point)
-    unpaced  --concurrency-range N: N sequences, each sending its next step when the last returned;
-    paced    --request-rate-range N*12.5/F --num-of-sequences N --serial-sequences, F the mean frames
-             per step: in total the frames of N real-time streams per second;
-  client-side p50/p90/p99 and the server's queue and compute times from its CSV, decoder statistics
-  from its report on the composing model `mimi_decoder`.
+- Unpaced, for every request size F (`--chunk-frames`) and number of streams N: the streaming
+  client (client.stream; a first request of 1 frame, then F frames, with frame_offset) and
+  perf_analyzer (client/perf.sh, `--concurrency-range N`, deltas): requests/s, frames/s, request
+  p50/p99, first-chunk latency, the decoder's mean batch.
+- Paced live streams (1 frame per request, each request leaving when its frame would exist, 80 ms
+  apart) for growing N until one stream falls behind: the most streams that keep real time.
+- Triton overhead per request: the 1-stream request p50 minus the same ONNX step run directly in
+  ONNX Runtime (batch 1, F frames, in this process) when the export is at hand.
 Results go to OUT_DIR: bench.md (tables), bench.json, bench.png (latency and throughput against
 streams) and raw/ (perf_analyzer CSVs and reports). The load generators run on the same CPU cores as
 the server, and the tables say so.
@@ -35,10 +38,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from mimi_code2wav import client as client_package
 from mimi_code2wav.client.perf_inputs import describe, input_data
 from mimi_code2wav.client.stream import (
-    DEFAULT_CHUNK_FRAMES,
     FRAME_DURATION_S,
     ClientError,
     Code2WavStreamer,
@@ -76,10 +80,11 @@ def parse_perf_report(text: str) -> dict:
     return parsed
 
 
-def run_perf_point(args, url: str, streams: int, paced: bool, info: dict, request_rate_estimate: float | None,
+def run_perf_point(args, url: str, streams: int, paced: bool, chunk_frames: int, request_rate_estimate: float | None,
                    raw_dir: Path) -> dict:
     """One perf_analyzer measurement; returns the row (with 'error' when it failed)."""
-    name = f"perf-{'paced' if paced else 'unpaced'}-{streams}"
+    info = describe(input_data(1, args.frames, chunk_frames, args.seed))
+    name = f"perf-{'paced' if paced else 'unpaced'}-{streams}-c{chunk_frames}"
     csv_path = raw_dir / f"{name}.csv"
     if paced:
         rate = streams * FRAMES_PER_S_REAL_TIME / info["mean_frames_per_step"]
@@ -92,7 +97,7 @@ def run_perf_point(args, url: str, streams: int, paced: bool, info: dict, reques
         count = max(math.ceil(estimate * args.point_seconds), 4 * streams)
         load = ["--concurrency-range", str(streams)]
     env = dict(
-        os.environ, URL=url, STREAMS=str(streams), FRAMES=str(args.frames), CHUNK_FRAMES=str(args.chunk_frames),
+        os.environ, URL=url, STREAMS=str(streams), FRAMES=str(args.frames), CHUNK_FRAMES=str(chunk_frames),
         SEED=str(args.seed), CSV=str(csv_path), BUILD_DIR=str(raw_dir / "perf-build"), PYTHON=sys.executable,
     )
     command = [str(PERF_SH), *load, "--request-count", str(count)]
@@ -101,7 +106,7 @@ def run_perf_point(args, url: str, streams: int, paced: bool, info: dict, reques
                           timeout=max(120.0, 20 * args.point_seconds))
     (raw_dir / f"{name}.txt").write_text(f"$ {' '.join(command)}\n{done.stdout}\n{done.stderr}")
     row = {
-        "streams": streams, "paced": paced, "request_rate": rate, "request_count": count,
+        "streams": streams, "paced": paced, "chunk_frames": chunk_frames, "request_rate": rate, "request_count": count,
         "command": " ".join(["client/perf.sh", *load, "--request-count", str(count)]),
         "seconds": time.monotonic() - started,
     }
@@ -125,14 +130,14 @@ def run_perf_point(args, url: str, streams: int, paced: bool, info: dict, reques
 
 # ---- client ----------------------------------------------------------------------------------------
 
-def run_client_point(url: str, streams: int, paced: bool, args) -> dict:
+def run_client_point(url: str, streams: int, paced: bool, chunk_frames: int, args) -> dict:
     codes = [random_codes(args.frames, args.seed + i) for i in range(streams)]
-    options = StreamOptions(chunk_frames=args.chunk_frames, paced=paced)
+    options = StreamOptions(chunk_frames=chunk_frames, paced=paced)
     with Code2WavStreamer(url) as streamer:
         report = streamer.run(codes, options)
     stats = report.summary()
     return {
-        "streams": streams, "paced": paced,
+        "streams": streams, "paced": paced, "chunk_frames": chunk_frames,
         "first_chunk_ms": stats["first_chunk_latency_ms_mean"],
         "first_chunk_ms_max": stats["first_chunk_latency_ms_max"],
         "p50_ms": stats["chunk_latency_ms_p50"], "p90_ms": stats["chunk_latency_ms_p90"],
@@ -152,8 +157,31 @@ def _fmt(value, digits: int = 1) -> str:
     return f"{value:.{digits}f}"
 
 
+PACED_KEEPS_REAL_TIME = 0.99  # slowest stream's RTF: paced streams cannot exceed 1, jitter costs ~1%
+
+
+def summarize(results: dict) -> dict:
+    """The headline numbers: most paced streams in real time, 16- vs 1-frame latency, overhead."""
+    summary = {}
+    paced = [r for r in results["client"] if r["paced"] and "error" not in r]
+    kept = [r["streams"] for r in paced if r["real_time_factor_per_stream_min"] >= PACED_KEEPS_REAL_TIME]
+    summary["paced_streams_in_real_time"] = max(kept, default=0)
+    solo = {r["chunk_frames"]: r for r in results["client"] if not r["paced"] and r["streams"] == 1 and "error" not in r}
+    if 1 in solo and 16 in solo:
+        summary["p50_16_frames_over_1_frame"] = solo[16]["p50_ms"] / solo[1]["p50_ms"]
+    for row in results["client"]:
+        if not row["paced"] and row["streams"] == 8 and row["chunk_frames"] == 4 and "error" not in row:
+            summary["frames_per_s_8_streams_4_frames"] = row["frames_per_s"]
+    step_ms = results.get("decoder_step_ms", {})
+    summary["triton_overhead_ms_p50"] = {
+        chunk: solo[chunk]["p50_ms"] - step_ms[chunk] for chunk in solo if chunk in step_ms
+    }
+    return summary
+
+
 def markdown_report(results: dict) -> str:
     meta = results["meta"]
+    summary = results["summary"]
     lines = [
         "# code2wav benchmark",
         "",
@@ -161,29 +189,39 @@ def markdown_report(results: dict) -> str:
         f"- commit: {meta['commit']}, {meta['date']}",
         f"- command: `{meta['command']}`",
         f"- server: {meta['server']}",
-        f"- streams of {meta['frames']} frames ({meta['frames'] * FRAME_DURATION_S:.2f} s), requests of 1 then "
-        f"{meta['chunk_frames']} frames (deltas; the client sends frame_offset, perf_analyzer does not)",
+        f"- streams of {meta['frames']} frames ({meta['frames'] * FRAME_DURATION_S:.2f} s); unpaced requests of 1 then "
+        "F frames (the client sends frame_offset, perf_analyzer deltas); paced live streams send 1 frame per request",
         f"- **the load generators (this client, perf_analyzer) share the machine's {os.cpu_count()} CPU cores with "
         "the server**: numbers are lower bounds for a dedicated server",
-        "",
+        f"- paced live streams that keep real time (slowest stream RTF >= {PACED_KEEPS_REAL_TIME}): "
+        f"**{summary.get('paced_streams_in_real_time', '-')}**",
     ]
+    if "p50_16_frames_over_1_frame" in summary:
+        lines.append(f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**")
+    if "frames_per_s_8_streams_4_frames" in summary:
+        lines.append(f"- 8 unpaced streams, 4-frame requests: **{summary['frames_per_s_8_streams_4_frames']:.1f} frames/s**")
+    for chunk, overhead in sorted(summary.get("triton_overhead_ms_p50", {}).items()):
+        lines.append(f"- Triton overhead per {chunk}-frame request (1-stream p50 minus the ONNX step alone, "
+                     f"{results['decoder_step_ms'][chunk]:.1f} ms): {overhead:.1f} ms")
+    lines.append("")
     if results["client"]:
         lines += [
             "## Streaming client (client.stream)",
             "",
             "Unpaced: each stream sends its next request when the previous one returned. Paced: each request "
-            "leaves when its last frame would exist (80 ms per frame). RTF = audio seconds of all streams / "
+            "leaves when its frame would exist (80 ms per frame). RTF = audio seconds of all streams / "
             "wall seconds (paced: at most about the number of streams).",
             "",
-            "| streams | pacing | first chunk ms (mean / max) | request p50 / p90 / p99 ms | RTF total | RTF slowest stream | frames/s |",
-            "|---:|---|---:|---:|---:|---:|---:|",
+            "| frames / request | streams | pacing | first chunk ms (mean / max) | request p50 / p90 / p99 ms | RTF total | RTF slowest stream | frames/s |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|",
         ]
         for row in results["client"]:
+            head = f"| {row['chunk_frames']} | {row['streams']} | {'paced' if row['paced'] else 'unpaced'}"
             if "error" in row:
-                lines.append(f"| {row['streams']} | {'paced' if row['paced'] else 'unpaced'} | {row['error']} | | | | |")
+                lines.append(f"{head} | {row['error']} | | | | |")
                 continue
             lines.append(
-                f"| {row['streams']} | {'paced' if row['paced'] else 'unpaced'} | {_fmt(row['first_chunk_ms'])} / "
+                f"{head} | {_fmt(row['first_chunk_ms'])} / "
                 f"{_fmt(row['first_chunk_ms_max'])} | {_fmt(row['p50_ms'])} / {_fmt(row['p90_ms'])} / {_fmt(row['p99_ms'])} | "
                 f"{_fmt(row['real_time_factor'], 2)} | {_fmt(row['real_time_factor_per_stream_min'], 2)} | "
                 f"{_fmt(row['frames_per_s'])} |"
@@ -193,23 +231,22 @@ def markdown_report(results: dict) -> str:
         lines += [
             "## perf_analyzer 2.51 (gRPC streaming, sequences)",
             "",
-            "Unpaced: `--concurrency-range N`. Paced: `--request-rate-range` = N x 12.5 frames/s / mean frames "
-            "per request, `--num-of-sequences N --serial-sequences`. frames/s = requests/s x mean frames per "
-            "request of the input data. Latency is perf_analyzer's client-side request latency; queue and "
-            "compute are code2wav's server-side averages; the decoder columns are `mimi_decoder` "
-            "(composing model): mean batch size and compute per batched step.",
+            "`--concurrency-range N`: N sequences, each sending its next step when the last returned. "
+            "frames/s = requests/s x mean frames per request of the input data. Latency is perf_analyzer's "
+            "client-side request latency; queue and compute are code2wav's server-side averages; the decoder "
+            "columns are `mimi_decoder` (composing model): mean batch size and compute per batched step.",
             "",
-            "| streams | load | requests/s | frames/s | real time needs frames/s | p50 / p90 / p99 ms | code2wav queue ms | code2wav compute ms | decoder batch | decoder compute ms |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| frames / request | streams | requests/s | frames/s | real time needs frames/s | p50 / p90 / p99 ms | code2wav queue ms | code2wav compute ms | decoder batch | decoder compute ms |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in results["perf"]:
-            load = f"paced {row['request_rate']:.2f} req/s" if row["paced"] else f"concurrency {row['streams']}"
+            head = f"| {row['chunk_frames']} | {row['streams']}"
             needed = _fmt(row["streams"] * FRAMES_PER_S_REAL_TIME)
             if "error" in row:
-                lines.append(f"| {row['streams']} | {load} | {row['error']} | | {needed} | | | | | |")
+                lines.append(f"{head} | {row['error']} | | {needed} | | | | | |")
                 continue
             lines.append(
-                f"| {row['streams']} | {load} | {_fmt(row['requests_per_s'], 2)} | {_fmt(row['frames_per_s'])} | {needed} | "
+                f"{head} | {_fmt(row['requests_per_s'], 2)} | {_fmt(row['frames_per_s'])} | {needed} | "
                 f"{_fmt(row['p50_ms'])} / {_fmt(row['p90_ms'])} / {_fmt(row['p99_ms'])} | {_fmt(row['server_queue_ms'])} | "
                 f"{_fmt(row['server_compute_ms'])} | {_fmt(row.get('decoder_mean_batch'), 2)} | "
                 f"{_fmt(row.get('decoder_compute_infer_ms'))} |"
@@ -228,18 +265,16 @@ def plot(results: dict, path: Path) -> bool:
     except ImportError:
         return False
     figure, (latency_axes, throughput_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series = [(source, rows, marker, paced, style) for source, rows, marker in
-              (("client", results["client"], "o"), ("perf_analyzer", results["perf"], "s"))
-              for paced, style in ((False, "-"), (True, "--"))]
-    for color, (source, rows, marker, paced, style) in zip(("C0", "C1", "C2", "C3"), series):
-        points = [r for r in rows if r["paced"] == paced and "error" not in r]
-        if not points:
-            continue
+    groups = {}
+    for source, rows, marker in (("client", results["client"], "o"), ("perf_analyzer", results["perf"], "s")):
+        for row in rows:
+            if "error" not in row:
+                groups.setdefault((source, row["paced"], row["chunk_frames"], marker), []).append(row)
+    for index, ((source, paced, chunk, marker), points) in enumerate(groups.items()):
+        color, style = f"C{index % 10}", "--" if paced else "-"
         streams = [r["streams"] for r in points]
-        label = f"{source} {'paced' if paced else 'unpaced'}"
+        label = f"{source} {'paced' if paced else 'unpaced'} {chunk} fr/req"
         latency_axes.plot(streams, [r["p50_ms"] for r in points], style, marker=marker, color=color, label=f"{label} p50")
-        latency_axes.plot(streams, [r["p99_ms"] for r in points], ":", marker=marker, color=color, alpha=0.6,
-                          label=f"{label} p99")
         throughput_axes.plot(streams, [r["frames_per_s"] for r in points], style, marker=marker, color=color, label=label)
     all_streams = sorted({r["streams"] for r in results["client"] + results["perf"]})
     if all_streams:
@@ -264,23 +299,50 @@ def plot(results: dict, path: Path) -> bool:
 
 @contextlib.contextmanager
 def local_server(args):
-    """A local server on free ports over a repository exported into args.build_dir."""
+    """A local server on free ports over a repository exported into args.build_dir; yields (gRPC
+    URL, a line saying what it is, the ONNX file of its decoder or None)."""
     try:
         from mimi_code2wav.export.pipeline import prepare_local_repository
 
         from .triton import running_server
     except ImportError as exc:
         raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
-    repository = prepare_local_repository(args.weights, args.weights is None, 0, Path(args.build_dir))
-    log_path = Path(args.build_dir) / "tritonserver.log"
+    build_dir = Path(args.build_dir)
+    repository = prepare_local_repository(args.weights, args.weights is None, 0, build_dir, target=args.decoder)
+    log_path = build_dir / "tritonserver.log"
+    onnx_path = repository / "mimi_decoder" / "1" / "model.onnx"
     with running_server(repository, log_path=log_path, ready_timeout_s=120.0) as server:
-        yield server.grpc_url, f"local tritonserver 2.51 (pytriton wheel), python-ort decoder, log {log_path}"
+        yield (server.grpc_url, f"local tritonserver 2.51 (pytriton wheel), {args.decoder} decoder, log {log_path}",
+               onnx_path if onnx_path.is_file() else None)
 
 
-def parse_streams(text: str) -> list[int]:
+ORT_DTYPES = {"tensor(int32)": np.int32, "tensor(float16)": np.float16, "tensor(float)": np.float32}
+
+
+def decoder_step_ms(onnx_path: Path, frame_counts: list[int], seconds: float = 1.0) -> dict[int, float]:
+    """Milliseconds per call of the ONNX step alone in ONNX Runtime, batch 1, for each frame count."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    inputs = session.get_inputs()
+    rng = np.random.default_rng(0)
+    result = {}
+    for frames in frame_counts:
+        feeds = {arg.name: np.zeros([1, *arg.shape[1:]], ORT_DTYPES[arg.type]) for arg in inputs[1:]}
+        feeds[inputs[0].name] = rng.integers(0, 2048, (1, 8, frames)).astype(np.int32)
+        session.run(None, feeds)  # warm-up
+        calls, started = 0, time.perf_counter()
+        while calls < 3 or time.perf_counter() - started < seconds:
+            session.run(None, feeds)
+            calls += 1
+        result[frames] = (time.perf_counter() - started) * 1000 / calls
+    return result
+
+
+def parse_counts(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("streams: comma-separated integers >= 1")
+        raise argparse.ArgumentTypeError("comma-separated integers >= 1")
     return values
 
 
@@ -288,64 +350,88 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=os.environ.get("URL") or None,
                         help="Triton gRPC address of a running server (default: $URL, as perf.sh reads it, "
                         "else start a local one; `make bench URL=host:port`)")
+    parser.add_argument("--decoder", choices=("python-ort", "null"), default="python-ort",
+                        help="the local server's decoder; null measures the front's own ceiling (default %(default)s)")
     parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
     parser.add_argument("--build-dir", default=str(ROOT / "build" / "bench"), help="export folder of the local server")
-    parser.add_argument("--streams", type=parse_streams, default=[1, 2, 4, 8], help="sweep (default 1,2,4,8)")
-    parser.add_argument("--frames", type=int, default=64, help="frames per stream (default %(default)s)")
-    parser.add_argument("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES, help="frames per request after the first")
+    parser.add_argument("--streams", type=parse_counts, default=[1, 8, 32], help="unpaced sweep (default 1,8,32)")
+    parser.add_argument("--chunk-frames", type=parse_counts, default=[1, 4, 16],
+                        help="frames per request after the first, swept (default 1,4,16)")
+    parser.add_argument("--paced-streams", type=parse_counts, default=[4, 8, 12, 16, 24, 32],
+                        help="paced live streams, tried in turn until one falls behind (default 4,8,12,16,24,32)")
+    parser.add_argument("--frames", type=int, default=96, help="frames per stream (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the codes; stream i uses seed + i")
     parser.add_argument("--point-seconds", type=float, default=5.0, help="approximate seconds per perf_analyzer point")
+    parser.add_argument("--onnx", type=Path, help="the served ONNX step, for the overhead column (a local server's is known)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench_results", help="where results go (default bench_results/)")
     parser.add_argument("--no-client", action="store_true", help="skip the streaming-client runs")
     parser.add_argument("--no-perf", action="store_true", help="skip perf_analyzer")
 
 
 def run(args: argparse.Namespace) -> int:
-
     raw_dir = args.out_dir / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
-    info = describe(input_data(1, args.frames, args.chunk_frames, args.seed))
-    results = {"meta": {}, "client": [], "perf": []}
+    results = {"meta": {}, "client": [], "perf": [], "decoder_step_ms": {}}
     failures = 0
     try:
         with contextlib.ExitStack() as stack:
+            onnx_path = args.onnx
             if args.url:
                 url, server = args.url, f"running server at {args.url}"
             else:
                 print("starting a local server ...", file=sys.stderr, flush=True)
-                url, server = stack.enter_context(local_server(args))
+                url, server, onnx_path = stack.enter_context(local_server(args))
             with Code2WavStreamer(url) as streamer:
                 streamer.check_ready()
                 # Warm-up: the first requests of a fresh server pay one-off set-up costs.
-                streamer.run([random_codes(2 * args.chunk_frames + 1, args.seed)], StreamOptions(chunk_frames=args.chunk_frames))
+                for chunk in args.chunk_frames:
+                    streamer.run([random_codes(2 * chunk + 1, args.seed)], StreamOptions(chunk_frames=chunk))
             results["meta"] = {
                 "machine": machine_description(), "commit": git_commit(),
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "command": "code2wav-server bench " + " ".join(sys.argv[2:]),
-                "server": server, "url": url, "frames": args.frames, "chunk_frames": args.chunk_frames,
-                "streams": args.streams, "input_data": info,
+                "server": server, "url": url, "decoder": args.decoder if not args.url else None,
+                "frames": args.frames, "chunk_frames": args.chunk_frames, "streams": args.streams,
+                "paced_streams": args.paced_streams,
             }
-            for streams in args.streams:
-                request_rate_estimate = None
-                for paced in (False, True):
-                    label = f"{streams} stream(s) {'paced' if paced else 'unpaced'}"
+            if onnx_path is not None:
+                print("the ONNX step alone, batch 1 ...", file=sys.stderr, flush=True)
+                results["decoder_step_ms"] = decoder_step_ms(onnx_path, args.chunk_frames)
+            elif not args.url and args.decoder == "null":
+                results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
+            for chunk in args.chunk_frames:
+                for streams in args.streams:
+                    label = f"{streams} stream(s) unpaced, {chunk} frame(s) per request"
+                    request_rate_estimate = None
                     if not args.no_client:
                         print(f"client        {label} ...", file=sys.stderr, flush=True)
                         try:
-                            row = run_client_point(url, streams, paced, args)
-                            if not paced:
-                                request_rate_estimate = row["requests_per_s"]
+                            row = run_client_point(url, streams, False, chunk, args)
+                            request_rate_estimate = row["requests_per_s"]
                         except ClientError as exc:
-                            row, failures = {"streams": streams, "paced": paced, "error": str(exc)}, failures + 1
+                            row, failures = {"streams": streams, "paced": False, "chunk_frames": chunk,
+                                             "error": str(exc)}, failures + 1
                         results["client"].append(row)
                     if not args.no_perf:
                         print(f"perf_analyzer {label} ...", file=sys.stderr, flush=True)
-                        row = run_perf_point(args, url, streams, paced, info, request_rate_estimate, raw_dir)
+                        row = run_perf_point(args, url, streams, False, chunk, request_rate_estimate, raw_dir)
                         failures += "error" in row
                         results["perf"].append(row)
+            if not args.no_client:
+                for streams in args.paced_streams:
+                    print(f"client        {streams} paced live stream(s) ...", file=sys.stderr, flush=True)
+                    try:
+                        row = run_client_point(url, streams, True, 1, args)
+                    except ClientError as exc:
+                        row, failures = {"streams": streams, "paced": True, "chunk_frames": 1,
+                                         "error": str(exc)}, failures + 1
+                    results["client"].append(row)
+                    if "error" in row or row["real_time_factor_per_stream_min"] < PACED_KEEPS_REAL_TIME:
+                        break  # more streams fall further behind
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    results["summary"] = summarize(results)
     (args.out_dir / "bench.json").write_text(json.dumps(results, indent=2))
     report = markdown_report(results)
     (args.out_dir / "bench.md").write_text(report + "\n")
@@ -356,4 +442,3 @@ def run(args: argparse.Namespace) -> int:
     if failures:
         print(f"{failures} point(s) failed: see the tables and {raw_dir}", file=sys.stderr)
     return 1 if failures else 0
-
