@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import csv
 import datetime
+import itertools
 import json
 import math
 import os
@@ -51,6 +52,8 @@ from mimi_code2wav.client.stream import (
 )
 from mimi_code2wav.export.provenance import REPO_ROOT as ROOT
 from mimi_code2wav.export.provenance import git_commit, machine_description
+
+from .triton import log_tail
 
 PERF_SH = Path(client_package.__file__).resolve().parent / "perf.sh"
 FRAMES_PER_S_REAL_TIME = 1 / FRAME_DURATION_S  # 12.5 frames/s per live stream
@@ -102,14 +105,18 @@ def run_perf_point(args, url: str, streams: int, paced: bool, chunk_frames: int,
     )
     command = [str(PERF_SH), *load, "--request-count", str(count)]
     started = time.monotonic()
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=max(120.0, 20 * args.point_seconds))
-    (raw_dir / f"{name}.txt").write_text(f"$ {' '.join(command)}\n{done.stdout}\n{done.stderr}")
     row = {
         "streams": streams, "paced": paced, "chunk_frames": chunk_frames, "request_rate": rate, "request_count": count,
         "command": " ".join(["client/perf.sh", *load, "--request-count", str(count)]),
-        "seconds": time.monotonic() - started,
     }
+    timeout_s = max(120.0, 20 * args.point_seconds)
+    try:
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        row["error"] = f"perf_analyzer did not finish in {timeout_s:.0f} s"
+        return row
+    (raw_dir / f"{name}.txt").write_text(f"$ {' '.join(command)}\n{done.stdout}\n{done.stderr}")
+    row["seconds"] = time.monotonic() - started
     if done.returncode != 0 or not csv_path.exists():
         lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
         error_lines = [line for line in lines if "rror" in line or "ailed" in line]
@@ -196,6 +203,8 @@ def markdown_report(results: dict) -> str:
         f"- paced live streams that keep real time (slowest stream RTF >= {PACED_KEEPS_REAL_TIME}): "
         f"**{summary.get('paced_streams_in_real_time', '-')}**",
     ]
+    if "server_died" in meta:
+        lines.append(f"- **the server died during the run**; later points were not measured:\n\n```\n{meta['server_died']}\n```")
     if "p50_16_frames_over_1_frame" in summary:
         lines.append(f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**")
     if "frames_per_s_8_streams_4_frames" in summary:
@@ -300,7 +309,7 @@ def plot(results: dict, path: Path) -> bool:
 @contextlib.contextmanager
 def local_server(args):
     """A local server on free ports over a repository exported into args.build_dir; yields (gRPC
-    URL, a line saying what it is, the ONNX file of its decoder or None)."""
+    URL, a line saying what it is, the ONNX file of its decoder or None, the TritonServer)."""
     try:
         from mimi_code2wav.export.pipeline import prepare_local_repository
 
@@ -313,7 +322,7 @@ def local_server(args):
     onnx_path = repository / "mimi_decoder" / "1" / "model.onnx"
     with running_server(repository, log_path=log_path, ready_timeout_s=120.0) as server:
         yield (server.grpc_url, f"local tritonserver 2.51 (pytriton wheel), {args.decoder} decoder, log {log_path}",
-               onnx_path if onnx_path.is_file() else None)
+               onnx_path if onnx_path.is_file() else None, server)
 
 
 ORT_DTYPES = {"tensor(int32)": np.int32, "tensor(float16)": np.float16, "tensor(float)": np.float32}
@@ -375,12 +384,23 @@ def run(args: argparse.Namespace) -> int:
     failures = 0
     try:
         with contextlib.ExitStack() as stack:
-            onnx_path = args.onnx
+            onnx_path, local = args.onnx, None
             if args.url:
                 url, server = args.url, f"running server at {args.url}"
             else:
                 print("starting a local server ...", file=sys.stderr, flush=True)
-                url, server, onnx_path = stack.enter_context(local_server(args))
+                url, server, onnx_path, local = stack.enter_context(local_server(args))
+
+            def server_died() -> bool:
+                """A local server that exited mid-run: the sweep stops and the report says so."""
+                if local is None or local.is_alive():
+                    return False
+                results["meta"]["server_died"] = (
+                    f"tritonserver exited during the run (code {local.process.poll()}); log {local.log_path}:\n"
+                    + log_tail(local.log_path, 12))
+                print(results["meta"]["server_died"], file=sys.stderr, flush=True)
+                return True
+
             with Code2WavStreamer(url) as streamer:
                 streamer.check_ready()
                 # Warm-up: the first requests of a fresh server pay one-off set-up costs.
@@ -399,25 +419,27 @@ def run(args: argparse.Namespace) -> int:
                 results["decoder_step_ms"] = decoder_step_ms(onnx_path, args.chunk_frames)
             elif not args.url and args.decoder == "null":
                 results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
-            for chunk in args.chunk_frames:
-                for streams in args.streams:
-                    label = f"{streams} stream(s) unpaced, {chunk} frame(s) per request"
-                    request_rate_estimate = None
-                    if not args.no_client:
-                        print(f"client        {label} ...", file=sys.stderr, flush=True)
-                        try:
-                            row = run_client_point(url, streams, False, chunk, args)
-                            request_rate_estimate = row["requests_per_s"]
-                        except ClientError as exc:
-                            row, failures = {"streams": streams, "paced": False, "chunk_frames": chunk,
-                                             "error": str(exc)}, failures + 1
-                        results["client"].append(row)
-                    if not args.no_perf:
-                        print(f"perf_analyzer {label} ...", file=sys.stderr, flush=True)
-                        row = run_perf_point(args, url, streams, False, chunk, request_rate_estimate, raw_dir)
-                        failures += "error" in row
-                        results["perf"].append(row)
-            if not args.no_client:
+            for chunk, streams in itertools.product(args.chunk_frames, args.streams):
+                if server_died():
+                    failures += 1
+                    break
+                label = f"{streams} stream(s) unpaced, {chunk} frame(s) per request"
+                request_rate_estimate = None
+                if not args.no_client:
+                    print(f"client        {label} ...", file=sys.stderr, flush=True)
+                    try:
+                        row = run_client_point(url, streams, False, chunk, args)
+                        request_rate_estimate = row["requests_per_s"]
+                    except ClientError as exc:
+                        row, failures = {"streams": streams, "paced": False, "chunk_frames": chunk,
+                                         "error": str(exc)}, failures + 1
+                    results["client"].append(row)
+                if not args.no_perf:
+                    print(f"perf_analyzer {label} ...", file=sys.stderr, flush=True)
+                    row = run_perf_point(args, url, streams, False, chunk, request_rate_estimate, raw_dir)
+                    failures += "error" in row
+                    results["perf"].append(row)
+            if not args.no_client and "server_died" not in results["meta"]:
                 for streams in args.paced_streams:
                     print(f"client        {streams} paced live stream(s) ...", file=sys.stderr, flush=True)
                     try:
