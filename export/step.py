@@ -386,9 +386,9 @@ class MimiDecoderStep(nn.Module):
             h = F.layer_norm(x, (hidden,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
             x = x + block.scale2 * F.linear(F.gelu(F.linear(h, block.fc1)), block.fc2)
             new_entries.append(torch.stack([k, v], dim=1))  # [B, 2, H, T, D]
-        # Shift the whole cache once: append the new entries of every layer, keep the last n.
+        # Shift the whole cache once: drop the oldest `steps` entries of every layer, append the new.
         new = torch.stack(new_entries, dim=1).to(cache_dtype)
-        return x, torch.cat([kv_cache, new], dim=4)[:, :, :, :, -n:]
+        return x, torch.cat([kv_cache[:, :, :, :, steps:], new], dim=4)
 
 
 def _rotate_half(x, half: int):
