@@ -1,5 +1,5 @@
 """Client side of code2wav (`mimi_code2wav.client`): the gRPC streaming helper (`stream`), the
-`code2wav-client decode` CLI, WAV I/O (`wav`) and perf_analyzer inputs (`perf_inputs`, `perf.sh`).
+`code2wav-client decode` CLI (`decode`), WAV I/O (`wav`) and perf_analyzer inputs (`perf_inputs`, `perf.sh`).
 
 Needs numpy and tritonclient only: nothing here imports PyTorch, the export or the server side
 (a test holds it to that). Imports inside the package are relative, so `python -m client.perf_inputs`

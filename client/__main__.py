@@ -4,19 +4,17 @@
                            [--out out.wav] [--chunk-frames 4] [--mode delta|cumulative] [--no-offsets]
                            [--streams N] [--paced|--unpaced] [--wav-format float32|int16]
 
-decode streams the codes through a running server, prints a summary table and writes WAV. Argument
-parsing and output only: streaming is `client.stream`. Needs numpy and tritonclient, never PyTorch.
+Argument parsing only: the decode command is `client.decode`, streaming is `client.stream`. Needs
+numpy and tritonclient, never PyTorch.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-
+from .decode import PROGRESS_MIN_FRAMES, decode_command
 from .stream import (
     CODEBOOK_SIZE,
     DEFAULT_CHUNK_FRAMES,
@@ -25,125 +23,9 @@ from .stream import (
     MODEL_NAME,
     MODES,
     NUM_CODEBOOKS,
-    SAMPLE_RATE_HZ,
     ClientError,
-    Code2WavStreamer,
-    RunReport,
-    StreamOptions,
-    random_codes,
-    validate_codes,
 )
-from .wav import SAMPLE_FORMATS, write_wav
-
-# A progress bar is drawn only on a terminal and only for streams longer than this (20 s of audio).
-PROGRESS_MIN_FRAMES = 250
-
-
-class ProgressBar:
-    """One line on stderr, redrawn in place: `[#####.....]  52%  130/250 frames`."""
-
-    def __init__(self, width: int = 30, stream=sys.stderr):
-        self.width = width
-        self.stream = stream
-        self.last_drawn_s = 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self.last_drawn_s < 0.1:
-            return
-        self.last_drawn_s = now
-        filled = int(self.width * done / total)
-        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {100 * done / total:4.0f}%  {done}/{total} frames")
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
-def summary_table(report: RunReport, url: str) -> str:
-    """The run's statistics as an aligned two-column table."""
-    stats = report.summary()
-    options = report.options
-    offsets = "with frame_offset" if options.send_frame_offset else "without frame_offset"
-    pacing = "paced at 80 ms/frame" if options.paced else "unpaced (one request in flight per stream)"
-    rows = [
-        ("server", f"{url} model '{options.model_name}'"),
-        ("streams", f"{stats['streams']} x {stats['frames_per_stream']} frames ({stats['audio_s'] / stats['streams']:.2f} s audio each)"),
-        ("requests", f"{stats['requests']}: {options.mode} {offsets}, chunks of {options.first_chunk_frames} then {options.chunk_frames} frames"),
-        ("pacing", pacing),
-        ("first-chunk latency", f"{stats['first_chunk_latency_ms_mean']:.1f} ms (max over streams {stats['first_chunk_latency_ms_max']:.1f} ms)"),
-        ("chunk latency p50", f"{stats['chunk_latency_ms_p50']:.1f} ms"),
-        ("chunk latency p90", f"{stats['chunk_latency_ms_p90']:.1f} ms"),
-        ("chunk latency p99", f"{stats['chunk_latency_ms_p99']:.1f} ms"),
-        ("wall time", f"{stats['wall_s']:.2f} s"),
-        ("real-time factor", f"{stats['real_time_factor']:.2f} (audio s / wall s, all streams; slowest stream {stats['real_time_factor_per_stream_min']:.2f})"),
-        ("throughput", f"{stats['frames_per_s']:.1f} frames/s"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
-
-
-def output_paths(out: Path, streams: int) -> list[Path]:
-    """out.wav for one stream; out_0.wav, out_1.wav, ... for several."""
-    if streams == 1:
-        return [out]
-    return [out.with_name(f"{out.stem}_{i}{out.suffix or '.wav'}") for i in range(streams)]
-
-
-def load_codes(args: argparse.Namespace) -> np.ndarray:
-    if args.codes is not None:
-        try:
-            codes = np.load(args.codes, allow_pickle=False)
-        except ValueError:
-            # numpy says "pickled data" for any file that is not .npy / .npz
-            raise ClientError(f"cannot read codes from {args.codes}: not a .npy file of integer codes "
-                              f"[{NUM_CODEBOOKS}, frames] (np.save writes one)") from None
-        except OSError as exc:
-            raise ClientError(f"cannot read codes from {args.codes}: {exc}") from None
-        return validate_codes(codes)
-    if args.frames is None or args.frames < 1:
-        raise ClientError("--random needs --frames N (N >= 1)")
-    return random_codes(args.frames, args.seed)
-
-
-def check_writable(paths: list[Path]) -> None:
-    """Fail before streaming (not after, losing the audio) when an output file cannot be written."""
-    for path in paths:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            existed = path.exists()
-            with open(path, "ab"):
-                pass
-            if not existed:
-                path.unlink()
-        except OSError as exc:
-            raise ClientError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
-def decode_command(args: argparse.Namespace) -> int:
-    codes = load_codes(args)
-    if args.out is not None:
-        check_writable(output_paths(args.out, args.streams))
-    options = StreamOptions(
-        chunk_frames=args.chunk_frames,
-        mode=args.mode,
-        send_frame_offset=not args.no_offsets,
-        paced=args.paced,
-        model_name=args.model,
-        response_timeout_s=args.timeout,
-    )
-    show_progress = args.progress if args.progress is not None else (sys.stderr.isatty() and codes.shape[1] >= PROGRESS_MIN_FRAMES)
-    with Code2WavStreamer(args.url, args.model) as streamer:
-        streamer.check_ready()
-        report = streamer.run([codes] * args.streams, options, progress=ProgressBar() if show_progress else None)
-    print(summary_table(report, args.url))
-    if args.out is not None:
-        paths = output_paths(args.out, args.streams)
-        for path, result in zip(paths, report.results):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_wav(path, result.pcm, SAMPLE_RATE_HZ, args.wav_format)
-        where = paths[0] if len(paths) == 1 else f"{paths[0]} ... {paths[-1]}"
-        print(f"wrote {where} ({SAMPLE_RATE_HZ} Hz mono {args.wav_format})")
-    return 0
+from .wav import SAMPLE_FORMATS
 
 
 def build_parser() -> argparse.ArgumentParser:
