@@ -15,24 +15,13 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
+from .provenance import timed
+
 FRAME_MS = 80.0
-
-
-def _timed(run, seconds: float, warmup: int = 2, min_calls: int = 5) -> float:
-    """Median seconds per call over at least `seconds` (noise-robust)."""
-    for _ in range(warmup):
-        run()
-    samples, started = [], time.perf_counter()
-    while len(samples) < min_calls or time.perf_counter() - started < seconds:
-        begin = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - begin)
-    return float(np.median(samples))
 
 
 def matmul_peak_gflops(threads: int, seconds: float) -> float:
@@ -40,7 +29,7 @@ def matmul_peak_gflops(threads: int, seconds: float) -> float:
 
     torch.set_num_threads(threads)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    per_call = _timed(lambda: torch.mm(a, b), seconds)
+    per_call = timed(lambda: torch.mm(a, b), seconds)
     return 2 * 1024**3 / per_call / 1e9
 
 
@@ -133,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, 1)))
             with torch.no_grad(), moshi.streaming(batch):
-                record("moshi", batch, 1, threads, _timed(lambda: moshi.decode(codes), args.seconds))
+                record("moshi", batch, 1, threads, timed(lambda: moshi.decode(codes), args.seconds))
 
     # The step module in eager PyTorch and in ONNX Runtime.
     import onnxruntime as ort
@@ -157,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
                     with torch.no_grad():
                         _, *state = step(torch.from_numpy(codes), *state)
 
-                record("step-eager", batch, frames, threads, _timed(eager, args.seconds))
+                record("step-eager", batch, frames, threads, timed(eager, args.seconds))
                 ort_state = [np.zeros((batch, *s.shape), dtype=s.dtype) for s in spec.states]
 
                 def onnx():
                     nonlocal ort_state
                     _, *ort_state = session.run(None, dict(zip(names, [codes, *ort_state])))
 
-                record("onnxruntime", batch, frames, threads, _timed(onnx, args.seconds))
+                record("onnxruntime", batch, frames, threads, timed(onnx, args.seconds))
 
     # rustymimi (Kyutai's Rust Mimi), batch 1, one frame per call; it picks its own threads.
     try:
@@ -172,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = rustymimi.Tokenizer(str(weights), num_codebooks=8)
         codes = rng.integers(0, 2048, (1, 8, 1)).astype(np.uint32)
-        record("rustymimi", 1, 1, max(args.threads), _timed(lambda: tokenizer.decode_step(codes), args.seconds))
+        record("rustymimi", 1, 1, max(args.threads), timed(lambda: tokenizer.decode_step(codes), args.seconds))
     except ImportError as error:
         log(f"rustymimi not installed ({error}); skipped")
 

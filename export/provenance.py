@@ -1,4 +1,4 @@
-"""Where a benchmark ran: the machine and the commit, for the header of every benchmark table."""
+"""What every benchmark shares: the machine and the commit for its header, and timing a call."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import contextlib
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
+
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,3 +36,15 @@ def git_commit() -> str:
         return "unknown"
     commit = done.stdout.strip() or "unknown"
     return commit + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def timed(run, seconds: float, warmup: int = 2, min_calls: int = 5) -> float:
+    """Median seconds per call of `run()` over at least `seconds` and `min_calls` calls (noise-robust)."""
+    for _ in range(warmup):
+        run()
+    samples, started = [], time.perf_counter()
+    while len(samples) < min_calls or time.perf_counter() - started < seconds:
+        begin = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - begin)
+    return float(np.median(samples))

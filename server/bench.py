@@ -51,7 +51,7 @@ from mimi_code2wav.client.stream import (
     random_codes,
 )
 from mimi_code2wav.export.provenance import REPO_ROOT as ROOT
-from mimi_code2wav.export.provenance import git_commit, machine_description
+from mimi_code2wav.export.provenance import git_commit, machine_description, timed
 
 from .triton import log_tail
 
@@ -339,12 +339,7 @@ def decoder_step_ms(onnx_path: Path, frame_counts: list[int], seconds: float = 1
     for frames in frame_counts:
         feeds = {arg.name: np.zeros([1, *arg.shape[1:]], ORT_DTYPES[arg.type]) for arg in inputs[1:]}
         feeds[inputs[0].name] = rng.integers(0, 2048, (1, 8, frames)).astype(np.int32)
-        session.run(None, feeds)  # warm-up
-        calls, started = 0, time.perf_counter()
-        while calls < 3 or time.perf_counter() - started < seconds:
-            session.run(None, feeds)
-            calls += 1
-        result[frames] = (time.perf_counter() - started) * 1000 / calls
+        result[frames] = timed(lambda: session.run(None, feeds), seconds) * 1000  # noqa: B023 (timed here)
     return result
 
 

@@ -111,8 +111,6 @@ def run(args: argparse.Namespace) -> int:
             server.stop()
 
 
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", type=Path, help="model repository to serve")
     parser.add_argument("--weights", help="Mimi weights: transformers folder, moshi .safetensors file or hub id "

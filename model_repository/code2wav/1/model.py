@@ -108,7 +108,7 @@ class TritonPythonModel:
                 self._metrics = None
 
     async def _decode_step(self, correlation_id, codes, flags):
-        """The one way into the decoder: one step of one stream, codes int32 [1, k, 1] -> PCM.
+        """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM [1, 1920*S].
         Raises core.DecoderError with the decoder's message."""
         request = pb_utils.InferenceRequest(
             model_name=self._decoder_model_name,
