@@ -55,12 +55,18 @@ class DecoderServing:
     instance_kind: str = "KIND_GPU"
     instance_count: int = 1
     intra_op_threads: int = 0
+    # python-ort only: live streams per instance ("auto": from the memory available at load) and
+    # the most rows per session run (bounds ONNX Runtime's scratch; no gain past 8 rows on a CPU).
+    max_live_streams: str = "auto"
+    max_rows_per_run: int = 8
 
     def validate(self) -> None:
         if self.instance_kind not in ("KIND_GPU", "KIND_CPU"):
             raise ValueError(f"instance_kind must be KIND_GPU or KIND_CPU, got {self.instance_kind!r}")
-        if self.max_batch_size < 1 or self.instance_count < 1:
-            raise ValueError("max_batch_size and instance_count must be >= 1")
+        if min(self.max_batch_size, self.instance_count, self.max_candidate_sequences, self.max_rows_per_run) < 1:
+            raise ValueError("max_batch_size, instance_count, max_candidate_sequences and max_rows_per_run must be >= 1")
+        if self.max_live_streams != "auto" and not (self.max_live_streams.isdigit() and int(self.max_live_streams) > 0):
+            raise ValueError(f"max_live_streams must be 'auto' or a positive integer, got {self.max_live_streams!r}")
         too_big = [size for size in self.preferred_batch_sizes if size > self.max_batch_size]
         if too_big:
             raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size {self.max_batch_size}")
@@ -123,6 +129,8 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
             state_spec_json=_pbtxt_string(json.dumps(state_spec, separators=(",", ":"))),
             value_ranges_json=_pbtxt_string(json.dumps({spec.codes.name: [0, spec.codebook_size]})),
             max_dims_json=_pbtxt_string(json.dumps({spec.codes.name: [spec.num_codebooks, spec.max_frames_per_step]})),
+            max_live_streams=serving.max_live_streams,
+            max_rows_per_run=serving.max_rows_per_run,
         )
     if target == "null":
         template = (NULL_DIR / "config.pbtxt.tmpl").read_text()
@@ -161,11 +169,76 @@ def set_string_parameter(config_text: str, key: str, value: str) -> str:
     return replaced
 
 
+def set_idle_timeout(repository: Path, idle_timeout_s: float, decoder_model_name: str = "mimi_decoder") -> None:
+    """Set the stream idle timeout of a rendered repository: code2wav's to `idle_timeout_s`, the
+    decoder's to that plus DECODER_IDLE_MARGIN_US (the decoder must outlive the front's streams)."""
+    front_us = round(idle_timeout_s * 1e6)
+    if front_us <= 0:
+        raise ValueError(f"the idle timeout must be positive, got {idle_timeout_s!r}")
+    pattern = re.compile(r"(max_sequence_idle_microseconds:\s*)\d+")
+    for name, value in (("code2wav", front_us), (decoder_model_name, front_us + DECODER_IDLE_MARGIN_US)):
+        config = Path(repository) / name / "config.pbtxt"
+        text, count = pattern.subn(lambda match, value=value: f"{match.group(1)}{value}", config.read_text())
+        if count != 1:
+            raise ValueError(f"{config}: max_sequence_idle_microseconds appears {count} times, expected once")
+        config.write_text(text)
+
+
+# ---- tritonserver's memory pools for a GPU decoder ------------------------------------------------
+
+SERVER_ARGS_FILE = "tritonserver.args"  # in the repository root; Triton only loads model folders
+MIB = 2**20
+# Triton's own pinned-pool default; the rendered size never goes below it.
+DEFAULT_PINNED_POOL_BYTES = 256 * MIB
+
+
+@dataclass(frozen=True)
+class MemoryPools:
+    """tritonserver's memory pools for `streams` live sequences of a KIND_GPU decoder with implicit state.
+
+    Triton keeps two buffers per state tensor and live sequence (the input state, and the output
+    state the step writes; they swap after the step), both in its CUDA memory pool, and a batch
+    allocates its rows' new output buffers before the old ones go. Past the pool, state silently
+    falls back to host memory and every step copies it. The pinned pool stages a batch's host-side
+    tensors: a fresh sequence's zero state and the codes and PCM of every row.
+    """
+
+    streams: int
+    state_bytes: int
+    max_batch_size: int
+    io_bytes_per_row: int
+
+    @classmethod
+    def for_spec(cls, spec: DecoderSpec, streams: int, max_batch_size: int) -> MemoryPools:
+        # Codes int32 and PCM float32 of a full step (max_frames_per_step frames).
+        io = 4 * spec.max_frames_per_step * (spec.num_codebooks + spec.samples_per_frame)
+        return cls(streams, spec.state_bytes_per_stream(), max_batch_size, io)
+
+    @property
+    def cuda_pool_bytes(self) -> int:
+        return _round_up_mib((2 * self.streams + self.max_batch_size) * self.state_bytes)
+
+    @property
+    def pinned_pool_bytes(self) -> int:
+        return max(DEFAULT_PINNED_POOL_BYTES, _round_up_mib(self.max_batch_size * (self.state_bytes + self.io_bytes_per_row)))
+
+    def server_args(self, gpu: int = 0) -> list[str]:
+        return [f"--cuda-memory-pool-byte-size={gpu}:{self.cuda_pool_bytes}",
+                f"--pinned-memory-pool-byte-size={self.pinned_pool_bytes}"]
+
+
+def _round_up_mib(size: int) -> int:
+    return -(-size // MIB) * MIB
+
+
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
     """A complete model repository in `out_dir`: code2wav (copied, its decoder_max_frames_per_step set to
-    the export's max_frames_per_step) plus mimi_decoder for `target`,
-    with model_repository/common/triton_streams.py beside each Python model's model.py.
+    the export's max_frames_per_step, its max_live_streams and max_candidate_sequences to the
+    decoder's max_candidate_sequences) plus mimi_decoder for `target`, with
+    model_repository/common/triton_streams.py beside each Python model's model.py. For a KIND_GPU
+    decoder with implicit state, also `tritonserver.args`: the memory-pool flags the server needs
+    for that many streams (`MemoryPools`), one per line, which the compose GPU services pass on.
 
     `out_dir` must not be inside the tracked model_repository/ folder.
     """
@@ -179,8 +252,13 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     shutil.copytree(CODE2WAV_DIR, code2wav, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(SHARED_MODEL_FILE, code2wav / "1" / SHARED_MODEL_FILE.name)
     config = code2wav / "config.pbtxt"
-    config.write_text(set_string_parameter(config.read_text(), "decoder_max_frames_per_step",
-                                           str(spec.max_frames_per_step)))
+    text = set_string_parameter(config.read_text(), "decoder_max_frames_per_step", str(spec.max_frames_per_step))
+    # The front refuses a START past the decoder's capacity instead of queueing it behind the others.
+    text = set_string_parameter(text, "max_live_streams", str(serving.max_candidate_sequences))
+    text, count = re.subn(r"(max_candidate_sequences:\s*)\d+", rf"\g<1>{serving.max_candidate_sequences}", text)
+    if count != 1:
+        raise ValueError(f"code2wav's config sets max_candidate_sequences {count} times, expected once")
+    config.write_text(text)
     decoder = out_dir / serving.model_name
     version = decoder / "1"
     if decoder.exists():
@@ -200,4 +278,10 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
         shutil.copy2(NULL_DIR / "model.py", version / "model.py")
     if target in PYTHON_TARGETS:
         shutil.copy2(SHARED_MODEL_FILE, version / SHARED_MODEL_FILE.name)
+    args_file = out_dir / SERVER_ARGS_FILE
+    if serving.instance_kind == "KIND_GPU" and target not in PYTHON_TARGETS:
+        pools = MemoryPools.for_spec(spec, serving.max_candidate_sequences, serving.max_batch_size)
+        args_file.write_text("".join(f"{arg}\n" for arg in pools.server_args()))
+    elif args_file.exists():
+        args_file.unlink()
     return out_dir

@@ -3,6 +3,7 @@
     code2wav-server serve   [--model-repository DIR] [--weights PATH | --random-init] [--http-port 8000] ...
     code2wav-server verify  [--url 127.0.0.1:8001] [--weights PATH | --random-init] [--streams 2] ...
     code2wav-server bench   [--url HOST:PORT] [--streams 1,2,4,8] [--frames 64] ...
+    code2wav-server memory  [--streams 16,32,64] [--idle-timeout-s 4] ...
 
 Argument parsing only: each command is a module of this package (`serve`, `verify`, `bench`) with
 `add_arguments(parser)` and `run(args) -> exit code`.
@@ -13,12 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, serve, verify
+from . import bench, memory, serve, verify
 
 COMMANDS = {
     "serve": (serve, "run the local tritonserver in the foreground (Ctrl-C or SIGTERM stops it)"),
     "verify": (verify, "check a running server against a streaming reference decode of the same weights"),
     "bench": (bench, "sweep concurrent streams with the streaming client and perf_analyzer"),
+    "memory": (memory, "the server's memory against live streams and after they expire"),
 }
 
 

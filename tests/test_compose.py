@@ -483,6 +483,45 @@ done
 
 
 @pytest.mark.slow
+def rendered_pool_args(export_dir: Path, streams: int, max_batch_size: int) -> list[str]:
+    """The pool flags for an export, from the memory math written out here (not from render's code):
+    per stream 2 x its state (input and output buffers), plus one batch of new output buffers."""
+    import json
+
+    from mimi_code2wav.export.spec import DecoderSpec
+
+    spec = DecoderSpec.from_dict(json.loads((export_dir / "manifest.json").read_text())["spec"])
+    state = spec.state_bytes_per_stream()
+    assert state == 8177156  # fp32 KV: 8 x 2 x 8 x 248 x 64 floats + 12672 conv floats + 1 int32
+    mib = 2**20
+    cuda = -(-(2 * streams + max_batch_size) * state // mib) * mib
+    io = 8 * 16 * 4 + 1920 * 16 * 4
+    pinned = max(256 * mib, -(-max_batch_size * (state + io) // mib) * mib)
+    return [f"--cuda-memory-pool-byte-size=0:{cuda}", f"--pinned-memory-pool-byte-size={pinned}"]
+
+
+@pytest.mark.parametrize("name", ("triton", "triton-tensorrt"))
+def test_gpu_servers_take_the_rendered_memory_pools(services, name, tmp_path):
+    """The GPU servers start through a shell that appends the flags of /models/tritonserver.args
+    (rendered by the export) to their command, after the NGC image's own entrypoint."""
+    entrypoint = services[name]["entrypoint"]
+    assert entrypoint[:3] == ["/opt/nvidia/nvidia_entrypoint.sh", "sh", "-c"], entrypoint
+    assert command_args(services[name])[0] == "tritonserver"
+    # Run the same shell line here, with echo standing in for the server.
+    args_file = tmp_path / "tritonserver.args"
+    args_file.write_text("--cuda-memory-pool-byte-size=0:1048576\n--pinned-memory-pool-byte-size=268435456\n")
+    script = entrypoint[3].replace("/models/tritonserver.args", str(args_file))
+    result = subprocess.run(["sh", "-c", script, *entrypoint[4:], "echo", "--model-repository=/models"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["--model-repository=/models", "--cuda-memory-pool-byte-size=0:1048576",
+                                     "--pinned-memory-pool-byte-size=268435456"]
+    # Without the file the server does not start on default pools.
+    args_file.unlink()
+    result = subprocess.run(["sh", "-c", script, *entrypoint[4:], "echo", "x"], capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0 and "tritonserver.args" in result.stderr
+
+
 def test_entrypoint_jobs_write_the_served_repositories(tmp_path, moshi_checkpoint, onnx_fp32):
     """export -> tensorrt-plan -> tensorrt-render with a moshi-format checkpoint as the mounted weights.
 
@@ -522,7 +561,11 @@ def test_entrypoint_jobs_write_the_served_repositories(tmp_path, moshi_checkpoin
         assert os.path.samefile(onnx, export_dir / "model.onnx") or filecmp.cmp(onnx, export_dir / "model.onnx", shallow=False)
         for file in ("config.pbtxt", "1/model.py"):
             assert (repository / "code2wav" / file).read_bytes() == (CODE2WAV_DIR / file).read_bytes()
-        assert sorted(p.name for p in repository.iterdir()) == ["code2wav", "mimi_decoder"]
+    # The GPU repository carries the memory-pool flags for its streams; the CPU one needs none.
+    assert sorted(p.name for p in models.iterdir()) == ["code2wav", "mimi_decoder", "tritonserver.args"]
+    assert sorted(p.name for p in (tmp_path / "models-cpu").iterdir()) == ["code2wav", "mimi_decoder"]
+    expected_pools = rendered_pool_args(export_dir, streams=1024, max_batch_size=64)
+    assert (models / "tritonserver.args").read_text().splitlines() == expected_pools
 
     # trtexec command lines, one argument per line, with the paths the NGC job will see.
     for precision in ("fp32", "fp16"):
@@ -549,4 +592,5 @@ def test_entrypoint_jobs_write_the_served_repositories(tmp_path, moshi_checkpoin
     trt_config = (trt_models / "mimi_decoder" / "config.pbtxt").read_text()
     assert 'backend: "tensorrt"' in trt_config and "kind: KIND_GPU" in trt_config and "max_batch_size: 64" in trt_config
     assert (trt_models / "mimi_decoder" / "1" / "model.plan").read_text() == "engine"
+    assert (trt_models / "tritonserver.args").read_text().splitlines() == expected_pools
     assert (trt_models / "code2wav" / "1" / "model.py").is_file()

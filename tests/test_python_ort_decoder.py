@@ -124,6 +124,8 @@ MODEL_CONFIG = {
         "state_spec": {"string_value": json.dumps(STATE_SPEC)},
         "value_ranges": {"string_value": "{}"},
         "max_dims": {"string_value": "{}"},
+        "max_live_streams": {"string_value": "16"},
+        "max_rows_per_run": {"string_value": "8"},
     },
 }
 
@@ -180,6 +182,9 @@ def test_parse_model_config_reads_parameters_and_timeout():
     assert config.states[1].dtype == np.int64 and config.states[1].shape == (1,)
     assert config.inputs[0].dims == (8, 1) and config.max_batch_size == 8
     assert config.value_ranges == {}
+    assert config.max_live_streams == 16 and config.max_rows_per_run == 8 and config.instance_count == 1
+    assert config.state_bytes_per_stream == ACC * 4 + 8
+    assert ort_core.parse_model_config(config_with(max_live_streams="auto"), TRITON_TYPES.__getitem__).max_live_streams is None
     ranged = ort_core.parse_model_config(config_with(value_ranges='{"codes": [0, 2048]}'), TRITON_TYPES.__getitem__)
     assert ranged.value_ranges == {"codes": (0, 2048)}
 
@@ -193,7 +198,13 @@ def test_parse_model_config_reads_parameters_and_timeout():
                      "parameter 'value_ranges': missing from the model config's parameters", id="no-value-ranges"),
         pytest.param(config_with(codebook_size="2048"),
                      "parameter 'codebook_size': unknown parameter (known: onnx_file, intra_op_threads, state_spec, "
-                     "value_ranges, max_dims)", id="unknown"),
+                     "value_ranges, max_dims, max_live_streams, max_rows_per_run)", id="unknown"),
+        pytest.param(config_with(max_live_streams="0"),
+                     "parameter 'max_live_streams': must be a positive integer or 'auto', got '0'", id="cap-0"),
+        pytest.param(config_with(max_live_streams="many"),
+                     "parameter 'max_live_streams': must be a positive integer or 'auto', got 'many'", id="cap-word"),
+        pytest.param(config_with(max_rows_per_run="0"),
+                     "parameter 'max_rows_per_run': must be a positive integer, got 0", id="rows-0"),
         pytest.param(config_with(max_dims=None), "parameter 'max_dims': missing from the model config's parameters",
                      id="no-max-dims"),
         pytest.param(config_with(max_dims='{"codes": [8, 0]}'),
@@ -398,6 +409,8 @@ parameters {{ key: "onnx_file" value: {{ string_value: "model.onnx" }} }}
 parameters {{ key: "intra_op_threads" value: {{ string_value: "1" }} }}
 parameters {{ key: "value_ranges" value: {{ string_value: '{{"codes": [0, 2048]}}' }} }}
 parameters {{ key: "max_dims" value: {{ string_value: '{{"codes": [8, 1]}}' }} }}
+parameters {{ key: "max_live_streams" value: {{ string_value: "{max_live_streams}" }} }}
+parameters {{ key: "max_rows_per_run" value: {{ string_value: "8" }} }}
 """
 
 
@@ -409,7 +422,7 @@ def decoder_server(tmp_path_factory, triton_server_factory):
     build_step_onnx(version_dir / "model.onnx")
     install_model(version_dir)
     (repository / "decoder" / "config.pbtxt").write_text(
-        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(STATE_SPEC))
+        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(STATE_SPEC), max_live_streams=64)
     )
     return triton_server_factory(repository, log_path=repository / "server.log")
 
@@ -612,7 +625,7 @@ def test_served_bad_parameter_fails_the_load(tmp_path):
     install_model(version_dir)
     wrong_dtype = [STATE_SPEC[0], {**STATE_SPEC[1], "dtype": "int32"}]
     (tmp_path / "repo" / "decoder" / "config.pbtxt").write_text(
-        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(wrong_dtype))
+        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(wrong_dtype), max_live_streams=64)
     )
     with pytest.raises(ServerError) as failure:
         with running_server(tmp_path / "repo", log_path=tmp_path / "server.log"):
@@ -671,3 +684,108 @@ def test_streams_left_behind_do_not_keep_a_whole_batch_alive(onnx_session):
     for sequence_id in (2, 3, 4):
         stream = core._streams[sequence_id]
         assert stream.rows.arrays[0].shape[0] == 1 and stream.row == 0
+
+
+# --- memory: the stream cap, runs of bounded size, state outside ONNX Runtime's arena ---------------
+def test_core_refuses_starts_past_the_cap_and_harms_no_live_stream(onnx_session):
+    config = ort_core.parse_model_config(config_with(max_live_streams="2"), TRITON_TYPES.__getitem__)
+    core, _ = make_core(onnx_session, config=config)
+    references = {1: Reference(), 2: Reference()}
+    results = core.step([request(sid, codes_for(sid), start=True) for sid in (1, 2, 3)])
+    for sid in (1, 2):
+        np.testing.assert_array_equal(results[sid - 1]["pcm"], references[sid].step(codes_for(sid)))
+    refused = results[2]
+    assert isinstance(refused, ort_core.ModelError)
+    assert (refused.kind, refused.code) == ("stream_cap", "UNAVAILABLE")
+    assert ("resource exhausted: model 'decoder' already holds 2 live streams, its limit "
+            "(max_live_streams=2 per instance); this START was refused and no stream was affected") in str(refused)
+    assert not core.has_stream(3) and core.refused_total == 1
+    # The live streams go on; a START on a live stream (a restart) takes no new room.
+    for sid in (1, 2):
+        (result,) = core.step([request(sid, codes_for(10 + sid))])
+        np.testing.assert_array_equal(result["pcm"], references[sid].step(codes_for(10 + sid)))
+    references[1] = Reference()
+    (result,) = core.step([request(1, codes_for(20), start=True)])
+    np.testing.assert_array_equal(result["pcm"], references[1].step(codes_for(20)))
+    # Once a stream ends there is room again.
+    core.step([request(2, codes_for(21), end=True)])
+    (result,) = core.step([request(3, codes_for(22), start=True)])
+    assert isinstance(result, dict) and core.live_streams == 2
+
+
+def test_auto_stream_cap_comes_from_the_available_memory():
+    config = ort_core.parse_model_config(
+        {**config_with(max_live_streams="auto"), "instance_group": [{"count": 2}],
+         "sequence_batching": {**MODEL_CONFIG["sequence_batching"], "oldest": {"max_candidate_sequences": "1000"}}},
+        TRITON_TYPES.__getitem__,
+    )
+    per_stream = 2 * config.state_bytes_per_stream  # 2 x 24 bytes
+    cap, reason = ort_core.auto_stream_cap(config, 48 * per_stream * 2 * 2)  # half of it, over 2 instances
+    assert cap == 48 and "2 instance(s)" in reason
+    cap, reason = ort_core.auto_stream_cap(config, 10**9)
+    assert cap == 1000 and reason.startswith("1000 (max_candidate_sequences; memory would allow")
+    cap, reason = ort_core.auto_stream_cap(config, None)
+    assert (cap, reason) == (1000, "1000 (max_candidate_sequences; available memory unknown)")
+
+
+def test_available_memory_is_the_tighter_of_host_and_cgroup(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert ort_core.available_memory_bytes(str(meminfo), str(cgroup)) == 20000000 * 1024
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("1000\n")
+    assert ort_core.available_memory_bytes(str(meminfo), str(cgroup)) == 20000000 * 1024
+    (cgroup / "memory.max").write_text(f"{2**30}\n")
+    assert ort_core.available_memory_bytes(str(meminfo), str(cgroup)) == 2**30 - 1000
+    assert ort_core.available_memory_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+def test_batches_run_in_pieces_of_max_rows_per_run(onnx_session):
+    config = ort_core.parse_model_config(config_with(max_rows_per_run="2"), TRITON_TYPES.__getitem__)
+    core, calls = make_core(onnx_session, config=config)
+    references = {sid: Reference() for sid in range(1, 6)}
+    for step in range(2):
+        batch = [request(sid, codes_for(10 * sid + step), start=step == 0) for sid in range(1, 6)]
+        for req, result in zip(batch, core.step(batch)):
+            np.testing.assert_array_equal(result["pcm"], references[req.sequence_id].step(req.inputs["codes"]))
+    assert [call["codes"][0] for call in calls] == [2, 2, 1, 2, 2, 1]
+
+
+def test_bound_runner_writes_states_into_arrays_of_its_own(onnx_session):
+    config = ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_core.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+    runner = ort_core.BoundRunner(onnx_session, config)
+    rng = np.random.default_rng(0)
+    feeds = {"codes": rng.integers(0, 2048, (3, 8, 1), dtype=np.int32),
+             "state_in_00_acc": rng.standard_normal((3, ACC)).astype(np.float32),
+             "state_in_01_count": np.arange(3, dtype=np.int64).reshape(3, 1)}
+    bound = runner(feeds)
+    plain = onnx_session.run(["pcm", "state_out_00_acc", "state_out_01_count"], feeds)
+    for got, want in zip(bound, plain):
+        np.testing.assert_array_equal(got, want)
+        assert got.flags.owndata and got.flags.writeable
+    # Fed back as the next run's input, as the core does.
+    np.testing.assert_array_equal(runner({**feeds, "state_in_00_acc": bound[1]})[1], bound[1] + plain[0][:, -1:])
+
+
+def test_idle_memory_is_released_once_per_idle_period(onnx_session):
+    clock = FakeClock()
+    released = []
+    config = ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_core.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+    runner = ort_core.BoundRunner(onnx_session, config)
+    core = ort_core.StreamingDecoderCore(config, runner, clock=clock, release=lambda feeds: released.append(runner(feeds)))
+    assert not core.release_idle_memory()  # nothing ran yet
+    core.step([request(1, codes_for(1), start=True)])
+    clock.now += 0.5
+    assert not core.release_idle_memory(idle_s=1.0)  # not idle long enough
+    clock.now += 0.6
+    assert core.release_idle_memory(idle_s=1.0)
+    assert len(released) == 1 and released[0][1].shape == (1, ACC)
+    clock.now += 5.0
+    assert not core.release_idle_memory(idle_s=1.0)  # once per idle period
+    # The throw-away step touched no stream.
+    (result,) = core.step([request(1, codes_for(2))])
+    np.testing.assert_array_equal(result["pcm"][0, ACC], 2.0)

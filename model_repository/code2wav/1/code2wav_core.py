@@ -57,6 +57,7 @@ ERROR_KINDS = (
     "not_cumulative",
     "correlation_id",
     "unknown_stream",
+    "stream_cap",
     "decoder",
     "internal",
 )
@@ -73,10 +74,19 @@ class RequestError(ModelError):
 
 
 class DecoderError(ModelError):
-    """A decoder step failed; raised by the decoder helper with the decoder's message."""
+    """A decoder step failed; raised by the decoder helper with the decoder's message. `code`:
+    UNAVAILABLE where the decoder refused a new stream for lack of room (the client may retry),
+    else INTERNAL."""
+
+    def __init__(self, message: str, code: str = "INTERNAL"):
+        super().__init__("stream_cap" if code == "UNAVAILABLE" else "decoder", message, code)
+
+
+class StreamCapError(ModelError):
+    """A START for a new stream while the instance holds `max_live_streams`: refused, nothing changed."""
 
     def __init__(self, message: str):
-        super().__init__("decoder", message, "INTERNAL")
+        super().__init__("stream_cap", message, "UNAVAILABLE")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,6 +106,7 @@ class Code2WavSettings:
     dedupe_mode: str = "auto"
     max_new_frames_per_request: int = 1500
     max_request_frames: int = 45000
+    max_live_streams: int = 1024
     stream_idle_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -109,6 +120,7 @@ class Code2WavSettings:
             "decoder_max_frames_per_step",
             "max_new_frames_per_request",
             "max_request_frames",
+            "max_live_streams",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -135,6 +147,7 @@ PARAMETER_TYPES = {
     "dedupe_mode": str,
     "max_new_frames_per_request": int,
     "max_request_frames": int,
+    "max_live_streams": int,
 }
 
 
@@ -551,7 +564,8 @@ class StreamTable:
                 raise DecoderError(
                     f"decoder '{self.settings.decoder_model_name}' failed on step {index + 1} of "
                     f"{len(plan.steps)} for stream {plan.correlation_id}: {exc}; the stream was ended, "
-                    f"send its next request with the START flag to begin again"
+                    f"send its next request with the START flag to begin again",
+                    exc.code if isinstance(exc, DecoderError) else "INTERNAL",
                 ) from exc
         self.commit(plan)
         return pcm_out
@@ -595,10 +609,20 @@ class StreamTable:
         steps). Returns, per request, its PCM or the exception it failed with; one failing request
         never affects the others."""
         self.expire_idle(keep=(request.correlation_id for request in requests))
-        by_stream: Dict[object, List[int]] = {}
-        for index, request in enumerate(requests):
-            by_stream.setdefault(request.correlation_id, []).append(index)
         results: List[Union[np.ndarray, Exception, None]] = [None] * len(requests)
+        by_stream: Dict[object, List[int]] = {}
+        admitted = set()  # new streams this batch lets in
+        for index, request in enumerate(requests):
+            correlation_id = request.correlation_id
+            if (request.flags & FLAG_SEQUENCE_START and not request.flags & FLAG_SEQUENCE_END
+                    and correlation_id not in self._streams and correlation_id not in admitted
+                    and correlation_id not in by_stream):
+                if len(self._streams) + len(admitted) >= self.settings.max_live_streams:
+                    self.count_error("stream_cap")
+                    results[index] = self._stream_cap_error(len(self._streams) + len(admitted))
+                    continue
+                admitted.add(correlation_id)
+            by_stream.setdefault(correlation_id, []).append(index)
 
         async def run_stream(indices: List[int]) -> None:
             for index in indices:
@@ -611,6 +635,15 @@ class StreamTable:
         return results  # type: ignore[return-value]
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _stream_cap_error(self, live: int) -> StreamCapError:
+        settings = self.settings
+        return StreamCapError(
+            f"resource exhausted: this code2wav instance already holds {live} live streams, its limit "
+            f"(max_live_streams={settings.max_live_streams}); the new stream was refused and no other "
+            f"stream was affected. Retry later, or END streams that are done (an abandoned stream is "
+            f"freed after {settings.stream_idle_timeout_s:g} s idle)"
+        )
 
     def _first_new_frame(
         self,

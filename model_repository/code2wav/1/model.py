@@ -119,7 +119,10 @@ class TritonPythonModel:
         )
         response = await request.async_exec()
         if response.has_error():
-            raise core.DecoderError(response.error().message())
+            error = response.error()
+            # The decoder's own stream cap: the client may retry later, as for code2wav's.
+            code = "UNAVAILABLE" if error.code() == pb_utils.TritonError.UNAVAILABLE else "INTERNAL"
+            raise core.DecoderError(error.message(), code)
         pcm = pb_utils.get_output_tensor_by_name(response, DECODER_OUTPUT_NAME)
         if pcm is None:
             raise core.DecoderError(f"the response has no '{DECODER_OUTPUT_NAME}' output")

@@ -13,9 +13,12 @@ from `config.pbtxt.tmpl`.
 
 Metrics (labels `model`, `version`; instances add up): gauge `mimi_decoder_live_streams`; counters
 `mimi_decoder_batches_total` (session runs), `mimi_decoder_batched_requests_total` (rows run),
-`mimi_decoder_expired_streams_total`; histogram `mimi_decoder_batch_size` (rows per run).
+`mimi_decoder_expired_streams_total`, `mimi_decoder_refused_streams_total` (STARTs refused at
+`max_live_streams`); histogram `mimi_decoder_batch_size` (rows per run).
 """
 
+import ctypes
+import dataclasses
 import json
 import os
 import sys
@@ -33,6 +36,19 @@ import python_ort_core as core  # noqa: E402
 import triton_streams  # noqa: E402
 
 BATCH_SIZE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+# glibc serves allocations of at least this many bytes with their own mmap, and unmaps them when
+# freed. Its default threshold rises with every such free (up to 32 MiB), after which a stream's
+# state (a few MiB) lands on the heap and stays there after the stream is gone.
+MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+
+
+def fix_mmap_threshold() -> bool:
+    """Pin glibc's mmap threshold at MMAP_THRESHOLD_BYTES for this process; False where it cannot."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def create_session(path: Path, intra_op_threads: int, instance_kind: str, device_id: int):
@@ -49,6 +65,17 @@ def create_session(path: Path, intra_op_threads: int, instance_kind: str, device
     else:
         providers = ["CPUExecutionProvider"]
     return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+
+
+def arena_release_options(instance_kind: str, device_id: int):
+    """Run options that shrink the session's memory arena after the run (ONNX Runtime frees the
+    arena regions no tensor uses any more)."""
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    device = f"gpu:{device_id}" if instance_kind.upper() == "GPU" else "cpu:0"
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", device)
+    return options
 
 
 class _Metrics:
@@ -79,6 +106,11 @@ class _Metrics:
             "Sequences whose decoder state was dropped after the idle timeout",
             family.COUNTER,
         ))
+        self.refused = triton_streams.DeltaMetric(metric(
+            "mimi_decoder_refused_streams_total",
+            "STARTs refused because the instance held max_live_streams streams",
+            family.COUNTER,
+        ))
         self.batch_size = metric(
             "mimi_decoder_batch_size", "Rows per decoder session run", family.HISTOGRAM, buckets=BATCH_SIZE_BUCKETS
         )
@@ -88,6 +120,7 @@ class _Metrics:
         self.batches.update(decoder.runs_total)
         self.batched_requests.update(decoder.rows_total)
         self.expired.update(decoder.expired_total)
+        self.refused.update(decoder.refused_total)
         for size in decoder.run_sizes:
             self.batch_size.observe(size)
         decoder.run_sizes.clear()
@@ -96,7 +129,7 @@ class _Metrics:
         # This instance's streams leave the shared gauge with it.
         self.live.withdraw()
         # Metrics go before their families (python_backend custom-metrics contract).
-        self.live = self.batches = self.batched_requests = self.expired = self.batch_size = None
+        self.live = self.batches = self.batched_requests = self.expired = self.refused = self.batch_size = None
         self._families.clear()
 
 
@@ -108,21 +141,21 @@ class TritonPythonModel:
             onnx_path = Path(args["model_repository"]) / args["model_version"] / config.onnx_file
             if not onnx_path.is_file():
                 raise ValueError(f"ONNX file {onnx_path} does not exist (parameter onnx_file)")
-            session = create_session(
-                onnx_path,
-                config.intra_op_threads,
-                args.get("model_instance_kind", "CPU"),
-                int(args.get("model_instance_device_id", "0")),
-            )
+            kind, device_id = args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", "0"))
+            session = create_session(onnx_path, config.intra_op_threads, kind, device_id)
             config = core.check_against_onnx(config, session.get_inputs(), session.get_outputs())
+            if config.max_live_streams is None:
+                cap, derived = core.auto_stream_cap(config, core.available_memory_bytes())
+                config = dataclasses.replace(config, max_live_streams=cap)
+            else:
+                derived = f"{config.max_live_streams} (configured)"
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"model '{self._name}': {exc}") from None
 
+        mmap_fixed = fix_mmap_threshold()
+        runner = core.BoundRunner(session, config, arena_release_options(kind, device_id))
         self._core = core.StreamingDecoderCore(
-            config,
-            lambda feeds: session.run(self._core.output_names, feeds),
-            model_name=self._name,
-            log_error=pb_utils.Logger.log_error,
+            config, runner, model_name=self._name, log_error=pb_utils.Logger.log_error, release=runner.release
         )
         self._input_names = [t.name for t in config.inputs]
         self._start_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -140,8 +173,10 @@ class TritonPythonModel:
         )
         self._sweeper.start()
         pb_utils.Logger.log_info(
-            f"{self._name}: {len(config.states)} state tensors, idle timeout "
-            f"{config.idle_timeout_s:g} s, ONNX {onnx_path.name}, providers {session.get_providers()}"
+            f"{self._name}: {len(config.states)} state tensors ({config.state_bytes_per_stream / 2**20:.2f} MiB "
+            f"per stream), idle timeout {config.idle_timeout_s:g} s, ONNX {onnx_path.name}, providers "
+            f"{session.get_providers()}; max_live_streams {derived}; at most {config.max_rows_per_run} rows "
+            f"per run; glibc mmap threshold {'pinned' if mmap_fixed else 'left as it is'}"
         )
 
     def _publish_metrics(self) -> None:
@@ -156,6 +191,7 @@ class TritonPythonModel:
         # Called by the sweeper thread under its lock.
         if self._core.expire_idle():
             self._publish_metrics()
+        self._core.release_idle_memory()
 
     def execute(self, requests):
         step_requests = []

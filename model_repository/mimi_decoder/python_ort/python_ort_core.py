@@ -32,11 +32,18 @@ all required, no other accepted: `triton_streams.read_parameters`):
 | `state_spec` | JSON list of `{"input", "output", "dtype", "shape"}`, shape per stream (no batch) |
 | `value_ranges` | JSON object: input name -> `[low, high]`, its values must lie in [low, high) (`{}`: none) |
 | `max_dims` | JSON object: input name -> its largest dims per request (bounds the config's -1 dims; `{}`: none) |
+| `max_live_streams` | streams this instance holds state for at most, or `auto` (see `auto_stream_cap`); a START beyond it is refused with UNAVAILABLE, live streams unharmed |
+| `max_rows_per_run` | the most rows one session run takes; larger batches run in pieces (bounds the run's scratch memory) |
 
 In `state_spec` dtype is one of float32, float16, int32, int64, and an optional `description` per
 entry is ignored. `value_ranges` and `max_dims` are checked per request, so a bad row fails alone
 instead of failing the batched run. Requests whose inputs differ in shape (e.g. a different number of
 frames) run in different session runs: rows of one run have equal shapes.
+
+Memory. A live stream costs its state (one row of each state tensor) and nothing else: output states
+are written by the session straight into arrays this model allocates (`BoundRunner`, IO binding),
+so ONNX Runtime's arena only ever holds one run's scratch, bounded by `max_rows_per_run`, and is
+handed back to the system once the instance has been idle for a while (`release_idle_memory`).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import time
 import traceback
 from dataclasses import dataclass
@@ -106,6 +114,18 @@ class DecoderConfig:
     value_ranges: Mapping[str, tuple[int, int]]
     # Input name -> the largest dims (no batch) one request may have.
     max_dims: Mapping[str, tuple[int, ...]]
+    # Live streams this instance holds at most (None: `auto`, resolved at load by `auto_stream_cap`).
+    max_live_streams: int | None = None
+    # The most rows in one session run.
+    max_rows_per_run: int = 8
+    # Instances of the model (instance_group counts, summed): they share the host's memory.
+    instance_count: int = 1
+    # sequence_batching.oldest.max_candidate_sequences: more live sequences never reach the model.
+    max_candidate_sequences: int | None = None
+
+    @property
+    def state_bytes_per_stream(self) -> int:
+        return sum(math.prod(s.shape) * s.dtype.itemsize for s in self.states)
 
 
 def _is_int(value) -> bool:
@@ -178,6 +198,29 @@ def parse_max_dims(text: str) -> dict[str, tuple[int, ...]]:
     return parsed
 
 
+def parse_stream_cap(text: str) -> int | None:
+    """Parse `max_live_streams`: a positive integer, or `auto` (None)."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"must be a positive integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"must be a positive integer or 'auto', got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise ValueError(f"must be a positive integer, got {value}")
+    return value
+
+
 # The config's `parameters`: name -> parser of its string value (all required).
 PARAMETER_TYPES = {
     "onnx_file": str,
@@ -185,7 +228,56 @@ PARAMETER_TYPES = {
     "state_spec": parse_state_spec,
     "value_ranges": parse_value_ranges,
     "max_dims": parse_max_dims,
+    "max_live_streams": parse_stream_cap,
+    "max_rows_per_run": _positive_int,
 }
+
+# `max_live_streams: auto`: the streams' state may take this share of the memory available at load,
+# counting MEMORY_PER_STREAM_FACTOR x the state per stream (the state, plus the input copy a run of
+# streams that did not step together makes).
+AUTO_MEMORY_SHARE = 0.5
+MEMORY_PER_STREAM_FACTOR = 2
+
+
+def available_memory_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Memory this process can still use: MemAvailable, or less where a cgroup (v2 `memory.max`, v1
+    `memory.limit_in_bytes`) limits the container. None when nothing can be read."""
+    candidates = []
+    try:
+        for line in open(meminfo):
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(f"{cgroup}/{limit_file}") as limit, open(f"{cgroup}/{usage_file}") as usage:
+                text = limit.read().strip()
+                if text != "max" and int(text) < 2**60:
+                    candidates.append(max(0, int(text) - int(usage.read().strip())))
+        except (OSError, ValueError):
+            continue
+    return min(candidates) if candidates else None
+
+
+def auto_stream_cap(config: DecoderConfig, available_bytes: int | None) -> tuple[int, str]:
+    """`max_live_streams: auto` for one instance: AUTO_MEMORY_SHARE of the available memory, split
+    over the instances, at MEMORY_PER_STREAM_FACTOR x the state per stream; never above
+    max_candidate_sequences. Returns (cap, a sentence saying how it was derived)."""
+    per_stream = MEMORY_PER_STREAM_FACTOR * config.state_bytes_per_stream
+    candidates = config.max_candidate_sequences
+    if available_bytes is None:
+        if candidates is None:
+            raise ValueError("max_live_streams is 'auto' but neither the available memory nor "
+                             "max_candidate_sequences is known: set a number")
+        return candidates, f"{candidates} (max_candidate_sequences; available memory unknown)"
+    cap = max(1, int(AUTO_MEMORY_SHARE * available_bytes / config.instance_count // per_stream))
+    reason = (f"{AUTO_MEMORY_SHARE:g} x {available_bytes / 2**30:.1f} GiB available / {config.instance_count} "
+              f"instance(s) / {per_stream / 2**20:.1f} MiB per stream ({MEMORY_PER_STREAM_FACTOR}x its state)")
+    if candidates is not None and candidates < cap:
+        return candidates, f"{candidates} (max_candidate_sequences; memory would allow {cap}: {reason})"
+    return cap, f"{cap} ({reason})"
 
 
 def parse_model_config(
@@ -235,6 +327,10 @@ def parse_model_config(
         intra_op_threads=values["intra_op_threads"],
         value_ranges=values["value_ranges"],
         max_dims=values["max_dims"],
+        max_live_streams=values["max_live_streams"],
+        max_rows_per_run=values["max_rows_per_run"],
+        instance_count=max(1, sum(int(group.get("count", 1)) for group in config.get("instance_group") or [{}])),
+        max_candidate_sequences=_max_candidate_sequences(sequence_batching),
     )
     io_names = [t.name for t in decoder.inputs + decoder.outputs]
     state_names = [s.input for s in decoder.states] + [s.output for s in decoder.states]
@@ -251,6 +347,14 @@ def parse_model_config(
         if len(dims) != len(declared) or any(want not in (-1, limit) for want, limit in zip(declared, dims)):
             raise ConfigError("max_dims", f"input '{name}': {list(dims)} does not fit its dims {list(declared)}")
     return decoder
+
+
+def _max_candidate_sequences(sequence_batching: Mapping) -> int | None:
+    value = (sequence_batching.get("oldest") or {}).get("max_candidate_sequences")
+    try:
+        return int(value) if value is not None and int(value) > 0 else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _onnx_dims(shape) -> tuple[int | None, ...]:
@@ -357,8 +461,10 @@ class StreamingDecoderCore:
 
     `run(feeds)` runs one batched step: `feeds` maps every input and state-input name to a
     `[rows, ...]` array; it returns the outputs in the order of `output_names` (config outputs,
-    then state outputs), each `[rows, ...]`. Not thread-safe: callers serialise `step()` and
-    `expire_idle()`. Request failures are `ModelError`s (kind, message, TritonError code name).
+    then state outputs), each `[rows, ...]`. `release(feeds)`, when given, runs one step whose
+    scratch memory is handed back to the system afterwards (`release_idle_memory`). Not
+    thread-safe: callers serialise `step()`, `expire_idle()` and `release_idle_memory()`. Request
+    failures are `ModelError`s (kind, message, TritonError code name).
     """
 
     def __init__(
@@ -368,9 +474,13 @@ class StreamingDecoderCore:
         clock: Callable[[], float] = time.monotonic,
         model_name: str = "decoder",
         log_error: Callable[[str], None] = lambda message: None,
+        release: Callable[[dict[str, np.ndarray]], object] | None = None,
     ):
+        if config.max_live_streams is None:
+            raise ValueError("max_live_streams must be resolved to a number first (auto_stream_cap)")
         self.config = config
         self._run = run
+        self._release = release
         self._clock = clock
         self._model_name = model_name
         self._log_error = log_error
@@ -386,8 +496,11 @@ class StreamingDecoderCore:
         self.runs_total = 0
         self.rows_total = 0
         self.expired_total = 0
+        self.refused_total = 0
         # Sizes of runs not yet published; the publisher drains it (bounded: metrics may be off).
         self.run_sizes: collections.deque[int] = collections.deque(maxlen=4096)
+        self._last_run_s = self._clock()
+        self._runs_since_release = 0
 
     @property
     def live_streams(self) -> int:
@@ -410,6 +523,31 @@ class StreamingDecoderCore:
             del self._streams[sid]
         self.expired_total += len(idle)
         return len(idle)
+
+    def release_idle_memory(self, idle_s: float = 1.0, now: float | None = None) -> bool:
+        """After `idle_s` without a run, run one throw-away step of one zero row through `release`,
+        which hands the session's scratch memory back (once per idle period). Returns whether it ran."""
+        now = self._clock() if now is None else now
+        if self._release is None or not self._runs_since_release or now - self._last_run_s < idle_s:
+            return False
+        feeds = {spec.name: np.zeros((1, *(1 if dim == -1 else dim for dim in spec.dims)), spec.dtype)
+                 for spec in self.config.inputs}
+        for state, zero in zip(self.config.states, self._zero_rows):
+            feeds[state.input] = zero
+        self._release(feeds)
+        self._runs_since_release = 0
+        return True
+
+    def _stream_cap_reached(self, live: int) -> ModelError:
+        self.refused_total += 1
+        return ModelError(
+            "stream_cap",
+            f"resource exhausted: model '{self._model_name}' already holds {live} live streams, its "
+            f"limit (max_live_streams={self.config.max_live_streams} per instance); this START was refused "
+            "and no stream was affected. Retry later, or END streams that are done (an abandoned stream "
+            f"is freed after {self.config.idle_timeout_s:g} s idle)",
+            "UNAVAILABLE",
+        )
 
     def _unknown_sequence(self, sequence_id) -> ModelError:
         return ModelError(
@@ -477,6 +615,7 @@ class StreamingDecoderCore:
                 waves.append([])
             waves[wave].append(index)
 
+        admitted: set = set()  # new streams this call lets in, before their state exists
         for wave in waves:
             groups: dict[tuple, list[tuple[int, dict[str, np.ndarray]]]] = {}
             for index in wave:
@@ -485,6 +624,12 @@ class StreamingDecoderCore:
                     rows = self._row_inputs(request)
                     if not request.start and request.sequence_id not in self._streams:
                         raise self._unknown_sequence(request.sequence_id)
+                    if (request.start and not request.end and request.sequence_id not in self._streams
+                            and request.sequence_id not in admitted):
+                        live = len(self._streams) + len(admitted)
+                        if live >= self.config.max_live_streams:
+                            raise self._stream_cap_reached(live)
+                        admitted.add(request.sequence_id)
                 except ModelError as error:
                     results[index] = error
                     if request.end:
@@ -493,8 +638,10 @@ class StreamingDecoderCore:
                     continue
                 signature = tuple(rows[spec.name].shape for spec in self.config.inputs)
                 groups.setdefault(signature, []).append((index, rows))
+            most = self.config.max_rows_per_run
             for members in groups.values():
-                self._run_group(requests, members, results)
+                for first in range(0, len(members), most):
+                    self._run_group(requests, members[first : first + most], results)
         return results  # type: ignore[return-value]
 
     def _run_group(self, requests, members, results) -> None:
@@ -578,6 +725,8 @@ class StreamingDecoderCore:
                 stream.rows, stream.row, stream.last_used = new_rows, row, now
         self._release_shared_rows(previous, reused)
         self.runs_total += 1
+        self._runs_since_release += 1
+        self._last_run_s = now
         self.rows_total += count
         self.run_sizes.append(count)
 
@@ -593,3 +742,40 @@ class StreamingDecoderCore:
                 old = stream.rows
                 stream.rows = _StateRows([array[stream.row : stream.row + 1].copy() for array in old.arrays])
                 stream.row = 0
+
+
+class BoundRunner:
+    """`run(feeds)` for StreamingDecoderCore over an ONNX Runtime session, through IO binding: the
+    output states are written straight into numpy arrays allocated here (one per state per run),
+    which the core keeps as the streams' state; the other outputs (small) come back as copies. ONNX
+    Runtime's arena then only holds one run's scratch. `release(feeds)` runs with the run option
+    that shrinks the arena afterwards (`release_options`, made by the caller, which owns the
+    onnxruntime import), giving that scratch back to the system.
+    """
+
+    def __init__(self, session, config: DecoderConfig, release_options=None):
+        self._session = session
+        self._release_options = release_options
+        self._outputs = [t.name for t in config.outputs]
+        self._states = [(s.input, s.output) for s in config.states]
+
+    def __call__(self, feeds: Mapping[str, np.ndarray], run_options=None) -> list[np.ndarray]:
+        binding = self._session.io_binding()
+        inputs = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive until the run ends
+        for name, array in inputs.items():
+            binding.bind_cpu_input(name, array)
+        for name in self._outputs:
+            binding.bind_output(name, "cpu")
+        states = []
+        for input_name, output_name in self._states:
+            source = inputs[input_name]
+            state = np.empty(source.shape, source.dtype)
+            binding.bind_output(output_name, "cpu", 0, state.dtype, list(state.shape), state.ctypes.data)
+            states.append(state)
+        self._session.run_with_iobinding(binding, run_options)
+        values = binding.get_outputs()
+        # Copies: a view would pin its arena chunk for as long as the response holds it.
+        return [np.array(values[k].numpy()) for k in range(len(self._outputs))] + states
+
+    def release(self, feeds: Mapping[str, np.ndarray]) -> None:
+        self(feeds, self._release_options)

@@ -1,0 +1,264 @@
+"""`code2wav-server memory`: the server's memory against live streams, and after they expire.
+
+    code2wav-server memory [--streams 16,32,64] [--steps 1,4,4] [--idle-timeout-s 4]
+                           [--out-dir bench_results] [--build-dir build/memory]
+
+Starts a local server (python-ort decoder, seeded random weights, its own build folder and ports)
+whose stream idle timeout is `--idle-timeout-s`, then for each count N in `--streams` opens streams
+until N are live (every stream STARTs and takes the steps of `--steps`, all streams of a wave
+concurrently so the decoder batches them, and never ENDs), and reads the memory of the server's
+whole process group (tritonserver and every Python stub) from /proc: RSS and PSS (shared memory
+counted once) per process and in total. Then it waits until both models have expired every stream
+and reads it again, twice (a second burst of the largest N, expired, shows whether memory is held
+or leaks). Prints a table and writes OUT_DIR/memory.json and memory.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from mimi_code2wav.client.stream import random_codes
+from mimi_code2wav.export.provenance import REPO_ROOT as ROOT
+from mimi_code2wav.export.provenance import git_commit, machine_description
+
+from .triton import fetch_metrics, metric_value
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    pid: int
+    role: str  # tritonserver, or the model a Python stub serves
+    rss: int  # bytes
+    pss: int  # bytes
+
+
+def _role(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    name = Path(argv[0].decode(errors="replace")).name
+    if name == "triton_python_backend_stub" and len(argv) > 1:
+        # argv[1] is .../<model>/<version>/model.py
+        return f"stub {Path(argv[1].decode(errors='replace')).parent.parent.name}"
+    return name
+
+
+def _smaps_rollup(pid: int) -> tuple[int, int]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            fields[key] = int(parts[0]) * 1024
+    return fields.get("Rss", 0), fields.get("Pss", 0)
+
+
+def group_memory(pgid: int) -> list[ProcessMemory]:
+    """RSS and PSS of every process in process group `pgid` (a server started by TritonServer leads
+    its own group, its Python stubs included)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            stat = (entry / "stat").read_text()
+            # Fields after the parenthesised command: state ppid pgrp ...
+            pgrp = int(stat.rpartition(")")[2].split()[2])
+            if pgrp != pgid:
+                continue
+            rss, pss = _smaps_rollup(pid)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        found.append(ProcessMemory(pid, _role(pid), rss, pss))
+    return sorted(found, key=lambda p: p.role)
+
+
+def snapshot(pgid: int, label: str, live: dict[str, float | None]) -> dict:
+    processes = group_memory(pgid)
+    return {
+        "label": label,
+        "live_streams": live,
+        "rss_mib": sum(p.rss for p in processes) / MIB,
+        "pss_mib": sum(p.pss for p in processes) / MIB,
+        "processes": {p.role: {"pid": p.pid, "rss_mib": p.rss / MIB, "pss_mib": p.pss / MIB} for p in processes},
+    }
+
+
+def live_streams(metrics_url: str) -> dict[str, float | None]:
+    samples = fetch_metrics(metrics_url)
+    return {
+        "code2wav": metric_value(samples, "code2wav_live_streams"),
+        "mimi_decoder": metric_value(samples, "mimi_decoder_live_streams"),
+    }
+
+
+def open_streams(url: str, first_id: int, count: int, steps: list[int], seed: int) -> None:
+    """START `count` streams (ids first_id ..) and run each through `steps` (frames per request),
+    every step of all streams in flight together; the streams are left open."""
+    import tritonclient.grpc as grpcclient
+
+    frames = sum(steps)
+    codes = [random_codes(frames, seed + i) for i in range(count)]
+    with grpcclient.InferenceServerClient(url) as client:
+        start = 0
+        for index, size in enumerate(steps):
+            pending = []
+            for i in range(count):
+                flat = np.ascontiguousarray(codes[i][:, start : start + size]).reshape(1, -1)
+                inputs = [grpcclient.InferInput("input_ids", list(flat.shape), "INT64"),
+                          grpcclient.InferInput("frame_offset", [1, 1], "INT64")]
+                inputs[0].set_data_from_numpy(flat)
+                inputs[1].set_data_from_numpy(np.array([[start]], dtype=np.int64))
+                done = Future()
+                client.async_infer("code2wav", inputs, partial(_settle, done), sequence_id=first_id + i,
+                                   sequence_start=index == 0, client_timeout=120)
+                pending.append(done)
+            for done in pending:
+                samples = done.result(timeout=180).as_numpy("model_outputs").size
+                if samples != size * 1920:
+                    raise RuntimeError(f"a step of {size} frames returned {samples} samples")
+            start += size
+
+
+def _settle(done: Future, result, error) -> None:
+    if error is not None:
+        done.set_exception(RuntimeError(f"request failed: {error}"))
+    else:
+        done.set_result(result)
+
+
+def wait_expired(metrics_url: str, timeout_s: float) -> float:
+    """Seconds until both models report no live stream (raises after timeout_s)."""
+    began = time.monotonic()
+    while True:
+        live = live_streams(metrics_url)
+        if all(value == 0 for value in live.values()):
+            return time.monotonic() - began
+        if time.monotonic() - began > timeout_s:
+            raise RuntimeError(f"streams still live after {timeout_s:.0f} s: {live}")
+        time.sleep(0.25)
+
+
+def markdown_report(results: dict) -> str:
+    meta = results["meta"]
+    roles = sorted({role for row in results["rows"] for role in row["processes"]})
+    lines = [
+        f"Server memory against live streams ({meta['machine']}, commit {meta['commit']}, {meta['date']}).",
+        f"`{meta['command']}`; python-ort decoder, state {meta['state_mib_per_stream']:.2f} MiB per stream; "
+        "PSS counts shared memory once.",
+        "",
+        "| point | live streams | total PSS MiB | total RSS MiB | " + " | ".join(f"{r} RSS" for r in roles)
+        + " | PSS per stream over idle MiB |",
+        "|---|---|---|---|" + "---|" * len(roles) + "---|",
+    ]
+    base = results["rows"][0]["pss_mib"]
+    for row in results["rows"]:
+        live = row["live_streams"].get("mimi_decoder")
+        per_stream = (row["pss_mib"] - base) / live if live else None
+        lines.append(
+            f"| {row['label']} | {'' if live is None else int(live)} | {row['pss_mib']:.0f} | {row['rss_mib']:.0f} | "
+            + " | ".join(f"{row['processes'][r]['rss_mib']:.0f}" if r in row["processes"] else "" for r in roles)
+            + f" | {'' if per_stream is None else f'{per_stream:.1f}'} |"
+        )
+    summary = results["summary"]
+    lines += [
+        "",
+        f"Per live stream at {summary['streams']} streams: {summary['per_stream_mib']:.1f} MiB "
+        f"({summary['per_stream_over_state']:.2f}x the state). After expiry: "
+        f"{summary['after_expiry_over_idle']:.3f}x the idle PSS (second burst: {summary['after_second_expiry_over_idle']:.3f}x).",
+    ]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--streams", default="16,32,64",
+                        help="live-stream counts to measure at, ascending (default %(default)s)")
+    parser.add_argument("--steps", default="1,4,4", help="frames per request of every stream (default %(default)s)")
+    parser.add_argument("--idle-timeout-s", type=float, default=4.0,
+                        help="the served stream idle timeout, so that expiry comes quickly (default %(default)s)")
+    parser.add_argument("--build-dir", type=Path, default=ROOT / "build" / "memory", help="the local server's build folder")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench_results", help="where results go")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.pipeline import prepare_local_repository
+    from mimi_code2wav.export.render import set_idle_timeout
+    from mimi_code2wav.export.spec import DecoderSpec
+
+    from .triton import running_server
+
+    counts = sorted({int(v) for v in args.streams.split(",") if v.strip()})
+    steps = [int(v) for v in args.steps.split(",") if v.strip()]
+    repository = prepare_local_repository(None, True, 0, args.build_dir)
+    set_idle_timeout(repository, args.idle_timeout_s)
+    spec = DecoderSpec.from_dict(read_manifest(next((args.build_dir / "export").iterdir()))["spec"])
+    state_mib = spec.state_bytes_per_stream() / MIB
+    rows = []
+    with running_server(repository, log_path=args.build_dir / "tritonserver.log", ready_timeout_s=120.0) as server:
+        pgid = server.pid
+
+        def take(label: str) -> None:
+            row = snapshot(pgid, label, live_streams(server.metrics_url))
+            rows.append(row)
+            print(f"{label:28s} PSS {row['pss_mib']:7.0f} MiB  RSS {row['rss_mib']:7.0f} MiB  live {row['live_streams']}",
+                  file=sys.stderr, flush=True)
+
+        # One stream through once, ended at once: loads ONNX Runtime's kernels, as any first request does.
+        open_streams(server.grpc_url, 1, 1, steps, 0)
+        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30)
+        take("idle (warmed up)")
+        opened, next_id = 0, 1000
+        for count in counts:
+            open_streams(server.grpc_url, next_id, count - opened, steps, next_id)
+            next_id, opened = next_id + count - opened, count
+            take(f"{count} live")
+        waited = wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30)
+        time.sleep(2 * args.idle_timeout_s)  # batches' shared arrays go with their last stream
+        take(f"expired ({waited:.0f} s)")
+        open_streams(server.grpc_url, next_id, counts[-1], steps, next_id)
+        take(f"{counts[-1]} live again")
+        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30)
+        time.sleep(2 * args.idle_timeout_s)
+        take("expired again")
+
+    idle, peak = rows[0], rows[len(counts)]
+    per_stream = (peak["pss_mib"] - idle["pss_mib"]) / counts[-1]
+    results = {
+        "meta": {
+            "machine": machine_description(), "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "code2wav-server memory " + " ".join(sys.argv[2:]),
+            "state_mib_per_stream": state_mib, "steps": steps, "idle_timeout_s": args.idle_timeout_s,
+        },
+        "rows": rows,
+        "summary": {
+            "streams": counts[-1],
+            "per_stream_mib": per_stream,
+            "per_stream_over_state": per_stream / state_mib,
+            "after_expiry_over_idle": rows[len(counts) + 1]["pss_mib"] / idle["pss_mib"],
+            "after_second_expiry_over_idle": rows[-1]["pss_mib"] / idle["pss_mib"],
+        },
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "memory.json").write_text(json.dumps(results, indent=2))
+    report = markdown_report(results)
+    (args.out_dir / "memory.md").write_text(report + "\n")
+    print(report)
+    print(f"wrote {args.out_dir}/memory.md and memory.json")
+    return 0
+
