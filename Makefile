@@ -11,6 +11,8 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 MIMI_WEIGHTS ?=
+# A model repository to serve as it is (default: export and render the local python-ort one).
+MODEL_REPOSITORY ?=
 # A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
@@ -35,7 +37,7 @@ export: $(STAMP)
 	$(BIN)/code2wav-export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
 serve: $(STAMP)
-	$(BIN)/code2wav-server serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
+	$(BIN)/code2wav-server serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(MODEL_REPOSITORY),--model-repository $(MODEL_REPOSITORY),)
 
 bench: $(STAMP)
 	$(BIN)/code2wav-server bench $(if $(URL),--url $(URL),)

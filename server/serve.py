@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
 from pathlib import Path
 
 from .triton import LOCALHOST, ServerError, TritonServer, log_tail
@@ -39,27 +40,36 @@ def prepare_repository(args: argparse.Namespace) -> Path:
 
 class _StopSignals:
     """SIGINT/SIGTERM handler. While disarmed (the server process being created) a signal is only
-    recorded, so that stop() always knows the process it has to end; armed, it interrupts the main
-    thread with _StopRequested."""
+    recorded, so that stop() always knows the process it has to end; armed, the first signal
+    interrupts the main thread with _StopRequested, once: every later one is only recorded, so a
+    second Ctrl-C, or a process-group signal reaching the launcher twice, cannot interrupt the
+    stop that the first one started."""
 
     def __init__(self):
         self.armed = False
-        self.received: str | None = None
+        self.stopping = False
+        self.received: list[str] = []
         signal.signal(signal.SIGTERM, self)
         signal.signal(signal.SIGINT, self)
 
     def __call__(self, signum, frame):
-        self.received = signal.Signals(signum).name
+        self.received.append(signal.Signals(signum).name)
         if self.armed:
-            raise _StopRequested(self.received)
+            self._stop()
 
     def disarm(self) -> None:
         self.armed = False
 
     def arm(self) -> None:
         self.armed = True
-        if self.received is not None:
-            raise _StopRequested(self.received)
+        if self.received:
+            self._stop()
+
+    def _stop(self) -> None:
+        if not self.stopping:
+            self.stopping = True
+            self.armed = False
+            raise _StopRequested(self.received[0])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,16 +109,20 @@ def run(args: argparse.Namespace) -> int:
         return code or 1
     except _StopRequested as stop:
         print(f"{stop}: stopping tritonserver", flush=True)
-        return 0
+        code = 0
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        # A second Ctrl-C must not interrupt the clean-up; stop() is bounded by its grace period.
+        # Later signals must not interrupt the clean-up; stop() is bounded by its grace period.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if server is not None:
+            began = time.monotonic()
             server.stop()
+            if stop_signals.stopping:
+                print(f"tritonserver stopped in {time.monotonic() - began:.1f} s", flush=True)
+    return code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

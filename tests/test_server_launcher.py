@@ -5,8 +5,10 @@ Each test writes a tiny Python-backend model into tmp_path, so nothing here need
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -265,3 +267,107 @@ def test_server_ends_when_the_launcher_is_killed(tmp_path):
             cli.wait()
         if server_pid is not None and process_exists(server_pid):
             os.kill(server_pid, signal.SIGKILL)  # never leave an orphan behind a failed test
+
+
+def _wait_http_ready(port: int, process: subprocess.Popen, timeout_s: float = 90.0) -> None:
+    import tritonclient.http as httpclient
+
+    deadline = time.monotonic() + timeout_s
+    with httpclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if client.is_server_ready():
+                    return
+            except Exception:
+                pass
+            time.sleep(0.1)
+    raise AssertionError(f"the server never became ready (exit code {process.poll()})")
+
+
+def _tritonserver_under(pid: int) -> int | None:
+    """The pid of the tritonserver that `pid` or one of its children started, if any."""
+    found = subprocess.run(["pgrep", "-x", "tritonserver"], capture_output=True, text=True)
+    for candidate in map(int, found.stdout.split()):
+        ancestors, current = set(), candidate
+        while current > 1 and current not in ancestors:
+            ancestors.add(current)
+            try:
+                current = int(Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
+        if pid in ancestors:
+            return candidate
+    return None
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_serve_stops_cleanly_when_its_process_group_is_signalled_twice(tmp_path):
+    """A terminal's Ctrl-C reaches make and the launcher both, and a second one (or a process-group
+    SIGTERM right after) may land while the first stop runs: one clean stop, no traceback, the
+    launcher exits 0 (make reports no error of its recipe), nothing left behind."""
+    repository = write_model(tmp_path / "repo")
+    http_port, grpc_port, metrics_port = free_ports(3)
+    make = subprocess.Popen(
+        ["make", "--no-print-directory", "serve", f"MODEL_REPOSITORY={repository}", f"HTTP_PORT={http_port}",
+         f"GRPC_PORT={grpc_port}", f"METRICS_PORT={metrics_port}"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    server_pid = None
+    try:
+        _wait_http_ready(http_port, make)
+        infer_add_one(f"127.0.0.1:{grpc_port}")
+        server_pid = _tritonserver_under(make.pid)
+        assert server_pid is not None
+        prefix = _shm_prefix_of(server_pid)
+        # Back to back, so that the second lands while the first is being handled; then one more later.
+        os.killpg(make.pid, signal.SIGINT)
+        os.killpg(make.pid, signal.SIGTERM)
+        time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(make.pid, signal.SIGINT)
+        output, _ = make.communicate(timeout=90)
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+            make.wait()
+    assert "Traceback" not in output, output
+    assert "SIGINT: stopping tritonserver" in output, output
+    assert re.search(r"tritonserver stopped in [0-9.]+ s", output), output
+    assert not re.search(r"\] Error \d", output), output  # make saw the launcher exit non-zero
+    assert not process_exists(server_pid) and not group_exists(server_pid)
+    assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
+    assert list(SHM_DIR.glob(f"{prefix}*")) == []
+
+
+def test_signals_during_start_up_give_one_clean_stop(tmp_path):
+    """SIGTERM and SIGINT again and again while the server is still loading: exit code 0, no
+    traceback, no server left (its model sleeps in initialize, so the signals land mid-start)."""
+    repository = write_model(tmp_path / "repo", initialize="import time\ntime.sleep(3)")
+    http_port, grpc_port, metrics_port = free_ports(3)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+         "--log-file", str(tmp_path / "server.log")],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and server_pid is None and cli.poll() is None:
+            server_pid = _tritonserver_under(cli.pid)
+            time.sleep(0.05)
+        assert server_pid is not None, "tritonserver never started"
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(cli.pid, signum)
+        output, _ = cli.communicate(timeout=90)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait()
+    assert cli.returncode == 0, output
+    assert "Traceback" not in output, output
+    assert output.count("stopping tritonserver") == 1, output
+    assert not process_exists(server_pid) and not group_exists(server_pid)
+    assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
