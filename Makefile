@@ -16,7 +16,7 @@ MODEL_REPOSITORY ?=
 # A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
-.PHONY: venv lint test serve export bench verify clean
+.PHONY: venv lint test serve export bench bench-memory verify clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,9 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/code2wav-server bench $(if $(URL),--url $(URL),)
+
+bench-memory: $(STAMP)
+	$(BIN)/code2wav-server memory
 
 verify: $(STAMP)
 	$(BIN)/code2wav-server verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(URL),--url $(URL),)

@@ -2,7 +2,7 @@
 
   code2wav-export build  [--weights SRC | --random-init --seed N] [--max-frames-per-step 16] [--window moshi|exact]
                          [--kv-cache-dtype float32|float16] [--opset 17] [--out DIR] [--force]
-  code2wav-export render --target onnxruntime|tensorrt|python-ort|null --export-dir DIR --out DIR
+  code2wav-export render --target onnxruntime|tensorrt|python-ort|null --export-dir DIR --out DIR [--max-streams 1024]
   code2wav-export render --check-in      (rewrites model_repository/mimi_decoder/config.pbtxt)
   code2wav-export encode --weights SRC in.wav --out codes.npy
 
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--instance-kind", choices=("KIND_GPU", "KIND_CPU"))
     r.add_argument("--instance-count", type=int, default=1)
     r.add_argument("--max-batch-size", type=int, default=64)
+    r.add_argument("--max-streams", type=int, default=1024,
+                   help="live streams the decoder holds (its max_candidate_sequences; code2wav's max_live_streams; "
+                   "the GPU memory pools are sized for it) (default %(default)s)")
     r.add_argument("--check-in", action="store_true",
                    help="rewrite the checked-in native ORT config from the default options")
     add_options(r)
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = args.instance_kind or ("KIND_CPU" if args.target in PYTHON_TARGETS else "KIND_GPU")
         serving = DecoderServing(
             instance_kind=kind, instance_count=args.instance_count, max_batch_size=args.max_batch_size,
+            max_candidate_sequences=args.max_streams,
             preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],
         )
         print(render_export(args.export_dir, args.out, args.target, serving, args.plan))

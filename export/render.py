@@ -38,8 +38,12 @@ TARGETS = ("onnxruntime", "tensorrt", "python-ort", "null")
 PYTHON_TARGETS = ("python-ort", "null")  # Python-backend decoders: no implicit state block
 
 # code2wav's own idle timeout (model_repository/code2wav/config.pbtxt); the decoder's sits above it.
-CODE2WAV_IDLE_TIMEOUT_US = 30_000_000
-DECODER_IDLE_MARGIN_US = 5_000_000
+# It also bounds a shutdown: Triton counts every live sequence as in flight, and while the server
+# exits no request can reach the decoder to END one, so abandoned streams leave by this timeout.
+CODE2WAV_IDLE_TIMEOUT_US = 10_000_000
+# code2wav's Triton sequence slots per stream it admits (see render_repository).
+CODE2WAV_SLOTS_PER_STREAM = 2
+DECODER_IDLE_MARGIN_US = 2_000_000
 
 
 @dataclass
@@ -234,8 +238,8 @@ def _round_up_mib(size: int) -> int:
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
     """A complete model repository in `out_dir`: code2wav (copied, its decoder_max_frames_per_step set to
-    the export's max_frames_per_step, its max_live_streams and max_candidate_sequences to the
-    decoder's max_candidate_sequences) plus mimi_decoder for `target`, with
+    the export's max_frames_per_step, its max_live_streams to the decoder's max_candidate_sequences
+    and its own max_candidate_sequences to CODE2WAV_SLOTS_PER_STREAM times that) plus mimi_decoder for `target`, with
     model_repository/common/triton_streams.py beside each Python model's model.py. For a KIND_GPU
     decoder with implicit state, also `tritonserver.args`: the memory-pool flags the server needs
     for that many streams (`MemoryPools`), one per line, which the compose GPU services pass on.
@@ -253,9 +257,12 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     shutil.copy2(SHARED_MODEL_FILE, code2wav / "1" / SHARED_MODEL_FILE.name)
     config = code2wav / "config.pbtxt"
     text = set_string_parameter(config.read_text(), "decoder_max_frames_per_step", str(spec.max_frames_per_step))
-    # The front refuses a START past the decoder's capacity instead of queueing it behind the others.
-    text = set_string_parameter(text, "max_live_streams", str(serving.max_candidate_sequences))
-    text, count = re.subn(r"(max_candidate_sequences:\s*)\d+", rf"\g<1>{serving.max_candidate_sequences}", text)
+    # The front refuses a START past the decoder's capacity instead of queueing it behind the others:
+    # for that the START must reach it, so Triton gives code2wav more sequence slots than streams
+    # (a refused START holds its slot until it ENDs or idles out).
+    capacity = serving.max_candidate_sequences
+    text = set_string_parameter(text, "max_live_streams", str(capacity))
+    text, count = re.subn(r"(max_candidate_sequences:\s*)\d+", rf"\g<1>{CODE2WAV_SLOTS_PER_STREAM * capacity}", text)
     if count != 1:
         raise ValueError(f"code2wav's config sets max_candidate_sequences {count} times, expected once")
     config.write_text(text)

@@ -172,7 +172,7 @@ def test_shipped_config_parses_to_the_default_settings():
     # The JSON form Triton hands to initialize (uint64 fields as strings).
     settings = core.settings_from_config(json_format.MessageToDict(config, preserving_proto_field_name=True))
     assert settings == core.Code2WavSettings()
-    assert settings.stream_idle_timeout_s == 30.0
+    assert settings.stream_idle_timeout_s == 10.0
     assert config.max_batch_size > 0
     assert config.sequence_batching.WhichOneof("strategy_choice") == "oldest"
     controls = {c.name: c.control[0] for c in config.sequence_batching.control_input}
@@ -949,3 +949,53 @@ def test_stats_count_frames_streams_and_errors_by_kind():
     assert stats.errors_by_kind["gap"] == 2
     assert stats.errors_by_kind["internal"] == 1
     assert set(core.ERROR_KINDS) <= set(stats.errors_by_kind)
+
+
+# --------------------------------------------------------------------------------------------------
+# the stream cap
+
+
+def test_starts_past_max_live_streams_are_refused_and_touch_nothing():
+    table, decoder = make_table(max_live_streams=2), FakeDecoder()
+    codes = make_codes(2, seed=7)
+    requests = [core.StreamRequest(cid, START, flat(codes[:, :1])) for cid in (1, 2, 3)]
+    requests.append(core.StreamRequest(3, 0, flat(codes[:, 1:])))  # the refused stream's next request
+    results = asyncio.run(table.process_batch(requests, decoder))
+    np.testing.assert_array_equal(results[0], expected_pcm(codes[:, :1]))
+    refused = results[2]
+    assert isinstance(refused, core.StreamCapError) and (refused.kind, refused.code) == ("stream_cap", "UNAVAILABLE")
+    assert str(refused).startswith(
+        "resource exhausted: this code2wav instance already holds 2 live streams, its limit (max_live_streams=2); "
+        "the new stream was refused and no other stream was affected. Retry later, or END streams that are done")
+    assert isinstance(results[3], core.RequestError) and results[3].kind == "unknown_stream"
+    assert sorted(cid for cid, _, _ in decoder.calls) == [1, 2] and 3 not in table
+    assert table.stats().errors_by_kind["stream_cap"] == 1
+    # A restart (START on a live stream) and a one-shot START|END take no new room.
+    results = asyncio.run(table.process_batch([core.StreamRequest(1, START, flat(codes[:, :1])),
+                                               core.StreamRequest(4, START | END, flat(codes[:, :1]))], decoder))
+    assert not any(isinstance(result, Exception) for result in results) and len(table) == 2
+    # After an END there is room again.
+    asyncio.run(table.process_batch([core.StreamRequest(2, END, flat(codes[:, 1:]))], decoder))
+    (result,) = asyncio.run(table.process_batch([core.StreamRequest(3, START, flat(codes[:, :1]))], decoder))
+    assert not isinstance(result, Exception) and 3 in table
+
+
+def test_decoder_refusals_and_shutdown_keep_their_code():
+    """A decoder refusing a new stream (its own cap) or a server shutting down reach the client as
+    UNAVAILABLE, counted under their own kinds; any other decoder failure stays INTERNAL."""
+    class Refusing(FakeDecoder):
+        def __init__(self, error):
+            super().__init__()
+            self.error = error
+
+        async def __call__(self, correlation_id, codes, flags):
+            raise self.error
+
+    for error, kind, code in ((core.DecoderError("no room", "UNAVAILABLE", "stream_cap"), "stream_cap", "UNAVAILABLE"),
+                              (core.DecoderError("shutting down", "UNAVAILABLE", "unavailable"), "unavailable", "UNAVAILABLE"),
+                              (core.DecoderError("boom"), "decoder", "INTERNAL")):
+        table = make_table()
+        (result,) = asyncio.run(table.process_batch([core.StreamRequest(1, START, flat(make_codes(1)))], Refusing(error)))
+        assert isinstance(result, core.DecoderError) and (result.kind, result.code) == (kind, code)
+        assert str(error) in str(result) and 1 not in table
+        assert table.stats().errors_by_kind[kind] == 1

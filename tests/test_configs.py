@@ -76,7 +76,9 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
             assert list(tensor.dims) == dims, tensor.name
     assert [t.name for t in config.input] == ["codes"] and [t.name for t in config.output] == ["pcm"]
     batching = config.sequence_batching
-    assert batching.HasField("oldest") and batching.max_sequence_idle_microseconds > 30_000_000
+    code2wav = parse((REPO_ROOT / "model_repository" / "code2wav" / "config.pbtxt").read_text())
+    assert batching.HasField("oldest")
+    assert batching.max_sequence_idle_microseconds > code2wav.sequence_batching.max_sequence_idle_microseconds
 
     if target == "null":
         assert not batching.state and set(config.parameters) == {"samples_per_frame"}
@@ -164,3 +166,37 @@ def test_code2wav_sends_at_most_what_the_export_takes(spec, onnx_fp32, tmp_path)
     assert rendered.parameters["decoder_max_frames_per_step"].string_value == "4"
     with pytest.raises(ValueError, match="parameter 'no_such' appears 0 times in the config, expected once"):
         set_string_parameter((out / "code2wav" / "config.pbtxt").read_text(), "no_such", "1")
+
+
+def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, tmp_path):
+    """`render --max-streams N`: the decoder holds N sequences, code2wav admits N streams and has 2N
+    Triton slots (so a START past the cap reaches it and is refused), and a GPU repository carries
+    the pool flags for N streams; a CPU one carries none."""
+    from mimi_code2wav.export.__main__ import main
+
+    tracked = parse((REPO_ROOT / "model_repository" / "code2wav" / "config.pbtxt").read_text())
+    assert tracked.parameters["max_live_streams"].string_value == "1024"
+    assert tracked.sequence_batching.oldest.max_candidate_sequences == 2048
+    assert parse(CHECKED_IN_CONFIG.read_text()).sequence_batching.oldest.max_candidate_sequences == 1024
+
+    gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
+    assert main(["render", "--target", "onnxruntime", "--export-dir", str(onnx_fp32), "--out", str(gpu),
+                 "--max-streams", "256"]) == 0
+    assert main(["render", "--target", "python-ort", "--export-dir", str(onnx_fp32), "--out", str(cpu),
+                 "--max-streams", "256"]) == 0
+    for repository in (gpu, cpu):
+        code2wav = parse((repository / "code2wav" / "config.pbtxt").read_text())
+        decoder = parse((repository / "mimi_decoder" / "config.pbtxt").read_text())
+        assert code2wav.parameters["max_live_streams"].string_value == "256"
+        assert code2wav.sequence_batching.oldest.max_candidate_sequences == 512
+        assert decoder.sequence_batching.oldest.max_candidate_sequences == 256
+    state = 8177156  # bytes per stream, fp32 KV cache
+    mib = 2**20
+    assert (gpu / "tritonserver.args").read_text().splitlines() == [
+        f"--cuda-memory-pool-byte-size=0:{-(-(2 * 256 + 64) * state // mib) * mib}",  # 4.39 GiB
+        f"--pinned-memory-pool-byte-size={-(-64 * (state + 16 * (8 + 1920) * 4) // mib) * mib}",
+    ]
+    assert not (cpu / "tritonserver.args").exists()
+    python_ort = parse((cpu / "mimi_decoder" / "config.pbtxt").read_text())
+    assert python_ort.parameters["max_live_streams"].string_value == "auto"
+    assert python_ort.parameters["max_rows_per_run"].string_value == "8"

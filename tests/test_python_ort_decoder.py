@@ -789,3 +789,34 @@ def test_idle_memory_is_released_once_per_idle_period(onnx_session):
     # The throw-away step touched no stream.
     (result,) = core.step([request(1, codes_for(2))])
     np.testing.assert_array_equal(result["pcm"][0, ACC], 2.0)
+
+
+@pytest.mark.server
+def test_served_start_past_the_cap_is_refused_with_unavailable(tmp_path, triton_server_factory):
+    """Served with max_live_streams=2 (and 64 Triton slots): the third START is refused with
+    UNAVAILABLE naming the cap; the two live sequences go on untouched."""
+    from tritonclient.utils import InferenceServerException
+
+    repository = tmp_path / "repo"
+    version_dir = repository / "decoder" / "1"
+    version_dir.mkdir(parents=True)
+    build_step_onnx(version_dir / "model.onnx")
+    install_model(version_dir)
+    (repository / "decoder" / "config.pbtxt").write_text(
+        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(STATE_SPEC), max_live_streams=2)
+    )
+    server = triton_server_factory(repository)
+    client = Client(server.grpc_url)
+    try:
+        references = {81: Reference(), 82: Reference()}
+        for sid in references:
+            np.testing.assert_array_equal(client.step(sid, codes_for(sid), start=True), references[sid].step(codes_for(sid)))
+        with pytest.raises(InferenceServerException) as failure:
+            client.step(83, codes_for(83), start=True)
+        assert failure.value.status() == "StatusCode.UNAVAILABLE"
+        assert "resource exhausted: model 'decoder' already holds 2 live streams" in failure.value.message()
+        for sid in references:
+            np.testing.assert_array_equal(client.step(sid, codes_for(sid + 1), end=True), references[sid].step(codes_for(sid + 1)))
+        assert metric(server, "mimi_decoder_refused_streams_total") == 1
+    finally:
+        client.close()

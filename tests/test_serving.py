@@ -906,3 +906,146 @@ def test_null_decoder_behind_code2wav_returns_silence_of_the_right_length(onnx_f
     assert not first.any() and not rest.any()
     samples = fetch_metrics(server.metrics_url)
     assert metric_value(samples, "nv_inference_exec_count", model="mimi_decoder", version="1") == 2
+
+
+# ---- 8. shutdown under traffic, the stream cap, memory per stream ---------------------------------
+
+def _stream_until_stopped(url: str, stop: threading.Event, outcomes: list, seed: int) -> None:
+    """One client stream: START, then 4-frame requests back to back until `stop` or an error;
+    appends ("ok", frames) per answered request and ("error", text) for the one that failed."""
+    codes = np.random.default_rng(seed).integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, 4000))
+    sequence_id = new_sequence_id()
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            frame = 0
+            while not stop.is_set() and frame + 4 <= codes.shape[1]:
+                size = 1 if frame == 0 else 4
+                infer(client, sequence_id, codes[:, frame : frame + size], frame, start=frame == 0, new_frames=size)
+                outcomes.append(("ok", size))
+                frame += size
+    except InferenceServerException as exc:
+        outcomes.append(("error", str(exc)))
+
+
+@pytest.mark.server
+def test_sigterm_with_streams_in_flight_unloads_both_models_without_waiting_out_the_exit_timeout(
+        served_repository, tmp_path):
+    """SIGTERM while 8 streams keep requests in flight: every request gets its answer or an error
+    saying the server is shutting down; both models unload and the server exits well inside its
+    30 s exit timeout, with no non-graceful-termination line, no in-flight inference left, no
+    process or shared memory.
+
+    Triton counts every live sequence as an in-flight inference and no request reaches the decoder
+    while the server exits (so nothing can END a sequence there): streams the clients abandon leave
+    by the idle timeouts, 10 s in code2wav and 12 s in the decoder; the exit takes about that."""
+    from mimi_code2wav.server.triton import running_server
+
+    log = tmp_path / "server.log"
+    with running_server(served_repository, log_path=log, exit_timeout_s=30) as server:
+        stop, outcomes = threading.Event(), [[] for _ in range(8)]
+        threads = [threading.Thread(target=_stream_until_stopped, args=(server.grpc_url, stop, outcomes[i], 50 + i),
+                                    daemon=True) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        assert _wait_until(lambda: all(sum(1 for kind, _ in o if kind == "ok") >= 3 for o in outcomes), 120), \
+            f"the streams did not get going: {[len(o) for o in outcomes]}"
+        prefix, pgid = server.shm_prefix, server.pid
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=60)
+        exit_s = time.monotonic() - signalled
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=90)
+        assert not any(thread.is_alive() for thread in threads), "a client request never got an answer"
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert exit_s < 20, f"exit took {exit_s:.1f} s:\n{text[-3000:]}"
+    assert "Non-graceful termination" not in text and "Exit timeout expired" not in text, text[-3000:]
+    for model in ("code2wav", "mimi_decoder"):
+        assert f"successfully unloaded '{model}' version 1" in text, text[-3000:]
+    counts = [int(n) for n in re.findall(r"Found (\d+) model versions that have in-flight inferences", text)]
+    assert counts and counts[-1] == 0, text[-3000:]
+    errors = [message for stream in outcomes for kind, message in stream if kind == "error"]
+    assert len(errors) <= len(outcomes), errors
+    for message in errors:
+        assert "the server is shutting down" in message and "StatusCode.UNAVAILABLE" in message, message
+    assert "Traceback" not in text, "a shutdown error was logged as a server fault"
+    assert not _process_group_alive(pgid)
+    assert list(SHM_DIR.glob(f"{prefix}*")) == []
+    print(f"\nSIGTERM with 8 streams in flight: exited in {exit_s:.1f} s; "
+          f"{sum(kind == 'ok' for o in outcomes for kind, _ in o)} requests answered, "
+          f"{sum(kind == 'error' for o in outcomes for kind, _ in o)} refused")
+
+
+@pytest.fixture(scope="module")
+def capped_null_server(onnx_fp32, tmp_path_factory, triton_server_factory):
+    """code2wav over the null decoder, rendered for a capacity of 3 streams."""
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.render import DecoderServing, render_repository
+    from mimi_code2wav.export.spec import DecoderSpec
+
+    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    repository = render_repository(spec, onnx_fp32 / "model.onnx", tmp_path_factory.mktemp("capped") / "repo", "null",
+                                   DecoderServing(instance_kind="KIND_CPU", max_candidate_sequences=3))
+    return triton_server_factory(repository)
+
+
+@pytest.mark.server
+def test_a_start_past_the_stream_cap_is_refused_and_harms_no_live_stream(capped_null_server):
+    codes = _random_codes(3)
+    url = capped_null_server.grpc_url
+    with grpcclient.InferenceServerClient(url) as client:
+        live = [new_sequence_id() for _ in range(3)]
+        for sequence_id in live:
+            infer(client, sequence_id, codes[:, :1], 0, start=True, new_frames=1)
+        refused = new_sequence_id()
+        with pytest.raises(InferenceServerException) as failure:
+            client.infer(MODEL, code2wav_inputs(codes[:, :1], 0), sequence_id=refused, sequence_start=True)
+        assert failure.value.status() == "StatusCode.UNAVAILABLE", failure.value
+        assert ("resource exhausted: this code2wav instance already holds 3 live streams, its limit "
+                "(max_live_streams=3); the new stream was refused and no other stream was affected") in failure.value.message()
+        # The refused stream does not exist; the live ones go on; a restart of a live one is no new stream.
+        infer_error(client, refused, code2wav_inputs(codes[:, 1:2], 1), START_HINT)
+        for sequence_id in live:
+            assert infer(client, sequence_id, codes[:, 1:3], 1, new_frames=2).shape == (2 * SAMPLES_PER_FRAME,)
+        infer(client, live[0], codes[:, :1], 0, start=True, new_frames=1)
+        # One stream ends: there is room for a new one.
+        infer(client, live[1], codes[:, 3:3], 3, end=True, new_frames=0)
+        infer(client, refused, codes[:, :1], 0, start=True, new_frames=1)
+        for sequence_id in (live[0], live[2], refused):
+            infer(client, sequence_id, codes[:, :0], None, end=True, new_frames=0)
+    samples = fetch_metrics(capped_null_server.metrics_url)
+    assert metric_value(samples, "code2wav_errors_total", kind="stream_cap") == 1
+
+
+@pytest.mark.server
+def test_memory_per_live_stream_and_after_expiry(served_repository, tmp_path):
+    """32 streams opened and abandoned on the python-ort decoder: the server's memory (PSS of the
+    whole process group) grows by at most 2x the state per stream, and returns within 10% of its
+    warmed-up idle level once both models have expired them."""
+    from mimi_code2wav.export.render import set_idle_timeout as set_repository_idle_timeout
+    from mimi_code2wav.server.memory import open_streams, snapshot, wait_expired
+    from mimi_code2wav.server.triton import running_server
+
+    repository = tmp_path / "model_repository"
+    shutil.copytree(served_repository, repository, ignore=shutil.ignore_patterns("*.onnx", "__pycache__"))
+    for onnx_file in Path(served_repository).glob("*/*/*.onnx"):
+        (repository / onnx_file.relative_to(served_repository)).symlink_to(onnx_file.resolve())
+    set_repository_idle_timeout(repository, 2.0)
+    state_mib = 8177156 / 2**20
+    with running_server(repository, log_path=tmp_path / "server.log") as server:
+        open_streams(server.grpc_url, 1, 1, [1, 4], 0)  # warm-up: one stream, then idle
+        wait_expired(server.metrics_url, 60)
+        time.sleep(3)
+        idle = snapshot(server.pid, "idle", {})
+        open_streams(server.grpc_url, 100, 32, [1, 4, 4], 100)
+        peak = snapshot(server.pid, "32 live", {})
+        wait_expired(server.metrics_url, 60)
+        time.sleep(4)  # the decoder gives its scratch back after a second without runs
+        after = snapshot(server.pid, "expired", {})
+    per_stream = (peak["pss_mib"] - idle["pss_mib"]) / 32
+    print(f"\nPSS idle {idle['pss_mib']:.0f} MiB, 32 live {peak['pss_mib']:.0f} MiB ({per_stream:.1f} MiB per stream, "
+          f"state {state_mib:.2f}), after expiry {after['pss_mib']:.0f} MiB")
+    assert per_stream <= 2 * state_mib, f"{per_stream:.1f} MiB per live stream"
+    assert after["pss_mib"] <= 1.10 * idle["pss_mib"], f"{after['pss_mib']:.0f} MiB after expiry, {idle['pss_mib']:.0f} idle"

@@ -58,6 +58,7 @@ ERROR_KINDS = (
     "correlation_id",
     "unknown_stream",
     "stream_cap",
+    "unavailable",
     "decoder",
     "internal",
 )
@@ -74,12 +75,13 @@ class RequestError(ModelError):
 
 
 class DecoderError(ModelError):
-    """A decoder step failed; raised by the decoder helper with the decoder's message. `code`:
-    UNAVAILABLE where the decoder refused a new stream for lack of room (the client may retry),
-    else INTERNAL."""
+    """A decoder step failed; raised by the decoder helper with the decoder's message. Kind and
+    code: `decoder` / INTERNAL, unless the decoder refused a new stream for lack of room
+    (`stream_cap`) or the server is shutting down (`unavailable`), both UNAVAILABLE: the client
+    may retry, here later or on another server."""
 
-    def __init__(self, message: str, code: str = "INTERNAL"):
-        super().__init__("stream_cap" if code == "UNAVAILABLE" else "decoder", message, code)
+    def __init__(self, message: str, code: str = "INTERNAL", kind: str = "decoder"):
+        super().__init__(kind, message, code)
 
 
 class StreamCapError(ModelError):
@@ -107,7 +109,7 @@ class Code2WavSettings:
     max_new_frames_per_request: int = 1500
     max_request_frames: int = 45000
     max_live_streams: int = 1024
-    stream_idle_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.decoder_model_name, str) or not self.decoder_model_name.strip():
@@ -565,7 +567,7 @@ class StreamTable:
                     f"decoder '{self.settings.decoder_model_name}' failed on step {index + 1} of "
                     f"{len(plan.steps)} for stream {plan.correlation_id}: {exc}; the stream was ended, "
                     f"send its next request with the START flag to begin again",
-                    exc.code if isinstance(exc, DecoderError) else "INTERNAL",
+                    *((exc.code, exc.kind) if isinstance(exc, DecoderError) else ()),
                 ) from exc
         self.commit(plan)
         return pcm_out

@@ -26,6 +26,9 @@ import code2wav_core as core  # noqa: E402
 import triton_streams  # noqa: E402
 
 # The decoder's tensors (the mimi_decoder interface): codes INT32 [1, k, 1] -> pcm FP32 [1, 1920].
+# What a BLS request says once the server is exiting (the Python backend checks the decoder's
+# readiness first, and Triton answers it no more while it shuts down).
+SERVER_EXITING = "Server not ready"
 DECODER_INPUT_NAME = "codes"
 DECODER_OUTPUT_NAME = "pcm"
 
@@ -120,9 +123,14 @@ class TritonPythonModel:
         response = await request.async_exec()
         if response.has_error():
             error = response.error()
-            # The decoder's own stream cap: the client may retry later, as for code2wav's.
-            code = "UNAVAILABLE" if error.code() == pb_utils.TritonError.UNAVAILABLE else "INTERNAL"
-            raise core.DecoderError(error.message(), code)
+            message = error.message()
+            if SERVER_EXITING in message:
+                # The server is shutting down: no request reaches the decoder any more.
+                raise core.DecoderError(f"the server is shutting down ({message})", "UNAVAILABLE", "unavailable")
+            if error.code() == pb_utils.TritonError.UNAVAILABLE:
+                # The decoder's own stream cap: the client may retry later, as for code2wav's.
+                raise core.DecoderError(message, "UNAVAILABLE", "stream_cap")
+            raise core.DecoderError(message)
         pcm = pb_utils.get_output_tensor_by_name(response, DECODER_OUTPUT_NAME)
         if pcm is None:
             raise core.DecoderError(f"the response has no '{DECODER_OUTPUT_NAME}' output")
