@@ -41,6 +41,8 @@ NOT_RUN = {
                                              "(test_export.py::test_gpu_benchmark_without_cuda_exits_clearly)",
     "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
                   "client/perf.sh on generated inputs against a real server",
+    "make bench-memory": "a minute of a full server and 64 streams; test_serving.py's memory test runs the same "
+                         "measurement (server.memory) at 32 streams and asserts its bounds",
     ".venv/bin/code2wav-export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "
                   "which exists here; test_weights.py checks the hub-id failure message",
     **{command: "no Docker engine here; test_compose.py checks the file's structure (and docker-compose config -q where present)"
