@@ -3,6 +3,8 @@
     code2wav-client decode --url 127.0.0.1:8001 (--codes codes.npy | --random --frames N --seed S)
                            [--out out.wav] [--chunk-frames 4] [--mode delta|cumulative] [--no-offsets]
                            [--streams N] [--paced|--unpaced] [--wav-format float32|int16]
+                           [--resume] [--resume-history-frames 250] [--resume-timeout 30]
+                           [--stream-key KEY] [--failover-url HOST:PORT ...]
 
 Argument parsing only: the decode command is `client.decode`, streaming is `client.stream`. Needs
 numpy and tritonclient, never PyTorch.
@@ -18,11 +20,14 @@ from .decode import PROGRESS_MIN_FRAMES, decode_command
 from .stream import (
     CODEBOOK_SIZE,
     DEFAULT_CHUNK_FRAMES,
+    DEFAULT_RESUME_HISTORY_FRAMES,
+    DEFAULT_RESUME_TIMEOUT_S,
     DEFAULT_URL,
     FIRST_CHUNK_FRAMES,
     MODEL_NAME,
     MODES,
     NUM_CODEBOOKS,
+    STREAM_KEY_HEADER,
     ClientError,
 )
 from .wav import SAMPLE_FORMATS
@@ -75,6 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
     progress.add_argument("--progress", dest="progress", action="store_true", default=None,
                           help=f"always draw a progress bar on stderr (default: on a terminal, for streams of >= {PROGRESS_MIN_FRAMES} frames)")
     progress.add_argument("--no-progress", dest="progress", action="store_false", help="never draw one")
+    resume = decode.add_argument_group(
+        "resume by replay",
+        "Each stream on a connection of its own, one request in flight, every request with the gRPC header "
+        f"{STREAM_KEY_HEADER}: KEY (for a proxy that routes a stream to one replica). When the server holding "
+        "a stream is lost, the stream goes on in a new sequence (on the next --failover-url, or where the proxy "
+        "now routes the key) that replays its last frames as history; each resume is reported on stderr. "
+        "Any of these options turns it on.",
+    )
+    resume.add_argument("--resume", action="store_true", help="resume streams whose server is lost")
+    resume.add_argument("--resume-history-frames", type=int, metavar="R",
+                        help=f"frames replayed to rebuild the decoder state (default {DEFAULT_RESUME_HISTORY_FRAMES}: "
+                        "20 s, >= 86 dB SNR after the resume)")
+    resume.add_argument("--resume-timeout", type=float, metavar="S",
+                        help=f"seconds to keep trying to resume before giving up (default {DEFAULT_RESUME_TIMEOUT_S:g})")
+    resume.add_argument("--stream-key", metavar="KEY",
+                        help="the stream key header's value (default: the sequence id; with --streams N: KEY-0 ... KEY-{N-1})")
+    resume.add_argument("--failover-url", action="append", default=[], metavar="HOST:PORT",
+                        help="another server to resume on (repeatable; tried in turn after --url)")
     decode.set_defaults(handler=decode_command)
 
     return parser
@@ -87,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "resume_history_frames", None) is not None and args.resume_history_frames < 0:
+        parser.error(f"--resume-history-frames must be >= 0, got {args.resume_history_frames}")
+    if getattr(args, "resume_timeout", None) is not None and not args.resume_timeout > 0:
+        parser.error(f"--resume-timeout must be > 0 s, got {args.resume_timeout:g}")
     try:
         return args.handler(args)
     except ClientError as exc:

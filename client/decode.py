@@ -14,13 +14,17 @@ from pathlib import Path
 import numpy as np
 
 from .stream import (
+    DEFAULT_RESUME_HISTORY_FRAMES,
+    DEFAULT_RESUME_TIMEOUT_S,
     NUM_CODEBOOKS,
     SAMPLE_RATE_HZ,
+    STREAM_KEY_HEADER,
     ClientError,
     Code2WavStreamer,
     RunReport,
     StreamOptions,
     random_codes,
+    run_resumable,
     validate_codes,
 )
 from .wav import write_wav
@@ -68,6 +72,9 @@ def summary_table(report: RunReport, url: str) -> str:
         ("real-time factor", f"{stats['real_time_factor']:.2f} (audio s / wall s, all streams; slowest stream {stats['real_time_factor_per_stream_min']:.2f})"),
         ("throughput", f"{stats['frames_per_s']:.1f} frames/s"),
     ]
+    if "servers" in report.extra:
+        rows.append(("resume", f"{stats['resumes']} resume(s); {options.resume_history_frames} frames of history, "
+                               f"header {STREAM_KEY_HEADER}, servers {', '.join(report.extra['servers'])}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
@@ -95,6 +102,29 @@ def load_codes(args: argparse.Namespace) -> np.ndarray:
     return random_codes(args.frames, args.seed)
 
 
+def stream_keys(stream_key: str | None, streams: int) -> list[str] | None:
+    """The stream key of each stream: KEY for one stream, KEY-0 ... KEY-{N-1} for several; None: the
+    sequence ids."""
+    if stream_key is None:
+        return None
+    return [stream_key] if streams == 1 else [f"{stream_key}-{index}" for index in range(streams)]
+
+
+def resume_lines(report: RunReport) -> list[str]:
+    """One line per resume of any stream, for stderr."""
+    return [
+        f"stream {index} (key {result.stream_key}): {resume.describe()}"
+        for index, result in enumerate(report.results)
+        for resume in result.resumes
+    ]
+
+
+def wants_resume(args: argparse.Namespace) -> bool:
+    """--resume, or any option that only a resumable run has."""
+    return bool(args.resume or args.resume_history_frames is not None or args.resume_timeout is not None
+                or args.stream_key is not None or args.failover_url)
+
+
 def check_writable(paths: list[Path]) -> None:
     """Fail before streaming (not after, losing the audio) when an output file cannot be written."""
     for path in paths:
@@ -120,11 +150,25 @@ def decode_command(args: argparse.Namespace) -> int:
         paced=args.paced,
         model_name=args.model,
         response_timeout_s=args.timeout,
+        resume_history_frames=(DEFAULT_RESUME_HISTORY_FRAMES if args.resume_history_frames is None
+                               else args.resume_history_frames),
+        resume_timeout_s=DEFAULT_RESUME_TIMEOUT_S if args.resume_timeout is None else args.resume_timeout,
     )
     show_progress = args.progress if args.progress is not None else (sys.stderr.isatty() and codes.shape[1] >= PROGRESS_MIN_FRAMES)
+    progress = ProgressBar() if show_progress else None
+    resumable = wants_resume(args)
     with Code2WavStreamer(args.url, args.model) as streamer:
         streamer.check_ready()
-        report = streamer.run([codes] * args.streams, options, progress=ProgressBar() if show_progress else None)
+        if not resumable:
+            report = streamer.run([codes] * args.streams, options, progress=progress)
+    if resumable:
+        # Failover servers are not checked first: they may be down now and up when needed.
+        servers = [args.url, *args.failover_url]
+        report = run_resumable(servers, [codes] * args.streams, options,
+                               stream_keys=stream_keys(args.stream_key, args.streams), progress=progress)
+        report.extra["servers"] = servers
+        for line in resume_lines(report):
+            print(line, file=sys.stderr)
     print(summary_table(report, args.url))
     if args.out is not None:
         paths = output_paths(args.out, args.streams)

@@ -3,6 +3,7 @@ compared with moshi's streaming decode of the same checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import struct
 import subprocess
@@ -12,7 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import ClientError, chunk_bounds, request_arrays, validate_codes
+from mimi_code2wav.client.stream import (
+    STREAM_KEY_HEADER,
+    ClientError,
+    ReplayBuffer,
+    ResumableStream,
+    StreamOptions,
+    chunk_bounds,
+    request_arrays,
+    request_failure,
+    run_resumable,
+    validate_codes,
+)
 from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
 from mimi_code2wav.server.triton import fetch_metrics, free_port, metric_value
 
@@ -215,6 +227,22 @@ def test_decode_cumulative_mode_equals_moshi(code2wav_server, codes_file, refere
     assert_equal_audio(read_wav(out).samples[:, 0], reference, what="cumulative mode vs moshi streaming")
 
 
+@pytest.mark.server
+def test_decode_with_resume_sends_each_stream_on_its_own_and_equals_moshi(code2wav_server, codes_file, reference,
+                                                                          tmp_path):
+    before = _successful_requests(code2wav_server)
+    done = run_cli("decode", "--url", code2wav_server.grpc_url, "--codes", str(codes_file), "--out",
+                   str(tmp_path / "resumable.wav"), "--streams", "2", "--resume", "--stream-key", "cli")
+    assert done.returncode == 0, done.stderr
+    assert "resumed" not in done.stderr
+    assert re.search(rf"\n  resume +0 resume\(s\); 250 frames of history, header code2wav-stream, servers "
+                     rf"{re.escape(code2wav_server.grpc_url)}\n", done.stdout), done.stdout
+    assert _successful_requests(code2wav_server) - before == 2 * len(chunk_bounds(FRAMES, 4))
+    for index in range(2):
+        samples = read_wav(tmp_path / f"resumable_{index}.wav").samples[:, 0]
+        assert_equal_audio(samples, reference, what=f"resumable stream {index} of 2 vs moshi streaming")
+
+
 def _successful_requests(server) -> float:
     return metric_value(fetch_metrics(server.metrics_url), "nv_inference_request_success", model="code2wav") or 0.0
 
@@ -284,3 +312,454 @@ def test_verify_fails_for_other_weights(code2wav_server, capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert "step module" in out and out.strip().splitlines()[-1].startswith("FAIL")
+
+
+# ---- resume by replay: the client's logic against code2wav's core, over a fake transport ----------
+
+def _load_code2wav_core():
+    """code2wav's core (model_repository/code2wav/1/code2wav_core.py) under a name of its own, to play
+    the server behind the fake connections."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "model_repository" / "common"))  # its triton_streams import
+    spec = importlib.util.spec_from_file_location("code2wav_core_behind_the_client",
+                                                  ROOT / "model_repository" / "code2wav" / "1" / "code2wav_core.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+core = _load_code2wav_core()
+GRPC_STATUS = {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "StatusCode.UNAVAILABLE",
+               "INTERNAL": "StatusCode.INTERNAL"}
+
+
+def FakeTritonError(status, message):
+    """What tritonclient raises for a failed gRPC request."""
+    from tritonclient.utils import InferenceServerException
+
+    return InferenceServerException(msg=message, status=status)
+
+
+def lost(text="failed to connect to all addresses; ipv4:127.0.0.1:1: Connection refused"):
+    return request_failure(FakeTritonError("StatusCode.UNAVAILABLE", text))
+
+
+def frame_codes(frames: int, seed: int = 0) -> np.ndarray:
+    """Codes [8, frames] whose codebook 0 holds the frame index, so PCM says which frame it came from."""
+    codes = np.random.default_rng(seed).integers(0, 2048, (8, frames), dtype=np.int64)
+    codes[0] = np.arange(frames)
+    return codes
+
+
+def frames_heard(pcm: np.ndarray) -> list[int]:
+    """The frame index each 1920-sample block of fake PCM came from."""
+    blocks = np.asarray(pcm).reshape(-1, SAMPLES_PER_FRAME)
+    assert (blocks == blocks[:, :1]).all()
+    return blocks[:, 0].astype(int).tolist()
+
+
+class FakeServer:
+    """code2wav's core with a decoder whose PCM of a frame is its codebook-0 code, repeated."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.alive = True
+        self.table = self._fresh_table()
+        self.received = []  # (sequence_id, PlannedRequest) of every request that reached it
+        self.lose_answer_of = set()  # indices into `received` whose answer is lost after decoding
+
+    @staticmethod
+    def _fresh_table():
+        return core.StreamTable(core.Code2WavSettings(decoder_max_frames_per_step=16))
+
+    def restart(self):
+        """A restarted server: alive, holding no stream."""
+        self.alive, self.table = True, self._fresh_table()
+
+    @staticmethod
+    async def _decode(correlation_id, codes, flags):
+        return np.repeat(codes[0, 0].astype(np.float32), SAMPLES_PER_FRAME)
+
+    def infer(self, sequence_id, request, timeout_s):
+        if not self.alive:
+            raise lost()
+        self.received.append((sequence_id, request))
+        flags = (core.FLAG_SEQUENCE_START if request.start else 0) | (core.FLAG_SEQUENCE_END if request.end else 0)
+        arrays = request.arrays
+        server_request = core.StreamRequest(sequence_id, flags, arrays["input_ids"], arrays.get("frame_offset"),
+                                            arrays.get("history_frames"))
+        try:
+            pcm = asyncio.run(self.table.process(server_request, self._decode))
+        except core.ModelError as exc:
+            raise request_failure(FakeTritonError(GRPC_STATUS[exc.code], str(exc))) from None
+        if len(self.received) - 1 in self.lose_answer_of:  # decoded, then the connection broke
+            raise request_failure(FakeTritonError("StatusCode.UNAVAILABLE", "Socket closed"))
+        return pcm.reshape(-1)
+
+
+class FakeNetwork:
+    """connect(url, key) for ResumableStream: connections to FakeServers, recording stream keys."""
+
+    def __init__(self, *urls: str):
+        self.servers = {url: FakeServer(url) for url in urls}
+        self.connections = []  # (url, stream key) per connection opened
+
+    def __call__(self, url, stream_key):
+        self.connections.append((url, stream_key))
+        server = self.servers[url]
+
+        class Connection:
+            def infer(self, sequence_id, request, timeout_s):
+                return server.infer(sequence_id, request, timeout_s)
+
+            def close(self):
+                pass
+
+        connection = Connection()
+        connection.url = url
+        return connection
+
+
+class FakeTime:
+    def __init__(self):
+        self.now_s, self.slept_s = 100.0, []
+
+    def clock(self):
+        return self.now_s
+
+    def sleep(self, seconds):
+        self.slept_s.append(seconds)
+        self.now_s += seconds
+
+
+def decode_in_chunks(stream, codes, bounds, before_chunk=None):
+    """Decode `codes` chunk by chunk (END on the last); before_chunk(index) runs before each."""
+    pcm = []
+    for index, (first, stop) in enumerate(bounds):
+        if before_chunk is not None:
+            before_chunk(index)
+        pcm.append(stream.decode(codes[:, first:stop], end=index == len(bounds) - 1))
+        assert pcm[-1].shape == ((stop - first) * SAMPLES_PER_FRAME,)
+    return np.concatenate(pcm)
+
+
+@pytest.mark.parametrize(
+    "status, message, resumable, text",
+    [
+        pytest.param("StatusCode.UNAVAILABLE", "failed to connect to all addresses", True,
+                     "UNAVAILABLE: failed to connect to all addresses", id="unreachable"),
+        pytest.param("StatusCode.UNAVAILABLE", "Socket closed", True, "UNAVAILABLE: Socket closed", id="reset"),
+        pytest.param("StatusCode.DEADLINE_EXCEEDED", "Deadline Exceeded", True,
+                     "DEADLINE_EXCEEDED: no answer in time (Deadline Exceeded)", id="deadline"),
+        pytest.param("StatusCode.UNAVAILABLE", "the server is shutting down (Server not ready)", True, None,
+                     id="shutting-down"),
+        pytest.param("StatusCode.INVALID_ARGUMENT", "stream 7 is not open: send the first request of the sequence "
+                     "with the START flag (...)", True, None, id="code2wav-forgot-the-stream"),
+        pytest.param("StatusCode.INVALID_ARGUMENT", "inference request for sequence 7 to model 'code2wav' must "
+                     "specify the START flag on the first request of the sequence", True, None, id="triton-forgot"),
+        pytest.param("StatusCode.UNAVAILABLE", "resource exhausted: this code2wav instance already holds 4 live "
+                     "streams", True, None, id="stream-cap"),
+        pytest.param("StatusCode.UNKNOWN", "Stream removed", True, None, id="stream-removed"),
+        pytest.param("StatusCode.INTERNAL", "decoder 'mimi_decoder' failed on step 1 of 1 for stream 7: boom; the "
+                     "stream was ended, send its next request with the START flag to begin again", True, None,
+                     id="decoder-fault-ended-the-stream"),
+        pytest.param("StatusCode.INVALID_ARGUMENT", "frame 3 differs from the frame stream 7 already decoded", False,
+                     "INVALID_ARGUMENT: frame 3 differs from the frame stream 7 already decoded", id="changed-frame"),
+        pytest.param("StatusCode.INVALID_ARGUMENT", "unexpected inference input 'history_frames' for model 'code2wav'", False, None,
+                     id="old-server"),
+    ],
+)
+def test_request_failure_says_which_failures_a_resume_can_fix(status, message, resumable, text):
+    failure = request_failure(FakeTritonError(status, message))
+    assert failure.resumable is resumable
+    if text is not None:
+        assert str(failure) == text
+
+
+def test_replay_buffer_keeps_the_last_frames_and_the_frames_asked_for():
+    buffer = ReplayBuffer(history_frames=4)
+    codes = frame_codes(12)
+    buffer.append(codes[:, :3])
+    assert (buffer.first_frame, buffer.next_frame) == (0, 3)
+    buffer.append(codes[:, 3:10])
+    assert (buffer.first_frame, buffer.next_frame) == (6, 10)
+    np.testing.assert_array_equal(buffer.frames(7), codes[:, 7:10])
+    buffer.append(codes[:, 10:11], keep_from=6)  # cumulative requests resend from frame 6
+    assert buffer.first_frame == 6
+    with pytest.raises(ValueError, match=re.escape("frame 5 is not kept (kept: [6, 11))")):
+        buffer.frames(5)
+    empty = ReplayBuffer(history_frames=0)
+    empty.append(codes[:, :5])
+    assert (empty.first_frame, empty.next_frame) == (5, 5) and empty.frames(5).shape == (8, 0)
+
+
+def test_resume_request_replays_the_last_R_frames_then_the_unanswered_ones():
+    network = FakeNetwork("a:1")
+    codes = frame_codes(14)
+    stream = ResumableStream("a:1", StreamOptions(resume_history_frames=4), sequence_id=9, connect=network)
+    stream.decode(codes[:, :1])
+    stream.decode(codes[:, 1:10])
+    request = stream.resume_request(codes[:, 10:13], end=False)
+    assert request.start and not request.end and request.history_frames == 4
+    assert (request.first_new_frame, request.new_frames) == (10, 3)
+    assert request.arrays["frame_offset"].tolist() == [[6]] and request.arrays["history_frames"].tolist() == [[4]]
+    np.testing.assert_array_equal(request.arrays["input_ids"], codes[:, 6:13].reshape(1, -1))  # codebook-major
+    assert all(array.dtype == np.int64 for array in request.arrays.values())
+    # Fewer frames than R so far: the whole stream is the history.
+    short = ResumableStream("a:1", StreamOptions(resume_history_frames=250), sequence_id=10, connect=network)
+    short.decode(codes[:, :3])
+    request = short.resume_request(codes[:, 3:5], end=True)
+    assert request.arrays["frame_offset"].tolist() == [[0]] and request.history_frames == 3 and request.end
+    # R = 0: a new sequence from the next frame on, no history.
+    bare = ResumableStream("a:1", StreamOptions(resume_history_frames=0), sequence_id=11, connect=network)
+    bare.decode(codes[:, :3])
+    request = bare.resume_request(codes[:, 3:5], end=False)
+    assert request.arrays["frame_offset"].tolist() == [[3]] and request.history_frames == 0
+    # Plain requests are deltas with frame_offset and never carry history_frames.
+    plain = stream.request(codes[:, 10:12], end=True)
+    assert set(plain.arrays) == {"input_ids", "frame_offset"} and plain.arrays["frame_offset"].tolist() == [[10]]
+
+
+def test_a_lost_server_is_resumed_on_the_next_url_with_every_frame_once():
+    network = FakeNetwork("a:1", "b:2")
+    codes = frame_codes(40)
+    bounds = chunk_bounds(40, 4)
+    time_ = FakeTime()
+    stream = ResumableStream(["a:1", "b:2"], StreamOptions(resume_history_frames=8), sequence_id=77,
+                             connect=network, clock=time_.clock, sleep=time_.sleep)
+
+    def kill_a(index):
+        time_.now_s += 0.25
+        if bounds[index][0] == 21:
+            network.servers["a:1"].alive = False
+
+    pcm = decode_in_chunks(stream, codes, bounds, kill_a)
+    assert frames_heard(pcm) == list(range(40))
+    (resume,) = stream.resumes
+    assert (resume.frame, resume.url, resume.attempts, resume.history_frames) == (21, "b:2", 1, 8)
+    assert resume.stall_s == pytest.approx(0.25)
+    assert resume.error == "UNAVAILABLE: failed to connect to all addresses; ipv4:127.0.0.1:1: Connection refused"
+    assert "resumed at frame 21 on b:2 after 0.25 s (1 attempt, 8 frames of history replayed): UNAVAILABLE" in resume.describe()
+    # B saw the START with the history and then the rest, all with the stream key of the stream.
+    b_requests = [request for _, request in network.servers["b:2"].received]
+    assert b_requests[0].start and b_requests[0].arrays["frame_offset"].tolist() == [[13]]
+    assert b_requests[0].arrays["history_frames"].tolist() == [[8]]
+    assert not any(request.start for request in b_requests[1:]) and b_requests[-1].end
+    assert {key for _, key in network.connections} == {"77"}
+    assert [sid for sid, _ in network.servers["b:2"].received] == [77] * len(b_requests)
+    assert time_.slept_s == [0.0]
+
+
+def test_an_answer_lost_after_decoding_is_sent_again_as_new_frames():
+    """The server decoded the request but its answer never came; the resume reaches the same server
+    (one URL: a proxy), which still holds the sequence: the START resets it (barge-in) with history."""
+    network = FakeNetwork("proxy:1")
+    server = network.servers["proxy:1"]
+    server.lose_answer_of = {3}
+    codes = frame_codes(30)
+    stream = ResumableStream("proxy:1", StreamOptions(resume_history_frames=6), connect=network)
+    pcm = decode_in_chunks(stream, codes, chunk_bounds(30, 4))
+    assert frames_heard(pcm) == list(range(30))
+    (resume,) = stream.resumes
+    assert resume.frame == 9 and resume.error == "UNAVAILABLE: Socket closed" and resume.url == "proxy:1"
+    resumed = server.received[4][1]
+    assert resumed.arrays["frame_offset"].tolist() == [[3]] and resumed.history_frames == 6
+    np.testing.assert_array_equal(resumed.arrays["input_ids"], codes[:, 3:13].reshape(1, -1))
+    assert len(server.table) == 0  # the stream ended with its last request
+
+
+def test_a_restarted_server_that_forgot_the_stream_is_resumed():
+    network = FakeNetwork("a:1")
+    server = network.servers["a:1"]
+    codes = frame_codes(20)
+    bounds = chunk_bounds(20, 4)
+    stream = ResumableStream("a:1", StreamOptions(resume_history_frames=250), sequence_id=5, connect=network)
+    pcm = decode_in_chunks(stream, codes, bounds, lambda index: server.restart() if index == 3 else None)
+    assert frames_heard(pcm) == list(range(20))
+    (resume,) = stream.resumes
+    assert resume.frame == 9 and resume.history_frames == 9
+    assert resume.error.startswith("INVALID_ARGUMENT: stream 5 is not open: send the first request of the sequence "
+                                   "with the START flag")
+
+
+def test_a_failed_first_request_is_resumed_at_frame_zero():
+    network = FakeNetwork("a:1", "b:2")
+    network.servers["a:1"].alive = False
+    codes = frame_codes(9)
+    stream = ResumableStream(["a:1", "b:2"], connect=network, sleep=lambda s: None)
+    pcm = decode_in_chunks(stream, codes, chunk_bounds(9, 4))
+    assert frames_heard(pcm) == list(range(9))
+    (resume,) = stream.resumes
+    assert (resume.frame, resume.history_frames, resume.url) == (0, 0, "b:2")
+
+
+def test_resuming_gives_up_after_the_resume_timeout_saying_why():
+    network = FakeNetwork("a:1", "b:2")
+    codes = frame_codes(12)
+    time_ = FakeTime()
+    stream = ResumableStream(["a:1", "b:2"], StreamOptions(resume_timeout_s=3.0), sequence_id=42, connect=network,
+                             clock=time_.clock, sleep=time_.sleep)
+    stream.decode(codes[:, :5])
+    for server in network.servers.values():
+        server.alive = False
+    with pytest.raises(ClientError) as info:
+        stream.decode(codes[:, 5:9])
+    # At once on the next URL, then waits doubling from 0.1 s; a sixth attempt would start 3.1 s after the failure.
+    assert time_.slept_s == pytest.approx([0.0, 0.1, 0.2, 0.4, 0.8])
+    assert str(info.value) == (
+        "stream 42 (sequence 42) could not resume at frame 5 within 3 s (5 attempts on a:1, b:2): it failed with "
+        "UNAVAILABLE: failed to connect to all addresses; ipv4:127.0.0.1:1: Connection refused")
+    assert stream.resumes == [] and stream.next_frame == 5
+
+
+def test_a_failure_that_a_resume_cannot_fix_is_raised_at_once():
+    network = FakeNetwork("a:1", "b:2")
+    codes = frame_codes(8)
+    cumulative = ResumableStream(["a:1", "b:2"], StreamOptions(mode="cumulative"), sequence_id=4, connect=network)
+    cumulative.decode(codes[:, :2])
+    cumulative._kept._codes[2, 1] += 1  # the client's copy of frame 1 no longer matches what it sent
+    with pytest.raises(ClientError) as info:
+        cumulative.decode(codes[:, 2:4])
+    assert str(info.value) == (
+        "stream 4 (sequence 4), frames [2, 4) on a:1: INVALID_ARGUMENT: frame 1 differs from the frame stream 4 "
+        "already decoded at that index; decoded frames cannot change (START a new sequence instead)")
+    assert cumulative.resumes == [] and len(network.servers["b:2"].received) == 0
+
+
+@pytest.mark.parametrize("mode, send_frame_offset", [("cumulative", True), ("cumulative", False), ("delta", False)])
+def test_cumulative_and_offsetless_streams_resume_from_the_new_base(mode, send_frame_offset):
+    network = FakeNetwork("a:1", "b:2")
+    codes = frame_codes(30)
+    bounds = chunk_bounds(30, 4)
+    stream = ResumableStream(["a:1", "b:2"], StreamOptions(mode=mode, send_frame_offset=send_frame_offset,
+                                                           resume_history_frames=5), connect=network)
+
+    def kill_a(index):
+        if bounds[index][0] == 13:
+            network.servers["a:1"].alive = False
+
+    pcm = decode_in_chunks(stream, codes, bounds, kill_a)
+    assert frames_heard(pcm) == list(range(30))
+    after = [request for _, request in network.servers["b:2"].received]
+    assert after[0].arrays["frame_offset"].tolist() == [[8]]
+    if mode == "cumulative":  # later requests resend the frames from the resumed sequence's first on
+        np.testing.assert_array_equal(after[-1].arrays["input_ids"], codes[:, 8:30].reshape(1, -1))
+        assert ("frame_offset" in after[-1].arrays) is send_frame_offset
+
+
+def test_every_request_carries_the_stream_key_header(monkeypatch):
+    import tritonclient.grpc as grpcclient
+
+    calls = []
+
+    class Client:
+        def __init__(self, url, channel_args=None):
+            self.url, self.channel_args = url, dict(channel_args)
+
+        def infer(self, model_name, inputs, **kwargs):
+            calls.append((self.url, model_name, [tensor.name() for tensor in inputs], kwargs))
+            if self.url == "a:1" and len(calls) == 2:
+                raise FakeTritonError("StatusCode.UNAVAILABLE", "Socket closed")
+            frames = 1 if len(calls) == 1 else 2  # frame 0, then frames 1-2 (after 1 frame of history)
+
+            class Result:
+                def as_numpy(self, name):
+                    return np.zeros((1, frames * SAMPLES_PER_FRAME), np.float32) if name == "model_outputs" else None
+
+            return Result()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(grpcclient, "InferenceServerClient", Client)
+    stream = ResumableStream(["a:1", "b:2"], StreamOptions(response_timeout_s=7.0), sequence_id=123,
+                             stream_key="call-42")
+    codes = frame_codes(3)
+    stream.decode(codes[:, :1])
+    stream.decode(codes[:, 1:3], end=True)
+    assert [url for url, *_ in calls] == ["a:1", "a:1", "b:2"]
+    for _, model_name, _, kwargs in calls:
+        assert kwargs["headers"] == {STREAM_KEY_HEADER: "call-42"} and STREAM_KEY_HEADER == "code2wav-stream"
+        assert kwargs["sequence_id"] == 123 and kwargs["client_timeout"] == 7.0 and model_name == "code2wav"
+    assert calls[2][2] == ["input_ids", "frame_offset", "history_frames"] and calls[2][3]["sequence_start"]
+    assert stream.resumes[0].url == "b:2"
+
+
+def test_run_resumable_decodes_each_stream_with_its_key_and_reports_resumes():
+    network = FakeNetwork("a:1", "b:2")
+    codes = [frame_codes(20, seed) for seed in range(3)]
+    seen = []
+
+    def progress(done, total):
+        seen.append((done, total))
+        if done >= 24:
+            network.servers["a:1"].alive = False
+
+    report = run_resumable(["a:1", "b:2"], codes, StreamOptions(chunk_frames=4), sequence_ids=[11, 12, 13],
+                           stream_keys=["k0", "k1", "k2"], progress=progress, connect=network)
+    assert [result.stream_key for result in report.results] == ["k0", "k1", "k2"]
+    assert [result.sequence_id for result in report.results] == [11, 12, 13]
+    for result in report.results:
+        assert frames_heard(result.pcm) == list(range(20))
+        assert result.chunk_frames == [b - a for a, b in chunk_bounds(20, 4)]
+        assert len(result.chunk_latencies_s) == len(result.chunk_frames)
+    assert report.summary()["resumes"] == sum(len(result.resumes) for result in report.results) >= 1
+    assert seen[-1] == (60, 60)
+    with pytest.raises(ClientError, match="stream keys must be distinct, one per stream"):
+        run_resumable(["a:1"], codes[:2], stream_keys=["k", "k"], connect=network)
+
+
+def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys, tmp_path):
+    from mimi_code2wav.client import __main__ as cli
+    from mimi_code2wav.client import decode as decode_module
+    from mimi_code2wav.client.stream import Resume, RunReport, StreamResult
+
+    given = {}
+
+    class ReadyStreamer:
+        def __init__(self, url, model):
+            given["checked"] = url
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            pass
+
+        def check_ready(self):
+            pass
+
+    def fake_run(servers, streams_codes, options, stream_keys=None, progress=None):
+        given.update(servers=servers, keys=stream_keys, options=options)
+        frames = streams_codes[0].shape[1]
+        results = [StreamResult(7 + i, frames, np.zeros(frames * SAMPLES_PER_FRAME, np.float32), [1, 2],
+                                [0.01, 0.02], 0.0, 1.0, stream_key=key) for i, key in enumerate(stream_keys)]
+        results[1].resumes.append(Resume(frame=2, stall_s=0.5, error="UNAVAILABLE: Socket closed", attempts=2,
+                                         url="b:2", history_frames=2))
+        return RunReport(results, options, 1.0)
+
+    monkeypatch.setattr(decode_module, "Code2WavStreamer", ReadyStreamer)
+    monkeypatch.setattr(decode_module, "run_resumable", fake_run)
+    code = cli.main(["decode", "--url", "a:1", "--failover-url", "b:2", "--random", "--frames", "3", "--streams", "2",
+                     "--stream-key", "call", "--resume-history-frames", "25", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert given["checked"] == "a:1" and given["servers"] == ["a:1", "b:2"] and given["keys"] == ["call-0", "call-1"]
+    assert given["options"].resume_history_frames == 25 and given["options"].resume_timeout_s == 30.0
+    assert err.strip() == ("stream 1 (key call-1): resumed at frame 2 on b:2 after 0.50 s (2 attempts, 2 frames of "
+                           "history replayed): UNAVAILABLE: Socket closed")
+    assert re.search(r"\n  resume +1 resume\(s\); 25 frames of history, header code2wav-stream, servers a:1, b:2\n", out)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--resume-history-frames", "-1"], "--resume-history-frames must be >= 0, got -1"),
+    (["--resume-timeout", "0"], "--resume-timeout must be > 0 s, got 0"),
+])
+def test_decode_rejects_bad_resume_options(args, message, capsys):
+    from mimi_code2wav.client.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["decode", "--random", "--frames", "2", *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err

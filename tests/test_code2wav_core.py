@@ -131,7 +131,7 @@ def make_table(clock=None, **overrides):
     return core.StreamTable(core.Code2WavSettings(**settings), clock=clock)
 
 
-def send(table, decoder, correlation_id, flags, codes=None, frame_offset=None, input_ids=None):
+def send(table, decoder, correlation_id, flags, codes=None, frame_offset=None, input_ids=None, history_frames=None):
     """Process one request; returns its PCM (or raises its error)."""
     if input_ids is None:
         input_ids = flat(codes if codes is not None else np.zeros((K, 0), np.int64))
@@ -140,14 +140,15 @@ def send(table, decoder, correlation_id, flags, codes=None, frame_offset=None, i
         flags=flags,
         input_ids=input_ids,
         frame_offset=None if frame_offset is None else offset(frame_offset),
+        history_frames=None if history_frames is None else offset(history_frames),
     )
     return asyncio.run(table.process(request, decoder))
 
 
 def send_error(table, decoder, correlation_id, flags, codes=None, frame_offset=None, input_ids=None,
-               error=core.RequestError):
+               error=core.RequestError, history_frames=None):
     with pytest.raises(error) as info:
-        send(table, decoder, correlation_id, flags, codes, frame_offset, input_ids)
+        send(table, decoder, correlation_id, flags, codes, frame_offset, input_ids, history_frames)
     return info.value
 
 
@@ -182,6 +183,8 @@ def test_shipped_config_parses_to_the_default_settings():
     assert tensors["input_ids"].data_type == model_config_pb2.TYPE_INT64
     assert list(tensors["input_ids"].dims) == [-1]
     assert tensors["frame_offset"].optional and list(tensors["frame_offset"].dims) == [1]
+    assert tensors["history_frames"].optional and list(tensors["history_frames"].dims) == [1]
+    assert tensors["history_frames"].data_type == model_config_pb2.TYPE_INT64
     assert tensors["model_outputs"].data_type == model_config_pb2.TYPE_FP32
     assert tensors["sr"].data_type == model_config_pb2.TYPE_INT32
 
@@ -999,3 +1002,250 @@ def test_decoder_refusals_and_shutdown_keep_their_code():
         assert isinstance(result, core.DecoderError) and (result.kind, result.code) == (kind, code)
         assert str(error) in str(result) and 1 not in table
         assert table.stats().errors_by_kind[kind] == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# resume by replay: START with history_frames
+
+
+def resume(table, decoder, correlation_id, codes, first_frame, history_frames, flags=START):
+    """START a resumed stream: `codes` are stream frames [first_frame, first_frame + F), the first
+    `history_frames` of them history. Returns the PCM."""
+    return send(table, decoder, correlation_id, flags, codes, frame_offset=first_frame, history_frames=history_frames)
+
+
+@pytest.mark.parametrize("max_frames_per_step", [1, 3, 16])
+def test_a_resumed_stream_returns_exactly_the_frames_after_its_history(max_frames_per_step):
+    table, decoder = make_table(decoder_max_frames_per_step=max_frames_per_step), FakeDecoder()
+    stream = make_codes(20)
+    pcm = resume(table, decoder, 1, stream[:, 10:17], first_frame=10, history_frames=4)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 14:17]))
+    # Every frame of the request was decoded, history first, the decoder starting afresh on it.
+    np.testing.assert_array_equal(decoder.decoded_codes(), stream[:, 10:17])
+    assert decoder.flags()[0] == START and not any(flags & START for flags in decoder.flags()[1:])
+    sizes = [codes.shape[2] for _, codes, _ in decoder.calls]
+    assert sizes == [min(max_frames_per_step, 7 - first) for first in range(0, 7, max_frames_per_step)]
+    assert table.base(1) == 10
+    np.testing.assert_array_equal(table.history(1), stream[:, 10:17])
+
+
+def test_history_pcm_is_dropped_across_decoder_calls():
+    table, decoder = make_table(decoder_max_frames_per_step=3), FakeDecoder()
+    stream = make_codes(12)
+    pcm = resume(table, decoder, 1, stream[:, 2:10], first_frame=2, history_frames=4)
+    assert [codes.shape[2] for _, codes, _ in decoder.calls] == [3, 3, 2]
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 6:10]))
+
+
+def test_a_resumed_stream_continues_in_absolute_frame_indices():
+    table, decoder = make_table(), FakeDecoder()
+    stream = make_codes(24)
+    resume(table, decoder, 1, stream[:, 10:16], first_frame=10, history_frames=4)
+    decoder.calls.clear()
+    pcm = send(table, decoder, 1, 0, stream[:, 16:18], frame_offset=16)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 16:18]))
+    assert decoder.flags() == [0, 0]
+    # An overlap with the held history (a retry) decodes only what is new.
+    pcm = send(table, decoder, 1, 0, stream[:, 12:20], frame_offset=12)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 18:20]))
+    np.testing.assert_array_equal(table.history(1), stream[:, 10:20])
+    assert table.base(1) == 10
+    error = send_error(table, decoder, 1, 0, stream[:, 21:23], frame_offset=21)
+    assert error.kind == "gap"
+    assert "frame_offset 21 leaves a gap: stream 1 has decoded 20 frames, so frame_offset must be at most 20" in str(error)
+    changed = stream[:, 11:21].copy()
+    changed[3, 2] = (changed[3, 2] + 1) % 2048  # stream frame 13
+    error = send_error(table, decoder, 1, 0, changed, frame_offset=11)
+    assert error.kind == "changed_frame" and "frame 13 differs" in str(error)
+    # The held history (the history frames included) ends up in the stream as decoded.
+    pcm = send(table, decoder, 1, END, stream[:, 20:24], frame_offset=20)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 20:24]))
+    assert 1 not in table
+
+
+def test_an_offset_before_the_resume_point_is_refused_saying_why():
+    table, decoder = make_table(), FakeDecoder()
+    stream = make_codes(16)
+    resume(table, decoder, 1, stream[:, 10:14], first_frame=10, history_frames=2)
+    calls = len(decoder.calls)
+    error = send_error(table, decoder, 1, 0, stream[:, 9:16], frame_offset=9)
+    assert (error.kind, error.code) == ("before_resume", "INVALID_ARG")
+    assert str(error) == (
+        "frame_offset 9 is before frame 10, where stream 1 was resumed on this server: frames before 10 are "
+        "not held here and cannot be compared; send frames from 10 on"
+    )
+    assert len(decoder.calls) == calls and table.base(1) == 10
+    np.testing.assert_array_equal(table.history(1), stream[:, 10:14])
+    assert table.stats().errors_by_kind["before_resume"] == 1
+
+
+@pytest.mark.parametrize("flags", [0, END], ids=["plain", "end"])
+def test_history_frames_without_start_is_refused(flags):
+    table, decoder = make_table(), FakeDecoder()
+    stream = make_codes(6)
+    open_stream(table, decoder, 1, stream[:, :3])
+    calls = len(decoder.calls)
+    error = send_error(table, decoder, 1, flags, stream[:, 3:6], frame_offset=3, history_frames=1)
+    assert (error.kind, error.code) == ("history", "INVALID_ARG")
+    assert str(error).startswith(
+        "history_frames=1 without START on stream 1: history is accepted only on the START request that opens "
+        "a resumed stream")
+    if flags & END:  # Triton releases the sequence with a rejected END (design doc §2.2)
+        assert 1 not in table and str(error).endswith("; the request carried END, so the stream has ended")
+    else:
+        assert len(decoder.calls) == calls
+        np.testing.assert_array_equal(table.history(1), stream[:, :3])
+
+
+def test_history_frames_without_start_on_an_unknown_stream_names_the_history_rule():
+    table, decoder = make_table(), FakeDecoder()
+    error = send_error(table, decoder, 5, 0, make_codes(3), frame_offset=7, history_frames=2)
+    assert error.kind == "history" and "without START on stream 5" in str(error)
+
+
+@pytest.mark.parametrize(
+    "frames, frame_offset, history_frames, fragments",
+    [
+        pytest.param(3, 5, 4, ["history_frames=4 must lie in [0, 3]: the request holds 3 frames"], id="more-than-F"),
+        pytest.param(3, 5, -1, ["history_frames=-1 must lie in [0, 3]"], id="negative"),
+        pytest.param(3, None, 2, ["history_frames=2 needs frame_offset, the stream index of the request's first frame"],
+                     id="no-offset"),
+    ],
+)
+def test_bad_history_frames_are_refused_naming_the_values(frames, frame_offset, history_frames, fragments):
+    table, decoder = make_table(), FakeDecoder()
+    error = send_error(table, decoder, 1, START, make_codes(frames), frame_offset=frame_offset,
+                       history_frames=history_frames)
+    assert (error.kind, error.code) == ("history", "INVALID_ARG")
+    for fragment in fragments:
+        assert fragment in str(error)
+    assert decoder.calls == [] and 1 not in table
+
+
+def test_history_frames_dtype_and_shape_are_checked():
+    table, decoder = make_table(), FakeDecoder()
+    for value, kind, fragment in ((np.array([[2]], np.int32), "dtype", "history_frames must be INT64, got int32"),
+                                  (np.array([[1, 2]], np.int64), "shape", "history_frames must hold one value")):
+        request = core.StreamRequest(1, START, flat(make_codes(3)), offset(0), value)
+        with pytest.raises(core.RequestError) as info:
+            asyncio.run(table.process(request, decoder))
+        assert info.value.kind == kind and fragment in str(info.value)
+
+
+def test_a_negative_offset_with_history_is_refused():
+    table, decoder = make_table(), FakeDecoder()
+    error = send_error(table, decoder, 1, START, make_codes(3), frame_offset=-2, history_frames=1)
+    assert error.kind == "negative_offset" and "frame_offset must be >= 0, got -2" in str(error)
+
+
+def test_history_only_resume_returns_no_samples_and_the_next_request_goes_on():
+    table, decoder = make_table(), FakeDecoder()
+    stream = make_codes(9)
+    pcm = resume(table, decoder, 1, stream[:, 3:7], first_frame=3, history_frames=4)
+    assert pcm.shape == (1, 0) and pcm.dtype == np.float32
+    assert len(decoder.calls) == 4 and decoder.flags()[0] == START
+    pcm = send(table, decoder, 1, 0, stream[:, 7:9], frame_offset=7)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 7:9]))
+
+
+def test_resume_without_history_starts_the_stream_at_its_offset():
+    table, decoder = make_table(), FakeDecoder()
+    stream = make_codes(9)
+    pcm = resume(table, decoder, 1, stream[:, 5:7], first_frame=5, history_frames=0)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 5:7]))
+    assert table.base(1) == 5 and decoder.flags() == [START, 0]
+    # history_frames=0 without frame_offset is a plain START.
+    pcm = resume(table, decoder, 2, stream[:, :2], first_frame=None, history_frames=0)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, :2]))
+    assert table.base(2) == 0
+
+
+def test_barge_in_with_history_restarts_a_live_stream_at_the_resume_point():
+    table, decoder = make_table(), FakeDecoder()
+    old, stream = make_codes(5, seed=1), make_codes(12, seed=2)
+    open_stream(table, decoder, 1, old)
+    decoder.calls.clear()
+    pcm = resume(table, decoder, 1, stream[:, 6:10], first_frame=6, history_frames=3)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 9:10]))
+    assert decoder.flags() == [START, 0, 0, 0]
+    assert table.base(1) == 6 and len(table) == 1
+    np.testing.assert_array_equal(table.history(1), stream[:, 6:10])
+    pcm = send(table, decoder, 1, 0, stream[:, 10:12], frame_offset=10)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 10:12]))
+
+
+def test_a_plain_start_after_a_resume_starts_over_at_frame_zero():
+    table, decoder = make_table(), FakeDecoder()
+    stream = make_codes(12)
+    resume(table, decoder, 1, stream[:, 6:10], first_frame=6, history_frames=3)
+    send(table, decoder, 1, START, stream[:, :2], frame_offset=0)
+    assert table.base(1) == 0
+    np.testing.assert_array_equal(table.history(1), stream[:, :2])
+
+
+def test_a_rejected_resume_leaves_the_live_stream_as_it_was():
+    table, decoder = make_table(), FakeDecoder()
+    stream = make_codes(8)
+    open_stream(table, decoder, 1, stream[:, :3])
+    send_error(table, decoder, 1, START, stream[:, 2:5], frame_offset=2, history_frames=4)
+    np.testing.assert_array_equal(table.history(1), stream[:, :3])
+    assert table.base(1) == 0
+    pcm = send(table, decoder, 1, 0, stream[:, 3:5], frame_offset=3)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 3:5]))
+
+
+def test_start_end_with_history_decodes_returns_the_new_frames_and_closes():
+    table, decoder = make_table(), FakeDecoder()
+    stream = make_codes(6)
+    pcm = resume(table, decoder, 1, stream[:, 2:6], first_frame=2, history_frames=2, flags=START | END)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 4:6]))
+    assert decoder.flags() == [START, 0, 0, END] and 1 not in table
+
+
+def test_history_frames_count_toward_the_decoded_frames_limit():
+    table, decoder = make_table(max_new_frames_per_request=4), FakeDecoder()
+    stream = make_codes(10)
+    error = send_error(table, decoder, 1, START, stream[:, 3:8], frame_offset=3, history_frames=3)
+    assert error.kind == "limit"
+    assert str(error) == (
+        "request decodes 5 frames (3 history_frames + 2 new), more than max_new_frames_per_request=4"
+    )
+    pcm = resume(table, decoder, 1, stream[:, 3:7], first_frame=3, history_frames=3)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 6:7]))
+
+
+@pytest.mark.parametrize("mode", ["delta", "auto"])
+def test_requests_without_offsets_after_a_resume_are_deltas_or_count_from_the_base(mode):
+    table, decoder = make_table(dedupe_mode=mode), FakeDecoder()
+    stream = make_codes(14)
+    resume(table, decoder, 1, stream[:, 6:10], first_frame=6, history_frames=2)
+    pcm = send(table, decoder, 1, 0, stream[:, 10:12])  # a delta
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 10:12]))
+    # A cumulative resend counts from the base: auto decodes only its suffix, delta decodes it all.
+    pcm = send(table, decoder, 1, 0, stream[:, 6:14])
+    expected = stream[:, 12:14] if mode == "auto" else stream[:, 6:14]
+    np.testing.assert_array_equal(pcm, expected_pcm(expected))
+
+
+def test_cumulative_requests_of_a_resumed_stream_start_at_its_base():
+    table, decoder = make_table(dedupe_mode="cumulative"), FakeDecoder()
+    stream = make_codes(14)
+    resume(table, decoder, 1, stream[:, 6:10], first_frame=6, history_frames=2)
+    pcm = send(table, decoder, 1, 0, stream[:, 6:12])
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 10:12]))
+    error = send_error(table, decoder, 1, 0, stream[:, 8:13])
+    assert error.kind == "not_cumulative"
+    assert ("the request holds 5 frames but stream 1 has decoded 6 since frame 6, where it was resumed on this "
+            "server; a cumulative request starts with all of them") in str(error)
+    error = send_error(table, decoder, 1, 0, stream[:, :12])
+    assert error.kind == "changed_frame" and "frame 6 differs" in str(error)
+
+
+def test_stats_count_resumed_streams_and_their_history_frames():
+    table, decoder = make_table(), FakeDecoder()
+    stream = make_codes(10)
+    resume(table, decoder, 1, stream[:, 4:8], first_frame=4, history_frames=3)
+    send(table, decoder, 2, START, stream[:, :2])
+    stats = table.stats()
+    assert stats.streams_resumed == 1
+    assert stats.frames_decoded == 4 + 2  # the decoder ran the history frames too

@@ -16,6 +16,11 @@ What it does, per request of a stream (one Triton sequence, keyed by its correla
 4. after the decoder ran every step, `StreamTable.commit` records the frames in the history (or
    removes the stream on END); after a decoder failure `StreamTable.abort` removes the stream.
 
+Resume by replay: a START request may carry `history_frames` H with `frame_offset` o. Its F frames
+are stream frames [o, o + F); the first H are decoded only to rebuild the decoder state (their PCM is
+not returned), so a stream whose server was lost continues on another one. The resumed stream holds
+frames from o (its base) on and counts frames in absolute stream indices (see `StreamTable.plan`).
+
 `StreamTable.process_batch` drives all of it for one `execute()` batch with an injected async
 `decode_step`, so the whole request path, decoder ordering included, is tested here.
 
@@ -55,6 +60,8 @@ ERROR_KINDS = (
     "gap",
     "changed_frame",
     "not_cumulative",
+    "history",
+    "before_resume",
     "correlation_id",
     "unknown_stream",
     "stream_cap",
@@ -219,6 +226,20 @@ def read_frame_offset(frame_offset: Optional[np.ndarray]) -> Optional[int]:
     return int(frame_offset.reshape(-1)[0])
 
 
+def read_history_frames(history_frames: Optional[np.ndarray]) -> Optional[int]:
+    """The optional `history_frames` INT64 [1, 1] -> int, or None when the request has none."""
+    if history_frames is None:
+        return None
+    history_frames = np.asarray(history_frames)
+    if history_frames.dtype != np.int64:
+        raise RequestError("dtype", f"history_frames must be INT64, got {history_frames.dtype}")
+    if history_frames.size != 1:
+        raise RequestError(
+            "shape", f"history_frames must hold one value ([1, 1]), got shape {list(history_frames.shape)}"
+        )
+    return int(history_frames.reshape(-1)[0])
+
+
 # --------------------------------------------------------------------------------------------------
 # Per-stream history
 
@@ -277,10 +298,12 @@ class CodeHistory:
 class _Stream:
     """Table entry of one live stream."""
 
-    __slots__ = ("history", "decoder_live", "needs_decoder_start", "last_active_s")
+    __slots__ = ("history", "base", "decoder_live", "needs_decoder_start", "last_active_s")
 
-    def __init__(self, history: CodeHistory, now_s: float):
+    def __init__(self, history: CodeHistory, now_s: float, base: int = 0):
         self.history = history
+        # Stream index of the first frame in `history`: 0, or where a resumed stream was started.
+        self.base = base
         # The decoder holds a sequence for this correlation id (it got a START and no END yet).
         self.decoder_live = False
         # The next decoder step must carry START: the stream is new or was reset (barge-in).
@@ -312,18 +335,29 @@ class DecodePlan:
     `StreamTable.commit(plan)`, or `StreamTable.abort(plan)` if a step failed."""
 
     correlation_id: int
-    # The new frames, int32 [k, N]; N may be 0.
+    # The new frames, int32 [k, N]; N may be 0. Their PCM is the response.
     new_codes: np.ndarray
     steps: Tuple[DecoderStep, ...]
     # START: the stream is created, or reset if it was live (barge-in).
     starts_stream: bool
     # END: the stream is removed once the steps succeeded.
     ends_stream: bool
+    # Resume: the frames replayed before new_codes to rebuild the decoder state, int32 [k, H]; the
+    # steps decode them first and their PCM is dropped. None without history_frames.
+    history_codes: Optional[np.ndarray] = None
+    # The request carried history_frames: it opens a resumed stream whose first frame is `base`.
+    resumes_stream: bool = False
+    # Stream index of the stream's first held frame once the plan is committed.
+    base: int = 0
     _stream: Optional[_Stream] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def new_frames(self) -> int:
         return self.new_codes.shape[1]
+
+    @property
+    def history_frames(self) -> int:
+        return 0 if self.history_codes is None else self.history_codes.shape[1]
 
     @property
     def needs_end_only_step(self) -> bool:
@@ -341,16 +375,19 @@ class StreamRequest:
     flags: int
     input_ids: np.ndarray
     frame_offset: Optional[np.ndarray] = None
+    history_frames: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Code2WavStats:
-    """Counters for metrics (cumulative since the model loaded, except `live_streams`)."""
+    """Counters for metrics (cumulative since the model loaded, except `live_streams`).
+    `frames_decoded` counts every frame the decoder ran, replayed history included."""
 
     live_streams: int
     frames_decoded: int
     streams_expired: int
     errors_by_kind: Mapping[str, int]
+    streams_resumed: int = 0
 
 
 # decode_step(correlation_id, codes int32 [1, k, S], flags) -> PCM with samples_per_frame * S samples
@@ -377,6 +414,7 @@ class StreamTable:
         self._streams: Dict[int, _Stream] = {}
         self._frames_decoded = 0
         self._streams_expired = 0
+        self._streams_resumed = 0
         self._errors: Dict[str, int] = {kind: 0 for kind in ERROR_KINDS}
 
     # ---- inspection -------------------------------------------------------------------------
@@ -388,8 +426,14 @@ class StreamTable:
         return correlation_id in self._streams
 
     def history(self, correlation_id: int) -> np.ndarray:
-        """The decoded codes [k, frames] of a live stream (read-only view); KeyError if not live."""
+        """The decoded codes [k, frames] of a live stream (read-only view) from its base on; KeyError
+        if not live."""
         return self._streams[correlation_id].history.codes()
+
+    def base(self, correlation_id: int) -> int:
+        """Stream index of a live stream's first held frame: 0, or where it was resumed; KeyError if
+        not live."""
+        return self._streams[correlation_id].base
 
     def stats(self) -> Code2WavStats:
         return Code2WavStats(
@@ -397,6 +441,7 @@ class StreamTable:
             frames_decoded=self._frames_decoded,
             streams_expired=self._streams_expired,
             errors_by_kind=dict(self._errors),
+            streams_resumed=self._streams_resumed,
         )
 
     def count_error(self, kind: str) -> None:
@@ -432,6 +477,7 @@ class StreamTable:
         flags: int,
         input_ids: np.ndarray,
         frame_offset: Optional[np.ndarray] = None,
+        history_frames: Optional[np.ndarray] = None,
     ) -> DecodePlan:
         """Validate one request and say what decoding it takes. Changes nothing.
 
@@ -445,6 +491,16 @@ class StreamTable:
           resend shorter than the history is taken as a delta and decoded twice. Cumulative
           requests resend and compare the whole history each time: O(n^2) bytes over a stream.
 
+        Resume (`history_frames` H, only with START): the request's F frames are stream frames
+        [o, o + F) for `frame_offset` o (required when H > 0; o = 0 without it); 0 <= H <= F. All F
+        are decoded, the decoder starting afresh on the first; the PCM of the last F - H is returned.
+        The stream's base is o: it holds frames from o on, h = o + F, and later offsets are stream
+        indices: o' < base is an error (those frames are held on no server any more), [base, h) is
+        compared with the held frames, o' > h is a gap. Without `frame_offset`, requests of a
+        resumed stream count from its base: a cumulative request holds the frames from the base on.
+        History frames count toward `max_new_frames_per_request`: the decoder runs them like new
+        ones.
+
         Raises RequestError with a message naming the value, the limit and the parameter.
         """
         settings = self.settings
@@ -455,6 +511,13 @@ class StreamTable:
             )
         starts = bool(flags & FLAG_SEQUENCE_START)
         ends = bool(flags & FLAG_SEQUENCE_END)
+        replay = read_history_frames(history_frames)
+        if replay is not None and not starts:
+            raise RequestError(
+                "history",
+                f"history_frames={replay} without START on stream {correlation_id}: history is accepted only "
+                f"on the START request that opens a resumed stream",
+            )
         stream = self._streams.get(correlation_id)
         if stream is None and not starts:
             raise RequestError(
@@ -475,11 +538,25 @@ class StreamTable:
         check_code_range(codes, settings.codebook_size)
         offset = read_frame_offset(frame_offset)
 
-        history = None if (starts or stream is None) else stream.history
-        first_new = self._first_new_frame(correlation_id, codes, offset, history)
-        new_codes = codes[:, first_new:].astype(np.int32)
-        new_frames = new_codes.shape[1]
-        if new_frames > settings.max_new_frames_per_request:
+        if replay is None:
+            continuing = not starts and stream is not None
+            history = stream.history if continuing else None
+            base = stream.base if continuing else 0
+            first_new = self._first_new_frame(correlation_id, codes, offset, history, base)
+            first_decoded = first_new
+        else:
+            base = self._resume_base(correlation_id, replay, offset, request_frames)
+            first_new, first_decoded = replay, 0
+        decoded_codes = codes[:, first_decoded:].astype(np.int32)
+        new_frames = request_frames - first_new
+        if replay:
+            if replay + new_frames > settings.max_new_frames_per_request:
+                raise RequestError(
+                    "limit",
+                    f"request decodes {replay + new_frames} frames ({replay} history_frames + {new_frames} "
+                    f"new), more than max_new_frames_per_request={settings.max_new_frames_per_request}",
+                )
+        elif new_frames > settings.max_new_frames_per_request:
             raise RequestError(
                 "limit",
                 f"request has {new_frames} new frames, more than "
@@ -488,8 +565,8 @@ class StreamTable:
 
         decoder_live = stream is not None and stream.decoder_live
         needs_start = starts or stream is None or stream.needs_decoder_start
-        steps = self._steps(new_codes, needs_start, ends)
-        if ends and new_frames == 0 and decoder_live:
+        steps = self._steps(decoded_codes, needs_start, ends)
+        if ends and decoded_codes.shape[1] == 0 and decoder_live:
             # The decoder holds a sequence for this id (a START without END reached it): close it
             # with one step of zero codes. Without a live decoder sequence (e.g. START|END with no
             # frame) nothing was started there, so nothing is sent.
@@ -497,10 +574,13 @@ class StreamTable:
 
         return DecodePlan(
             correlation_id=correlation_id,
-            new_codes=new_codes,
+            new_codes=decoded_codes[:, first_new - first_decoded :],
             steps=steps,
             starts_stream=starts,
             ends_stream=ends,
+            history_codes=None if replay is None else decoded_codes[:, :replay],
+            resumes_stream=replay is not None,
+            base=base,
             _stream=stream,
         )
 
@@ -511,19 +591,25 @@ class StreamTable:
         if stream is not plan._stream:
             # Same-stream requests are serialised, so this is a bug, not a client error.
             raise RuntimeError(f"stream {correlation_id} changed between plan and commit")
-        self._frames_decoded += plan.new_frames
+        self._frames_decoded += plan.history_frames + plan.new_frames
+        self._streams_resumed += plan.resumes_stream
         if plan.ends_stream:
             self._streams.pop(correlation_id, None)
             return
         now_s = self._clock()
         if stream is None:
-            stream = _Stream(CodeHistory(self.settings.num_codebooks, self.settings.codebook_size), now_s)
+            stream = _Stream(
+                CodeHistory(self.settings.num_codebooks, self.settings.codebook_size), now_s, plan.base
+            )
             self._streams[correlation_id] = stream
         elif plan.starts_stream:
             # Barge-in: the stream starts over. The decoder resets on the next step's START; until
             # then it still holds the old sequence, so decoder_live is kept.
             stream.history = CodeHistory(self.settings.num_codebooks, self.settings.codebook_size)
+            stream.base = plan.base
             stream.needs_decoder_start = True
+        if plan.history_codes is not None:
+            stream.history.append(plan.history_codes)
         stream.history.append(plan.new_codes)
         if plan.steps:
             stream.decoder_live = True
@@ -541,11 +627,13 @@ class StreamTable:
 
     async def run(self, plan: DecodePlan, decode_step: DecodeStep) -> np.ndarray:
         """Run the plan's steps in order through `decode_step`, commit, and return the PCM of the
-        new frames, float32 [1, samples_per_frame * N]. On any failure the stream is aborted and
-        DecoderError is raised saying to START again."""
+        new frames, float32 [1, samples_per_frame * N] (replayed history frames are decoded, their
+        PCM dropped). On any failure the stream is aborted and DecoderError is raised saying to
+        START again."""
         samples_per_frame = self.settings.samples_per_frame
         pcm_out = np.empty((1, samples_per_frame * plan.new_frames), np.float32)
         written = 0
+        history_left = plan.history_frames  # leading decoded frames whose PCM is not returned
         for index, step in enumerate(plan.steps):
             try:
                 pcm = await decode_step(plan.correlation_id, step.codes, step.flags)
@@ -557,8 +645,10 @@ class StreamTable:
                             f"returned {pcm.size} samples for {step.frames} frame(s), "
                             f"expected {samples} (samples_per_frame={samples_per_frame})"
                         )
-                    pcm_out[0, written : written + samples] = pcm.reshape(-1)
-                    written += samples
+                    dropped = min(history_left, step.frames) * samples_per_frame
+                    history_left -= dropped // samples_per_frame
+                    pcm_out[0, written : written + samples - dropped] = pcm.reshape(-1)[dropped:]
+                    written += samples - dropped
             except BaseException as exc:
                 self.abort(plan)
                 if not isinstance(exc, Exception):  # cancellation: the stream is gone all the same
@@ -575,7 +665,9 @@ class StreamTable:
     async def process(self, request: StreamRequest, decode_step: DecodeStep) -> np.ndarray:
         """Plan, run and commit one request; count its error, if any, and re-raise it."""
         try:
-            plan = self.plan(request.correlation_id, request.flags, request.input_ids, request.frame_offset)
+            plan = self.plan(
+                request.correlation_id, request.flags, request.input_ids, request.frame_offset, request.history_frames
+            )
             return await self.run(plan, decode_step)
         except RequestError as exc:
             self.count_error(exc.kind)
@@ -647,19 +739,49 @@ class StreamTable:
             f"freed after {settings.stream_idle_timeout_s:g} s idle)"
         )
 
+    def _resume_base(self, correlation_id: int, replay: int, offset: Optional[int], request_frames: int) -> int:
+        """The base (first frame index) of a stream a START with history_frames opens (see `plan`)."""
+        if not 0 <= replay <= request_frames:
+            raise RequestError(
+                "history",
+                f"history_frames={replay} must lie in [0, {request_frames}]: the request holds {request_frames} "
+                f"frames and its first history_frames of them are the replayed history (stream {correlation_id})",
+            )
+        if offset is None:
+            if replay:
+                raise RequestError(
+                    "history",
+                    f"history_frames={replay} needs frame_offset, the stream index of the request's first "
+                    f"frame, to place the history in the stream (stream {correlation_id})",
+                )
+            return 0
+        if offset < 0:
+            raise RequestError("negative_offset", f"frame_offset must be >= 0, got {offset}")
+        return offset
+
     def _first_new_frame(
         self,
         correlation_id: int,
         codes: np.ndarray,
         offset: Optional[int],
         history: Optional[CodeHistory],
+        base: int = 0,
     ) -> int:
-        """Index within the request of its first frame to decode (see `plan` for the rules)."""
-        decoded = 0 if history is None else history.frames
+        """Index within the request of its first frame to decode (see `plan` for the rules).
+        `history` holds the stream's frames from `base` on."""
+        held = 0 if history is None else history.frames
+        decoded = base + held
         request_frames = codes.shape[1]
         if offset is not None:
             if offset < 0:
                 raise RequestError("negative_offset", f"frame_offset must be >= 0, got {offset}")
+            if offset < base:
+                raise RequestError(
+                    "before_resume",
+                    f"frame_offset {offset} is before frame {base}, where stream {correlation_id} was resumed "
+                    f"on this server: frames before {base} are not held here and cannot be compared; "
+                    f"send frames from {base} on",
+                )
             if offset > decoded:
                 raise RequestError(
                     "gap",
@@ -668,34 +790,40 @@ class StreamTable:
                 )
             overlap = min(decoded - offset, request_frames)
             if overlap > 0:
-                self._check_unchanged(correlation_id, codes[:, :overlap], history, offset)
+                self._check_unchanged(correlation_id, codes[:, :overlap], history, offset - base, base)
             return overlap
+        # Without an offset, a request is read against the held frames: those of a resumed stream
+        # start at its base (the frames before it are on no server), so a cumulative request of a
+        # resumed stream holds the frames from its base on.
         mode = self.settings.dedupe_mode
-        if mode == "delta" or decoded == 0:
+        if mode == "delta" or held == 0:
             return 0
         if mode == "cumulative":
-            if request_frames < decoded:
+            if request_frames < held:
+                since = f" since frame {base}, where it was resumed on this server" if base else ""
                 raise RequestError(
                     "not_cumulative",
                     f"dedupe_mode=cumulative: the request holds {request_frames} frames but stream "
-                    f"{correlation_id} has decoded {decoded}; a cumulative request starts with all of them",
+                    f"{correlation_id} has decoded {held}{since}; a cumulative request starts with all of them",
                 )
-            self._check_unchanged(correlation_id, codes[:, :decoded], history, 0)
-            return decoded
+            self._check_unchanged(correlation_id, codes[:, :held], history, 0, base)
+            return held
         # auto
-        if request_frames >= decoded and history.first_mismatch(codes[:, :decoded], 0) is None:
-            return decoded
+        if request_frames >= held and history.first_mismatch(codes[:, :held], 0) is None:
+            return held
         return 0
 
     @staticmethod
     def _check_unchanged(
-        correlation_id: int, codes: np.ndarray, history: CodeHistory, start: int
+        correlation_id: int, codes: np.ndarray, history: CodeHistory, start: int, base: int = 0
     ) -> None:
+        """Compare `codes` with held frames [start, start + m); `base` turns held indices into stream
+        indices for the message."""
         mismatch = history.first_mismatch(codes, start)
         if mismatch is not None:
             raise RequestError(
                 "changed_frame",
-                f"frame {start + mismatch} differs from the frame stream {correlation_id} already "
+                f"frame {base + start + mismatch} differs from the frame stream {correlation_id} already "
                 f"decoded at that index; decoded frames cannot change (START a new sequence instead)",
             )
 

@@ -179,11 +179,13 @@ def _stream_request(request):
     if input_ids is None:
         raise core.RequestError("shape", "the request has no input_ids")
     frame_offset = pb_utils.get_input_tensor_by_name(request, "frame_offset")
+    history_frames = pb_utils.get_input_tensor_by_name(request, "history_frames")
     return core.StreamRequest(
         correlation_id=request.correlation_id(),
         flags=request.flags(),
         input_ids=input_ids.as_numpy(),
         frame_offset=None if frame_offset is None else frame_offset.as_numpy(),
+        history_frames=None if history_frames is None else history_frames.as_numpy(),
     )
 
 
@@ -217,7 +219,12 @@ class _Metrics:
             ),
             family(
                 name="code2wav_frames_decoded_total",
-                description="Audio frames (80 ms each) decoded by code2wav",
+                description="Audio frames (80 ms each) decoded by code2wav, replayed history included",
+                kind=family.COUNTER,
+            ),
+            family(
+                name="code2wav_resumed_streams_total",
+                description="Streams opened by a START with history_frames (resumed after losing their server)",
                 kind=family.COUNTER,
             ),
             family(
@@ -226,10 +233,11 @@ class _Metrics:
                 kind=family.COUNTER,
             ),
         ]
-        live_family, frames_family, self._errors_family = self._families
+        live_family, frames_family, resumed_family, self._errors_family = self._families
         self._labels = labels
         self._live_streams = triton_streams.DeltaMetric(live_family.Metric(labels=labels))
         self._frames_decoded = triton_streams.DeltaMetric(frames_family.Metric(labels=labels))
+        self._streams_resumed = triton_streams.DeltaMetric(resumed_family.Metric(labels=labels))
         self._errors = {kind: self._error_metric(kind) for kind in core.ERROR_KINDS}
 
     def _error_metric(self, kind):
@@ -238,6 +246,7 @@ class _Metrics:
     def report(self, stats):
         self._live_streams.update(stats.live_streams)
         self._frames_decoded.update(stats.frames_decoded)
+        self._streams_resumed.update(stats.streams_resumed)
         for kind, count in stats.errors_by_kind.items():
             if kind not in self._errors:
                 self._errors[kind] = self._error_metric(kind)
@@ -248,6 +257,6 @@ class _Metrics:
         self._live_streams.withdraw()
         # Metrics go before their families (python_backend custom-metrics contract).
         self._errors.clear()
-        self._live_streams = self._frames_decoded = None
+        self._live_streams = self._frames_decoded = self._streams_resumed = None
         self._families.clear()
         self._errors_family = None
