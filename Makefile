@@ -13,6 +13,9 @@ METRICS_PORT ?= 8002
 MIMI_WEIGHTS ?=
 # A model repository to serve as it is (default: export and render the local python-ort one).
 MODEL_REPOSITORY ?=
+# N >= 1: `make serve` runs N tritonserver replicas behind nginx on HTTP_PORT / GRPC_PORT, each stream
+# kept on one replica (code2wav-server serve-replicas; needs nginx). Replica i listens on 8100+10i..8102+10i.
+REPLICAS ?=
 # A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
@@ -37,7 +40,7 @@ export: $(STAMP)
 	$(BIN)/code2wav-export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
 serve: $(STAMP)
-	$(BIN)/code2wav-server serve --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(MODEL_REPOSITORY),--model-repository $(MODEL_REPOSITORY),)
+	$(BIN)/code2wav-server $(if $(REPLICAS),serve-replicas --replicas $(REPLICAS),serve --metrics-port $(METRICS_PORT)) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(MODEL_REPOSITORY),--model-repository $(MODEL_REPOSITORY),)
 
 bench: $(STAMP)
 	$(BIN)/code2wav-server bench $(if $(URL),--url $(URL),)

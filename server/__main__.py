@@ -1,11 +1,12 @@
 """Command line of the server side (`code2wav-server`, or `python -m mimi_code2wav.server`).
 
     code2wav-server serve   [--model-repository DIR] [--weights PATH | --random-init] [--http-port 8000] ...
+    code2wav-server serve-replicas [--replicas 2] [--restart] [--grpc-port 8001] ...   (needs nginx)
     code2wav-server verify  [--url 127.0.0.1:8001] [--weights PATH | --random-init] [--streams 2] ...
     code2wav-server bench   [--url HOST:PORT] [--streams 1,2,4,8] [--frames 64] ...
     code2wav-server memory  [--streams 16,32,64] [--idle-timeout-s 4] ...
 
-Argument parsing only: each command is a module of this package (`serve`, `verify`, `bench`) with
+Argument parsing only: each command is a module of this package (`serve`, `replicas`, `verify`, `bench`) with
 `add_arguments(parser)` and `run(args) -> exit code`.
 """
 
@@ -14,10 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, memory, serve, verify
+from . import bench, memory, replicas, serve, verify
 
 COMMANDS = {
     "serve": (serve, "run the local tritonserver in the foreground (Ctrl-C or SIGTERM stops it)"),
+    "serve-replicas": (replicas, "N tritonserver replicas behind nginx, every stream kept on one replica"),
     "verify": (verify, "check a running server against a streaming reference decode of the same weights"),
     "bench": (bench, "sweep concurrent streams with the streaming client and perf_analyzer"),
     "memory": (memory, "the server's memory against live streams and after they expire"),

@@ -1,4 +1,5 @@
-"""docker-compose.yml, docker/export.Dockerfile and docker/export-entrypoint.sh: what breaks in practice.
+"""docker-compose.yml, docker/export.Dockerfile, docker/export-entrypoint.sh and the `scale` profile's
+nginx config (docker/nginx/compose.conf): what breaks in practice.
 
 No container can run here (no docker engine, no NGC images), so the compose file is checked
 structurally as a user's `docker compose` would interpolate it with no variables set, validated by
@@ -28,13 +29,19 @@ DOCKERIGNORE = REPO_ROOT / "docker" / "export.Dockerfile.dockerignore"
 ENTRYPOINT = REPO_ROOT / "docker" / "export-entrypoint.sh"
 CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
+PROXY_CONFIG = REPO_ROOT / "docker" / "nginx" / "compose.conf"
 
 # NGC release -> the tritonserver (and SDK: perf_analyzer, tritonclient) version it carries.
 NGC_TRITON_VERSIONS = {"24.10": "2.51.0"}
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
 SDK_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3-sdk"
 
-GPU_SERVICES = ("triton", "tensorrt-plan", "triton-tensorrt")
+# The `scale` profile: replicas of the GPU server behind triton-proxy (nginx, stream affinity).
+REPLICAS = ("triton-replica-0", "triton-replica-1", "triton-replica-2")
+PROXY = "triton-proxy"
+# nginx 1.27.3 is the first open-source release with `server ... resolve` in an upstream.
+PROXY_MIN_NGINX = (1, 27, 3)
+GPU_SERVICES = ("triton", "tensorrt-plan", "triton-tensorrt", *REPLICAS)
 SERVERS = ("triton", "triton-cpu", "triton-tensorrt")
 PROFILES = {
     "export": None,
@@ -44,10 +51,13 @@ PROFILES = {
     "tensorrt-render": ["tensorrt"],
     "triton-tensorrt": ["tensorrt"],
     "perf": ["bench"],
+    **{replica: ["scale"] for replica in REPLICAS},
+    PROXY: ["scale"],
 }
 # (server, the one-shot service that writes its repository, that service's variable naming the folder)
 REPOSITORY_WRITERS = (
     ("triton", "export", "MODELS_DIR"),
+    *((replica, "export", "MODELS_DIR") for replica in REPLICAS),
     ("triton-cpu", "export", "MODELS_CPU_DIR"),
     ("triton-tensorrt", "tensorrt-render", "MODELS_DIR"),
 )
@@ -58,6 +68,7 @@ COMPLETION_DEPENDENCIES = {
     "tensorrt-plan": "export",
     "tensorrt-render": "tensorrt-plan",
     "triton-tensorrt": "tensorrt-render",
+    **{replica: "export" for replica in REPLICAS},
 }
 INSTALL_AT_START = re.compile(r"\b(pip3?|uv|conda|apt-get|apt|apk|git|wget)\b|curl\s|pip install|git clone")
 
@@ -301,6 +312,95 @@ def test_entrypoint_script_installs_nothing():
     assert not INSTALL_AT_START.search(code)
 
 
+# ---- the `scale` profile: replicas behind nginx ------------------------------------------------------
+
+def dependency_closure(services: dict, name: str) -> set[str]:
+    """`name` and every service `docker compose up name` starts with it."""
+    pending, needed = [name], set()
+    while pending:
+        current = pending.pop()
+        needed.add(current)
+        pending += [dep for dep in services[current].get("depends_on", {}) if dep not in needed]
+    return needed
+
+
+@pytest.mark.parametrize("name", REPLICAS)
+def test_replicas_are_the_gpu_server_without_published_ports(services, name):
+    """Each replica runs exactly what `triton` runs, reachable only through the proxy."""
+    replica, triton = services[name], services["triton"]
+    assert not replica.get("ports"), f"{name} publishes ports: clients must go through {PROXY}"
+    for key in ("image", "entrypoint", "command", "volumes", "healthcheck", "shm_size", "ulimits",
+                "stop_grace_period", "restart", "deploy"):
+        assert replica[key] == triton[key], f"{name}: {key} differs from the triton service's"
+    assert "networks" not in replica, f"{name} must not answer to another service's name"
+
+
+def test_scale_profile_starts_the_proxy_replicas_and_export_only(services):
+    """`--profile scale up triton-proxy` must not start `triton`, which publishes the same host ports."""
+    assert dependency_closure(services, PROXY) == {PROXY, "export", *REPLICAS}
+    depends_on = services[PROXY]["depends_on"]
+    assert depends_on == {replica: {"condition": "service_healthy"} for replica in REPLICAS}
+
+
+def test_proxy_service(services):
+    proxy = services[PROXY]
+    repository, _, tag = proxy["image"].rpartition(":")
+    assert repository == "nginx", proxy["image"]
+    version = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)\.(\d+)", tag).groups())
+    assert version >= PROXY_MIN_NGINX, f"{proxy['image']}: compose.conf re-resolves replicas (`resolve`), nginx >= 1.27.3"
+    # The proxy takes the single server's host ports (and variables): clients do not change.
+    assert proxy["ports"] == ["127.0.0.1:8000:8000", "127.0.0.1:8001:8001"]
+    text = COMPOSE_FILE.read_text()
+    assert '"127.0.0.1:${TRITON_HTTP_PORT:-8000}:8000"' in text and '"127.0.0.1:${TRITON_GRPC_PORT:-8001}:8001"' in text
+    assert volume_mounts(proxy) == {"/etc/nginx/nginx.conf": ("./docker/nginx/compose.conf", True)}
+    test = proxy["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "curl", "-fsS"] and test[-1] == "http://localhost:8000/v2/health/ready", test
+    # The image stops nginx with SIGQUIT (graceful), which compose.conf bounds with worker_shutdown_timeout.
+    shutdown_s = int(re.search(r"^worker_shutdown_timeout (\d+)s;$", PROXY_CONFIG.read_text(), re.M).group(1))
+    assert int(re.fullmatch(r"(\d+)s", proxy["stop_grace_period"]).group(1)) > shutdown_s
+    # perf (and anything else on the compose network) reaches the proxy as `triton`.
+    assert proxy["networks"]["default"]["aliases"] == ["triton"]
+    assert "deploy" not in proxy, "the proxy needs no GPU"
+
+
+def upstream_servers(config: str, upstream: str) -> list[str]:
+    block = re.search(r"^    upstream " + upstream + r" \{\n(.*?)^    \}", config, re.M | re.S)
+    assert block, f"no upstream {upstream} in {PROXY_CONFIG}"
+    body = block.group(1)
+    assert re.search(r"^        hash \$code2wav_stream_key consistent;$", body, re.M), f"{upstream}: no consistent hash on the stream key"
+    assert re.search(r"^        zone \w+ \d+k;$", body, re.M), f"{upstream}: `resolve` needs a shared-memory zone"
+    return re.findall(r"^        server (\S+) resolve max_fails=\d+ fail_timeout=\d+s;$", body, re.M)
+
+
+def test_proxy_config_hashes_streams_over_each_replica_by_name(services):
+    """One `server` per replica service, by its own name: nginx places a server on the hash ring by
+    that name, so the addresses of one name (`--scale`) would share a place and take its streams
+    round-robin."""
+    config = PROXY_CONFIG.read_text()
+    replicas = sorted(name for name in services if name.startswith("triton-replica-"))
+    assert replicas == sorted(REPLICAS)
+    assert upstream_servers(config, "code2wav_grpc") == [f"{replica}:8001" for replica in replicas]
+    assert upstream_servers(config, "code2wav_http") == [f"{replica}:8000" for replica in replicas]
+    # The stream key: the `code2wav-stream` metadata, one fixed key when it is missing (an empty key
+    # would be balanced round-robin by nginx).
+    assert re.search(r'map \$http_code2wav_stream \$code2wav_stream_key \{\n\s+""\s+"[^"]+";\n\s+default \$http_code2wav_stream;', config)
+    assert "resolver 127.0.0.11 " in config, "Docker's embedded DNS re-resolves the replicas"
+    assert re.search(r"^        listen 8001;\n        http2 on;$", config, re.M)
+    assert re.search(r"^        listen 8000;$", config, re.M)
+    assert re.search(r"^            grpc_pass grpc://code2wav_grpc;$", config, re.M)
+    assert re.search(r"^            grpc_next_upstream error timeout;$", config, re.M)
+    assert "daemon off;" not in config, "the image's command sets it; a second one fails nginx's start"
+
+
+def test_proxy_config_is_the_rendering_of_its_template():
+    from mimi_code2wav.server.nginx import compose_config
+
+    assert PROXY_CONFIG.read_text() == compose_config(len(REPLICAS)), (
+        f"{PROXY_CONFIG} is out of date with docker/nginx/code2wav-proxy.conf.tmpl: rewrite it with "
+        f"`code2wav-server serve-replicas --replicas {len(REPLICAS)} --print-compose-config > docker/nginx/compose.conf`"
+    )
+
+
 def test_perf_service_runs_perf_sh_against_the_server(services):
     perf = services["perf"]
     args = command_args(perf)
@@ -500,7 +600,7 @@ def rendered_pool_args(export_dir: Path, streams: int, max_batch_size: int) -> l
     return [f"--cuda-memory-pool-byte-size=0:{cuda}", f"--pinned-memory-pool-byte-size={pinned}"]
 
 
-@pytest.mark.parametrize("name", ("triton", "triton-tensorrt"))
+@pytest.mark.parametrize("name", ("triton", "triton-tensorrt", *REPLICAS))
 def test_gpu_servers_take_the_rendered_memory_pools(services, name, tmp_path):
     """The GPU servers start through a shell that appends the flags of /models/tritonserver.args
     (rendered by the export) to their command, after the NGC image's own entrypoint."""

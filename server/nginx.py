@@ -1,0 +1,426 @@
+"""nginx as the gRPC and HTTP proxy in front of tritonserver replicas, with stream affinity.
+
+A stream's decoder state lives in one replica, so every request of a stream must reach the same
+replica. Clients send a per-stream key as the gRPC metadata (HTTP/2 header) `code2wav-stream` on every
+request; nginx hashes it consistently over the replicas (`hash ... consistent`), marks a replica that
+refuses or drops connections as failed for a while (passive health checks) and sends that replica's
+keys to the next one meanwhile. The policy and the reasons for each setting are in the template,
+`docker/nginx/code2wav-proxy.conf.tmpl`, rendered here for two targets:
+
+- `local_config`: the proxy that `code2wav-server serve-replicas` runs on loopback, every file (pid,
+  logs, temporary folders) inside its own folder, in the foreground (`daemon off`);
+- `compose_config`: `docker/nginx/compose.conf`, the file the compose `scale` profile mounts (a test
+  keeps it equal to a fresh rendering).
+
+`NginxProxy` runs one nginx (master and workers) in its own process group: it checks the config with
+`nginx -t` first, waits until both ports accept connections while checking that nginx is alive, and
+stops only what it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import grp
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import time
+from pathlib import Path
+from typing import Sequence
+
+from .triton import LOCALHOST, ServerError, _parent_death_signal, free_ports
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = REPO_ROOT / "docker" / "nginx" / "code2wav-proxy.conf.tmpl"
+COMPOSE_CONFIG = REPO_ROOT / "docker" / "nginx" / "compose.conf"
+# The gRPC metadata key that names a stream (nginx sees it as $http_code2wav_stream).
+STREAM_KEY_HEADER = "code2wav-stream"
+# Where nginx is commonly installed; /usr/sbin is not on a normal user's PATH on Debian.
+_SEARCH_DIRS = ("/usr/sbin", "/usr/local/sbin", "/usr/local/nginx/sbin", "/sbin")
+# Oldest nginx whose directives the template uses (`keepalive_timeout` in an upstream block).
+MIN_VERSION = (1, 15, 3)
+# `-e` (the error log before the config is read) appeared in 1.19.5; `http2 on;` replaced
+# `listen ... http2` in 1.25.1.
+_ERROR_LOG_FLAG_VERSION = (1, 19, 5)
+_HTTP2_DIRECTIVE_VERSION = (1, 25, 1)
+
+# Passive health checks (see the template). max_fails > 1 so that one stray failure does not move
+# every stream of a healthy replica; a dead replica still costs nothing, since a request that finds
+# it refusing connections is retried on the next replica at once.
+DEFAULT_MAX_FAILS = 3
+# How long a failed replica takes no requests before one probes it, hence also about how long a
+# restarted replica waits before its keys come back to it.
+DEFAULT_FAIL_TIMEOUT_S = 5
+
+# The compose `scale` profile: replica services triton-replica-0 .. -2, each a name of its own.
+COMPOSE_REPLICAS = 3
+COMPOSE_REPLICA_SERVICE = "triton-replica-{index}"
+
+
+class NginxError(ServerError):
+    """nginx is missing, too old, rejects its config, or did not start."""
+
+
+class _ConfigTemplate(string.Template):
+    """`{{name}}` placeholders, since nginx itself writes its variables `$name`."""
+
+    delimiter = "{{"
+    pattern = r"\{\{(?:(?P<escaped>(?!))|(?P<named>[a-z_]+)\}\}|(?P<braced>(?!))|(?P<invalid>))"
+
+
+@dataclasses.dataclass(frozen=True)
+class NginxInstall:
+    binary: Path
+    version: tuple[int, int, int]
+
+    @property
+    def version_text(self) -> str:
+        return ".".join(map(str, self.version))
+
+
+def find_nginx(binary: Path | str | None = None) -> NginxInstall:
+    """The nginx to run: `binary`, else `nginx` on PATH or in the usual sbin folders. Raises
+    NginxError saying how to install it when there is none, or when it is too old or lacks the gRPC
+    proxy or the hash balancer."""
+    if binary is not None:
+        found = shutil.which(str(binary))
+        if found is None:
+            raise NginxError(f"nginx binary {binary} does not exist or is not executable")
+    else:
+        search = os.pathsep.join([os.environ.get("PATH", ""), *_SEARCH_DIRS])
+        found = shutil.which("nginx", path=search)
+        if found is None:
+            raise NginxError(
+                "nginx is not installed: the replicas need it as their gRPC proxy. Install it "
+                "(Debian/Ubuntu: `sudo apt-get install nginx`; any nginx >= "
+                f"{'.'.join(map(str, MIN_VERSION))} with the gRPC module, which distributions build in) "
+                "or pass its path with --nginx"
+            )
+    result = subprocess.run([found, "-V"], capture_output=True, text=True, timeout=30)
+    described = result.stderr + result.stdout
+    match = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", described)
+    if result.returncode != 0 or match is None:
+        raise NginxError(f"{found} -V failed or printed no version: {described.strip()}")
+    version = tuple(int(part) for part in match.groups())
+    if version < MIN_VERSION:
+        raise NginxError(
+            f"{found} is nginx {'.'.join(map(str, version))}; the proxy needs "
+            f"{'.'.join(map(str, MIN_VERSION))} or newer"
+        )
+    for module in ("http_grpc_module", "http_upstream_hash_module", "http_map_module"):
+        if f"--without-{module}" in described:
+            raise NginxError(f"{found} was built without {module}, which the proxy needs")
+    if "--with-http_v2_module" not in described:
+        raise NginxError(f"{found} was built without http_v2_module: it cannot serve gRPC")
+    return NginxInstall(Path(found), version)
+
+
+def _server_lines(addresses: Sequence[str], max_fails: int, fail_timeout_s: int, resolve: bool) -> str:
+    options = f"max_fails={max_fails} fail_timeout={fail_timeout_s}s"
+    if resolve:
+        options = "resolve " + options
+    return "\n".join(f"        server {address} {options};" for address in addresses)
+
+
+def _listen_lines(address: str, http2: bool, http2_directive: bool) -> str:
+    if not http2:
+        return f"        listen {address};"
+    if http2_directive:
+        return f"        listen {address};\n        http2 on;"
+    return f"        listen {address} http2;"
+
+
+def _render(
+    *,
+    target: str,
+    main_directives: Sequence[str],
+    http_directives: Sequence[str],
+    access_log: str,
+    grpc_listen: str,
+    http_listen: str,
+    grpc_servers: Sequence[str],
+    http_servers: Sequence[str],
+    max_fails: int,
+    fail_timeout_s: int,
+    resolve: bool,
+    http2_directive: bool,
+) -> str:
+    if len(grpc_servers) != len(http_servers) or not grpc_servers:
+        raise ValueError("one gRPC and one HTTP address per replica, at least one replica")
+    if max_fails < 1 or fail_timeout_s < 1:
+        raise ValueError(f"max_fails ({max_fails}) and fail_timeout_s ({fail_timeout_s}) must be >= 1")
+    return _ConfigTemplate(TEMPLATE.read_text()).substitute(
+        target=target,
+        main_directives="\n".join(main_directives),
+        http_directives="\n".join(f"    {line}" for line in http_directives),
+        access_log=f"    access_log {access_log} code2wav_proxy;",
+        grpc_listen=_listen_lines(grpc_listen, True, http2_directive),
+        http_listen=_listen_lines(http_listen, False, http2_directive),
+        grpc_servers=_server_lines(grpc_servers, max_fails, fail_timeout_s, resolve),
+        http_servers=_server_lines(http_servers, max_fails, fail_timeout_s, resolve),
+    )
+
+
+def _worker_user() -> str | None:
+    """The `user` directive's value when nginx starts as root (workers drop to it), else None: a
+    non-root nginx cannot switch users and its workers run as the caller."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        nobody = pwd.getpwnam("nobody")
+        return f"nobody {grp.getgrgid(nobody.pw_gid).gr_name}"
+    except KeyError:  # no such account here: workers keep root, as the launcher has
+        return "root root"
+
+
+def local_config(
+    prefix: Path,
+    *,
+    grpc_listen: str,
+    http_listen: str,
+    grpc_servers: Sequence[str],
+    http_servers: Sequence[str],
+    version: tuple[int, int, int],
+    max_fails: int = DEFAULT_MAX_FAILS,
+    fail_timeout_s: int = DEFAULT_FAIL_TIMEOUT_S,
+) -> str:
+    """nginx.conf for a foreground nginx on this machine whose every file is under `prefix`
+    (absolute): nginx.pid, error.log, access.log and the temporary folders."""
+    prefix = Path(prefix).resolve()
+    main = ["daemon off;", "master_process on;", "worker_processes 1;", f"pid {prefix / 'nginx.pid'};",
+            f"error_log {prefix / 'error.log'} warn;"]
+    user = _worker_user()
+    if user is not None:
+        main.insert(0, f"user {user};")
+    http = [f"{kind}_temp_path {prefix / (kind + '_temp')};"
+            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")]
+    return _render(
+        target=f"local, {len(grpc_servers)} replicas",
+        main_directives=main,
+        http_directives=http,
+        access_log=str(prefix / "access.log"),
+        grpc_listen=grpc_listen,
+        http_listen=http_listen,
+        grpc_servers=grpc_servers,
+        http_servers=http_servers,
+        max_fails=max_fails,
+        fail_timeout_s=fail_timeout_s,
+        resolve=False,
+        http2_directive=version >= _HTTP2_DIRECTIVE_VERSION,
+    )
+
+
+def compose_config(replicas: int = COMPOSE_REPLICAS) -> str:
+    """docker/nginx/compose.conf: the proxy of the compose `scale` profile (nginx >= 1.27.3 image).
+
+    Each replica is a service of its own name, re-resolved through Docker's DNS (`resolve`), because
+    nginx's consistent hash places a `server` on its ring by the name written here: the addresses of
+    one name (`docker compose --scale`) would share one place and take its keys round-robin, which
+    breaks affinity. `resolve` lets a recreated replica come back under a new address.
+    """
+    names = [COMPOSE_REPLICA_SERVICE.format(index=index) for index in range(replicas)]
+    return _render(
+        target=f"docker compose `scale` profile, {replicas} replicas",
+        main_directives=["user nginx;", "worker_processes auto;", "pid /var/run/nginx.pid;",
+                         "error_log /dev/stderr warn;"],
+        # Docker's embedded DNS; `valid` bounds how long a replica's old address is used.
+        http_directives=["resolver 127.0.0.11 valid=5s ipv6=off;"],
+        access_log="/dev/stdout",
+        grpc_listen="8001",
+        http_listen="8000",
+        grpc_servers=[f"{name}:8001" for name in names],
+        http_servers=[f"{name}:8000" for name in names],
+        max_fails=DEFAULT_MAX_FAILS,
+        fail_timeout_s=DEFAULT_FAIL_TIMEOUT_S,
+        resolve=True,
+        http2_directive=True,
+    )
+
+
+def _accepts(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _file_tail(path: Path, lines: int = 30) -> str:
+    try:
+        kept = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return f"({path} unreadable)"
+    return "\n".join(kept[-lines:]) if kept else f"({path} is empty)"
+
+
+class NginxProxy:
+    """One nginx on `host` serving gRPC on `grpc_port` and HTTP on `http_port`, in front of the
+    replicas at `grpc_servers` / `http_servers` ("host:port", one of each per replica, same order).
+
+    Its files live in `prefix`: nginx.conf, nginx.pid, error.log, access.log (one line per request:
+    stream key, replica, statuses) and the temporary folders. Ports of 0 are picked free at start.
+    """
+
+    def __init__(
+        self,
+        prefix: Path | str,
+        *,
+        grpc_servers: Sequence[str],
+        http_servers: Sequence[str],
+        grpc_port: int = 8001,
+        http_port: int = 8000,
+        host: str = LOCALHOST,
+        max_fails: int = DEFAULT_MAX_FAILS,
+        fail_timeout_s: int = DEFAULT_FAIL_TIMEOUT_S,
+        binary: Path | str | None = None,
+    ):
+        self.prefix = Path(prefix).resolve()
+        self.grpc_servers = list(grpc_servers)
+        self.http_servers = list(http_servers)
+        self.grpc_port = grpc_port or None
+        self.http_port = http_port or None
+        self.host = host
+        self.max_fails = max_fails
+        self.fail_timeout_s = fail_timeout_s
+        self.binary = binary
+        self.install: NginxInstall | None = None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def conf_path(self) -> Path:
+        return self.prefix / "nginx.conf"
+
+    @property
+    def error_log(self) -> Path:
+        return self.prefix / "error.log"
+
+    @property
+    def access_log(self) -> Path:
+        return self.prefix / "access.log"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def _command(self, *extra: str) -> list[str]:
+        cmd = [str(self.install.binary), "-p", f"{self.prefix}/", "-c", str(self.conf_path)]
+        if self.install.version >= _ERROR_LOG_FLAG_VERSION:
+            # Before reading the config nginx opens its compiled-in error log, which a non-root
+            # user cannot write.
+            cmd += ["-e", str(self.error_log)]
+        return cmd + list(extra)
+
+    def write_config(self) -> Path:
+        """Find nginx, pick free ports where asked, write nginx.conf and check it with `nginx -t`."""
+        self.install = find_nginx(self.binary)
+        picked = iter(free_ports(sum(port is None for port in (self.grpc_port, self.http_port)), self.host))
+        self.grpc_port = self.grpc_port or next(picked)
+        self.http_port = self.http_port or next(picked)
+        self.prefix.mkdir(parents=True, exist_ok=True)
+        self.conf_path.write_text(local_config(
+            self.prefix,
+            grpc_listen=f"{self.host}:{self.grpc_port}",
+            http_listen=f"{self.host}:{self.http_port}",
+            grpc_servers=self.grpc_servers,
+            http_servers=self.http_servers,
+            version=self.install.version,
+            max_fails=self.max_fails,
+            fail_timeout_s=self.fail_timeout_s,
+        ))
+        check = subprocess.run(self._command("-t", "-q"), capture_output=True, text=True, timeout=30)
+        if check.returncode != 0:
+            raise NginxError(
+                f"nginx -t rejected {self.conf_path}:\n{(check.stderr + check.stdout).strip()}"
+            )
+        return self.conf_path
+
+    def start(self) -> None:
+        """Write and check the config, then launch nginx (returns at once; see `wait_ready`)."""
+        if self.process is not None:
+            raise NginxError("this NginxProxy was already started")
+        self.write_config()
+        with open(self.prefix / "stderr.log", "wb") as stderr:
+            self.process = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                # Own process group: stop() can end master and workers and nothing else.
+                start_new_session=True,
+                # If this process dies without stop(), the master gets SIGTERM and takes its
+                # workers down.
+                preexec_fn=_parent_death_signal(),
+            )
+
+    def wait_ready(self, timeout_s: float = 10.0, poll_s: float = 0.05) -> None:
+        """Wait until both ports accept connections; NginxError with the error log if nginx exits or
+        does not listen within `timeout_s`."""
+        if self.process is None:
+            raise NginxError("wait_ready() before start()")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise NginxError(
+                    f"nginx exited with code {code} before listening (error log {self.error_log}):\n"
+                    f"{_file_tail(self.error_log)}\n{_file_tail(self.prefix / 'stderr.log')}"
+                )
+            if _accepts(self.host, self.grpc_port) and _accepts(self.host, self.http_port):
+                return
+            if time.monotonic() >= deadline:
+                raise NginxError(
+                    f"nginx did not listen on {self.grpc_url} and {self.http_url} within {timeout_s:.0f} s "
+                    f"(error log {self.error_log}):\n{_file_tail(self.error_log)}"
+                )
+            time.sleep(poll_s)
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.process.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the master (nginx's fast shutdown: open streams are closed), SIGKILL the process
+        group after `grace_s`, and wait until no worker is left. Idempotent; returns the master's exit
+        code (None if never started)."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        # A master killed outright leaves its workers running: end the whole group.
+        deadline = time.monotonic() + 5.0
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._group_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while self._group_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return self.process.returncode
