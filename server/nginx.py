@@ -34,13 +34,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+# The gRPC metadata key that names a stream (nginx sees it as $http_code2wav_stream), as clients send it.
+from mimi_code2wav.client.stream import STREAM_KEY_HEADER  # noqa: F401 (re-exported for the server side)
+
 from .triton import LOCALHOST, ServerError, _parent_death_signal, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_ROOT / "docker" / "nginx" / "code2wav-proxy.conf.tmpl"
 COMPOSE_CONFIG = REPO_ROOT / "docker" / "nginx" / "compose.conf"
-# The gRPC metadata key that names a stream (nginx sees it as $http_code2wav_stream).
-STREAM_KEY_HEADER = "code2wav-stream"
 # Where nginx is commonly installed; /usr/sbin is not on a normal user's PATH on Debian.
 _SEARCH_DIRS = ("/usr/sbin", "/usr/local/sbin", "/usr/local/nginx/sbin", "/sbin")
 # Oldest nginx whose directives the template uses (`keepalive_timeout` in an upstream block).

@@ -41,6 +41,12 @@ NOT_RUN = {
                                              "(test_export.py::test_gpu_benchmark_without_cuda_exits_clearly)",
     "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
                   "client/perf.sh on generated inputs against a real server",
+    "make serve REPLICAS=3": "a foreground proxy and 3 servers on fixed ports; test_replicas.py runs the same "
+                             "command (serve-replicas) on free ports and ReplicaSet behind it",
+    "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile scale up --build triton-proxy":
+        "no Docker engine here; test_compose.py checks the scale profile's structure",
+    "kubectl apply -f deploy/kubernetes/code2wav-triton.yaml -f deploy/kubernetes/gateway-envoy.yaml":
+        "no cluster here; test_replicas.py checks the manifests' structure and routing policy",
     "make bench-memory": "a minute of a full server and 64 streams; test_serving.py's memory test runs the same "
                          "measurement (server.memory) at 32 streams and asserts its bounds",
     ".venv/bin/code2wav-export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "

@@ -1,0 +1,222 @@
+"""Streams that survive a replica's death: the real code2wav and python-ort decoder on 3 replicas
+behind nginx (`server.replicas.ReplicaSet`), resumable clients (`client.stream.ResumableStream`)
+sending every request with their stream key.
+
+One module-scoped replica set serves both tests, in order: a replica is SIGKILLed mid-stream, then
+restarted under the same address. References are each stream's solo decode by the same ONNX step in
+this process (docs/design.md §2.3 says how close "equal" is).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mimi_code2wav.client.stream import STREAM_KEY_HEADER, ResumableStream, StreamOptions
+from mimi_code2wav.export.reference import snr_db
+from mimi_code2wav.server.nginx import NginxError, find_nginx
+from mimi_code2wav.server.replicas import ReplicaSet
+
+from mimi_fixtures import assert_equal_audio, ort_session
+
+pytestmark = pytest.mark.server
+
+SAMPLES_PER_FRAME = 1920
+STREAMS = 6
+# The kill comes once every stream has decoded KILL_AT frames, more than the 250 frames of history a
+# resume replays (so the rebuilt state is not exact), and each stream then decodes AFTER_KILL more.
+KILL_AT = 270
+AFTER_KILL = 30
+AFTER_RESTART = 20
+CHUNK_FRAMES = 10
+HISTORY_FRAMES = 250
+# The resumed audio against the solo decode. Measured for R = 250 (README, resume table): >= 86.6 dB
+# over the first second after the resume, >= 93.5 dB over ten seconds; the bar leaves room for other
+# codes.
+RESUMED_MIN_SNR_DB = 75.0
+FAIL_TIMEOUT_S = 2
+
+
+@pytest.fixture(scope="module")
+def replica_set(served_repository, tmp_path_factory):
+    try:
+        find_nginx()
+    except NginxError as error:
+        pytest.skip(f"needs nginx, which is not usable here: {error}")
+    replicas = ReplicaSet(served_repository, 3, run_dir=tmp_path_factory.mktemp("failover"), grpc_port=0,
+                          http_port=0, replica_base_port=None, fail_timeout_s=FAIL_TIMEOUT_S)
+    try:
+        replicas.start(ready_timeout_s=180)
+        yield replicas
+    finally:
+        replicas.stop()
+
+
+@pytest.fixture(scope="module")
+def streams():
+    rng = np.random.default_rng(2026)
+    total = KILL_AT + AFTER_KILL + AFTER_RESTART
+    return {f"call-{n}": rng.integers(0, 2048, (8, total)) for n in range(STREAMS)}
+
+
+@pytest.fixture(scope="module")
+def solo(onnx_fp32, streams):
+    """Each stream decoded alone by the ONNX step in this process, 16 frames per call."""
+    session = ort_session(onnx_fp32)
+    inputs = session.get_inputs()
+    names = [arg.name for arg in inputs]
+    codes = np.stack(list(streams.values())).astype(np.int32)
+    state = [np.zeros([codes.shape[0], *arg.shape[1:]], np.int32 if "int32" in arg.type else np.float32)
+             for arg in inputs[1:]]
+    pcm = []
+    for first in range(0, codes.shape[2], 16):
+        out = session.run(None, dict(zip(names, [codes[:, :, first : first + 16], *state])))
+        pcm.append(out[0])
+        state = out[1:]
+    pcm = np.concatenate(pcm, axis=1)
+    return {key: pcm[i] for i, key in enumerate(streams)}
+
+
+_LOG_LINE = re.compile(r'^\S+ (?P<msec>[0-9.]+) stream="(?P<key>[^"]*)" upstream="(?P<upstream>[^"]*)" ')
+
+
+def _access_log(replica_set: ReplicaSet) -> list[tuple[float, str, list[str]]]:
+    """nginx's access log: (time, stream key, replicas tried in order) per request."""
+    entries = []
+    for line in replica_set.proxy.access_log.read_text().splitlines():
+        match = _LOG_LINE.match(line)
+        if match and match["key"]:
+            entries.append((float(match["msec"]), match["key"], match["upstream"].split(", ")))
+    return entries
+
+
+def _served_by(replica_set: ReplicaSet) -> dict[str, set[str]]:
+    """Stream key -> the replicas (gRPC addresses) that answered its requests."""
+    served: dict[str, set[str]] = {}
+    for _, key, tried in _access_log(replica_set):
+        served.setdefault(key, set()).add(tried[-1])
+    return served
+
+
+def _decode(stream: ResumableStream, codes: np.ndarray, first: int, stop: int, end: bool = False) -> np.ndarray:
+    chunks = []
+    for start in range(first, stop, CHUNK_FRAMES):
+        last = min(start + CHUNK_FRAMES, stop)
+        chunks.append(stream.decode(codes[:, start:last], end=end and last == stop))
+    return np.concatenate(chunks)
+
+
+def _in_threads(work: dict[str, callable]) -> dict[str, object]:
+    results, errors = {}, {}
+
+    def run(key, job):
+        try:
+            results[key] = job()
+        except BaseException as error:  # reported below, per stream
+            errors[key] = error
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in work.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not any(thread.is_alive() for thread in threads), "a stream never finished"
+    assert not errors, errors
+    return results
+
+
+@pytest.fixture(scope="module")
+def clients(replica_set, streams):
+    options = StreamOptions(resume_history_frames=HISTORY_FRAMES, resume_timeout_s=30.0)
+    opened = {key: ResumableStream(replica_set.proxy_grpc_url, options, sequence_id=1000 + n, stream_key=key)
+              for n, key in enumerate(streams)}
+    yield opened
+    for stream in opened.values():
+        stream.close()
+
+
+def test_a_killed_replicas_streams_resume_elsewhere_and_the_others_never_notice(
+        replica_set, streams, solo, clients, record_property):
+    """6 streams of 300 frames through the proxy, each pinned to one replica by its key; SIGKILL
+    the replica holding the most at frame 270: every stream completes with the exact sample count,
+    the others equal their solo decode, the resumed ones equal it up to the resume and meet the
+    resume table's SNR after it; the proxy sends nothing more to the dead replica."""
+    before = _in_threads({key: (lambda key=key: _decode(clients[key], streams[key], 0, KILL_AT)) for key in streams})
+    served = _served_by(replica_set)
+    assert all(len(served[key]) == 1 for key in streams), served
+    placement = {key: next(iter(served[key])) for key in streams}
+    assert len(set(placement.values())) > 1, f"every stream hashed to one replica: {placement}"
+    by_replica = {replica.grpc_url: replica.index for replica in replica_set.replicas}
+    victim_url = max(set(placement.values()), key=lambda url: list(placement.values()).count(url))
+    victims = [key for key in streams if placement[key] == victim_url]
+
+    replica_set.kill(by_replica[victim_url])
+    killed_wall = time.time()
+    after = _in_threads({key: (lambda key=key: _decode(clients[key], streams[key], KILL_AT, KILL_AT + AFTER_KILL))
+                         for key in streams})
+
+    stalls = []
+    for key in streams:
+        pcm = np.concatenate([before[key], after[key]])
+        assert pcm.shape == ((KILL_AT + AFTER_KILL) * SAMPLES_PER_FRAME,), key
+        reference = solo[key][: pcm.size]
+        resumes = clients[key].resumes
+        if key not in victims:
+            assert not resumes, (key, [r.describe() for r in resumes])
+            assert_equal_audio(pcm, reference, what=f"{key} (on a live replica)")
+            continue
+        assert [r.frame for r in resumes] == [KILL_AT] and resumes[0].history_frames == HISTORY_FRAMES, \
+            [r.describe() for r in resumes]
+        cut = KILL_AT * SAMPLES_PER_FRAME
+        assert_equal_audio(pcm[:cut], reference[:cut], what=f"{key} before the kill")
+        first_second = slice(cut, cut + 13 * SAMPLES_PER_FRAME)
+        snr_first, snr_all = snr_db(pcm[first_second], reference[first_second]), snr_db(pcm[cut:], reference[cut:])
+        assert min(snr_first, snr_all) >= RESUMED_MIN_SNR_DB, (key, snr_first, snr_all)
+        stalls.append(resumes[0].stall_s)
+        print(f"{key}: {resumes[0].describe()}; SNR after the resume {snr_first:.1f} dB (1 s), {snr_all:.1f} dB (2.4 s)")
+
+    # nginx took the dead replica out: nothing after the kill was answered by it.
+    late = [tried for when, _, tried in _access_log(replica_set) if when > killed_wall + 0.05]
+    assert late and all(tried[-1] != victim_url for tried in late), late
+    summary = (f"SIGKILL of replica {by_replica[victim_url]} holding {len(victims)} of {STREAMS} streams at frame "
+               f"{KILL_AT}: last good response -> first resumed response {statistics.median(stalls) * 1e3:.0f} ms "
+               f"median, {max(stalls) * 1e3:.0f} ms max")
+    print(summary)
+    record_property("failover", summary)
+
+
+def test_a_restarted_replica_takes_its_streams_back_and_they_resume_again(replica_set, streams, solo, clients):
+    """The killed replica restarts under the same address: once its fail timeout has passed its keys
+    hash to it again, so the streams that moved away resume once more (on it) and every stream ends
+    with the exact sample count; a new stream of one of its keys lands on it."""
+    dead = next(replica for replica in replica_set.replicas if not replica.is_alive())
+    replica_set.restart(dead.index)
+    time.sleep(FAIL_TIMEOUT_S + 0.5)
+    first, stop = KILL_AT + AFTER_KILL, KILL_AT + AFTER_KILL + AFTER_RESTART
+    moved = {key for key, stream in clients.items() if stream.resumes}
+    last = _in_threads({key: (lambda key=key: _decode(clients[key], streams[key], first, stop, end=True))
+                        for key in streams})
+    for key in streams:
+        assert last[key].shape == (AFTER_RESTART * SAMPLES_PER_FRAME,)
+        reference = solo[key][first * SAMPLES_PER_FRAME : stop * SAMPLES_PER_FRAME]
+        if key in moved:
+            assert [r.frame for r in clients[key].resumes] == [KILL_AT, first], [r.describe() for r in clients[key].resumes]
+            assert clients[key].resumes[-1].url == replica_set.proxy_grpc_url
+            assert snr_db(last[key], reference) >= RESUMED_MIN_SNR_DB, key
+        else:
+            assert len(clients[key].resumes) == 0
+            assert_equal_audio(last[key], reference, what=f"{key} after the restart")
+    served = _served_by(replica_set)
+    assert any(dead.grpc_url in served[key] for key in moved), served
+    # A new stream of a key the restarted replica owns starts there.
+    key = sorted(moved)[0]
+    with ResumableStream(replica_set.proxy_grpc_url, StreamOptions(), sequence_id=5000, stream_key=key) as fresh:
+        pcm = fresh.decode(streams[key][:, :4], end=True)
+    assert pcm.shape == (4 * SAMPLES_PER_FRAME,) and not fresh.resumes
+    assert_equal_audio(pcm, solo[key][: pcm.size], what="a new stream on the restarted replica")
+    assert STREAM_KEY_HEADER == "code2wav-stream"
