@@ -27,7 +27,7 @@ from mimi_fixtures import assert_equal_audio, ort_session
 pytestmark = pytest.mark.server
 
 SAMPLES_PER_FRAME = 1920
-STREAMS = 6
+STREAMS = 12
 # The kill comes once every stream has decoded KILL_AT frames, more than the 250 frames of history a
 # resume replays (so the rebuilt state is not exact), and each stream then decodes AFTER_KILL more.
 KILL_AT = 270
@@ -142,7 +142,7 @@ def clients(replica_set, streams):
 
 def test_a_killed_replicas_streams_resume_elsewhere_and_the_others_never_notice(
         replica_set, streams, solo, clients, record_property):
-    """6 streams of 300 frames through the proxy, each pinned to one replica by its key; SIGKILL
+    """12 streams of 300 frames through the proxy, each pinned to one replica by its key; SIGKILL
     the replica holding the most at frame 270: every stream completes with the exact sample count,
     the others equal their solo decode, the resumed ones equal it up to the resume and meet the
     resume table's SNR after it; the proxy sends nothing more to the dead replica."""
