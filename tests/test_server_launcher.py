@@ -332,7 +332,8 @@ def test_make_serve_stops_cleanly_when_its_process_group_is_signalled_twice(tmp_
             os.killpg(make.pid, signal.SIGKILL)
             make.wait()
     assert "Traceback" not in output, output
-    assert "SIGINT: stopping tritonserver" in output, output
+    # make passes a SIGTERM on to its child too, so either signal may be the one the launcher sees first.
+    assert len(re.findall(r"^SIG(INT|TERM): stopping tritonserver$", output, re.M)) == 1, output
     assert re.search(r"tritonserver stopped in [0-9.]+ s", output), output
     assert not re.search(r"\] Error \d", output), output  # make saw the launcher exit non-zero
     assert not process_exists(server_pid) and not group_exists(server_pid)
