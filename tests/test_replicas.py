@@ -270,9 +270,12 @@ def test_local_config_routes_by_stream_key_and_passes_nginx_t(nginx_install, tmp
 
 def test_make_serve_with_replicas_runs_serve_replicas():
     def dry_run(*variables: str) -> str:
-        result = subprocess.run(["make", "-n", "serve", *variables], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        # --no-print-directory: under `make test` this make is a sub-make, which would print its directory.
+        result = subprocess.run(["make", "--no-print-directory", "-n", "serve", *variables], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
-        return result.stdout.splitlines()[-1]
+        (line,) = [line for line in result.stdout.splitlines() if "code2wav-server" in line]
+        return line
 
     assert "code2wav-server serve-replicas --replicas 3 --http-port 8000 --grpc-port 8001" in dry_run("REPLICAS=3")
     assert "code2wav-server serve --metrics-port 8002 --http-port 8000 --grpc-port 8001" in dry_run()
