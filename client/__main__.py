@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "pipeline does; concurrent streams start spread over one chunk period")
     pacing.add_argument("--unpaced", dest="paced", action="store_false",
                         help="send each stream's next chunk as soon as its previous response arrives (default)")
+    decode.add_argument("--catch-up", action="store_true",
+                        help="with --paced: one request in flight per stream, each carrying every frame produced "
+                        "since the last, so a stream the server runs behind catches up in bigger requests")
     decode.add_argument(
         "--wav-format", choices=SAMPLE_FORMATS, default="float32",
         help="float32: IEEE float WAV, samples exactly as decoded (default); int16: 16-bit PCM, samples "

@@ -59,6 +59,8 @@ def summary_table(report: RunReport, url: str) -> str:
     options = report.options
     offsets = "with frame_offset" if options.send_frame_offset else "without frame_offset"
     pacing = "paced at 80 ms/frame" if options.paced else "unpaced (one request in flight per stream)"
+    if options.catch_up:
+        pacing += ", catching up (one request in flight, every frame produced since the last)"
     rows = [
         ("server", f"{url} model '{options.model_name}'"),
         ("streams", f"{stats['streams']} x {stats['frames_per_stream']} frames ({stats['audio_s'] / stats['streams']:.2f} s audio each)"),
@@ -147,7 +149,8 @@ def decode_command(args: argparse.Namespace) -> int:
         chunk_frames=args.chunk_frames,
         mode=args.mode,
         send_frame_offset=not args.no_offsets,
-        paced=args.paced,
+        paced=args.paced or args.catch_up,
+        catch_up=args.catch_up,
         model_name=args.model,
         response_timeout_s=args.timeout,
         resume_history_frames=(DEFAULT_RESUME_HISTORY_FRAMES if args.resume_history_frames is None

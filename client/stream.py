@@ -128,6 +128,10 @@ class StreamOptions:
     mode: str = "delta"  # delta: each request holds its new frames; cumulative: the stream so far
     send_frame_offset: bool = True
     paced: bool = False
+    # Paced only: at most one request in flight per stream, each carrying every frame produced since
+    # the last one (chunk_frames then only sizes the first request): a live client that catches up
+    # with multi-frame requests when the server is slower than real time, instead of queueing.
+    catch_up: bool = False
     model_name: str = MODEL_NAME
     # A request without an answer for this long fails the run (a resumable stream resumes instead).
     response_timeout_s: float = 60.0
@@ -140,6 +144,8 @@ class StreamOptions:
             raise ClientError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.chunk_frames < 1 or self.first_chunk_frames < 1:
             raise ClientError("chunk sizes must be >= 1 frame")
+        if self.catch_up and not self.paced:
+            raise ClientError("catch_up paces requests: it needs paced=True")
         if self.resume_history_frames < 0:
             raise ClientError(f"resume_history_frames must be >= 0, got {self.resume_history_frames}")
         if not self.resume_timeout_s > 0 or not self.response_timeout_s > 0:
@@ -273,18 +279,39 @@ class _Stream:
     def __init__(self, sequence_id: int, codes: np.ndarray, options: StreamOptions, start_offset_s: float):
         self.sequence_id = sequence_id
         self.codes = codes
-        self.bounds = chunk_bounds(codes.shape[1], options.chunk_frames, options.first_chunk_frames)
+        # With catch_up the chunks are decided as the stream goes (`catch_up_chunk`).
+        self.bounds = [] if options.catch_up else chunk_bounds(codes.shape[1], options.chunk_frames,
+                                                               options.first_chunk_frames)
         self.start_offset_s = start_offset_s
         self.next_chunk = 0
         self.sent_s: dict[int, float] = {}
         self.latencies_s: list[float | None] = [None] * len(self.bounds)
         self.pcm: list[np.ndarray | None] = [None] * len(self.bounds)
         self.received = 0
+        self.frames_received = 0
         self.finished_s = 0.0
 
     @property
     def done(self) -> bool:
-        return self.received == len(self.bounds)
+        return self.frames_received == self.codes.shape[1]
+
+    def catch_up_chunk(self, now_s: float, run_start_s: float, first_chunk_frames: int) -> float | None:
+        """Catch-up pacing: with nothing in flight, add a chunk of every frame that exists and was not
+        sent (the first chunk: `first_chunk_frames`, once they exist) and return None; else return
+        when the next frame will exist (or None while a request is in flight or all was sent)."""
+        sent = self.bounds[-1][1] if self.bounds else 0
+        total = self.codes.shape[1]
+        if self.in_flight or sent == total:
+            return None
+        elapsed = now_s - run_start_s - self.start_offset_s
+        exist = min(total, int(elapsed / FRAME_DURATION_S) + 1) if elapsed >= 0 else 0
+        wanted = min(total, first_chunk_frames) if not self.bounds else sent + 1
+        if exist < wanted:
+            return run_start_s + self.start_offset_s + (wanted - 1) * FRAME_DURATION_S
+        self.bounds.append((sent, exist))
+        self.latencies_s.append(None)
+        self.pcm.append(None)
+        return None
 
     @property
     def in_flight(self) -> int:
@@ -403,6 +430,10 @@ class Code2WavStreamer:
                 now = time.perf_counter()
                 next_due = None
                 for stream in streams:
+                    if options.catch_up:
+                        due = stream.catch_up_chunk(now, run_start_s, options.first_chunk_frames)
+                        if due is not None:
+                            next_due = due if next_due is None else min(next_due, due)
                     while stream.next_chunk < len(stream.bounds):
                         if options.paced:
                             due = stream.due_s(stream.next_chunk, run_start_s)
@@ -425,6 +456,7 @@ class Code2WavStreamer:
                 stream.latencies_s[chunk] = received_s - stream.sent_s[chunk]
                 stream.pcm[chunk] = self._pcm(result, stream, chunk)
                 stream.received += 1
+                stream.frames_received += stream.bounds[chunk][1] - stream.bounds[chunk][0]
                 stream.finished_s = received_s
                 frames_done += stream.bounds[chunk][1] - stream.bounds[chunk][0]
                 if progress is not None:
@@ -461,7 +493,7 @@ class Code2WavStreamer:
             request_id=f"{stream.sequence_id}-{chunk}",
             sequence_id=stream.sequence_id,
             sequence_start=chunk == 0,
-            sequence_end=chunk == len(stream.bounds) - 1,
+            sequence_end=stop == stream.codes.shape[1],
         )
         stream.next_chunk += 1
 

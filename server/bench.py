@@ -15,7 +15,9 @@ and the sequence-batcher hop carry, which bounds what any decoder behind it can 
   perf_analyzer (client/perf.sh, `--concurrency-range N`, deltas): requests/s, frames/s, request
   p50/p99, first-chunk latency, the decoder's mean batch.
 - Paced live streams (1 frame per request, each request leaving when its frame would exist, 80 ms
-  apart) for growing N until one stream falls behind: the most streams that keep real time.
+  apart) for growing N until one stream falls behind: the most streams that keep real time; then
+  the same with catch-up (one request in flight per stream, each with every frame produced since
+  the last), what a live client does when the server runs behind.
 - Triton overhead per request: the 1-stream request p50 minus the same ONNX step run directly in
   ONNX Runtime (batch 1, F frames, in this process) when the export is at hand.
 Results go to OUT_DIR: bench.md (tables), bench.json, bench.png (latency and throughput against
@@ -137,14 +139,16 @@ def run_perf_point(args, url: str, streams: int, paced: bool, chunk_frames: int,
 
 # ---- client ----------------------------------------------------------------------------------------
 
-def run_client_point(url: str, streams: int, paced: bool, chunk_frames: int, args) -> dict:
+def run_client_point(url: str, streams: int, paced: bool, chunk_frames: int, args, catch_up: bool = False) -> dict:
     codes = [random_codes(args.frames, args.seed + i) for i in range(streams)]
-    options = StreamOptions(chunk_frames=chunk_frames, paced=paced)
+    options = StreamOptions(chunk_frames=chunk_frames, paced=paced, catch_up=catch_up)
     with Code2WavStreamer(url) as streamer:
         report = streamer.run(codes, options)
     stats = report.summary()
+    sizes = [frames for result in report.results for frames in result.chunk_frames]
     return {
-        "streams": streams, "paced": paced, "chunk_frames": chunk_frames,
+        "streams": streams, "paced": paced, "catch_up": catch_up, "chunk_frames": chunk_frames,
+        "frames_per_request_mean": float(np.mean(sizes)),
         "first_chunk_ms": stats["first_chunk_latency_ms_mean"],
         "first_chunk_ms_max": stats["first_chunk_latency_ms_max"],
         "p50_ms": stats["chunk_latency_ms_p50"], "p90_ms": stats["chunk_latency_ms_p90"],
@@ -170,9 +174,10 @@ PACED_KEEPS_REAL_TIME = 0.99  # slowest stream's RTF: paced streams cannot excee
 def summarize(results: dict) -> dict:
     """The headline numbers: most paced streams in real time, 16- vs 1-frame latency, overhead."""
     summary = {}
-    paced = [r for r in results["client"] if r["paced"] and "error" not in r]
-    kept = [r["streams"] for r in paced if r["real_time_factor_per_stream_min"] >= PACED_KEEPS_REAL_TIME]
-    summary["paced_streams_in_real_time"] = max(kept, default=0)
+    for catch_up, key in ((False, "paced_streams_in_real_time"), (True, "paced_streams_in_real_time_catch_up")):
+        paced = [r for r in results["client"] if r["paced"] and r.get("catch_up", False) == catch_up and "error" not in r]
+        kept = [r["streams"] for r in paced if r["real_time_factor_per_stream_min"] >= PACED_KEEPS_REAL_TIME]
+        summary[key] = max(kept, default=0)
     solo = {r["chunk_frames"]: r for r in results["client"] if not r["paced"] and r["streams"] == 1 and "error" not in r}
     if 1 in solo and 16 in solo:
         summary["p50_16_frames_over_1_frame"] = solo[16]["p50_ms"] / solo[1]["p50_ms"]
@@ -201,7 +206,8 @@ def markdown_report(results: dict) -> str:
         f"- **the load generators (this client, perf_analyzer) share the machine's {os.cpu_count()} CPU cores with "
         "the server**: numbers are lower bounds for a dedicated server",
         f"- paced live streams that keep real time (slowest stream RTF >= {PACED_KEEPS_REAL_TIME}): "
-        f"**{summary.get('paced_streams_in_real_time', '-')}**",
+        f"**{summary.get('paced_streams_in_real_time', '-')}**; catching up (one request in flight per stream, "
+        f"each with every frame produced since the last): **{summary.get('paced_streams_in_real_time_catch_up', '-')}**",
     ]
     if "server_died" in meta:
         lines.append(f"- **the server died during the run**; later points were not measured:\n\n```\n{meta['server_died']}\n```")
@@ -218,14 +224,17 @@ def markdown_report(results: dict) -> str:
             "## Streaming client (client.stream)",
             "",
             "Unpaced: each stream sends its next request when the previous one returned. Paced: each request "
-            "leaves when its frame would exist (80 ms per frame). RTF = audio seconds of all streams / "
-            "wall seconds (paced: at most about the number of streams).",
+            "leaves when its frame would exist (80 ms per frame). Paced, catch-up: one request in flight per "
+            "stream, each carrying every frame produced since the last (frames / request is then the mean). "
+            "RTF = audio seconds of all streams / wall seconds (paced: at most about the number of streams).",
             "",
             "| frames / request | streams | pacing | first chunk ms (mean / max) | request p50 / p90 / p99 ms | RTF total | RTF slowest stream | frames/s |",
             "|---:|---:|---|---:|---:|---:|---:|---:|",
         ]
         for row in results["client"]:
-            head = f"| {row['chunk_frames']} | {row['streams']} | {'paced' if row['paced'] else 'unpaced'}"
+            pacing = ("paced, catch-up" if row.get("catch_up") else "paced") if row["paced"] else "unpaced"
+            frames = _fmt(row["frames_per_request_mean"], 2) if row.get("catch_up") and "error" not in row else row["chunk_frames"]
+            head = f"| {frames} | {row['streams']} | {pacing}"
             if "error" in row:
                 lines.append(f"{head} | {row['error']} | | | | |")
                 continue
@@ -445,6 +454,16 @@ def run(args: argparse.Namespace) -> int:
                     results["client"].append(row)
                     if "error" in row or row["real_time_factor_per_stream_min"] < PACED_KEEPS_REAL_TIME:
                         break  # more streams fall further behind
+                for streams in args.paced_streams:
+                    print(f"client        {streams} paced live stream(s), catching up ...", file=sys.stderr, flush=True)
+                    try:
+                        row = run_client_point(url, streams, True, 1, args, catch_up=True)
+                    except ClientError as exc:
+                        row, failures = {"streams": streams, "paced": True, "catch_up": True, "chunk_frames": 1,
+                                         "error": str(exc)}, failures + 1
+                    results["client"].append(row)
+                    if "error" in row or row["real_time_factor_per_stream_min"] < PACED_KEEPS_REAL_TIME:
+                        break
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -145,9 +145,11 @@ def test_bench_one_point_writes_tables_json_and_plot(code2wav_server, onnx_fp32,
     results = json.loads((out / "bench.json").read_text())
     assert [(r["streams"], r["paced"], r["chunk_frames"]) for r in results["perf"]] == [(1, False, 1), (1, False, 4)]
     assert all(r["frames_per_s"] > 0 and r["decoder_steps"] > 0 for r in results["perf"])
-    assert [(r["paced"], r["chunk_frames"]) for r in results["client"]] == [(False, 1), (False, 4), (True, 1)]
+    assert [(r["paced"], r["catch_up"], r["chunk_frames"]) for r in results["client"]] == [
+        (False, False, 1), (False, False, 4), (True, False, 1), (True, True, 1)]
     assert all(r["real_time_factor"] > 0 for r in results["client"])
     assert results["summary"]["paced_streams_in_real_time"] in (0, 1)
+    assert results["summary"]["paced_streams_in_real_time_catch_up"] in (0, 1)
     # The ONNX step alone is faster than the same step through Triton: the overhead is positive.
     assert set(results["decoder_step_ms"]) == {"1", "4"} and results["decoder_step_ms"]["4"] > 0
     assert all(overhead > 0 for overhead in results["summary"]["triton_overhead_ms_p50"].values())
