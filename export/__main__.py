@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--instance-kind", choices=("KIND_GPU", "KIND_CPU"))
     r.add_argument("--instance-count", type=int, default=1)
     r.add_argument("--max-batch-size", type=int, default=64)
+    r.add_argument("--max-queue-delay-us", type=int, default=2000,
+                   help="how long the decoder's batcher waits for more streams' steps (default %(default)s): "
+                   "0 cuts a lone request's latency by up to that much, at the cost of smaller batches under load")
     r.add_argument("--max-streams", type=int, default=1024,
                    help="live streams the decoder holds (its max_candidate_sequences; code2wav's max_live_streams; "
                    "the GPU memory pools are sized for it) (default %(default)s)")
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = args.instance_kind or ("KIND_CPU" if args.target in PYTHON_TARGETS else "KIND_GPU")
         serving = DecoderServing(
             instance_kind=kind, instance_count=args.instance_count, max_batch_size=args.max_batch_size,
-            max_candidate_sequences=args.max_streams,
+            max_candidate_sequences=args.max_streams, max_queue_delay_us=args.max_queue_delay_us,
             preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],
         )
         print(render_export(args.export_dir, args.out, args.target, serving, args.plan))

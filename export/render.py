@@ -67,6 +67,8 @@ class DecoderServing:
     def validate(self) -> None:
         if self.instance_kind not in ("KIND_GPU", "KIND_CPU"):
             raise ValueError(f"instance_kind must be KIND_GPU or KIND_CPU, got {self.instance_kind!r}")
+        if self.max_queue_delay_us < 0:
+            raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
         if min(self.max_batch_size, self.instance_count, self.max_candidate_sequences, self.max_rows_per_run) < 1:
             raise ValueError("max_batch_size, instance_count, max_candidate_sequences and max_rows_per_run must be >= 1")
         if self.max_live_streams != "auto" and not (self.max_live_streams.isdigit() and int(self.max_live_streams) > 0):

@@ -183,7 +183,9 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     assert main(["render", "--target", "onnxruntime", "--export-dir", str(onnx_fp32), "--out", str(gpu),
                  "--max-streams", "256"]) == 0
     assert main(["render", "--target", "python-ort", "--export-dir", str(onnx_fp32), "--out", str(cpu),
-                 "--max-streams", "256"]) == 0
+                 "--max-streams", "256", "--max-queue-delay-us", "0"]) == 0
+    assert parse((cpu / "mimi_decoder" / "config.pbtxt").read_text()).sequence_batching.oldest.max_queue_delay_microseconds == 0
+    assert parse((gpu / "mimi_decoder" / "config.pbtxt").read_text()).sequence_batching.oldest.max_queue_delay_microseconds == 2000
     for repository in (gpu, cpu):
         code2wav = parse((repository / "code2wav" / "config.pbtxt").read_text())
         decoder = parse((repository / "mimi_decoder" / "config.pbtxt").read_text())
