@@ -40,7 +40,7 @@ from .nginx import (
     compose_config,
     find_nginx,
 )
-from .serve import _StopRequested, _StopSignals, prepare_repository
+from .serve import _StopRequested, _StopSignals, add_repository_arguments, prepare_repository, stop_quietly
 from .triton import LOCALHOST, ServerError, TritonServer, log_tail, port_is_free
 
 DEFAULT_REPLICA_BASE_PORT = 8100
@@ -415,25 +415,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        # Later signals must not interrupt the clean-up; each stop is bounded by its grace period.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if replica_set is not None:
-            began = time.monotonic()
-            replica_set.stop()
-            if stop_signals.stopping:
-                print(f"stopped in {time.monotonic() - began:.1f} s", flush=True)
+        stop_quietly(stop_signals, replica_set.stop if replica_set is not None else None, "nginx and the replicas")
     return code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2, help="tritonserver replicas (default %(default)s)")
-    parser.add_argument("--model-repository", type=Path, help="model repository every replica serves")
-    parser.add_argument("--weights", help="Mimi weights: transformers folder, moshi .safetensors file or hub id "
-                        "(default: kyutai/mimi when available, else seeded random weights)")
-    parser.add_argument("--random-init", action="store_true", help="serve seeded random weights (noise)")
-    parser.add_argument("--seed", type=int, default=None, help="seed for --random-init")
-    parser.add_argument("--build-dir", default="build", help="where exports and the rendered repository go")
+    add_repository_arguments(parser, "every replica serves")
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="replica logs and nginx's files (default: <build-dir>/replicas)")
     parser.add_argument("--host", default=LOCALHOST, help="address the proxy binds (default %(default)s); "

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from .triton import LOCALHOST, ServerError, TritonServer, log_tail
 
@@ -72,6 +73,19 @@ class _StopSignals:
             raise _StopRequested(self.received[0])
 
 
+def stop_quietly(stop_signals: _StopSignals, stop: Callable[[], object] | None, what: str) -> None:
+    """The end of a foreground command, stopped or not: later signals are ignored so they cannot
+    interrupt the clean-up (`stop` is bounded by its grace periods), then `stop()`; after a requested
+    stop, how long it took ("<what> stopped in N s")."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if stop is not None:
+        began = time.monotonic()
+        stop()
+        if stop_signals.stopping:
+            print(f"{what} stopped in {time.monotonic() - began:.1f} s", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     stop_signals = _StopSignals()
     server = None
@@ -114,24 +128,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        # Later signals must not interrupt the clean-up; stop() is bounded by its grace period.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if server is not None:
-            began = time.monotonic()
-            server.stop()
-            if stop_signals.stopping:
-                print(f"tritonserver stopped in {time.monotonic() - began:.1f} s", flush=True)
+        stop_quietly(stop_signals, server.stop if server is not None else None, "tritonserver")
     return code
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-repository", type=Path, help="model repository to serve")
+def add_repository_arguments(parser: argparse.ArgumentParser, served_by: str = "to serve") -> None:
+    """What `prepare_repository` reads: a repository as it is, or the weights to export one from."""
+    parser.add_argument("--model-repository", type=Path, help=f"model repository {served_by}")
     parser.add_argument("--weights", help="Mimi weights: transformers folder, moshi .safetensors file or hub id "
-                     "(default: kyutai/mimi when available, else seeded random weights)")
+                        "(default: kyutai/mimi when available, else seeded random weights)")
     parser.add_argument("--random-init", action="store_true", help="serve seeded random weights (noise)")
     parser.add_argument("--seed", type=int, default=None, help="seed for --random-init")
     parser.add_argument("--build-dir", default="build", help="where exports and the rendered repository go")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_repository_arguments(parser)
     parser.add_argument("--host", default=LOCALHOST, help="address to bind (default %(default)s)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)

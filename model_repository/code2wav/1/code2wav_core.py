@@ -212,32 +212,17 @@ def check_code_range(codes: np.ndarray, codebook_size: int) -> None:
     )
 
 
-def read_frame_offset(frame_offset: Optional[np.ndarray]) -> Optional[int]:
-    """The optional `frame_offset` INT64 [1, 1] -> int, or None when the request has none."""
-    if frame_offset is None:
+def read_scalar_input(array: Optional[np.ndarray], name: str) -> Optional[int]:
+    """An optional INT64 [1, 1] input (`frame_offset`, `history_frames`) -> int, or None when the
+    request has none."""
+    if array is None:
         return None
-    frame_offset = np.asarray(frame_offset)
-    if frame_offset.dtype != np.int64:
-        raise RequestError("dtype", f"frame_offset must be INT64, got {frame_offset.dtype}")
-    if frame_offset.size != 1:
-        raise RequestError(
-            "shape", f"frame_offset must hold one value ([1, 1]), got shape {list(frame_offset.shape)}"
-        )
-    return int(frame_offset.reshape(-1)[0])
-
-
-def read_history_frames(history_frames: Optional[np.ndarray]) -> Optional[int]:
-    """The optional `history_frames` INT64 [1, 1] -> int, or None when the request has none."""
-    if history_frames is None:
-        return None
-    history_frames = np.asarray(history_frames)
-    if history_frames.dtype != np.int64:
-        raise RequestError("dtype", f"history_frames must be INT64, got {history_frames.dtype}")
-    if history_frames.size != 1:
-        raise RequestError(
-            "shape", f"history_frames must hold one value ([1, 1]), got shape {list(history_frames.shape)}"
-        )
-    return int(history_frames.reshape(-1)[0])
+    array = np.asarray(array)
+    if array.dtype != np.int64:
+        raise RequestError("dtype", f"{name} must be INT64, got {array.dtype}")
+    if array.size != 1:
+        raise RequestError("shape", f"{name} must hold one value ([1, 1]), got shape {list(array.shape)}")
+    return int(array.reshape(-1)[0])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -511,7 +496,7 @@ class StreamTable:
             )
         starts = bool(flags & FLAG_SEQUENCE_START)
         ends = bool(flags & FLAG_SEQUENCE_END)
-        replay = read_history_frames(history_frames)
+        replay = read_scalar_input(history_frames, "history_frames")
         if replay is not None and not starts:
             raise RequestError(
                 "history",
@@ -536,7 +521,7 @@ class StreamTable:
                 f"max_request_frames={settings.max_request_frames}",
             )
         check_code_range(codes, settings.codebook_size)
-        offset = read_frame_offset(frame_offset)
+        offset = read_scalar_input(frame_offset, "frame_offset")
 
         if replay is None:
             continuing = not starts and stream is not None

@@ -198,19 +198,6 @@ def parse_max_dims(text: str) -> dict[str, tuple[int, ...]]:
     return parsed
 
 
-def parse_stream_cap(text: str) -> int | None:
-    """Parse `max_live_streams`: a positive integer, or `auto` (None)."""
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"must be a positive integer or 'auto', got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"must be a positive integer or 'auto', got {text!r}")
-    return value
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -219,6 +206,16 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise ValueError(f"must be a positive integer, got {value}")
     return value
+
+
+def parse_stream_cap(text: str) -> int | None:
+    """Parse `max_live_streams`: a positive integer, or `auto` (None)."""
+    if text == "auto":
+        return None
+    try:
+        return _positive_int(text)
+    except ValueError:
+        raise ValueError(f"must be a positive integer or 'auto', got {text!r}") from None
 
 
 # The config's `parameters`: name -> parser of its string value (all required).
