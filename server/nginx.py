@@ -19,14 +19,12 @@ stops only what it started.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import grp
 import os
 import pwd
 import re
 import shutil
-import signal
 import socket
 import string
 import subprocess
@@ -37,7 +35,7 @@ from typing import Sequence
 # The gRPC metadata key that names a stream (nginx sees it as $http_code2wav_stream), as clients send it.
 from mimi_code2wav.client.stream import STREAM_KEY_HEADER  # noqa: F401 (re-exported for the server side)
 
-from .triton import LOCALHOST, ServerError, _parent_death_signal, free_ports
+from .triton import LOCALHOST, ServerError, _parent_death_signal, free_ports, stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_ROOT / "docker" / "nginx" / "code2wav-proxy.conf.tmpl"
@@ -390,38 +388,10 @@ class NginxProxy:
                 )
             time.sleep(poll_s)
 
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.process.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the master (nginx's fast shutdown: open streams are closed), SIGKILL the process
-        group after `grace_s`, and wait until no worker is left. Idempotent; returns the master's exit
-        code (None if never started)."""
+        group after `grace_s`, and wait until no worker is left (a master killed outright leaves its
+        workers running). Idempotent; returns the master's exit code (None if never started)."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        # A master killed outright leaves its workers running: end the whole group.
-        deadline = time.monotonic() + 5.0
-        while self._group_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self._group_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 5.0
-            while self._group_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return self.process.returncode
+        return stop_process_group(self.process, grace_s)

@@ -403,45 +403,15 @@ class TritonServer:
             raise ServerError("wait() before start()")
         return self.process.wait(timeout_s)
 
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.process.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def _signal_group(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signum)
-
     def stop(self, grace_s: float | None = None) -> int | None:
         """SIGTERM the server, SIGKILL its process group after `grace_s` (default: the exit timeout
         plus 10 s), wait for its stubs to go, remove the shared-memory regions it created.
         Idempotent; returns the server's exit code (None if never started)."""
         if self.process is None:
             return None
-        grace_s = self.exit_timeout_s + 10.0 if grace_s is None else grace_s
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self._signal_group(signal.SIGKILL)
-                self.process.wait()
-        # Stubs notice their parent is gone and exit on their own; give them a moment, then make sure.
-        deadline = time.monotonic() + 5.0
-        while self._group_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self._group_alive():
-            self._signal_group(signal.SIGKILL)
-            deadline = time.monotonic() + 5.0
-            while self._group_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
+        code = stop_process_group(self.process, self.exit_timeout_s + 10.0 if grace_s is None else grace_s)
         self.remove_shm_regions()
-        return self.process.returncode
+        return code
 
     def shm_regions(self) -> list[Path]:
         """Shared-memory regions that this server's Python stubs created and that still exist."""
@@ -463,6 +433,45 @@ class TritonServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float) -> int | None:
+    """SIGTERM `process` (the leader of its own process group), SIGKILL the group if it has not
+    exited after `grace_s`, then wait until the rest of the group (Python stubs, nginx workers) is
+    gone too, killing it after 5 s. Idempotent; returns the leader's exit code."""
+    def kill_group() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+    def wait_group(timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while process_group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            kill_group()
+            process.wait()
+    # The rest of the group notices its leader is gone and exits; give it a moment, then make sure.
+    wait_group(5.0)
+    if process_group_alive(process.pid):
+        kill_group()
+        wait_group(5.0)
+    return process.returncode
 
 
 def _parent_death_signal():
