@@ -42,8 +42,13 @@ export: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/code2wav-server $(if $(REPLICAS),serve-replicas --replicas $(REPLICAS),serve --metrics-port $(METRICS_PORT)) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(MODEL_REPOSITORY),--model-repository $(MODEL_REPOSITORY),)
 
+# The python-ort decoder's sweep into bench_results/, then (local server only) the same sweep with the
+# null decoder into bench_results/null/: the front's ceiling. Both run; the target fails if either did.
 bench: $(STAMP)
-	$(BIN)/code2wav-server bench $(if $(URL),--url $(URL),)
+	status=0; \
+	$(BIN)/code2wav-server bench $(if $(URL),--url $(URL),) || status=1; \
+	$(if $(URL),,$(BIN)/code2wav-server bench --decoder null --out-dir bench_results/null || status=1;) \
+	exit $$status
 
 bench-memory: $(STAMP)
 	$(BIN)/code2wav-server memory

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-streams", type=int, default=1024,
                    help="live streams the decoder holds (its max_candidate_sequences; code2wav's max_live_streams; "
                    "the GPU memory pools are sized for it) (default %(default)s)")
+    r.add_argument("--front-instances", type=int, default=1,
+                   help="code2wav model instances (Python processes; the streams are shared out among them): "
+                   "one carries a few thousand requests/s, more use more cores (default %(default)s)")
     r.add_argument("--check-in", action="store_true",
                    help="rewrite the checked-in native ORT config from the default options")
     add_options(r)
@@ -103,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         serving = DecoderServing(
             instance_kind=kind, instance_count=args.instance_count, max_batch_size=args.max_batch_size,
             max_candidate_sequences=args.max_streams, max_queue_delay_us=args.max_queue_delay_us,
+            front_instances=args.front_instances,
             preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],
         )
         print(render_export(args.export_dir, args.out, args.target, serving, args.plan))

@@ -63,14 +63,22 @@ class DecoderServing:
     # the most rows per session run (bounds ONNX Runtime's scratch; no gain past 8 rows on a CPU).
     max_live_streams: str = "auto"
     max_rows_per_run: int = 8
+    # code2wav's model instances (Python processes). One carries a few thousand requests/s (its
+    # per-request Python and IPC run under one GIL); more spread the streams over more cores.
+    front_instances: int = 1
 
     def validate(self) -> None:
         if self.instance_kind not in ("KIND_GPU", "KIND_CPU"):
             raise ValueError(f"instance_kind must be KIND_GPU or KIND_CPU, got {self.instance_kind!r}")
         if self.max_queue_delay_us < 0:
             raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
-        if min(self.max_batch_size, self.instance_count, self.max_candidate_sequences, self.max_rows_per_run) < 1:
-            raise ValueError("max_batch_size, instance_count, max_candidate_sequences and max_rows_per_run must be >= 1")
+        if min(self.max_batch_size, self.instance_count, self.max_candidate_sequences, self.max_rows_per_run,
+               self.front_instances) < 1:
+            raise ValueError("max_batch_size, instance_count, max_candidate_sequences, max_rows_per_run and "
+                             "front_instances must be >= 1")
+        if self.front_instances > self.max_candidate_sequences:
+            raise ValueError(f"front_instances ({self.front_instances}) must not exceed the streams the decoder "
+                             f"holds ({self.max_candidate_sequences}): each instance admits at least one")
         if self.max_live_streams != "auto" and not (self.max_live_streams.isdigit() and int(self.max_live_streams) > 0):
             raise ValueError(f"max_live_streams must be 'auto' or a positive integer, got {self.max_live_streams!r}")
         too_big = [size for size in self.preferred_batch_sizes if size > self.max_batch_size]
@@ -237,11 +245,20 @@ def _round_up_mib(size: int) -> int:
     return -(-size // MIB) * MIB
 
 
+def _set_config_number(config_text: str, field: str, value: int) -> str:
+    """Set the one `field: <number>` line of a config (e.g. code2wav's instance count)."""
+    text, count = re.subn(rf"(\b{field}:\s*)\d+", rf"\g<1>{value}", config_text)
+    if count != 1:
+        raise ValueError(f"the config sets {field} {count} times, expected once")
+    return text
+
+
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
     """A complete model repository in `out_dir`: code2wav (copied, its decoder_max_frames_per_step set to
-    the export's max_frames_per_step, its max_live_streams to the decoder's max_candidate_sequences
-    and its own max_candidate_sequences to CODE2WAV_SLOTS_PER_STREAM times that) plus mimi_decoder for `target`, with
+    the export's max_frames_per_step, its instance count to serving.front_instances, its max_live_streams
+    to each instance's share of the decoder's max_candidate_sequences and its own max_candidate_sequences
+    to CODE2WAV_SLOTS_PER_STREAM times that) plus mimi_decoder for `target`, with
     model_repository/common/triton_streams.py beside each Python model's model.py. For a KIND_GPU
     decoder with implicit state, also `tritonserver.args`: the memory-pool flags the server needs
     for that many streams (`MemoryPools`), one per line, which the compose GPU services pass on.
@@ -252,6 +269,7 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     if out_dir == (REPO_ROOT / "model_repository").resolve() or (REPO_ROOT / "model_repository").resolve() in out_dir.parents:
         raise ValueError(f"refusing to render into the tracked model repository: {out_dir}")
     serving = serving or DecoderServing(instance_kind="KIND_CPU" if target in PYTHON_TARGETS else "KIND_GPU")
+    serving.validate()
     code2wav = out_dir / "code2wav"
     if code2wav.exists():
         shutil.rmtree(code2wav)
@@ -261,12 +279,13 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     text = set_string_parameter(config.read_text(), "decoder_max_frames_per_step", str(spec.max_frames_per_step))
     # The front refuses a START past the decoder's capacity instead of queueing it behind the others:
     # for that the START must reach it, so Triton gives code2wav more sequence slots than streams
-    # (a refused START holds its slot until it ENDs or idles out).
-    capacity = serving.max_candidate_sequences
-    text = set_string_parameter(text, "max_live_streams", str(capacity))
-    text, count = re.subn(r"(max_candidate_sequences:\s*)\d+", rf"\g<1>{CODE2WAV_SLOTS_PER_STREAM * capacity}", text)
-    if count != 1:
-        raise ValueError(f"code2wav's config sets max_candidate_sequences {count} times, expected once")
+    # (a refused START holds its slot until it ENDs or idles out). Caps and slots are per instance:
+    # with several instances each admits its share (Triton fills the lowest free slot of any
+    # instance first, so streams spread evenly over them).
+    per_instance = -(-serving.max_candidate_sequences // serving.front_instances)
+    text = set_string_parameter(text, "max_live_streams", str(per_instance))
+    text = _set_config_number(text, "max_candidate_sequences", CODE2WAV_SLOTS_PER_STREAM * per_instance)
+    text = _set_config_number(text, "count", serving.front_instances)
     config.write_text(text)
     decoder = out_dir / serving.model_name
     version = decoder / "1"

@@ -28,7 +28,6 @@ the server, and the tables say so.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import datetime
 import itertools
@@ -55,7 +54,8 @@ from mimi_code2wav.client.stream import (
 from mimi_code2wav.export.provenance import REPO_ROOT as ROOT
 from mimi_code2wav.export.provenance import git_commit, machine_description, timed
 
-from .triton import log_tail
+from .processes import group_cpu_seconds
+from .triton import fetch_metrics, log_tail, metric_value
 
 PERF_SH = Path(client_package.__file__).resolve().parent / "perf.sh"
 FRAMES_PER_S_REAL_TIME = 1 / FRAME_DURATION_S  # 12.5 frames/s per live stream
@@ -156,8 +156,83 @@ def run_client_point(url: str, streams: int, paced: bool, chunk_frames: int, arg
         "real_time_factor": stats["real_time_factor"],
         "real_time_factor_per_stream_min": stats["real_time_factor_per_stream_min"],
         "frames_per_s": stats["frames_per_s"],
-        "requests_per_s": stats["requests"] / stats["wall_s"],
+        "requests_per_s": stats["requests"] / stats["wall_s"], "requests": stats["requests"],
     }
+
+
+# ---- where the time goes --------------------------------------------------------------------------
+
+SERVER_ROLES = ("tritonserver", "stub code2wav", "stub mimi_decoder")
+TRITON_TIMES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+class PointProfile:
+    """What one benchmark point cost the server, as differences over the point: the CPU time of each
+    process of a local server (tritonserver, the code2wav and decoder stubs; from /proc) and of the
+    load generator (this process and perf_analyzer), and Triton's per-model statistics (requests,
+    executions, queue and compute times; from its metrics). Either source may be absent (a remote
+    server): its fields are then missing."""
+
+    MODELS = ("code2wav", "mimi_decoder")
+
+    def __init__(self, pgid: int | None, metrics_url: str | None):
+        self._pgid, self._metrics_url = pgid, metrics_url
+
+    def _read(self) -> dict:
+        times = os.times()
+        state = {"monotonic": time.monotonic(),
+                 "load_cpu_s": times.user + times.system + times.children_user + times.children_system}
+        if self._pgid is not None:
+            state["cpu_s"] = group_cpu_seconds(self._pgid)
+        if self._metrics_url is not None:
+            try:
+                samples = fetch_metrics(self._metrics_url)
+            except OSError:
+                samples = None
+            if samples is not None:
+                state["triton"] = {
+                    model: {name: metric_value(samples, f"nv_inference_{name}", model=model) or 0.0
+                            for name in ("request_success", "exec_count", *(f"{t}_duration_us" for t in TRITON_TIMES))}
+                    for model in self.MODELS
+                }
+        return state
+
+    def start(self) -> None:
+        self._before = self._read()
+
+    def finish(self, requests: int) -> dict:
+        """The profile of the point; `requests` is what the load generator counted (Triton's own
+        count of code2wav requests is used when the metrics are at hand)."""
+        before, after = self._before, self._read()
+        wall_s = after["monotonic"] - before["monotonic"]
+        profile: dict = {"wall_s": wall_s}
+        if "triton" in before and "triton" in after:
+            for model in self.MODELS:
+                delta = {name: after["triton"][model][name] - before["triton"][model][name]
+                         for name in after["triton"][model]}
+                executions = delta["exec_count"]
+                profile[model] = {
+                    "requests": delta["request_success"],
+                    "executions": executions,
+                    "mean_batch": delta["request_success"] / executions if executions else None,
+                    # Triton charges every request of a batch the whole execution's compute time,
+                    # so the mean over requests is the mean execution's time.
+                    "execute_ms": (sum(delta[f"compute_{t}_duration_us"] for t in ("input", "infer", "output"))
+                                   / delta["request_success"] / 1e3 if delta["request_success"] else None),
+                    "queue_ms_per_request": (delta["queue_duration_us"] / delta["request_success"] / 1e3
+                                             if delta["request_success"] else None),
+                }
+            requests = int(profile["code2wav"]["requests"]) or requests
+        profile["requests"] = requests
+        if requests:
+            profile["load_cpu_ms_per_request"] = (after["load_cpu_s"] - before["load_cpu_s"]) / requests * 1e3
+            if "cpu_s" in before:
+                per_role = {role: (after["cpu_s"].get(role, 0.0) - before["cpu_s"].get(role, 0.0)) / requests * 1e3
+                            for role in after["cpu_s"]}
+                profile["server_cpu_ms_per_request"] = per_role
+                profile["server_cpu_ms_per_request_total"] = sum(per_role.values())
+                profile["server_cpu_cores_busy"] = sum(per_role.values()) * requests / 1e3 / wall_s if wall_s else None
+        return profile
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -168,6 +243,7 @@ def _fmt(value, digits: int = 1) -> str:
     return f"{value:.{digits}f}"
 
 
+CRASH_MARK = " (†)"
 PACED_KEEPS_REAL_TIME = 0.99  # slowest stream's RTF: paced streams cannot exceed 1, jitter costs ~1%
 
 
@@ -209,8 +285,9 @@ def markdown_report(results: dict) -> str:
         f"**{summary.get('paced_streams_in_real_time', '-')}**; catching up (one request in flight per stream, "
         f"each with every frame produced since the last): **{summary.get('paced_streams_in_real_time_catch_up', '-')}**",
     ]
-    if "server_died" in meta:
-        lines.append(f"- **the server died during the run**; later points were not measured:\n\n```\n{meta['server_died']}\n```")
+    for crash in meta.get("server_crashes", []):
+        lines.append(f"- **the server crashed during the run** and was restarted; the point it crashed in was "
+                     f"measured again (marked in the tables):\n\n```\n{crash}\n```")
     if "p50_16_frames_over_1_frame" in summary:
         lines.append(f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**")
     if "frames_per_s_8_streams_4_frames" in summary:
@@ -234,7 +311,7 @@ def markdown_report(results: dict) -> str:
         for row in results["client"]:
             pacing = ("paced, catch-up" if row.get("catch_up") else "paced") if row["paced"] else "unpaced"
             frames = _fmt(row["frames_per_request_mean"], 2) if row.get("catch_up") and "error" not in row else row["chunk_frames"]
-            head = f"| {frames} | {row['streams']} | {pacing}"
+            head = f"| {frames} | {row['streams']}{CRASH_MARK if row.get('after_server_crash') else ''} | {pacing}"
             if "error" in row:
                 lines.append(f"{head} | {row['error']} | | | | |")
                 continue
@@ -258,7 +335,7 @@ def markdown_report(results: dict) -> str:
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in results["perf"]:
-            head = f"| {row['chunk_frames']} | {row['streams']}"
+            head = f"| {row['chunk_frames']} | {row['streams']}{CRASH_MARK if row.get('after_server_crash') else ''}"
             needed = _fmt(row["streams"] * FRAMES_PER_S_REAL_TIME)
             if "error" in row:
                 lines.append(f"{head} | {row['error']} | | {needed} | | | | | |")
@@ -270,6 +347,38 @@ def markdown_report(results: dict) -> str:
                 f"{_fmt(row.get('decoder_compute_infer_ms'))} |"
             )
         lines.append("")
+    profiled = [(tool, row) for tool, rows in (("client", results["client"]), ("perf_analyzer", results["perf"]))
+                for row in rows if "profile" in row and not row["paced"]]
+    if profiled:
+        lines += [
+            "## Where the time goes (server side)",
+            "",
+            "Per unpaced point, as differences over it: CPU time per request of each server process (from "
+            "/proc: tritonserver, the code2wav stub(s), the decoder stub(s)) and of the load generator; server "
+            "cores busy = the server's CPU time / wall time; and Triton's own statistics per model: mean batch "
+            "and time per execution (one execution is one batch; a code2wav execution includes waiting for its "
+            "decoder calls).",
+            "",
+            "| load generator | frames / request | streams | requests/s | server CPU ms / request: tritonserver / "
+            "code2wav / decoder = total | load generator CPU ms / request | server cores busy | code2wav batch / "
+            "execution ms | decoder batch / execution ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for tool, row in profiled:
+            profile = row["profile"]
+            cpu = profile.get("server_cpu_ms_per_request", {})
+            cpu_cell = (" / ".join(_fmt(cpu.get(role), 3) for role in SERVER_ROLES)
+                        + f" = {_fmt(profile.get('server_cpu_ms_per_request_total'), 3)}") if cpu else "-"
+            models = [profile.get(model, {}) for model in PointProfile.MODELS]
+            model_cells = " | ".join(f"{_fmt(m.get('mean_batch'), 2)} / {_fmt(m.get('execute_ms'), 2)}" for m in models)
+            lines.append(
+                f"| {tool} | {row['chunk_frames']} | {row['streams']}{CRASH_MARK if row.get('after_server_crash') else ''} "
+                f"| {_fmt(row.get('requests_per_s'))} | {cpu_cell} | {_fmt(profile.get('load_cpu_ms_per_request'), 3)} "
+                f"| {_fmt(profile.get('server_cpu_cores_busy'), 2)} | {model_cells} |"
+            )
+        lines.append("")
+    if any(row.get("after_server_crash") for row in results["client"] + results["perf"]):
+        lines += [f"{CRASH_MARK} measured again on a restarted server after the server crashed in this point.", ""]
     return "\n".join(lines)
 
 
@@ -315,23 +424,62 @@ def plot(results: dict, path: Path) -> bool:
 
 # ---- main ------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def local_server(args):
-    """A local server on free ports over a repository exported into args.build_dir; yields (gRPC
-    URL, a line saying what it is, the ONNX file of its decoder or None, the TritonServer)."""
-    try:
-        from mimi_code2wav.export.pipeline import prepare_local_repository
+class LocalServer:
+    """The bench's own server: a repository exported into args.build_dir, served on loopback ports.
+    After a crash (tritonserver 2.51 can crash under load, docs/design.md §7) `restart()` brings up
+    a fresh server on the same ports, so the sweep goes on and the report records the crash."""
 
+    def __init__(self, repository: Path, log_path: Path, description: str):
+        self.repository, self.log_path, self.description = repository, log_path, description
+        onnx_path = repository / "mimi_decoder" / "1" / "model.onnx"
+        self.onnx_path = onnx_path if onnx_path.is_file() else None
+        self.server = None
+        self.crashes: list[str] = []
+
+    @classmethod
+    def prepare(cls, args) -> LocalServer:
+        """Export (when stale) and render the repository `args` ask for; the server is not started."""
+        try:
+            from mimi_code2wav.export.pipeline import prepare_local_repository
+        except ImportError as exc:
+            raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
+        build_dir = Path(args.build_dir)
+        repository = prepare_local_repository(args.weights, args.weights is None, 0, build_dir, target=args.decoder,
+                                              front_instances=args.front_instances)
+        log_path = build_dir / "tritonserver.log"
+        return cls(repository, log_path, f"local tritonserver 2.51 (pytriton wheel), {args.decoder} decoder, "
+                   f"{args.front_instances} code2wav instance(s), log {log_path}")
+
+    def start(self, ports: dict | None = None) -> None:
         from .triton import running_server
-    except ImportError as exc:
-        raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
-    build_dir = Path(args.build_dir)
-    repository = prepare_local_repository(args.weights, args.weights is None, 0, build_dir, target=args.decoder)
-    log_path = build_dir / "tritonserver.log"
-    onnx_path = repository / "mimi_decoder" / "1" / "model.onnx"
-    with running_server(repository, log_path=log_path, ready_timeout_s=120.0) as server:
-        yield (server.grpc_url, f"local tritonserver 2.51 (pytriton wheel), {args.decoder} decoder, log {log_path}",
-               onnx_path if onnx_path.is_file() else None, server)
+
+        self._context = running_server(self.repository, log_path=self.log_path, ready_timeout_s=120.0, **(ports or {}))
+        self.server = self._context.__enter__()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self._context.__exit__(None, None, None)
+            self.server = None
+
+    def restart(self) -> str:
+        """Record why the server died, keep its log, start a new one on the same ports."""
+        server = self.server
+        why = (f"tritonserver exited during the run (code {server.process.poll()}); log "
+               f"{self.log_path}:\n" + log_tail(self.log_path, 12))
+        self.crashes.append(why)
+        self.stop()
+        crashed_log = self.log_path.with_name(f"{self.log_path.stem}.crash{len(self.crashes)}.log")
+        if self.log_path.exists():
+            self.log_path.replace(crashed_log)
+        self.start(dict(http_port=server.http_port, grpc_port=server.grpc_port, metrics_port=server.metrics_port))
+        return why
+
+    @property
+    def url(self) -> str:
+        return self.server.grpc_url
+
+    def profile(self) -> PointProfile:
+        return PointProfile(self.server.pid, self.server.metrics_url)
 
 
 ORT_DTYPES = {"tensor(int32)": np.int32, "tensor(float16)": np.float16, "tensor(float)": np.float32}
@@ -365,6 +513,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "else start a local one; `make bench URL=host:port`)")
     parser.add_argument("--decoder", choices=("python-ort", "null"), default="python-ort",
                         help="the local server's decoder; null measures the front's own ceiling (default %(default)s)")
+    parser.add_argument("--front-instances", type=int, default=1,
+                        help="code2wav instances of the local server (`code2wav-export render --front-instances`; "
+                        "default %(default)s)")
     parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
     parser.add_argument("--build-dir", default=str(ROOT / "build" / "bench"), help="export folder of the local server")
     parser.add_argument("--streams", type=parse_counts, default=[1, 8, 32], help="unpaced sweep (default 1,8,32)")
@@ -386,87 +537,94 @@ def run(args: argparse.Namespace) -> int:
     raw_dir.mkdir(parents=True, exist_ok=True)
     results = {"meta": {}, "client": [], "perf": [], "decoder_step_ms": {}}
     failures = 0
+    local = None
     try:
-        with contextlib.ExitStack() as stack:
-            onnx_path, local = args.onnx, None
-            if args.url:
-                url, server = args.url, f"running server at {args.url}"
-            else:
-                print("starting a local server ...", file=sys.stderr, flush=True)
-                url, server, onnx_path, local = stack.enter_context(local_server(args))
+        onnx_path = args.onnx
+        if args.url:
+            server = f"running server at {args.url}"
+        else:
+            print("starting a local server ...", file=sys.stderr, flush=True)
+            local = LocalServer.prepare(args)
+            local.start()
+            server, onnx_path = local.description, onnx_path or local.onnx_path
+        url = (lambda: args.url) if args.url else (lambda: local.url)
 
-            def server_died() -> bool:
-                """A local server that exited mid-run: the sweep stops and the report says so."""
-                if local is None or local.is_alive():
-                    return False
-                results["meta"]["server_died"] = (
-                    f"tritonserver exited during the run (code {local.process.poll()}); log {local.log_path}:\n"
-                    + log_tail(local.log_path, 12))
-                print(results["meta"]["server_died"], file=sys.stderr, flush=True)
-                return True
+        def measure(name: str, point) -> dict:
+            """One point, profiled. A local server that dies during it is restarted and the point
+            measured once more; the row records the crash (a second crash leaves the error)."""
+            for attempt in (1, 2):
+                profile = local.profile() if local is not None else PointProfile(None, None)
+                profile.start()
+                try:
+                    row = point(url())
+                except ClientError as exc:
+                    row = {"error": str(exc)}
+                if local is not None and not local.server.is_alive():
+                    why = local.restart()
+                    print(f"{name}: {why}\nrestarted the server", file=sys.stderr, flush=True)
+                    if attempt == 1:
+                        continue
+                    row.setdefault("error", "the server crashed twice")
+                if "error" not in row:
+                    row["profile"] = profile.finish(row.get("requests", 0))
+                if attempt == 2:
+                    row["after_server_crash"] = True
+                return row
 
-            with Code2WavStreamer(url) as streamer:
-                streamer.check_ready()
-                # Warm-up: the first requests of a fresh server pay one-off set-up costs.
-                for chunk in args.chunk_frames:
-                    streamer.run([random_codes(2 * chunk + 1, args.seed)], StreamOptions(chunk_frames=chunk))
-            results["meta"] = {
-                "machine": machine_description(), "commit": git_commit(),
-                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "command": "code2wav-server bench " + " ".join(sys.argv[2:]),
-                "server": server, "url": url, "decoder": args.decoder if not args.url else None,
-                "frames": args.frames, "chunk_frames": args.chunk_frames, "streams": args.streams,
-                "paced_streams": args.paced_streams,
-            }
-            if onnx_path is not None:
-                print("the ONNX step alone, batch 1 ...", file=sys.stderr, flush=True)
-                results["decoder_step_ms"] = decoder_step_ms(onnx_path, args.chunk_frames)
-            elif not args.url and args.decoder == "null":
-                results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
-            for chunk, streams in itertools.product(args.chunk_frames, args.streams):
-                if server_died():
-                    failures += 1
-                    break
-                label = f"{streams} stream(s) unpaced, {chunk} frame(s) per request"
-                request_rate_estimate = None
-                if not args.no_client:
-                    print(f"client        {label} ...", file=sys.stderr, flush=True)
-                    try:
-                        row = run_client_point(url, streams, False, chunk, args)
-                        request_rate_estimate = row["requests_per_s"]
-                    except ClientError as exc:
-                        row, failures = {"streams": streams, "paced": False, "chunk_frames": chunk,
-                                         "error": str(exc)}, failures + 1
-                    results["client"].append(row)
-                if not args.no_perf:
-                    print(f"perf_analyzer {label} ...", file=sys.stderr, flush=True)
-                    row = run_perf_point(args, url, streams, False, chunk, request_rate_estimate, raw_dir)
-                    failures += "error" in row
-                    results["perf"].append(row)
-            if not args.no_client and "server_died" not in results["meta"]:
+        with Code2WavStreamer(url()) as streamer:
+            streamer.check_ready()
+            # Warm-up: the first requests of a fresh server pay one-off set-up costs.
+            for chunk in args.chunk_frames:
+                streamer.run([random_codes(2 * chunk + 1, args.seed)], StreamOptions(chunk_frames=chunk))
+        results["meta"] = {
+            "machine": machine_description(), "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "code2wav-server bench " + " ".join(sys.argv[2:]),
+            "server": server, "url": url(), "decoder": args.decoder if not args.url else None,
+            "front_instances": args.front_instances if not args.url else None,
+            "frames": args.frames, "chunk_frames": args.chunk_frames, "streams": args.streams,
+            "paced_streams": args.paced_streams,
+        }
+        if onnx_path is not None:
+            print("the ONNX step alone, batch 1 ...", file=sys.stderr, flush=True)
+            results["decoder_step_ms"] = decoder_step_ms(onnx_path, args.chunk_frames)
+        elif not args.url and args.decoder == "null":
+            results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
+        for chunk, streams in itertools.product(args.chunk_frames, args.streams):
+            label = f"{streams} stream(s) unpaced, {chunk} frame(s) per request"
+            request_rate_estimate = None
+            point = {"streams": streams, "paced": False, "chunk_frames": chunk}
+            if not args.no_client:
+                print(f"client        {label} ...", file=sys.stderr, flush=True)
+                row = {**point, **measure(label, lambda url, s=streams, c=chunk: run_client_point(url, s, False, c, args))}
+                failures += "error" in row
+                request_rate_estimate = row.get("requests_per_s")
+                results["client"].append(row)
+            if not args.no_perf:
+                print(f"perf_analyzer {label} ...", file=sys.stderr, flush=True)
+                row = {**point, **measure(label, lambda url, s=streams, c=chunk, r=request_rate_estimate:
+                                          run_perf_point(args, url, s, False, c, r, raw_dir))}
+                failures += "error" in row
+                results["perf"].append(row)
+        if not args.no_client:
+            for catch_up in (False, True):
                 for streams in args.paced_streams:
-                    print(f"client        {streams} paced live stream(s) ...", file=sys.stderr, flush=True)
-                    try:
-                        row = run_client_point(url, streams, True, 1, args)
-                    except ClientError as exc:
-                        row, failures = {"streams": streams, "paced": True, "chunk_frames": 1,
-                                         "error": str(exc)}, failures + 1
+                    label = f"{streams} paced live stream(s)" + (", catching up" if catch_up else "")
+                    print(f"client        {label} ...", file=sys.stderr, flush=True)
+                    row = {"streams": streams, "paced": True, "catch_up": catch_up, "chunk_frames": 1,
+                           **measure(label, lambda url, s=streams, c=catch_up: run_client_point(url, s, True, 1, args, c))}
+                    failures += "error" in row
                     results["client"].append(row)
                     if "error" in row or row["real_time_factor_per_stream_min"] < PACED_KEEPS_REAL_TIME:
                         break  # more streams fall further behind
-                for streams in args.paced_streams:
-                    print(f"client        {streams} paced live stream(s), catching up ...", file=sys.stderr, flush=True)
-                    try:
-                        row = run_client_point(url, streams, True, 1, args, catch_up=True)
-                    except ClientError as exc:
-                        row, failures = {"streams": streams, "paced": True, "catch_up": True, "chunk_frames": 1,
-                                         "error": str(exc)}, failures + 1
-                    results["client"].append(row)
-                    if "error" in row or row["real_time_factor_per_stream_min"] < PACED_KEEPS_REAL_TIME:
-                        break
+        if local is not None and local.crashes:
+            results["meta"]["server_crashes"] = local.crashes
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if local is not None:
+            local.stop()
     results["summary"] = summarize(results)
     (args.out_dir / "bench.json").write_text(json.dumps(results, indent=2))
     report = markdown_report(results)

@@ -31,6 +31,7 @@ from mimi_code2wav.client.stream import random_codes
 from mimi_code2wav.export.provenance import REPO_ROOT as ROOT
 from mimi_code2wav.export.provenance import git_commit, machine_description
 
+from .processes import group_pids, process_role
 from .triton import fetch_metrics, metric_value
 
 MIB = 2**20
@@ -42,18 +43,6 @@ class ProcessMemory:
     role: str  # tritonserver, or the model a Python stub serves
     rss: int  # bytes
     pss: int  # bytes
-
-
-def _role(pid: int) -> str:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "?"
-    name = Path(argv[0].decode(errors="replace")).name
-    if name == "triton_python_backend_stub" and len(argv) > 1:
-        # argv[1] is .../<model>/<version>/model.py
-        return f"stub {Path(argv[1].decode(errors='replace')).parent.parent.name}"
-    return name
 
 
 def _smaps_rollup(pid: int) -> tuple[int, int]:
@@ -70,20 +59,12 @@ def group_memory(pgid: int) -> list[ProcessMemory]:
     """RSS and PSS of every process in process group `pgid` (a server started by TritonServer leads
     its own group, its Python stubs included)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
+    for pid in group_pids(pgid):
         try:
-            stat = (entry / "stat").read_text()
-            # Fields after the parenthesised command: state ppid pgrp ...
-            pgrp = int(stat.rpartition(")")[2].split()[2])
-            if pgrp != pgid:
-                continue
             rss, pss = _smaps_rollup(pid)
-        except (OSError, ValueError, IndexError):
+        except (OSError, ValueError):
             continue  # gone meanwhile
-        found.append(ProcessMemory(pid, _role(pid), rss, pss))
+        found.append(ProcessMemory(pid, process_role(pid), rss, pss))
     return sorted(found, key=lambda p: p.role)
 
 

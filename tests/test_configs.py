@@ -168,7 +168,7 @@ def test_code2wav_sends_at_most_what_the_export_takes(spec, onnx_fp32, tmp_path)
         set_string_parameter((out / "code2wav" / "config.pbtxt").read_text(), "no_such", "1")
 
 
-def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, tmp_path):
+def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, tmp_path, capsys):
     """`render --max-streams N`: the decoder holds N sequences, code2wav admits N streams and has 2N
     Triton slots (so a START past the cap reaches it and is refused), and a GPU repository carries
     the pool flags for N streams; a CPU one carries none."""
@@ -199,6 +199,18 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
         f"--pinned-memory-pool-byte-size={-(-64 * (state + 16 * (8 + 1920) * 4) // mib) * mib}",
     ]
     assert not (cpu / "tritonserver.args").exists()
+    assert code2wav.instance_group[0].count == 1
+    # Several front instances share the streams out: each admits its share, with 2x the slots.
+    shared = tmp_path / "shared"
+    assert main(["render", "--target", "null", "--export-dir", str(onnx_fp32), "--out", str(shared),
+                 "--max-streams", "255", "--front-instances", "2"]) == 0
+    code2wav = parse((shared / "code2wav" / "config.pbtxt").read_text())
+    assert code2wav.instance_group[0].count == 2
+    assert code2wav.parameters["max_live_streams"].string_value == "128"
+    assert code2wav.sequence_batching.oldest.max_candidate_sequences == 256
+    assert main(["render", "--target", "null", "--export-dir", str(onnx_fp32), "--out", str(shared),
+                 "--max-streams", "2", "--front-instances", "3"]) == 2
+    assert "front_instances (3) must not exceed the streams the decoder holds (2)" in capsys.readouterr().err
     python_ort = parse((cpu / "mimi_decoder" / "config.pbtxt").read_text())
     assert python_ort.parameters["max_live_streams"].string_value == "auto"
     assert python_ort.parameters["max_rows_per_run"].string_value == "8"

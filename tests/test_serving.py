@@ -908,6 +908,70 @@ def test_null_decoder_behind_code2wav_returns_silence_of_the_right_length(onnx_f
     assert metric_value(samples, "nv_inference_exec_count", model="mimi_decoder", version="1") == 2
 
 
+@pytest.fixture(scope="module")
+def null_repository_two_fronts(onnx_fp32, tmp_path_factory):
+    """The null bench target with two code2wav instances (`render --front-instances 2`)."""
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.render import DecoderServing, render_repository
+    from mimi_code2wav.export.spec import DecoderSpec
+
+    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    return render_repository(spec, onnx_fp32 / "model.onnx", tmp_path_factory.mktemp("fronts") / "repo", "null",
+                             DecoderServing(instance_kind="KIND_CPU", front_instances=2))
+
+
+@pytest.mark.server
+def test_two_front_instances_share_the_streams_and_the_bench_profile_counts_every_process(
+        null_repository_two_fronts, triton_server_factory):
+    """Two code2wav processes serve 6 concurrent streams (each answered in full: the streams'
+    requests stay on their instance), and the bench's point profile charges the CPU time of
+    tritonserver and both stubs to the requests Triton counted, with both models' batches."""
+    from mimi_code2wav.client.stream import Code2WavStreamer, StreamOptions, random_codes
+    from mimi_code2wav.server.bench import PointProfile
+    from mimi_code2wav.server.processes import group_pids, process_role
+
+    server = triton_server_factory(null_repository_two_fronts)
+    roles = sorted(process_role(pid) for pid in group_pids(server.pid))
+    assert roles == ["stub code2wav", "stub code2wav", "stub mimi_decoder", "tritonserver"]
+    profile = PointProfile(server.pid, server.metrics_url)
+    profile.start()
+    with Code2WavStreamer(server.grpc_url) as streamer:
+        report = streamer.run([random_codes(40, seed) for seed in range(6)], StreamOptions(chunk_frames=1))
+    result = profile.finish(0)
+    assert [r.pcm.shape for r in report.results] == [(40 * 1920,)] * 6
+    assert all(not r.pcm.any() for r in report.results)
+    assert result["requests"] == 6 * 40 == result["code2wav"]["requests"] == result["mimi_decoder"]["requests"]
+    assert set(result["server_cpu_ms_per_request"]) == {"tritonserver", "stub code2wav", "stub mimi_decoder"}
+    assert result["server_cpu_ms_per_request_total"] > 0 and result["load_cpu_ms_per_request"] > 0
+    for model in ("code2wav", "mimi_decoder"):
+        assert 1 <= result[model]["mean_batch"] <= 6 and result[model]["execute_ms"] > 0
+
+
+@pytest.mark.server
+def test_the_bench_server_restarts_on_the_same_ports_after_a_crash(null_repository_two_fronts, tmp_path):
+    """`code2wav-server bench` goes on after tritonserver dies: the crash is recorded with the log
+    tail, the crashed log kept, and a fresh server answers on the same address."""
+    from mimi_code2wav.client.stream import Code2WavStreamer, StreamOptions, random_codes
+    from mimi_code2wav.server.bench import LocalServer
+
+    local = LocalServer(null_repository_two_fronts, tmp_path / "tritonserver.log", "test")
+    local.start()
+    try:
+        url, pid = local.url, local.server.pid
+        os.killpg(pid, signal.SIGKILL)
+        local.server.process.wait(timeout=10)
+        why = local.restart()
+        assert "tritonserver exited during the run (code -9)" in why and local.crashes == [why]
+        assert (tmp_path / "tritonserver.crash1.log").is_file()
+        assert local.url == url and local.server.pid != pid and local.server.is_alive()
+        with Code2WavStreamer(local.url) as streamer:
+            report = streamer.run([random_codes(3, 0)], StreamOptions(chunk_frames=1))
+        assert report.results[0].pcm.shape == (3 * 1920,)
+    finally:
+        local.stop()
+    assert not local.server
+
+
 # ---- 8. shutdown under traffic, the stream cap, memory per stream ---------------------------------
 
 def _stream_until_stopped(url: str, stop: threading.Event, outcomes: list, seed: int) -> None:
