@@ -62,10 +62,10 @@ def build(options: ExportOptions, loaded, out_dir: Path, force: bool = False) ->
 
 def prepare_local_repository(weights: str | None = None, random_init: bool = False, seed: int | None = None,
                              build_root: Path = Path("build"), options: ExportOptions | None = None,
-                             target: str = "python-ort", front_instances: int = 1) -> Path:
+                             target: str = "python-ort", serving=None) -> Path:
     """Export (when missing or stale) and render a model repository for a local server: code2wav and
-    the python-ort mimi_decoder (or the `null` bench decoder) under `build_root`, code2wav with
-    `front_instances` model instances.
+    the python-ort mimi_decoder (or the `null` bench decoder) under `build_root`, with `serving`
+    (render.DecoderServing; default: CPU instances and render's defaults).
 
     Weights: `weights` (folder, .safetensors file or hub id), else random when `random_init`, else
     kyutai/mimi from the local hub cache or the hub, else seeded random weights with a loud warning.
@@ -78,7 +78,7 @@ def prepare_local_repository(weights: str | None = None, random_init: bool = Fal
     loaded = choose_weights(weights, random_init, seed, allow_default=True)
     export_dir = build(options, loaded, export_dir_for(options, build_root / "export"))
     spec = DecoderSpec.from_dict(read_manifest(export_dir)["spec"])
-    serving = DecoderServing(instance_kind="KIND_CPU", front_instances=front_instances)
+    serving = serving or DecoderServing(instance_kind="KIND_CPU")
     repository = render_repository(spec, export_dir / MODEL_FILE, build_root / "model_repository", target, serving)
     log(f"model repository: {repository} (code2wav + {target} mimi_decoder, weights {loaded.source})")
     return repository

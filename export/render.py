@@ -66,12 +66,15 @@ class DecoderServing:
     # code2wav's model instances (Python processes). One carries a few thousand requests/s (its
     # per-request Python and IPC run under one GIL); more spread the streams over more cores.
     front_instances: int = 1
+    # How long code2wav's batcher waits for more streams' requests (its oldest max_queue_delay).
+    front_queue_delay_us: int = 1000
 
     def validate(self) -> None:
         if self.instance_kind not in ("KIND_GPU", "KIND_CPU"):
             raise ValueError(f"instance_kind must be KIND_GPU or KIND_CPU, got {self.instance_kind!r}")
-        if self.max_queue_delay_us < 0:
-            raise ValueError(f"max_queue_delay_us must be >= 0, got {self.max_queue_delay_us}")
+        if min(self.max_queue_delay_us, self.front_queue_delay_us) < 0:
+            raise ValueError(f"max_queue_delay_us and front_queue_delay_us must be >= 0, got "
+                             f"{self.max_queue_delay_us} and {self.front_queue_delay_us}")
         if min(self.max_batch_size, self.instance_count, self.max_candidate_sequences, self.max_rows_per_run,
                self.front_instances) < 1:
             raise ValueError("max_batch_size, instance_count, max_candidate_sequences, max_rows_per_run and "
@@ -256,7 +259,8 @@ def _set_config_number(config_text: str, field: str, value: int) -> str:
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
     """A complete model repository in `out_dir`: code2wav (copied, its decoder_max_frames_per_step set to
-    the export's max_frames_per_step, its instance count to serving.front_instances, its max_live_streams
+    the export's max_frames_per_step, its instance count and batcher wait to serving.front_instances and
+    front_queue_delay_us, its max_live_streams
     to each instance's share of the decoder's max_candidate_sequences and its own max_candidate_sequences
     to CODE2WAV_SLOTS_PER_STREAM times that) plus mimi_decoder for `target`, with
     model_repository/common/triton_streams.py beside each Python model's model.py. For a KIND_GPU
@@ -286,6 +290,7 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     text = set_string_parameter(text, "max_live_streams", str(per_instance))
     text = _set_config_number(text, "max_candidate_sequences", CODE2WAV_SLOTS_PER_STREAM * per_instance)
     text = _set_config_number(text, "count", serving.front_instances)
+    text = _set_config_number(text, "max_queue_delay_microseconds", serving.front_queue_delay_us)
     config.write_text(text)
     decoder = out_dir / serving.model_name
     version = decoder / "1"

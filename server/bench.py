@@ -53,6 +53,7 @@ from mimi_code2wav.client.stream import (
 )
 from mimi_code2wav.export.provenance import REPO_ROOT as ROOT
 from mimi_code2wav.export.provenance import git_commit, machine_description, timed
+from mimi_code2wav.export.render import DecoderServing
 
 from .processes import group_cpu_seconds
 from .triton import fetch_metrics, log_tail, metric_value
@@ -444,11 +445,14 @@ class LocalServer:
         except ImportError as exc:
             raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
         build_dir = Path(args.build_dir)
+        serving = DecoderServing(instance_kind="KIND_CPU", front_instances=args.front_instances,
+                                 max_queue_delay_us=args.max_queue_delay_us, front_queue_delay_us=args.front_queue_delay_us)
         repository = prepare_local_repository(args.weights, args.weights is None, 0, build_dir, target=args.decoder,
-                                              front_instances=args.front_instances)
+                                              serving=serving)
         log_path = build_dir / "tritonserver.log"
         return cls(repository, log_path, f"local tritonserver 2.51 (pytriton wheel), {args.decoder} decoder, "
-                   f"{args.front_instances} code2wav instance(s), log {log_path}")
+                   f"{args.front_instances} code2wav instance(s), batcher waits {args.front_queue_delay_us} us "
+                   f"(code2wav) / {args.max_queue_delay_us} us (decoder), log {log_path}")
 
     def start(self, ports: dict | None = None) -> None:
         from .triton import running_server
@@ -513,9 +517,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "else start a local one; `make bench URL=host:port`)")
     parser.add_argument("--decoder", choices=("python-ort", "null"), default="python-ort",
                         help="the local server's decoder; null measures the front's own ceiling (default %(default)s)")
-    parser.add_argument("--front-instances", type=int, default=1,
+    parser.add_argument("--front-instances", type=int, default=DecoderServing.front_instances,
                         help="code2wav instances of the local server (`code2wav-export render --front-instances`; "
                         "default %(default)s)")
+    parser.add_argument("--front-queue-delay-us", type=int, default=DecoderServing.front_queue_delay_us,
+                        help="code2wav's batcher wait in the local server (default %(default)s)")
+    parser.add_argument("--max-queue-delay-us", type=int, default=DecoderServing.max_queue_delay_us,
+                        help="the decoder's batcher wait in the local server (default %(default)s)")
     parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
     parser.add_argument("--build-dir", default=str(ROOT / "build" / "bench"), help="export folder of the local server")
     parser.add_argument("--streams", type=parse_counts, default=[1, 8, 32], help="unpaced sweep (default 1,8,32)")
@@ -582,6 +590,8 @@ def run(args: argparse.Namespace) -> int:
             "command": "code2wav-server bench " + " ".join(sys.argv[2:]),
             "server": server, "url": url(), "decoder": args.decoder if not args.url else None,
             "front_instances": args.front_instances if not args.url else None,
+            "queue_delay_us": None if args.url else {"code2wav": args.front_queue_delay_us,
+                                                     "mimi_decoder": args.max_queue_delay_us},
             "frames": args.frames, "chunk_frames": args.chunk_frames, "streams": args.streams,
             "paced_streams": args.paced_streams,
         }
