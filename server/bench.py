@@ -35,8 +35,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -87,8 +89,9 @@ def parse_perf_report(text: str) -> dict:
 
 
 def run_perf_point(args, url: str, streams: int, paced: bool, chunk_frames: int, request_rate_estimate: float | None,
-                   raw_dir: Path) -> dict:
-    """One perf_analyzer measurement; returns the row (with 'error' when it failed)."""
+                   raw_dir: Path, server_alive=lambda: True) -> dict:
+    """One perf_analyzer measurement; returns the row (with 'error' when it failed). perf_analyzer
+    waits for a dead server until its timeout, so it is stopped as soon as `server_alive()` is false."""
     info = describe(input_data(1, args.frames, chunk_frames, args.seed))
     name = f"perf-{'paced' if paced else 'unpaced'}-{streams}-c{chunk_frames}"
     csv_path = raw_dir / f"{name}.csv"
@@ -113,11 +116,20 @@ def run_perf_point(args, url: str, streams: int, paced: bool, chunk_frames: int,
         "command": " ".join(["client/perf.sh", *load, "--request-count", str(count)]),
     }
     timeout_s = max(120.0, 20 * args.point_seconds)
-    try:
-        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        row["error"] = f"perf_analyzer did not finish in {timeout_s:.0f} s"
-        return row
+    with subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        output = []
+        reader = threading.Thread(target=lambda: output.extend(process.communicate()), daemon=True)
+        reader.start()
+        while reader.is_alive() and time.monotonic() - started < timeout_s and server_alive():
+            reader.join(0.5)
+        if reader.is_alive():
+            os.killpg(process.pid, signal.SIGKILL)  # perf.sh execs perf_analyzer in its own group
+            reader.join()
+            row["error"] = (f"perf_analyzer did not finish in {timeout_s:.0f} s" if server_alive()
+                            else "the server exited during the point")
+            return row
+    done = subprocess.CompletedProcess(command, process.returncode, *output)
     (raw_dir / f"{name}.txt").write_text(f"$ {' '.join(command)}\n{done.stdout}\n{done.stderr}")
     row["seconds"] = time.monotonic() - started
     if done.returncode != 0 or not csv_path.exists():
@@ -468,8 +480,16 @@ class LocalServer:
     def restart(self) -> str:
         """Record why the server died, keep its log, start a new one on the same ports."""
         server = self.server
-        why = (f"tritonserver exited during the run (code {server.process.poll()}); log "
-               f"{self.log_path}:\n" + log_tail(self.log_path, 12))
+        code = server.process.poll()
+        tail = log_tail(self.log_path, 40).splitlines()
+        # From the signal line on, if any, keeping the stack frames that name a function (the others
+        # are bare addresses in the stripped libtritonserver).
+        signal_lines = [i for i, line in enumerate(tail) if "Signal (" in line]
+        if signal_lines:
+            tail = [line for line in tail[signal_lines[-1]:] if not re.search(r"#\s+0x[0-9A-Fa-f]+ in ", line)]
+        tail = tail[-8:]
+        why = (f"tritonserver exited during the run (code {code}{': SIGSEGV' if code == -11 else ''}); log "
+               f"{self.log_path}:\n" + "\n".join(tail))
         self.crashes.append(why)
         self.stop()
         crashed_log = self.log_path.with_name(f"{self.log_path.stem}.crash{len(self.crashes)}.log")
@@ -557,6 +577,9 @@ def run(args: argparse.Namespace) -> int:
             server, onnx_path = local.description, onnx_path or local.onnx_path
         url = (lambda: args.url) if args.url else (lambda: local.url)
 
+        def server_alive() -> bool:
+            return local is None or local.server.is_alive()
+
         def measure(name: str, point) -> dict:
             """One point, profiled. A local server that dies during it is restarted and the point
             measured once more; the row records the crash (a second crash leaves the error)."""
@@ -567,7 +590,7 @@ def run(args: argparse.Namespace) -> int:
                     row = point(url())
                 except ClientError as exc:
                     row = {"error": str(exc)}
-                if local is not None and not local.server.is_alive():
+                if not server_alive():
                     why = local.restart()
                     print(f"{name}: {why}\nrestarted the server", file=sys.stderr, flush=True)
                     if attempt == 1:
@@ -613,7 +636,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.no_perf:
                 print(f"perf_analyzer {label} ...", file=sys.stderr, flush=True)
                 row = {**point, **measure(label, lambda url, s=streams, c=chunk, r=request_rate_estimate:
-                                          run_perf_point(args, url, s, False, c, r, raw_dir))}
+                                          run_perf_point(args, url, s, False, c, r, raw_dir, server_alive))}
                 failures += "error" in row
                 results["perf"].append(row)
         if not args.no_client:
