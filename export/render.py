@@ -284,9 +284,10 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     # The front refuses a START past the decoder's capacity instead of queueing it behind the others:
     # for that the START must reach it, so Triton gives code2wav more sequence slots than streams
     # (a refused START holds its slot until it ENDs or idles out). Caps and slots are per instance:
-    # with several instances each admits its share (Triton fills the lowest free slot of any
-    # instance first, so streams spread evenly over them).
-    per_instance = -(-serving.max_candidate_sequences // serving.front_instances)
+    # with several instances each admits its share, rounded down so that together they never pass
+    # the decoder's capacity (Triton fills the lowest free slot of any instance first, so streams
+    # spread evenly over them).
+    per_instance = serving.max_candidate_sequences // serving.front_instances
     text = set_string_parameter(text, "max_live_streams", str(per_instance))
     text = _set_config_number(text, "max_candidate_sequences", CODE2WAV_SLOTS_PER_STREAM * per_instance)
     text = _set_config_number(text, "count", serving.front_instances)

@@ -588,8 +588,8 @@ def run(args: argparse.Namespace) -> int:
                 profile.start()
                 try:
                     row = point(url())
-                except ClientError as exc:
-                    row = {"error": str(exc)}
+                except Exception as exc:  # a dying server also fails the client's gRPC stream itself
+                    row = {"error": f"{type(exc).__name__}: {exc}"}
                 if not server_alive():
                     why = local.restart()
                     print(f"{name}: {why}\nrestarted the server", file=sys.stderr, flush=True)

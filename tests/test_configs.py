@@ -209,8 +209,8 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     code2wav = parse((shared / "code2wav" / "config.pbtxt").read_text())
     assert code2wav.instance_group[0].count == 2
     assert code2wav.sequence_batching.oldest.max_queue_delay_microseconds == 0
-    assert code2wav.parameters["max_live_streams"].string_value == "128"
-    assert code2wav.sequence_batching.oldest.max_candidate_sequences == 256
+    assert code2wav.parameters["max_live_streams"].string_value == "127"  # 2 x 127 <= 255
+    assert code2wav.sequence_batching.oldest.max_candidate_sequences == 254
     assert main(["render", "--target", "null", "--export-dir", str(onnx_fp32), "--out", str(shared),
                  "--max-streams", "2", "--front-instances", "3"]) == 2
     assert "front_instances (3) must not exceed the streams the decoder holds (2)" in capsys.readouterr().err
