@@ -35,7 +35,14 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from mimi_code2wav.export.reference import moshi_stream_decode
-from mimi_code2wav.server.triton import SHM_DIR, fetch_metrics, free_ports, metric_value, port_is_free
+from mimi_code2wav.server.triton import (
+    SHM_DIR,
+    fetch_metrics,
+    free_ports,
+    metric_value,
+    port_is_free,
+    process_group_alive,
+)
 
 from mimi_fixtures import assert_equal_audio, ort_session, ort_step_fn, spec_zero_state
 
@@ -809,16 +816,6 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return children
 
 
-def _process_group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _wait_until(condition, timeout_s: float, poll_s: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -875,7 +872,7 @@ def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_pa
             cli.wait()
     text = output_path.read_text()
     assert "SIGTERM: stopping tritonserver" in text
-    assert _wait_until(lambda: not Path(f"/proc/{server_pid}").exists() and not _process_group_alive(server_pid), 10), \
+    assert _wait_until(lambda: not Path(f"/proc/{server_pid}").exists() and not process_group_alive(server_pid), 10), \
         "tritonserver or one of its Python stubs outlived serve"
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
     assert list(SHM_DIR.glob(f"{shm_prefix}*")) == []
@@ -1035,7 +1032,7 @@ def test_sigterm_with_streams_in_flight_unloads_both_models_without_waiting_out_
     for message in errors:
         assert "the server is shutting down" in message and "StatusCode.UNAVAILABLE" in message, message
     assert "Traceback" not in text, "a shutdown error was logged as a server fault"
-    assert not _process_group_alive(pgid)
+    assert not process_group_alive(pgid)
     assert list(SHM_DIR.glob(f"{prefix}*")) == []
     print(f"\nSIGTERM with 8 streams in flight: exited in {exit_s:.1f} s; "
           f"{sum(kind == 'ok' for o in outcomes for kind, _ in o)} requests answered, "
