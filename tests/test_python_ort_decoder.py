@@ -770,6 +770,94 @@ def test_bound_runner_writes_states_into_arrays_of_its_own(onnx_session):
     np.testing.assert_array_equal(runner({**feeds, "state_in_00_acc": bound[1]})[1], bound[1] + plain[0][:, -1:])
 
 
+def bound_core(session, config=None, clock=None, limit_bytes=None):
+    """A core as model.py builds it: BoundRunner allocating its state outputs from the core's buffers."""
+    config = config or ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_core.check_against_onnx(config, session.get_inputs(), session.get_outputs())
+    buffers = ort_core.StateBuffers(limit_bytes or ort_core.state_buffer_limit(config))
+    runner = ort_core.BoundRunner(session, config, allocate=buffers.take)
+    core = ort_core.StreamingDecoderCore(config, runner, clock=clock or FakeClock(), buffers=buffers,
+                                         release=runner.release)
+    return core, buffers
+
+
+def test_state_buffers_hand_back_what_they_were_given_up_to_their_limit():
+    buffers = ort_core.StateBuffers(limit_bytes=3 * 64)
+    first = buffers.take((2, 8), np.float32)  # 64 bytes
+    assert first.shape == (2, 8) and buffers.allocated_total == 1
+    buffers.give([first])
+    assert buffers.take((2, 8), np.float32).base is first.base and buffers.reused_total == 1
+    assert buffers.take((2, 8), np.float64).base is not first.base  # another dtype: a new array
+    a, b, c, d = (buffers.take((2, 8), np.float32) for _ in range(4))
+    buffers.give([a, b, c])
+    assert buffers.held_bytes == 3 * 64
+    buffers.give([d])  # over the limit: the oldest (a) goes
+    assert buffers.held_bytes == 3 * 64
+    assert {id(buffers.take((2, 8), np.float32).base) for _ in range(3)} == {id(b.base), id(c.base), id(d.base)}
+    # Arrays it did not make are never kept, nor arrays larger than the limit.
+    buffers.give([np.empty((2, 8), np.float32), buffers.take((8, 8), np.float32)])
+    assert buffers.held_bytes == 0
+    buffers.give([a])
+    buffers.clear()
+    assert buffers.held_bytes == 0 and buffers.take((2, 8), np.float32).base is not a.base
+
+
+def test_state_buffers_serve_runs_of_any_rows_from_power_of_two_classes():
+    buffers = ort_core.StateBuffers(limit_bytes=1 << 20)
+    five = buffers.take((5, 3), np.float32)
+    assert five.shape == (5, 3) and five.flags.c_contiguous and five.base.shape == (8, 3)
+    buffers.give([five])
+    seven = buffers.take((7, 3), np.float32)  # the same 8-row class
+    assert seven.base is five.base and buffers.allocated_total == 1
+    assert buffers.take((1, 3), np.float32).base.shape == (1, 3)  # one row stays one row
+    assert buffers.take((3, 3), np.float32).base.shape == (4, 3)
+
+
+def test_reused_state_arrays_never_mix_streams(onnx_session):
+    """Streams step in changing groups, orders and sizes, start, restart, end and expire, while state
+    arrays go round through the buffers: every output still follows from its own stream's codes."""
+    clock = FakeClock()
+    core, buffers = bound_core(onnx_session, clock=clock)
+    rng = np.random.default_rng(7)
+    references: dict[int, Reference] = {}
+    for step in range(300):
+        chosen = [int(sid) for sid in rng.permutation(np.arange(1, 9))[: rng.integers(1, 9)]]
+        batch = []
+        for sid in chosen:
+            start = sid not in references or rng.random() < 0.05
+            if start:
+                references[sid] = Reference()
+            batch.append(request(sid, codes_for(1000 * step + sid), start=start, end=rng.random() < 0.05))
+        for req, result in zip(batch, core.step(batch)):
+            np.testing.assert_array_equal(result["pcm"], references[req.sequence_id].step(req.inputs["codes"]))
+            if req.end:
+                del references[req.sequence_id]
+        if step % 50 == 49:  # streams idle past the timeout are dropped, their arrays freed
+            clock.now += 3.0
+            core.expire_idle()
+            references.clear()
+        assert set(core._streams) == set(references)
+    # The arrays did go round, even in this worst case of random groups (a steady group: below).
+    assert buffers.reused_total > 5 * buffers.allocated_total
+    assert buffers.held_bytes <= ort_core.state_buffer_limit(core.config)
+
+
+def test_a_steady_group_of_streams_allocates_no_new_state(onnx_session):
+    clock = FakeClock()
+    core, buffers = bound_core(onnx_session, clock=clock)
+    for step in range(5):
+        core.step([request(sid, codes_for(step), start=step == 0) for sid in (1, 2, 3)])
+    allocated = buffers.allocated_total
+    for step in range(5, 25):
+        order = (1, 2, 3) if step % 2 else (3, 2, 1)
+        core.step([request(sid, codes_for(step)) for sid in order])
+    assert buffers.allocated_total == allocated
+    # Once the instance is idle the kept arrays go.
+    assert buffers.held_bytes > 0
+    clock.now += 1.5
+    assert core.release_idle_memory(idle_s=1.0) and buffers.held_bytes == 0
+
+
 def test_idle_memory_is_released_once_per_idle_period(onnx_session):
     clock = FakeClock()
     released = []

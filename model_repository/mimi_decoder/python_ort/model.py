@@ -153,9 +153,11 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"model '{self._name}': {exc}") from None
 
         mmap_fixed = fix_mmap_threshold()
-        runner = core.BoundRunner(session, config, arena_release_options(kind, device_id))
+        buffers = core.StateBuffers(core.state_buffer_limit(config))
+        runner = core.BoundRunner(session, config, arena_release_options(kind, device_id), allocate=buffers.take)
         self._core = core.StreamingDecoderCore(
-            config, runner, model_name=self._name, log_error=pb_utils.Logger.log_error, release=runner.release
+            config, runner, model_name=self._name, log_error=pb_utils.Logger.log_error, release=runner.release,
+            buffers=buffers,
         )
         self._input_names = [t.name for t in config.inputs]
         self._start_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START

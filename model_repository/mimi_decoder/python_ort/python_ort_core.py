@@ -44,6 +44,9 @@ Memory. A live stream costs its state (one row of each state tensor) and nothing
 are written by the session straight into arrays this model allocates (`BoundRunner`, IO binding),
 so ONNX Runtime's arena only ever holds one run's scratch, bounded by `max_rows_per_run`, and is
 handed back to the system once the instance has been idle for a while (`release_idle_memory`).
+State arrays no stream holds any more are kept for the next runs (`StateBuffers`, at most
+`state_buffer_limit` bytes, let go with the arena when idle): a fresh array of a few MiB costs the
+kernel a page fault per 4 KiB on its first write.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import json
 import math
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -228,6 +232,13 @@ PARAMETER_TYPES = {
     "max_live_streams": parse_stream_cap,
     "max_rows_per_run": _positive_int,
 }
+
+def state_buffer_limit(config: DecoderConfig) -> int:
+    """Bytes of free state arrays an instance keeps for reuse (StateBuffers): four full runs' worth.
+    Runs of changing groups and sizes (live streams) free and need arrays of every row class; with
+    random groups of 1-8 streams, 2 runs' worth reused about half, 4 runs' worth 7 in 8."""
+    return 4 * config.max_rows_per_run * config.state_bytes_per_stream
+
 
 # `max_live_streams: auto`: the streams' state may take this share of the memory available at load,
 # counting MEMORY_PER_STREAM_FACTOR x the state per stream (the state, plus the input copy a run of
@@ -427,17 +438,76 @@ class StepRequest:
     inputs: Mapping[str, np.ndarray | None]
 
 
+class StateBuffers:
+    """State arrays no stream holds any more, kept to be handed out again.
+
+    A new array of a few MiB is a new mmap (the model pins glibc's mmap threshold at 1 MiB so that
+    freed state goes back to the system): the kernel zeroes and maps every page on its first write,
+    for each run's output states and for every gathered input. Reusing arrays that were written
+    before skips that. Runs vary in rows, so arrays are kept in classes of a power of two rows: a
+    run of 5 rows gets the first 5 rows of an 8-row array (a view; `give` takes views back as their
+    whole array). At most `limit_bytes` are kept (the oldest go first); `clear()` lets them all go,
+    which the core does once the instance is idle. Only arrays that `take` made are ever kept.
+    """
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self._free: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._made: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        self.held_bytes = 0
+        self.reused_total = 0
+        self.allocated_total = 0
+
+    @staticmethod
+    def rows_class(rows: int) -> int:
+        return 1 << max(0, rows - 1).bit_length()
+
+    def take(self, shape: Sequence[int], dtype) -> np.ndarray:
+        """A C-contiguous array of this shape and dtype (maybe a view of the first rows of a larger
+        one), contents undefined."""
+        rows, rest, dtype = shape[0], tuple(shape[1:]), np.dtype(dtype)
+        whole = (self.rows_class(rows), *rest)
+        for ident, array in self._free.items():
+            if array.shape == whole and array.dtype == dtype:
+                del self._free[ident]
+                self.held_bytes -= array.nbytes
+                self.reused_total += 1
+                return array[:rows]
+        self.allocated_total += 1
+        array = np.empty(whole, dtype)
+        self._made[id(array)] = array
+        return array[:rows]
+
+    def give(self, arrays: Sequence[np.ndarray]) -> None:
+        """Arrays (or views that `take` made) nothing will read or write again."""
+        for array in arrays:
+            whole = array if array.base is None else array.base
+            if self._made.get(id(whole)) is not whole or id(whole) in self._free or whole.nbytes > self.limit_bytes:
+                continue
+            while self.held_bytes + whole.nbytes > self.limit_bytes:
+                _, oldest = self._free.popitem(last=False)
+                self.held_bytes -= oldest.nbytes
+            self._free[id(whole)] = whole
+            self.held_bytes += whole.nbytes
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.held_bytes = 0
+
+
 class _StateRows:
     """The output states of one session run: one `[rows, ...]` array per state tensor. Each stream
     of that run holds a row index into it, so no copy is made after a run; a later run whose rows are
     exactly the same streams feeds these arrays back as they are. The price: the arrays live until
     every stream of that run has stepped again or gone, or until `_release_shared_rows` gives the
-    streams left behind their own rows."""
+    streams left behind their own rows. `holders` counts the streams that hold a row: at 0 the
+    arrays go back to the core's StateBuffers."""
 
-    __slots__ = ("arrays",)
+    __slots__ = ("arrays", "holders")
 
     def __init__(self, arrays: Sequence[np.ndarray]):
         self.arrays = tuple(arrays)
+        self.holders = 0
 
 
 class _Stream:
@@ -458,10 +528,14 @@ class StreamingDecoderCore:
 
     `run(feeds)` runs one batched step: `feeds` maps every input and state-input name to a
     `[rows, ...]` array; it returns the outputs in the order of `output_names` (config outputs,
-    then state outputs), each `[rows, ...]`. `release(feeds)`, when given, runs one step whose
-    scratch memory is handed back to the system afterwards (`release_idle_memory`). Not
-    thread-safe: callers serialise `step()`, `expire_idle()` and `release_idle_memory()`. Request
-    failures are `ModelError`s (kind, message, TritonError code name).
+    then state outputs), each `[rows, ...]`; its state outputs must be new arrays (the core keeps
+    them as the streams' state and hands them back to `buffers` once no stream holds them).
+    `release(feeds)`, when given, runs one step whose scratch memory is handed back to the system
+    afterwards (`release_idle_memory`). `buffers` (default: one of its own, sized by
+    `state_buffer_limit`) is where gathered inputs come from and where state arrays go back to;
+    pass the one `run` allocates its state outputs from. Not thread-safe: callers serialise
+    `step()`, `expire_idle()` and `release_idle_memory()`. Request failures are `ModelError`s (kind,
+    message, TritonError code name).
     """
 
     def __init__(
@@ -472,6 +546,7 @@ class StreamingDecoderCore:
         model_name: str = "decoder",
         log_error: Callable[[str], None] = lambda message: None,
         release: Callable[[dict[str, np.ndarray]], object] | None = None,
+        buffers: StateBuffers | None = None,
     ):
         if config.max_live_streams is None:
             raise ValueError("max_live_streams must be resolved to a number first (auto_stream_cap)")
@@ -489,6 +564,7 @@ class StreamingDecoderCore:
             zero.flags.writeable = False
             self._zero_rows.append(zero)
         self._streams: dict[int, _Stream] = {}
+        self.buffers = buffers if buffers is not None else StateBuffers(state_buffer_limit(config))
         # Statistics since creation, read by the metrics publisher.
         self.runs_total = 0
         self.rows_total = 0
@@ -517,7 +593,7 @@ class StreamingDecoderCore:
             if now - stream.last_used > limit and sid not in keep
         ]
         for sid in idle:
-            del self._streams[sid]
+            self._remove(sid)
         self.expired_total += len(idle)
         return len(idle)
 
@@ -527,6 +603,7 @@ class StreamingDecoderCore:
         now = self._clock() if now is None else now
         if self._release is None or not self._runs_since_release or now - self._last_run_s < idle_s:
             return False
+        self.buffers.clear()
         feeds = {spec.name: np.zeros((1, *(1 if dim == -1 else dim for dim in spec.dims)), spec.dtype)
                  for spec in self.config.inputs}
         for state, zero in zip(self.config.states, self._zero_rows):
@@ -631,7 +708,7 @@ class StreamingDecoderCore:
                     results[index] = error
                     if request.end:
                         # Triton has already released the sequence: nothing can reach this state.
-                        self._streams.pop(request.sequence_id, None)
+                        self._remove(request.sequence_id)
                     continue
                 signature = tuple(rows[spec.name].shape for spec in self.config.inputs)
                 groups.setdefault(signature, []).append((index, rows))
@@ -650,6 +727,7 @@ class StreamingDecoderCore:
             previous.append((stream.rows, stream.row) if stream is not None else (None, 0))
 
         count = len(members)
+        gathered_arrays: list[np.ndarray] = []  # inputs gathered here: back to the buffers after the run
         reuse = previous[0][0]
         if (
             count > 1
@@ -673,7 +751,12 @@ class StreamingDecoderCore:
                     rows.arrays[position][row : row + 1] if rows is not None else zero
                     for rows, row in previous
                 ]
-                state_feeds.append(parts[0] if count == 1 else np.concatenate(parts))
+                if count == 1:
+                    state_feeds.append(parts[0])
+                else:
+                    gathered = self.buffers.take((count, *zero.shape[1:]), zero.dtype)
+                    state_feeds.append(np.concatenate(parts, out=gathered))
+                    gathered_arrays.append(gathered)
 
         feeds = {}
         for spec in self.config.inputs:
@@ -698,7 +781,8 @@ class StreamingDecoderCore:
                     "START it again",
                     "INTERNAL",
                 )
-                self._streams.pop(requests[index].sequence_id, None)
+                self._remove(requests[index].sequence_id)
+            self.buffers.give(gathered_arrays)
             self._log_error(
                 f"{self._model_name}: batched step of {count} rows failed:\n{traceback.format_exc()}"
             )
@@ -706,20 +790,24 @@ class StreamingDecoderCore:
 
         now = self._clock()
         num_outputs = len(self.config.outputs)
-        new_rows = _StateRows(outputs[num_outputs:])
+        fed = {id(array) for array in feeds.values()}
+        # A state output that is one of the inputs (a run may hand one back unchanged) becomes an
+        # array of its own: the input's array may go back to the buffers below.
+        new_rows = _StateRows([np.array(out) if id(out) in fed else out for out in outputs[num_outputs:]])
         for row, (index, _) in enumerate(members):
             request = requests[index]
             results[index] = {
                 spec.name: outputs[k][row : row + 1] for k, spec in enumerate(self.config.outputs)
             }
             if request.end:
-                self._streams.pop(request.sequence_id, None)
+                self._remove(request.sequence_id)
                 continue
             stream = self._streams.get(request.sequence_id)
             if stream is None:
-                self._streams[request.sequence_id] = _Stream(new_rows, row, now)
-            else:
-                stream.rows, stream.row, stream.last_used = new_rows, row, now
+                stream = self._streams[request.sequence_id] = _Stream(None, 0, now)
+            self._hold(stream, new_rows, row)
+            stream.last_used = now
+        self.buffers.give(gathered_arrays)
         self._release_shared_rows(previous, reused)
         self.runs_total += 1
         self._runs_since_release += 1
@@ -727,32 +815,55 @@ class StreamingDecoderCore:
         self.rows_total += count
         self.run_sizes.append(count)
 
+    def _hold(self, stream: _Stream, rows: _StateRows, row: int) -> None:
+        """Point `stream` at row `row` of `rows`, letting go of the rows it held."""
+        rows.holders += 1
+        old, stream.rows, stream.row = stream.rows, rows, row
+        if old is not None:
+            self._let_go(old)
+
+    def _let_go(self, rows: _StateRows) -> None:
+        rows.holders -= 1
+        if rows.holders == 0:
+            self.buffers.give(rows.arrays)
+
+    def _remove(self, sequence_id) -> None:
+        stream = self._streams.pop(sequence_id, None)
+        if stream is not None and stream.rows is not None:
+            self._let_go(stream.rows)
+
     def _release_shared_rows(self, previous, reused) -> None:
         """Streams left behind in a multi-row state array that this run's streams moved away from
         get their own row, so one idle stream never keeps a whole batch's arrays alive."""
         left = {id(rows): rows for rows, _ in previous
-                if rows is not None and rows is not reused and rows.arrays[0].shape[0] > 1}
+                if rows is not None and rows is not reused and rows.holders and rows.arrays[0].shape[0] > 1}
         if not left:
             return
         for stream in self._streams.values():
             if stream.rows is not None and id(stream.rows) in left:
-                old = stream.rows
-                stream.rows = _StateRows([array[stream.row : stream.row + 1].copy() for array in old.arrays])
-                stream.row = 0
+                own = []
+                for array in stream.rows.arrays:
+                    copy = self.buffers.take((1, *array.shape[1:]), array.dtype)
+                    copy[...] = array[stream.row : stream.row + 1]
+                    own.append(copy)
+                self._hold(stream, _StateRows(own), 0)
 
 
 class BoundRunner:
     """`run(feeds)` for StreamingDecoderCore over an ONNX Runtime session, through IO binding: the
     output states are written straight into numpy arrays allocated here (one per state per run),
     which the core keeps as the streams' state; the other outputs (small) come back as copies. ONNX
-    Runtime's arena then only holds one run's scratch. `release(feeds)` runs with the run option
+    Runtime's arena then only holds one run's scratch. `allocate(shape, dtype)` makes those arrays
+    (pass the core's `StateBuffers.take` to reuse them). `release(feeds)` runs with the run option
     that shrinks the arena afterwards (`release_options`, made by the caller, which owns the
     onnxruntime import), giving that scratch back to the system.
     """
 
-    def __init__(self, session, config: DecoderConfig, release_options=None):
+    def __init__(self, session, config: DecoderConfig, release_options=None,
+                 allocate: Callable[[Sequence[int], np.dtype], np.ndarray] = np.empty):
         self._session = session
         self._release_options = release_options
+        self._allocate = allocate
         self._outputs = [t.name for t in config.outputs]
         self._states = [(s.input, s.output) for s in config.states]
 
@@ -766,7 +877,7 @@ class BoundRunner:
         states = []
         for input_name, output_name in self._states:
             source = inputs[input_name]
-            state = np.empty(source.shape, source.dtype)
+            state = self._allocate(source.shape, source.dtype)
             binding.bind_output(output_name, "cpu", 0, state.dtype, list(state.shape), state.ctypes.data)
             states.append(state)
         self._session.run_with_iobinding(binding, run_options)
