@@ -720,8 +720,12 @@ def test_auto_stream_cap_comes_from_the_available_memory():
         TRITON_TYPES.__getitem__,
     )
     per_stream = 2 * config.state_bytes_per_stream  # 2 x 24 bytes
-    cap, reason = ort_core.auto_stream_cap(config, 48 * per_stream * 2 * 2)  # half of it, over 2 instances
+    kept = ort_core.state_buffer_limit(config)  # 4 runs of 8 rows: 32 x 24 bytes
+    assert kept == 32 * 24
+    # Half of it, over 2 instances, less the arrays each may keep.
+    cap, reason = ort_core.auto_stream_cap(config, (48 * per_stream + kept) * 2 * 2)
     assert cap == 48 and "2 instance(s)" in reason
+    assert ort_core.auto_stream_cap(config, (48 * per_stream + kept) * 2 * 2 - 1)[0] == 47
     cap, reason = ort_core.auto_stream_cap(config, 10**9)
     assert cap == 1000 and reason.startswith("1000 (max_candidate_sequences; memory would allow")
     cap, reason = ort_core.auto_stream_cap(config, None)

@@ -11,7 +11,8 @@ considers numeric version folders of a model. `export/render.py` copies it, `pyt
 `triton_streams.py` into a rendered `mimi_decoder/1/` next to `model.onnx`, with the config rendered
 from `config.pbtxt.tmpl`.
 
-Metrics (labels `model`, `version`; instances add up): gauge `mimi_decoder_live_streams`; counters
+Metrics (labels `model`, `version`; instances add up): gauges `mimi_decoder_live_streams` and
+`mimi_decoder_state_buffer_bytes` (free state arrays kept for the next runs); counters
 `mimi_decoder_batches_total` (session runs), `mimi_decoder_batched_requests_total` (rows run),
 `mimi_decoder_expired_streams_total`, `mimi_decoder_refused_streams_total` (STARTs refused at
 `max_live_streams`); histogram `mimi_decoder_batch_size` (rows per run).
@@ -93,6 +94,11 @@ class _Metrics:
         self.live = triton_streams.DeltaMetric(metric(
             "mimi_decoder_live_streams", "Sequences with decoder state held by the model", family.GAUGE
         ))
+        self.buffer_bytes = triton_streams.DeltaMetric(metric(
+            "mimi_decoder_state_buffer_bytes",
+            "Bytes of free state arrays kept for the next runs (let go when the model is idle)",
+            family.GAUGE,
+        ))
         self.batches = triton_streams.DeltaMetric(metric(
             "mimi_decoder_batches_total", "Batched decoder steps run (one session run each)", family.COUNTER
         ))
@@ -117,6 +123,7 @@ class _Metrics:
 
     def publish(self, decoder: core.StreamingDecoderCore) -> None:
         self.live.update(decoder.live_streams)
+        self.buffer_bytes.update(decoder.buffers.held_bytes)
         self.batches.update(decoder.runs_total)
         self.batched_requests.update(decoder.rows_total)
         self.expired.update(decoder.expired_total)
@@ -128,8 +135,9 @@ class _Metrics:
     def close(self) -> None:
         # This instance's streams leave the shared gauge with it.
         self.live.withdraw()
+        self.buffer_bytes.withdraw()
         # Metrics go before their families (python_backend custom-metrics contract).
-        self.live = self.batches = self.batched_requests = self.expired = self.refused = self.batch_size = None
+        self.live = self.buffer_bytes = self.batches = self.batched_requests = self.expired = self.refused = self.batch_size = None
         self._families.clear()
 
 
@@ -191,9 +199,9 @@ class TritonPythonModel:
 
     def _expire_idle(self) -> None:
         # Called by the sweeper thread under its lock.
-        if self._core.expire_idle():
+        expired = self._core.expire_idle()
+        if self._core.release_idle_memory() or expired:
             self._publish_metrics()
-        self._core.release_idle_memory()
 
     def execute(self, requests):
         step_requests = []

@@ -271,8 +271,9 @@ def available_memory_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/f
 
 def auto_stream_cap(config: DecoderConfig, available_bytes: int | None) -> tuple[int, str]:
     """`max_live_streams: auto` for one instance: AUTO_MEMORY_SHARE of the available memory, split
-    over the instances, at MEMORY_PER_STREAM_FACTOR x the state per stream; never above
-    max_candidate_sequences. Returns (cap, a sentence saying how it was derived)."""
+    over the instances, less the free state arrays an instance may keep (`state_buffer_limit`), at
+    MEMORY_PER_STREAM_FACTOR x the state per stream; never above max_candidate_sequences. Returns
+    (cap, a sentence saying how it was derived)."""
     per_stream = MEMORY_PER_STREAM_FACTOR * config.state_bytes_per_stream
     candidates = config.max_candidate_sequences
     if available_bytes is None:
@@ -280,9 +281,11 @@ def auto_stream_cap(config: DecoderConfig, available_bytes: int | None) -> tuple
             raise ValueError("max_live_streams is 'auto' but neither the available memory nor "
                              "max_candidate_sequences is known: set a number")
         return candidates, f"{candidates} (max_candidate_sequences; available memory unknown)"
-    cap = max(1, int(AUTO_MEMORY_SHARE * available_bytes / config.instance_count // per_stream))
-    reason = (f"{AUTO_MEMORY_SHARE:g} x {available_bytes / 2**30:.1f} GiB available / {config.instance_count} "
-              f"instance(s) / {per_stream / 2**20:.1f} MiB per stream ({MEMORY_PER_STREAM_FACTOR}x its state)")
+    kept = state_buffer_limit(config)
+    cap = max(1, int((AUTO_MEMORY_SHARE * available_bytes / config.instance_count - kept) // per_stream))
+    reason = (f"({AUTO_MEMORY_SHARE:g} x {available_bytes / 2**30:.1f} GiB available / {config.instance_count} "
+              f"instance(s) - {kept / 2**20:.0f} MiB of kept state arrays) / {per_stream / 2**20:.1f} MiB per "
+              f"stream ({MEMORY_PER_STREAM_FACTOR}x its state)")
     if candidates is not None and candidates < cap:
         return candidates, f"{candidates} (max_candidate_sequences; memory would allow {cap}: {reason})"
     return cap, f"{cap} ({reason})"
@@ -593,17 +596,21 @@ class StreamingDecoderCore:
             if now - stream.last_used > limit and sid not in keep
         ]
         for sid in idle:
-            self._remove(sid)
+            self._remove(sid, keep_arrays=False)
         self.expired_total += len(idle)
         return len(idle)
 
     def release_idle_memory(self, idle_s: float = 1.0, now: float | None = None) -> bool:
-        """After `idle_s` without a run, run one throw-away step of one zero row through `release`,
-        which hands the session's scratch memory back (once per idle period). Returns whether it ran."""
+        """After `idle_s` without a run, let the kept state arrays go and run one throw-away step of
+        one zero row through `release`, which hands the session's scratch memory back (once per idle
+        period). Returns whether anything was let go."""
         now = self._clock() if now is None else now
-        if self._release is None or not self._runs_since_release or now - self._last_run_s < idle_s:
+        if now - self._last_run_s < idle_s:
             return False
+        held = self.buffers.held_bytes
         self.buffers.clear()
+        if self._release is None or not self._runs_since_release:
+            return held > 0
         feeds = {spec.name: np.zeros((1, *(1 if dim == -1 else dim for dim in spec.dims)), spec.dtype)
                  for spec in self.config.inputs}
         for state, zero in zip(self.config.states, self._zero_rows):
@@ -822,15 +829,17 @@ class StreamingDecoderCore:
         if old is not None:
             self._let_go(old)
 
-    def _let_go(self, rows: _StateRows) -> None:
+    def _let_go(self, rows: _StateRows, keep_arrays: bool = True) -> None:
         rows.holders -= 1
-        if rows.holders == 0:
+        if rows.holders == 0 and keep_arrays:
             self.buffers.give(rows.arrays)
 
-    def _remove(self, sequence_id) -> None:
+    def _remove(self, sequence_id, keep_arrays: bool = True) -> None:
+        """Forget a stream; its arrays go back to the buffers unless `keep_arrays` is false (an
+        expired stream: its instance is likely idle, and idle memory goes back to the system)."""
         stream = self._streams.pop(sequence_id, None)
         if stream is not None and stream.rows is not None:
-            self._let_go(stream.rows)
+            self._let_go(stream.rows, keep_arrays)
 
     def _release_shared_rows(self, previous, reused) -> None:
         """Streams left behind in a multi-row state array that this run's streams moved away from
