@@ -66,8 +66,9 @@ class DecoderServing:
     # code2wav's model instances (Python processes). One carries a few thousand requests/s (its
     # per-request Python and IPC run under one GIL); more spread the streams over more cores.
     front_instances: int = 1
-    # How long code2wav's batcher waits for more streams' requests (its oldest max_queue_delay).
-    front_queue_delay_us: int = 1000
+    # How long code2wav's batcher waits for more streams' requests (its oldest max_queue_delay). A
+    # code2wav instance sends one batch to the decoder at a time, so this sets the decoder's batches.
+    front_queue_delay_us: int = 3000
 
     def validate(self) -> None:
         if self.instance_kind not in ("KIND_GPU", "KIND_CPU"):

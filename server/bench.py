@@ -257,6 +257,11 @@ def _fmt(value, digits: int = 1) -> str:
 
 
 CRASH_MARK = " (†)"
+
+
+def streams_cell(row: dict) -> str:
+    """A row's stream count, marked when it was measured again after a server crash."""
+    return f"{row['streams']}{CRASH_MARK if row.get('after_server_crash') else ''}"
 PACED_KEEPS_REAL_TIME = 0.99  # slowest stream's RTF: paced streams cannot exceed 1, jitter costs ~1%
 
 
@@ -324,7 +329,7 @@ def markdown_report(results: dict) -> str:
         for row in results["client"]:
             pacing = ("paced, catch-up" if row.get("catch_up") else "paced") if row["paced"] else "unpaced"
             frames = _fmt(row["frames_per_request_mean"], 2) if row.get("catch_up") and "error" not in row else row["chunk_frames"]
-            head = f"| {frames} | {row['streams']}{CRASH_MARK if row.get('after_server_crash') else ''} | {pacing}"
+            head = f"| {frames} | {streams_cell(row)} | {pacing}"
             if "error" in row:
                 lines.append(f"{head} | {row['error']} | | | | |")
                 continue
@@ -348,7 +353,7 @@ def markdown_report(results: dict) -> str:
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in results["perf"]:
-            head = f"| {row['chunk_frames']} | {row['streams']}{CRASH_MARK if row.get('after_server_crash') else ''}"
+            head = f"| {row['chunk_frames']} | {streams_cell(row)}"
             needed = _fmt(row["streams"] * FRAMES_PER_S_REAL_TIME)
             if "error" in row:
                 lines.append(f"{head} | {row['error']} | | {needed} | | | | | |")
@@ -385,7 +390,7 @@ def markdown_report(results: dict) -> str:
             models = [profile.get(model, {}) for model in PointProfile.MODELS]
             model_cells = " | ".join(f"{_fmt(m.get('mean_batch'), 2)} / {_fmt(m.get('execute_ms'), 2)}" for m in models)
             lines.append(
-                f"| {tool} | {row['chunk_frames']} | {row['streams']}{CRASH_MARK if row.get('after_server_crash') else ''} "
+                f"| {tool} | {row['chunk_frames']} | {streams_cell(row)} "
                 f"| {_fmt(row.get('requests_per_s'))} | {cpu_cell} | {_fmt(profile.get('load_cpu_ms_per_request'), 3)} "
                 f"| {_fmt(profile.get('server_cpu_cores_busy'), 2)} | {model_cells} |"
             )
@@ -488,11 +493,11 @@ class LocalServer:
         if signal_lines:
             tail = [line for line in tail[signal_lines[-1]:] if not re.search(r"#\s+0x[0-9A-Fa-f]+ in ", line)]
         tail = tail[-8:]
+        crashed_log = self.log_path.with_name(f"{self.log_path.stem}.crash{len(self.crashes) + 1}.log")
         why = (f"tritonserver exited during the run (code {code}{': SIGSEGV' if code == -11 else ''}); log "
-               f"{self.log_path}:\n" + "\n".join(tail))
+               f"kept as {crashed_log}:\n" + "\n".join(tail))
         self.crashes.append(why)
         self.stop()
-        crashed_log = self.log_path.with_name(f"{self.log_path.stem}.crash{len(self.crashes)}.log")
         if self.log_path.exists():
             self.log_path.replace(crashed_log)
         self.start(dict(http_port=server.http_port, grpc_port=server.grpc_port, metrics_port=server.metrics_port))
@@ -524,6 +529,18 @@ def decoder_step_ms(onnx_path: Path, frame_counts: list[int], seconds: float = 1
     return result
 
 
+def positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def non_negative_int(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"an integer >= 0, got {text!r}")
+    return int(text)
+
+
 def parse_counts(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
@@ -537,12 +554,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "else start a local one; `make bench URL=host:port`)")
     parser.add_argument("--decoder", choices=("python-ort", "null"), default="python-ort",
                         help="the local server's decoder; null measures the front's own ceiling (default %(default)s)")
-    parser.add_argument("--front-instances", type=int, default=DecoderServing.front_instances,
+    parser.add_argument("--front-instances", type=positive_int, default=DecoderServing.front_instances,
                         help="code2wav instances of the local server (`code2wav-export render --front-instances`; "
                         "default %(default)s)")
-    parser.add_argument("--front-queue-delay-us", type=int, default=DecoderServing.front_queue_delay_us,
+    parser.add_argument("--front-queue-delay-us", type=non_negative_int, default=DecoderServing.front_queue_delay_us,
                         help="code2wav's batcher wait in the local server (default %(default)s)")
-    parser.add_argument("--max-queue-delay-us", type=int, default=DecoderServing.max_queue_delay_us,
+    parser.add_argument("--max-queue-delay-us", type=non_negative_int, default=DecoderServing.max_queue_delay_us,
                         help="the decoder's batcher wait in the local server (default %(default)s)")
     parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
     parser.add_argument("--build-dir", default=str(ROOT / "build" / "bench"), help="export folder of the local server")

@@ -202,8 +202,8 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     assert code2wav.instance_group[0].count == 1
     # Several front instances share the streams out: each admits its share, with 2x the slots.
     shared = tmp_path / "shared"
-    assert code2wav.sequence_batching.oldest.max_queue_delay_microseconds == 1000  # as checked in
-    assert tracked.sequence_batching.oldest.max_queue_delay_microseconds == 1000
+    assert code2wav.sequence_batching.oldest.max_queue_delay_microseconds == 3000  # as checked in
+    assert tracked.sequence_batching.oldest.max_queue_delay_microseconds == 3000
     assert main(["render", "--target", "null", "--export-dir", str(onnx_fp32), "--out", str(shared),
                  "--max-streams", "255", "--front-instances", "2", "--front-queue-delay-us", "0"]) == 0
     code2wav = parse((shared / "code2wav" / "config.pbtxt").read_text())

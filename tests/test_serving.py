@@ -959,7 +959,7 @@ def test_the_bench_server_restarts_on_the_same_ports_after_a_crash(null_reposito
         local.server.process.wait(timeout=10)
         why = local.restart()
         assert "tritonserver exited during the run (code -9)" in why and local.crashes == [why]
-        assert (tmp_path / "tritonserver.crash1.log").is_file()
+        assert (tmp_path / "tritonserver.crash1.log").is_file() and f"log kept as {tmp_path / 'tritonserver.crash1.log'}" in why
         assert local.url == url and local.server.pid != pid and local.server.is_alive()
         with Code2WavStreamer(local.url) as streamer:
             report = streamer.run([random_codes(3, 0)], StreamOptions(chunk_frames=1))
