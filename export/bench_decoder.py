@@ -44,8 +44,7 @@ def step_flops_per_frame(step) -> float:
     flops += step.num_layers * steps * (per_step + 2 * 2 * step.context * hidden)
 
     def conv(layer, length):
-        out_ch, in_per_group, kernel = layer.weight.shape
-        return 2 * out_ch * in_per_group * kernel * length
+        return 2 * layer.out_channels * (layer.channels // layer.groups) * layer.kernel * length
 
     def convtr(layer, length):
         in_ch, out_per_group, kernel = layer.weight.shape

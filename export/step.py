@@ -34,29 +34,53 @@ KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # Positions are split as hi * ROPE_BLOCK + lo so RoPE angles stay accurate in fp32 for streams of
 # many hours: a plain fp32 `position * inv_freq` loses ~4e-3 rad at 100,000 steps, the split ~1e-4.
 ROPE_BLOCK = 1024
+# Stride-1 convs with at least this many input channels run as one matmul over the batch.
+MATMUL_CONV_CHANNELS = 512
 
 
 class _StreamingConv(nn.Module):
-    """Causal stride-1 conv; its state is the last (kernel - 1) * dilation input samples."""
+    """Causal stride-1 conv; its state is the last (kernel - 1) * dilation input samples.
+
+    Convs of at least MATMUL_CONV_CHANNELS input channels (the first layers of the SEANet, a few
+    samples per frame each) run as one matmul over the whole batch: the kernel taps gathered beside
+    the channels, [B * T, Cin * K] @ [Cin * K, Cout]. A Conv runs one GEMM per stream, each reading
+    the whole weight (15 MB for the first conv) for a couple of output samples."""
 
     def __init__(self, conv: nn.Conv1d, dtype: torch.dtype):
         super().__init__()
         if conv.stride[0] != 1 or conv.padding[0] != 0:
             raise ValueError("streaming conv expects stride 1 and no built-in padding")
-        self.weight = nn.Parameter(conv.weight.detach().to(dtype).clone(), requires_grad=False)
         self.bias = None
         if conv.bias is not None:
             self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
         self.dilation = conv.dilation[0]
         self.groups = conv.groups
-        self.context = (conv.kernel_size[0] - 1) * self.dilation
+        self.kernel = conv.kernel_size[0]
+        self.context = (self.kernel - 1) * self.dilation
         self.channels = conv.in_channels
+        self.out_channels = conv.out_channels
+        self.as_matmul = self.groups == 1 and self.channels >= MATMUL_CONV_CHANNELS
+        weight = conv.weight.detach().to(dtype)
+        if self.as_matmul:  # [Cout, Cin, K] -> [Cin * K, Cout]
+            weight = weight.flatten(1).t()
+        self.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
         if self.context:
             x = torch.cat([state.take(self.channels, self.context), x], dim=2)
             state.put(x[:, :, -self.context :])
-        return F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
+        if not self.as_matmul:
+            return F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
+        steps = x.shape[2] - self.context
+        if self.kernel == 1:
+            rows = x.transpose(1, 2).reshape(-1, self.channels)
+        else:
+            taps = [x[:, :, j * self.dilation : j * self.dilation + steps] for j in range(self.kernel)]
+            rows = torch.stack(taps, dim=3).transpose(1, 2).reshape(-1, self.channels * self.kernel)
+        y = torch.matmul(rows, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(x.shape[0], steps, self.out_channels).transpose(1, 2)
 
 
 class _StreamingConvTranspose(nn.Module):
@@ -83,8 +107,11 @@ class _StreamingConvTranspose(nn.Module):
     def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
         stride, channels = self.stride, self.channels
         if self.groups == 1:
-            # [B, T, Cin] @ [Cin, Cout * K] -> [B, T, Cout, K]
-            cols = torch.matmul(x.transpose(1, 2), self.weight.flatten(1)).unflatten(2, (channels, 2 * stride))
+            # [B * T, Cin] @ [Cin, Cout * K] -> [B, T, Cout, K]. The rows are made contiguous first so
+            # that the whole batch is one GEMM that reads the weight once (a transposed 3-D input
+            # runs as one GEMM of T rows per stream, each reading all of the weight).
+            rows = x.transpose(1, 2).reshape(-1, x.shape[1])
+            cols = torch.matmul(rows, self.weight.flatten(1)).view(x.shape[0], x.shape[2], channels, 2 * stride)
         else:  # depthwise: [B, T, C, 1] * [C, K]
             cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
         first, second = cols.split(stride, dim=-1)  # one Split: two Slices of the last axis cost more
