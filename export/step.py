@@ -147,6 +147,24 @@ class _ConvState:
         self.updates.append(piece.flatten(1))
 
 
+class _Elu(nn.Module):
+    """ELU as relu(x) + alpha * (exp(min(x, 0)) - 1): the same values (within an ulp), and in ONNX
+    Runtime's vectorised Relu / Min / Exp kernels about 3x faster on a CPU than its Elu kernel, which
+    is a tenth of the SEANet's time at batch 8."""
+
+    def __init__(self, alpha: float):
+        super().__init__()
+        self.alpha = float(alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        negative = torch.exp(torch.clamp(x, max=0.0)) - 1.0
+        return torch.relu(x) + (negative if self.alpha == 1.0 else self.alpha * negative)
+
+
+def _plain_layer(layer: nn.Module) -> nn.Module:
+    return _Elu(layer.alpha) if isinstance(layer, nn.ELU) else layer
+
+
 class _SEANetBlock(nn.Module):
     """Residual block: ELU, conv k3, ELU, conv k1, plus identity (or 1x1 conv) shortcut."""
 
@@ -155,7 +173,8 @@ class _SEANetBlock(nn.Module):
         from transformers.models.mimi.modeling_mimi import MimiConv1d
 
         self.layers = nn.ModuleList(
-            [_StreamingConv(layer.conv, dtype) if isinstance(layer, MimiConv1d) else layer for layer in block.block]
+            [_StreamingConv(layer.conv, dtype) if isinstance(layer, MimiConv1d) else _plain_layer(layer)
+             for layer in block.block]
         )
         self.shortcut = None
         if isinstance(block.shortcut, MimiConv1d):
@@ -274,7 +293,7 @@ class MimiDecoderStep(nn.Module):
             elif isinstance(layer, MimiResnetBlock):
                 self.seanet.append(_SEANetBlock(layer, dtype))
             else:
-                self.seanet.append(layer)
+                self.seanet.append(_plain_layer(layer))
 
         # The mask of the largest call; a call of T steps uses its first T rows and n + T columns.
         max_steps = self.steps_per_frame * max_frames_per_step
