@@ -41,6 +41,7 @@ HISTORY_FRAMES = 250
 RESUMED_MIN_SNR_DB = 75.0
 FAIL_TIMEOUT_S = 2
 STREAM_IDLE_TIMEOUT_S = 10.0  # code2wav's (model_repository/code2wav/config.pbtxt)
+IDLE_MARGIN_S = 1.5  # Triton's sequence reaper and code2wav's expiry thread wake within this of the timeout
 
 
 @pytest.fixture(scope="module")
@@ -192,16 +193,17 @@ def test_a_killed_replicas_streams_resume_elsewhere_and_the_others_never_notice(
 
 
 def test_a_restarted_replica_takes_its_streams_back_and_they_resume_again(replica_set, streams, solo, clients):
-    """The killed replica restarts under the same address: once nginx tries it again (after its fail
-    timeout) its keys hash to it again, so the streams that moved away resume once more (on it) and
+    """The killed replica restarts under the same address while every stream sits idle past the
+    stream idle timeout: each stream resumes on its next request, the ones that moved away resume on
+    the restarted replica (their keys hash to it again once nginx tries it after its fail timeout),
     every stream ends with the exact sample count; a new stream of one of its keys lands on it."""
     dead = next(replica for replica in replica_set.replicas if not replica.is_alive())
-    idle_since = time.monotonic()
+    idle_since = time.monotonic()  # after every stream's last answer
     replica_set.restart(dead.index)
-    time.sleep(FAIL_TIMEOUT_S + 0.5)
-    # The streams sat idle meanwhile; past the 10 s stream idle timeout every replica has dropped
-    # them, and each one resumes once more on its first request (as a live client would after a pause).
-    expired = time.monotonic() - idle_since > STREAM_IDLE_TIMEOUT_S
+    # Every replica drops the idle streams. Waiting out the timeout for all of them makes the outcome
+    # independent of how long the restart took: a restart that ends near the timeout would otherwise
+    # leave some sequences alive and others expired by the time their next request arrives.
+    time.sleep(max(FAIL_TIMEOUT_S + 0.5, idle_since + STREAM_IDLE_TIMEOUT_S + IDLE_MARGIN_S - time.monotonic()))
     first, stop = KILL_AT + AFTER_KILL, KILL_AT + AFTER_KILL + AFTER_RESTART
     moved = {key for key, stream in clients.items() if stream.resumes}
     last = _in_threads({key: (lambda key=key: _decode(clients[key], streams[key], first, stop, end=True))
@@ -210,19 +212,13 @@ def test_a_restarted_replica_takes_its_streams_back_and_they_resume_again(replic
         assert last[key].shape == (AFTER_RESTART * SAMPLES_PER_FRAME,)
         reference = solo[key][first * SAMPLES_PER_FRAME : stop * SAMPLES_PER_FRAME]
         later = [r for r in clients[key].resumes if r.frame >= first]
-        if key in moved or expired:
-            # Its key came back to the restarted replica (once nginx tries it again, at a chunk
-            # boundary within the last part), or its sequence expired: one more resume; after an
-            # expiry up to two: with all 12 streams replaying 260 frames at once on these 2 cores, one
-            # resume request took 10.5 s, and Triton measures a sequence's idle time from its last
-            # request's arrival, so the sequence expired as that request finished (docs/design.md §7).
-            most = 2 if expired else 1
-            assert 1 <= len(later) <= most and all(first <= r.frame < stop for r in later), \
-                [r.describe() for r in clients[key].resumes]
-            assert snr_db(last[key], reference) >= RESUMED_MIN_SNR_DB, key
-        else:
-            assert not later, [r.describe() for r in later]
-            assert_equal_audio(last[key], reference, what=f"{key} after the restart")
+        # One resume on its first request after the pause; up to two: with all 12 streams replaying 250
+        # frames at once on these 2 cores, one resume request took 10.5 s, and Triton measures a
+        # sequence's idle time from its last request's arrival, so the sequence expired as that
+        # request finished (docs/design.md §7).
+        assert 1 <= len(later) <= 2 and later[0].frame == first and all(first <= r.frame < stop for r in later), \
+            [r.describe() for r in clients[key].resumes]
+        assert snr_db(last[key], reference) >= RESUMED_MIN_SNR_DB, key
     served = _served_by(replica_set)
     assert any(dead.grpc_url in served[key] for key in moved), served
     # A new stream of a key the restarted replica owns starts there.
