@@ -89,11 +89,11 @@ def parse_perf_report(text: str) -> dict:
 
 
 def run_perf_point(args, url: str, streams: int, paced: bool, chunk_frames: int, request_rate_estimate: float | None,
-                   raw_dir: Path, server_alive=lambda: True) -> dict:
+                   raw_dir: Path, server_alive=lambda: True, name_suffix: str = "") -> dict:
     """One perf_analyzer measurement; returns the row (with 'error' when it failed). perf_analyzer
     waits for a dead server until its timeout, so it is stopped as soon as `server_alive()` is false."""
     info = describe(input_data(1, args.frames, chunk_frames, args.seed))
-    name = f"perf-{'paced' if paced else 'unpaced'}-{streams}-c{chunk_frames}"
+    name = f"perf-{'paced' if paced else 'unpaced'}-{streams}-c{chunk_frames}{name_suffix}"
     csv_path = raw_dir / f"{name}.csv"
     if paced:
         rate = streams * FRAMES_PER_S_REAL_TIME / info["mean_frames_per_step"]
@@ -102,8 +102,18 @@ def run_perf_point(args, url: str, streams: int, paced: bool, chunk_frames: int,
         load = ["--request-rate-range", f"{rate:.4f}", "--num-of-sequences", str(streams), "--serial-sequences"]
     else:
         rate = None
-        estimate = request_rate_estimate or 10.0
-        count = max(math.ceil(estimate * args.point_seconds), 4 * streams)
+        if request_rate_estimate is None:
+            # No client run before this point (--no-client): a short probe sizes it, so that the
+            # point lasts about point_seconds at any rate (a fixed guess made fast servers' points
+            # a few hundred ms of sequence starts). N streams in a closed loop make N requests per
+            # request latency; the probe's own throughput is not usable (perf_analyzer divides a
+            # request count by whole seconds).
+            probe = run_perf_point(args, url, streams, False, chunk_frames, 4 * streams / args.point_seconds,
+                                   raw_dir, server_alive, name_suffix="-probe")
+            if "error" in probe:
+                return probe
+            request_rate_estimate = streams / (probe["p50_ms"] / 1e3)
+        count = max(math.ceil(request_rate_estimate * args.point_seconds), 4 * streams)
         load = ["--concurrency-range", str(streams)]
     env = dict(
         os.environ, URL=url, STREAMS=str(streams), FRAMES=str(args.frames), CHUNK_FRAMES=str(chunk_frames),
