@@ -118,6 +118,22 @@ def _decode(stream: ResumableStream, codes: np.ndarray, first: int, stop: int, e
     return np.concatenate(chunks)
 
 
+def _after_expiry(resumes, frame: int) -> bool:
+    """Every one of `resumes` came after `frame` and followed an expired sequence (the server asked
+    for START)."""
+    return all(r.frame > frame and "START" in r.error for r in resumes)
+
+
+def _assert_resumed_audio(key: str, pcm: np.ndarray, reference: np.ndarray, resume) -> None:
+    """Exact up to the resume, within the resume table's SNR after it (its first second and all of it)."""
+    cut = resume.frame * SAMPLES_PER_FRAME
+    assert_equal_audio(pcm[:cut], reference[:cut], what=f"{key} before its resume at frame {resume.frame}")
+    first_second = slice(cut, cut + 13 * SAMPLES_PER_FRAME)
+    snr_first, snr_all = snr_db(pcm[first_second], reference[first_second]), snr_db(pcm[cut:], reference[cut:])
+    assert min(snr_first, snr_all) >= RESUMED_MIN_SNR_DB, (key, snr_first, snr_all)
+    print(f"{key}: {resume.describe()}; SNR after the resume {snr_first:.1f} dB (1 s), {snr_all:.1f} dB (to the end)")
+
+
 def _in_threads(work: dict[str, callable]) -> dict[str, object]:
     results, errors = {}, {}
 
@@ -182,28 +198,18 @@ def test_a_killed_replicas_streams_resume_elsewhere_and_the_others_never_notice(
             # requests waited behind the victims' replays (same code2wav batch) longer than the idle
             # timeout, which Triton counts from the request's arrival (seen in CI: 10.03 s on these
             # 2 cores; docs/design.md §7). Then it resumes once (on the same replica: its key's).
-            assert len(resumes) <= 1 and all(r.frame > KILL_AT and "START" in r.error for r in resumes), \
-                (key, [r.describe() for r in resumes])
+            assert len(resumes) <= 1 and _after_expiry(resumes, KILL_AT), (key, [r.describe() for r in resumes])
             if not resumes:
                 assert_equal_audio(pcm, reference, what=f"{key} (on a live replica)")
-                continue
-            cut = resumes[0].frame * SAMPLES_PER_FRAME
-            assert_equal_audio(pcm[:cut], reference[:cut], what=f"{key} before its sequence expired")
-            assert snr_db(pcm[cut:], reference[cut:]) >= RESUMED_MIN_SNR_DB, key
-            print(f"{key} (live replica): {resumes[0].describe()}")
+            else:
+                _assert_resumed_audio(key, pcm, reference, resumes[0])
             continue
         # Resumed at the kill; once more at most, if its replay request took longer than the idle
         # timeout (its sequence then expired as it finished, docs/design.md §7).
         assert resumes and resumes[0].frame == KILL_AT and resumes[0].history_frames == HISTORY_FRAMES \
-            and len(resumes) <= 2 and all(r.frame > KILL_AT and "START" in r.error for r in resumes[1:]), \
-            [r.describe() for r in resumes]
-        cut = KILL_AT * SAMPLES_PER_FRAME
-        assert_equal_audio(pcm[:cut], reference[:cut], what=f"{key} before the kill")
-        first_second = slice(cut, cut + 13 * SAMPLES_PER_FRAME)
-        snr_first, snr_all = snr_db(pcm[first_second], reference[first_second]), snr_db(pcm[cut:], reference[cut:])
-        assert min(snr_first, snr_all) >= RESUMED_MIN_SNR_DB, (key, snr_first, snr_all)
+            and len(resumes) <= 2 and _after_expiry(resumes[1:], KILL_AT), [r.describe() for r in resumes]
+        _assert_resumed_audio(key, pcm, reference, resumes[0])
         stalls.append(resumes[0].stall_s)
-        print(f"{key}: {resumes[0].describe()}; SNR after the resume {snr_first:.1f} dB (1 s), {snr_all:.1f} dB (2.4 s)")
 
     # nginx took the dead replica out: nothing after the kill was answered by it.
     late = [tried for when, _, tried in _access_log(replica_set) if when > killed_wall + 0.05]
