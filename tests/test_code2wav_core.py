@@ -896,6 +896,103 @@ def test_one_bad_request_does_not_fail_its_batch_mates():
     assert sorted(cid for cid in (1, 2, 3, 4) if cid in table) == [4]
 
 
+class GatedDecoder(FakeDecoder):
+    """A FakeDecoder whose steps of the streams in `gated` wait until `gate` is set: a long request
+    (a resume's replay) still decoding while other requests come and go."""
+
+    def __init__(self, gated):
+        super().__init__()
+        self.gated = set(gated)
+        self.gate = asyncio.Event()
+
+    async def __call__(self, correlation_id, codes, flags):
+        if correlation_id in self.gated:
+            await self.gate.wait()
+        return await super().__call__(correlation_id, codes, flags)
+
+
+def test_a_long_request_holds_up_no_other_stream_across_batches():
+    """Stream 1's request is still decoding while stream 2 sends three requests in three later
+    batches: each of them finishes (in order, with its finish called) before stream 1's does."""
+
+    async def scenario():
+        table, decoder = make_table(), GatedDecoder(gated={1})
+        long, live = make_codes(40, seed=1), make_codes(3, seed=2)
+        finished = []
+        (slow,) = table.submit_batch([core.StreamRequest(1, START, flat(long))], decoder,
+                                     [lambda result: finished.append(1)])
+        for frame in range(3):
+            flags = START if frame == 0 else 0
+            (task,) = table.submit_batch([core.StreamRequest(2, flags, flat(live[:, frame:frame + 1]), offset(frame))],
+                                         decoder, [lambda result, frame=frame: finished.append((2, frame))])
+            np.testing.assert_array_equal(await task, expected_pcm(live[:, frame:frame + 1]))
+            assert not slow.done() and table.requests_in_flight == 1
+        decoder.gate.set()
+        np.testing.assert_array_equal(await slow, expected_pcm(long))
+        assert finished == [(2, 0), (2, 1), (2, 2), 1]
+        assert table.requests_in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_streams_requests_run_in_order_across_batches_and_finish_before_the_next_starts():
+    """The next request of a stream may arrive (in a later batch) while its previous one is still
+    decoding: it waits its turn, and the previous request's finish (its response) comes first."""
+
+    async def scenario():
+        table, decoder = make_table(), GatedDecoder(gated={1})
+        codes = make_codes(20, seed=3)
+        order = []
+
+        def finish(name):
+            def record(result):
+                order.append((name, decoder.gate.is_set(), len(decoder.calls)))
+            return record
+
+        first = table.submit(core.StreamRequest(1, START, flat(codes[:, :16])), decoder, finish("first"))
+        second = table.submit(core.StreamRequest(1, 0, flat(codes[:, 16:]), offset(16)), decoder, finish("second"))
+        await asyncio.sleep(0.01)
+        assert not first.done() and not second.done() and decoder.calls == []
+        decoder.gate.set()
+        results = await asyncio.gather(first, second)
+        np.testing.assert_array_equal(np.concatenate(results, axis=1), expected_pcm(codes))
+        # The first's response went out before the second's step reached the decoder.
+        assert order == [("first", True, 16), ("second", True, 20)]  # one step per frame here
+        np.testing.assert_array_equal(decoder.decoded_codes(1), codes)
+
+    asyncio.run(scenario())
+
+
+def test_streams_opening_in_earlier_batches_count_toward_the_cap():
+    async def scenario():
+        table, decoder = make_table(max_live_streams=2), GatedDecoder(gated={1, 2})
+        codes = make_codes(1)
+        opening = [table.submit(core.StreamRequest(cid, START, flat(codes)), decoder) for cid in (1, 2)]
+        refused = await table.submit(core.StreamRequest(3, START, flat(codes)), decoder)
+        assert isinstance(refused, core.StreamCapError) and "already holds 2 live streams" in str(refused)
+        decoder.gate.set()
+        assert not any(isinstance(result, Exception) for result in await asyncio.gather(*opening))
+        assert sorted(cid for cid in (1, 2, 3) if cid in table) == [1, 2]
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_with_a_request_still_decoding_is_not_expired():
+    async def scenario():
+        clock = FakeClock()
+        table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), GatedDecoder(gated=set())
+        codes = make_codes(2)
+        await table.submit(core.StreamRequest(1, START, flat(codes[:, :1])), decoder)
+        decoder.gated.add(1)
+        pending = table.submit(core.StreamRequest(1, 0, flat(codes[:, 1:]), offset(1)), decoder)
+        clock.now += 100.0
+        assert table.expire_idle() == [] and 1 in table
+        decoder.gate.set()
+        np.testing.assert_array_equal(await pending, expected_pcm(codes[:, 1:]))
+
+    asyncio.run(scenario())
+
+
 # --------------------------------------------------------------------------------------------------
 # history and stats
 

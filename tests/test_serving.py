@@ -506,6 +506,44 @@ def test_sixteen_interleaved_streams_are_batched_and_each_equals_its_solo_run(
           f"step {worst:.2g}")
 
 
+def test_a_long_request_holds_up_no_other_stream(code2wav_server, ort_decoder):
+    """One stream sends 400 frames in one request (longer than the 250 a resume replays) while another
+    sends one frame per request, each after the previous answer: the short requests are answered while
+    the long one is still decoding (a code2wav instance answers each request when it is done and takes
+    new batches meanwhile, docs/design.md §5), and both streams equal their solo decode."""
+    rng = np.random.default_rng(41)
+    long_codes, live_codes = rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, 400)), rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, 200))
+    long_id, live_id = new_sequence_id(), new_sequence_id()
+    outcome, done = [], threading.Event()
+
+    def on_done(result, error):
+        outcome.append((result, error))
+        done.set()
+
+    live, answered_during = [], 0
+    with grpcclient.InferenceServerClient(code2wav_server.grpc_url) as client:
+        live.append(infer(client, live_id, live_codes[:, :1], 0, start=True, new_frames=1))
+        client.async_infer(MODEL, code2wav_inputs(long_codes, 0), callback=on_done, sequence_id=long_id,
+                           sequence_start=True, sequence_end=True)
+        for frame in range(1, live_codes.shape[1]):
+            live.append(infer(client, live_id, live_codes[:, frame:frame + 1], frame, end=frame == 199, new_frames=1))
+            if not done.is_set():
+                answered_during += 1
+            elif frame >= 20:
+                break
+        assert done.wait(120)
+        if frame < 199:
+            infer(client, live_id, live_codes[:, frame + 1:frame + 2], frame + 1, end=True, new_frames=1)
+    (result, error), = outcome
+    assert error is None, error
+    assert_equal_audio(pcm_of(result, 400), ort_decoder(long_codes), max_abs=BATCHED_MAX_ABS, what="the long request")
+    live = np.concatenate(live)
+    assert_equal_audio(live, ort_decoder(live_codes)[: live.size], max_abs=BATCHED_MAX_ABS, what="the 1-frame stream")
+    # 25 decoder steps of 16 frames: the 1-frame stream gets its turn between them.
+    assert answered_during >= 5, f"only {answered_during} 1-frame requests answered while the long one decoded"
+    print(f"\n{answered_during} one-frame requests answered while a 400-frame request decoded")
+
+
 # ---- 4. stream lifecycle -------------------------------------------------------------------------
 
 def test_start_and_end_in_one_request(grpc_client, scenario, moshi_streams, ort_streams):

@@ -21,8 +21,9 @@ are stream frames [o, o + F); the first H are decoded only to rebuild the decode
 not returned), so a stream whose server was lost continues on another one. The resumed stream holds
 frames from o (its base) on and counts frames in absolute stream indices (see `StreamTable.plan`).
 
-`StreamTable.process_batch` drives all of it for one `execute()` batch with an injected async
-`decode_step`, so the whole request path, decoder ordering included, is tested here.
+`StreamTable.submit` drives all of it for one request with an injected async `decode_step`, each
+stream's requests in order and the streams independently, so the whole request path, decoder
+ordering included, is tested here.
 
 A request is validated completely before anything changes: a rejected request leaves its stream as
 it was, unless it carried END (Triton releases the sequence with it, so the stream ends and its
@@ -386,11 +387,10 @@ DecodeStep = Callable[[int, np.ndarray, int], Awaitable[np.ndarray]]
 class StreamTable:
     """Live streams keyed by correlation id, with their history, lifecycle and idle expiry.
 
-    One table per model instance. Triton's sequence batcher routes every request of a sequence to
-    the same instance, and an instance runs one `execute()` at a time; model.py holds the idle
-    sweeper's lock around each batch, so `expire_idle` from the sweeper thread never interleaves
-    with it. Within a batch `process_batch` serialises the requests of one stream and overlaps the
-    streams.
+    One table per model instance, used from one thread: the instance's event loop (model.py runs
+    the idle sweeper's `expire_idle` there too). Triton's sequence batcher routes every request of
+    a sequence to the same instance; `submit` runs the requests of one stream in arrival order and
+    the streams independently, across `execute()` batches (docs/design.md §5).
     """
 
     def __init__(self, settings: Code2WavSettings, clock: Callable[[], float] = time.monotonic):
@@ -401,6 +401,10 @@ class StreamTable:
         self._streams_expired = 0
         self._streams_resumed = 0
         self._errors: Dict[str, int] = {kind: 0 for kind in ERROR_KINDS}
+        # The last submitted request of every stream with one not yet finished (see `submit`).
+        self._queued: Dict[int, asyncio.Task] = {}
+        # Streams whose START is submitted and not yet finished: they count toward the stream cap.
+        self._opening: set = set()
 
     # ---- inspection -------------------------------------------------------------------------
 
@@ -440,12 +444,12 @@ class StreamTable:
 
         Triton frees an idle sequence without telling the model, so the table expires entries
         itself. Streams in `keep` (those with a request in the current batch: Triton accepted them
-        as live) are never dropped.
+        as live) and streams with a request queued or running are never dropped.
         """
         # A second late: Triton itself refuses a non-START request for a sequence it expired, so
         # this only frees memory, and the grace spares a request queued just before the timeout.
         deadline = self._clock() - self.settings.stream_idle_timeout_s - IDLE_GRACE_S
-        keep = set(keep)
+        keep = set(keep) | set(self._queued)
         expired = [
             correlation_id
             for correlation_id, stream in self._streams.items()
@@ -680,38 +684,83 @@ class StreamTable:
                 pass
         return True
 
+    def submit(
+        self,
+        request: StreamRequest,
+        decode_step: DecodeStep,
+        finish: Optional[Callable[[Union[np.ndarray, Exception]], None]] = None,
+    ) -> asyncio.Task[Union[np.ndarray, Exception]]:
+        """Queue one request behind the earlier requests of its stream and return the task that runs
+        it (call from the event loop). The task's result is the request's PCM or the exception it
+        failed with (it never raises). `finish(result)`, if given, is called with it before the
+        stream's next request may start, so whatever it sends goes out in the stream's order.
+
+        Streams run independently: a long request (a resume's replay) holds up the later requests of
+        its own stream only; between its decoder steps the other streams' steps reach the decoder.
+        A START for a new stream is refused here, at once, when the instance already holds (or is
+        opening) `max_live_streams` streams."""
+        correlation_id = request.correlation_id
+        loop = asyncio.get_running_loop()
+        if (request.flags & FLAG_SEQUENCE_START and not request.flags & FLAG_SEQUENCE_END
+                and correlation_id not in self._streams and correlation_id not in self._queued):
+            live = len(self._streams) + len(self._opening)
+            if live >= self.settings.max_live_streams:
+                self.count_error("stream_cap")
+                return self._finished(loop, self._stream_cap_error(live), finish)
+            self._opening.add(correlation_id)
+        previous = self._queued.get(correlation_id)
+        task = loop.create_task(self._run_in_turn(previous, request, decode_step, finish))
+        self._queued[correlation_id] = task
+        task.add_done_callback(lambda done: self._dequeue(correlation_id, done))
+        return task
+
+    def submit_batch(
+        self,
+        requests: Sequence[StreamRequest],
+        decode_step: DecodeStep,
+        finishes: Optional[Sequence[Callable[[Union[np.ndarray, Exception]], None]]] = None,
+    ) -> List[asyncio.Task[Union[np.ndarray, Exception]]]:
+        """One `execute()` batch: expire idle streams (never those with a request here or queued),
+        then `submit` every request in arrival order (with its `finish`, if given)."""
+        self.expire_idle(keep=[request.correlation_id for request in requests])
+        finishes = finishes if finishes is not None else [None] * len(requests)
+        return [self.submit(request, decode_step, finish) for request, finish in zip(requests, finishes)]
+
     async def process_batch(
         self, requests: Sequence[StreamRequest], decode_step: DecodeStep
     ) -> List[Union[np.ndarray, Exception]]:
-        """Process one `execute()` batch: expire idle streams, then run every stream's requests in
-        arrival order while different streams run concurrently (so the decoder can batch their
-        steps). Returns, per request, its PCM or the exception it failed with; one failing request
-        never affects the others."""
-        self.expire_idle(keep=(request.correlation_id for request in requests))
-        results: List[Union[np.ndarray, Exception, None]] = [None] * len(requests)
-        by_stream: Dict[object, List[int]] = {}
-        admitted = set()  # new streams this batch lets in
-        for index, request in enumerate(requests):
-            correlation_id = request.correlation_id
-            if (request.flags & FLAG_SEQUENCE_START and not request.flags & FLAG_SEQUENCE_END
-                    and correlation_id not in self._streams and correlation_id not in admitted
-                    and correlation_id not in by_stream):
-                if len(self._streams) + len(admitted) >= self.settings.max_live_streams:
-                    self.count_error("stream_cap")
-                    results[index] = self._stream_cap_error(len(self._streams) + len(admitted))
-                    continue
-                admitted.add(correlation_id)
-            by_stream.setdefault(correlation_id, []).append(index)
+        """`submit_batch` and wait for all of it: per request, its PCM or the exception it failed with."""
+        return list(await asyncio.gather(*self.submit_batch(requests, decode_step)))
 
-        async def run_stream(indices: List[int]) -> None:
-            for index in indices:
-                try:
-                    results[index] = await self.process(requests[index], decode_step)
-                except Exception as exc:
-                    results[index] = exc
+    @property
+    def requests_in_flight(self) -> int:
+        """Streams with a request submitted and not yet finished."""
+        return len(self._queued)
 
-        await asyncio.gather(*(run_stream(indices) for indices in by_stream.values()))
-        return results  # type: ignore[return-value]
+    async def _run_in_turn(self, previous, request: StreamRequest, decode_step: DecodeStep, finish):
+        if previous is not None:
+            await asyncio.wait([previous])
+        try:
+            result: Union[np.ndarray, Exception] = await self.process(request, decode_step)
+        except Exception as exc:
+            result = exc
+        finally:
+            self._opening.discard(request.correlation_id)
+        if finish is not None:
+            finish(result)
+        return result
+
+    def _dequeue(self, correlation_id: int, task) -> None:
+        if self._queued.get(correlation_id) is task:
+            del self._queued[correlation_id]
+
+    @staticmethod
+    def _finished(loop, result, finish):
+        future = loop.create_future()
+        if finish is not None:
+            finish(result)
+        future.set_result(result)
+        return future
 
     # ---- helpers ------------------------------------------------------------------------------
 

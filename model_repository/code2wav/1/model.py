@@ -25,12 +25,16 @@ if _MODEL_DIR not in sys.path:
 import code2wav_core as core  # noqa: E402
 import triton_streams  # noqa: E402
 
-# The decoder's tensors (the mimi_decoder interface): codes INT32 [1, k, 1] -> pcm FP32 [1, 1920].
+# The decoder's tensors (the mimi_decoder interface, docs/design.md §3): codes INT32 [1, k, S] ->
+# pcm FP32 [1, 1920*S].
 # What a BLS request says once the server is exiting (the Python backend checks the decoder's
 # readiness first, and Triton answers it no more while it shuts down).
 SERVER_EXITING = "Server not ready"
 DECODER_INPUT_NAME = "codes"
 DECODER_OUTPUT_NAME = "pcm"
+# How long execute waits for its batch before handing what is unfinished to the response senders.
+ANSWER_WAIT_S = 0.02
+BLS_THREADS_MAX = 256
 
 
 class TritonPythonModel:
@@ -54,6 +58,7 @@ class TritonPythonModel:
         self._decoder_model_name = settings.decoder_model_name
         self._table = core.StreamTable(settings)
         self._executor = None
+        self._loop = None
         self._metrics = _Metrics.create(self._model_name, args["model_version"])
         self._sweeper = triton_streams.IdleSweeper(
             settings.stream_idle_timeout_s,
@@ -68,39 +73,46 @@ class TritonPythonModel:
         )
 
     async def execute(self, requests):
-        self._ensure_executor()
-        # Held for the whole batch, awaits included: the sweeper is the only other user of the table
-        # and an instance runs one execute at a time, so it only ever waits for this batch.
-        self._sweeper.lock.acquire()
-        try:
-            return await self._execute(requests)
-        finally:
-            self._sweeper.lock.release()
-
-    async def _execute(self, requests):
+        # Runs on the stub's event loop, which keeps running between calls: every request becomes a
+        # task of the stream table (each stream's requests in order, the streams independently), and
+        # execute returns after at most ANSWER_WAIT_S. What is done by then is answered in the
+        # returned list (the backend's fast path); the rest is answered by the request's own
+        # response sender as it finishes. So the instance takes its next batch while a long request
+        # (a resume's replay) is still decoding, and live streams never wait behind it.
+        loop = asyncio.get_running_loop()
+        self._ensure_loop(loop)
         responses = [None] * len(requests)
-        positions, stream_requests = [], []
+        positions, stream_requests, answers = [], [], []
         for position, request in enumerate(requests):
             try:
                 stream_requests.append(_stream_request(request))
-                positions.append(position)
             except Exception as exc:
                 self._table.count_error(exc.kind if isinstance(exc, triton_streams.ModelError) else "internal")
                 responses[position] = self._error_response(exc)
+                continue
+            positions.append(position)
+            answers.append(_Answer(self, request.get_response_sender()))
 
-        results = await self._table.process_batch(stream_requests, self._decode_step)
-        for position, result in zip(positions, results):
-            if isinstance(result, Exception):
-                responses[position] = self._error_response(result)
+        tasks = self._table.submit_batch(stream_requests, self._decode_step, [a.finish for a in answers])
+        if tasks:
+            await asyncio.wait(tasks, timeout=ANSWER_WAIT_S)
+        for position, task, answer in zip(positions, tasks, answers):
+            if task.done():
+                responses[position] = self._response(task.result())
             else:
-                responses[position] = pb_utils.InferenceResponse(
-                    output_tensors=[
-                        pb_utils.Tensor("model_outputs", result.astype(self._pcm_dtype, copy=False)),
-                        pb_utils.Tensor("sr", self._sample_rate),
-                    ]
-                )
+                answer.deferred = True  # the task answers through the response sender when it ends
         self._report_metrics()
         return responses
+
+    def _response(self, result):
+        if isinstance(result, Exception):
+            return self._error_response(result)
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("model_outputs", result.astype(self._pcm_dtype, copy=False)),
+                pb_utils.Tensor("sr", self._sample_rate),
+            ]
+        )
 
     def _report_metrics(self):
         if self._metrics is not None:
@@ -136,19 +148,26 @@ class TritonPythonModel:
             raise core.DecoderError(f"the response has no '{DECODER_OUTPUT_NAME}' output")
         return pcm.as_numpy()
 
-    def _ensure_executor(self):
+    def _ensure_loop(self, loop):
         # async_exec() waits for the decoder in the event loop's default executor, which has
-        # min(32, cores + 4) threads: fewer than a full batch on small hosts, and the decoder could
-        # only batch that many streams. Each request has at most one step in flight, so one thread
-        # per batch slot is enough.
+        # min(32, cores + 4) threads: fewer than the streams in flight on small hosts, and the decoder
+        # could only batch that many. Each stream has at most one step in flight, so one thread per
+        # stream that can be in flight (at least a full batch, at most BLS_THREADS_MAX) is enough.
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                max_workers=self._max_batch_size, thread_name_prefix="code2wav-bls"
+                max_workers=max(self._max_batch_size, min(self._table.settings.max_live_streams, BLS_THREADS_MAX)),
+                thread_name_prefix="code2wav-bls",
             )
-            asyncio.get_running_loop().set_default_executor(self._executor)
+            loop.set_default_executor(self._executor)
+            self._loop = loop
 
     def _expire_idle(self):
-        # Called by the sweeper thread under its lock.
+        # Called by the sweeper thread: the table belongs to the event loop, so expiry runs there.
+        # Before the first execute there is no loop and no stream to expire.
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._expire_on_loop)
+
+    def _expire_on_loop(self):
         if self._table.expire_idle():
             self._report_metrics()
 
@@ -174,6 +193,28 @@ class TritonPythonModel:
             self._executor = None
 
 
+class _Answer:
+    """How one request gets its response: in execute's returned list, or (`deferred`, set by execute
+    when it returns before the request is done) through its response sender when its task ends."""
+
+    __slots__ = ("_model", "_sender", "deferred")
+
+    def __init__(self, model, sender):
+        self._model = model
+        self._sender = sender
+        self.deferred = False
+
+    def finish(self, result):
+        if not self.deferred:
+            return
+        model = self._model
+        try:
+            self._sender.send(model._response(result), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # the client went away; nothing else depends on this response
+            pb_utils.Logger.log_warn(f"model '{model._model_name}': a response could not be sent: {exc}")
+        model._report_metrics()
+
+
 def _stream_request(request):
     input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
     if input_ids is None:
@@ -183,9 +224,10 @@ def _stream_request(request):
     return core.StreamRequest(
         correlation_id=request.correlation_id(),
         flags=request.flags(),
-        input_ids=input_ids.as_numpy(),
-        frame_offset=None if frame_offset is None else frame_offset.as_numpy(),
-        history_frames=None if history_frames is None else history_frames.as_numpy(),
+        # Copies: a request's tensors are freed when execute returns, and it may be decoded later.
+        input_ids=np.array(input_ids.as_numpy()),
+        frame_offset=None if frame_offset is None else np.array(frame_offset.as_numpy()),
+        history_frames=None if history_frames is None else np.array(history_frames.as_numpy()),
     )
 
 
