@@ -66,6 +66,9 @@ STREAM_KEY_HEADER = "code2wav-stream"
 # in the first second after the resume (`python -m mimi_code2wav.export.resume`).
 DEFAULT_RESUME_HISTORY_FRAMES = 250
 DEFAULT_RESUME_TIMEOUT_S = 30.0
+# History frames per resume request: short requests, each answered within moments even while many
+# streams share the server's replay lane (docs/design.md §2.4).
+DEFAULT_RESUME_PIECE_FRAMES = 16
 # Waits between resume attempts: none before the first, then doubling up to the cap.
 RESUME_BACKOFF_FIRST_S = 0.1
 RESUME_BACKOFF_MAX_S = 2.0
@@ -138,6 +141,8 @@ class StreamOptions:
     # Resumable streams only: frames replayed as history when resuming, and how long to keep trying.
     resume_history_frames: int = DEFAULT_RESUME_HISTORY_FRAMES
     resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S
+    # Resumable streams only: the history travels in requests of at most this many history frames.
+    resume_piece_frames: int = DEFAULT_RESUME_PIECE_FRAMES
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -146,6 +151,8 @@ class StreamOptions:
             raise ClientError("chunk sizes must be >= 1 frame")
         if self.catch_up and not self.paced:
             raise ClientError("catch_up paces requests: it needs paced=True")
+        if self.resume_piece_frames < 1:
+            raise ClientError(f"resume_piece_frames must be >= 1, got {self.resume_piece_frames}")
         if self.resume_history_frames < 0:
             raise ClientError(f"resume_history_frames must be >= 0, got {self.resume_history_frames}")
         if not self.resume_timeout_s > 0 or not self.response_timeout_s > 0:
@@ -184,6 +191,7 @@ class StreamResult:
     finished_s: float  # last response received
     resumes: list[Resume] = field(default_factory=list)  # resumable streams: each resume, in order
     stream_key: str | None = None  # resumable streams: the STREAM_KEY_HEADER value
+    chunk_sent_s: list[float] = field(default_factory=list)  # resumable streams: when each request was sent
 
     @property
     def first_chunk_latency_s(self) -> float:
@@ -800,19 +808,20 @@ class ResumableStream:
             raise ClientError(f"stream {self.stream_key}: decode() after the request that ended it")
         if self._last_answer_s is None:
             self._last_answer_s = self._clock()
-        request = self.resume_request(codes, end) if self._needs_start and self.next_frame else self.request(codes, end)
+        requests = (self.resume_requests(codes, end) if self._needs_start and self.next_frame
+                    else [self.request(codes, end)])
         try:
-            pcm = self._send(request)
+            pcm = self._send_all(requests)
         except RequestFailure as failure:
             self._drop_connection()
             self._needs_start = True
             if not failure.resumable:
                 raise ClientError(
-                    f"stream {self.stream_key} (sequence {self.sequence_id}), {request.describe()} on "
+                    f"stream {self.stream_key} (sequence {self.sequence_id}), {requests[-1].describe()} on "
                     f"{self.url}: {failure}") from None
-            pcm, request = self._resume(codes, end, failure)
-        if request.start:
-            self._base = request.first_new_frame - request.history_frames
+            pcm, requests = self._resume(codes, end, failure)
+        if requests[0].start:
+            self._base = requests[0].first_new_frame - requests[0].history_frames
         self._kept.append(codes, self._base if self.options.mode == "cumulative" else None)
         self._needs_start = False
         self._ended = end
@@ -833,17 +842,42 @@ class ResumableStream:
             arrays["frame_offset"] = np.array([[sent_from]], np.int64)
         return PlannedRequest(arrays, self._needs_start, end, first, codes.shape[1])
 
-    def resume_request(self, codes: np.ndarray, end: bool) -> PlannedRequest:
-        """The START of a new sequence carrying the kept history and the next frames `codes` [k, F]."""
+    def resume_requests(self, codes: np.ndarray, end: bool) -> list[PlannedRequest]:
+        """A new sequence carrying the kept history and then the next frames `codes` [k, F]: a START
+        with the first `options.resume_piece_frames` frames of history, requests of history alone for
+        the next pieces, and the last piece with the new frames (one request when the history fits in
+        a piece). Pieces keep every request short, so a resume never outlasts the server's idle
+        timeout however long it waits for the decoder's replay lane (docs/design.md §2.4)."""
         first = self.next_frame
         replay_from = max(self._kept.first_frame, first - self.options.resume_history_frames, 0)
         history = self._kept.frames(replay_from)
+        piece = self.options.resume_piece_frames
+        requests, done = [], 0
+        while history.shape[1] - done > piece:
+            requests.append(self._history_request(history[:, done : done + piece], replay_from + done,
+                                                  piece, start=not requests, end=False, new_frames=0))
+            done += piece
+        requests.append(self._history_request(np.concatenate([history[:, done:], codes], axis=1), replay_from + done,
+                                              history.shape[1] - done, start=not requests, end=end,
+                                              new_frames=codes.shape[1]))
+        return requests
+
+    @staticmethod
+    def _history_request(codes: np.ndarray, frame_offset: int, history_frames: int, start: bool, end: bool,
+                         new_frames: int) -> PlannedRequest:
         arrays = {
-            "input_ids": np.ascontiguousarray(np.concatenate([history, codes], axis=1), np.int64).reshape(1, -1),
-            "frame_offset": np.array([[replay_from]], np.int64),
-            HISTORY_FRAMES_INPUT: np.array([[first - replay_from]], np.int64),
+            "input_ids": np.ascontiguousarray(codes, np.int64).reshape(1, -1),
+            "frame_offset": np.array([[frame_offset]], np.int64),
+            HISTORY_FRAMES_INPUT: np.array([[history_frames]], np.int64),
         }
-        return PlannedRequest(arrays, True, end, first, codes.shape[1], history_frames=first - replay_from)
+        return PlannedRequest(arrays, start, end, frame_offset + history_frames, new_frames,
+                              history_frames=history_frames)
+
+    def _send_all(self, requests: list[PlannedRequest]) -> np.ndarray:
+        """Send `requests` in order; returns the last one's PCM (the others hold history only)."""
+        for request in requests:
+            pcm = self._send(request)
+        return pcm
 
     def _send(self, request: PlannedRequest) -> np.ndarray:
         if self._connection is None:
@@ -856,7 +890,7 @@ class ResumableStream:
                 f"expected {expected} samples, got {pcm.size}")
         return pcm.reshape(-1).astype(np.float32, copy=False)
 
-    def _resume(self, codes: np.ndarray, end: bool, failure: RequestFailure) -> tuple[np.ndarray, PlannedRequest]:
+    def _resume(self, codes: np.ndarray, end: bool, failure: RequestFailure) -> tuple[np.ndarray, list[PlannedRequest]]:
         """Open a new sequence with the kept history until one answers or the resume timeout passes."""
         deadline_s = self._clock() + self.options.resume_timeout_s
         last, attempts = failure, 0
@@ -871,9 +905,9 @@ class ResumableStream:
             self._sleep(wait_s)
             self._url_index = (self._url_index + 1) % len(self.urls)
             attempts += 1
-            request = self.resume_request(codes, end)
+            requests = self.resume_requests(codes, end)
             try:
-                pcm = self._send(request)
+                pcm = self._send_all(requests)
             except RequestFailure as exc:
                 self._drop_connection()
                 if not exc.resumable:
@@ -884,8 +918,8 @@ class ResumableStream:
                 continue
             self.resumes.append(Resume(
                 frame=self.next_frame, stall_s=self._clock() - self._last_answer_s, error=str(failure),
-                attempts=attempts, url=self.url, history_frames=request.history_frames))
-            return pcm, request
+                attempts=attempts, url=self.url, history_frames=sum(r.history_frames for r in requests)))
+            return pcm, requests
 
     def _drop_connection(self) -> None:
         if self._connection is not None:
@@ -930,7 +964,7 @@ def run_resumable(
         codes = codes_list[index]
         bounds = chunk_bounds(codes.shape[1], options.chunk_frames, options.first_chunk_frames)
         start_offset_s = index * period_s / len(codes_list) if options.paced else 0.0
-        pcm, latencies_s, started_s = [], [], None
+        pcm, latencies_s, sent_times_s, started_s = [], [], [], None
         with ResumableStream(urls, options, sequence_ids[index], stream_keys[index], connect) as stream:
             for chunk, (first, stop_frame) in enumerate(bounds):
                 if options.paced:
@@ -943,6 +977,7 @@ def run_resumable(
                 started_s = sent_s if started_s is None else started_s
                 pcm.append(stream.decode(codes[:, first:stop_frame], end=chunk == len(bounds) - 1))
                 latencies_s.append(time.perf_counter() - sent_s)
+                sent_times_s.append(sent_s)
                 with lock:
                     frames_done += stop_frame - first
                     if progress is not None:
@@ -951,6 +986,7 @@ def run_resumable(
                 sequence_id=stream.sequence_id, frames=codes.shape[1], pcm=np.concatenate(pcm),
                 chunk_frames=[b - a for a, b in bounds], chunk_latencies_s=latencies_s, started_s=started_s,
                 finished_s=time.perf_counter(), resumes=list(stream.resumes), stream_key=stream.stream_key,
+                chunk_sent_s=sent_times_s,
             )
 
     def guarded(index: int) -> None:

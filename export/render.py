@@ -59,6 +59,10 @@ class DecoderServing:
     instance_kind: str = "KIND_GPU"
     instance_count: int = 1
     intra_op_threads: int = 0
+    # python-ort only: ONNX Runtime's threads spin while they wait for work. Off by default: spinning
+    # threads take cores from every other process on the host (code2wav, other replicas, the
+    # clients), and a decoder step is long enough that waking its threads costs little.
+    intra_op_spinning: bool = False
     # python-ort only: live streams per instance ("auto": from the memory available at load) and
     # the most rows per session run (bounds ONNX Runtime's scratch; no gain past 8 rows on a CPU).
     max_live_streams: str = "auto"
@@ -144,6 +148,7 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
         return string.Template(template).substitute(
             common,
             intra_op_threads=serving.intra_op_threads,
+            intra_op_spinning="on" if serving.intra_op_spinning else "off",
             state_spec_json=_pbtxt_string(json.dumps(state_spec, separators=(",", ":"))),
             value_ranges_json=_pbtxt_string(json.dumps({spec.codes.name: [0, spec.codebook_size]})),
             max_dims_json=_pbtxt_string(json.dumps({spec.codes.name: [spec.num_codebooks, spec.max_frames_per_step]})),

@@ -5,6 +5,7 @@
     code2wav-server verify  [--url 127.0.0.1:8001] [--weights PATH | --random-init] [--streams 2] ...
     code2wav-server bench   [--url HOST:PORT] [--streams 1,2,4,8] [--frames 64] ...
     code2wav-server memory  [--streams 16,32,64] [--idle-timeout-s 4] ...
+    code2wav-server failover [--replicas 3] [--streams 12] [--chunk-frames 4] [--signal KILL|STOP] ...
 
 Argument parsing only: each command is a module of this package (`serve`, `replicas`, `verify`, `bench`) with
 `add_arguments(parser)` and `run(args) -> exit code`.
@@ -15,13 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, memory, replicas, serve, verify
+from . import bench, failover, memory, replicas, serve, verify
 
 COMMANDS = {
     "serve": (serve, "run the local tritonserver in the foreground (Ctrl-C or SIGTERM stops it)"),
     "serve-replicas": (replicas, "N tritonserver replicas behind nginx, every stream kept on one replica"),
     "verify": (verify, "check a running server against a streaming reference decode of the same weights"),
     "bench": (bench, "sweep concurrent streams with the streaming client and perf_analyzer"),
+    "failover": (failover, "paced resumable streams on replicas, one of them killed: what the others feel"),
     "memory": (memory, "the server's memory against live streams and after they expire"),
 }
 

@@ -83,6 +83,40 @@ class NginxInstall:
         return ".".join(map(str, self.version))
 
 
+@dataclasses.dataclass(frozen=True)
+class ProxiedRequest:
+    """One line of the proxy's access log (the template's `code2wav_proxy` format)."""
+
+    time_s: float  # wall-clock time (time.time()) nginx logged it
+    stream_key: str
+    tried: tuple[str, ...]  # replicas (host:port) tried, in order; the last one answered
+
+    @property
+    def replica(self) -> str:
+        return self.tried[-1]
+
+
+_ACCESS_LINE = re.compile(r'^\S+ (?P<msec>[0-9.]+) stream="(?P<key>[^"]*)" upstream="(?P<upstream>[^"]*)" ')
+
+
+def read_access_log(path: Path) -> list[ProxiedRequest]:
+    """The requests with a stream key in an access log of the `code2wav_proxy` format."""
+    requests = []
+    for line in Path(path).read_text().splitlines():
+        match = _ACCESS_LINE.match(line)
+        if match and match["key"] and match["key"] != "-":
+            requests.append(ProxiedRequest(float(match["msec"]), match["key"], tuple(match["upstream"].split(", "))))
+    return requests
+
+
+def replicas_by_stream(requests: Sequence[ProxiedRequest]) -> dict[str, set[str]]:
+    """Stream key -> the replicas that answered its requests."""
+    served: dict[str, set[str]] = {}
+    for request in requests:
+        served.setdefault(request.stream_key, set()).add(request.replica)
+    return served
+
+
 def find_nginx(binary: Path | str | None = None) -> NginxInstall:
     """The nginx to run: `binary`, else `nginx` on PATH or in the usual sbin folders. Raises
     NginxError saying how to install it when there is none, or when it is too old or lacks the gRPC
@@ -300,6 +334,10 @@ class NginxProxy:
     @property
     def access_log(self) -> Path:
         return self.prefix / "access.log"
+
+    def requests(self) -> list[ProxiedRequest]:
+        """Every request with a stream key in the access log so far, in order."""
+        return read_access_log(self.access_log)
 
     @property
     def grpc_url(self) -> str:

@@ -40,16 +40,20 @@ from .nginx import (
     compose_config,
     find_nginx,
 )
-from .serve import _StopRequested, _StopSignals, add_repository_arguments, prepare_repository, stop_quietly
+from .serve import (
+    RestartBackoff,
+    _StopRequested,
+    _StopSignals,
+    add_repository_arguments,
+    describe_exit,
+    prepare_repository,
+    stop_quietly,
+)
 from .triton import LOCALHOST, ServerError, TritonServer, log_tail, port_is_free
 
 DEFAULT_REPLICA_BASE_PORT = 8100
 # Replica i's ports: base + 10 i + (0: HTTP, 1: gRPC, 2: metrics), the layout of `serve` shifted.
 REPLICA_PORT_STRIDE = 10
-# A replica restarted sooner than this after its last start counts as crashing again: its next
-# restart waits twice as long as the previous one, up to MAX_RESTART_DELAY_S.
-STABLE_AFTER_S = 60.0
-MAX_RESTART_DELAY_S = 60.0
 
 
 @dataclasses.dataclass
@@ -62,7 +66,7 @@ class Replica:
     restarts: int = 0
     exit_reported: bool = False
     started_at: float = 0.0
-    restart_delay_s: float = 0.0
+    backoff: RestartBackoff = dataclasses.field(default_factory=RestartBackoff)
     next_restart_at: float = 0.0
 
     @property
@@ -343,19 +347,14 @@ def _supervise(replica_set: ReplicaSet, restart: bool, ready_timeout_s: float, p
             if not replica.exit_reported:
                 replica.exit_reported = True
                 lived_s = now - replica.started_at
+                delay = f"; restart in {replica.backoff.after_exit(lived_s):.1f} s" if restart else ""
                 print(
-                    f"replica {replica.index} (pid {replica.pid}) exited with code {replica.exit_code()} "
-                    f"after {lived_s:.0f} s; its streams are lost and nginx sends their keys to the other "
-                    f"replicas. Log tail ({replica.log_path}):\n{log_tail(replica.log_path, lines=15)}",
+                    f"replica {replica.index} (pid {replica.pid}) {describe_exit(replica.exit_code())} after "
+                    f"{lived_s:.0f} s; its streams resume on the other replicas{delay}. Log tail "
+                    f"({replica.log_path}):\n{log_tail(replica.log_path, lines=15)}",
                     file=sys.stderr, flush=True,
                 )
-                if restart:
-                    crashed_again = replica.restarts > 0 and lived_s < STABLE_AFTER_S
-                    replica.restart_delay_s = (
-                        min(max(2 * replica.restart_delay_s, 1.0), MAX_RESTART_DELAY_S) if crashed_again else 1.0
-                    )
-                    replica.next_restart_at = now + replica.restart_delay_s
-                    print(f"replica {replica.index}: restarting in {replica.restart_delay_s:.0f} s", flush=True)
+                replica.next_restart_at = now + replica.backoff.delay_s
             if restart and now >= replica.next_restart_at:
                 try:
                     ready_s = replica_set.restart(replica.index, ready_timeout_s)

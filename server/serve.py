@@ -1,8 +1,18 @@
 """`code2wav-server serve`: run the local tritonserver in the foreground until Ctrl-C or SIGTERM.
 
 Without --model-repository the repository is prepared first (`export.pipeline.prepare_local_repository`:
-exported when missing or stale, rendered with the python-ort decoder under the build folder). Ctrl-C or
-SIGTERM stops the server and its Python stubs, removes their shared memory and exits 0.
+exported when missing or stale, rendered with the python-ort decoder under the build folder).
+
+A tritonserver that dies (a crash, the OOM killer) is started again on the same ports, one log line
+each, after a short delay that doubles while it keeps dying soon after its start (`RestartBackoff`);
+its streams are lost there and resumable clients replay them (docs/design.md §2.4). `--no-restart`
+exits with the server instead.
+
+Ctrl-C or SIGTERM drains and stops the server: tritonserver refuses new streams at once, answers the
+live streams' requests with UNAVAILABLE (resumable clients move on), lets the abandoned streams idle
+out and unloads both models within its exit timeout (DEFAULT_EXIT_TIMEOUT_S, inside Kubernetes' 30 s
+grace period); then its Python stubs and shared memory are gone and the command exits 0
+(docs/design.md §5.2).
 """
 
 from __future__ import annotations
@@ -15,6 +25,13 @@ from pathlib import Path
 from typing import Callable
 
 from .triton import LOCALHOST, ServerError, TritonServer, log_tail
+
+# A server that lived at least this long before dying is restarted after FIRST_RESTART_DELAY_S; one
+# that dies sooner than that after its previous restart waits twice as long as last time, up to
+# MAX_RESTART_DELAY_S: a server that cannot stay up is retried about once a minute, not in a loop.
+STABLE_AFTER_S = 60.0
+FIRST_RESTART_DELAY_S = 0.5
+MAX_RESTART_DELAY_S = 60.0
 
 
 class _StopRequested(Exception):
@@ -37,6 +54,34 @@ def prepare_repository(args: argparse.Namespace) -> Path:
         return prepare_local_repository(args.weights, args.random_init, args.seed, Path(args.build_dir))
     except WeightsError as error:
         raise ServerError(str(error)) from error
+
+
+class RestartBackoff:
+    """When to start a server again after it died: FIRST_RESTART_DELAY_S after a server that had been
+    up for STABLE_AFTER_S, else twice the previous delay, up to MAX_RESTART_DELAY_S."""
+
+    def __init__(self, first_s: float = FIRST_RESTART_DELAY_S, max_s: float = MAX_RESTART_DELAY_S,
+                 stable_after_s: float = STABLE_AFTER_S):
+        self.first_s, self.max_s, self.stable_after_s = first_s, max_s, stable_after_s
+        self.restarts = 0
+        self.delay_s = 0.0
+
+    def after_exit(self, lived_s: float) -> float:
+        """A server died after `lived_s` seconds up: the delay before its restart (counted)."""
+        crashed_again = self.restarts > 0 and lived_s < self.stable_after_s
+        self.delay_s = min(max(2 * self.delay_s, self.first_s), self.max_s) if crashed_again else self.first_s
+        self.restarts += 1
+        return self.delay_s
+
+
+def describe_exit(code: int | None) -> str:
+    """'exited with code 1', 'was killed by SIGKILL' (a negative Popen return code)."""
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class _StopSignals:
@@ -86,21 +131,25 @@ def stop_quietly(stop_signals: _StopSignals, stop: Callable[[], object] | None, 
             print(f"{what} stopped in {time.monotonic() - began:.1f} s", flush=True)
 
 
+def _new_server(args: argparse.Namespace, repository: Path, ports: tuple | None = None) -> TritonServer:
+    http_port, grpc_port, metrics_port = ports or (args.http_port, args.grpc_port, args.metrics_port)
+    return TritonServer(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                        host=args.host, log_path=args.log_file, log_verbose=args.log_verbose)
+
+
+def _keep_log(server: TritonServer, restarts: int) -> None:
+    """The dead server's log stays as <log>.<n> beside the new one's."""
+    if server.log_path is not None and server.log_path.exists():
+        server.log_path.rename(server.log_path.with_name(f"{server.log_path.name}.{restarts}"))
+
+
 def run(args: argparse.Namespace) -> int:
     stop_signals = _StopSignals()
     server = None
     try:
         stop_signals.arm()
         repository = prepare_repository(args)
-        server = TritonServer(
-            repository,
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port,
-            host=args.host,
-            log_path=args.log_file,
-            log_verbose=args.log_verbose,
-        )
+        server = _new_server(args, repository)
         stop_signals.disarm()
         server.start()
         stop_signals.arm()
@@ -111,18 +160,39 @@ def run(args: argparse.Namespace) -> int:
             f"  gRPC     {server.grpc_url}\n"
             f"  HTTP     http://{server.http_url}\n"
             f"  metrics  {server.metrics_url}\n"
-            "Ctrl-C or SIGTERM stops it.",
+            f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
+            "Ctrl-C or SIGTERM drains and stops it.",
             flush=True,
         )
-        code = server.wait()
-        print(
-            f"tritonserver exited by itself with code {code}:\n{log_tail(server.log_path)}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return code or 1
+        backoff = RestartBackoff()
+        while True:
+            code = server.wait()
+            lived_s = time.monotonic() - server.started_at
+            if not args.restart:
+                print(f"tritonserver {describe_exit(code)} after {lived_s:.0f} s:\n{log_tail(server.log_path)}",
+                      file=sys.stderr, flush=True)
+                return code or 1
+            delay_s = backoff.after_exit(lived_s)
+            print(f"tritonserver (pid {server.pid}) {describe_exit(code)} after {lived_s:.0f} s; restart "
+                  f"{backoff.restarts} in {delay_s:.1f} s on the same ports (its log: "
+                  f"{server.log_path}.{backoff.restarts})", file=sys.stderr, flush=True)
+            time.sleep(delay_s)
+            server.stop()  # the dead one's stubs and shared memory
+            _keep_log(server, backoff.restarts)
+            server = _new_server(args, repository, (server.http_port, server.grpc_port, server.metrics_port))
+            stop_signals.disarm()
+            server.start()
+            stop_signals.arm()
+            try:
+                ready_after_s = server.wait_ready(args.ready_timeout)
+            except ServerError as error:
+                print(f"error: restart {backoff.restarts} failed: {error}", file=sys.stderr, flush=True)
+                server.stop()
+                continue
+            print(f"tritonserver back (pid {server.pid}, restart {backoff.restarts}), ready in {ready_after_s:.1f} s",
+                  flush=True)
     except _StopRequested as stop:
-        print(f"{stop}: stopping tritonserver", flush=True)
+        print(f"{stop}: draining and stopping tritonserver", flush=True)
         code = 0
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -156,3 +226,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ready-timeout", type=float, default=120.0, help="seconds to wait for readiness"
     )
+    parser.add_argument("--no-restart", dest="restart", action="store_false",
+                        help="exit when tritonserver dies instead of starting it again")

@@ -46,6 +46,12 @@ LOCALHOST = "127.0.0.1"
 _TABLE_LINE_PREFIXES = ("|", "+-")
 
 
+# How long a stopping tritonserver waits for its live streams (--exit-timeout-secs): long enough for
+# streams its clients abandoned to idle out (code2wav 10 s, the decoder 12 s, docs/design.md §5.2),
+# short enough to exit inside Kubernetes' default 30 s grace period.
+DEFAULT_EXIT_TIMEOUT_S = 25
+
+
 class ServerError(RuntimeError):
     """The server could not be found, prepared, started, or did not become ready."""
 
@@ -254,7 +260,7 @@ class TritonServer:
         host: str = LOCALHOST,
         log_path: Path | str | None = None,
         log_verbose: int = 0,
-        exit_timeout_s: int = 5,
+        exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S,
         python_shm_default_byte_size: int | None = None,
         backend_root: Path | str | None = None,
         extra_args: Sequence[str] = (),

@@ -501,7 +501,7 @@ def test_resume_request_replays_the_last_R_frames_then_the_unanswered_ones():
     stream = ResumableStream("a:1", StreamOptions(resume_history_frames=4), sequence_id=9, connect=network)
     stream.decode(codes[:, :1])
     stream.decode(codes[:, 1:10])
-    request = stream.resume_request(codes[:, 10:13], end=False)
+    (request,) = stream.resume_requests(codes[:, 10:13], end=False)
     assert request.start and not request.end and request.history_frames == 4
     assert (request.first_new_frame, request.new_frames) == (10, 3)
     assert request.arrays["frame_offset"].tolist() == [[6]] and request.arrays["history_frames"].tolist() == [[4]]
@@ -510,16 +510,31 @@ def test_resume_request_replays_the_last_R_frames_then_the_unanswered_ones():
     # Fewer frames than R so far: the whole stream is the history.
     short = ResumableStream("a:1", StreamOptions(resume_history_frames=250), sequence_id=10, connect=network)
     short.decode(codes[:, :3])
-    request = short.resume_request(codes[:, 3:5], end=True)
+    (request,) = short.resume_requests(codes[:, 3:5], end=True)
     assert request.arrays["frame_offset"].tolist() == [[0]] and request.history_frames == 3 and request.end
     # R = 0: a new sequence from the next frame on, no history.
     bare = ResumableStream("a:1", StreamOptions(resume_history_frames=0), sequence_id=11, connect=network)
     bare.decode(codes[:, :3])
-    request = bare.resume_request(codes[:, 3:5], end=False)
+    (request,) = bare.resume_requests(codes[:, 3:5], end=False)
     assert request.arrays["frame_offset"].tolist() == [[3]] and request.history_frames == 0
     # Plain requests are deltas with frame_offset and never carry history_frames.
     plain = stream.request(codes[:, 10:12], end=True)
     assert set(plain.arrays) == {"input_ids", "frame_offset"} and plain.arrays["frame_offset"].tolist() == [[10]]
+
+
+def test_a_long_history_is_resumed_in_pieces_each_continuing_the_last():
+    network = FakeNetwork("a:1")
+    codes = frame_codes(30)
+    stream = ResumableStream("a:1", StreamOptions(resume_history_frames=11, resume_piece_frames=4), sequence_id=12,
+                             connect=network)
+    stream.decode(codes[:, :20])
+    requests = stream.resume_requests(codes[:, 20:22], end=True)
+    # History [9, 20): pieces of 4, 4, then 3 with the two new frames; START on the first, END on the last.
+    assert [(r.start, r.end, r.arrays["frame_offset"].item(), r.history_frames, r.new_frames) for r in requests] == [
+        (True, False, 9, 4, 0), (False, False, 13, 4, 0), (False, True, 17, 3, 2)]
+    assert [r.first_new_frame for r in requests] == [13, 17, 20]
+    np.testing.assert_array_equal(np.concatenate([r.arrays["input_ids"].reshape(8, -1) for r in requests], axis=1),
+                                  codes[:, 9:22])
 
 
 def test_a_lost_server_is_resumed_on_the_next_url_with_every_frame_once():

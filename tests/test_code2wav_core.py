@@ -1121,16 +1121,20 @@ def test_a_resumed_stream_returns_exactly_the_frames_after_its_history(max_frame
     np.testing.assert_array_equal(decoder.decoded_codes(), stream[:, 10:17])
     assert decoder.flags()[0] == START and not any(flags & START for flags in decoder.flags()[1:])
     sizes = [codes.shape[2] for _, codes, _ in decoder.calls]
-    assert sizes == [min(max_frames_per_step, 7 - first) for first in range(0, 7, max_frames_per_step)]
+
+    def split(frames):
+        return [min(max_frames_per_step, frames - first) for first in range(0, frames, max_frames_per_step)]
+
+    assert sizes == split(4) + split(3)  # the history's steps (the replay lane's), then the new frames'
     assert table.base(1) == 10
     np.testing.assert_array_equal(table.history(1), stream[:, 10:17])
 
 
-def test_history_pcm_is_dropped_across_decoder_calls():
+def test_history_and_new_frames_never_share_a_decoder_call():
     table, decoder = make_table(decoder_max_frames_per_step=3), FakeDecoder()
     stream = make_codes(12)
     pcm = resume(table, decoder, 1, stream[:, 2:10], first_frame=2, history_frames=4)
-    assert [codes.shape[2] for _, codes, _ in decoder.calls] == [3, 3, 2]
+    assert [codes.shape[2] for _, codes, _ in decoder.calls] == [3, 1, 3, 1]
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 6:10]))
 
 
@@ -1176,17 +1180,32 @@ def test_an_offset_before_the_resume_point_is_refused_saying_why():
     assert table.stats().errors_by_kind["before_resume"] == 1
 
 
+def test_history_continues_a_stream_in_pieces():
+    """A resume sent in pieces: START with the first history frames, then requests whose frames are
+    all history, then the rest of the history with the new frames. Each piece is decoded once; only
+    the new frames' PCM comes back."""
+    table, decoder = make_table(decoder_max_frames_per_step=3), FakeDecoder()
+    stream = make_codes(30)
+    assert resume(table, decoder, 1, stream[:, 10:15], first_frame=10, history_frames=5).size == 0
+    assert send(table, decoder, 1, 0, stream[:, 15:20], frame_offset=15, history_frames=5).size == 0
+    pcm = send(table, decoder, 1, 0, stream[:, 20:26], frame_offset=20, history_frames=2)
+    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 22:26]))
+    np.testing.assert_array_equal(decoder.decoded_codes(), stream[:, 10:26])
+    assert table.base(1) == 10 and table.stats().streams_resumed == 1
+    np.testing.assert_array_equal(table.history(1), stream[:, 10:26])
+
+
 @pytest.mark.parametrize("flags", [0, END], ids=["plain", "end"])
-def test_history_frames_without_start_is_refused(flags):
+def test_history_on_a_continuing_stream_must_start_at_its_next_frame(flags):
     table, decoder = make_table(), FakeDecoder()
     stream = make_codes(6)
     open_stream(table, decoder, 1, stream[:, :3])
     calls = len(decoder.calls)
-    error = send_error(table, decoder, 1, flags, stream[:, 3:6], frame_offset=3, history_frames=1)
+    error = send_error(table, decoder, 1, flags, stream[:, 2:6], frame_offset=2, history_frames=1)
     assert (error.kind, error.code) == ("history", "INVALID_ARG")
     assert str(error).startswith(
-        "history_frames=1 without START on stream 1: history is accepted only on the START request that opens "
-        "a resumed stream")
+        "history_frames=1 on a continuing stream needs frame_offset=3, the stream's next frame (got 2): history "
+        "is decoded once, after the frames stream 1 holds")
     if flags & END:  # Triton releases the sequence with a rejected END (design doc §2.2)
         assert 1 not in table and str(error).endswith("; the request carried END, so the stream has ended")
     else:
@@ -1194,10 +1213,54 @@ def test_history_frames_without_start_is_refused(flags):
         np.testing.assert_array_equal(table.history(1), stream[:, :3])
 
 
-def test_history_frames_without_start_on_an_unknown_stream_names_the_history_rule():
+def test_history_frames_on_an_unknown_stream_without_start_says_to_start():
     table, decoder = make_table(), FakeDecoder()
     error = send_error(table, decoder, 5, 0, make_codes(3), frame_offset=7, history_frames=2)
-    assert error.kind == "history" and "without START on stream 5" in str(error)
+    assert error.kind == "unknown_stream" and "START" in str(error)
+
+
+def test_replayed_history_takes_the_replay_lane():
+    """Four streams resume at once beside a live stream: a history step starts while a live step is
+    in the decoder only as the one history step there; with no live step, several run together; the
+    live stream's steps do not wait for the 16 history steps."""
+
+    class Counting(FakeDecoder):
+        def __init__(self):
+            super().__init__()
+            self.history_in_flight = self.live_in_flight = self.most_history_in_flight = 0
+            self.history_starts_beside_live = []  # history steps in flight when one starts beside a live step
+
+        async def __call__(self, correlation_id, codes, flags):
+            history = correlation_id != 9
+            self.history_in_flight += history
+            self.live_in_flight += not history
+            self.most_history_in_flight = max(self.most_history_in_flight, self.history_in_flight)
+            if history and self.live_in_flight:
+                self.history_starts_beside_live.append(self.history_in_flight)
+            try:
+                # Live steps outlast the lane's wait for them (REPLAY_WAIT_FOR_IDLE_S).
+                await asyncio.sleep(0.001 if history else 1.5 * core.REPLAY_WAIT_FOR_IDLE_S)
+                return await super().__call__(correlation_id, codes, flags)
+            finally:
+                self.history_in_flight -= history
+                self.live_in_flight -= not history
+
+    async def scenario():
+        table, decoder = make_table(decoder_max_frames_per_step=2), Counting()
+        stream = make_codes(20)
+        await table.submit(core.StreamRequest(9, START, flat(stream[:, :1]), offset(0)), decoder)
+        resumes = [table.submit(core.StreamRequest(cid, START, flat(stream[:, :8]), offset(0), offset(8)), decoder)
+                   for cid in (1, 2, 3, 4)]
+        live = [table.submit(core.StreamRequest(9, 0, flat(stream[:, f:f + 1]), offset(f)), decoder) for f in range(1, 4)]
+        await asyncio.gather(*resumes, *live)
+        assert decoder.history_starts_beside_live and all(count == 1 for count in decoder.history_starts_beside_live), \
+            decoder.history_starts_beside_live
+        assert decoder.most_history_in_flight > 1
+        live_done = max(i for i, (event, cid) in enumerate(decoder.events) if event == "end" and cid == 9)
+        last_history = max(i for i, (event, cid) in enumerate(decoder.events) if event == "end" and cid != 9)
+        assert live_done < last_history
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize(

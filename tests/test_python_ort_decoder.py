@@ -121,6 +121,7 @@ MODEL_CONFIG = {
     "parameters": {
         "onnx_file": {"string_value": "model.onnx"},
         "intra_op_threads": {"string_value": "1"},
+        "intra_op_spinning": {"string_value": "off"},
         "state_spec": {"string_value": json.dumps(STATE_SPEC)},
         "value_ranges": {"string_value": "{}"},
         "max_dims": {"string_value": "{}"},
@@ -197,7 +198,7 @@ def test_parse_model_config_reads_parameters_and_timeout():
         pytest.param(config_with(value_ranges=None),
                      "parameter 'value_ranges': missing from the model config's parameters", id="no-value-ranges"),
         pytest.param(config_with(codebook_size="2048"),
-                     "parameter 'codebook_size': unknown parameter (known: onnx_file, intra_op_threads, state_spec, "
+                     "parameter 'codebook_size': unknown parameter (known: onnx_file, intra_op_threads, intra_op_spinning, state_spec, "
                      "value_ranges, max_dims, max_live_streams, max_rows_per_run)", id="unknown"),
         pytest.param(config_with(max_live_streams="0"),
                      "parameter 'max_live_streams': must be a positive integer or 'auto', got '0'", id="cap-0"),
@@ -222,6 +223,8 @@ def test_parse_model_config_reads_parameters_and_timeout():
         pytest.param(config_with(intra_op_threads="x"), "parameter 'intra_op_threads': not an integer: 'x'",
                      id="threads"),
         pytest.param(config_with(intra_op_threads="-1"), "parameter 'intra_op_threads': must be >= 0", id="threads-<0"),
+        pytest.param(config_with(intra_op_spinning="yes"), "parameter 'intra_op_spinning': must be 'on' or 'off', got 'yes'",
+                     id="spinning-word"),
         pytest.param(config_with(value_ranges='{"codes": [5, 5]}'),
                      "parameter 'value_ranges': input 'codes': expected [low, high] with integers low < high, got [5, 5]",
                      id="empty-range"),
@@ -407,6 +410,7 @@ instance_group [ {{ kind: KIND_CPU count: 1 }} ]
 parameters {{ key: "state_spec" value: {{ string_value: '{state_spec}' }} }}
 parameters {{ key: "onnx_file" value: {{ string_value: "model.onnx" }} }}
 parameters {{ key: "intra_op_threads" value: {{ string_value: "1" }} }}
+parameters {{ key: "intra_op_spinning" value: {{ string_value: "off" }} }}
 parameters {{ key: "value_ranges" value: {{ string_value: '{{"codes": [0, 2048]}}' }} }}
 parameters {{ key: "max_dims" value: {{ string_value: '{{"codes": [8, 1]}}' }} }}
 parameters {{ key: "max_live_streams" value: {{ string_value: "{max_live_streams}" }} }}

@@ -186,8 +186,8 @@ def test_a_resumed_stream_refuses_offsets_before_its_resume_point_and_misplaced_
     infer_error(grpc_client, sequence_id, code2wav_inputs(codes[:, 19:32], 19),
                 f"frame_offset 19 is before frame 20, where stream {sequence_id} was resumed on this server",
                 "frames before 20 are not held here")
-    infer_error(grpc_client, sequence_id, code2wav_inputs(codes[:, 30:31], 30, 0),
-                f"history_frames=0 without START on stream {sequence_id}")
+    infer_error(grpc_client, sequence_id, code2wav_inputs(codes[:, 29:31], 29, 1),
+                "history_frames=1 on a continuing stream needs frame_offset=30, the stream's next frame (got 29)")
     infer_error(grpc_client, new_sequence_id(), code2wav_inputs(codes[:, :3], 0, 4),
                 "history_frames=4 must lie in [0, 3]", start=True)
     infer_error(grpc_client, new_sequence_id(), code2wav_inputs(codes[:, :3], None, 2),

@@ -215,7 +215,7 @@ def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
     assert cli.returncode == 0, output
     assert f"gRPC     127.0.0.1:{grpc_port}" in output
     assert re.search(r"tritonserver ready in [0-9.]+ s", output)
-    assert "SIGTERM: stopping tritonserver" in output
+    assert "SIGTERM: draining and stopping tritonserver" in output
     assert not process_exists(server_pid)
     assert not group_exists(server_pid)
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
@@ -333,7 +333,7 @@ def test_make_serve_stops_cleanly_when_its_process_group_is_signalled_twice(tmp_
             make.wait()
     assert "Traceback" not in output, output
     # make passes a SIGTERM on to its child too, so either signal may be the one the launcher sees first.
-    assert len(re.findall(r"^SIG(INT|TERM): stopping tritonserver$", output, re.M)) == 1, output
+    assert len(re.findall(r"^SIG(INT|TERM): draining and stopping tritonserver$", output, re.M)) == 1, output
     assert re.search(r"tritonserver stopped in [0-9.]+ s", output), output
     assert not re.search(r"\] Error \d", output), output  # make saw the launcher exit non-zero
     assert not process_exists(server_pid) and not group_exists(server_pid)

@@ -909,7 +909,7 @@ def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_pa
             cli.kill()
             cli.wait()
     text = output_path.read_text()
-    assert "SIGTERM: stopping tritonserver" in text
+    assert "SIGTERM: draining and stopping tritonserver" in text
     assert _wait_until(lambda: not Path(f"/proc/{server_pid}").exists() and not process_group_alive(server_pid), 10), \
         "tritonserver or one of its Python stubs outlived serve"
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))

@@ -34,6 +34,7 @@ that decode nothing cannot keep a stream past the decoder's own idle timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -47,6 +48,10 @@ from triton_streams import IDLE_TIMEOUT_FIELD, ConfigError, ModelError, read_par
 FLAG_SEQUENCE_START = 1
 FLAG_SEQUENCE_END = 2
 
+# A replay step waits up to this long for the live steps in the decoder to finish (ReplayLane).
+REPLAY_WAIT_FOR_IDLE_S = 0.1
+# Replay steps in flight while no live step is (ReplayLane): a full run of the python-ort decoder.
+REPLAY_STEPS_WHEN_IDLE = 8
 IDLE_GRACE_S = 1.0  # streams expire this long after the idle timeout (see StreamTable.expire_idle)
 DEDUPE_MODES = ("auto", "delta", "cumulative")
 
@@ -117,6 +122,8 @@ class Code2WavSettings:
     max_new_frames_per_request: int = 1500
     max_request_frames: int = 45000
     max_live_streams: int = 1024
+    replay_steps_in_flight: int = 1
+    replay_step_frames: int = 4
     stream_idle_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -131,6 +138,8 @@ class Code2WavSettings:
             "max_new_frames_per_request",
             "max_request_frames",
             "max_live_streams",
+            "replay_steps_in_flight",
+            "replay_step_frames",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -158,6 +167,8 @@ PARAMETER_TYPES = {
     "max_new_frames_per_request": int,
     "max_request_frames": int,
     "max_live_streams": int,
+    "replay_steps_in_flight": int,
+    "replay_step_frames": int,
 }
 
 
@@ -304,11 +315,14 @@ class _Stream:
 @dataclasses.dataclass(frozen=True, eq=False)
 class DecoderStep:
     """One call into the decoder: `codes` int32 [1, k, S] (C-contiguous), the sequence `flags`
-    (FLAG_SEQUENCE_START / _END bits) and whether its PCM is thrown away (the END-only step)."""
+    (FLAG_SEQUENCE_START / _END bits), whether its PCM is thrown away (the END-only step) and whether
+    it holds replayed history only."""
 
     codes: np.ndarray
     flags: int
     discard_output: bool = False
+    # Replayed history only (a resume): the step waits for the instance's replay lane.
+    replay: bool = False
 
     @property
     def frames(self) -> int:
@@ -381,6 +395,66 @@ DecodeStep = Callable[[int, np.ndarray, int], Awaitable[np.ndarray]]
 
 
 # --------------------------------------------------------------------------------------------------
+# The replay lane
+
+
+class ReplayLane:
+    """Decoder steps of replayed history (resumes, docs/design.md §2.4) as background work.
+
+    Live steps (new frames) go straight to the decoder; `live()` only counts them. A replay step
+    (`replay()`) waits for its turn: at most `steps_in_flight` replay steps at a time while live steps
+    run, up to REPLAY_STEPS_WHEN_IDLE while none does (an instance whose streams all resume replays at
+    full speed), taken in arrival order; then it waits up to REPLAY_WAIT_FOR_IDLE_S for the live steps
+    in the decoder to finish, so that it fills the gaps between them. However many streams resume at
+    once, a live step finds at most a few short replay rows beside it in the decoder."""
+
+    def __init__(self, steps_in_flight: int):
+        self.steps_in_flight = steps_in_flight
+        self.live_steps = 0
+        self.replay_steps = 0
+        self._condition: Optional[asyncio.Condition] = None  # made in the event loop that uses it
+
+    def _lock(self) -> asyncio.Condition:
+        if self._condition is None:
+            self._condition = asyncio.Condition()
+        return self._condition
+
+    def _replay_may_start(self) -> bool:
+        limit = self.steps_in_flight if self.live_steps else max(self.steps_in_flight, REPLAY_STEPS_WHEN_IDLE)
+        return self.replay_steps < limit
+
+    @contextlib.asynccontextmanager
+    async def live(self):
+        self.live_steps += 1
+        try:
+            yield
+        finally:
+            self.live_steps -= 1
+            if not self.live_steps:
+                condition = self._lock()
+                async with condition:
+                    condition.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def replay(self):
+        condition = self._lock()
+        async with condition:
+            await condition.wait_for(self._replay_may_start)
+            self.replay_steps += 1
+            if self.live_steps:
+                try:
+                    await asyncio.wait_for(condition.wait_for(lambda: not self.live_steps), REPLAY_WAIT_FOR_IDLE_S)
+                except asyncio.TimeoutError:
+                    pass
+        try:
+            yield
+        finally:
+            self.replay_steps -= 1
+            async with condition:
+                condition.notify_all()
+
+
+# --------------------------------------------------------------------------------------------------
 # The stream table
 
 
@@ -405,6 +479,7 @@ class StreamTable:
         self._queued: Dict[int, asyncio.Task] = {}
         # Streams whose START is submitted and not yet finished: they count toward the stream cap.
         self._opening: set = set()
+        self._lane = ReplayLane(settings.replay_steps_in_flight)
 
     # ---- inspection -------------------------------------------------------------------------
 
@@ -501,12 +576,6 @@ class StreamTable:
         starts = bool(flags & FLAG_SEQUENCE_START)
         ends = bool(flags & FLAG_SEQUENCE_END)
         replay = read_scalar_input(history_frames, "history_frames")
-        if replay is not None and not starts:
-            raise RequestError(
-                "history",
-                f"history_frames={replay} without START on stream {correlation_id}: history is accepted only "
-                f"on the START request that opens a resumed stream",
-            )
         stream = self._streams.get(correlation_id)
         if stream is None and not starts:
             raise RequestError(
@@ -533,8 +602,12 @@ class StreamTable:
             base = stream.base if continuing else 0
             first_new = self._first_new_frame(correlation_id, codes, offset, history, base)
             first_decoded = first_new
-        else:
+        elif starts:
             base = self._resume_base(correlation_id, replay, offset, request_frames)
+            first_new, first_decoded = replay, 0
+        else:
+            base = stream.base
+            self._check_continued_replay(correlation_id, replay, offset, request_frames, base + stream.history.frames)
             first_new, first_decoded = replay, 0
         decoded_codes = codes[:, first_decoded:].astype(np.int32)
         new_frames = request_frames - first_new
@@ -554,7 +627,10 @@ class StreamTable:
 
         decoder_live = stream is not None and stream.decoder_live
         needs_start = starts or stream is None or stream.needs_decoder_start
-        steps = self._steps(decoded_codes, needs_start, ends)
+        # History frames get steps of their own, which take the replay lane (see `run`).
+        history_steps = self._steps(decoded_codes[:, :replay], needs_start, ends and replay == decoded_codes.shape[1],
+                                    replay=True, per_step=settings.replay_step_frames) if replay else ()
+        steps = history_steps + self._steps(decoded_codes[:, replay or 0 :], needs_start and not history_steps, ends)
         if ends and decoded_codes.shape[1] == 0 and decoder_live:
             # The decoder holds a sequence for this id (a START without END reached it): close it
             # with one step of zero codes. Without a live decoder sequence (e.g. START|END with no
@@ -568,7 +644,7 @@ class StreamTable:
             starts_stream=starts,
             ends_stream=ends,
             history_codes=None if replay is None else decoded_codes[:, :replay],
-            resumes_stream=replay is not None,
+            resumes_stream=replay is not None and starts,
             base=base,
             _stream=stream,
         )
@@ -625,7 +701,8 @@ class StreamTable:
         history_left = plan.history_frames  # leading decoded frames whose PCM is not returned
         for index, step in enumerate(plan.steps):
             try:
-                pcm = await decode_step(plan.correlation_id, step.codes, step.flags)
+                async with (self._lane.replay() if step.replay else self._lane.live()):
+                    pcm = await decode_step(plan.correlation_id, step.codes, step.flags)
                 if not step.discard_output:
                     samples = samples_per_frame * step.frames
                     pcm = np.asarray(pcm)
@@ -764,6 +841,24 @@ class StreamTable:
 
     # ---- helpers ------------------------------------------------------------------------------
 
+    @staticmethod
+    def _check_continued_replay(correlation_id: int, replay: int, offset: Optional[int], request_frames: int,
+                                decoded: int) -> None:
+        """History on a continuing stream (a resume sent in pieces): every frame of the request is new,
+        so it starts at the stream's next frame, and 0 <= H <= F."""
+        if not 0 <= replay <= request_frames:
+            raise RequestError(
+                "history",
+                f"history_frames={replay} must lie in [0, {request_frames}]: the request holds {request_frames} "
+                f"frames and its first history_frames of them are the replayed history (stream {correlation_id})",
+            )
+        if offset != decoded:
+            raise RequestError(
+                "history",
+                f"history_frames={replay} on a continuing stream needs frame_offset={decoded}, the stream's next "
+                f"frame (got {offset}): history is decoded once, after the frames stream {correlation_id} holds",
+            )
+
     def _stream_cap_error(self, live: int) -> StreamCapError:
         settings = self.settings
         return StreamCapError(
@@ -865,12 +960,14 @@ class StreamTable:
         """The codes of an END-only step (its output is discarded): one frame of zeros."""
         return np.zeros((1, self.settings.num_codebooks, 1), np.int32)
 
-    def _steps(self, new_codes: np.ndarray, needs_start: bool, ends: bool) -> Tuple[DecoderStep, ...]:
+    def _steps(self, new_codes: np.ndarray, needs_start: bool, ends: bool, replay: bool = False,
+               per_step: Optional[int] = None) -> Tuple[DecoderStep, ...]:
         """The new frames [k, N] in as few decoder calls as the decoder takes: one call when N <=
         decoder_max_frames_per_step, else full calls and the remainder last (requests of equal size
         give equal calls, which the decoder batches). START on the first step when the decoder must
         (re)start, END on the last."""
-        total, per_step = new_codes.shape[1], self.settings.decoder_max_frames_per_step
+        total = new_codes.shape[1]
+        per_step = min(per_step or self.settings.decoder_max_frames_per_step, self.settings.decoder_max_frames_per_step)
         steps = []
         for first in range(0, total, per_step):
             flags = 0
@@ -878,5 +975,6 @@ class StreamTable:
                 flags |= FLAG_SEQUENCE_START
             if first + per_step >= total and ends:
                 flags |= FLAG_SEQUENCE_END
-            steps.append(DecoderStep(np.ascontiguousarray(new_codes[None, :, first : first + per_step]), flags))
+            steps.append(DecoderStep(np.ascontiguousarray(new_codes[None, :, first : first + per_step]), flags,
+                                     replay=replay))
         return tuple(steps)

@@ -34,6 +34,7 @@ DECODER_INPUT_NAME = "codes"
 DECODER_OUTPUT_NAME = "pcm"
 # How long execute waits for its batch before handing what is unfinished to the response senders.
 ANSWER_WAIT_S = 0.02
+BATCH_STRAGGLER_WAIT_S = 0.002
 BLS_THREADS_MAX = 256
 
 
@@ -95,7 +96,11 @@ class TritonPythonModel:
 
         tasks = self._table.submit_batch(stream_requests, self._decode_step, [a.finish for a in answers])
         if tasks:
-            await asyncio.wait(tasks, timeout=ANSWER_WAIT_S)
+            # The decoder answers a batch's steps together, so the rest of the batch is done within
+            # moments of the first request; a request still running then (a replay) is answered later.
+            done, pending = await asyncio.wait(tasks, timeout=ANSWER_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+            if pending and done:
+                await asyncio.wait(pending, timeout=BATCH_STRAGGLER_WAIT_S)
         for position, task, answer in zip(positions, tasks, answers):
             if task.done():
                 responses[position] = self._response(task.result())

@@ -52,13 +52,14 @@ def fix_mmap_threshold() -> bool:
         return False
 
 
-def create_session(path: Path, intra_op_threads: int, instance_kind: str, device_id: int):
+def create_session(path: Path, intra_op_threads: int, instance_kind: str, device_id: int, spinning: bool = True):
     """An ONNX Runtime session: CUDA for a GPU instance (onnxruntime-gpu), else CPU."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     if intra_op_threads > 0:
         options.intra_op_num_threads = intra_op_threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if instance_kind.upper() == "GPU":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise ValueError("a GPU instance needs onnxruntime-gpu (no CUDAExecutionProvider here)")
@@ -150,7 +151,7 @@ class TritonPythonModel:
             if not onnx_path.is_file():
                 raise ValueError(f"ONNX file {onnx_path} does not exist (parameter onnx_file)")
             kind, device_id = args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", "0"))
-            session = create_session(onnx_path, config.intra_op_threads, kind, device_id)
+            session = create_session(onnx_path, config.intra_op_threads, kind, device_id, config.intra_op_spinning)
             config = core.check_against_onnx(config, session.get_inputs(), session.get_outputs())
             if config.max_live_streams is None:
                 cap, derived = core.auto_stream_cap(config, core.available_memory_bytes())

@@ -29,6 +29,7 @@ all required, no other accepted: `triton_streams.read_parameters`):
 |---|---|
 | `onnx_file` | ONNX file, relative to the version folder |
 | `intra_op_threads` | ONNX Runtime intra-op threads (0: its default) |
+| `intra_op_spinning` | `on` or `off`: whether those threads spin while waiting for work (ONNX Runtime's default is on; off leaves the cores to other processes, such as other replicas on the host) |
 | `state_spec` | JSON list of `{"input", "output", "dtype", "shape"}`, shape per stream (no batch) |
 | `value_ranges` | JSON object: input name -> `[low, high]`, its values must lie in [low, high) (`{}`: none) |
 | `max_dims` | JSON object: input name -> its largest dims per request (bounds the config's -1 dims; `{}`: none) |
@@ -126,6 +127,8 @@ class DecoderConfig:
     instance_count: int = 1
     # sequence_batching.oldest.max_candidate_sequences: more live sequences never reach the model.
     max_candidate_sequences: int | None = None
+    # ONNX Runtime's intra-op threads spin while waiting for work.
+    intra_op_spinning: bool = True
 
     @property
     def state_bytes_per_stream(self) -> int:
@@ -222,10 +225,17 @@ def parse_stream_cap(text: str) -> int | None:
         raise ValueError(f"must be a positive integer or 'auto', got {text!r}") from None
 
 
+def parse_on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise ValueError(f"must be 'on' or 'off', got {text!r}")
+    return text == "on"
+
+
 # The config's `parameters`: name -> parser of its string value (all required).
 PARAMETER_TYPES = {
     "onnx_file": str,
     "intra_op_threads": int,
+    "intra_op_spinning": parse_on_off,
     "state_spec": parse_state_spec,
     "value_ranges": parse_value_ranges,
     "max_dims": parse_max_dims,
@@ -336,6 +346,7 @@ def parse_model_config(
         idle_timeout_s=idle_timeout_s,
         onnx_file=values["onnx_file"],
         intra_op_threads=values["intra_op_threads"],
+        intra_op_spinning=values["intra_op_spinning"],
         value_ranges=values["value_ranges"],
         max_dims=values["max_dims"],
         max_live_streams=values["max_live_streams"],
