@@ -16,13 +16,16 @@ import numpy as np
 from .stream import (
     DEFAULT_RESUME_HISTORY_FRAMES,
     DEFAULT_RESUME_TIMEOUT_S,
+    FRAME_DURATION_S,
     NUM_CODEBOOKS,
     SAMPLE_RATE_HZ,
+    SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
     ClientError,
     Code2WavStreamer,
     RunReport,
     StreamOptions,
+    StreamsFailed,
     random_codes,
     run_resumable,
     validate_codes,
@@ -141,6 +144,16 @@ def check_writable(paths: list[Path]) -> None:
             raise ClientError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
+def write_received(args: argparse.Namespace, received: list[np.ndarray], frames: int) -> None:
+    """After a failed run: each stream's WAV with the audio it received, and where it stopped."""
+    for index, (path, pcm) in enumerate(zip(output_paths(args.out, len(received)), received)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_wav(path, pcm, SAMPLE_RATE_HZ, args.wav_format)
+        stopped = pcm.size // SAMPLES_PER_FRAME
+        print(f"stream {index} stopped at frame {stopped} of {frames}: wrote the {stopped * FRAME_DURATION_S:.2f} s "
+              f"received to {path}", file=sys.stderr)
+
+
 def decode_command(args: argparse.Namespace) -> int:
     codes = load_codes(args)
     if args.out is not None:
@@ -167,8 +180,13 @@ def decode_command(args: argparse.Namespace) -> int:
     if resumable:
         # Failover servers are not checked first: they may be down now and up when needed.
         servers = [args.url, *args.failover_url]
-        report = run_resumable(servers, [codes] * args.streams, options,
-                               stream_keys=stream_keys(args.stream_key, args.streams), progress=progress)
+        try:
+            report = run_resumable(servers, [codes] * args.streams, options,
+                                   stream_keys=stream_keys(args.stream_key, args.streams), progress=progress)
+        except StreamsFailed as failure:
+            if args.out is not None:
+                write_received(args, failure.received, codes.shape[1])
+            raise
         report.extra["servers"] = servers
         for line in resume_lines(report):
             print(line, file=sys.stderr)

@@ -927,6 +927,16 @@ class ResumableStream:
             connection.close()
 
 
+class StreamsFailed(ClientError):
+    """A run of resumable streams that a stream's failure stopped: `received` holds, per stream, the
+    PCM that came back before the run stopped (float32, whole frames; the stream stopped at frame
+    `len(pcm) // 1920`), so that nothing already decoded is lost."""
+
+    def __init__(self, message: str, received: list[np.ndarray]):
+        super().__init__(message)
+        self.received = received
+
+
 def run_resumable(
     urls: str | Sequence[str],
     streams_codes: Sequence[np.ndarray],
@@ -941,7 +951,8 @@ def run_resumable(
 
     Paced: a chunk is sent when its last frame would exist, or when the previous answer came back if
     that is later (one request in flight per stream). stream_keys default to the sequence ids in
-    decimal. The first stream that fails stops the others and its ClientError is raised."""
+    decimal. The first stream that fails stops the others and StreamsFailed is raised, with its
+    error and the PCM every stream received until then."""
     options.validate()
     codes_list = [validate_codes(c) for c in streams_codes]
     if not codes_list:
@@ -953,6 +964,7 @@ def run_resumable(
     period_s = options.chunk_frames * FRAME_DURATION_S
     frames_total = sum(c.shape[1] for c in codes_list)
     results: list[StreamResult | None] = [None] * len(codes_list)
+    received: list[list[np.ndarray]] = [[] for _ in codes_list]
     failures: list[BaseException] = []
     stop = threading.Event()
     lock = threading.Lock()
@@ -964,7 +976,7 @@ def run_resumable(
         codes = codes_list[index]
         bounds = chunk_bounds(codes.shape[1], options.chunk_frames, options.first_chunk_frames)
         start_offset_s = index * period_s / len(codes_list) if options.paced else 0.0
-        pcm, latencies_s, sent_times_s, started_s = [], [], [], None
+        pcm, latencies_s, sent_times_s, started_s = received[index], [], [], None
         with ResumableStream(urls, options, sequence_ids[index], stream_keys[index], connect) as stream:
             for chunk, (first, stop_frame) in enumerate(bounds):
                 if options.paced:
@@ -1009,6 +1021,9 @@ def run_resumable(
         stop.set()
         raise
     if failures:
-        raise failures[0]
+        if not isinstance(failures[0], Exception):
+            raise failures[0]
+        raise StreamsFailed(str(failures[0]), [np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+                                               for chunks in received]) from failures[0]
     wall_s = max(r.finished_s for r in results) - min(r.started_s for r in results)
     return RunReport(results, options, wall_s)

@@ -726,6 +726,58 @@ def test_run_resumable_decodes_each_stream_with_its_key_and_reports_resumes():
         run_resumable(["a:1"], codes[:2], stream_keys=["k", "k"], connect=network)
 
 
+def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(monkeypatch, capsys, tmp_path):
+    """Every server gone for good: the run stops with StreamsFailed holding each stream's PCM up to
+    where it stopped, and `decode --out` writes those WAVs and says where each stream stopped."""
+    from mimi_code2wav.client import __main__ as cli
+    from mimi_code2wav.client import decode as decode_module
+    from mimi_code2wav.client.stream import StreamsFailed
+    from mimi_code2wav.client.wav import read_wav
+
+    network = FakeNetwork("a:1")
+    codes = [frame_codes(20, seed) for seed in range(2)]
+
+    def progress(done, total):
+        if done >= 8:
+            network.servers["a:1"].alive = False
+
+    options = StreamOptions(chunk_frames=4, resume_timeout_s=0.3)
+    with pytest.raises(StreamsFailed, match="could not resume") as failure:
+        run_resumable(["a:1"], codes, options, progress=progress, connect=network)
+    stopped = [pcm.size // SAMPLES_PER_FRAME for pcm in failure.value.received]
+    assert max(stopped) >= 8 and all(frames < 20 for frames in stopped), stopped
+    for pcm, frames in zip(failure.value.received, stopped):
+        assert frames_heard(pcm) == list(range(frames))
+
+    class ReadyStreamer:
+        def __init__(self, url, model):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            pass
+
+        def check_ready(self):
+            pass
+
+    def failing_run(servers, streams_codes, options, stream_keys=None, progress=None):
+        raise StreamsFailed("stream 1 could not resume", [np.ones(3 * SAMPLES_PER_FRAME, np.float32) * 0.5,
+                                                           np.zeros(0, np.float32)])
+
+    monkeypatch.setattr(decode_module, "Code2WavStreamer", ReadyStreamer)
+    monkeypatch.setattr(decode_module, "run_resumable", failing_run)
+    out_path = tmp_path / "call.wav"
+    code = cli.main(["decode", "--url", "a:1", "--resume", "--random", "--frames", "10", "--streams", "2",
+                     "--no-progress", "--out", str(out_path)])
+    err = capsys.readouterr().err
+    assert code == 1 and "could not resume" in err
+    assert f"stream 0 stopped at frame 3 of 10: wrote the 0.24 s received to {tmp_path / 'call_0.wav'}" in err
+    assert f"stream 1 stopped at frame 0 of 10: wrote the 0.00 s received to {tmp_path / 'call_1.wav'}" in err
+    assert read_wav(tmp_path / "call_0.wav").samples.shape == (3 * SAMPLES_PER_FRAME, 1)
+
+
 def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys, tmp_path):
     from mimi_code2wav.client import __main__ as cli
     from mimi_code2wav.client import decode as decode_module

@@ -32,9 +32,13 @@ CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
 PROXY_CONFIG = REPO_ROOT / "docker" / "nginx" / "compose.conf"
 
 # NGC release -> the tritonserver (and SDK: perf_analyzer, tritonclient) version it carries.
-NGC_TRITON_VERSIONS = {"24.10": "2.51.0"}
-TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
-SDK_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3-sdk"
+NGC_TRITON_VERSIONS = {"24.10": "2.51.0", "26.11": "2.75.0"}
+# The default images (TRITON_IMAGE, TRITON_SDK_IMAGE unset), and the release the tests run (the pip
+# server's), which the same variables select.
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.11-py3"
+SDK_IMAGE = "nvcr.io/nvidia/tritonserver:26.11-py3-sdk"
+TESTED_TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
+TESTED_SDK_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3-sdk"
 
 # The `scale` profile: replicas of the GPU server behind triton-proxy (nginx, stream affinity).
 REPLICAS = ("triton-replica-0", "triton-replica-1", "triton-replica-2")
@@ -151,15 +155,23 @@ def test_images_pinned(services, name):
     assert tag != "latest", f"{name}: image {image!r} floats"
 
 
-def test_ngc_images_match_the_client_and_local_server():
-    """The NGC release serves the tritonserver version the client pins (and the local server runs)."""
+def test_the_tested_ngc_release_is_one_variable_away():
+    """The default images are the newest release; TRITON_IMAGE / TRITON_SDK_IMAGE select the release
+    whose tritonserver the client pins and the local server (and so the tests) run."""
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     client_pins = [req for req in pyproject["project"]["optional-dependencies"]["client"] if req.startswith("tritonclient")]
     assert client_pins, "pyproject's client extra pins no tritonclient"
     client_version = client_pins[0].split("==")[1]
-    release = TRITON_IMAGE.rsplit(":", 1)[1].split("-")[0]
+    release = TESTED_TRITON_IMAGE.rsplit(":", 1)[1].split("-")[0]
     assert NGC_TRITON_VERSIONS[release] == client_version
-    assert SDK_IMAGE.startswith(TRITON_IMAGE)
+    assert SDK_IMAGE.startswith(TRITON_IMAGE) and TESTED_SDK_IMAGE.startswith(TESTED_TRITON_IMAGE)
+    tested = interpolate(yaml.safe_load(COMPOSE_FILE.read_text()),
+                         {"TRITON_IMAGE": TESTED_TRITON_IMAGE, "TRITON_SDK_IMAGE": TESTED_SDK_IMAGE})["services"]
+    for name in (*SERVERS, "tensorrt-plan", *REPLICAS):
+        assert tested[name]["image"] == TESTED_TRITON_IMAGE, name
+    assert tested["perf"]["image"] == TESTED_SDK_IMAGE
+    header = COMPOSE_FILE.read_text().split("\n\n")[0]
+    assert "26.11" in header and "2.75.0" in header and "24.10" in header and "2.51.0" in header
 
 
 def test_server_and_bench_images(services):

@@ -213,11 +213,11 @@ class _Answer:
         if not self.deferred:
             return
         model = self._model
+        model._report_metrics()  # before the answer: a client that reads the metrics next sees this request
         try:
             self._sender.send(model._response(result), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # the client went away; nothing else depends on this response
             pb_utils.Logger.log_warn(f"model '{model._model_name}': a response could not be sent: {exc}")
-        model._report_metrics()
 
 
 def _stream_request(request):
