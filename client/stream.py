@@ -573,8 +573,9 @@ class RequestFailure(Exception):
 _RESUMABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 # Answers meaning that the server no longer holds the stream, whatever their status: code2wav's and
 # Triton's reply to a request of a sequence they do not hold (a restarted server, an expired or
-# ended stream) both say "... the START flag"; a server that is exiting says it.
-_STREAM_LOST_FRAGMENTS = ("START flag", "the server is shutting down")
+# ended stream) both say "... the START flag"; a server that is exiting says it, and once it has
+# unloaded its models (a drain's last moments) Triton says the model "has no available versions".
+_STREAM_LOST_FRAGMENTS = ("START flag", "the server is shutting down", "has no available versions")
 # A lost connection that some gRPC versions report under another status.
 _CONNECTION_LOST_FRAGMENTS = ("socket closed", "connection reset", "connection refused", "stream removed", "broken pipe")
 

@@ -462,6 +462,8 @@ def decode_in_chunks(stream, codes, bounds, before_chunk=None):
         pytest.param("StatusCode.UNAVAILABLE", "resource exhausted: this code2wav instance already holds 4 live "
                      "streams", True, None, id="stream-cap"),
         pytest.param("StatusCode.UNKNOWN", "Stream removed", True, None, id="stream-removed"),
+        pytest.param("StatusCode.NOT_FOUND", "Request for unknown model: 'code2wav' has no available versions", True,
+                     None, id="models-unloaded-in-a-drain"),
         pytest.param("StatusCode.INTERNAL", "decoder 'mimi_decoder' failed on step 1 of 1 for stream 7: boom; the "
                      "stream was ended, send its next request with the START flag to begin again", True, None,
                      id="decoder-fault-ended-the-stream"),

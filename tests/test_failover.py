@@ -1,10 +1,13 @@
-"""Streams that survive a replica's death: the real code2wav and python-ort decoder on 3 replicas
-behind nginx (`server.replicas.ReplicaSet`), resumable clients (`client.stream.ResumableStream`)
-sending every request with their stream key.
+"""Streams that survive faults: the real code2wav and python-ort decoder, resumable clients
+(`client.stream.ResumableStream`) sending every request with their stream key.
 
-One module-scoped replica set serves both tests, in order: a replica is SIGKILLed mid-stream, then
-restarted under the same address. References are each stream's solo decode by the same ONNX step in
-this process (docs/design.md §2.3 says how close "equal" is).
+- Replicas behind nginx (`server.replicas.ReplicaSet`, one module-scoped set, tests in order): a
+  replica SIGKILLed mid-stream (the others' streams never notice), then restarted under the same
+  address; then chaos: replicas killed, hung and drained at seeded random moments under paced streams.
+- One node: `code2wav-server serve` restarts a tritonserver SIGKILLed under live streams.
+
+References are each stream's solo decode by the same ONNX step in this process (docs/design.md §2.3
+says how close "equal" is).
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import STREAM_KEY_HEADER, ResumableStream, StreamOptions
+from mimi_code2wav.client.stream import STREAM_KEY_HEADER, ResumableStream, StreamOptions, run_resumable
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.server.nginx import NginxError, find_nginx, replicas_by_stream
 from mimi_code2wav.server.replicas import ReplicaSet
-from mimi_code2wav.server.triton import free_ports, port_is_free, process_group_alive
+from mimi_code2wav.server.triton import ServerError, free_ports, port_is_free, process_group_alive
 
 from mimi_fixtures import assert_equal_audio, ort_session
 
@@ -75,10 +78,9 @@ def streams():
     return {f"call-{n}": rng.integers(0, 2048, (8, total)) for n in range(STREAMS)}
 
 
-@pytest.fixture(scope="module")
-def solo(onnx_fp32, streams):
+def _solo_decode(onnx_dir, streams: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Each stream decoded alone by the ONNX step in this process, 16 frames per call."""
-    session = ort_session(onnx_fp32)
+    session = ort_session(onnx_dir)
     inputs = session.get_inputs()
     names = [arg.name for arg in inputs]
     codes = np.stack(list(streams.values())).astype(np.int32)
@@ -91,6 +93,11 @@ def solo(onnx_fp32, streams):
         state = out[1:]
     pcm = np.concatenate(pcm, axis=1)
     return {key: pcm[i] for i, key in enumerate(streams)}
+
+
+@pytest.fixture(scope="module")
+def solo(onnx_fp32, streams):
+    return _solo_decode(onnx_fp32, streams)
 
 
 def _decode(stream: ResumableStream, codes: np.ndarray, first: int, stop: int, end: bool = False,
@@ -320,3 +327,96 @@ def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing
                f"stall last good response -> resumed response {max(stalls):.1f} s max")
     print(summary)
     record_property("serve_restart", summary)
+
+
+# ---- chaos: replicas killed, hung and drained under live streams -----------------------------------
+
+CHAOS_STREAMS = 6
+CHAOS_FRAMES = 500  # 40 s of audio per stream, paced in real time
+CHAOS_WINDOW_MIN_SNR_DB = 70.0
+
+
+def test_chaos_every_frame_once_through_kills_hangs_and_drains(replica_set, onnx_fp32, record_property):
+    """6 paced resumable streams (4-frame requests, a 3 s response deadline) through the proxy while
+    replicas are SIGKILLed (then restarted), SIGSTOPped for 6 s (then continued) and SIGTERMed (drained,
+    then restarted), at seeded random moments: every stream completes with every frame's PCM exactly
+    once, exact up to its first resume and >= 70 dB in every second after it."""
+    rng = np.random.default_rng(17)
+    codes = {f"chaos-{n}": rng.integers(0, 2048, (8, CHAOS_FRAMES)) for n in range(CHAOS_STREAMS)}
+    reference = _solo_decode(onnx_fp32, codes)
+    options = StreamOptions(chunk_frames=4, first_chunk_frames=4, paced=True, resume_history_frames=HISTORY_FRAMES,
+                            resume_timeout_s=60.0, response_timeout_s=3.0)
+    outcome: dict = {}
+
+    def run_streams():
+        try:
+            outcome["report"] = run_resumable(replica_set.proxy_grpc_url, list(codes.values()), options,
+                                              sequence_ids=[9000 + n for n in range(CHAOS_STREAMS)],
+                                              stream_keys=list(codes))
+        except BaseException as error:  # reported below
+            outcome["error"] = error
+
+    def busiest(exclude=()):
+        placement = {key: urls for key, urls in replicas_by_stream(replica_set.proxy.requests()).items()
+                     if key in codes}
+        counts = {replica.index: sum(replica.grpc_url in urls for urls in placement.values())
+                  for replica in replica_set.replicas if replica.is_alive() and replica.index not in exclude}
+        return max(counts, key=counts.get)
+
+    started = time.monotonic()
+    streams_thread = threading.Thread(target=run_streams, daemon=True)
+    streams_thread.start()
+    faults = []
+
+    def at(seconds):
+        time.sleep(max(0.0, started + seconds - time.monotonic()))
+
+    def restart(index):
+        # As serve-replicas --restart does: a server that dies while it starts is started again (2.51
+        # has crashed on start here, SIGSEGV with an empty log, while resumes kept arriving).
+        for _ in range(3):
+            try:
+                return replica_set.restart(index)
+            except ServerError as error:
+                faults.append(f"replica {index} died while restarting ({error}".splitlines()[0] + ")")
+                time.sleep(1.0)
+        raise AssertionError(f"replica {index} did not come back: {faults}")
+
+    at(rng.uniform(6, 9))
+    killed = busiest()
+    replica_set.kill(killed)
+    faults.append(f"SIGKILL replica {killed} at {time.monotonic() - started:.1f} s")
+    time.sleep(3)
+    restart(killed)
+    at(rng.uniform(16, 19))
+    hung = busiest(exclude=(killed,))
+    replica_set.replicas[hung].server.process.send_signal(signal.SIGSTOP)
+    faults.append(f"SIGSTOP replica {hung} at {time.monotonic() - started:.1f} s for 6 s")
+    time.sleep(6)
+    replica_set.replicas[hung].server.process.send_signal(signal.SIGCONT)
+    at(rng.uniform(27, 30))
+    drained = busiest(exclude=(hung,))
+    faults.append(f"SIGTERM replica {drained} at {time.monotonic() - started:.1f} s")
+    code = replica_set.kill(drained, signal.SIGTERM)
+    faults[-1] += f" (drained, exit code {code} after {time.monotonic() - started:.1f} s)"
+    restart(drained)
+    streams_thread.join(240)
+    assert not streams_thread.is_alive(), "the streams never finished"
+    assert "error" not in outcome, outcome.get("error")
+    assert code == 0, f"a drained replica exits 0, got {code}"
+
+    resumes = 0
+    for key, result in zip(codes, outcome["report"].results):
+        pcm = result.pcm
+        assert pcm.shape == (CHAOS_FRAMES * SAMPLES_PER_FRAME,), key
+        first = result.resumes[0].frame if result.resumes else CHAOS_FRAMES
+        cut = first * SAMPLES_PER_FRAME
+        assert_equal_audio(pcm[:cut], reference[key][:cut], what=f"{key} before its first resume")
+        window = 13 * SAMPLES_PER_FRAME
+        worst = min((snr_db(pcm[start : start + window], reference[key][start : start + window])
+                     for start in range(cut, pcm.size, window)), default=float("inf"))
+        assert worst >= CHAOS_WINDOW_MIN_SNR_DB, (key, worst, [r.describe() for r in result.resumes])
+        resumes += len(result.resumes)
+    summary = f"chaos: {'; '.join(faults)}; {CHAOS_STREAMS} streams, {resumes} resumes, all complete"
+    print(summary)
+    record_property("chaos", summary)

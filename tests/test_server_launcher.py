@@ -236,12 +236,35 @@ def test_serve_command_with_missing_weights_explains(tmp_path):
     assert not (tmp_path / "build" / "model_repository").exists()
 
 
-def test_server_ends_when_the_launcher_is_killed(tmp_path):
-    """SIGKILL leaves the launcher no chance to stop the server: the kernel's parent-death signal
-    must end tritonserver anyway, so no orphan keeps the ports."""
-    repository = write_model(tmp_path / "repo")
-    server_pid = None
+def _stubs_of(shm_prefix: str) -> list[int]:
+    """Python stubs of the server that named its shared memory `shm_prefix`, still running."""
+    stubs = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if "triton_python_backend_stub" in cmdline and shm_prefix in cmdline:
+                stubs.append(int(entry.name))
+    return stubs
+
+
+@pytest.mark.parametrize("moment", ["serving", "loading"])
+def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
+    """SIGKILL leaves the launcher no chance to stop the server: the kernel's parent-death signal ends
+    tritonserver, and its Python stubs follow once it is gone, whether the model was serving or still
+    loading. (This test reaps the orphaned tritonserver as a subreaper: where the host's init does
+    not reap orphans, a dead tritonserver stays a zombie, which its stubs take for a live parent.)"""
+    import ctypes
+
+    initialize = "import time; time.sleep(3600)" if moment == "loading" else "pass"
+    repository = write_model(tmp_path / "repo", initialize=initialize)
+    server_pid = prefix = None
     http_port, grpc_port, metrics_port = free_ports(3)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    pr_set_child_subreaper = 36
+    libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0)
     cli = subprocess.Popen(
         [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
          "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
@@ -255,18 +278,33 @@ def test_server_ends_when_the_launcher_is_killed(tmp_path):
             server_pid = int(found.stdout.split()[0]) if found.stdout.strip() else None
             time.sleep(0.1)
         assert server_pid is not None, "tritonserver never started"
+        while time.monotonic() < deadline and prefix is None:
+            prefix = _shm_prefix_of(server_pid)
+            prefix = prefix if _stubs_of(prefix) else None
+            time.sleep(0.1)
+        assert prefix is not None, "the Python stub never started"
+        if moment == "serving":
+            _wait_http_ready(http_port, cli)
         cli.kill()
         cli.wait()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and process_exists(server_pid):
+        # tritonserver is this process's child now: wait for it to exit (its exit timeout at most).
+        os.waitpid(server_pid, 0)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _stubs_of(prefix):
             time.sleep(0.1)
+        assert _stubs_of(prefix) == [], "a Python stub outlived its server"
         assert not process_exists(server_pid), "tritonserver outlived its killed launcher"
     finally:
+        libc.prctl(pr_set_child_subreaper, 0, 0, 0, 0)
         if cli.poll() is None:
             cli.kill()
             cli.wait()
         if server_pid is not None and process_exists(server_pid):
             os.kill(server_pid, signal.SIGKILL)  # never leave an orphan behind a failed test
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(server_pid, 0)
+        for stub in _stubs_of(prefix) if prefix else []:
+            os.kill(stub, signal.SIGKILL)
 
 
 def _wait_http_ready(port: int, process: subprocess.Popen, timeout_s: float = 90.0) -> None:
