@@ -37,10 +37,22 @@ SHARED_MODEL_FILE = REPO_ROOT / "model_repository" / "common" / "triton_streams.
 TARGETS = ("onnxruntime", "tensorrt", "python-ort", "null")
 PYTHON_TARGETS = ("python-ort", "null")  # Python-backend decoders: no implicit state block
 
-# code2wav's own idle timeout (model_repository/code2wav/config.pbtxt); the decoder's sits above it.
-# It also bounds a shutdown: Triton counts every live sequence as in flight, and while the server
-# exits no request can reach the decoder to END one, so abandoned streams leave by this timeout.
-CODE2WAV_IDLE_TIMEOUT_US = 10_000_000
+_IDLE_TIMEOUT = re.compile(r"max_sequence_idle_microseconds:\s*(\d+)")
+
+
+def idle_timeout_us(config: Path) -> int:
+    """The `max_sequence_idle_microseconds` of a model config (config.pbtxt), which sets it once."""
+    found = _IDLE_TIMEOUT.findall(Path(config).read_text())
+    if len(found) != 1:
+        raise ValueError(f"{config}: max_sequence_idle_microseconds appears {len(found)} times, expected once")
+    return int(found[0])
+
+
+# code2wav's own idle timeout, read from the config that sets it (model_repository/code2wav/); the
+# decoder's sits above it. It also bounds a shutdown: Triton counts every live sequence as in flight,
+# and while the server exits no request can reach the decoder to END one, so abandoned streams leave
+# by this timeout.
+CODE2WAV_IDLE_TIMEOUT_US = idle_timeout_us(CODE2WAV_DIR / "config.pbtxt")
 # code2wav's Triton sequence slots per stream it admits (see render_repository).
 CODE2WAV_SLOTS_PER_STREAM = 2
 DECODER_IDLE_MARGIN_US = 2_000_000

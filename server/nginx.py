@@ -35,7 +35,7 @@ from typing import Sequence
 # The gRPC metadata key that names a stream (nginx sees it as $http_code2wav_stream), as clients send it.
 from mimi_code2wav.client.stream import STREAM_KEY_HEADER  # noqa: F401 (re-exported for the server side)
 
-from .triton import LOCALHOST, ServerError, _parent_death_signal, free_ports, stop_process_group
+from .triton import LOCALHOST, ServerError, free_ports, stop_process_group, with_parent_death_signal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_ROOT / "docker" / "nginx" / "code2wav-proxy.conf.tmpl"
@@ -392,8 +392,9 @@ class NginxProxy:
             raise NginxError("this NginxProxy was already started")
         self.write_config()
         with open(self.prefix / "stderr.log", "wb") as stderr:
+            command, preexec_fn = with_parent_death_signal(self._command())
             self.process = subprocess.Popen(
-                self._command(),
+                command,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
@@ -401,7 +402,7 @@ class NginxProxy:
                 start_new_session=True,
                 # If this process dies without stop(), the master gets SIGTERM and takes its
                 # workers down.
-                preexec_fn=_parent_death_signal(),
+                preexec_fn=preexec_fn,
             )
 
     def wait_ready(self, timeout_s: float = 10.0, poll_s: float = 0.05) -> None:

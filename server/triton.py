@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 SHM_DIR = Path("/dev/shm")
 # Every region a Python stub creates is named <prefix><uuid>; each server gets its own prefix so that
@@ -353,10 +353,11 @@ class TritonServer:
             os.close(handle)
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command, preexec_fn = with_parent_death_signal(self.command(install, backend_dir))
         with open(self.log_path, "wb") as log:
             self.started_at = time.monotonic()
             self.process = subprocess.Popen(
-                self.command(install, backend_dir),
+                command,
                 env=triton_environment(install),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -365,7 +366,7 @@ class TritonServer:
                 # server together with its Python stubs and nothing else.
                 start_new_session=True,
                 # If this process dies without stop() (SIGKILL, a test timeout), the server follows.
-                preexec_fn=_parent_death_signal(),
+                preexec_fn=preexec_fn,
             )
 
     def wait_ready(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> float:
@@ -480,17 +481,28 @@ def stop_process_group(process: subprocess.Popen, grace_s: float) -> int | None:
     return process.returncode
 
 
-def _parent_death_signal():
-    """A preexec_fn asking Linux to SIGTERM the child when its parent dies (PR_SET_PDEATHSIG), or
-    None where that is unavailable. libc is loaded here, in the parent: the child only calls it."""
+def with_parent_death_signal(command: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """`command` (and a preexec_fn) such that Linux SIGTERMs the child when this process dies
+    (PR_SET_PDEATHSIG): so a launcher killed without stop() (SIGKILL, a test timeout) takes its
+    server along.
+
+    util-linux's `setpriv --pdeathsig TERM --` sets it and execs the command (same pid), so no
+    Python code runs in the forked child. A preexec_fn would: Python then runs its at-fork hooks
+    there, which in a process with threads can crash the child before exec (seen: a SIGSEGV in a
+    library's at-fork handler, reported as the server dying at once with an empty log). Without
+    setpriv, the preexec_fn is the fallback; without either, stop() remains the only way."""
+    setpriv = shutil.which("setpriv") or next((path for path in ("/usr/bin/setpriv", "/bin/setpriv")
+                                                if os.access(path, os.X_OK)), None)
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "TERM", "--", *command], None
     try:
         import ctypes
 
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux/glibc: stop() remains the only way
-        return None
+    except (OSError, AttributeError):  # not Linux/glibc
+        return list(command), None
     set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
-    return lambda: prctl(set_pdeathsig, sigterm, 0, 0, 0)
+    return list(command), lambda: prctl(set_pdeathsig, sigterm, 0, 0, 0)
 
 
 def _port_taken(server: TritonServer) -> bool:

@@ -728,6 +728,22 @@ def test_run_resumable_decodes_each_stream_with_its_key_and_reports_resumes():
         run_resumable(["a:1"], codes[:2], stream_keys=["k", "k"], connect=network)
 
 
+class ReadyStreamer:
+    """Code2WavStreamer's stand-in for CLI tests: a server that is ready."""
+
+    def __init__(self, url, model):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        pass
+
+    def check_ready(self):
+        pass
+
+
 def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(monkeypatch, capsys, tmp_path):
     """Every server gone for good: the run stops with StreamsFailed holding each stream's PCM up to
     where it stopped, and `decode --out` writes those WAVs and says where each stream stopped."""
@@ -750,19 +766,6 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
     assert max(stopped) >= 8 and all(frames < 20 for frames in stopped), stopped
     for pcm, frames in zip(failure.value.received, stopped):
         assert frames_heard(pcm) == list(range(frames))
-
-    class ReadyStreamer:
-        def __init__(self, url, model):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc_info):
-            pass
-
-        def check_ready(self):
-            pass
 
     def failing_run(servers, streams_codes, options, stream_keys=None, progress=None):
         raise StreamsFailed("stream 1 could not resume", [np.ones(3 * SAMPLES_PER_FRAME, np.float32) * 0.5,
@@ -787,18 +790,9 @@ def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys, tmp_p
 
     given = {}
 
-    class ReadyStreamer:
+    class CheckedStreamer(ReadyStreamer):
         def __init__(self, url, model):
             given["checked"] = url
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc_info):
-            pass
-
-        def check_ready(self):
-            pass
 
     def fake_run(servers, streams_codes, options, stream_keys=None, progress=None):
         given.update(servers=servers, keys=stream_keys, options=options)
@@ -809,7 +803,7 @@ def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys, tmp_p
                                          url="b:2", history_frames=2))
         return RunReport(results, options, 1.0)
 
-    monkeypatch.setattr(decode_module, "Code2WavStreamer", ReadyStreamer)
+    monkeypatch.setattr(decode_module, "Code2WavStreamer", CheckedStreamer)
     monkeypatch.setattr(decode_module, "run_resumable", fake_run)
     code = cli.main(["decode", "--url", "a:1", "--failover-url", "b:2", "--random", "--frames", "3", "--streams", "2",
                      "--stream-key", "call", "--resume-history-frames", "25", "--no-progress"])

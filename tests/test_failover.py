@@ -29,6 +29,7 @@ import pytest
 
 from mimi_code2wav.client.stream import STREAM_KEY_HEADER, ResumableStream, StreamOptions, run_resumable
 from mimi_code2wav.export.reference import snr_db
+from mimi_code2wav.export.render import CODE2WAV_IDLE_TIMEOUT_US
 from mimi_code2wav.server.nginx import NginxError, find_nginx, replicas_by_stream
 from mimi_code2wav.server.replicas import ReplicaSet
 from mimi_code2wav.server.triton import ServerError, free_ports, port_is_free, process_group_alive
@@ -52,7 +53,7 @@ HISTORY_FRAMES = 250
 # codes.
 RESUMED_MIN_SNR_DB = 75.0
 FAIL_TIMEOUT_S = 2
-STREAM_IDLE_TIMEOUT_S = 10.0  # code2wav's (model_repository/code2wav/config.pbtxt)
+STREAM_IDLE_TIMEOUT_S = CODE2WAV_IDLE_TIMEOUT_US / 1e6
 IDLE_MARGIN_S = 1.5  # Triton's sequence reaper and code2wav's expiry thread wake within this of the timeout
 
 
