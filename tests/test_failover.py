@@ -373,8 +373,7 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(replica_set, onnx
         time.sleep(max(0.0, started + seconds - time.monotonic()))
 
     def restart(index):
-        # As serve-replicas --restart does: a server that dies while it starts is started again (2.51
-        # has crashed on start here, SIGSEGV with an empty log, while resumes kept arriving).
+        # As serve-replicas --restart does: a server that dies while it starts is started again.
         for _ in range(3):
             try:
                 return replica_set.restart(index)
