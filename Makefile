@@ -19,7 +19,7 @@ REPLICAS ?=
 # A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
-.PHONY: venv lint test serve export bench bench-memory verify clean
+.PHONY: venv lint test serve export bench bench-memory bench-failover verify clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,11 @@ bench: $(STAMP)
 
 bench-memory: $(STAMP)
 	$(BIN)/code2wav-server memory
+
+# 3 replicas behind nginx, 12 paced resumable streams, SIGKILL of the busiest replica: what the streams
+# that kept their replica feel, and the stall of those that moved (bench_results/failover/).
+bench-failover: $(STAMP)
+	$(BIN)/code2wav-server failover $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
 verify: $(STAMP)
 	$(BIN)/code2wav-server verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(URL),--url $(URL),)
