@@ -50,8 +50,10 @@ FLAG_SEQUENCE_END = 2
 
 # A replay step waits up to this long for the live steps in the decoder to finish (ReplayLane).
 REPLAY_WAIT_FOR_IDLE_S = 0.1
-# Replay steps in flight while no live step is (ReplayLane): a full run of the python-ort decoder.
+# Replay steps in flight while no live step has run for LIVE_QUIET_S (ReplayLane): a full run of the
+# python-ort decoder, for an instance whose streams are all resuming (a restarted server).
 REPLAY_STEPS_WHEN_IDLE = 8
+LIVE_QUIET_S = 1.0
 IDLE_GRACE_S = 1.0  # streams expire this long after the idle timeout (see StreamTable.expire_idle)
 DEDUPE_MODES = ("auto", "delta", "cumulative")
 
@@ -402,16 +404,19 @@ class ReplayLane:
     """Decoder steps of replayed history (resumes, docs/design.md §2.4) as background work.
 
     Live steps (new frames) go straight to the decoder; `live()` only counts them. A replay step
-    (`replay()`) waits for its turn: at most `steps_in_flight` replay steps at a time while live steps
-    run, up to REPLAY_STEPS_WHEN_IDLE while none does (an instance whose streams all resume replays at
-    full speed), taken in arrival order; then it waits up to REPLAY_WAIT_FOR_IDLE_S for the live steps
-    in the decoder to finish, so that it fills the gaps between them. However many streams resume at
-    once, a live step finds at most a few short replay rows beside it in the decoder."""
+    (`replay()`) waits for its turn: at most `steps_in_flight` replay steps at a time while the instance
+    has live traffic, up to REPLAY_STEPS_WHEN_IDLE once no live step has run for LIVE_QUIET_S (an
+    instance whose streams all resume replays at full speed), taken in arrival order; then it waits up
+    to REPLAY_WAIT_FOR_IDLE_S for the live steps in the decoder to finish, so that it fills the gaps
+    between them. However many streams resume at once, a live step finds at most `steps_in_flight`
+    short replay rows beside it in the decoder."""
 
-    def __init__(self, steps_in_flight: int):
+    def __init__(self, steps_in_flight: int, clock: Callable[[], float] = time.monotonic):
         self.steps_in_flight = steps_in_flight
         self.live_steps = 0
         self.replay_steps = 0
+        self._clock = clock
+        self._last_live_s = -LIVE_QUIET_S
         self._condition: Optional[asyncio.Condition] = None  # made in the event loop that uses it
 
     def _lock(self) -> asyncio.Condition:
@@ -420,8 +425,10 @@ class ReplayLane:
         return self._condition
 
     def _replay_may_start(self) -> bool:
-        limit = self.steps_in_flight if self.live_steps else max(self.steps_in_flight, REPLAY_STEPS_WHEN_IDLE)
-        return self.replay_steps < limit
+        # Waiters are woken whenever a replay step or the last live step ends, so the quiet time is
+        # looked at again as it passes.
+        quiet = not self.live_steps and self._clock() - self._last_live_s >= LIVE_QUIET_S
+        return self.replay_steps < (max(self.steps_in_flight, REPLAY_STEPS_WHEN_IDLE) if quiet else self.steps_in_flight)
 
     @contextlib.asynccontextmanager
     async def live(self):
@@ -430,6 +437,7 @@ class ReplayLane:
             yield
         finally:
             self.live_steps -= 1
+            self._last_live_s = self._clock()
             if not self.live_steps:
                 condition = self._lock()
                 async with condition:
