@@ -83,7 +83,7 @@ class DecoderServing:
     # per-request Python and IPC run under one GIL); more spread the streams over more cores.
     front_instances: int = 1
     # How long code2wav's batcher waits for more streams' requests (its oldest max_queue_delay). A
-    # code2wav instance sends one batch to the decoder at a time, so this sets the decoder's batches.
+    # batch's decoder calls reach the decoder together, so this shapes the decoder's batches.
     front_queue_delay_us: int = 3000
 
     def validate(self) -> None:
