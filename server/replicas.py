@@ -46,6 +46,7 @@ from .serve import (
     _StopSignals,
     add_repository_arguments,
     describe_exit,
+    keep_log,
     prepare_repository,
     stop_quietly,
 )
@@ -274,8 +275,7 @@ class ReplicaSet:
         old = replica.server
         old.stop()  # a dead one: waits for its stubs, removes its shared memory
         replica.restarts += 1
-        if old.log_path is not None and old.log_path.exists():
-            old.log_path.rename(old.log_path.with_name(f"{old.log_path.name}.{replica.restarts}"))
+        keep_log(old, replica.restarts)
         replica.server = self._new_server(index, (old.http_port, old.grpc_port, old.metrics_port))
         replica.exit_reported = False
         self._launch(replica)

@@ -137,8 +137,8 @@ def _new_server(args: argparse.Namespace, repository: Path, ports: tuple | None 
                         host=args.host, log_path=args.log_file, log_verbose=args.log_verbose)
 
 
-def _keep_log(server: TritonServer, restarts: int) -> None:
-    """The dead server's log stays as <log>.<n> beside the new one's."""
+def keep_log(server: TritonServer, restarts: int) -> None:
+    """A dead server's log stays as <log>.<n> beside its successor's."""
     if server.log_path is not None and server.log_path.exists():
         server.log_path.rename(server.log_path.with_name(f"{server.log_path.name}.{restarts}"))
 
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{server.log_path}.{backoff.restarts})", file=sys.stderr, flush=True)
             time.sleep(delay_s)
             server.stop()  # the dead one's stubs and shared memory
-            _keep_log(server, backoff.restarts)
+            keep_log(server, backoff.restarts)
             server = _new_server(args, repository, (server.http_port, server.grpc_port, server.metrics_port))
             stop_signals.disarm()
             server.start()

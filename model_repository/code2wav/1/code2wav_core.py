@@ -415,6 +415,7 @@ class ReplayLane:
         self.steps_in_flight = steps_in_flight
         self.live_steps = 0
         self.replay_steps = 0
+        self.replays_waiting = 0
         self._clock = clock
         self._last_live_s = -LIVE_QUIET_S
         self._condition: Optional[asyncio.Condition] = None  # made in the event loop that uses it
@@ -438,7 +439,7 @@ class ReplayLane:
         finally:
             self.live_steps -= 1
             self._last_live_s = self._clock()
-            if not self.live_steps:
+            if not self.live_steps and self.replays_waiting:  # live steps cost no lock otherwise
                 condition = self._lock()
                 async with condition:
                     condition.notify_all()
@@ -447,13 +448,17 @@ class ReplayLane:
     async def replay(self):
         condition = self._lock()
         async with condition:
-            await condition.wait_for(self._replay_may_start)
-            self.replay_steps += 1
-            if self.live_steps:
-                try:
-                    await asyncio.wait_for(condition.wait_for(lambda: not self.live_steps), REPLAY_WAIT_FOR_IDLE_S)
-                except asyncio.TimeoutError:
-                    pass
+            self.replays_waiting += 1
+            try:
+                await condition.wait_for(self._replay_may_start)
+                self.replay_steps += 1
+                if self.live_steps:
+                    try:
+                        await asyncio.wait_for(condition.wait_for(lambda: not self.live_steps), REPLAY_WAIT_FOR_IDLE_S)
+                    except asyncio.TimeoutError:
+                        pass
+            finally:
+                self.replays_waiting -= 1
         try:
             yield
         finally:
@@ -637,7 +642,7 @@ class StreamTable:
         needs_start = starts or stream is None or stream.needs_decoder_start
         # History frames get steps of their own, which take the replay lane (see `run`).
         history_steps = self._steps(decoded_codes[:, :replay], needs_start, ends and replay == decoded_codes.shape[1],
-                                    replay=True, per_step=settings.replay_step_frames) if replay else ()
+                                    replay=True) if replay else ()
         steps = history_steps + self._steps(decoded_codes[:, replay or 0 :], needs_start and not history_steps, ends)
         if ends and decoded_codes.shape[1] == 0 and decoder_live:
             # The decoder holds a sequence for this id (a START without END reached it): close it
@@ -850,16 +855,20 @@ class StreamTable:
     # ---- helpers ------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_continued_replay(correlation_id: int, replay: int, offset: Optional[int], request_frames: int,
-                                decoded: int) -> None:
-        """History on a continuing stream (a resume sent in pieces): every frame of the request is new,
-        so it starts at the stream's next frame, and 0 <= H <= F."""
+    def _check_history_count(correlation_id: int, replay: int, request_frames: int) -> None:
         if not 0 <= replay <= request_frames:
             raise RequestError(
                 "history",
                 f"history_frames={replay} must lie in [0, {request_frames}]: the request holds {request_frames} "
                 f"frames and its first history_frames of them are the replayed history (stream {correlation_id})",
             )
+
+    @classmethod
+    def _check_continued_replay(cls, correlation_id: int, replay: int, offset: Optional[int], request_frames: int,
+                                decoded: int) -> None:
+        """History on a continuing stream (a resume sent in pieces): every frame of the request is new,
+        so it starts at the stream's next frame, and 0 <= H <= F."""
+        cls._check_history_count(correlation_id, replay, request_frames)
         if offset != decoded:
             raise RequestError(
                 "history",
@@ -878,12 +887,7 @@ class StreamTable:
 
     def _resume_base(self, correlation_id: int, replay: int, offset: Optional[int], request_frames: int) -> int:
         """The base (first frame index) of a stream a START with history_frames opens (see `plan`)."""
-        if not 0 <= replay <= request_frames:
-            raise RequestError(
-                "history",
-                f"history_frames={replay} must lie in [0, {request_frames}]: the request holds {request_frames} "
-                f"frames and its first history_frames of them are the replayed history (stream {correlation_id})",
-            )
+        self._check_history_count(correlation_id, replay, request_frames)
         if offset is None:
             if replay:
                 raise RequestError(
@@ -968,14 +972,15 @@ class StreamTable:
         """The codes of an END-only step (its output is discarded): one frame of zeros."""
         return np.zeros((1, self.settings.num_codebooks, 1), np.int32)
 
-    def _steps(self, new_codes: np.ndarray, needs_start: bool, ends: bool, replay: bool = False,
-               per_step: Optional[int] = None) -> Tuple[DecoderStep, ...]:
+    def _steps(self, new_codes: np.ndarray, needs_start: bool, ends: bool, replay: bool = False) -> Tuple[DecoderStep, ...]:
         """The new frames [k, N] in as few decoder calls as the decoder takes: one call when N <=
         decoder_max_frames_per_step, else full calls and the remainder last (requests of equal size
-        give equal calls, which the decoder batches). START on the first step when the decoder must
-        (re)start, END on the last."""
+        give equal calls, which the decoder batches); replayed history (`replay`) in calls of
+        `replay_step_frames`. START on the first step when the decoder must (re)start, END on the last."""
+        settings = self.settings
         total = new_codes.shape[1]
-        per_step = min(per_step or self.settings.decoder_max_frames_per_step, self.settings.decoder_max_frames_per_step)
+        per_step = min(settings.replay_step_frames, settings.decoder_max_frames_per_step) if replay \
+            else settings.decoder_max_frames_per_step
         steps = []
         for first in range(0, total, per_step):
             flags = 0
