@@ -7,14 +7,14 @@ refuses or drops connections as failed for a while (passive health checks) and s
 keys to the next one meanwhile. The policy and the reasons for each setting are in the template,
 `docker/nginx/code2wav-proxy.conf.tmpl`, rendered here for two targets:
 
-- `local_config`: the proxy that `code2wav-server serve-replicas` runs on loopback, every file (pid,
-  logs, temporary folders) inside its own folder, in the foreground (`daemon off`);
+- `NginxProxy.config_text`: the proxy that `code2wav-server serve-replicas` runs on loopback, every
+  file (pid, logs, temporary folders) inside its own folder, in the foreground (`daemon off`);
 - `compose_config`: `docker/nginx/compose.conf`, the file the compose `scale` profile mounts (a test
   keeps it equal to a fresh rendering).
 
-`NginxProxy` runs one nginx (master and workers) in its own process group: it checks the config with
-`nginx -t` first, waits until both ports accept connections while checking that nginx is alive, and
-stops only what it started.
+`NginxProxy` (a `processes.ServerProcess`) runs one nginx (master and workers) in its own process
+group: it checks the config with `nginx -t` first, waits until both ports accept connections while
+checking that nginx is alive, and stops only what it started.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import shutil
 import socket
 import string
 import subprocess
-import time
 from pathlib import Path
 from typing import Sequence
 
 # The gRPC metadata key that names a stream (nginx sees it as $http_code2wav_stream), as clients send it.
 from mimi_code2wav.client.stream import STREAM_KEY_HEADER  # noqa: F401 (re-exported for the server side)
 
-from .triton import LOCALHOST, ServerError, free_ports, stop_process_group, with_parent_death_signal
+from .processes import ServerError, ServerProcess, log_tail
+from .triton import LOCALHOST, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_ROOT / "docker" / "nginx" / "code2wav-proxy.conf.tmpl"
@@ -212,43 +212,6 @@ def _worker_user() -> str | None:
         return "root root"
 
 
-def local_config(
-    prefix: Path,
-    *,
-    grpc_listen: str,
-    http_listen: str,
-    grpc_servers: Sequence[str],
-    http_servers: Sequence[str],
-    version: tuple[int, int, int],
-    max_fails: int = DEFAULT_MAX_FAILS,
-    fail_timeout_s: int = DEFAULT_FAIL_TIMEOUT_S,
-) -> str:
-    """nginx.conf for a foreground nginx on this machine whose every file is under `prefix`
-    (absolute): nginx.pid, error.log, access.log and the temporary folders."""
-    prefix = Path(prefix).resolve()
-    main = ["daemon off;", "master_process on;", "worker_processes 1;", f"pid {prefix / 'nginx.pid'};",
-            f"error_log {prefix / 'error.log'} warn;"]
-    user = _worker_user()
-    if user is not None:
-        main.insert(0, f"user {user};")
-    http = [f"{kind}_temp_path {prefix / (kind + '_temp')};"
-            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")]
-    return _render(
-        target=f"local, {len(grpc_servers)} replicas",
-        main_directives=main,
-        http_directives=http,
-        access_log=str(prefix / "access.log"),
-        grpc_listen=grpc_listen,
-        http_listen=http_listen,
-        grpc_servers=grpc_servers,
-        http_servers=http_servers,
-        max_fails=max_fails,
-        fail_timeout_s=fail_timeout_s,
-        resolve=False,
-        http2_directive=version >= _HTTP2_DIRECTIVE_VERSION,
-    )
-
-
 def compose_config(replicas: int = COMPOSE_REPLICAS) -> str:
     """docker/nginx/compose.conf: the proxy of the compose `scale` profile (nginx >= 1.27.3 image).
 
@@ -265,12 +228,9 @@ def compose_config(replicas: int = COMPOSE_REPLICAS) -> str:
         # Docker's embedded DNS; `valid` bounds how long a replica's old address is used.
         http_directives=["resolver 127.0.0.11 valid=5s ipv6=off;"],
         access_log="/dev/stdout",
-        grpc_listen="8001",
-        http_listen="8000",
-        grpc_servers=[f"{name}:8001" for name in names],
-        http_servers=[f"{name}:8000" for name in names],
-        max_fails=DEFAULT_MAX_FAILS,
-        fail_timeout_s=DEFAULT_FAIL_TIMEOUT_S,
+        grpc_listen="8001", http_listen="8000",
+        grpc_servers=[f"{name}:8001" for name in names], http_servers=[f"{name}:8000" for name in names],
+        max_fails=DEFAULT_MAX_FAILS, fail_timeout_s=DEFAULT_FAIL_TIMEOUT_S,
         resolve=True,
         http2_directive=True,
     )
@@ -282,28 +242,29 @@ def _accepts(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def _file_tail(path: Path, lines: int = 30) -> str:
-    try:
-        kept = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return f"({path} unreadable)"
-    return "\n".join(kept[-lines:]) if kept else f"({path} is empty)"
-
-
-class NginxProxy:
+class NginxProxy(ServerProcess):
     """One nginx on `host` serving gRPC on `grpc_port` and HTTP on `http_port`, in front of the
-    replicas at `grpc_servers` / `http_servers` ("host:port", one of each per replica, same order).
+    replicas at `grpc_servers` / `http_servers` ("host:port", one of each per replica, same order;
+    they may be set after construction, before `start()`).
 
     Its files live in `prefix`: nginx.conf, nginx.pid, error.log, access.log (one line per request:
-    stream key, replica, statuses) and the temporary folders. Ports of 0 are picked free at start.
+    stream key, replica, statuses), output.log (what nginx prints before it opens its error log) and
+    the temporary folders. Ports of 0 are picked free at start.
     """
+
+    name = "nginx"
+    error = NginxError
+    ready_timeout_s = 10.0
+    # SIGTERM is nginx's fast shutdown (open streams are closed): no drain to wait for. A master
+    # killed outright leaves its workers running: stop() waits for the whole group.
+    stop_grace_s = 10.0
 
     def __init__(
         self,
         prefix: Path | str,
         *,
-        grpc_servers: Sequence[str],
-        http_servers: Sequence[str],
+        grpc_servers: Sequence[str] = (),
+        http_servers: Sequence[str] = (),
         grpc_port: int = 8001,
         http_port: int = 8000,
         host: str = LOCALHOST,
@@ -312,16 +273,13 @@ class NginxProxy:
         binary: Path | str | None = None,
     ):
         self.prefix = Path(prefix).resolve()
+        super().__init__(host=host, grpc_port=grpc_port, http_port=http_port, log_path=self.prefix / "output.log")
         self.grpc_servers = list(grpc_servers)
         self.http_servers = list(http_servers)
-        self.grpc_port = grpc_port or None
-        self.http_port = http_port or None
-        self.host = host
         self.max_fails = max_fails
         self.fail_timeout_s = fail_timeout_s
         self.binary = binary
         self.install: NginxInstall | None = None
-        self.process: subprocess.Popen | None = None
 
     @property
     def conf_path(self) -> Path:
@@ -339,21 +297,6 @@ class NginxProxy:
         """Every request with a stream key in the access log so far, in order."""
         return read_access_log(self.access_log)
 
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def is_alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def _command(self, *extra: str) -> list[str]:
         cmd = [str(self.install.binary), "-p", f"{self.prefix}/", "-c", str(self.conf_path)]
         if self.install.version >= _ERROR_LOG_FLAG_VERSION:
@@ -369,16 +312,7 @@ class NginxProxy:
         self.grpc_port = self.grpc_port or next(picked)
         self.http_port = self.http_port or next(picked)
         self.prefix.mkdir(parents=True, exist_ok=True)
-        self.conf_path.write_text(local_config(
-            self.prefix,
-            grpc_listen=f"{self.host}:{self.grpc_port}",
-            http_listen=f"{self.host}:{self.http_port}",
-            grpc_servers=self.grpc_servers,
-            http_servers=self.http_servers,
-            version=self.install.version,
-            max_fails=self.max_fails,
-            fail_timeout_s=self.fail_timeout_s,
-        ))
+        self.conf_path.write_text(self.config_text())
         check = subprocess.run(self._command("-t", "-q"), capture_output=True, text=True, timeout=30)
         if check.returncode != 0:
             raise NginxError(
@@ -386,51 +320,40 @@ class NginxProxy:
             )
         return self.conf_path
 
-    def start(self) -> None:
-        """Write and check the config, then launch nginx (returns at once; see `wait_ready`)."""
-        if self.process is not None:
-            raise NginxError("this NginxProxy was already started")
+    def config_text(self) -> str:
+        """nginx.conf for this proxy, in the foreground on this machine, every file it writes under
+        `prefix`: nginx.pid, error.log, access.log and the temporary folders. Needs `install`."""
+        main = ["daemon off;", "master_process on;", "worker_processes 1;", f"pid {self.prefix / 'nginx.pid'};",
+                f"error_log {self.error_log} warn;"]
+        user = _worker_user()
+        if user is not None:
+            main.insert(0, f"user {user};")
+        http = [f"{kind}_temp_path {self.prefix / (kind + '_temp')};"
+                for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")]
+        return _render(
+            target=f"local, {len(self.grpc_servers)} replicas",
+            main_directives=main,
+            http_directives=http,
+            access_log=str(self.access_log),
+            grpc_listen=self.grpc_url, http_listen=self.http_url,
+            grpc_servers=self.grpc_servers, http_servers=self.http_servers,
+            max_fails=self.max_fails, fail_timeout_s=self.fail_timeout_s,
+            resolve=False,
+            http2_directive=self.install.version >= _HTTP2_DIRECTIVE_VERSION,
+        )
+
+    # ServerProcess -------------------------------------------------------------------------
+    def _prepare(self) -> tuple[list[str], None]:
+        """Write and check the config; nginx runs in the foreground (`daemon off`), master first.
+        Without stop() (this process killed) the master gets SIGTERM and takes its workers down."""
         self.write_config()
-        with open(self.prefix / "stderr.log", "wb") as stderr:
-            command, preexec_fn = with_parent_death_signal(self._command())
-            self.process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                # Own process group: stop() can end master and workers and nothing else.
-                start_new_session=True,
-                # If this process dies without stop(), the master gets SIGTERM and takes its
-                # workers down.
-                preexec_fn=preexec_fn,
-            )
+        return self._command(), None
 
-    def wait_ready(self, timeout_s: float = 10.0, poll_s: float = 0.05) -> None:
-        """Wait until both ports accept connections; NginxError with the error log if nginx exits or
-        does not listen within `timeout_s`."""
-        if self.process is None:
-            raise NginxError("wait_ready() before start()")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                raise NginxError(
-                    f"nginx exited with code {code} before listening (error log {self.error_log}):\n"
-                    f"{_file_tail(self.error_log)}\n{_file_tail(self.prefix / 'stderr.log')}"
-                )
-            if _accepts(self.host, self.grpc_port) and _accepts(self.host, self.http_port):
-                return
-            if time.monotonic() >= deadline:
-                raise NginxError(
-                    f"nginx did not listen on {self.grpc_url} and {self.http_url} within {timeout_s:.0f} s "
-                    f"(error log {self.error_log}):\n{_file_tail(self.error_log)}"
-                )
-            time.sleep(poll_s)
-
-    def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM the master (nginx's fast shutdown: open streams are closed), SIGKILL the process
-        group after `grace_s`, and wait until no worker is left (a master killed outright leaves its
-        workers running). Idempotent; returns the master's exit code (None if never started)."""
-        if self.process is None:
+    def readiness(self) -> str | None:
+        """Both ports accept connections."""
+        if _accepts(self.host, self.grpc_port) and _accepts(self.host, self.http_port):
             return None
-        return stop_process_group(self.process, grace_s)
+        return f"not listening on {self.grpc_url} and {self.http_url}"
+
+    def log_report(self) -> str:
+        return f"(error log {self.error_log}):\n{log_tail(self.error_log)}\n{log_tail(self.log_path)}"

@@ -27,8 +27,6 @@ import dataclasses
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Callable, ContextManager
 
@@ -40,15 +38,16 @@ from .nginx import (
     compose_config,
     find_nginx,
 )
+from .processes import StopsOnExit, http_ready
 from .serve import (
+    Foreground,
     RestartBackoff,
-    _StopRequested,
     _StopSignals,
     add_repository_arguments,
     describe_exit,
     keep_log,
     prepare_repository,
-    stop_quietly,
+    run_in_foreground,
 )
 from .triton import LOCALHOST, ServerError, TritonServer, log_tail, port_is_free
 
@@ -70,31 +69,18 @@ class Replica:
     backoff: RestartBackoff = dataclasses.field(default_factory=RestartBackoff)
     next_restart_at: float = 0.0
 
-    @property
-    def pid(self) -> int | None:
-        return self.server.pid
-
-    @property
-    def grpc_url(self) -> str:
-        return self.server.grpc_url
-
-    @property
-    def http_url(self) -> str:
-        return self.server.http_url
-
-    @property
-    def metrics_url(self) -> str | None:
-        return self.server.metrics_url
-
-    @property
-    def log_path(self) -> Path | None:
-        return self.server.log_path
+    # Read from the current server, which each restart replaces.
+    pid = property(lambda self: self.server.pid)
+    grpc_url = property(lambda self: self.server.grpc_url)
+    http_url = property(lambda self: self.server.http_url)
+    metrics_url = property(lambda self: self.server.metrics_url)
+    log_path = property(lambda self: self.server.log_path)
 
     def is_alive(self) -> bool:
         return self.server.is_alive()
 
     def exit_code(self) -> int | None:
-        return self.server.process.poll() if self.server.process is not None else None
+        return self.server.exit_code()
 
     def kill(self, signum: int = signal.SIGKILL, timeout_s: float = 30.0) -> int:
         """Send `signum` to tritonserver alone, as a crash would end it, and wait until it exits; its
@@ -106,7 +92,7 @@ class Replica:
         return self.server.process.wait(timeout_s)
 
 
-class ReplicaSet:
+class ReplicaSet(StopsOnExit):
     """N tritonserver replicas of one model repository on loopback, behind one nginx proxy.
 
         with ReplicaSet(repository, replicas=3, run_dir=tmp, grpc_port=0, http_port=0,
@@ -115,10 +101,11 @@ class ReplicaSet:
             replica_set.replicas[1].kill()      # a crash
             replica_set.restart(1)              # back on the same ports
 
-    `grpc_port` / `http_port` are the proxy's (0: free ports). Replica i uses
-    `replica_base_port + 10 i + (0, 1, 2)` for HTTP, gRPC and metrics, or free ports when
-    `replica_base_port` is None. `launch_guard()` is entered around each process launch (the
+    Replica i uses `replica_base_port + 10 i + (0, 1, 2)` for HTTP, gRPC and metrics, or free ports
+    when `replica_base_port` is None. `launch_guard()` is entered around each process launch (the
     foreground command holds its stop signals there, so that stop() always knows every process).
+    `proxy_options` go to the proxy's `NginxProxy`: `grpc_port` / `http_port` (0: free ports), `host`
+    (the address it binds; replicas always listen on 127.0.0.1), `max_fails`, `fail_timeout_s`, `binary`.
     """
 
     def __init__(
@@ -127,47 +114,27 @@ class ReplicaSet:
         replicas: int = 2,
         *,
         run_dir: Path | str,
-        grpc_port: int = 8001,
-        http_port: int = 8000,
-        host: str = LOCALHOST,
         replica_base_port: int | None = DEFAULT_REPLICA_BASE_PORT,
-        max_fails: int = DEFAULT_MAX_FAILS,
-        fail_timeout_s: int = DEFAULT_FAIL_TIMEOUT_S,
         log_verbose: int = 0,
-        nginx_binary: Path | str | None = None,
         launch_guard: Callable[[], ContextManager] = contextlib.nullcontext,
+        **proxy_options,
     ):
         if replicas < 1:
             raise ServerError(f"--replicas must be at least 1, got {replicas}")
         self.model_repository = Path(model_repository)
         self.count = replicas
         self.run_dir = Path(run_dir).resolve()
-        self.host = host
         self.replica_base_port = replica_base_port or None
         self.log_verbose = log_verbose
         self.launch_guard = launch_guard
         self.replicas: list[Replica] = []
-        self.proxy = NginxProxy(
-            self.run_dir / "nginx",
-            grpc_servers=[],
-            http_servers=[],
-            grpc_port=grpc_port,
-            http_port=http_port,
-            host=host,
-            max_fails=max_fails,
-            fail_timeout_s=fail_timeout_s,
-            binary=nginx_binary,
-        )
+        # Its replicas' addresses are known once they have started.
+        self.proxy = NginxProxy(self.run_dir / "nginx", **proxy_options)
         self.ready_after_s: float | None = None
 
-    # Addresses -------------------------------------------------------------------------------
-    @property
-    def proxy_grpc_url(self) -> str:
-        return self.proxy.grpc_url
-
-    @property
-    def proxy_http_url(self) -> str:
-        return self.proxy.http_url
+    # Addresses: the proxy's, where clients connect.
+    proxy_grpc_url = property(lambda self: self.proxy.grpc_url)
+    proxy_http_url = property(lambda self: self.proxy.http_url)
 
     def replica_ports(self, index: int) -> tuple[int | None, int | None, int | None]:
         """(HTTP, gRPC, metrics) of replica `index`; None where a free port is picked at start."""
@@ -187,7 +154,7 @@ class ReplicaSet:
                 if port is not None:
                     wanted.setdefault(port, f"replica {index}'s {kind} port (--replica-base-port)")
         taken = [f"{port} ({what})" for port, what in wanted.items()
-                 if not port_is_free(port, self.host if "proxy" in what else LOCALHOST)]
+                 if not port_is_free(port, self.proxy.host if "proxy" in what else LOCALHOST)]
         if taken:
             raise ServerError(
                 "ports already in use: " + "; ".join(taken)
@@ -215,7 +182,7 @@ class ReplicaSet:
     def start(self, ready_timeout_s: float = 120.0) -> float:
         """Start every replica and the proxy, wait until each replica is ready and the proxy answers
         /v2/health/ready; returns the seconds that took. Raises ServerError (nothing is stopped:
-        call stop(), or use the set as a context manager)."""
+        call stop(), or use the set as a context manager, which does)."""
         if self.replicas:
             raise ServerError("this ReplicaSet was already started")
         began = time.monotonic()
@@ -244,23 +211,7 @@ class ReplicaSet:
     def wait_proxy_ready(self, timeout_s: float = 10.0) -> None:
         """Poll /v2/health/ready through the proxy until a replica answers it with 200."""
         url = f"http://{self.proxy_http_url}/v2/health/ready"
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        while True:
-            if not self.proxy.is_alive():
-                raise ServerError(f"nginx exited (error log {self.proxy.error_log})")
-            try:
-                with urllib.request.urlopen(url, timeout=2.0) as response:
-                    if response.status == 200:
-                        return
-                    last = f"HTTP {response.status}"
-            except urllib.error.HTTPError as error:
-                last = f"HTTP {error.code}"
-            except (urllib.error.URLError, ConnectionError, OSError) as error:
-                last = str(error)
-            if time.monotonic() >= deadline:
-                raise ServerError(f"the proxy at {url} was not ready after {timeout_s:.0f} s ({last})")
-            time.sleep(0.05)
+        self.proxy.wait_until(lambda: http_ready(url, 2.0), timeout_s, what=f"the proxy at {url}")
 
     def kill(self, index: int, signum: int = signal.SIGKILL) -> int:
         """Kill replica `index`'s tritonserver as a crash would; see Replica.kill."""
@@ -295,16 +246,9 @@ class ReplicaSet:
             for future in [pool.submit(replica.server.stop) for replica in self.replicas]:
                 future.result()
 
-    def __enter__(self) -> ReplicaSet:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
+    def start_ready(self) -> float:
+        """`start()`, which waits for readiness itself (the context manager's entry)."""
+        return self.start()
 
     # Reporting -------------------------------------------------------------------------------
     def table(self) -> str:
@@ -337,7 +281,7 @@ def _supervise(replica_set: ReplicaSet, restart: bool, ready_timeout_s: float, p
         time.sleep(poll_s)
         proxy = replica_set.proxy
         if not proxy.is_alive():
-            print(f"nginx exited by itself with code {proxy.process.poll()} (error log {proxy.error_log}):\n"
+            print(f"nginx exited by itself with code {proxy.exit_code()} (error log {proxy.error_log}):\n"
                   f"{log_tail(proxy.error_log)}", file=sys.stderr, flush=True)
             return 1
         for replica in replica_set.replicas:
@@ -373,49 +317,36 @@ def run(args: argparse.Namespace) -> int:
     if args.print_compose_config:
         print(compose_config(args.replicas), end="")
         return 0
-    stop_signals = _StopSignals()
-    replica_set = None
-    try:
-        stop_signals.arm()
-        repository = prepare_repository(args)
-        replica_set = ReplicaSet(
-            repository,
-            args.replicas,
-            run_dir=args.run_dir if args.run_dir is not None else Path(args.build_dir) / "replicas",
-            grpc_port=args.grpc_port,
-            http_port=args.http_port,
-            host=args.host,
-            replica_base_port=args.replica_base_port,
-            max_fails=args.max_fails,
-            fail_timeout_s=args.fail_timeout_s,
-            log_verbose=args.log_verbose,
-            nginx_binary=args.nginx,
-            launch_guard=lambda: _signals_held(stop_signals),
-        )
-        print(f"starting {args.replicas} tritonserver replicas and nginx, serving {repository}", flush=True)
-        ready_after_s = replica_set.start(args.ready_timeout)
-        proxy = replica_set.proxy
-        print(
-            f"ready in {ready_after_s:.1f} s: nginx {proxy.install.version_text} (pid {proxy.pid}) in front of "
-            f"{args.replicas} replicas, stream affinity on the gRPC metadata '{STREAM_KEY_HEADER}'\n"
-            f"  gRPC     {replica_set.proxy_grpc_url}\n"
-            f"  HTTP     http://{replica_set.proxy_http_url}\n"
-            f"  nginx    {proxy.conf_path} (access log {proxy.access_log})\n"
-            f"{replica_set.table()}\n"
-            f"Replicas that exit are {'restarted' if args.restart else 'reported, not restarted (--restart)'}. "
-            "Ctrl-C or SIGTERM stops everything.",
-            flush=True,
-        )
-        return _supervise(replica_set, args.restart, args.ready_timeout)
-    except _StopRequested as stop:
-        print(f"{stop}: stopping nginx and the replicas", flush=True)
-        code = 0
-    except ServerError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        stop_quietly(stop_signals, replica_set.stop if replica_set is not None else None, "nginx and the replicas")
-    return code
+    return run_in_foreground(lambda foreground: _serve_replicas(args, foreground), "stopping nginx and the replicas",
+                             "nginx and the replicas")
+
+
+def _serve_replicas(args: argparse.Namespace, foreground: Foreground) -> int:
+    repository = prepare_repository(args)
+    # The command's flags of these names are ReplicaSet's parameters.
+    settings = {name: getattr(args, name) for name in ("grpc_port", "http_port", "host", "replica_base_port",
+                                                       "max_fails", "fail_timeout_s", "log_verbose")}
+    replica_set = ReplicaSet(
+        repository, args.replicas, **settings, binary=args.nginx,
+        run_dir=args.run_dir if args.run_dir is not None else Path(args.build_dir) / "replicas",
+        launch_guard=lambda: _signals_held(foreground.signals),
+    )
+    foreground.stop = replica_set.stop
+    print(f"starting {args.replicas} tritonserver replicas and nginx, serving {repository}", flush=True)
+    ready_after_s = replica_set.start(args.ready_timeout)
+    proxy = replica_set.proxy
+    print(
+        f"ready in {ready_after_s:.1f} s: nginx {proxy.install.version_text} (pid {proxy.pid}) in front of "
+        f"{args.replicas} replicas, stream affinity on the gRPC metadata '{STREAM_KEY_HEADER}'\n"
+        f"  gRPC     {replica_set.proxy_grpc_url}\n"
+        f"  HTTP     http://{replica_set.proxy_http_url}\n"
+        f"  nginx    {proxy.conf_path} (access log {proxy.access_log})\n"
+        f"{replica_set.table()}\n"
+        f"Replicas that exit are {'restarted' if args.restart else 'reported, not restarted (--restart)'}. "
+        "Ctrl-C or SIGTERM stops everything.",
+        flush=True,
+    )
+    return _supervise(replica_set, args.restart, args.ready_timeout)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ grace period); then its Python stubs and shared memory are gone and the command 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
@@ -131,6 +132,33 @@ def stop_quietly(stop_signals: _StopSignals, stop: Callable[[], object] | None, 
             print(f"{what} stopped in {time.monotonic() - began:.1f} s", flush=True)
 
 
+@dataclasses.dataclass
+class Foreground:
+    """A foreground command's stop: `signals` request it, `stop` ends what the command started (the
+    command sets it as soon as it has created that; None before)."""
+
+    signals: _StopSignals
+    stop: Callable[[], object] | None = None
+
+
+def run_in_foreground(command: Callable[[Foreground], int], stopping: str, what: str) -> int:
+    """Run `command` to its exit code, or until SIGINT/SIGTERM stops it ("<signal>: <stopping>", exit
+    0); a ServerError is one line "error: ..." and exit 1. Either way `stop` runs at the end
+    (`stop_quietly`, which says "<what> stopped in N s" after a stop signal)."""
+    foreground = Foreground(_StopSignals())
+    try:
+        foreground.signals.arm()
+        return command(foreground)
+    except _StopRequested as stop:
+        print(f"{stop}: {stopping}", flush=True)
+        return 0
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop_quietly(foreground.signals, foreground.stop, what)
+
+
 def _new_server(args: argparse.Namespace, repository: Path, ports: tuple | None = None) -> TritonServer:
     http_port, grpc_port, metrics_port = ports or (args.http_port, args.grpc_port, args.metrics_port)
     return TritonServer(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
@@ -144,62 +172,58 @@ def keep_log(server: TritonServer, restarts: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    stop_signals = _StopSignals()
-    server = None
-    try:
-        stop_signals.arm()
-        repository = prepare_repository(args)
-        server = _new_server(args, repository)
+    return run_in_foreground(lambda foreground: _serve(args, foreground), "draining and stopping tritonserver",
+                             "tritonserver")
+
+
+def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
+    """Start the server, then restart it whenever it dies (or return its exit code with --no-restart)."""
+    stop_signals = foreground.signals
+    repository = prepare_repository(args)
+    server = _new_server(args, repository)
+    foreground.stop = server.stop
+    stop_signals.disarm()
+    server.start()
+    stop_signals.arm()
+    print(f"tritonserver starting (pid {server.pid}), log: {server.log_path}", flush=True)
+    ready_after_s = server.wait_ready(args.ready_timeout)
+    print(
+        f"tritonserver ready in {ready_after_s:.1f} s, serving {repository}\n"
+        f"  gRPC     {server.grpc_url}\n"
+        f"  HTTP     http://{server.http_url}\n"
+        f"  metrics  {server.metrics_url}\n"
+        f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
+        "Ctrl-C or SIGTERM drains and stops it.",
+        flush=True,
+    )
+    backoff = RestartBackoff()
+    while True:
+        code = server.wait()
+        lived_s = time.monotonic() - server.started_at
+        if not args.restart:
+            print(f"tritonserver {describe_exit(code)} after {lived_s:.0f} s:\n{log_tail(server.log_path)}",
+                  file=sys.stderr, flush=True)
+            return code or 1
+        delay_s = backoff.after_exit(lived_s)
+        print(f"tritonserver (pid {server.pid}) {describe_exit(code)} after {lived_s:.0f} s; restart "
+              f"{backoff.restarts} in {delay_s:.1f} s on the same ports (its log: "
+              f"{server.log_path}.{backoff.restarts})", file=sys.stderr, flush=True)
+        time.sleep(delay_s)
+        server.stop()  # the dead one's stubs and shared memory
+        keep_log(server, backoff.restarts)
+        server = _new_server(args, repository, (server.http_port, server.grpc_port, server.metrics_port))
+        foreground.stop = server.stop
         stop_signals.disarm()
         server.start()
         stop_signals.arm()
-        print(f"tritonserver starting (pid {server.pid}), log: {server.log_path}", flush=True)
-        ready_after_s = server.wait_ready(args.ready_timeout)
-        print(
-            f"tritonserver ready in {ready_after_s:.1f} s, serving {repository}\n"
-            f"  gRPC     {server.grpc_url}\n"
-            f"  HTTP     http://{server.http_url}\n"
-            f"  metrics  {server.metrics_url}\n"
-            f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
-            "Ctrl-C or SIGTERM drains and stops it.",
-            flush=True,
-        )
-        backoff = RestartBackoff()
-        while True:
-            code = server.wait()
-            lived_s = time.monotonic() - server.started_at
-            if not args.restart:
-                print(f"tritonserver {describe_exit(code)} after {lived_s:.0f} s:\n{log_tail(server.log_path)}",
-                      file=sys.stderr, flush=True)
-                return code or 1
-            delay_s = backoff.after_exit(lived_s)
-            print(f"tritonserver (pid {server.pid}) {describe_exit(code)} after {lived_s:.0f} s; restart "
-                  f"{backoff.restarts} in {delay_s:.1f} s on the same ports (its log: "
-                  f"{server.log_path}.{backoff.restarts})", file=sys.stderr, flush=True)
-            time.sleep(delay_s)
-            server.stop()  # the dead one's stubs and shared memory
-            keep_log(server, backoff.restarts)
-            server = _new_server(args, repository, (server.http_port, server.grpc_port, server.metrics_port))
-            stop_signals.disarm()
-            server.start()
-            stop_signals.arm()
-            try:
-                ready_after_s = server.wait_ready(args.ready_timeout)
-            except ServerError as error:
-                print(f"error: restart {backoff.restarts} failed: {error}", file=sys.stderr, flush=True)
-                server.stop()
-                continue
-            print(f"tritonserver back (pid {server.pid}, restart {backoff.restarts}), ready in {ready_after_s:.1f} s",
-                  flush=True)
-    except _StopRequested as stop:
-        print(f"{stop}: draining and stopping tritonserver", flush=True)
-        code = 0
-    except ServerError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        stop_quietly(stop_signals, server.stop if server is not None else None, "tritonserver")
-    return code
+        try:
+            ready_after_s = server.wait_ready(args.ready_timeout)
+        except ServerError as error:
+            print(f"error: restart {backoff.restarts} failed: {error}", file=sys.stderr, flush=True)
+            server.stop()
+            continue
+        print(f"tritonserver back (pid {server.pid}, restart {backoff.restarts}), ready in {ready_after_s:.1f} s",
+              flush=True)
 
 
 def add_repository_arguments(parser: argparse.ArgumentParser, served_by: str = "to serve") -> None:

@@ -10,9 +10,10 @@ directly needs three things the wheel does not arrange by itself:
 - `LD_LIBRARY_PATH` must put this interpreter's own `libpython` first, then the wheel's bundled
   libraries (`triton_environment`).
 
-`TritonServer` starts one server in its own process group, waits for `/v2/health/ready` while checking
-that the process is alive (a stub that cannot start leaves the server loading forever), and stops only
-what it started, including the shared-memory regions its Python stubs created.
+`TritonServer` (a `processes.ServerProcess`) starts one server in its own process group, waits for
+`/v2/health/ready` while checking that the process is alive (a stub that cannot start leaves the server
+loading forever), and stops only what it started, including the shared-memory regions its Python stubs
+created.
 """
 
 from __future__ import annotations
@@ -23,18 +24,22 @@ import filecmp
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
-import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
+
+from .processes import (
+    ServerError,
+    ServerProcess,
+    http_ready,
+    log_tail,
+    process_group_alive,  # noqa: F401 (re-exported: the tests check a server's group with it)
+)
 
 SHM_DIR = Path("/dev/shm")
 # Every region a Python stub creates is named <prefix><uuid>; each server gets its own prefix so that
@@ -42,18 +47,12 @@ SHM_DIR = Path("/dev/shm")
 SHM_PREFIX_BASE = "triton_python_backend_shm_region_"
 STUB_NAME = "triton_python_backend_stub"
 LOCALHOST = "127.0.0.1"
-# Log lines that make a tail useful: the option tables Triton prints at start-up are not.
-_TABLE_LINE_PREFIXES = ("|", "+-")
 
 
 # How long a stopping tritonserver waits for its live streams (--exit-timeout-secs): long enough for
 # streams its clients abandoned to idle out (code2wav 10 s, the decoder 12 s, docs/design.md §5.2),
 # short enough to exit inside Kubernetes' default 30 s grace period.
 DEFAULT_EXIT_TIMEOUT_S = 25
-
-
-class ServerError(RuntimeError):
-    """The server could not be found, prepared, started, or did not become ready."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,22 +193,6 @@ def port_is_free(port: int, host: str = LOCALHOST) -> bool:
         return True
 
 
-def log_tail(path: Path | str | None, lines: int = 40) -> str:
-    """The last `lines` meaningful lines of a server log (start-up option tables left out)."""
-    if path is None:
-        return "(no log)"
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError as exc:
-        return f"(log {path} unreadable: {exc})"
-    kept = [
-        line
-        for line in text.splitlines()
-        if line.strip() and not line.startswith(_TABLE_LINE_PREFIXES)
-    ]
-    return "\n".join(kept[-lines:]) if kept else "(log is empty)"
-
-
 def fetch_metrics(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """Scrape a Prometheus text endpoint into {'name{labels}': value} (histogram series included)."""
     with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
@@ -239,7 +222,7 @@ def metric_value(samples: dict[str, float], name: str, **labels: str) -> float |
     return total
 
 
-class TritonServer:
+class TritonServer(ServerProcess):
     """One tritonserver process on loopback ports, started in its own process group.
 
     Ports left as None (or 0) are picked free at `start()`. Use as a context manager (start, wait for
@@ -248,6 +231,9 @@ class TritonServer:
     Addresses, once started: `grpc_url` and `http_url` are "host:port" as tritonclient takes them,
     `metrics_url` is the full "http://host:port/metrics" to scrape.
     """
+
+    name = "tritonserver"
+    ready_timeout_s = 60.0
 
     def __init__(
         self,
@@ -265,43 +251,25 @@ class TritonServer:
         backend_root: Path | str | None = None,
         extra_args: Sequence[str] = (),
     ):
+        super().__init__(host=host, grpc_port=grpc_port, http_port=http_port, log_path=log_path)
         self.model_repository = Path(model_repository).resolve()
-        self.host = host
-        # 0 means "any free port", as for a socket bind.
-        self.http_port = http_port or None
-        self.grpc_port = grpc_port or None
         self.metrics_port = metrics_port or None
         self.allow_metrics = allow_metrics
-        self.log_path = Path(log_path) if log_path is not None else None
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s
         self.python_shm_default_byte_size = python_shm_default_byte_size
         self.backend_root = backend_root
         self.extra_args = list(extra_args)
         self.shm_prefix = f"{SHM_PREFIX_BASE}{uuid.uuid4().hex[:12]}_"
-        self.process: subprocess.Popen | None = None
-        self.started_at: float | None = None
-        self.ready_after_s: float | None = None
-
-    # Addresses -----------------------------------------------------------------------------
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str | None:
         return f"http://{self.host}:{self.metrics_port}/metrics" if self.allow_metrics else None
 
     @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def is_alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+    def stop_grace_s(self) -> float:
+        """A stop waits for the live streams up to the exit timeout, then 10 s more for the unload."""
+        return self.exit_timeout_s + 10.0
 
     def command(self, install: TritonInstall, backend_dir: Path) -> list[str]:
         """The tritonserver command line for this server's settings."""
@@ -333,11 +301,9 @@ class TritonServer:
             )
         return cmd + self.extra_args
 
-    # Lifecycle -----------------------------------------------------------------------------
-    def start(self) -> None:
-        """Launch tritonserver (returns at once; see `wait_ready`). Output goes to `log_path`."""
-        if self.process is not None:
-            raise ServerError("this TritonServer was already started")
+    # ServerProcess -------------------------------------------------------------------------
+    def _prepare(self) -> tuple[list[str], dict[str, str]]:
+        """Find the wheel's server, prepare the backend directory, pick the free ports, name the log."""
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} is not a directory")
         install = find_triton_install()
@@ -352,71 +318,22 @@ class TritonServer:
             handle, name = tempfile.mkstemp(prefix=f"tritonserver-{self.http_port}-", suffix=".log")
             os.close(handle)
             self.log_path = Path(name)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command, preexec_fn = with_parent_death_signal(self.command(install, backend_dir))
-        with open(self.log_path, "wb") as log:
-            self.started_at = time.monotonic()
-            self.process = subprocess.Popen(
-                command,
-                env=triton_environment(install),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Own process group: Ctrl-C in a terminal does not reach it, and stop() can end the
-                # server together with its Python stubs and nothing else.
-                start_new_session=True,
-                # If this process dies without stop() (SIGKILL, a test timeout), the server follows.
-                preexec_fn=preexec_fn,
-            )
+        return self.command(install, backend_dir), triton_environment(install)
 
-    def wait_ready(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> float:
-        """Poll `/v2/health/ready` until it answers 200; returns seconds since `start()`.
+    def readiness(self) -> str | None:
+        """`/v2/health/ready` answers 200 (a model that fails to load makes the server exit, a Python
+        stub that cannot start leaves its model loading: not ready)."""
+        return http_ready(f"http://{self.host}:{self.http_port}/v2/health/ready", 1.0)
 
-        Raises ServerError with the log tail if the process exits first (a model failed to load,
-        a port was taken) or if it is not ready within `timeout_s` (for example a Python stub that
-        cannot start, which leaves its model loading forever). Does not stop the server.
-        """
-        if self.process is None:
-            raise ServerError("wait_ready() before start()")
-        url = f"http://{self.host}:{self.http_port}/v2/health/ready"
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                tail = log_tail(self.log_path)
-                in_use = re.search(r"Socket '([^']+)' already in use", tail)
-                cause = f": address {in_use.group(1)} is already in use (choose other ports)" if in_use else ""
-                raise ServerError(
-                    f"tritonserver exited with code {code} before it was ready{cause} "
-                    f"(log {self.log_path}):\n{tail}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=1.0) as response:
-                    if response.status == 200:
-                        self.ready_after_s = time.monotonic() - self.started_at
-                        return self.ready_after_s
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() >= deadline:
-                raise ServerError(
-                    f"tritonserver was not ready after {timeout_s:.0f} s (log {self.log_path}):\n"
-                    f"{log_tail(self.log_path)}"
-                )
-            time.sleep(poll_s)
-
-    def wait(self, timeout_s: float | None = None) -> int:
-        """Block until the server exits by itself; returns its exit code."""
-        if self.process is None:
-            raise ServerError("wait() before start()")
-        return self.process.wait(timeout_s)
+    def exit_cause(self) -> str:
+        in_use = re.search(r"Socket '([^']+)' already in use", log_tail(self.log_path))
+        return f": address {in_use.group(1)} is already in use (choose other ports)" if in_use else ""
 
     def stop(self, grace_s: float | None = None) -> int | None:
         """SIGTERM the server, SIGKILL its process group after `grace_s` (default: the exit timeout
         plus 10 s), wait for its stubs to go, remove the shared-memory regions it created.
         Idempotent; returns the server's exit code (None if never started)."""
-        if self.process is None:
-            return None
-        code = stop_process_group(self.process, self.exit_timeout_s + 10.0 if grace_s is None else grace_s)
+        code = super().stop(grace_s)
         self.remove_shm_regions()
         return code
 
@@ -428,81 +345,6 @@ class TritonServer:
         for region in self.shm_regions():
             with contextlib.suppress(FileNotFoundError):
                 region.unlink()
-
-    def __enter__(self) -> TritonServer:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
-
-
-def process_group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stop_process_group(process: subprocess.Popen, grace_s: float) -> int | None:
-    """SIGTERM `process` (the leader of its own process group), SIGKILL the group if it has not
-    exited after `grace_s`, then wait until the rest of the group (Python stubs, nginx workers) is
-    gone too, killing it after 5 s. Idempotent; returns the leader's exit code."""
-    def kill_group() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-
-    def wait_group(timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while process_group_alive(process.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            kill_group()
-            process.wait()
-    # The rest of the group notices its leader is gone and exits; give it a moment, then make sure.
-    wait_group(5.0)
-    if process_group_alive(process.pid):
-        kill_group()
-        wait_group(5.0)
-    return process.returncode
-
-
-def with_parent_death_signal(command: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
-    """`command` (and a preexec_fn) such that Linux SIGTERMs the child when this process dies
-    (PR_SET_PDEATHSIG): so a launcher killed without stop() (SIGKILL, a test timeout) takes its
-    server along.
-
-    util-linux's `setpriv --pdeathsig TERM --` sets it and execs the command (same pid), so no
-    Python code runs in the forked child. A preexec_fn would: Python then runs its at-fork hooks
-    there, which in a process with threads can crash the child before exec (seen: a SIGSEGV in a
-    library's at-fork handler, reported as the server dying at once with an empty log). Without
-    setpriv, the preexec_fn is the fallback; without either, stop() remains the only way."""
-    setpriv = shutil.which("setpriv") or next((path for path in ("/usr/bin/setpriv", "/bin/setpriv")
-                                                if os.access(path, os.X_OK)), None)
-    if setpriv is not None:
-        return [setpriv, "--pdeathsig", "TERM", "--", *command], None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux/glibc
-        return list(command), None
-    set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
-    return list(command), lambda: prctl(set_pdeathsig, sigterm, 0, 0, 0)
 
 
 def _port_taken(server: TritonServer) -> bool:
