@@ -25,11 +25,13 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import string
 import subprocess
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 # The gRPC metadata key that names a stream (nginx sees it as $http_code2wav_stream), as clients send it.
 from mimi_code2wav.client.stream import STREAM_KEY_HEADER  # noqa: F401 (re-exported for the server side)
@@ -154,11 +156,15 @@ def find_nginx(binary: Path | str | None = None) -> NginxInstall:
     return NginxInstall(Path(found), version)
 
 
-def _server_lines(addresses: Sequence[str], max_fails: int, fail_timeout_s: int, resolve: bool) -> str:
+def _server_lines(addresses: Sequence[str], max_fails: int, fail_timeout_s: int, resolve: bool,
+                  down: Collection[int] = ()) -> str:
+    """One `server` line per replica; the replicas whose index is in `down` are marked `down`: they
+    take no requests, and their keys go to the next replica on the ring."""
     options = f"max_fails={max_fails} fail_timeout={fail_timeout_s}s"
     if resolve:
         options = "resolve " + options
-    return "\n".join(f"        server {address} {options};" for address in addresses)
+    return "\n".join(f"        server {address} {options}{' down' if index in down else ''};"
+                     for index, address in enumerate(addresses))
 
 
 def _listen_lines(address: str, http2: bool, http2_directive: bool) -> str:
@@ -183,6 +189,7 @@ def _render(
     fail_timeout_s: int,
     resolve: bool,
     http2_directive: bool,
+    down: Collection[int] = (),
 ) -> str:
     if len(grpc_servers) != len(http_servers) or not grpc_servers:
         raise ValueError("one gRPC and one HTTP address per replica, at least one replica")
@@ -195,8 +202,8 @@ def _render(
         access_log=f"    access_log {access_log} code2wav_proxy;",
         grpc_listen=_listen_lines(grpc_listen, True, http2_directive),
         http_listen=_listen_lines(http_listen, False, http2_directive),
-        grpc_servers=_server_lines(grpc_servers, max_fails, fail_timeout_s, resolve),
-        http_servers=_server_lines(http_servers, max_fails, fail_timeout_s, resolve),
+        grpc_servers=_server_lines(grpc_servers, max_fails, fail_timeout_s, resolve, down),
+        http_servers=_server_lines(http_servers, max_fails, fail_timeout_s, resolve, down),
     )
 
 
@@ -234,6 +241,14 @@ def compose_config(replicas: int = COMPOSE_REPLICAS) -> str:
         resolve=True,
         http2_directive=True,
     )
+
+
+def _children(pid: int) -> set[int]:
+    """The pids of `pid`'s children (nginx's master: its workers)."""
+    try:
+        return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    except OSError:
+        return set()
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -280,6 +295,8 @@ class NginxProxy(ServerProcess):
         self.fail_timeout_s = fail_timeout_s
         self.binary = binary
         self.install: NginxInstall | None = None
+        # Replicas (indexes into grpc_servers) taken out of the proxy: see take_out().
+        self.down: set[int] = set()
 
     @property
     def conf_path(self) -> Path:
@@ -340,7 +357,35 @@ class NginxProxy(ServerProcess):
             max_fails=self.max_fails, fail_timeout_s=self.fail_timeout_s,
             resolve=False,
             http2_directive=self.install.version >= _HTTP2_DIRECTIVE_VERSION,
+            down=self.down,
         )
+
+    def take_out(self, index: int) -> None:
+        """Send no request to replica `index` until put_back(): its keys go to the next replica on
+        the ring (a hung or draining replica, which passive checks would not take out)."""
+        self._set_down(self.down | {index})
+
+    def put_back(self, index: int) -> None:
+        self._set_down(self.down - {index})
+
+    def _set_down(self, down: set[int]) -> None:
+        if down == self.down:
+            return
+        self.down = down
+        self.reload()
+
+    def reload(self, timeout_s: float = 10.0) -> None:
+        """Rewrite and check the config, then have nginx load it (SIGHUP): new workers take new
+        requests at once; the old ones finish the requests they hold, and their HTTP/2 connections
+        are told to go away, so clients reconnect to the new workers. Returns once the new workers run."""
+        self.write_config()
+        before = _children(self.pid)
+        os.kill(self.pid, signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while not (_children(self.pid) - before):
+            if time.monotonic() > deadline or not self.is_alive():
+                raise NginxError(f"nginx did not reload {self.conf_path} within {timeout_s:g} s {self.log_report()}")
+            time.sleep(0.02)
 
     # ServerProcess -------------------------------------------------------------------------
     def _prepare(self) -> tuple[list[str], None]:

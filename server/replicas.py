@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -68,6 +69,8 @@ class Replica:
     started_at: float = 0.0
     backoff: RestartBackoff = dataclasses.field(default_factory=RestartBackoff)
     next_restart_at: float = 0.0
+    # Health checks in a row that got no answer in time (a hung server).
+    unanswered_checks: int = 0
 
     # Read from the current server, which each restart replaces.
     pid = property(lambda self: self.server.pid)
@@ -217,6 +220,16 @@ class ReplicaSet(StopsOnExit):
         """Kill replica `index`'s tritonserver as a crash would; see Replica.kill."""
         return self.replicas[index].kill(signum)
 
+    def take_out(self, index: int) -> None:
+        """Route no request to replica `index` (its keys go to the next replica) until put_back()."""
+        self.proxy.take_out(index)
+
+    def put_back(self, index: int) -> None:
+        self.proxy.put_back(index)
+
+    def taken_out(self, index: int) -> bool:
+        return index in self.proxy.down
+
     def restart(self, index: int, ready_timeout_s: float = 120.0) -> float:
         """Start replica `index` again on the same ports and wait until it is ready; returns the
         seconds that took. A running replica is stopped first. Its previous log is kept as
@@ -274,9 +287,72 @@ def _signals_held(stop_signals: _StopSignals):
         stop_signals.arm()
 
 
-def _supervise(replica_set: ReplicaSet, restart: bool, ready_timeout_s: float, poll_s: float = 0.5) -> int:
+@dataclasses.dataclass(frozen=True)
+class HealthCheck:
+    """How the supervisor tells a hung replica: every poll it asks each running replica's
+    /v2/health/ready. A replica that answers "not ready" (it is draining) is taken out of the proxy at
+    once; one that does not answer within `timeout_s`, `unanswered` times in a row (it hangs), is taken
+    out too, and with restarts it is killed and started again. A replica taken out goes back once it
+    answers ready again. `timeout_s` 0: no checks."""
+
+    timeout_s: float = 2.0
+    unanswered: int = 3
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+
+def _check_health(replica_set: ReplicaSet, health: HealthCheck, restart: bool) -> None:
+    running = [replica for replica in replica_set.replicas if replica.is_alive()]
+    if not health.enabled or not running:
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(running)) as pool:
+        answers = list(pool.map(lambda r: http_ready(f"http://{r.http_url}/v2/health/ready", health.timeout_s), running))
+    for replica, problem in zip(running, answers):
+        taken_out = replica_set.taken_out(replica.index)
+        if problem is None:
+            replica.unanswered_checks = 0
+            if taken_out:
+                replica_set.put_back(replica.index)
+                print(f"replica {replica.index} answers ready again: back in the proxy", flush=True)
+            continue
+        answered = problem.startswith("HTTP ")
+        replica.unanswered_checks = 0 if answered else replica.unanswered_checks + 1
+        if not answered and replica.unanswered_checks < health.unanswered:
+            continue
+        if not taken_out:
+            replica_set.take_out(replica.index)
+            why = ("is not ready (" + problem + ")" if answered else
+                   f"has not answered its health check for {health.unanswered} checks of {health.timeout_s:g} s")
+            print(f"replica {replica.index} (pid {replica.pid}) {why}: taken out of the proxy; its streams "
+                  "resume on the other replicas", file=sys.stderr, flush=True)
+        if restart and not answered:
+            replica.kill()  # hung: the restart below brings it back
+            replica.unanswered_checks = 0
+
+
+def _rolling_restart(replica_set: ReplicaSet, ready_timeout_s: float) -> None:
+    """Each replica in turn: out of the proxy, drained (SIGTERM: its streams resume on the others),
+    started again on the same ports, back in the proxy; then the next one."""
+    for replica in replica_set.replicas:
+        replica_set.take_out(replica.index)
+        began = time.monotonic()
+        if replica.is_alive():
+            replica.kill(signal.SIGTERM, timeout_s=replica.server.stop_grace_s)
+        drained = describe_exit(replica.exit_code())
+        ready_s = replica_set.restart(replica.index, ready_timeout_s)
+        replica.exit_reported = False
+        replica_set.put_back(replica.index)
+        print(f"replica {replica.index} drained ({drained}) and restarted in {time.monotonic() - began:.1f} s "
+              f"(ready in {ready_s:.1f} s, pid {replica.pid}): back in the proxy", flush=True)
+
+
+def _supervise(replica_set: ReplicaSet, restart: bool, ready_timeout_s: float, poll_s: float = 0.5,
+               health: HealthCheck = HealthCheck(), rolling: threading.Event | None = None) -> int:
     """Watch the proxy and the replicas until a stop signal (raised out of here) or until serving
-    is over: nginx exited, or every replica is gone and none is restarted. Returns the exit code."""
+    is over: nginx exited, or every replica is gone and none is restarted. Returns the exit code.
+    `rolling` set (SIGHUP): a rolling restart of every replica."""
     while True:
         time.sleep(poll_s)
         proxy = replica_set.proxy
@@ -284,6 +360,12 @@ def _supervise(replica_set: ReplicaSet, restart: bool, ready_timeout_s: float, p
             print(f"nginx exited by itself with code {proxy.exit_code()} (error log {proxy.error_log}):\n"
                   f"{log_tail(proxy.error_log)}", file=sys.stderr, flush=True)
             return 1
+        if rolling is not None and rolling.is_set():
+            rolling.clear()
+            print("SIGHUP: rolling restart of the replicas, one at a time", flush=True)
+            _rolling_restart(replica_set, ready_timeout_s)
+            continue
+        _check_health(replica_set, health, restart)
         for replica in replica_set.replicas:
             if replica.is_alive():
                 continue
@@ -308,6 +390,9 @@ def _supervise(replica_set: ReplicaSet, restart: bool, ready_timeout_s: float, p
                     continue
                 print(f"replica {replica.index} restarted (pid {replica.pid}, restart {replica.restarts}), "
                       f"ready in {ready_s:.1f} s on {replica.grpc_url}", flush=True)
+                if replica_set.taken_out(replica.index):
+                    replica_set.put_back(replica.index)
+                    print(f"replica {replica.index}: back in the proxy", flush=True)
         if not restart and not any(replica.is_alive() for replica in replica_set.replicas):
             print("error: every replica has exited; stopping the proxy", file=sys.stderr, flush=True)
             return 1
@@ -346,7 +431,10 @@ def _serve_replicas(args: argparse.Namespace, foreground: Foreground) -> int:
         "Ctrl-C or SIGTERM stops everything.",
         flush=True,
     )
-    return _supervise(replica_set, args.restart, args.ready_timeout)
+    rolling = threading.Event()
+    signal.signal(signal.SIGHUP, lambda signum, frame: rolling.set())
+    return _supervise(replica_set, args.restart, args.ready_timeout,
+                      health=HealthCheck(args.health_timeout_s, args.health_checks), rolling=rolling)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -367,6 +455,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="failed attempts within the fail timeout that take a replica out (default %(default)s)")
     parser.add_argument("--fail-timeout-s", type=int, default=DEFAULT_FAIL_TIMEOUT_S,
                         help="seconds a failed replica takes no requests before nginx probes it (default %(default)s)")
+    parser.add_argument("--health-timeout-s", type=float, default=HealthCheck.timeout_s,
+                        help="a replica that does not answer /v2/health/ready within this, --health-checks times in a "
+                        "row, is taken out of the proxy (and restarted with --restart); one that answers not ready "
+                        "(draining) at once; 0: no checks (default %(default)s)")
+    parser.add_argument("--health-checks", type=int, default=HealthCheck.unanswered,
+                        help="unanswered health checks in a row that make a replica hung (default %(default)s)")
     parser.add_argument("--nginx", type=Path, default=None, help="nginx binary (default: nginx on PATH or in /usr/sbin)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbose log level")
     parser.add_argument("--ready-timeout", type=float, default=120.0,

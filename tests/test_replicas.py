@@ -655,3 +655,84 @@ def test_kubernetes_manifests_hash_streams_over_the_ready_pods():
                                       "consistentHash": {"type": "Headers", "headers": [{"name": STREAM_KEY_HEADER}]}}
     assert policy["timeout"]["http"]["requestTimeout"] == "0s", "a route timeout would cut long gRPC streams"
     assert f"httpHeaderName: {STREAM_KEY_HEADER}" in (KUBERNETES_DIR / "gateway-envoy.yaml").read_text()
+
+
+def test_serve_replicas_takes_out_a_hung_replica_restarts_it_and_rolls_on_sighup(nginx_install, tmp_path):
+    """`serve-replicas --restart`: a replica that stops answering (SIGSTOP) is taken out of the proxy
+    after its unanswered health checks, so new streams of its keys go to the other replica, then killed
+    and started again and put back; SIGHUP drains and restarts each replica in turn (exit 0 each),
+    the command serving throughout."""
+    # Streams idle out after 2 s here, so that a drain (which waits for live sequences) is short.
+    counter_repository = tmp_path / "repository"
+    (counter_repository / MODEL / "1").mkdir(parents=True)
+    (counter_repository / MODEL / "config.pbtxt").write_text(
+        STREAM_COUNTER_CONFIG.replace("max_sequence_idle_microseconds: 60000000", "max_sequence_idle_microseconds: 2000000"))
+    (counter_repository / MODEL / "1" / "model.py").write_text(STREAM_COUNTER_MODEL)
+    grpc_port, http_port = free_ports(2)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "mimi_code2wav.server", "serve-replicas", "--replicas", "2", "--restart",
+         "--health-timeout-s", "0.5", "--health-checks", "2", "--fail-timeout-s", str(FAIL_TIMEOUT_S),
+         "--model-repository", str(counter_repository), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+         "--replica-base-port", "0", "--run-dir", str(tmp_path / "run")],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(cli.stdout), daemon=True)
+    reader.start()
+
+    def wait_for(pattern: str, timeout_s: float = 60.0) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(lines):
+                if match := re.search(pattern, line):
+                    return match
+            assert cli.poll() is None, f"serve-replicas exited with {cli.returncode}:\n{''.join(lines)}"
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} in {timeout_s:g} s:\n{''.join(lines)}")
+
+    client = CounterClient(f"127.0.0.1:{grpc_port}")
+    try:
+        wait_for("SIGTERM stops everything")
+        pids = [int(pid) for pid in re.findall(r"^  \d\s+127\.0\.0\.1:\d+\s+\S+\s+\S+\s+(\d+)\s", "".join(lines), re.M)]
+        assert len(pids) == 2, "".join(lines)
+        # A key of each replica.
+        key_of: dict[int, str] = {}
+        for number in range(200):
+            reply = client.send(f"key-{number}", number + 1, start=True)
+            assert reply.ok, reply
+            key_of.setdefault(reply.server_pid, f"key-{number}")
+            if len(key_of) == 2:
+                break
+        hung_key = key_of[pids[0]]
+        os.kill(pids[0], signal.SIGSTOP)
+        wait_for(rf"replica 0 \(pid {pids[0]}\) has not answered its health check .*: taken out of the proxy")
+        # While it is out (restarting), its keys reach the other replica at once.
+        reply = client.send(hung_key, 1001, start=True)
+        assert reply.ok and reply.server_pid == pids[1], reply
+        restarted = int(wait_for(r"replica 0 restarted \(pid (\d+), restart 1\)")[1])
+        wait_for("replica 0: back in the proxy")
+        # Its keys come back within moments (the old workers finish the connections they hold).
+        deadline = time.monotonic() + 10
+        while (reply := client.send(hung_key, 1002, start=True)).server_pid != restarted:
+            assert reply.ok and time.monotonic() < deadline, reply
+            time.sleep(0.2)
+
+        cli.send_signal(signal.SIGHUP)
+        for index in range(2):
+            wait_for(rf"replica {index} drained \(exited with code 0\) and restarted in [0-9.]+ s", timeout_s=90)
+            # The other replica serves every key meanwhile, or both do once it is back.
+            reply = client.send(hung_key, 2000 + index, start=True)
+            assert reply.ok, reply
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(90) == 0, "".join(lines)
+    finally:
+        client.close()
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[0], signal.SIGCONT)
+        reader.join(5)
+    output = "".join(lines)
+    assert "Traceback" not in output, output
+    assert "SIGHUP: rolling restart of the replicas, one at a time" in output
