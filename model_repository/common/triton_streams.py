@@ -208,17 +208,19 @@ class DeltaMetric:
 
 
 class GuardedMetrics:
-    """A model instance's custom metrics, which never fail a request: `create()` makes them (a server
-    without metrics support raises there: the model then runs without them), `report(update)` calls
-    `update(metrics)`, and the first failure of either is logged through `log_warn` and turns them
-    off. `close()` calls the metrics' own `close()` (finalize)."""
+    """A model instance's custom metrics, which never fail a request: `create(labels)` makes them with
+    the model's `metric_labels` (a server without metrics support raises there: the model then runs
+    without them), `report(update)` calls `update(metrics)`, and the first failure of either is
+    logged through `log_warn` and turns them off. `close()` calls the metrics' own `close()`."""
 
-    def __init__(self, model_name: str, create: Callable[[], Any], log_warn: Callable[[str], None]):
+    def __init__(
+        self, model_name: str, version: str, create: Callable[[Dict[str, str]], Any], log_warn: Callable[[str], None]
+    ):
         self._model_name = model_name
         self._log_warn = log_warn
         self.metrics = None
         try:
-            self.metrics = create()
+            self.metrics = create(metric_labels(model_name, version))
         except Exception as exc:
             log_warn(f"model '{model_name}': custom metrics unavailable ({exc})")
 

@@ -167,16 +167,16 @@ class TritonPythonModel:
         self._input_names = [t.name for t in config.inputs]
         self._start_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
         self._end_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
-        labels = triton_streams.metric_labels(self._name, args["model_version"])
-        self._metrics = triton_streams.GuardedMetrics(self._name, lambda: _Metrics(labels), pb_utils.Logger.log_warn)
-        self._sweeper = triton_streams.IdleSweeper.started(
-            self._name, config.idle_timeout_s, self._expire_idle, pb_utils.Logger.log_error
-        )
         pb_utils.Logger.log_info(
             f"{self._name}: {len(config.states)} state tensors ({config.state_bytes_per_stream / 2**20:.2f} MiB "
             f"per stream), idle timeout {config.idle_timeout_s:g} s, ONNX {onnx_path.name}, providers "
             f"{session.get_providers()}; max_live_streams {derived}; at most {config.max_rows_per_run} rows "
             f"per run; glibc mmap threshold {'pinned' if mmap_fixed else 'left as it is'}"
+        )
+        # Last: the sweeper thread calls _expire_idle, which needs the core and the metrics.
+        self._metrics = triton_streams.GuardedMetrics(self._name, args["model_version"], _Metrics, pb_utils.Logger.log_warn)
+        self._sweeper = triton_streams.IdleSweeper.started(
+            self._name, config.idle_timeout_s, self._expire_idle, pb_utils.Logger.log_error
         )
 
     def _publish_metrics(self) -> None:
