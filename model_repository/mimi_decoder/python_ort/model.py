@@ -1,11 +1,11 @@
 """Triton Python-backend `mimi_decoder` (the python-ort target): the streaming ONNX step in ONNX Runtime,
 with the per-sequence state kept by the model.
 
-Thin on purpose: the config (`python_ort_config`), the state arrays (`python_ort_memory`), the
-validation and batched stepping (`python_ort_core`, which this file reaches them all through) are
-pure numpy and unit-tested; idle expiry, errors, the parameter policy and the metrics guard are in
-`triton_streams`. This file reads the config, builds the ONNX Runtime session, turns tensors into
-numpy and back, and publishes the metrics.
+Thin on purpose: what can be tested without a server is pure numpy beside it, in the config
+(`python_ort_config`), the state arrays (`python_ort_memory`) and the validation and batched stepping
+(`python_ort_core`, through which this file reaches all three), and in `triton_streams` (idle expiry,
+errors, the parameter policy, the metrics guard). This file reads the config, builds the ONNX Runtime
+session, turns tensors into numpy and back, and publishes the metrics.
 
 Triton never loads this file from the tracked `model_repository/mimi_decoder/python_ort/`: it only
 considers numeric version folders of a model. `export/render.py` copies it and its modules
