@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
 PYTHON_ORT_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
-PYTHON_ORT_FILES = ("model.py", "python_ort_core.py")
+PYTHON_ORT_FILES = ("model.py", "python_ort_core.py", "python_ort_config.py", "python_ort_memory.py")
 NULL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "null"
 # Shared by both Python models: copied beside each model.py (it is no model itself).
 SHARED_MODEL_FILE = REPO_ROOT / "model_repository" / "common" / "triton_streams.py"

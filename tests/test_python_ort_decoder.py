@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mimi_code2wav.export.render import PYTHON_ORT_FILES
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
 SHARED_FILE = REPO_ROOT / "model_repository" / "common" / "triton_streams.py"
@@ -35,9 +37,11 @@ IDLE_TIMEOUT_US = 2_000_000
 
 
 def load_core_module():
-    # The core imports triton_streams, which render copies beside it; here it is found on the path.
-    if str(SHARED_FILE.parent) not in sys.path:
-        sys.path.insert(0, str(SHARED_FILE.parent))
+    # The core imports triton_streams, which render copies beside it, and its sibling modules; here
+    # they are found on the path.
+    for folder in (SHARED_FILE.parent, MODEL_DIR):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location("python_ort_core", MODEL_DIR / "python_ort_core.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # as model.py imports it (dataclasses need the entry)
@@ -49,8 +53,8 @@ ort_core = load_core_module()
 
 
 def install_model(version_dir: Path) -> None:
-    """The model files of a rendered python-ort version folder (render copies the same three)."""
-    for source in (MODEL_DIR / "model.py", MODEL_DIR / "python_ort_core.py", SHARED_FILE):
+    """The model files of a rendered python-ort version folder (render copies the same ones)."""
+    for source in (*(MODEL_DIR / name for name in PYTHON_ORT_FILES), SHARED_FILE):
         shutil.copyfile(source, version_dir / source.name)
 
 

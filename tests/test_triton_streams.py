@@ -172,3 +172,75 @@ def test_delta_metrics_of_two_instances_add_up_and_withdraw():
     assert shared.value == 3
     first.withdraw()
     assert shared.value == 2 and first.sent == 0
+
+
+class FakeModelMetrics:
+    def __init__(self, labels):
+        self.labels, self.reports, self.closed = labels, [], False
+
+    def close(self):
+        self.closed = True
+
+
+def test_guarded_metrics_report_until_the_first_failure_then_stay_off():
+    warnings = []
+    guarded = triton_streams.GuardedMetrics("mimi_decoder", 1, FakeModelMetrics, warnings.append)
+    metrics = guarded.metrics
+    assert metrics.labels == {"model": "mimi_decoder", "version": "1"}
+    guarded.report(lambda m: m.reports.append(1))
+
+    def fail(_):
+        raise RuntimeError("ipc down")
+
+    guarded.report(fail)
+    guarded.report(lambda m: m.reports.append(2))
+    assert metrics.reports == [1] and guarded.metrics is None
+    assert warnings == ["model 'mimi_decoder': custom metrics failed, now off (ipc down)"]
+    guarded.close()  # nothing left to close
+    assert not metrics.closed
+
+
+def test_guarded_metrics_without_metrics_support_run_without_them():
+    warnings = []
+
+    def unsupported(labels):
+        raise RuntimeError("metrics disabled")
+
+    guarded = triton_streams.GuardedMetrics("code2wav", "1", unsupported, warnings.append)
+    guarded.report(lambda m: pytest.fail("no metrics to update"))
+    guarded.close()
+    assert guarded.metrics is None
+    assert warnings == ["model 'code2wav': custom metrics unavailable (metrics disabled)"]
+
+
+def test_guarded_metrics_close_their_metrics():
+    guarded = triton_streams.GuardedMetrics("code2wav", "1", FakeModelMetrics, pytest.fail)
+    metrics = guarded.metrics
+    guarded.close()
+    assert metrics.closed and guarded.metrics is None
+
+
+def test_a_started_sweeper_is_named_after_its_model_and_closes():
+    swept = threading.Event()
+    sweeper = triton_streams.IdleSweeper.started("code2wav", 0.2, swept.set, log_error=pytest.fail)
+    assert swept.wait(5)
+    assert sweeper._thread.name == "code2wav-idle-expiry"
+    sweeper.close(log_warn=pytest.fail)
+    assert not sweeper._thread.is_alive()
+
+
+def test_closing_a_stuck_sweeper_warns():
+    release = threading.Event()
+    entered = threading.Event()
+
+    def stuck():
+        entered.set()
+        release.wait(5)
+
+    warnings = []
+    sweeper = triton_streams.IdleSweeper.started("mimi_decoder", 0.2, stuck, log_error=pytest.fail)
+    assert entered.wait(5)
+    sweeper.close(warnings.append, timeout_s=0.1)
+    release.set()
+    assert warnings == ["mimi_decoder-idle-expiry: the idle sweeper did not stop in 0.1 s"]
+    assert sweeper.stop(timeout_s=5)

@@ -1,5 +1,5 @@
 """What the two Python-backend models share: idle expiry, request errors, the config-parameter policy
-and metric labels.
+and metrics (labels, changes, a guard that keeps them from failing a request).
 
 Not a model: Triton never loads this folder. `export/render.py` copies this file beside each Python
 model's `model.py` in a rendered repository (`code2wav/1/` and the python-ort `mimi_decoder/1/`),
@@ -141,6 +141,19 @@ class IdleSweeper:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
+    @classmethod
+    def started(
+        cls,
+        model_name: str,
+        idle_timeout_s: float,
+        expire: Callable[[], object],
+        log_error: Callable[[str], None],
+    ) -> IdleSweeper:
+        """A model instance's sweeper, already running on a thread named `<model_name>-idle-expiry`."""
+        sweeper = cls(idle_timeout_s, expire, name=f"{model_name}-idle-expiry", log_error=log_error)
+        sweeper.start()
+        return sweeper
+
     def start(self) -> None:
         self._thread.start()
 
@@ -150,6 +163,11 @@ class IdleSweeper:
         if self._thread.ident is not None:
             self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+    def close(self, log_warn: Callable[[str], None], timeout_s: float = 5.0) -> None:
+        """Stop the thread (a model's finalize); a thread still running after `timeout_s` is logged."""
+        if not self.stop(timeout_s):
+            log_warn(f"{self._thread.name}: the idle sweeper did not stop in {timeout_s:g} s")
 
     def _run(self) -> None:
         while not self._stopping.wait(self.interval_s):
@@ -187,3 +205,35 @@ class DeltaMetric:
     def withdraw(self) -> None:
         """Take this instance's contribution out of a gauge (on finalize)."""
         self.update(0)
+
+
+class GuardedMetrics:
+    """A model instance's custom metrics, which never fail a request: `create(labels)` makes them with
+    the model's `metric_labels` (a server without metrics support raises there: the model then runs
+    without them), `report(update)` calls `update(metrics)`, and the first failure of either is
+    logged through `log_warn` and turns them off. `close()` calls the metrics' own `close()`."""
+
+    def __init__(
+        self, model_name: str, version: str, create: Callable[[Dict[str, str]], Any], log_warn: Callable[[str], None]
+    ):
+        self._model_name = model_name
+        self._log_warn = log_warn
+        self.metrics = None
+        try:
+            self.metrics = create(metric_labels(model_name, version))
+        except Exception as exc:
+            log_warn(f"model '{model_name}': custom metrics unavailable ({exc})")
+
+    def report(self, update: Callable[[Any], object]) -> None:
+        if self.metrics is None:
+            return
+        try:
+            update(self.metrics)
+        except Exception as exc:
+            self._log_warn(f"model '{self._model_name}': custom metrics failed, now off ({exc})")
+            self.metrics = None
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None

@@ -1,15 +1,16 @@
 """Triton Python-backend `mimi_decoder` (the python-ort target): the streaming ONNX step in ONNX Runtime,
 with the per-sequence state kept by the model.
 
-Thin on purpose: the config and state handling, validation and batched stepping are in
-`python_ort_core` (pure numpy, unit-tested); idle expiry, errors, the parameter policy and metric
-labels in `triton_streams`. This file reads the config, builds the ONNX Runtime session, turns
-tensors into numpy and back, and publishes the metrics.
+Thin on purpose: what can be tested without a server is pure numpy beside it, in the config
+(`python_ort_config`), the state arrays (`python_ort_memory`) and the validation and batched stepping
+(`python_ort_core`, through which this file reaches all three), and in `triton_streams` (idle expiry,
+errors, the parameter policy, the metrics guard). This file reads the config, builds the ONNX Runtime
+session, turns tensors into numpy and back, and publishes the metrics.
 
 Triton never loads this file from the tracked `model_repository/mimi_decoder/python_ort/`: it only
-considers numeric version folders of a model. `export/render.py` copies it, `python_ort_core.py` and
-`triton_streams.py` into a rendered `mimi_decoder/1/` next to `model.onnx`, with the config rendered
-from `config.pbtxt.tmpl`.
+considers numeric version folders of a model. `export/render.py` copies it and its modules
+(`PYTHON_ORT_FILES`), with `triton_streams.py`, into a rendered `mimi_decoder/1/` next to
+`model.onnx`, with the config rendered from `config.pbtxt.tmpl`.
 
 Metrics (labels `model`, `version`; instances add up): gauges `mimi_decoder_live_streams` and
 `mimi_decoder_state_buffer_bytes` (free state arrays kept for the next runs); counters
@@ -21,6 +22,7 @@ Metrics (labels `model`, `version`; instances add up): gauges `mimi_decoder_live
 import ctypes
 import dataclasses
 import json
+import operator
 import os
 import sys
 from pathlib import Path
@@ -80,6 +82,25 @@ def arena_release_options(instance_kind: str, device_id: int):
     return options
 
 
+# The core's figures, published as changes so the instances add up: (metric name, kind, description,
+# the figure read from the core). Counters grow; gauges leave with their instance.
+_CORE_FIGURES = (
+    ("mimi_decoder_live_streams", "GAUGE", "Sequences with decoder state held by the model",
+     operator.attrgetter("live_streams")),
+    ("mimi_decoder_state_buffer_bytes", "GAUGE",
+     "Bytes of free state arrays kept for the next runs (let go when the model is idle)",
+     operator.attrgetter("buffers.held_bytes")),
+    ("mimi_decoder_batches_total", "COUNTER", "Batched decoder steps run (one session run each)",
+     operator.attrgetter("runs_total")),
+    ("mimi_decoder_batched_requests_total", "COUNTER", "Requests run in batched decoder steps (rows over all runs)",
+     operator.attrgetter("rows_total")),
+    ("mimi_decoder_expired_streams_total", "COUNTER", "Sequences whose decoder state was dropped after the idle timeout",
+     operator.attrgetter("expired_total")),
+    ("mimi_decoder_refused_streams_total", "COUNTER", "STARTs refused because the instance held max_live_streams streams",
+     operator.attrgetter("refused_total")),
+)
+
+
 class _Metrics:
     """The model's Prometheus metrics, sent as changes (every call is an IPC round trip)."""
 
@@ -88,57 +109,32 @@ class _Metrics:
         # The families must outlive their metrics: a metric of a collected family stops working.
         self._families = []
 
-        def metric(name, description, kind, **kwargs):
-            self._families.append(family(name=name, description=description, kind=kind))
+        def metric(name, kind, description, **kwargs):
+            self._families.append(family(name=name, description=description, kind=getattr(family, kind)))
             return self._families[-1].Metric(labels=labels, **kwargs)
 
-        self.live = triton_streams.DeltaMetric(metric(
-            "mimi_decoder_live_streams", "Sequences with decoder state held by the model", family.GAUGE
-        ))
-        self.buffer_bytes = triton_streams.DeltaMetric(metric(
-            "mimi_decoder_state_buffer_bytes",
-            "Bytes of free state arrays kept for the next runs (let go when the model is idle)",
-            family.GAUGE,
-        ))
-        self.batches = triton_streams.DeltaMetric(metric(
-            "mimi_decoder_batches_total", "Batched decoder steps run (one session run each)", family.COUNTER
-        ))
-        self.batched_requests = triton_streams.DeltaMetric(metric(
-            "mimi_decoder_batched_requests_total",
-            "Requests run in batched decoder steps (rows over all runs)",
-            family.COUNTER,
-        ))
-        self.expired = triton_streams.DeltaMetric(metric(
-            "mimi_decoder_expired_streams_total",
-            "Sequences whose decoder state was dropped after the idle timeout",
-            family.COUNTER,
-        ))
-        self.refused = triton_streams.DeltaMetric(metric(
-            "mimi_decoder_refused_streams_total",
-            "STARTs refused because the instance held max_live_streams streams",
-            family.COUNTER,
-        ))
+        self._figures = [
+            (triton_streams.DeltaMetric(metric(name, kind, description)), kind, read)
+            for name, kind, description, read in _CORE_FIGURES
+        ]
         self.batch_size = metric(
-            "mimi_decoder_batch_size", "Rows per decoder session run", family.HISTOGRAM, buckets=BATCH_SIZE_BUCKETS
+            "mimi_decoder_batch_size", "HISTOGRAM", "Rows per decoder session run", buckets=BATCH_SIZE_BUCKETS
         )
 
     def publish(self, decoder: core.StreamingDecoderCore) -> None:
-        self.live.update(decoder.live_streams)
-        self.buffer_bytes.update(decoder.buffers.held_bytes)
-        self.batches.update(decoder.runs_total)
-        self.batched_requests.update(decoder.rows_total)
-        self.expired.update(decoder.expired_total)
-        self.refused.update(decoder.refused_total)
+        for delta, _, read in self._figures:
+            delta.update(read(decoder))
         for size in decoder.run_sizes:
             self.batch_size.observe(size)
         decoder.run_sizes.clear()
 
     def close(self) -> None:
-        # This instance's streams leave the shared gauge with it.
-        self.live.withdraw()
-        self.buffer_bytes.withdraw()
+        # This instance's streams and buffers leave the shared gauges with it.
+        for delta, kind, _ in self._figures:
+            if kind == "GAUGE":
+                delta.withdraw()
         # Metrics go before their families (python_backend custom-metrics contract).
-        self.live = self.buffer_bytes = self.batches = self.batched_requests = self.expired = self.refused = self.batch_size = None
+        self._figures = self.batch_size = None
         self._families.clear()
 
 
@@ -171,32 +167,20 @@ class TritonPythonModel:
         self._input_names = [t.name for t in config.inputs]
         self._start_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
         self._end_flag = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
-        try:
-            self._metrics = _Metrics(triton_streams.metric_labels(self._name, args["model_version"]))
-        except Exception as exc:  # metrics disabled on this server, or no MetricFamily
-            pb_utils.Logger.log_warn(f"{self._name}: metrics unavailable ({exc})")
-            self._metrics = None
-        self._sweeper = triton_streams.IdleSweeper(
-            config.idle_timeout_s,
-            self._expire_idle,
-            name=f"{self._name}-idle-expiry",
-            log_error=pb_utils.Logger.log_error,
-        )
-        self._sweeper.start()
         pb_utils.Logger.log_info(
             f"{self._name}: {len(config.states)} state tensors ({config.state_bytes_per_stream / 2**20:.2f} MiB "
             f"per stream), idle timeout {config.idle_timeout_s:g} s, ONNX {onnx_path.name}, providers "
             f"{session.get_providers()}; max_live_streams {derived}; at most {config.max_rows_per_run} rows "
             f"per run; glibc mmap threshold {'pinned' if mmap_fixed else 'left as it is'}"
         )
+        # Last: the sweeper thread calls _expire_idle, which needs the core and the metrics.
+        self._metrics = triton_streams.GuardedMetrics(self._name, args["model_version"], _Metrics, pb_utils.Logger.log_warn)
+        self._sweeper = triton_streams.IdleSweeper.started(
+            self._name, config.idle_timeout_s, self._expire_idle, pb_utils.Logger.log_error
+        )
 
     def _publish_metrics(self) -> None:
-        if self._metrics is not None:
-            try:
-                self._metrics.publish(self._core)
-            except Exception as exc:
-                pb_utils.Logger.log_warn(f"{self._name}: metrics update failed, metrics off ({exc})")
-                self._metrics = None
+        self._metrics.report(lambda metrics: metrics.publish(self._core))
 
     def _expire_idle(self) -> None:
         # Called by the sweeper thread under its lock.
@@ -237,8 +221,5 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
-        if not self._sweeper.stop(timeout_s=5.0):
-            pb_utils.Logger.log_warn(f"{self._name}: the idle sweeper did not stop in 5 s")
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        self._sweeper.close(pb_utils.Logger.log_warn)
+        self._metrics.close()

@@ -1,446 +1,58 @@
 """Core of the python-ort `mimi_decoder`: a streaming ONNX step whose state this model keeps itself.
 
 Pure numpy + stdlib (no `triton_python_backend_utils`, no onnxruntime: `model.py` owns the session),
-so it is unit-tested without a server. It imports `triton_streams`, which `export/render.py` copies
-beside it from model_repository/common/.
+so it is unit-tested without a server. Beside it: `python_ort_config` (the config, read and checked
+against the ONNX graph), `python_ort_memory` (where state arrays come from) and `triton_streams`,
+which `export/render.py` copies from model_repository/common/.
 
 The native ONNX Runtime backend keeps per-sequence state itself (`sequence_batching { state [...] }`);
 the Python backend ignores that block, so this model does the same work by hand:
 
-- per correlation id (a uint64), one numpy array per state tensor; START (also on a live sequence)
-  sets it to zeros, each step feeds it to the model and keeps the step's output state, END drops it
+- per correlation id (a uint64), one row of each state tensor; START (also on a live sequence) sets
+  it to zeros, each step feeds it to the model and keeps the step's output state, END drops it
   after the step, and a sequence idle longer than `max_sequence_idle_microseconds` is dropped (Triton
   frees its slot without telling the model, so a background thread expires entries on the same
   clock);
 - all valid requests of one `execute()` (steps of different sequences, gathered by the `oldest`
-  sequence batcher) run as one batched `session.run`, rows concatenated along the batch dimension,
-  and the outputs are split back per request;
+  sequence batcher) run as batched `session.run`s, rows concatenated along the batch dimension, and
+  the outputs are split back per request; rows of one run have equal input shapes (requests with a
+  different number of frames run apart) and are at most `max_rows_per_run`;
 - a request that fails validation gets its own error and changes nothing (but an END still ends its
   sequence: Triton has already released it); a request without START for a sequence with no state
-  gets an error telling to START the sequence.
+  gets an error telling to START the sequence; a START beyond `max_live_streams` is refused.
 
-Configuration (`config.pbtxt`, rendered from `config.pbtxt.tmpl`): `input` / `output` list the
-non-state tensors; `max_batch_size` > 0 (every request carries a leading batch dimension of 1);
-`sequence_batching` has the `oldest` strategy, START/END/CORRID (TYPE_UINT64) control inputs and a
-positive `max_sequence_idle_microseconds`; there is no `state` block. The `parameters` (string values,
-all required, no other accepted: `triton_streams.read_parameters`):
-
-| key | meaning |
-|---|---|
-| `onnx_file` | ONNX file, relative to the version folder |
-| `intra_op_threads` | ONNX Runtime intra-op threads (0: its default) |
-| `intra_op_spinning` | `on` or `off`: whether those threads spin while waiting for work (ONNX Runtime's default is on; off leaves the cores to other processes, such as other replicas on the host) |
-| `state_spec` | JSON list of `{"input", "output", "dtype", "shape"}`, shape per stream (no batch) |
-| `value_ranges` | JSON object: input name -> `[low, high]`, its values must lie in [low, high) (`{}`: none) |
-| `max_dims` | JSON object: input name -> its largest dims per request (bounds the config's -1 dims; `{}`: none) |
-| `max_live_streams` | streams this instance holds state for at most, or `auto` (see `auto_stream_cap`); a START beyond it is refused with UNAVAILABLE, live streams unharmed |
-| `max_rows_per_run` | the most rows one session run takes; larger batches run in pieces (bounds the run's scratch memory) |
-
-In `state_spec` dtype is one of float32, float16, int32, int64, and an optional `description` per
-entry is ignored. `value_ranges` and `max_dims` are checked per request, so a bad row fails alone
-instead of failing the batched run. Requests whose inputs differ in shape (e.g. a different number of
-frames) run in different session runs: rows of one run have equal shapes.
-
-Memory. A live stream costs its state (one row of each state tensor) and nothing else: output states
-are written by the session straight into arrays this model allocates (`BoundRunner`, IO binding),
-so ONNX Runtime's arena only ever holds one run's scratch, bounded by `max_rows_per_run`, and is
-handed back to the system once the instance has been idle for a while (`release_idle_memory`).
-State arrays no stream holds any more are kept for the next runs (`StateBuffers`, at most
-`state_buffer_limit` bytes, let go with the arena when idle): a fresh array of a few MiB costs the
-kernel a page fault per 4 KiB on its first write.
+A stream's state is a row of the arrays its last run wrote (`_StateRows`), not a copy: the memory
+note in `python_ort_memory` says what a live stream costs.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
-import math
 import time
 import traceback
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from triton_streams import ConfigError, ModelError, read_parameters
+from python_ort_config import (
+    DecoderConfig,
+    auto_stream_cap,
+    available_memory_bytes,
+    check_against_onnx,
+    parse_model_config,
+    state_buffer_limit,
+)
+from python_ort_memory import BoundRunner, StateBuffers
+from triton_streams import ModelError
 
-STATE_DTYPES = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-}
-STATE_SPEC_KEYS = {"input", "output", "dtype", "shape"}
-ORT_TYPES = {
-    "tensor(float)": np.dtype(np.float32),
-    "tensor(float16)": np.dtype(np.float16),
-    "tensor(double)": np.dtype(np.float64),
-    "tensor(int8)": np.dtype(np.int8),
-    "tensor(int16)": np.dtype(np.int16),
-    "tensor(int32)": np.dtype(np.int32),
-    "tensor(int64)": np.dtype(np.int64),
-    "tensor(uint8)": np.dtype(np.uint8),
-    "tensor(bool)": np.dtype(np.bool_),
-}
+# What model.py (and the tests) use of the python-ort decoder: its config, its runner and the core.
+__all__ = [
+    "BoundRunner", "DecoderConfig", "ModelError", "StateBuffers", "StepRequest", "StreamingDecoderCore",
+    "auto_stream_cap", "available_memory_bytes", "check_against_onnx", "parse_model_config", "state_buffer_limit",
+]
 
 
-# --- configuration --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StateTensor:
-    """One state: fed as `input`, returned updated as `output`; `shape` is per stream (no batch)."""
-
-    input: str
-    output: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class IOTensor:
-    """A non-state input or output; `dims` is per request row, -1 for any size."""
-
-    name: str
-    dtype: np.dtype
-    dims: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    inputs: tuple[IOTensor, ...]
-    outputs: tuple[IOTensor, ...]
-    states: tuple[StateTensor, ...]
-    max_batch_size: int
-    idle_timeout_s: float
-    onnx_file: str
-    intra_op_threads: int
-    # Input name -> (low, high): its values must lie in [low, high).
-    value_ranges: Mapping[str, tuple[int, int]]
-    # Input name -> the largest dims (no batch) one request may have.
-    max_dims: Mapping[str, tuple[int, ...]]
-    # Live streams this instance holds at most (None: `auto`, resolved at load by `auto_stream_cap`).
-    max_live_streams: int | None = None
-    # The most rows in one session run.
-    max_rows_per_run: int = 8
-    # Instances of the model (instance_group counts, summed): they share the host's memory.
-    instance_count: int = 1
-    # sequence_batching.oldest.max_candidate_sequences: more live sequences never reach the model.
-    max_candidate_sequences: int | None = None
-    # ONNX Runtime's intra-op threads spin while waiting for work.
-    intra_op_spinning: bool = True
-
-    @property
-    def state_bytes_per_stream(self) -> int:
-        return sum(math.prod(s.shape) * s.dtype.itemsize for s in self.states)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _json(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc})") from None
-
-
-def parse_state_spec(text: str) -> tuple[StateTensor, ...]:
-    """Parse the `state_spec` parameter strictly; raises ValueError saying what is wrong."""
-    entries = _json(text)
-    if not isinstance(entries, list) or not entries:
-        raise ValueError("must be a non-empty JSON list")
-    states = []
-    for index, entry in enumerate(entries):
-        if not isinstance(entry, dict):
-            raise ValueError(f"entry {index} must be an object")
-        keys = set(entry) - {"description"}
-        if keys != STATE_SPEC_KEYS:
-            raise ValueError(
-                f"entry {index} must have exactly the keys {sorted(STATE_SPEC_KEYS)} "
-                f"(and optionally 'description'), got {sorted(entry)}"
-            )
-        if entry["dtype"] not in STATE_DTYPES:
-            raise ValueError(f"entry {index} dtype {entry['dtype']!r} is not one of {sorted(STATE_DTYPES)}")
-        shape = entry["shape"]
-        if not isinstance(shape, list) or not all(_is_int(dim) and dim > 0 for dim in shape):
-            raise ValueError(f"entry {index} shape must be a list of positive ints, got {shape!r}")
-        for key in ("input", "output"):
-            if not isinstance(entry[key], str) or not entry[key]:
-                raise ValueError(f"entry {index} {key} must be a non-empty string")
-        states.append(
-            StateTensor(entry["input"], entry["output"], STATE_DTYPES[entry["dtype"]], tuple(shape))
-        )
-    names = [s.input for s in states] + [s.output for s in states]
-    if len(set(names)) != len(names):
-        raise ValueError(f"reuses a tensor name: {names}")
-    return tuple(states)
-
-
-def parse_value_ranges(text: str) -> dict[str, tuple[int, int]]:
-    """Parse the `value_ranges` parameter: {"input name": [low, high], ...}, values in [low, high)."""
-    ranges = _json(text)
-    if not isinstance(ranges, dict):
-        raise ValueError(f'must be a JSON object {{"input name": [low, high], ...}}, got {text!r}')
-    parsed = {}
-    for name, bounds in ranges.items():
-        if not (isinstance(bounds, list) and len(bounds) == 2 and all(map(_is_int, bounds))
-                and bounds[0] < bounds[1]):
-            raise ValueError(f"input '{name}': expected [low, high] with integers low < high, got {bounds!r}")
-        parsed[name] = (bounds[0], bounds[1])
-    return parsed
-
-
-def parse_max_dims(text: str) -> dict[str, tuple[int, ...]]:
-    """Parse the `max_dims` parameter: {"input name": [dim, ...], ...}, positive ints, no batch dim."""
-    limits = _json(text)
-    if not isinstance(limits, dict):
-        raise ValueError(f'must be a JSON object {{"input name": [dim, ...], ...}}, got {text!r}')
-    parsed = {}
-    for name, dims in limits.items():
-        if not (isinstance(dims, list) and dims and all(_is_int(dim) and dim > 0 for dim in dims)):
-            raise ValueError(f"input '{name}': expected a list of positive integers, got {dims!r}")
-        parsed[name] = tuple(dims)
-    return parsed
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise ValueError(f"must be a positive integer, got {value}")
-    return value
-
-
-def parse_stream_cap(text: str) -> int | None:
-    """Parse `max_live_streams`: a positive integer, or `auto` (None)."""
-    if text == "auto":
-        return None
-    try:
-        return _positive_int(text)
-    except ValueError:
-        raise ValueError(f"must be a positive integer or 'auto', got {text!r}") from None
-
-
-def parse_on_off(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise ValueError(f"must be 'on' or 'off', got {text!r}")
-    return text == "on"
-
-
-# The config's `parameters`: name -> parser of its string value (all required).
-PARAMETER_TYPES = {
-    "onnx_file": str,
-    "intra_op_threads": int,
-    "intra_op_spinning": parse_on_off,
-    "state_spec": parse_state_spec,
-    "value_ranges": parse_value_ranges,
-    "max_dims": parse_max_dims,
-    "max_live_streams": parse_stream_cap,
-    "max_rows_per_run": _positive_int,
-}
-
-def state_buffer_limit(config: DecoderConfig) -> int:
-    """Bytes of free state arrays an instance keeps for reuse (StateBuffers): four full runs' worth.
-    Runs of changing groups and sizes (live streams) free and need arrays of every row class; with
-    random groups of 1-8 streams, 2 runs' worth reused about half, 4 runs' worth 7 in 8."""
-    return 4 * config.max_rows_per_run * config.state_bytes_per_stream
-
-
-# `max_live_streams: auto`: the streams' state may take this share of the memory available at load,
-# counting MEMORY_PER_STREAM_FACTOR x the state per stream (the state, plus the input copy a run of
-# streams that did not step together makes).
-AUTO_MEMORY_SHARE = 0.5
-MEMORY_PER_STREAM_FACTOR = 2
-
-
-def available_memory_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
-    """Memory this process can still use: MemAvailable, or less where a cgroup (v2 `memory.max`, v1
-    `memory.limit_in_bytes`) limits the container. None when nothing can be read."""
-    candidates = []
-    try:
-        for line in open(meminfo):
-            if line.startswith("MemAvailable:"):
-                candidates.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            with open(f"{cgroup}/{limit_file}") as limit, open(f"{cgroup}/{usage_file}") as usage:
-                text = limit.read().strip()
-                if text != "max" and int(text) < 2**60:
-                    candidates.append(max(0, int(text) - int(usage.read().strip())))
-        except (OSError, ValueError):
-            continue
-    return min(candidates) if candidates else None
-
-
-def auto_stream_cap(config: DecoderConfig, available_bytes: int | None) -> tuple[int, str]:
-    """`max_live_streams: auto` for one instance: AUTO_MEMORY_SHARE of the available memory, split
-    over the instances, less the free state arrays an instance may keep (`state_buffer_limit`), at
-    MEMORY_PER_STREAM_FACTOR x the state per stream; never above max_candidate_sequences. Returns
-    (cap, a sentence saying how it was derived)."""
-    per_stream = MEMORY_PER_STREAM_FACTOR * config.state_bytes_per_stream
-    candidates = config.max_candidate_sequences
-    if available_bytes is None:
-        if candidates is None:
-            raise ValueError("max_live_streams is 'auto' but neither the available memory nor "
-                             "max_candidate_sequences is known: set a number")
-        return candidates, f"{candidates} (max_candidate_sequences; available memory unknown)"
-    kept = state_buffer_limit(config)
-    cap = max(1, int((AUTO_MEMORY_SHARE * available_bytes / config.instance_count - kept) // per_stream))
-    reason = (f"({AUTO_MEMORY_SHARE:g} x {available_bytes / 2**30:.1f} GiB available / {config.instance_count} "
-              f"instance(s) - {kept / 2**20:.0f} MiB of kept state arrays) / {per_stream / 2**20:.1f} MiB per "
-              f"stream ({MEMORY_PER_STREAM_FACTOR}x its state)")
-    if candidates is not None and candidates < cap:
-        return candidates, f"{candidates} (max_candidate_sequences; memory would allow {cap}: {reason})"
-    return cap, f"{cap} ({reason})"
-
-
-def parse_model_config(
-    config: Mapping, triton_string_to_numpy: Callable[[str], type]
-) -> DecoderConfig:
-    """Read everything the model needs from its config (the JSON Triton hands to initialize).
-    Raises ValueError (ConfigError for a parameter) on anything missing, malformed or unsupported."""
-
-    def io_tensors(section: str) -> tuple[IOTensor, ...]:
-        tensors = []
-        for entry in config.get(section, []):
-            tensors.append(
-                IOTensor(
-                    entry["name"],
-                    np.dtype(triton_string_to_numpy(entry["data_type"])),
-                    tuple(int(dim) for dim in entry.get("dims", [])),
-                )
-            )
-        if not tensors:
-            raise ValueError(f"the config lists no {section}")
-        return tuple(tensors)
-
-    sequence_batching = config.get("sequence_batching")
-    if sequence_batching is None:
-        raise ValueError("this model keeps per-sequence state: the config needs sequence_batching")
-    if sequence_batching.get("state"):
-        raise ValueError(
-            "remove sequence_batching.state: the Python backend ignores it; the state is described "
-            "by the state_spec parameter"
-        )
-    max_batch_size = int(config.get("max_batch_size", 0))
-    if max_batch_size < 1:
-        raise ValueError(
-            f"max_batch_size must be > 0 (requests of different sequences are batched, each with a "
-            f"leading batch dimension of 1), got {max_batch_size}"
-        )
-    values, idle_timeout_s = read_parameters(config, PARAMETER_TYPES)
-    if values["intra_op_threads"] < 0:
-        raise ConfigError("intra_op_threads", f"must be >= 0 (0: ONNX Runtime's default), got {values['intra_op_threads']}")
-    decoder = DecoderConfig(
-        inputs=io_tensors("input"),
-        outputs=io_tensors("output"),
-        states=values["state_spec"],
-        max_batch_size=max_batch_size,
-        idle_timeout_s=idle_timeout_s,
-        onnx_file=values["onnx_file"],
-        intra_op_threads=values["intra_op_threads"],
-        intra_op_spinning=values["intra_op_spinning"],
-        value_ranges=values["value_ranges"],
-        max_dims=values["max_dims"],
-        max_live_streams=values["max_live_streams"],
-        max_rows_per_run=values["max_rows_per_run"],
-        instance_count=max(1, sum(int(group.get("count", 1)) for group in config.get("instance_group") or [{}])),
-        max_candidate_sequences=_max_candidate_sequences(sequence_batching),
-    )
-    io_names = [t.name for t in decoder.inputs + decoder.outputs]
-    state_names = [s.input for s in decoder.states] + [s.output for s in decoder.states]
-    clash = set(io_names) & set(state_names)
-    if clash:
-        raise ValueError(f"state tensors must not be listed as config inputs/outputs: {sorted(clash)}")
-    inputs = {t.name: t for t in decoder.inputs}
-    for parameter, names in (("value_ranges", decoder.value_ranges), ("max_dims", decoder.max_dims)):
-        unknown = sorted(set(names) - set(inputs))
-        if unknown:
-            raise ConfigError(parameter, f"{unknown} are not config inputs ({list(inputs)})")
-    for name, dims in decoder.max_dims.items():
-        declared = inputs[name].dims
-        if len(dims) != len(declared) or any(want not in (-1, limit) for want, limit in zip(declared, dims)):
-            raise ConfigError("max_dims", f"input '{name}': {list(dims)} does not fit its dims {list(declared)}")
-    return decoder
-
-
-def _max_candidate_sequences(sequence_batching: Mapping) -> int | None:
-    value = (sequence_batching.get("oldest") or {}).get("max_candidate_sequences")
-    try:
-        return int(value) if value is not None and int(value) > 0 else None
-    except (TypeError, ValueError):
-        return None
-
-
-def _onnx_dims(shape) -> tuple[int | None, ...]:
-    """ONNX Runtime reports a dynamic dimension as a name or None: both become None."""
-    return tuple(dim if isinstance(dim, int) and dim >= 0 else None for dim in shape)
-
-
-def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -> DecoderConfig:
-    """Check the config and state spec against the ONNX graph (`session.get_inputs()` /
-    `get_outputs()`: objects with `.name`, `.type`, `.shape`). Returns the config with input dims
-    that the graph fixes (where the config says -1) made fixed, so requests are checked here rather
-    than failing inside ONNX Runtime. Raises ValueError on any mismatch."""
-    graph_inputs = {arg.name: arg for arg in session_inputs}
-    graph_outputs = {arg.name: arg for arg in session_outputs}
-    expected_inputs = [t.name for t in config.inputs] + [s.input for s in config.states]
-    missing = [name for name in expected_inputs if name not in graph_inputs]
-    unfed = [name for name in graph_inputs if name not in expected_inputs]
-    if missing or unfed:
-        raise ValueError(
-            f"ONNX inputs {sorted(graph_inputs)} do not match config inputs + state inputs "
-            f"{expected_inputs} (missing from the graph: {missing}, not fed: {unfed})"
-        )
-    expected_outputs = [t.name for t in config.outputs] + [s.output for s in config.states]
-    missing = [name for name in expected_outputs if name not in graph_outputs]
-    if missing:
-        raise ValueError(f"ONNX outputs {sorted(graph_outputs)} lack {missing}")
-
-    def check(arg, dtype: np.dtype, dims: tuple[int, ...], what: str) -> tuple[int, ...]:
-        graph_dtype = ORT_TYPES.get(arg.type)
-        if graph_dtype != dtype:
-            raise ValueError(f"{what} '{arg.name}': ONNX type {arg.type}, expected {dtype}")
-        graph_dims = _onnx_dims(arg.shape)
-        if len(graph_dims) != len(dims) + 1:
-            raise ValueError(
-                f"{what} '{arg.name}': ONNX shape {list(arg.shape)} is not [batch] + {list(dims)}"
-            )
-        batch = graph_dims[0]
-        if batch is not None and batch < config.max_batch_size:
-            raise ValueError(
-                f"{what} '{arg.name}': ONNX batch dimension is fixed to {batch}, below "
-                f"max_batch_size {config.max_batch_size}"
-            )
-        merged = []
-        for graph_dim, dim in zip(graph_dims[1:], dims):
-            if graph_dim is not None and dim not in (-1, graph_dim):
-                raise ValueError(
-                    f"{what} '{arg.name}': ONNX shape {list(arg.shape)} does not match {list(dims)}"
-                )
-            merged.append(graph_dim if dim == -1 and graph_dim is not None else dim)
-        return tuple(merged)
-
-    inputs = tuple(
-        IOTensor(t.name, t.dtype, check(graph_inputs[t.name], t.dtype, t.dims, "input"))
-        for t in config.inputs
-    )
-    for t in config.outputs:
-        check(graph_outputs[t.name], t.dtype, t.dims, "output")
-    for s in config.states:
-        check(graph_inputs[s.input], s.dtype, s.shape, "state input")
-        check(graph_outputs[s.output], s.dtype, s.shape, "state output")
-    return dataclasses.replace(config, inputs=inputs)
-
-
-# --- the streaming core ---------------------------------------------------------------------------
 @dataclass
 class StepRequest:
     """One request as the core sees it: its sequence (correlation id), its flags, its non-state
@@ -450,63 +62,6 @@ class StepRequest:
     start: bool
     end: bool
     inputs: Mapping[str, np.ndarray | None]
-
-
-class StateBuffers:
-    """State arrays no stream holds any more, kept to be handed out again.
-
-    A new array of a few MiB is a new mmap (the model pins glibc's mmap threshold at 1 MiB so that
-    freed state goes back to the system): the kernel zeroes and maps every page on its first write,
-    for each run's output states and for every gathered input. Reusing arrays that were written
-    before skips that. Runs vary in rows, so arrays are kept in classes of a power of two rows: a
-    run of 5 rows gets the first 5 rows of an 8-row array (a view; `give` takes views back as their
-    whole array). At most `limit_bytes` are kept (the oldest go first); `clear()` lets them all go,
-    which the core does once the instance is idle. Only arrays that `take` made are ever kept.
-    """
-
-    def __init__(self, limit_bytes: int):
-        self.limit_bytes = limit_bytes
-        self._free: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
-        self._made: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
-        self.held_bytes = 0
-        self.reused_total = 0
-        self.allocated_total = 0
-
-    @staticmethod
-    def rows_class(rows: int) -> int:
-        return 1 << max(0, rows - 1).bit_length()
-
-    def take(self, shape: Sequence[int], dtype) -> np.ndarray:
-        """A C-contiguous array of this shape and dtype (maybe a view of the first rows of a larger
-        one), contents undefined."""
-        rows, rest, dtype = shape[0], tuple(shape[1:]), np.dtype(dtype)
-        whole = (self.rows_class(rows), *rest)
-        for ident, array in self._free.items():
-            if array.shape == whole and array.dtype == dtype:
-                del self._free[ident]
-                self.held_bytes -= array.nbytes
-                self.reused_total += 1
-                return array[:rows]
-        self.allocated_total += 1
-        array = np.empty(whole, dtype)
-        self._made[id(array)] = array
-        return array[:rows]
-
-    def give(self, arrays: Sequence[np.ndarray]) -> None:
-        """Arrays (or views that `take` made) nothing will read or write again."""
-        for array in arrays:
-            whole = array if array.base is None else array.base
-            if self._made.get(id(whole)) is not whole or id(whole) in self._free or whole.nbytes > self.limit_bytes:
-                continue
-            while self.held_bytes + whole.nbytes > self.limit_bytes:
-                _, oldest = self._free.popitem(last=False)
-                self.held_bytes -= oldest.nbytes
-            self._free[id(whole)] = whole
-            self.held_bytes += whole.nbytes
-
-    def clear(self) -> None:
-        self._free.clear()
-        self.held_bytes = 0
 
 
 class _StateRows:
@@ -524,17 +79,50 @@ class _StateRows:
         self.holders = 0
 
 
-class _Stream:
+class _StreamStateRow:
+    """A live stream in the core's table: its state is row `row` of `rows` (None: all zeros, a
+    fresh START), and `last_used` is when its last step ended (idle expiry)."""
+
     __slots__ = ("rows", "row", "last_used")
 
     def __init__(self, rows: _StateRows | None, row: int, last_used: float):
-        self.rows = rows  # None: all-zero state (a fresh START)
+        self.rows = rows
         self.row = row
         self.last_used = last_used
 
 
 def _format_dims(dims: Sequence[int]) -> str:
     return "[" + ", ".join("-1" if dim == -1 else str(dim) for dim in dims) + "]"
+
+
+def _waves(requests: Sequence[StepRequest]) -> list[list[int]]:
+    """Request indices in waves: each sequence's first request in the first wave, its second in the
+    second, and so on, so a wave holds a sequence at most once and its steps run in order."""
+    waves: list[list[int]] = []
+    seen: dict = {}
+    for index, request in enumerate(requests):
+        wave = seen.get(request.sequence_id, 0)
+        seen[request.sequence_id] = wave + 1
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    return waves
+
+
+def _reuse_order(previous) -> list[int] | None:
+    """When the previous states are all the rows of one earlier run (more than one), the order of
+    this run's members that matches that run's rows; else None."""
+    count = len(previous)
+    shared = previous[0][0]
+    if (
+        count > 1
+        and shared is not None
+        and all(rows is shared for rows, _ in previous)
+        and shared.arrays[0].shape[0] == count
+        and sorted(row for _, row in previous) == list(range(count))
+    ):
+        return sorted(range(count), key=lambda k: previous[k][1])
+    return None
 
 
 class StreamingDecoderCore:
@@ -577,7 +165,7 @@ class StreamingDecoderCore:
             zero = np.zeros((1, *state.shape), dtype=state.dtype)
             zero.flags.writeable = False
             self._zero_rows.append(zero)
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, _StreamStateRow] = {}
         self.buffers = buffers if buffers is not None else StateBuffers(state_buffer_limit(config))
         # Statistics since creation, read by the metrics publisher.
         self.runs_total = 0
@@ -652,7 +240,7 @@ class StreamingDecoderCore:
     def _row_inputs(self, request: StepRequest) -> dict[str, np.ndarray]:
         """Validate one request's inputs; return them as `[1, *dims]` arrays (views, no copy)."""
         sequence_id = request.sequence_id
-        if not _is_int(sequence_id) or sequence_id <= 0:
+        if not isinstance(sequence_id, int) or isinstance(sequence_id, bool) or sequence_id <= 0:
             raise ModelError(
                 "correlation_id",
                 f"this model needs a sequence: send a non-zero uint64 correlation id, got {sequence_id!r}",
@@ -690,38 +278,34 @@ class StreamingDecoderCore:
             rows[spec.name] = array
         return rows
 
+    def _admitted_inputs(self, request: StepRequest, admitted: set) -> dict[str, np.ndarray]:
+        """Validate one request (`_row_inputs`) and let its stream in; raises ModelError for a step
+        of a sequence without state or a START beyond max_live_streams. `admitted` holds the new
+        streams this step() has let in so far (their state does not exist yet)."""
+        rows = self._row_inputs(request)
+        if not request.start and request.sequence_id not in self._streams:
+            raise self._unknown_sequence(request.sequence_id)
+        if (request.start and not request.end and request.sequence_id not in self._streams
+                and request.sequence_id not in admitted):
+            live = len(self._streams) + len(admitted)
+            if live >= self.config.max_live_streams:
+                raise self._stream_cap_reached(live)
+            admitted.add(request.sequence_id)
+        return rows
+
     def step(self, requests: Sequence[StepRequest]) -> list[dict[str, np.ndarray] | ModelError]:
         """Run one step for each request; returns, per request, its outputs (`[1, *dims]`) or a
         ModelError. Requests of one sequence run in order (each later one in a following run); all
         others run together, grouped by input shapes."""
         results: list[dict[str, np.ndarray] | ModelError | None] = [None] * len(requests)
-        in_this_batch = frozenset(r.sequence_id for r in requests)
-        self.expire_idle(keep=in_this_batch)
-
-        waves: list[list[int]] = []
-        seen: dict = {}
-        for index, request in enumerate(requests):
-            wave = seen.get(request.sequence_id, 0)
-            seen[request.sequence_id] = wave + 1
-            if wave == len(waves):
-                waves.append([])
-            waves[wave].append(index)
-
-        admitted: set = set()  # new streams this call lets in, before their state exists
-        for wave in waves:
+        self.expire_idle(keep=frozenset(r.sequence_id for r in requests))
+        admitted: set = set()
+        for wave in _waves(requests):
             groups: dict[tuple, list[tuple[int, dict[str, np.ndarray]]]] = {}
             for index in wave:
                 request = requests[index]
                 try:
-                    rows = self._row_inputs(request)
-                    if not request.start and request.sequence_id not in self._streams:
-                        raise self._unknown_sequence(request.sequence_id)
-                    if (request.start and not request.end and request.sequence_id not in self._streams
-                            and request.sequence_id not in admitted):
-                        live = len(self._streams) + len(admitted)
-                        if live >= self.config.max_live_streams:
-                            raise self._stream_cap_reached(live)
-                        admitted.add(request.sequence_id)
+                    rows = self._admitted_inputs(request, admitted)
                 except ModelError as error:
                     results[index] = error
                     if request.end:
@@ -737,80 +321,94 @@ class StreamingDecoderCore:
         return results  # type: ignore[return-value]
 
     def _run_group(self, requests, members, results) -> None:
+        """One session run for `members` ((request index, inputs) pairs of equal input shapes, at
+        most max_rows_per_run): each member's result goes into `results`, its new state is kept."""
         # Previous state of each member: (rows, row), rows None for a fresh or restarted stream.
-        previous = []
-        for index, _ in members:
-            request = requests[index]
-            stream = None if request.start else self._streams[request.sequence_id]
-            previous.append((stream.rows, stream.row) if stream is not None else (None, 0))
-
-        count = len(members)
-        gathered_arrays: list[np.ndarray] = []  # inputs gathered here: back to the buffers after the run
-        reuse = previous[0][0]
-        if (
-            count > 1
-            and reuse is not None
-            and all(rows is reuse for rows, _ in previous)
-            and reuse.arrays[0].shape[0] == count
-            and sorted(row for _, row in previous) == list(range(count))
-        ):
+        previous = [self._previous_state(requests[index]) for index, _ in members]
+        order = _reuse_order(previous)
+        if order is not None:
             # Exactly the streams of one earlier run: feed its output states back without a copy,
             # with this run's rows in that run's order.
-            order = sorted(range(count), key=lambda k: previous[k][1])
             members = [members[k] for k in order]
             previous = [previous[k] for k in order]
-            state_feeds = list(reuse.arrays)
-            reused = reuse
+            reused = previous[0][0]
+            state_feeds, gathered = list(reused.arrays), []
         else:
             reused = None
-            state_feeds = []
-            for position, zero in enumerate(self._zero_rows):
-                parts = [
-                    rows.arrays[position][row : row + 1] if rows is not None else zero
-                    for rows, row in previous
-                ]
-                if count == 1:
-                    state_feeds.append(parts[0])
-                else:
-                    gathered = self.buffers.take((count, *zero.shape[1:]), zero.dtype)
-                    state_feeds.append(np.concatenate(parts, out=gathered))
-                    gathered_arrays.append(gathered)
+            state_feeds, gathered = self._gather_states(previous)
+        feeds = self._feeds(members, state_feeds)
+        try:
+            outputs = self._run_checked(feeds, len(members))
+        except Exception as exc:
+            self._fail_group(requests, members, results, exc)
+            self.buffers.give(gathered)  # inputs gathered here: back to the buffers after the run
+            return
+        now = self._clock()
+        self._keep_results(requests, members, outputs, feeds, results, now)
+        self.buffers.give(gathered)
+        self._release_shared_rows(previous, reused)
+        self.runs_total += 1
+        self._runs_since_release += 1
+        self._last_run_s = now
+        self.rows_total += len(members)
+        self.run_sizes.append(len(members))
 
+    def _previous_state(self, request: StepRequest) -> tuple[_StateRows | None, int]:
+        stream = None if request.start else self._streams[request.sequence_id]
+        return (stream.rows, stream.row) if stream is not None else (None, 0)
+
+    def _gather_states(self, previous) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The state feeds of a run from the members' previous states (zeros for a fresh stream):
+        one `[rows, ...]` array per state, gathered into arrays from the buffers (returned second,
+        to give back after the run); a single row is fed as the view it is."""
+        state_feeds, gathered = [], []
+        for position, zero in enumerate(self._zero_rows):
+            parts = [rows.arrays[position][row : row + 1] if rows is not None else zero for rows, row in previous]
+            if len(parts) == 1:
+                state_feeds.append(parts[0])
+            else:
+                array = self.buffers.take((len(parts), *zero.shape[1:]), zero.dtype)
+                state_feeds.append(np.concatenate(parts, out=array))
+                gathered.append(array)
+        return state_feeds, gathered
+
+    def _feeds(self, members, state_feeds: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        """The run's feeds: the members' inputs concatenated along the batch, then the state feeds."""
         feeds = {}
         for spec in self.config.inputs:
             parts = [rows[spec.name] for _, rows in members]
-            feeds[spec.name] = parts[0] if count == 1 else np.concatenate(parts)
+            feeds[spec.name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
         for state, array in zip(self.config.states, state_feeds):
             feeds[state.input] = array
+        return feeds
 
-        try:
-            outputs = list(self._run(feeds))
-            if len(outputs) != len(self.output_names) or any(
-                out.shape[0] != count for out in outputs
-            ):
-                raise RuntimeError(
-                    f"the step returned shapes {[list(o.shape) for o in outputs]} for {count} rows"
-                )
-        except Exception as exc:
-            for index, _ in members:
-                results[index] = ModelError(
-                    "decoder",
-                    f"decoder step failed ({type(exc).__name__}: {exc}); the sequence was ended, "
-                    "START it again",
-                    "INTERNAL",
-                )
-                self._remove(requests[index].sequence_id)
-            self.buffers.give(gathered_arrays)
-            self._log_error(
-                f"{self._model_name}: batched step of {count} rows failed:\n{traceback.format_exc()}"
+    def _run_checked(self, feeds: dict[str, np.ndarray], count: int) -> list[np.ndarray]:
+        outputs = list(self._run(feeds))
+        if len(outputs) != len(self.output_names) or any(out.shape[0] != count for out in outputs):
+            raise RuntimeError(f"the step returned shapes {[list(o.shape) for o in outputs]} for {count} rows")
+        return outputs
+
+    def _fail_group(self, requests, members, results, exc: Exception) -> None:
+        """A failed run ends its members' sequences (their state is unknown now); call it in the
+        `except` block, whose traceback goes to the log."""
+        for index, _ in members:
+            results[index] = ModelError(
+                "decoder",
+                f"decoder step failed ({type(exc).__name__}: {exc}); the sequence was ended, START it again",
+                "INTERNAL",
             )
-            return
+            self._remove(requests[index].sequence_id)
+        self._log_error(
+            f"{self._model_name}: batched step of {len(members)} rows failed:\n{traceback.format_exc()}"
+        )
 
-        now = self._clock()
-        num_outputs = len(self.config.outputs)
+    def _keep_results(self, requests, members, outputs, feeds, results, now: float) -> None:
+        """Each member's outputs (`[1, *dims]` views) into `results`; its stream now holds its row
+        of the run's output states (an END drops the stream instead)."""
         fed = {id(array) for array in feeds.values()}
         # A state output that is one of the inputs (a run may hand one back unchanged) becomes an
-        # array of its own: the input's array may go back to the buffers below.
+        # array of its own: the input's array may go back to the buffers after the run.
+        num_outputs = len(self.config.outputs)
         new_rows = _StateRows([np.array(out) if id(out) in fed else out for out in outputs[num_outputs:]])
         for row, (index, _) in enumerate(members):
             request = requests[index]
@@ -822,18 +420,11 @@ class StreamingDecoderCore:
                 continue
             stream = self._streams.get(request.sequence_id)
             if stream is None:
-                stream = self._streams[request.sequence_id] = _Stream(None, 0, now)
+                stream = self._streams[request.sequence_id] = _StreamStateRow(None, 0, now)
             self._hold(stream, new_rows, row)
             stream.last_used = now
-        self.buffers.give(gathered_arrays)
-        self._release_shared_rows(previous, reused)
-        self.runs_total += 1
-        self._runs_since_release += 1
-        self._last_run_s = now
-        self.rows_total += count
-        self.run_sizes.append(count)
 
-    def _hold(self, stream: _Stream, rows: _StateRows, row: int) -> None:
+    def _hold(self, stream: _StreamStateRow, rows: _StateRows, row: int) -> None:
         """Point `stream` at row `row` of `rows`, letting go of the rows it held."""
         rows.holders += 1
         old, stream.rows, stream.row = stream.rows, rows, row
@@ -867,43 +458,3 @@ class StreamingDecoderCore:
                     copy[...] = array[stream.row : stream.row + 1]
                     own.append(copy)
                 self._hold(stream, _StateRows(own), 0)
-
-
-class BoundRunner:
-    """`run(feeds)` for StreamingDecoderCore over an ONNX Runtime session, through IO binding: the
-    output states are written straight into numpy arrays allocated here (one per state per run),
-    which the core keeps as the streams' state; the other outputs (small) come back as copies. ONNX
-    Runtime's arena then only holds one run's scratch. `allocate(shape, dtype)` makes those arrays
-    (pass the core's `StateBuffers.take` to reuse them). `release(feeds)` runs with the run option
-    that shrinks the arena afterwards (`release_options`, made by the caller, which owns the
-    onnxruntime import), giving that scratch back to the system.
-    """
-
-    def __init__(self, session, config: DecoderConfig, release_options=None,
-                 allocate: Callable[[Sequence[int], np.dtype], np.ndarray] = np.empty):
-        self._session = session
-        self._release_options = release_options
-        self._allocate = allocate
-        self._outputs = [t.name for t in config.outputs]
-        self._states = [(s.input, s.output) for s in config.states]
-
-    def __call__(self, feeds: Mapping[str, np.ndarray], run_options=None) -> list[np.ndarray]:
-        binding = self._session.io_binding()
-        inputs = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive until the run ends
-        for name, array in inputs.items():
-            binding.bind_cpu_input(name, array)
-        for name in self._outputs:
-            binding.bind_output(name, "cpu")
-        states = []
-        for input_name, output_name in self._states:
-            source = inputs[input_name]
-            state = self._allocate(source.shape, source.dtype)
-            binding.bind_output(output_name, "cpu", 0, state.dtype, list(state.shape), state.ctypes.data)
-            states.append(state)
-        self._session.run_with_iobinding(binding, run_options)
-        values = binding.get_outputs()
-        # Copies: a view would pin its arena chunk for as long as the response holds it.
-        return [np.array(values[k].numpy()) for k in range(len(self._outputs))] + states
-
-    def release(self, feeds: Mapping[str, np.ndarray]) -> None:
-        self(feeds, self._release_options)

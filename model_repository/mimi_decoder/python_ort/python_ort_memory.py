@@ -1,0 +1,120 @@
+"""Where the python-ort `mimi_decoder`'s state arrays come from: `StateBuffers` keeps the arrays no
+stream holds any more for the next runs, `BoundRunner` has ONNX Runtime write a run's output states
+straight into such arrays.
+
+A live stream costs its state (one row of each state tensor) and nothing else: output states are
+written by the session into arrays this model allocates (IO binding), so ONNX Runtime's arena only
+ever holds one run's scratch, bounded by `max_rows_per_run`, and is handed back to the system once the
+instance has been idle for a while (`StreamingDecoderCore.release_idle_memory`). Free state arrays
+are kept (at most `state_buffer_limit` bytes, let go with the arena when idle) because a fresh array
+of a few MiB costs the kernel a page fault per 4 KiB on its first write.
+
+Pure numpy + stdlib: `model.py` owns the onnxruntime import and hands the session in.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from python_ort_config import DecoderConfig
+
+
+class StateBuffers:
+    """State arrays no stream holds any more, kept to be handed out again.
+
+    A new array of a few MiB is a new mmap (the model pins glibc's mmap threshold at 1 MiB so that
+    freed state goes back to the system): the kernel zeroes and maps every page on its first write,
+    for each run's output states and for every gathered input. Reusing arrays that were written
+    before skips that. Runs vary in rows, so arrays are kept in classes of a power of two rows: a
+    run of 5 rows gets the first 5 rows of an 8-row array (a view; `give` takes views back as their
+    whole array). At most `limit_bytes` are kept (the oldest go first); `clear()` lets them all go,
+    which the core does once the instance is idle. Only arrays that `take` made are ever kept.
+    """
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self._free: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._made: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        self.held_bytes = 0
+        self.reused_total = 0
+        self.allocated_total = 0
+
+    @staticmethod
+    def rows_class(rows: int) -> int:
+        return 1 << max(0, rows - 1).bit_length()
+
+    def take(self, shape: Sequence[int], dtype) -> np.ndarray:
+        """A C-contiguous array of this shape and dtype (maybe a view of the first rows of a larger
+        one), contents undefined."""
+        rows, rest, dtype = shape[0], tuple(shape[1:]), np.dtype(dtype)
+        whole = (self.rows_class(rows), *rest)
+        for ident, array in self._free.items():
+            if array.shape == whole and array.dtype == dtype:
+                del self._free[ident]
+                self.held_bytes -= array.nbytes
+                self.reused_total += 1
+                return array[:rows]
+        self.allocated_total += 1
+        array = np.empty(whole, dtype)
+        self._made[id(array)] = array
+        return array[:rows]
+
+    def give(self, arrays: Sequence[np.ndarray]) -> None:
+        """Arrays (or views that `take` made) nothing will read or write again."""
+        for array in arrays:
+            whole = array if array.base is None else array.base
+            if self._made.get(id(whole)) is not whole or id(whole) in self._free or whole.nbytes > self.limit_bytes:
+                continue
+            while self.held_bytes + whole.nbytes > self.limit_bytes:
+                _, oldest = self._free.popitem(last=False)
+                self.held_bytes -= oldest.nbytes
+            self._free[id(whole)] = whole
+            self.held_bytes += whole.nbytes
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.held_bytes = 0
+
+
+class BoundRunner:
+    """`run(feeds)` for StreamingDecoderCore over an ONNX Runtime session, through IO binding: the
+    output states are written straight into numpy arrays allocated here (one per state per run),
+    which the core keeps as the streams' state; the other outputs (small) come back as copies. ONNX
+    Runtime's arena then only holds one run's scratch. `allocate(shape, dtype)` makes those arrays
+    (pass the core's `StateBuffers.take` to reuse them). `release(feeds)` runs with the run option
+    that shrinks the arena afterwards (`release_options`, made by the caller, which owns the
+    onnxruntime import), giving that scratch back to the system.
+    """
+
+    def __init__(self, session, config: DecoderConfig, release_options=None,
+                 allocate: Callable[[Sequence[int], np.dtype], np.ndarray] = np.empty):
+        self._session = session
+        self._release_options = release_options
+        self._allocate = allocate
+        self._outputs = [t.name for t in config.outputs]
+        self._states = [(s.input, s.output) for s in config.states]
+
+    def __call__(self, feeds: Mapping[str, np.ndarray], run_options=None) -> list[np.ndarray]:
+        binding = self._session.io_binding()
+        inputs = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive until the run ends
+        for name, array in inputs.items():
+            binding.bind_cpu_input(name, array)
+        for name in self._outputs:
+            binding.bind_output(name, "cpu")
+        states = []
+        for input_name, output_name in self._states:
+            source = inputs[input_name]
+            state = self._allocate(source.shape, source.dtype)
+            binding.bind_output(output_name, "cpu", 0, state.dtype, list(state.shape), state.ctypes.data)
+            states.append(state)
+        self._session.run_with_iobinding(binding, run_options)
+        values = binding.get_outputs()
+        # Copies: a view would pin its arena chunk for as long as the response holds it.
+        return [np.array(values[k].numpy()) for k in range(len(self._outputs))] + states
+
+    def release(self, feeds: Mapping[str, np.ndarray]) -> None:
+        self(feeds, self._release_options)
