@@ -3,6 +3,7 @@
     code2wav-server bench [--url HOST:PORT] [--decoder python-ort|null] [--streams 1,8,32]
                           [--chunk-frames 1,4,16] [--paced-streams 4,8,12,16,24,32] [--frames 96]
                           [--point-seconds 5] [--out-dir bench_results] [--no-client] [--no-perf]
+                          [the serving flags of `code2wav-export render`: --front-instances 1 ...]
 
 Without --url (or $URL) it starts a local server first, as `make serve` does but from its own build
 folder (build/bench, seeded random weights unless --weights: speed does not depend on the weight
@@ -20,9 +21,9 @@ and the sequence-batcher hop carry, which bounds what any decoder behind it can 
   the last), what a live client does when the server runs behind.
 - Triton overhead per request: the 1-stream request p50 minus the same ONNX step run directly in
   ONNX Runtime (batch 1, F frames, in this process) when the export is at hand.
-Results go to OUT_DIR: bench.md (tables), bench.json, bench.png (latency and throughput against
-streams) and raw/ (perf_analyzer CSVs and reports). The load generators run on the same CPU cores as
-the server, and the tables say so.
+Results go to OUT_DIR: bench.md (tables), bench.json (`code2wav-server record --add` records it),
+bench.png (latency and throughput against streams) and raw/ (perf_analyzer CSVs and reports). The
+load generators run on the same CPU cores as the server, and the tables say so.
 """
 
 from __future__ import annotations

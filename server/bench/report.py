@@ -73,18 +73,50 @@ def _summary_lines(results: dict) -> list[str]:
     return lines
 
 
-def _client_table(rows: list[dict], heading: str) -> list[str]:
-    lines = [
-        f"{heading} Streaming client (client.stream)",
-        "",
+# Each table of the sweep: title, what it shows, header row, alignment row.
+TABLES = {
+    "client": (
+        "Streaming client (client.stream)",
         "Unpaced: each stream sends its next request when the previous one returned. Paced: each request "
         "leaves when its frame would exist (80 ms per frame). Paced, catch-up: one request in flight per "
         "stream, each carrying every frame produced since the last (frames / request is then the mean). "
         "RTF = audio seconds of all streams / wall seconds (paced: at most about the number of streams).",
-        "",
-        "| frames / request | streams | pacing | first chunk ms (mean / max) | request p50 / p90 / p99 ms | RTF total | RTF slowest stream | frames/s |",
+        "| frames / request | streams | pacing | first chunk ms (mean / max) | request p50 / p90 / p99 ms | RTF total "
+        "| RTF slowest stream | frames/s |",
         "|---:|---:|---|---:|---:|---:|---:|---:|",
-    ]
+    ),
+    "perf": (
+        "perf_analyzer 2.51 (gRPC streaming, sequences)",
+        "`--concurrency-range N`: N sequences, each sending its next step when the last returned. "
+        "frames/s = requests/s x mean frames per request of the input data. Latency is perf_analyzer's "
+        "client-side request latency; queue and compute are code2wav's server-side averages; the decoder "
+        "columns are `mimi_decoder` (composing model): mean batch size and compute per batched step.",
+        "| frames / request | streams | requests/s | frames/s | real time needs frames/s | p50 / p90 / p99 ms "
+        "| code2wav queue ms | code2wav compute ms | decoder batch | decoder compute ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ),
+    "profile": (
+        "Where the time goes (server side)",
+        "Per unpaced point, as differences over it: CPU time per request of each server process (from "
+        "/proc: tritonserver, the code2wav stub(s), the decoder stub(s)) and of the load generator; server "
+        "cores busy = the server's CPU time / wall time; and Triton's own statistics per model: mean batch "
+        "and time per execution (one execution is one batch; a code2wav execution includes waiting for its "
+        "decoder calls).",
+        "| load generator | frames / request | streams | requests/s | server CPU ms / request: tritonserver / "
+        "code2wav / decoder = total | load generator CPU ms / request | server cores busy | code2wav batch / "
+        "execution ms | decoder batch / execution ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ),
+}
+
+
+def _table_start(table: str, heading: str) -> list[str]:
+    title, note, header, align = TABLES[table]
+    return [f"{heading} {title}", "", note, "", header, align]
+
+
+def _client_table(rows: list[dict], heading: str) -> list[str]:
+    lines = _table_start("client", heading)
     for row in rows:
         pacing = ("paced, catch-up" if row.get("catch_up") else "paced") if row["paced"] else "unpaced"
         frames = _fmt(row["frames_per_request_mean"], 2) if row.get("catch_up") and "error" not in row else row["chunk_frames"]
@@ -102,17 +134,7 @@ def _client_table(rows: list[dict], heading: str) -> list[str]:
 
 
 def _perf_table(rows: list[dict], heading: str) -> list[str]:
-    lines = [
-        f"{heading} perf_analyzer 2.51 (gRPC streaming, sequences)",
-        "",
-        "`--concurrency-range N`: N sequences, each sending its next step when the last returned. "
-        "frames/s = requests/s x mean frames per request of the input data. Latency is perf_analyzer's "
-        "client-side request latency; queue and compute are code2wav's server-side averages; the decoder "
-        "columns are `mimi_decoder` (composing model): mean batch size and compute per batched step.",
-        "",
-        "| frames / request | streams | requests/s | frames/s | real time needs frames/s | p50 / p90 / p99 ms | code2wav queue ms | code2wav compute ms | decoder batch | decoder compute ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = _table_start("perf", heading)
     for row in rows:
         head = f"| {row['chunk_frames']} | {streams_cell(row)}"
         needed = _fmt(row["streams"] * FRAMES_PER_S_REAL_TIME)
@@ -129,20 +151,7 @@ def _perf_table(rows: list[dict], heading: str) -> list[str]:
 
 
 def _profile_table(profiled: list[tuple[str, dict]], heading: str) -> list[str]:
-    lines = [
-        f"{heading} Where the time goes (server side)",
-        "",
-        "Per unpaced point, as differences over it: CPU time per request of each server process (from "
-        "/proc: tritonserver, the code2wav stub(s), the decoder stub(s)) and of the load generator; server "
-        "cores busy = the server's CPU time / wall time; and Triton's own statistics per model: mean batch "
-        "and time per execution (one execution is one batch; a code2wav execution includes waiting for its "
-        "decoder calls).",
-        "",
-        "| load generator | frames / request | streams | requests/s | server CPU ms / request: tritonserver / "
-        "code2wav / decoder = total | load generator CPU ms / request | server cores busy | code2wav batch / "
-        "execution ms | decoder batch / execution ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = _table_start("profile", heading)
     for tool, row in profiled:
         profile = row["profile"]
         cpu = profile.get("server_cpu_ms_per_request", {})
