@@ -48,7 +48,7 @@ def _sweep(results: dict) -> str:
 
 SECTIONS = (
     Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m mimi_code2wav.server.bench.decoder"),
-    Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m mimi_code2wav.server.bench.gpu (a CUDA machine)"),
+    Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m mimi_code2wav.server.bench.gpu"),
     Section("triton-python-ort", "Through Triton: the python-ort decoder", _sweep, "code2wav-server bench"),
     Section("triton-null", "Through Triton: the null decoder (the front's ceiling)", _sweep,
             "code2wav-server bench --decoder null"),
@@ -105,7 +105,7 @@ def render_record(directory: Path = RECORD_DIR) -> str:
     lines += [f"- [{section.title}](#{_anchor(section.title)})" for section in SECTIONS if section.kind in runs]
     absent = [section for section in SECTIONS if section.kind not in runs]
     if absent:
-        lines += ["", "Not recorded yet: " + "; ".join(f"{s.title.lower()} (`{s.command}`)" for s in absent) + "."]
+        lines += ["", "Not recorded yet: " + "; ".join(f"{s.title[0].lower()}{s.title[1:]} (`{s.command}`)" for s in absent) + "."]
     for section in SECTIONS:
         if section.kind in runs:
             run = runs[section.kind]
