@@ -19,7 +19,7 @@ REPLICAS ?=
 # A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
-.PHONY: venv lint test serve export bench bench-memory bench-failover verify clean
+.PHONY: venv lint test serve export bench bench-memory bench-failover record verify clean
 
 venv: $(STAMP)
 
@@ -57,6 +57,11 @@ bench-memory: $(STAMP)
 # that kept their replica feel, and the stall of those that moved (bench_results/failover/).
 bench-failover: $(STAMP)
 	$(BIN)/code2wav-server failover $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
+
+# docs/benchmarks.md and the README's headline table from docs/benchmarks/*.json; with ADD=path/to/run.json
+# (bench_results/bench.json, memory.json, ...) that run is recorded first, replacing the previous one of its kind.
+record: $(STAMP)
+	$(BIN)/code2wav-server record $(if $(ADD),--add $(ADD),)
 
 verify: $(STAMP)
 	$(BIN)/code2wav-server verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(URL),--url $(URL),)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from .onnx_export import OPSETS, ExportOptions
 from .pipeline import DEFAULT_EXPORT_DIR, build, check_in_config, choose_weights, export_dir_for, log, render_export
-from .render import PYTHON_TARGETS, TARGETS, DecoderServing
+from .render import TARGETS
+from .serving_flags import add_serving_arguments, serving_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,20 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--export-dir", type=Path, help="an export folder (model.onnx + manifest.json)")
     r.add_argument("--out", type=Path, help="model repository folder to write (code2wav + mimi_decoder)")
     r.add_argument("--plan", type=Path, help="TensorRT plan for --target tensorrt")
-    r.add_argument("--instance-kind", choices=("KIND_GPU", "KIND_CPU"))
-    r.add_argument("--instance-count", type=int, default=1)
-    r.add_argument("--max-batch-size", type=int, default=64)
-    r.add_argument("--max-queue-delay-us", type=int, default=DecoderServing.max_queue_delay_us,
-                   help="how long the decoder's batcher waits for more streams' steps (default %(default)s): "
-                   "0 cuts a lone request's latency by up to that much, at the cost of smaller batches under load")
-    r.add_argument("--max-streams", type=int, default=1024,
-                   help="live streams the decoder holds (its max_candidate_sequences; code2wav's max_live_streams; "
-                   "the GPU memory pools are sized for it) (default %(default)s)")
-    r.add_argument("--front-instances", type=int, default=DecoderServing.front_instances,
-                   help="code2wav model instances (Python processes; the streams are shared out among them): "
-                   "one carries a few thousand requests/s, more use more cores (default %(default)s)")
-    r.add_argument("--front-queue-delay-us", type=int, default=DecoderServing.front_queue_delay_us,
-                   help="how long code2wav's batcher waits for more streams' requests (default %(default)s)")
+    add_serving_arguments(r)
     r.add_argument("--check-in", action="store_true",
                    help="rewrite the checked-in native ORT config from the default options")
     add_options(r)
@@ -103,13 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.export_dir is None or args.out is None:
             raise ValueError("render needs --export-dir and --out (or --check-in)")
 
-        kind = args.instance_kind or ("KIND_CPU" if args.target in PYTHON_TARGETS else "KIND_GPU")
-        serving = DecoderServing(
-            instance_kind=kind, instance_count=args.instance_count, max_batch_size=args.max_batch_size,
-            max_candidate_sequences=args.max_streams, max_queue_delay_us=args.max_queue_delay_us,
-            front_instances=args.front_instances, front_queue_delay_us=args.front_queue_delay_us,
-            preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],
-        )
+        serving = serving_from_args(args, args.target)
         print(render_export(args.export_dir, args.out, args.target, serving, args.plan))
         return 0
     except (WeightsError, ValueError, FileNotFoundError) as error:

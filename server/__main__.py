@@ -6,9 +6,10 @@
     code2wav-server bench   [--url HOST:PORT] [--streams 1,2,4,8] [--frames 64] ...
     code2wav-server memory  [--streams 16,32,64] [--idle-timeout-s 4] ...
     code2wav-server failover [--replicas 3] [--streams 12] [--chunk-frames 4] [--signal KILL|STOP] ...
+    code2wav-server record  [--add bench_results/bench.json ...] [--check]
 
-Argument parsing only: each command is a module of this package (`serve`, `replicas`, `verify`, `bench`) with
-`add_arguments(parser)` and `run(args) -> exit code`.
+Argument parsing only: each command is a module (`serve`, `replicas`, `verify`; the benchmarks' `bench.cli`,
+`bench.memory`, `bench.failover`, `bench.record`) with `add_arguments(parser)` and `run(args) -> exit code`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, failover, memory, replicas, serve, verify
+from . import replicas, serve, verify
+from .bench import cli as bench
+from .bench import failover, memory, record
 
 COMMANDS = {
     "serve": (serve, "run the local tritonserver in the foreground (Ctrl-C or SIGTERM stops it)"),
@@ -25,6 +28,7 @@ COMMANDS = {
     "bench": (bench, "sweep concurrent streams with the streaming client and perf_analyzer"),
     "failover": (failover, "paced resumable streams on replicas, one of them killed: what the others feel"),
     "memory": (memory, "the server's memory against live streams and after they expire"),
+    "record": (record, "render docs/benchmarks.md and the README's headline from docs/benchmarks/*.json"),
 }
 
 

@@ -319,7 +319,7 @@ def test_export_is_skipped_when_manifest_matches_and_redone_when_options_change(
 
 
 def test_gpu_benchmark_without_cuda_exits_clearly(capsys):
-    from mimi_code2wav.export import bench_gpu
+    from mimi_code2wav.server.bench import gpu as bench_gpu
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the benchmark would run")

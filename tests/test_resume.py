@@ -65,7 +65,7 @@ def test_history_of_a_window_rebuilds_the_state(measurement, mode):
 
 
 def test_report_is_json_table_and_svg(measurement):
-    from mimi_code2wav.export.resume import report_dict, svg_plot, table
+    from mimi_code2wav.server.bench.resume import report_dict, svg_plot, table
 
     report = json.loads(json.dumps(report_dict(measurement, frame_rate_hz=12.5)))
     assert [row["history_frames"] for row in report["rows"]] == list(HISTORY_FRAMES)

@@ -963,7 +963,7 @@ def test_two_front_instances_share_the_streams_and_the_bench_profile_counts_ever
     requests stay on their instance), and the bench's point profile charges the CPU time of
     tritonserver and both stubs to the requests Triton counted, with both models' batches."""
     from mimi_code2wav.client.stream import Code2WavStreamer, StreamOptions, random_codes
-    from mimi_code2wav.server.bench import PointProfile
+    from mimi_code2wav.server.bench.profile import PointProfile
     from mimi_code2wav.server.processes import group_pids, process_role
 
     server = triton_server_factory(null_repository_two_fronts)
@@ -988,7 +988,7 @@ def test_the_bench_server_restarts_on_the_same_ports_after_a_crash(null_reposito
     """`code2wav-server bench` goes on after tritonserver dies: the crash is recorded with the log
     tail, the crashed log kept, and a fresh server answers on the same address."""
     from mimi_code2wav.client.stream import Code2WavStreamer, StreamOptions, random_codes
-    from mimi_code2wav.server.bench import LocalServer
+    from mimi_code2wav.server.bench.local_server import LocalServer
 
     local = LocalServer(null_repository_two_fronts, tmp_path / "tritonserver.log", "test")
     local.start()
@@ -1127,7 +1127,7 @@ def test_memory_per_live_stream_and_after_expiry(served_repository, tmp_path):
     decoder reports keeping (its state buffer gauge), and returns within 10% of its warmed-up idle
     level once both models have expired them."""
     from mimi_code2wav.export.render import set_idle_timeout as set_repository_idle_timeout
-    from mimi_code2wav.server.memory import open_streams, snapshot, wait_expired
+    from mimi_code2wav.server.bench.memory import open_streams, snapshot, wait_expired
     from mimi_code2wav.server.triton import running_server
 
     repository = tmp_path / "model_repository"

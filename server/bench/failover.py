@@ -25,10 +25,11 @@ import numpy as np
 
 from mimi_code2wav.client.stream import ClientError, StreamOptions, random_codes, run_resumable
 
-from .nginx import NginxError, replicas_by_stream
-from .replicas import ReplicaSet
-from .serve import add_repository_arguments, prepare_repository
-from .triton import ServerError
+from ..nginx import NginxError, replicas_by_stream
+from ..replicas import ReplicaSet
+from ..serve import add_repository_arguments, prepare_repository
+from ..triton import ServerError
+from .provenance import command_line, run_meta, stamp
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
@@ -91,6 +92,7 @@ def measure(args: argparse.Namespace, repository: Path) -> dict:
     before = [latency for _, result in kept for sent, latency in zip(result.chunk_sent_s, result.chunk_latencies_s)
               if sent + latency < fault_s]
     return {
+        "meta": run_meta("failover", command_line("code2wav-server")),
         "replicas": args.replicas, "streams": args.streams, "chunk_frames": args.chunk_frames,
         "seconds": args.seconds, "fault": args.signal, "fault_at_s": args.kill_at_s, "window_s": args.window_s,
         "history_frames": args.history_frames,
@@ -110,6 +112,7 @@ def measure(args: argparse.Namespace, repository: Path) -> dict:
 
 
 def table(record: dict) -> str:
+    """The latency table of a failover run (the caller writes the stamp)."""
     def row(name: str, figures: dict) -> str:
         cells = [f"{figures[k]:.0f}" if figures[k] is not None else "-" for k in ("p50_ms", "p99_ms", "max_ms")]
         return f"| {name} | " + " | ".join(cells) + " |"
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "failover.json").write_text(json.dumps(record, indent=2) + "\n")
-    text = table(record)
+    text = f"{stamp(record['meta'])}\n\n{table(record)}"
     (out_dir / "failover.md").write_text(text + "\n")
     print(text)
     return 0

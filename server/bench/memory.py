@@ -16,7 +16,6 @@ or leaks). Prints a table and writes OUT_DIR/memory.json and memory.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import time
@@ -28,11 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from mimi_code2wav.client.stream import random_codes
-from mimi_code2wav.export.provenance import REPO_ROOT as ROOT
-from mimi_code2wav.export.provenance import git_commit, machine_description
 
-from .processes import group_pids, process_role
-from .triton import fetch_metrics, metric_value
+from ..processes import group_pids, process_role
+from ..triton import fetch_metrics, metric_value
+from .provenance import REPO_ROOT, command_line, run_meta, stamp
 
 MIB = 2**20
 
@@ -134,13 +132,12 @@ def wait_expired(metrics_url: str, timeout_s: float) -> float:
         time.sleep(0.25)
 
 
-def markdown_report(results: dict) -> str:
+def memory_markdown(results: dict) -> str:
+    """The memory table and its summary (the caller writes the stamp)."""
     meta = results["meta"]
     roles = sorted({role for row in results["rows"] for role in row["processes"]})
     lines = [
-        f"Server memory against live streams ({meta['machine']}, commit {meta['commit']}, {meta['date']}).",
-        f"`{meta['command']}`; python-ort decoder, state {meta['state_mib_per_stream']:.2f} MiB per stream; "
-        "PSS counts shared memory once.",
+        f"Python-ort decoder, state {meta['state_mib_per_stream']:.2f} MiB per stream; PSS counts shared memory once.",
         "",
         "| point | live streams | total PSS MiB | total RSS MiB | " + " | ".join(f"{r} RSS" for r in roles)
         + " | PSS per stream over idle MiB |",
@@ -165,14 +162,19 @@ def markdown_report(results: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown_report(results: dict) -> str:
+    """memory.md: the run's stamp, then the table."""
+    return f"Server memory against live streams.\n{stamp(results['meta'])}\n\n{memory_markdown(results)}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", default="16,32,64",
                         help="live-stream counts to measure at, ascending (default %(default)s)")
     parser.add_argument("--steps", default="1,4,4", help="frames per request of every stream (default %(default)s)")
     parser.add_argument("--idle-timeout-s", type=float, default=4.0,
                         help="the served stream idle timeout, so that expiry comes quickly (default %(default)s)")
-    parser.add_argument("--build-dir", type=Path, default=ROOT / "build" / "memory", help="the local server's build folder")
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench_results", help="where results go")
+    parser.add_argument("--build-dir", type=Path, default=REPO_ROOT / "build" / "memory", help="the local server's build folder")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.render import set_idle_timeout
     from mimi_code2wav.export.spec import DecoderSpec
 
-    from .triton import running_server
+    from ..triton import running_server
 
     counts = sorted({int(v) for v in args.streams.split(",") if v.strip()})
     steps = [int(v) for v in args.steps.split(",") if v.strip()]
@@ -221,9 +223,7 @@ def run(args: argparse.Namespace) -> int:
     per_stream = (peak["pss_mib"] - idle["pss_mib"]) / counts[-1]
     results = {
         "meta": {
-            "machine": machine_description(), "commit": git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "code2wav-server memory " + " ".join(sys.argv[2:]),
+            **run_meta("memory", command_line("code2wav-server")),
             "state_mib_per_stream": state_mib, "steps": steps, "idle_timeout_s": args.idle_timeout_s,
         },
         "rows": rows,

@@ -1,0 +1,240 @@
+"""Decoder speed on this machine: moshi PyTorch streaming, the step module (eager PyTorch), ONNX
+Runtime and rustymimi, in one run, against the machine's measured fp32 matmul peak.
+
+  python -m mimi_code2wav.server.bench.decoder [--weights moshi.safetensors] [--seconds 2] [--out bench_results]
+
+Prints a markdown table and writes `decoder.json` + `decoder.md`. Times are per stream-frame
+(80 ms of audio): `x realtime` = 80 ms / time per frame; `of bound` = the compute bound (FLOPs per
+frame / measured peak at that thread count) / the measured time. Without --weights a seeded random
+moshi-format checkpoint is written and used (speed does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .provenance import command_line, run_meta, stamp, timed
+
+FRAME_MS = 80.0
+
+
+def matmul_peak_gflops(threads: int, seconds: float) -> float:
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    per_call = timed(lambda: torch.mm(a, b), seconds)
+    return 2 * 1024**3 / per_call / 1e9
+
+
+def step_flops_per_frame(step) -> float:
+    """Multiply-adds x 2 of one frame through the step module (convs, transformer, attention)."""
+    from mimi_code2wav.export.step import _SEANetBlock, _StreamingConv, _StreamingConvTranspose
+
+    flops = 0.0
+    steps = step.steps_per_frame
+    hidden, inter = step.hidden_size, step.layers[0].fc1.shape[0]
+    per_step = 2 * hidden * 3 * hidden + 2 * hidden * hidden + 2 * 2 * hidden * inter
+    flops += step.num_layers * steps * (per_step + 2 * 2 * step.context * hidden)
+
+    def conv(layer, length):
+        return 2 * layer.out_channels * (layer.channels // layer.groups) * layer.kernel * length
+
+    def convtr(layer, length):
+        in_ch, out_per_group, kernel = layer.weight.shape
+        return 2 * in_ch * out_per_group * kernel * length
+
+    flops += convtr(step.upsample, 1)
+    length = steps
+    for layer in step.seanet:
+        if isinstance(layer, _StreamingConvTranspose):
+            flops += convtr(layer, length)
+            length *= layer.stride
+        elif isinstance(layer, _StreamingConv):
+            flops += conv(layer, length)
+        elif isinstance(layer, _SEANetBlock):
+            flops += sum(conv(sub, length) for sub in layer.layers if isinstance(sub, _StreamingConv))
+    return flops
+
+
+class _Rows:
+    """The measured rows, each against the compute bound at its thread count."""
+
+    def __init__(self, flops_per_frame: float, peaks_gflops: dict[int, float]):
+        self.flops, self.peaks, self.rows = flops_per_frame, peaks_gflops, []
+
+    def add(self, engine: str, batch: int, frames: int, threads: int, seconds_per_call: float) -> None:
+        ms = seconds_per_call * 1000 / (batch * frames)
+        bound_ms = self.flops / (self.peaks[threads] * 1e9) * 1000 if threads in self.peaks else float("nan")
+        self.rows.append({"engine": engine, "batch": batch, "frames_per_call": frames, "threads": threads,
+                          "ms_per_frame": ms, "frames_per_s": 1000 / ms, "x_realtime": FRAME_MS / ms,
+                          "fraction_of_bound": bound_ms / ms})
+        _log(f"  {engine:10s} batch {batch:2d} F {frames} threads {threads}: {ms:7.2f} ms/frame")
+
+    def find(self, engine: str, batch: int, frames: int, threads: int) -> dict | None:
+        return next((r for r in self.rows if (r["engine"], r["batch"], r["frames_per_call"], r["threads"]) ==
+                     (engine, batch, frames, threads)), None)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _random_checkpoint(work: Path) -> Path:
+    """A seeded random moshi-format checkpoint (speed does not depend on the values)."""
+    from moshi.models.loaders import get_mimi
+    from safetensors.torch import save_file
+
+    from mimi_code2wav.export.weights import randomize_, to_shipped_moshi_names
+
+    model = get_mimi(None, device="cpu")
+    randomize_(model, 0)
+    weights = work / "mimi-random.safetensors"
+    save_file(to_shipped_moshi_names({k: v.contiguous() for k, v in model.state_dict().items()}), str(weights))
+    return weights
+
+
+def _measure_moshi(rows: _Rows, weights: Path, args, rng) -> None:
+    """moshi PyTorch streaming, one frame per call (what Moshi-family servers run)."""
+    import torch
+    from moshi.models.loaders import get_mimi
+
+    moshi = get_mimi(str(weights), device="cpu", num_codebooks=8)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in args.batches:
+            codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, 1)))
+            with torch.no_grad(), moshi.streaming(batch):
+                rows.add("moshi", batch, 1, threads, timed(lambda: moshi.decode(codes), args.seconds))
+
+
+def _measure_step(rows: _Rows, model, work: Path, args, rng) -> None:
+    """The step module in eager PyTorch and in ONNX Runtime."""
+    import onnxruntime as ort
+    import torch
+
+    from mimi_code2wav.export.onnx_export import ExportOptions, build_step, export_onnx
+
+    step = build_step(model, ExportOptions(max_frames_per_step=max(args.frames_per_call)))
+    spec = export_onnx(step, work / "model.onnx", log=lambda *_: None)
+    names = [t.name for t in spec.inputs]
+    for frames, threads in itertools.product(args.frames_per_call, args.threads):
+        torch.set_num_threads(threads)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        session = ort.InferenceSession(str(work / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        for batch in args.batches:
+            codes = rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32)
+            state = list(step.zero_state(batch))
+
+            def eager():
+                nonlocal state
+                with torch.no_grad():
+                    _, *state = step(torch.from_numpy(codes), *state)
+
+            rows.add("step-eager", batch, frames, threads, timed(eager, args.seconds))
+            ort_state = [np.zeros((batch, *s.shape), dtype=s.dtype) for s in spec.states]
+
+            def onnx():
+                nonlocal ort_state
+                _, *ort_state = session.run(None, dict(zip(names, [codes, *ort_state])))
+
+            rows.add("onnxruntime", batch, frames, threads, timed(onnx, args.seconds))
+
+
+def _measure_rustymimi(rows: _Rows, weights: Path, threads: int, seconds: float, rng) -> None:
+    """rustymimi (Kyutai's Rust Mimi), batch 1, one frame per call; it picks its own threads."""
+    try:
+        import rustymimi
+    except ImportError as error:
+        _log(f"rustymimi not installed ({error}); skipped")
+        return
+    tokenizer = rustymimi.Tokenizer(str(weights), num_codebooks=8)
+    codes = rng.integers(0, 2048, (1, 8, 1)).astype(np.uint32)
+    rows.add("rustymimi", 1, 1, threads, timed(lambda: tokenizer.decode_step(codes), seconds))
+
+
+def _ratios(rows: _Rows, threads: int, batch: int) -> dict[str, float]:
+    ratios = {}
+    ort1, moshi1, rusty = rows.find("onnxruntime", 1, 1, threads), rows.find("moshi", 1, 1, threads), rows.find("rustymimi", 1, 1, threads)
+    if ort1 and moshi1:
+        ratios[f"moshi / onnxruntime, batch 1, {threads} threads"] = moshi1["ms_per_frame"] / ort1["ms_per_frame"]
+    if ort1 and rusty:
+        ratios["rustymimi / onnxruntime, batch 1"] = rusty["ms_per_frame"] / ort1["ms_per_frame"]
+    best = min((r for r in rows.rows if r["engine"] == "onnxruntime" and r["batch"] == batch),
+               key=lambda r: r["ms_per_frame"], default=None)
+    if best:
+        ratios[f"onnxruntime batch {best['batch']} (F={best['frames_per_call']}, {best['threads']} threads) "
+               "measured / compute bound"] = 1 / best["fraction_of_bound"]
+    return ratios
+
+
+def decoder_markdown(results: dict) -> str:
+    """The peak, the table and the ratios of a run (the caller writes the stamp)."""
+    peaks = {int(threads): gflops for threads, gflops in results["matmul_peak_gflops"].items()}  # JSON keys are strings
+    lines = [
+        "fp32 matmul peak: " + ", ".join(f"{g:.1f} GFLOP/s ({k} thread{'s' if k > 1 else ''})" for k, g in peaks.items())
+        + f"; decoder {results['gflop_per_frame']:.3f} GFLOP/frame.",
+        "",
+        "| engine | batch | frames/call | threads | ms/frame | frames/s | x realtime | of compute bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        lines.append(f"| {r['engine']} | {r['batch']} | {r['frames_per_call']} | {r['threads']} | {r['ms_per_frame']:.2f} | "
+                     f"{r['frames_per_s']:.1f} | {r['x_realtime']:.1f} | {r['fraction_of_bound']:.0%} |")
+    lines.append("")
+    lines += [f"- {name}: {value:.2f}x" for name, value in results["ratios"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.server.bench.decoder", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", type=Path, help="moshi-format .safetensors (default: seeded random)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per configuration")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--frames-per-call", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    args = parser.parse_args(argv)
+
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from mimi_code2wav.export.onnx_export import ExportOptions, build_step
+    from mimi_code2wav.export.weights import load_weights
+
+    meta = run_meta("decoder", command_line("python -m mimi_code2wav.server.bench.decoder", argv))
+    work = Path(tempfile.mkdtemp(prefix="mimi-bench-"))
+    weights = args.weights or _random_checkpoint(work)
+    loaded = load_weights(weights)
+    rng = np.random.default_rng(0)
+    peaks = {t: matmul_peak_gflops(t, args.seconds) for t in args.threads}
+    _log("fp32 matmul peak (1024^3 torch.mm): " + ", ".join(f"{t} thread(s) {g:.1f} GFLOP/s" for t, g in peaks.items()))
+    flops = step_flops_per_frame(build_step(loaded.model, ExportOptions()))
+    _log(f"decoder: {flops / 1e9:.3f} GFLOP per frame")
+    rows = _Rows(flops, peaks)
+    _measure_moshi(rows, weights, args, rng)
+    _measure_step(rows, loaded.model, work, args, rng)
+    _measure_rustymimi(rows, weights, max(args.threads), args.seconds, rng)
+    results = {"meta": meta, "matmul_peak_gflops": peaks, "gflop_per_frame": flops / 1e9, "rows": rows.rows,
+               "ratios": _ratios(rows, max(args.threads), max(args.batches))}
+    table = f"{stamp(meta)}\n\n{decoder_markdown(results)}"
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decoder.md").write_text(table + "\n")
+    (args.out / "decoder.json").write_text(json.dumps(results, indent=2) + "\n")
+    _log(f"wrote {args.out / 'decoder.md'} and {args.out / 'decoder.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

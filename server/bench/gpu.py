@@ -1,0 +1,138 @@
+"""GPU throughput estimate: the step module in PyTorch on CUDA, eager and as a CUDA graph.
+
+  python -m mimi_code2wav.server.bench.gpu [--batches 1 8 64 256] [--frames-per-call 1 2] [--dtype float32|float16]
+                             [--seconds 3] [--out bench_results]
+
+Runs on a machine with a CUDA GPU and PyTorch built with CUDA (no TensorRT or onnxruntime-gpu
+needed): seeded random weights in the real architecture, the same `MimiDecoderStep` that is
+exported to ONNX. A CUDA graph replays one whole step including the state feedback (outputs copied
+into the static state inputs), which is what a TensorRT engine under Triton approaches: kernel
+launch overhead removed. Prints a markdown table (ms per call, ms per stream-frame, frames/s,
+streams at real time = frames/s / 12.5) and writes `gpu.json` + `gpu.md`. Exits 3 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .provenance import command_line, run_meta, stamp
+
+EXIT_NO_CUDA = 3
+FRAMES_PER_SECOND = 12.5
+
+
+def _time_cuda(run, seconds: float, warmup: int = 3) -> float:
+    import torch
+
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    calls, started = 0, time.perf_counter()
+    while calls < 10 or time.perf_counter() - started < seconds:
+        run()
+        calls += 1
+        if calls % 10 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / calls
+
+
+def measure(step, batch: int, frames: int, seconds: float, device) -> dict[str, float]:
+    """Seconds per call, eager and CUDA graph, for one batch size and frames per call."""
+    import torch
+
+    codes = torch.randint(0, step.codebook_size, (batch, step.num_codebooks, frames), dtype=torch.int32, device=device)
+    state = [s.to(device) for s in step.zero_state(batch)]
+
+    def eager():
+        nonlocal state
+        with torch.no_grad():
+            _, *state = step(codes, *state)
+
+    result = {"eager_s": _time_cuda(eager, seconds)}
+
+    static_state = [s.clone() for s in step.zero_state(batch)]
+    static_state = [s.to(device) for s in static_state]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):  # warm up on a side stream before capture, as CUDA graphs require
+            outputs = step(codes, *static_state)
+            for target, value in zip(static_state, outputs[1:]):
+                target.copy_(value)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        outputs = step(codes, *static_state)
+        for target, value in zip(static_state, outputs[1:]):
+            target.copy_(value)
+    result["cuda_graph_s"] = _time_cuda(graph.replay, seconds)
+    return result
+
+
+def gpu_markdown(results: dict) -> str:
+    """The table of a run (the caller writes the stamp)."""
+    lines = [f"GPU: {results['gpu']}; PyTorch {results['torch']}; KV cache {results['kv_cache_dtype']}; "
+             "fp32 weights (no TF32).",
+             "", "| mode | batch | frames/call | ms/call | ms/frame | frames/s | streams at real time |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results["rows"]:
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['frames_per_call']} | {r['ms_per_call']:.2f} | "
+                     f"{r['ms_per_frame']:.3f} | {r['frames_per_s']:.0f} | {r['streams_at_real_time']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.server.bench.gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--frames-per-call", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--kv-cache-dtype", choices=("float32", "float16"), default="float32")
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device (or PyTorch without CUDA): this benchmark needs a GPU", file=sys.stderr)
+        return EXIT_NO_CUDA
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 numerics, as the parity tests check them
+    torch.backends.cudnn.allow_tf32 = False
+    from mimi_code2wav.export.step import MimiDecoderStep
+    from mimi_code2wav.export.weights import random_model
+
+    device = torch.device("cuda")
+    loaded = random_model(0)
+    rows = []
+    step = MimiDecoderStep(loaded.model, max_frames_per_step=max(args.frames_per_call),
+                           kv_cache_dtype=args.kv_cache_dtype).eval().to(device)
+    for frames in args.frames_per_call:
+        for batch in args.batches:
+            timing = measure(step, batch, frames, args.seconds, device)
+            for mode in ("eager", "cuda_graph"):
+                per_call = timing[f"{mode}_s"]
+                per_frame_ms = per_call * 1000 / (batch * frames)
+                rows.append({"mode": mode, "batch": batch, "frames_per_call": frames, "ms_per_call": per_call * 1000,
+                             "ms_per_frame": per_frame_ms, "frames_per_s": 1000 / per_frame_ms,
+                             "streams_at_real_time": 1000 / per_frame_ms / FRAMES_PER_SECOND})
+                print(f"  {mode:10s} batch {batch:3d} F {frames}: {per_call * 1000:8.2f} ms/call", file=sys.stderr, flush=True)
+            torch.cuda.empty_cache()
+
+    name = torch.cuda.get_device_name(0)
+    results = {"meta": run_meta("gpu", command_line("python -m mimi_code2wav.server.bench.gpu", argv), gpu=name),
+               "gpu": name, "torch": torch.__version__, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}
+    table = f"{stamp(results['meta'])}\n\n{gpu_markdown(results)}"
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu.md").write_text(table + "\n")
+    (args.out / "gpu.json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

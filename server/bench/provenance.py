@@ -1,0 +1,78 @@
+"""What every benchmark shares: the stamp of its JSON (kind, machine, command, commit, date) and
+timing a call. Standard library and numpy only: `gpu` runs where only torch, numpy and onnx are."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def cpu_model() -> str:
+    """The CPU model from /proc/cpuinfo ('AMD EPYC ...'), else what `platform` knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_description(gpu: str | None = None) -> str:
+    """'2 CPU cores (AMD EPYC ...), no GPU, Linux 6.1...'."""
+    return f"{os.cpu_count()} CPU cores ({cpu_model()}), {gpu or 'no GPU'}, {platform.system()} {platform.release()}"
+
+
+def git_commit() -> str:
+    """The short commit of this checkout, marked when tracked files have uncommitted changes."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    commit = done.stdout.strip() or "unknown"
+    return commit + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def command_line(program: str, argv: list[str] | None = None) -> str:
+    """The command as a user types it: `program` and the arguments (this process's by default)."""
+    return " ".join([program, *([shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])])
+
+
+def run_meta(kind: str, command: str, gpu: str | None = None) -> dict:
+    """The stamp every benchmark JSON carries under "meta": what ran (`kind`, the record's section;
+    `command`), where (machine, CPU model and cores, GPU), at which commit and when (UTC)."""
+    return {
+        "kind": kind, "command": command,
+        "machine": machine_description(gpu), "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "gpu": gpu,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def stamp(meta: dict) -> str:
+    """The line that heads every table of a run: machine, command, commit and date of its "meta"."""
+    return f"Machine: {meta['machine']}. Command: `{meta['command']}`. Commit {meta['commit']}, {meta['date']}."
+
+
+def timed(run, seconds: float, warmup: int = 2, min_calls: int = 5) -> float:
+    """Median seconds per call of `run()` over at least `seconds` and `min_calls` calls (noise-robust)."""
+    for _ in range(warmup):
+        run()
+    samples, started = [], time.perf_counter()
+    while len(samples) < min_calls or time.perf_counter() - started < seconds:
+        begin = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - begin)
+    return float(np.median(samples))

@@ -1,0 +1,111 @@
+"""docs/benchmarks.md is generated: it is exactly what the committed runs in docs/benchmarks/ render,
+every run in it is stamped, and the README's headline table is the record's. Also: the serving
+flags are declared once, and the GPU benchmark imports nothing beyond its own needs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mimi_code2wav.server.bench import record
+from mimi_code2wav.server.bench.provenance import stamp
+
+
+def test_the_record_is_what_the_committed_runs_render():
+    assert record.RECORD.read_text() == record.render_record(record.RECORD_DIR), (
+        "docs/benchmarks.md is not what docs/benchmarks/*.json render: run `make record`, never edit it by hand")
+
+
+def test_the_readme_headline_is_the_records():
+    readme = record.README.read_text()
+    block = re.search(re.escape(record.HEADLINE_BEGIN) + r"\n(.*?)\n" + re.escape(record.HEADLINE_END), readme, re.S)
+    assert block, "README.md has no benchmark-headline block"
+    assert block.group(1) == record.headline(record.RECORD_DIR), "the README's headline is stale: run `make record`"
+
+
+def test_every_committed_run_is_stamped_and_named_by_its_kind():
+    runs = sorted(record.RECORD_DIR.glob("*.json"))
+    assert {path.stem for path in runs} >= {"triton-python-ort", "triton-null"}, "the headline's runs are missing"
+    for path in runs:
+        meta = record.read_run(path)["meta"]
+        assert path.stem == meta["kind"]
+        assert all(meta[field] not in (None, "") for field in record.META_FIELDS), path
+        assert isinstance(meta["cpu_cores"], int) and meta["cpu_model"] in meta["machine"]
+
+
+def test_every_table_of_the_record_follows_its_runs_stamp():
+    text = record.RECORD.read_text()
+    sections = text.split("\n## ")[1:]
+    assert len(sections) == len(list(record.RECORD_DIR.glob("*.json")))
+    for section in sections:
+        title, _, body = section.partition("\n")
+        stamps = re.findall(r"^Machine: .+\. Command: `.+`\. Commit \S+.*, \d{4}-\d\d-\d\d \d\d:\d\d UTC\.$", body, re.M)
+        assert len(stamps) == 1, f"section {title!r} has {len(stamps)} stamps"
+        first_table = body.find("\n|")
+        assert first_table < 0 or body.find(stamps[0]) < first_table, f"section {title!r}: a table before the stamp"
+
+
+def test_add_copies_a_run_in_under_its_kind_and_rejects_an_unstamped_one(tmp_path):
+    source = next(iter(sorted(record.RECORD_DIR.glob("*.json"))))
+    run = json.loads(source.read_text())
+    fresh = tmp_path / "bench_results" / "run.json"
+    fresh.parent.mkdir()
+    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "commit": "0000000"}}))
+    target = record.add_run(fresh, tmp_path / "record")
+    assert target == tmp_path / "record" / f"{run['meta']['kind']}.json"
+    assert "Commit 0000000," in record.render_record(tmp_path / "record")
+
+    del run["meta"]["command"]
+    fresh.write_text(json.dumps(run))
+    with pytest.raises(record.RecordError, match="lacks command"):
+        record.add_run(fresh, tmp_path / "record")
+    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "command": "x", "kind": "nonsense"}}))
+    with pytest.raises(record.RecordError, match="unknown kind 'nonsense'"):
+        record.add_run(fresh, tmp_path / "record")
+
+
+def test_the_headline_block_replaces_only_what_lies_between_its_markers():
+    readme = f"# A\n\n## Performance\n\n{record.HEADLINE_BEGIN}\nold\n{record.HEADLINE_END}\n\nrest\n"
+    assert record.with_headline(readme, "new") == readme.replace("\nold\n", "\nnew\n")
+    with pytest.raises(record.RecordError):
+        record.with_headline("# no markers\n", "new")
+
+
+def test_a_stamp_names_machine_command_commit_and_date():
+    meta = {"machine": "2 CPU cores (X), no GPU, Linux 6", "command": "code2wav-server bench", "commit": "abc1234",
+            "date": "2026-01-02 03:04 UTC"}
+    assert stamp(meta) == ("Machine: 2 CPU cores (X), no GPU, Linux 6. Command: `code2wav-server bench`. "
+                           "Commit abc1234, 2026-01-02 03:04 UTC.")
+
+
+def test_render_and_bench_take_the_same_serving_flags():
+    """One declaration (export.serving_flags) for `code2wav-export render` and `code2wav-server bench`."""
+    from mimi_code2wav.export.__main__ import build_parser as export_parser
+    from mimi_code2wav.server.__main__ import build_parser as server_parser
+
+    def serving_group(parser):
+        group = next(g for g in parser._action_groups if g.title.startswith("serving"))
+        return {(a.dest, a.default, a.type) for a in group._group_actions}
+
+    def subcommand(parser, name):
+        return next(a for a in parser._actions if a.dest == "command").choices[name]
+
+    assert serving_group(subcommand(export_parser(), "render")) == serving_group(subcommand(server_parser(), "bench"))
+    args = server_parser().parse_args(["bench", "--front-instances", "2", "--max-queue-delay-us", "0"])
+    assert (args.front_instances, args.max_queue_delay_us) == (2, 0)
+    with pytest.raises(SystemExit):
+        server_parser().parse_args(["bench", "--front-instances", "0"])
+
+
+def test_the_gpu_benchmark_imports_only_its_own_needs():
+    """It runs on a GPU machine with torch, numpy and onnx: importing it loads neither the client
+    (tritonclient), onnxruntime nor matplotlib."""
+    code = ("import sys, mimi_code2wav.server.bench.gpu; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tritonclient', 'onnxruntime', 'matplotlib', "
+            "'torch', 'grpc') or m.startswith(('mimi_code2wav.client', 'mimi_code2wav.server.bench.cli'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
