@@ -63,7 +63,7 @@ HISTORY_FRAMES_INPUT = "history_frames"
 # sends a whole stream to one replica.
 STREAM_KEY_HEADER = "code2wav-stream"
 # Frames replayed when a stream resumes: 250 frames (20 s) rebuild the decoder state to >= 86 dB SNR
-# in the first second after the resume (`python -m mimi_code2wav.export.resume`).
+# in the first second after the resume (`python -m mimi_code2wav.server.bench.resume`).
 DEFAULT_RESUME_HISTORY_FRAMES = 250
 DEFAULT_RESUME_TIMEOUT_S = 30.0
 # History frames per resume request: short requests, each answered within moments even while many

@@ -2,7 +2,7 @@
 
   code2wav-export build  [--weights SRC | --random-init --seed N] [--max-frames-per-step 16] [--window moshi|exact]
                          [--kv-cache-dtype float32|float16] [--opset 17] [--out DIR] [--force]
-  code2wav-export render --target onnxruntime|tensorrt|python-ort|null --export-dir DIR --out DIR [--max-streams 1024]
+  code2wav-export render --target onnxruntime|tensorrt|python-ort|null --export-dir DIR --out DIR [--max-live-streams 1024]
   code2wav-export render --check-in      (rewrites model_repository/mimi_decoder/config.pbtxt)
   code2wav-export encode --weights SRC in.wav --out codes.npy
 

@@ -141,11 +141,3 @@ def measure_resume(step, codes: np.ndarray, resume_frame: int,
     per_mode = {mode: snr[i * len(history_frames) : (i + 1) * len(history_frames)] for i, mode in enumerate(modes)}
     return ResumeMeasurement(resume_frame, history_frames, window_frames, per_mode, snr[-1])
 
-
-if __name__ == "__main__":
-    # `python -m mimi_code2wav.export.resume` runs the benchmark's command line.
-    import sys
-
-    from mimi_code2wav.server.bench.resume import main
-
-    sys.exit(main())

@@ -33,7 +33,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-queue-delay-us", type=non_negative_int, default=DecoderServing.max_queue_delay_us,
                        help="how long the decoder's batcher waits for more streams' steps (default %(default)s): "
                        "0 cuts a lone request's latency by up to that much, at the cost of smaller batches under load")
-    group.add_argument("--max-streams", type=positive_int, default=DecoderServing.max_candidate_sequences,
+    group.add_argument("--max-live-streams", type=positive_int, default=DecoderServing.max_candidate_sequences,
                        help="live streams the decoder holds (its max_candidate_sequences; code2wav's max_live_streams; "
                        "the GPU memory pools are sized for it) (default %(default)s)")
     group.add_argument("--front-instances", type=positive_int, default=DecoderServing.front_instances,
@@ -48,7 +48,7 @@ def serving_from_args(args: argparse.Namespace, target: str) -> DecoderServing:
     kind = args.instance_kind or ("KIND_CPU" if target in PYTHON_TARGETS else "KIND_GPU")
     return DecoderServing(
         instance_kind=kind, instance_count=args.instance_count, max_batch_size=args.max_batch_size,
-        max_candidate_sequences=args.max_streams, max_queue_delay_us=args.max_queue_delay_us,
+        max_candidate_sequences=args.max_live_streams, max_queue_delay_us=args.max_queue_delay_us,
         front_instances=args.front_instances, front_queue_delay_us=args.front_queue_delay_us,
         preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],
     )

@@ -170,7 +170,7 @@ def test_code2wav_sends_at_most_what_the_export_takes(spec, onnx_fp32, tmp_path)
 
 
 def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, tmp_path, capsys):
-    """`render --max-streams N`: the decoder holds N sequences, code2wav admits N streams and has 2N
+    """`render --max-live-streams N`: the decoder holds N sequences, code2wav admits N streams and has 2N
     Triton slots (so a START past the cap reaches it and is refused), and a GPU repository carries
     the pool flags for N streams; a CPU one carries none."""
     from mimi_code2wav.export.__main__ import main
@@ -182,9 +182,9 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
 
     gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
     assert main(["render", "--target", "onnxruntime", "--export-dir", str(onnx_fp32), "--out", str(gpu),
-                 "--max-streams", "256"]) == 0
+                 "--max-live-streams", "256"]) == 0
     assert main(["render", "--target", "python-ort", "--export-dir", str(onnx_fp32), "--out", str(cpu),
-                 "--max-streams", "256", "--max-queue-delay-us", "0"]) == 0
+                 "--max-live-streams", "256", "--max-queue-delay-us", "0"]) == 0
     assert parse((cpu / "mimi_decoder" / "config.pbtxt").read_text()).sequence_batching.oldest.max_queue_delay_microseconds == 0
     assert parse((gpu / "mimi_decoder" / "config.pbtxt").read_text()).sequence_batching.oldest.max_queue_delay_microseconds == 2000
     for repository in (gpu, cpu):
@@ -206,14 +206,14 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     assert code2wav.sequence_batching.oldest.max_queue_delay_microseconds == 3000  # as checked in
     assert tracked.sequence_batching.oldest.max_queue_delay_microseconds == 3000
     assert main(["render", "--target", "null", "--export-dir", str(onnx_fp32), "--out", str(shared),
-                 "--max-streams", "255", "--front-instances", "2", "--front-queue-delay-us", "0"]) == 0
+                 "--max-live-streams", "255", "--front-instances", "2", "--front-queue-delay-us", "0"]) == 0
     code2wav = parse((shared / "code2wav" / "config.pbtxt").read_text())
     assert code2wav.instance_group[0].count == 2
     assert code2wav.sequence_batching.oldest.max_queue_delay_microseconds == 0
     assert code2wav.parameters["max_live_streams"].string_value == "127"  # 2 x 127 <= 255
     assert code2wav.sequence_batching.oldest.max_candidate_sequences == 254
     assert main(["render", "--target", "null", "--export-dir", str(onnx_fp32), "--out", str(shared),
-                 "--max-streams", "2", "--front-instances", "3"]) == 2
+                 "--max-live-streams", "2", "--front-instances", "3"]) == 2
     assert "front_instances (3) must not exceed the streams the decoder holds (2)" in capsys.readouterr().err
     python_ort = parse((cpu / "mimi_decoder" / "config.pbtxt").read_text())
     assert python_ort.parameters["max_live_streams"].string_value == "auto"

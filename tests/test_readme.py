@@ -32,12 +32,10 @@ def readme_commands() -> list[str]:
 NOT_RUN = {
     "make serve": "a foreground server on fixed ports 8000-8002; test_serving.py runs the same entry "
                   "point (`code2wav-server serve`) on free ports, checks readiness and a clean SIGTERM",
-    "make serve MIMI_WEIGHTS=/path/to/tokenizer-e351c8d8-checkpoint125.safetensors":
-        "real weights cannot be downloaded here; the same loader reads the tests' moshi-format checkpoint",
     "make test": "the command that runs this test",
     'make test PYTEST_ARGS="-k parity"': "runs the test suite from inside the test suite",
     "make clean": "removes the working tree's build/ folder (exports) while tests may use it",
-    ".venv/bin/python -m mimi_code2wav.export.bench_gpu": "needs a CUDA GPU; without one it exits 3 with a message "
+    ".venv/bin/python -m mimi_code2wav.server.bench.gpu": "needs a CUDA GPU; without one it exits 3 with a message "
                                              "(test_export.py::test_gpu_benchmark_without_cuda_exits_clearly)",
     "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
                   "client/perf.sh on generated inputs against a real server",
@@ -67,6 +65,9 @@ RUN = {
     ".venv/bin/code2wav-client decode --random --frames 125 --streams 8 --paced": "decode_paced",
     ".venv/bin/code2wav-export encode --weights /path/to/mimi speech.wav --out codes.npy": "encode",
     "make verify MIMI_WEIGHTS=/path/to/tokenizer-e351c8d8-checkpoint125.safetensors": "verify",
+    "client/perf.sh --concurrency-range 4": "perf_sh",
+    ".venv/bin/code2wav-export render --target python-ort --export-dir build/export/f16-moshi-kvfloat32-k8 "
+    "--out build/repo --max-live-streams 256": "render",
     ".venv/bin/code2wav-export build --weights /path/to/mimi": "export_transformers_folder",
     ".venv/bin/code2wav-export build --weights tokenizer-e351c8d8-checkpoint125.safetensors": "export_moshi_file",
     ".venv/bin/code2wav-export build --random-init --seed 0": "export_random",
@@ -74,7 +75,7 @@ RUN = {
     "--kv-cache-dtype float16 --opset 17 --out build/export/custom": "export_custom",
     "make venv": "make_venv",
     "make lint": "make_lint",
-    ".venv/bin/python -m mimi_code2wav.export.bench_decoder": "bench_decoder",
+    ".venv/bin/python -m mimi_code2wav.server.bench.decoder": "bench_decoder",
     ".venv/bin/python -m mimi_code2wav.export.tensorrt_build --export-dir build/export/f16-moshi-kvfloat32-k8 --fp16 --max-batch 64":
         "tensorrt_build",
 }
@@ -193,6 +194,17 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
                       tmp_path, timeout=900)
         assert "| onnxruntime | 1 | 1 | 1 |" in result.stdout and (tmp_path / "decoder.json").is_file()
 
+    def perf_sh(command):
+        # One measurement of a fixed request count: short, and no stability search on busy cores.
+        env = {"URL": url, "STREAMS": "4", "FRAMES": "9", "BUILD_DIR": str(tmp_path / "perf"), "PYTHON": PY}
+        result = _run(["bash", *command.split(), "--request-count", "12"], ROOT, env=env, timeout=180)
+        assert "mimi_decoder" in result.stdout  # the composing model's statistics are reported
+
+    def render(command):
+        result = _run(_python(command.replace("build/export/f16-moshi-kvfloat32-k8", str(onnx_fp32))), tmp_path)
+        config = (tmp_path / "build/repo/code2wav/config.pbtxt").read_text()
+        assert re.search(r'key: "max_live_streams"\s*value: \{ string_value: "256" \}', config), result.stderr
+
     def tensorrt_build(command):
         args = _python(command.replace("build/export/f16-moshi-kvfloat32-k8", str(onnx_fp32)))
         result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PATH": "/usr/bin:/bin"})
@@ -204,3 +216,16 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
 @pytest.mark.parametrize("command", list(RUN))
 def test_readme_command_runs(command, runner):
     runner[RUN[command]](command)
+
+
+def readme_python_examples() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+@pytest.mark.parametrize("index", range(len(readme_python_examples())))
+def test_readme_python_example_runs(index, code2wav_server, tmp_path):
+    """Each Python example of the README runs as written against the session's server (its address
+    swapped in) in a fresh interpreter, and its own assertions hold."""
+    example = readme_python_examples()[index].replace("127.0.0.1:8001", code2wav_server.grpc_url)
+    assert "127.0.0.1:8001" not in example or code2wav_server.grpc_url == "127.0.0.1:8001"
+    _run([PY, "-c", example], tmp_path, timeout=120)

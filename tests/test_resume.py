@@ -4,7 +4,7 @@ cache) over 2 layers, conv contexts shorter than a frame, seeded random weights.
 Measured with these seeds (min over 3 streams, first 4 / first 20 frames after resuming at frame 40):
 R = 0: 0.0 / 7.5 dB; R = 10 (one window + conv context): 36.8 / 44.4 dB; R = 20 (a window per layer):
 82.1 / 89.3 dB; whole history: 125.9 / 128.2 dB. The real architecture (250-step window, 8 layers)
-needs R = 500 frames for the same rounding floor; see `python -m mimi_code2wav.export.resume`.
+needs R = 500 frames for the same rounding floor; see `python -m mimi_code2wav.server.bench.resume`.
 """
 
 from __future__ import annotations
