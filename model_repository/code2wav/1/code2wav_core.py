@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from code2wav_history import CodeHistory, StreamEntry
-from code2wav_plan import DecodePlan, DecoderStep, plan_request, unflatten_codes, zero_step_codes
+from code2wav_plan import DecodePlan, DecoderStep, StreamRequest, plan_request, unflatten_codes, zero_step_codes
 from code2wav_replay import REPLAY_WAIT_FOR_IDLE_S, ReplayLane
 from code2wav_settings import (
     ERROR_KINDS,
@@ -57,18 +57,6 @@ __all__ = [
 ]
 
 IDLE_GRACE_S = 1.0  # streams expire this long after the idle timeout (see StreamTable.expire_idle)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StreamRequest:
-    """One request as the core sees it: the sequence identity and flags Triton gave it, and its
-    input tensors as numpy arrays (`frame_offset` None when absent)."""
-
-    correlation_id: int
-    flags: int
-    input_ids: np.ndarray
-    frame_offset: Optional[np.ndarray] = None
-    history_frames: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +162,10 @@ class StreamTable:
     ) -> DecodePlan:
         """Validate one request against its stream and say what decoding it takes (see
         `code2wav_plan`). Changes nothing; raises RequestError."""
-        return plan_request(self.settings, self._streams.get(correlation_id), correlation_id, flags, input_ids,
-                            frame_offset, history_frames)
+        return self._plan(StreamRequest(correlation_id, flags, input_ids, frame_offset, history_frames))
+
+    def _plan(self, request: StreamRequest) -> DecodePlan:
+        return plan_request(self.settings, self._streams.get(request.correlation_id), request)
 
     def commit(self, plan: DecodePlan) -> None:
         """Record a plan whose decoder steps all succeeded."""
@@ -259,9 +249,7 @@ class StreamTable:
     async def process(self, request: StreamRequest, decode_step: DecodeStep) -> np.ndarray:
         """Plan, run and commit one request; count its error, if any, and re-raise it."""
         try:
-            plan = self.plan(
-                request.correlation_id, request.flags, request.input_ids, request.frame_offset, request.history_frames
-            )
+            plan = self._plan(request)
             return await self.run(plan, decode_step)
         except RequestError as exc:
             self.count_error(exc.kind)

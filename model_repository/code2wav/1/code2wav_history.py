@@ -26,14 +26,6 @@ class CodeHistory:
     def frames(self) -> int:
         return self._frames
 
-    @property
-    def capacity(self) -> int:
-        return self._codes.shape[1]
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self._codes.dtype
-
     def codes(self) -> np.ndarray:
         """The decoded frames' codes [k, frames] (a read-only view)."""
         view = self._codes[:, : self._frames]
@@ -49,6 +41,15 @@ class CodeHistory:
             self._codes = grown
         self._codes[:, self._frames : needed] = codes
         self._frames = needed
+
+    # Storage, for tests and memory accounting.
+    @property
+    def capacity(self) -> int:
+        return self._codes.shape[1]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._codes.dtype
 
     def first_mismatch(self, codes: np.ndarray, start: int) -> Optional[int]:
         """Compare `codes` [k, m] with history frames [start, start + m) (all of which exist); return

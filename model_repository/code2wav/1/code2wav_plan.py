@@ -1,7 +1,7 @@
 """Planning one code2wav request: what it decodes and in which decoder calls, before anything changes.
 
-Pure numpy. `plan_request` takes one request of a stream (the request contract: docs/design.md §2)
-through four steps, each a function here, and returns a `DecodePlan`:
+Pure numpy. `plan_request` takes one `StreamRequest` of a stream (the request contract:
+docs/design.md §2) through four steps, each a function here, and returns a `DecodePlan`:
 
 1. validation: the sequence id and the tensors (`unflatten_codes`, `check_code_range`,
    `read_scalar_input`, the `max_request_frames` limit);
@@ -24,6 +24,18 @@ import numpy as np
 
 from code2wav_history import CodeHistory, StreamEntry
 from code2wav_settings import FLAG_SEQUENCE_END, FLAG_SEQUENCE_START, Code2WavSettings, RequestError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StreamRequest:
+    """One request as the core sees it: the sequence identity and flags Triton gave it, and its
+    input tensors as numpy arrays (`frame_offset` None when absent)."""
+
+    correlation_id: int
+    flags: int
+    input_ids: np.ndarray
+    frame_offset: Optional[np.ndarray] = None
+    history_frames: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -81,22 +93,14 @@ class DecodePlan:
         return bool(self.steps) and self.steps[-1].discard_output
 
 
-def plan_request(
-    settings: Code2WavSettings,
-    entry: Optional[StreamEntry],
-    correlation_id: int,
-    flags: int,
-    input_ids: np.ndarray,
-    frame_offset: Optional[np.ndarray] = None,
-    history_frames: Optional[np.ndarray] = None,
-) -> DecodePlan:
+def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], request: StreamRequest) -> DecodePlan:
     """Validate one request of the stream whose table entry is `entry` (None when the stream is not
-    live) and say what decoding it takes. Changes nothing. The tensors are numpy arrays as the
-    request carries them (`frame_offset`, `history_frames` None when absent)."""
+    live) and say what decoding it takes. Changes nothing."""
+    correlation_id = request.correlation_id
     check_correlation_id(correlation_id)
-    starts = bool(flags & FLAG_SEQUENCE_START)
-    ends = bool(flags & FLAG_SEQUENCE_END)
-    replay = read_scalar_input(history_frames, "history_frames")
+    starts = bool(request.flags & FLAG_SEQUENCE_START)
+    ends = bool(request.flags & FLAG_SEQUENCE_END)
+    replay = read_scalar_input(request.history_frames, "history_frames")
     if entry is None and not starts:
         raise RequestError(
             "unknown_stream",
@@ -104,9 +108,9 @@ def plan_request(
             f"START flag (a stream ends with END, with a decoder error, or after "
             f"{settings.stream_idle_timeout_s:g} s idle)",
         )
-    codes = validated_codes(settings, input_ids)
+    codes = validated_codes(settings, request.input_ids)
     request_frames = codes.shape[1]
-    offset = read_scalar_input(frame_offset, "frame_offset")
+    offset = read_scalar_input(request.frame_offset, "frame_offset")
 
     if replay is None:
         continuing = entry if not starts else None
