@@ -55,11 +55,10 @@ def idle_timeout_us(config: Path) -> int:
 
 
 # code2wav's own idle timeout, read from the config template that sets it; the decoder's sits above
-# it. It also bounds a shutdown: Triton counts every live sequence as in flight,
-# and while the server exits no request can reach the decoder to END one, so abandoned streams leave
-# by this timeout.
+# it. It also bounds a shutdown: Triton counts every live sequence as in flight, and while the server
+# exits no request can reach the decoder to END one, so abandoned streams leave by this timeout.
 CODE2WAV_IDLE_TIMEOUT_US = idle_timeout_us(CODE2WAV_TEMPLATE)
-# code2wav's Triton sequence slots per stream it admits (see render_repository).
+# code2wav's Triton sequence slots per stream it admits (see render_code2wav_config).
 CODE2WAV_SLOTS_PER_STREAM = 2
 DECODER_IDLE_MARGIN_US = 2_000_000
 
