@@ -1,4 +1,4 @@
-"""Render `mimi_decoder` Triton configs from a decoder spec.
+"""Render the Triton configs of `mimi_decoder` and `code2wav` from a decoder spec.
 
 Three serving targets and one bench target share one spec:
   onnxruntime  native ORT backend with implicit state (checked in under model_repository/)
@@ -8,6 +8,9 @@ Three serving targets and one bench target share one spec:
                model_repository/mimi_decoder/python_ort/ holds its model files and config template
   null         (bench only) the decoder's interface returning silence at once, no state: behind
                code2wav it measures the front's own ceiling (model_repository/mimi_decoder/null/)
+
+code2wav's config is rendered from export/templates/code2wav.pbtxt.tmpl for every target; its rendering
+with the default options is checked in as model_repository/code2wav/config.pbtxt.
 
 Templates are filled with `string.Template.substitute`, which raises on a missing key, and never
 written over a tracked file except the one checked-in native config, on request.
@@ -29,6 +32,9 @@ TEMPLATES = Path(__file__).parent / "templates"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
+# code2wav's config: the template, and its rendering with the default options, checked in.
+CODE2WAV_TEMPLATE = TEMPLATES / "code2wav.pbtxt.tmpl"
+CHECKED_IN_CODE2WAV_CONFIG = CODE2WAV_DIR / "config.pbtxt"
 PYTHON_ORT_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
 PYTHON_ORT_FILES = ("model.py", "python_ort_core.py", "python_ort_config.py", "python_ort_memory.py")
 NULL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "null"
@@ -48,12 +54,11 @@ def idle_timeout_us(config: Path) -> int:
     return int(found[0])
 
 
-# code2wav's own idle timeout, read from the config that sets it (model_repository/code2wav/); the
-# decoder's sits above it. It also bounds a shutdown: Triton counts every live sequence as in flight,
-# and while the server exits no request can reach the decoder to END one, so abandoned streams leave
-# by this timeout.
-CODE2WAV_IDLE_TIMEOUT_US = idle_timeout_us(CODE2WAV_DIR / "config.pbtxt")
-# code2wav's Triton sequence slots per stream it admits (see render_repository).
+# code2wav's own idle timeout, read from the config template that sets it; the decoder's sits above
+# it. It also bounds a shutdown: Triton counts every live sequence as in flight, and while the server
+# exits no request can reach the decoder to END one, so abandoned streams leave by this timeout.
+CODE2WAV_IDLE_TIMEOUT_US = idle_timeout_us(CODE2WAV_TEMPLATE)
+# code2wav's Triton sequence slots per stream it admits (see render_code2wav_config).
 CODE2WAV_SLOTS_PER_STREAM = 2
 DECODER_IDLE_MARGIN_US = 2_000_000
 
@@ -194,16 +199,6 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
-def set_string_parameter(config_text: str, key: str, value: str) -> str:
-    """`config_text` (a config.pbtxt) with the string value of parameter `key` replaced; the parameter
-    must appear exactly once, written as `key: "KEY"` then `value: { string_value: "..." }`."""
-    pattern = re.compile(r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*)"[^"]*"')
-    replaced, count = pattern.subn(lambda match: match.group(1) + json.dumps(value), config_text)
-    if count != 1:
-        raise ValueError(f"parameter '{key}' appears {count} times in the config, expected once")
-    return replaced
-
-
 def set_idle_timeout(repository: Path, idle_timeout_s: float, decoder_model_name: str = "mimi_decoder") -> None:
     """Set the stream idle timeout of a rendered repository: code2wav's to `idle_timeout_s`, the
     decoder's to that plus DECODER_IDLE_MARGIN_US (the decoder must outlive the front's streams)."""
@@ -266,21 +261,39 @@ def _round_up_mib(size: int) -> int:
     return -(-size // MIB) * MIB
 
 
-def _set_config_number(config_text: str, field: str, value: int) -> str:
-    """Set the one `field: <number>` line of a config (e.g. code2wav's instance count)."""
-    text, count = re.subn(rf"(\b{field}:\s*)\d+", rf"\g<1>{value}", config_text)
-    if count != 1:
-        raise ValueError(f"the config sets {field} {count} times, expected once")
-    return text
+def render_code2wav_config(spec: DecoderSpec, serving: DecoderServing | None = None) -> str:
+    """The config.pbtxt text of `code2wav` in front of a decoder of `spec` served with `serving`: the
+    codes and PCM geometry and the most frames per decoder call from the spec, the decoder's model
+    name, the instance count and batcher wait from serving.front_instances and front_queue_delay_us,
+    max_live_streams each instance's share of the decoder's max_candidate_sequences and its own
+    max_candidate_sequences CODE2WAV_SLOTS_PER_STREAM times that."""
+    serving = serving or DecoderServing()
+    serving.validate()
+    # The front refuses a START past the decoder's capacity instead of queueing it behind the others:
+    # for that the START must reach it, so Triton gives code2wav more sequence slots than streams
+    # (a refused START holds its slot until it ENDs or idles out). Caps and slots are per instance:
+    # with several instances each admits its share, rounded down so that together they never pass
+    # the decoder's capacity (Triton fills the lowest free slot of any instance first, so streams
+    # spread evenly over them).
+    per_instance = serving.max_candidate_sequences // serving.front_instances
+    # The decoder's geometry, under the names code2wav's parameters share with the spec.
+    geometry = {name: getattr(spec, name) for name in ("num_codebooks", "codebook_size", "samples_per_frame",
+                                                        "sample_rate_hz")}
+    return string.Template(CODE2WAV_TEMPLATE.read_text()).substitute(
+        geometry,
+        decoder_model_name=serving.model_name,
+        decoder_max_frames_per_step=spec.max_frames_per_step,
+        max_live_streams=per_instance,
+        max_candidate_sequences=CODE2WAV_SLOTS_PER_STREAM * per_instance,
+        instance_count=serving.front_instances,
+        max_queue_delay_us=serving.front_queue_delay_us,
+    )
 
 
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
-    """A complete model repository in `out_dir`: code2wav (copied, its decoder_max_frames_per_step set to
-    the export's max_frames_per_step, its instance count and batcher wait to serving.front_instances and
-    front_queue_delay_us, its max_live_streams
-    to each instance's share of the decoder's max_candidate_sequences and its own max_candidate_sequences
-    to CODE2WAV_SLOTS_PER_STREAM times that) plus mimi_decoder for `target`, with
+    """A complete model repository in `out_dir`: code2wav (its model files copied, its config rendered
+    by `render_code2wav_config`) plus mimi_decoder for `target`, with
     model_repository/common/triton_streams.py beside each Python model's model.py. For a KIND_GPU
     decoder with implicit state, also `tritonserver.args`: the memory-pool flags the server needs
     for that many streams (`MemoryPools`), one per line, which the compose GPU services pass on.
@@ -295,22 +308,9 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     code2wav = out_dir / "code2wav"
     if code2wav.exists():
         shutil.rmtree(code2wav)
-    shutil.copytree(CODE2WAV_DIR, code2wav, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(CODE2WAV_DIR / "1", code2wav / "1", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(SHARED_MODEL_FILE, code2wav / "1" / SHARED_MODEL_FILE.name)
-    config = code2wav / "config.pbtxt"
-    text = set_string_parameter(config.read_text(), "decoder_max_frames_per_step", str(spec.max_frames_per_step))
-    # The front refuses a START past the decoder's capacity instead of queueing it behind the others:
-    # for that the START must reach it, so Triton gives code2wav more sequence slots than streams
-    # (a refused START holds its slot until it ENDs or idles out). Caps and slots are per instance:
-    # with several instances each admits its share, rounded down so that together they never pass
-    # the decoder's capacity (Triton fills the lowest free slot of any instance first, so streams
-    # spread evenly over them).
-    per_instance = serving.max_candidate_sequences // serving.front_instances
-    text = set_string_parameter(text, "max_live_streams", str(per_instance))
-    text = _set_config_number(text, "max_candidate_sequences", CODE2WAV_SLOTS_PER_STREAM * per_instance)
-    text = _set_config_number(text, "count", serving.front_instances)
-    text = _set_config_number(text, "max_queue_delay_microseconds", serving.front_queue_delay_us)
-    config.write_text(text)
+    (code2wav / "config.pbtxt").write_text(render_code2wav_config(spec, serving))
     decoder = out_dir / serving.model_name
     version = decoder / "1"
     if decoder.exists():

@@ -321,7 +321,8 @@ def _load_code2wav_core():
     the server behind the fake connections."""
     import importlib.util
 
-    sys.path.insert(0, str(ROOT / "model_repository" / "common"))  # its triton_streams import
+    # Its sibling files and its triton_streams import.
+    sys.path[:0] = [str(ROOT / "model_repository" / "common"), str(ROOT / "model_repository" / "code2wav" / "1")]
     spec = importlib.util.spec_from_file_location("code2wav_core_behind_the_client",
                                                   ROOT / "model_repository" / "code2wav" / "1" / "code2wav_core.py")
     module = importlib.util.module_from_spec(spec)

@@ -16,8 +16,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE_PATH = ROOT / "model_repository" / "code2wav" / "1" / "code2wav_core.py"
 CONFIG_PATH = ROOT / "model_repository" / "code2wav" / "config.pbtxt"
-# The core imports triton_streams, which render copies beside it; here it is found on the path.
-sys.path.insert(0, str(ROOT / "model_repository" / "common"))
+# The core imports its sibling files and triton_streams, which render copies beside them; here both
+# folders are on the path.
+sys.path[:0] = [str(ROOT / "model_repository" / "common"), str(ROOT / "model_repository" / "code2wav" / "1")]
 
 
 def _load_core():

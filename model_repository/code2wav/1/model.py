@@ -1,7 +1,8 @@
-"""Triton Python (BLS) model `code2wav`: Mimi codes in, 24 kHz PCM out, one stream per sequence.
+"""Triton Python (BLS) model `code2wav`: Mimi codes in, PCM out, one stream per sequence (the request
+contract: docs/design.md §2).
 
-Thin on purpose: tensors -> numpy, `code2wav_core` (validation, dedupe, stream table, output
-packing), the `mimi_decoder` calls, numpy -> responses. Everything testable lives in the core and in
+Thin on purpose: tensors -> numpy, `code2wav_core` (the stream table over the request planning of its
+sibling files), the decoder calls, numpy -> responses. Everything testable lives in the core and in
 `triton_streams` (idle sweeper, errors, parameter policy, metric labels), which `export/render.py`
 copies here from model_repository/common/.
 """
@@ -25,11 +26,10 @@ if _MODEL_DIR not in sys.path:
 import code2wav_core as core  # noqa: E402
 import triton_streams  # noqa: E402
 
-# The decoder's tensors (the mimi_decoder interface, docs/design.md §3): codes INT32 [1, k, S] ->
-# pcm FP32 [1, 1920*S].
 # What a BLS request says once the server is exiting (the Python backend checks the decoder's
 # readiness first, and Triton answers it no more while it shuts down).
 SERVER_EXITING = "Server not ready"
+# The decoder's tensors (docs/design.md §3): codes INT32 [1, k, S] -> pcm FP32 [1, samples_per_frame*S].
 DECODER_INPUT_NAME = "codes"
 DECODER_OUTPUT_NAME = "pcm"
 # How long execute waits for its batch before handing what is unfinished to the response senders.
@@ -128,8 +128,8 @@ class TritonPythonModel:
                 self._metrics = None
 
     async def _decode_step(self, correlation_id, codes, flags):
-        """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM [1, 1920*S].
-        Raises core.DecoderError with the decoder's message."""
+        """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM FP32
+        [1, samples_per_frame*S]. Raises core.DecoderError with the decoder's message."""
         request = pb_utils.InferenceRequest(
             model_name=self._decoder_model_name,
             inputs=[pb_utils.Tensor(DECODER_INPUT_NAME, codes)],
@@ -243,6 +243,17 @@ def _output_dtype(config, name, model_name):
     return pb_utils.triton_string_to_numpy(output["data_type"])
 
 
+# name, description, kind of each custom metric family, in the order _Metrics unpacks them.
+_METRIC_FAMILIES = (
+    ("code2wav_live_streams", "Streams open in code2wav (started, not ended or expired)", "GAUGE"),
+    ("code2wav_frames_decoded_total", "Audio frames (80 ms each) decoded by code2wav, replayed history included",
+     "COUNTER"),
+    ("code2wav_resumed_streams_total",
+     "Streams opened by a START with history_frames (resumed after losing their server)", "COUNTER"),
+    ("code2wav_errors_total", "Failed code2wav requests by kind", "COUNTER"),
+)
+
+
 class _Metrics:
     """Custom metrics, labelled {model, version} and sent as changes (triton_streams.DeltaMetric), so
     that several instances add up in one series."""
@@ -259,26 +270,8 @@ class _Metrics:
         family = pb_utils.MetricFamily
         # The families must outlive their metrics: a metric of a collected family stops working.
         self._families = [
-            family(
-                name="code2wav_live_streams",
-                description="Streams open in code2wav (started, not ended or expired)",
-                kind=family.GAUGE,
-            ),
-            family(
-                name="code2wav_frames_decoded_total",
-                description="Audio frames (80 ms each) decoded by code2wav, replayed history included",
-                kind=family.COUNTER,
-            ),
-            family(
-                name="code2wav_resumed_streams_total",
-                description="Streams opened by a START with history_frames (resumed after losing their server)",
-                kind=family.COUNTER,
-            ),
-            family(
-                name="code2wav_errors_total",
-                description="Failed code2wav requests by kind",
-                kind=family.COUNTER,
-            ),
+            family(name=name, description=description, kind=getattr(family, kind))
+            for name, description, kind in _METRIC_FAMILIES
         ]
         live_family, frames_family, resumed_family, self._errors_family = self._families
         self._labels = labels

@@ -1,0 +1,389 @@
+"""Planning one code2wav request: what it decodes and in which decoder calls, before anything changes.
+
+Pure numpy. `plan_request` takes one `StreamRequest` of a stream (the request contract:
+docs/design.md §2) through four steps, each a function here, and returns a `DecodePlan`:
+
+1. validation: the sequence id and the tensors (`unflatten_codes`, `check_code_range`,
+   `read_scalar_input`, the `max_request_frames` limit);
+2. dedupe (§2.1): which of the request's frames the stream has already decoded, by `frame_offset`
+   or by `dedupe_mode` (`first_new_frame`);
+3. resume (§2.4): a request with `history_frames` decodes every frame and returns the PCM of the
+   frames after the history; `resume_base` places it in the stream;
+4. limits: the frames it decodes against `max_new_frames_per_request` (`check_decoded_frames`).
+
+Then `decoder_steps` cuts the frames to decode into the decoder calls that carry them. Every check
+raises RequestError with a message naming the value, the limit and the parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import numpy as np
+
+from code2wav_history import CodeHistory, StreamEntry
+from code2wav_settings import FLAG_SEQUENCE_END, FLAG_SEQUENCE_START, Code2WavSettings, RequestError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StreamRequest:
+    """One request as the core sees it: the sequence identity and flags Triton gave it, and its
+    input tensors as numpy arrays (`frame_offset` None when absent)."""
+
+    correlation_id: int
+    flags: int
+    input_ids: np.ndarray
+    frame_offset: Optional[np.ndarray] = None
+    history_frames: Optional[np.ndarray] = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecoderStep:
+    """One call into the decoder: `codes` int32 [1, k, S] (C-contiguous), the sequence `flags`
+    (FLAG_SEQUENCE_START / _END bits), whether its PCM is thrown away (the END-only step) and whether
+    it holds replayed history only."""
+
+    codes: np.ndarray
+    flags: int
+    discard_output: bool = False
+    # Replayed history only (a resume): the step waits for the instance's replay lane.
+    replay: bool = False
+
+    @property
+    def frames(self) -> int:
+        return self.codes.shape[2]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """What one validated request does. Nothing has changed yet: run the steps in order, then
+    `StreamTable.commit(plan)`, or `StreamTable.abort(plan)` if a step failed."""
+
+    correlation_id: int
+    # The new frames, int32 [k, N]; N may be 0. Their PCM is the response.
+    new_codes: np.ndarray
+    steps: Tuple[DecoderStep, ...]
+    # START: the stream is created, or reset if it was live (barge-in).
+    starts_stream: bool
+    # END: the stream is removed once the steps succeeded.
+    ends_stream: bool
+    # Resume: the frames replayed before new_codes to rebuild the decoder state, int32 [k, H]; the
+    # steps decode them first and their PCM is dropped. None without history_frames.
+    history_codes: Optional[np.ndarray] = None
+    # The request carried history_frames with START: it opens a resumed stream whose first frame is `base`.
+    resumes_stream: bool = False
+    # Stream index of the stream's first held frame once the plan is committed.
+    base: int = 0
+    # The table entry the plan was made against (None for a new stream): commit checks it is unchanged.
+    entry: Optional[StreamEntry] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def new_frames(self) -> int:
+        return self.new_codes.shape[1]
+
+    @property
+    def history_frames(self) -> int:
+        return 0 if self.history_codes is None else self.history_codes.shape[1]
+
+    @property
+    def needs_end_only_step(self) -> bool:
+        """END with no new frame while the decoder holds the sequence: one step of zero codes
+        carrying END closes it; its PCM is discarded."""
+        return bool(self.steps) and self.steps[-1].discard_output
+
+
+def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], request: StreamRequest) -> DecodePlan:
+    """Validate one request of the stream whose table entry is `entry` (None when the stream is not
+    live) and say what decoding it takes. Changes nothing."""
+    correlation_id = request.correlation_id
+    check_correlation_id(correlation_id)
+    starts = bool(request.flags & FLAG_SEQUENCE_START)
+    ends = bool(request.flags & FLAG_SEQUENCE_END)
+    replay = read_scalar_input(request.history_frames, "history_frames")
+    if entry is None and not starts:
+        raise RequestError(
+            "unknown_stream",
+            f"stream {correlation_id} is not open: send the first request of the sequence with the "
+            f"START flag (a stream ends with END, with a decoder error, or after "
+            f"{settings.stream_idle_timeout_s:g} s idle)",
+        )
+    codes = validated_codes(settings, request.input_ids)
+    request_frames = codes.shape[1]
+    offset = read_scalar_input(request.frame_offset, "frame_offset")
+
+    if replay is None:
+        continuing = entry if not starts else None
+        base = continuing.base if continuing is not None else 0
+        first_new = first_new_frame(settings, correlation_id, codes, offset,
+                                    None if continuing is None else continuing.history, base)
+        first_decoded = first_new
+    else:
+        base = resume_base(correlation_id, replay, offset, request_frames, None if starts else entry)
+        first_new, first_decoded = replay, 0
+    check_decoded_frames(settings, replay, request_frames - first_new)
+    decoded_codes = codes[:, first_decoded:].astype(np.int32)
+
+    needs_start = starts or entry is None or entry.needs_decoder_start
+    # History frames get steps of their own, which take the replay lane.
+    history_steps = decoder_steps(settings, decoded_codes[:, :replay], needs_start,
+                                  ends and replay == decoded_codes.shape[1], replay=True) if replay else ()
+    steps = history_steps + decoder_steps(settings, decoded_codes[:, replay or 0 :],
+                                          needs_start and not history_steps, ends)
+    if ends and decoded_codes.shape[1] == 0 and entry is not None and entry.decoder_live:
+        # The decoder holds a sequence for this id (a START without END reached it): close it
+        # with one step of zero codes. Without a live decoder sequence (e.g. START|END with no
+        # frame) nothing was started there, so nothing is sent.
+        steps += (DecoderStep(zero_step_codes(settings), FLAG_SEQUENCE_END, discard_output=True),)
+
+    return DecodePlan(
+        correlation_id=correlation_id,
+        new_codes=decoded_codes[:, first_new - first_decoded :],
+        steps=steps,
+        starts_stream=starts,
+        ends_stream=ends,
+        history_codes=None if replay is None else decoded_codes[:, :replay],
+        resumes_stream=replay is not None and starts,
+        base=base,
+        entry=entry,
+    )
+
+
+# ---- 1. validation --------------------------------------------------------------------------------
+
+
+def check_correlation_id(correlation_id: object) -> None:
+    if isinstance(correlation_id, bool) or not isinstance(correlation_id, int) or correlation_id <= 0:
+        raise RequestError(
+            "correlation_id",
+            f"requests need a non-zero integer correlation id (one per stream), got {correlation_id!r}",
+        )
+
+
+def validated_codes(settings: Code2WavSettings, input_ids: np.ndarray) -> np.ndarray:
+    """`input_ids` -> codes int64 [k, F] within the request-size limit and the codebook."""
+    codes = unflatten_codes(input_ids, settings.num_codebooks)
+    if codes.shape[1] > settings.max_request_frames:
+        raise RequestError(
+            "limit",
+            f"request holds {codes.shape[1]} frames, more than max_request_frames={settings.max_request_frames}",
+        )
+    check_code_range(codes, settings.codebook_size)
+    return codes
+
+
+def unflatten_codes(input_ids: np.ndarray, num_codebooks: int) -> np.ndarray:
+    """`input_ids` INT64 [1, k*F] (or [k*F]), codebook-major -> codes int64 [k, F] (a view).
+
+    Codebook-major: the F codes of codebook 0 come first, then the F codes of codebook 1, ...
+    Raises RequestError of kind "dtype", "shape" or "length".
+    """
+    input_ids = np.asarray(input_ids)
+    if input_ids.dtype != np.int64:
+        raise RequestError("dtype", f"input_ids must be INT64, got {input_ids.dtype}")
+    if not (input_ids.ndim == 1 or (input_ids.ndim == 2 and input_ids.shape[0] == 1)):
+        raise RequestError(
+            "shape",
+            f"input_ids must have shape [1, k*F] (one request of flat codes), got {list(input_ids.shape)}",
+        )
+    flat = input_ids.reshape(-1)
+    if flat.size % num_codebooks:
+        raise RequestError(
+            "length",
+            f"input_ids holds {flat.size} codes, not a multiple of num_codebooks={num_codebooks}",
+        )
+    return flat.reshape(num_codebooks, flat.size // num_codebooks)
+
+
+def check_code_range(codes: np.ndarray, codebook_size: int) -> None:
+    """Raise RequestError("code_range") naming the first code of `codes` [k, F] outside
+    [0, codebook_size), with its codebook, frame and flat position in input_ids."""
+    if codes.size == 0:
+        return
+    if codes.min() >= 0 and codes.max() < codebook_size:
+        return
+    flat = codes.reshape(-1)
+    position = int(np.flatnonzero((flat < 0) | (flat >= codebook_size))[0])
+    frames = codes.shape[1]
+    raise RequestError(
+        "code_range",
+        f"input_ids[{position}] = {int(flat[position])} (codebook {position // frames}, "
+        f"frame {position % frames}) is outside [0, {codebook_size}) (codebook_size={codebook_size})",
+    )
+
+
+def read_scalar_input(array: Optional[np.ndarray], name: str) -> Optional[int]:
+    """An optional INT64 [1, 1] input (`frame_offset`, `history_frames`) -> int, or None when the
+    request has none."""
+    if array is None:
+        return None
+    array = np.asarray(array)
+    if array.dtype != np.int64:
+        raise RequestError("dtype", f"{name} must be INT64, got {array.dtype}")
+    if array.size != 1:
+        raise RequestError("shape", f"{name} must hold one value ([1, 1]), got shape {list(array.shape)}")
+    return int(array.reshape(-1)[0])
+
+
+def _check_offset_not_negative(offset: int) -> None:
+    if offset < 0:
+        raise RequestError("negative_offset", f"frame_offset must be >= 0, got {offset}")
+
+
+# ---- 2. dedupe (docs/design.md §2.1) ----------------------------------------------------------------
+
+
+def first_new_frame(
+    settings: Code2WavSettings,
+    correlation_id: int,
+    codes: np.ndarray,
+    offset: Optional[int],
+    history: Optional[CodeHistory],
+    base: int = 0,
+) -> int:
+    """Index within the request (codes [k, F]) of its first frame to decode. `history` holds the
+    frames the stream has decoded from `base` on (None for a stream that starts here)."""
+    if offset is not None:
+        return _first_new_at_offset(correlation_id, codes, offset, history, base)
+    # Without an offset, a request is read against the held frames: those of a resumed stream
+    # start at its base (the frames before it are on no server), so a cumulative request of a
+    # resumed stream holds the frames from its base on.
+    held = 0 if history is None else history.frames
+    request_frames = codes.shape[1]
+    mode = settings.dedupe_mode
+    if mode == "delta" or held == 0:
+        return 0
+    if mode == "cumulative":
+        if request_frames < held:
+            since = f" since frame {base}, where it was resumed on this server" if base else ""
+            raise RequestError(
+                "not_cumulative",
+                f"dedupe_mode=cumulative: the request holds {request_frames} frames but stream "
+                f"{correlation_id} has decoded {held}{since}; a cumulative request starts with all of them",
+            )
+        _check_unchanged(correlation_id, codes[:, :held], history, 0, base)
+        return held
+    # auto: a resend if it starts with the whole history, else a delta
+    if request_frames >= held and history.first_mismatch(codes[:, :held], 0) is None:
+        return held
+    return 0
+
+
+def _first_new_at_offset(
+    correlation_id: int, codes: np.ndarray, offset: int, history: Optional[CodeHistory], base: int
+) -> int:
+    decoded = base + (0 if history is None else history.frames)
+    _check_offset_not_negative(offset)
+    if offset < base:
+        raise RequestError(
+            "before_resume",
+            f"frame_offset {offset} is before frame {base}, where stream {correlation_id} was resumed "
+            f"on this server: frames before {base} are not held here and cannot be compared; "
+            f"send frames from {base} on",
+        )
+    if offset > decoded:
+        raise RequestError(
+            "gap",
+            f"frame_offset {offset} leaves a gap: stream {correlation_id} has decoded {decoded} "
+            f"frames, so frame_offset must be at most {decoded}",
+        )
+    overlap = min(decoded - offset, codes.shape[1])
+    if overlap > 0:
+        _check_unchanged(correlation_id, codes[:, :overlap], history, offset - base, base)
+    return overlap
+
+
+def _check_unchanged(correlation_id: int, codes: np.ndarray, history: CodeHistory, start: int, base: int) -> None:
+    """Compare `codes` with held frames [start, start + m); `base` turns held indices into stream
+    indices for the message."""
+    mismatch = history.first_mismatch(codes, start)
+    if mismatch is not None:
+        raise RequestError(
+            "changed_frame",
+            f"frame {base + start + mismatch} differs from the frame stream {correlation_id} already "
+            f"decoded at that index; decoded frames cannot change (START a new sequence instead)",
+        )
+
+
+# ---- 3. resume (docs/design.md §2.4) ----------------------------------------------------------------
+
+
+def resume_base(correlation_id: int, replay: int, offset: Optional[int], request_frames: int,
+                continuing: Optional[StreamEntry]) -> int:
+    """The base (stream index of the first held frame) of a stream after a request with
+    history_frames=`replay`: a START (`continuing` None) opens a stream at `frame_offset`, 0 without
+    one; a request without START continues a resume sent in pieces (every frame new), so it must
+    start at the stream's next frame and keeps the stream's base."""
+    if not 0 <= replay <= request_frames:
+        raise RequestError(
+            "history",
+            f"history_frames={replay} must lie in [0, {request_frames}]: the request holds {request_frames} "
+            f"frames and its first history_frames of them are the replayed history (stream {correlation_id})",
+        )
+    if continuing is not None:
+        if offset != continuing.next_frame:
+            raise RequestError(
+                "history",
+                f"history_frames={replay} on a continuing stream needs frame_offset={continuing.next_frame}, "
+                f"the stream's next frame (got {offset}): history is decoded once, after the frames stream "
+                f"{correlation_id} holds",
+            )
+        return continuing.base
+    if offset is None:
+        if replay:
+            raise RequestError(
+                "history",
+                f"history_frames={replay} needs frame_offset, the stream index of the request's first "
+                f"frame, to place the history in the stream (stream {correlation_id})",
+            )
+        return 0
+    _check_offset_not_negative(offset)
+    return offset
+
+
+# ---- 4. limits --------------------------------------------------------------------------------------
+
+
+def check_decoded_frames(settings: Code2WavSettings, replay: Optional[int], new_frames: int) -> None:
+    """The frames a request decodes, new and replayed history alike (the decoder runs both), within
+    `max_new_frames_per_request`."""
+    limit = settings.max_new_frames_per_request
+    if replay and replay + new_frames > limit:
+        raise RequestError(
+            "limit",
+            f"request decodes {replay + new_frames} frames ({replay} history_frames + {new_frames} "
+            f"new), more than max_new_frames_per_request={limit}",
+        )
+    if not replay and new_frames > limit:
+        raise RequestError(
+            "limit", f"request has {new_frames} new frames, more than max_new_frames_per_request={limit}"
+        )
+
+
+# ---- decoder calls ----------------------------------------------------------------------------------
+
+
+def decoder_steps(settings: Code2WavSettings, codes: np.ndarray, needs_start: bool, ends: bool,
+                  replay: bool = False) -> Tuple[DecoderStep, ...]:
+    """Frames [k, N] in as few decoder calls as the decoder takes: one call when N <=
+    decoder_max_frames_per_step, else full calls and the remainder last (requests of equal size
+    give equal calls, which the decoder batches); replayed history (`replay`) in calls of
+    `replay_step_frames`. START on the first step when the decoder must (re)start, END on the last."""
+    total = codes.shape[1]
+    per_step = settings.decoder_max_frames_per_step
+    if replay:
+        per_step = min(settings.replay_step_frames, per_step)
+    steps = []
+    for first in range(0, total, per_step):
+        flags = 0
+        if first == 0 and needs_start:
+            flags |= FLAG_SEQUENCE_START
+        if first + per_step >= total and ends:
+            flags |= FLAG_SEQUENCE_END
+        steps.append(DecoderStep(np.ascontiguousarray(codes[None, :, first : first + per_step]), flags, replay=replay))
+    return tuple(steps)
+
+
+def zero_step_codes(settings: Code2WavSettings) -> np.ndarray:
+    """The codes of an END-only step (its output is discarded): one frame of zeros, int32 [1, k, 1]."""
+    return np.zeros((1, settings.num_codebooks, 1), np.int32)

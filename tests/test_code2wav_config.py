@@ -1,0 +1,60 @@
+"""code2wav's config: rendered from export/templates/code2wav.pbtxt.tmpl, its default rendering checked
+in as model_repository/code2wav/config.pbtxt (what the compose services and a plain copy serve)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from mimi_code2wav.export.onnx_export import ExportOptions
+from mimi_code2wav.export.pipeline import spec_for_options
+from mimi_code2wav.export.render import (
+    CHECKED_IN_CODE2WAV_CONFIG,
+    CODE2WAV_IDLE_TIMEOUT_US,
+    CODE2WAV_SLOTS_PER_STREAM,
+    DecoderServing,
+    render_code2wav_config,
+)
+
+
+def parse(text: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def default_spec():
+    return spec_for_options(ExportOptions())
+
+
+def test_checked_in_config_equals_the_default_rendering(default_spec):
+    assert CHECKED_IN_CODE2WAV_CONFIG.read_text() == render_code2wav_config(default_spec), (
+        "model_repository/code2wav/config.pbtxt is stale: edit export/templates/code2wav.pbtxt.tmpl and write "
+        "render_code2wav_config(spec_for_options(ExportOptions())) over it")
+
+
+def test_the_rendering_follows_the_spec_and_the_serving_options(default_spec):
+    spec = dataclasses.replace(default_spec, num_codebooks=16, codebook_size=1024, samples_per_frame=960,
+                               sample_rate_hz=12000, max_frames_per_step=4)
+    serving = DecoderServing(model_name="other_decoder", max_candidate_sequences=100, front_instances=3,
+                             front_queue_delay_us=500)
+    config = parse(render_code2wav_config(spec, serving))
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert parameters["decoder_model_name"] == "other_decoder"
+    assert [parameters[name] for name in ("num_codebooks", "codebook_size", "samples_per_frame", "sample_rate_hz",
+                                          "decoder_max_frames_per_step")] == ["16", "1024", "960", "12000", "4"]
+    # Each of the 3 instances admits its share of the decoder's 100 streams, rounded down.
+    assert parameters["max_live_streams"] == "33"
+    assert config.sequence_batching.oldest.max_candidate_sequences == CODE2WAV_SLOTS_PER_STREAM * 33
+    assert config.sequence_batching.oldest.max_queue_delay_microseconds == 500
+    assert config.instance_group[0].count == 3
+    assert config.sequence_batching.max_sequence_idle_microseconds == CODE2WAV_IDLE_TIMEOUT_US
+
+
+def test_the_idle_timeout_is_read_from_the_config():
+    """Render takes code2wav's idle timeout from the config that sets it (the decoder's is rendered above it)."""
+    checked_in = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
+    assert checked_in.sequence_batching.max_sequence_idle_microseconds == CODE2WAV_IDLE_TIMEOUT_US
+    assert DecoderServing().idle_timeout_us > CODE2WAV_IDLE_TIMEOUT_US
