@@ -60,14 +60,11 @@ class TritonPythonModel:
         self._table = core.StreamTable(settings)
         self._executor = None
         self._loop = None
-        self._metrics = _Metrics.create(self._model_name, args["model_version"])
-        self._sweeper = triton_streams.IdleSweeper(
-            settings.stream_idle_timeout_s,
-            self._expire_idle,
-            name=f"{self._model_name}-idle-expiry",
-            log_error=pb_utils.Logger.log_error,
+        self._metrics = triton_streams.GuardedMetrics(self._model_name, args["model_version"], _Metrics,
+                                                      pb_utils.Logger.log_warn)
+        self._sweeper = triton_streams.IdleSweeper.started(
+            self._model_name, settings.stream_idle_timeout_s, self._expire_idle, pb_utils.Logger.log_error
         )
-        self._sweeper.start()
         pb_utils.Logger.log_info(
             f"model '{self._model_name}': decoder '{settings.decoder_model_name}', "
             f"dedupe_mode={settings.dedupe_mode}, stream idle timeout {settings.stream_idle_timeout_s:g} s"
@@ -120,12 +117,7 @@ class TritonPythonModel:
         )
 
     def _report_metrics(self):
-        if self._metrics is not None:
-            try:
-                self._metrics.report(self._table.stats())
-            except Exception as exc:  # metrics must never fail the batch
-                pb_utils.Logger.log_error(f"model '{self._model_name}': custom metrics disabled: {exc}")
-                self._metrics = None
+        self._metrics.report(lambda metrics: metrics.report(self._table.stats()))
 
     async def _decode_step(self, correlation_id, codes, flags):
         """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM FP32
@@ -188,11 +180,8 @@ class TritonPythonModel:
         )
 
     def finalize(self):
-        if not self._sweeper.stop(timeout_s=5.0):
-            pb_utils.Logger.log_warn(f"model '{self._model_name}': the idle sweeper did not stop in 5 s")
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        self._sweeper.close(pb_utils.Logger.log_warn)
+        self._metrics.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
@@ -257,14 +246,6 @@ _METRIC_FAMILIES = (
 class _Metrics:
     """Custom metrics, labelled {model, version} and sent as changes (triton_streams.DeltaMetric), so
     that several instances add up in one series."""
-
-    @classmethod
-    def create(cls, model_name, version):
-        try:
-            return cls(triton_streams.metric_labels(model_name, version))
-        except Exception as exc:  # a server started without metrics support
-            pb_utils.Logger.log_warn(f"model '{model_name}': custom metrics disabled: {exc}")
-            return None
 
     def __init__(self, labels):
         family = pb_utils.MetricFamily
