@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .decoder import decoder_markdown
+from .duplex import duplex_markdown
 from .failover import table as failover_markdown
 from .gpu import gpu_markdown
 from .memory import memory_markdown
@@ -47,6 +48,10 @@ def _sweep(results: dict) -> str:
 
 
 SECTIONS = (
+    Section("duplex-python-ort", "The duplex tick: the python-ort decoder", duplex_markdown, "code2wav-server duplex"),
+    Section("duplex-null", "The duplex tick: the null decoder (the front's ceiling)", duplex_markdown,
+            "code2wav-server duplex --decoder null"),
+    Section("duplex-url", "The duplex tick: a running server", duplex_markdown, "code2wav-server duplex --url HOST:PORT"),
     Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m mimi_code2wav.server.bench.decoder"),
     Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m mimi_code2wav.server.bench.gpu"),
     Section("triton-python-ort", "Through Triton: the python-ort decoder", _sweep, "code2wav-server bench"),
@@ -129,20 +134,31 @@ def _best_rate(run: dict) -> dict | None:
 
 
 def headline(directory: Path = RECORD_DIR) -> str:
-    """The README's performance table: paced streams in real time and requests/s through Triton, for
-    the python-ort and the null decoder, each with its machine, command, commit and date."""
+    """The README's performance table, for the python-ort and the null decoder: the conversations a
+    duplex pipeline can tick within the playout budget per policy (`duplex`), and paced streams in real
+    time and requests/s through Triton (`bench`), each run with its machine, command, commit and date."""
     runs = _runs(directory)
-    lines = ["| decoder behind Triton | paced live streams in real time | requests/s (unpaced) |", "|---|---:|---:|"]
+    lines = ["| decoder behind Triton | duplex conversations within budget: per-frame / ramp 1+5 / catch-up "
+             "| paced live streams in real time | requests/s (unpaced) |", "|---|---:|---:|---:|"]
     stamps = []
-    for kind, name in (("triton-python-ort", "python-ort"), ("triton-null", "null (the front's ceiling)")):
-        if kind not in runs:
+    for decoder, name in (("python-ort", "python-ort"), ("null", "null (the front's ceiling)")):
+        duplex, sweep = runs.get(f"duplex-{decoder}"), runs.get(f"triton-{decoder}")
+        if duplex is None and sweep is None:
             continue
-        run, best = runs[kind], _best_rate(runs[kind])
+        most = duplex["most_conversations"] if duplex else {}
+        ticks = " / ".join(str(most.get(policy, "-")) for policy in ("per-frame", "ramp 1+5", "catch-up"))
+        if duplex:
+            ticks += f" ({duplex['meta']['budget_ms']:g} ms)"
+        best = _best_rate(sweep) if sweep else None
         rate = "-" if best is None else (f"{best['requests_per_s']:.0f} ({best['streams']} streams, "
                                          f"{best['chunk_frames']} frame(s) per request)")
-        lines.append(f"| {name} | {run['summary'].get('paced_streams_in_real_time', '-')} | {rate} |")
-        meta = run["meta"]
-        stamps.append(f"- {name}: {meta['machine']}; `{meta['command']}`; commit {meta['commit']}, {meta['date']}")
+        paced = sweep["summary"].get("paced_streams_in_real_time", "-") if sweep else "-"
+        lines.append(f"| {name} | {ticks} | {paced} | {rate} |")
+        for run in (duplex, sweep):
+            if run is not None:
+                meta = run["meta"]
+                stamps.append(f"- {meta['kind']}: {meta['machine']}; `{meta['command']}`; commit {meta['commit']}, "
+                              f"{meta['date']}")
     if not stamps:
         return "No run through Triton is recorded yet: see [docs/benchmarks.md](docs/benchmarks.md)."
     return "\n".join([*lines, "", *stamps, "", "Every run: [docs/benchmarks.md](docs/benchmarks.md)."])
