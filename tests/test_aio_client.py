@@ -5,6 +5,7 @@ of the same codes (docs/design.md §2.3 "equal")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -225,7 +226,8 @@ def test_streams_of_a_lost_server_resume_on_the_next_one(served_repository, code
         try:
             results = asyncio.run(run())
         finally:
-            os.killpg(server_a.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server_a.pid, signal.SIGKILL)
     for name, (stream, pcm) in zip(names, results):
         (resume,) = stream.resumes
         assert (resume.frame, resume.history_frames, resume.url) == (40, 40, code2wav_server.grpc_url)
