@@ -43,6 +43,7 @@ import numpy as np
 
 from .plan import Send, StreamPlan
 from .protocol import (
+    CHANNEL_ARGS,
     DEFAULT_OPTIONS,
     DEFAULT_URL,
     STREAM_KEY_HEADER,
@@ -57,22 +58,13 @@ from .protocol import (
 # Calls of one stream that may wait behind its request in flight.
 DEFAULT_MAX_PENDING_CALLS = 16
 
-# One channel per server, shared by every stream of the client; reconnects within a second after a
-# failure instead of gRPC's default backoff of up to two minutes.
-CHANNEL_ARGS = (
-    ("grpc.max_send_message_length", 2**31 - 1),
-    ("grpc.max_receive_message_length", 2**31 - 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-
 
 class Code2WavClient:
-    """Streams of codes decoded by code2wav, from one event loop. `urls`: one server (or a proxy),
-    or several to fail over between. `options`: `model_name`, `response_timeout_s` (each request's
-    deadline) and the `resume_*` fields apply; requests always carry `frame_offset`. Use it as an
-    async context manager, or `await close()`; the channels open on first use, in the running loop."""
+    """Streams of codes decoded by code2wav, from one event loop, over one channel per server (shared
+    by every stream of the client). `urls`: one server (or a proxy), or several to fail over between.
+    `options`: `model_name`, `response_timeout_s` (each request's deadline) and the `resume_*` fields
+    apply; requests always carry `frame_offset`. Use it as an async context manager, or `await
+    close()`; the channels open on first use, in the running loop."""
 
     def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
                  max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS):

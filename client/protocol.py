@@ -40,6 +40,15 @@ DEFAULT_RESUME_PIECE_FRAMES = 16
 # Waits between resume attempts: none before the first, then doubling up to the cap.
 RESUME_BACKOFF_FIRST_S = 0.1
 RESUME_BACKOFF_MAX_S = 2.0
+# gRPC channel options of the clients: no message size limit, and reconnects within a second after a
+# failure instead of gRPC's default backoff of up to two minutes.
+CHANNEL_ARGS = (
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 # Sequence ids are drawn at random below this bound so that clients sharing a server do not collide.
 _SEQUENCE_ID_LIMIT = 1 << 62
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from .plan import PlannedRequest, Send, StreamPlan
 from .protocol import (
+    CHANNEL_ARGS,
     DEFAULT_OPTIONS,
     FRAME_DURATION_S,
     MODEL_NAME,
@@ -53,16 +54,8 @@ class GrpcConnection:
     """A resumable stream's own gRPC channel to one server: unary requests (one in flight keeps them
     in order), each carrying `STREAM_KEY_HEADER: stream key`."""
 
-    # A channel of its own (no subchannel shared with other clients of this process), and reconnects
-    # within a second instead of gRPC's default backoff of up to two minutes after a failure.
-    CHANNEL_ARGS = (
-        ("grpc.max_send_message_length", 2**31 - 1),
-        ("grpc.max_receive_message_length", 2**31 - 1),
-        ("grpc.use_local_subchannel_pool", 1),
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    )
+    # A channel of its own: no subchannel shared with other clients of this process.
+    CHANNEL_ARGS = (*CHANNEL_ARGS, ("grpc.use_local_subchannel_pool", 1))
 
     def __init__(self, url: str, stream_key: str, model_name: str = MODEL_NAME):
         import tritonclient.grpc as grpcclient
