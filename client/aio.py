@@ -4,13 +4,19 @@
     import numpy as np
     from mimi_code2wav.client.aio import Code2WavClient
 
+    async def conversation(client, codes):                 # codes: int [8, frames], e.g. from a talker
+        pcm = []
+        async with client.stream() as stream:              # one conversation = one stream
+            pcm.append(await stream.decode(codes[:, :1]))  # the first frame alone: float32 [1920], 24 kHz
+            for first in range(1, codes.shape[1], 5):      # then 5 frames per call
+                pcm.append(await stream.decode(codes[:, first : first + 5]))
+        return np.concatenate(pcm)                         # leaving the block sent END
+
     async def main():
-        codes = np.random.default_rng(0).integers(0, 2048, (8, 16))  # 8 codebooks x 16 frames
-        async with Code2WavClient("127.0.0.1:8001") as client:
-            async with client.stream() as stream:            # one conversation = one stream
-                pcm = await stream.decode(codes[:, :1])       # frame 0: float32 [1920], 24 kHz
-                pcm = await stream.decode(codes[:, 1:6])      # frames 1-5: float32 [5 * 1920]
-                pcm = await stream.decode(codes[:, 6:])       # ...; leaving the block sends END
+        rng = np.random.default_rng(0)
+        async with Code2WavClient("127.0.0.1:8001") as client:  # one channel, shared by its streams
+            audio = await asyncio.gather(*(conversation(client, rng.integers(0, 2048, (8, 26))) for _ in range(4)))
+        print([pcm.shape for pcm in audio])                # 4 x (26 * 1920,)
 
     asyncio.run(main())
 

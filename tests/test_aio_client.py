@@ -88,6 +88,19 @@ def test_a_stream_holds_at_most_max_pending_calls_behind_its_request_in_flight()
 # ---- against a real server --------------------------------------------------------------------------
 
 @pytest.mark.server
+def test_the_modules_example_runs(code2wav_server):
+    """The example at the top of client/aio.py (the README's) runs as written, against the test server."""
+    import textwrap
+
+    from mimi_code2wav.client import aio
+
+    example = textwrap.dedent(aio.__doc__.split("\n`Code2WavClient(urls)`")[0].split("\n", 1)[1])
+    assert "asyncio.run(main())" in example
+    exec(compile(example.replace("127.0.0.1:8001", code2wav_server.grpc_url), "client/aio.py example", "exec"), {})
+    assert live_streams(code2wav_server) == 0
+
+
+@pytest.mark.server
 def test_many_streams_share_one_client_and_channel_and_equal_moshi(code2wav_server, scenario, moshi_streams):
     """Eight conversations at once (each scenario stream twice), the first frame alone and then
     5-frame calls, over one client: every stream equal to moshi's decode, all ENDed on the server."""
