@@ -6,7 +6,7 @@
                            [--resume] [--resume-history-frames 250] [--resume-timeout 30]
                            [--stream-key KEY] [--failover-url HOST:PORT ...]
 
-Argument parsing only: the decode command is `client.decode`, streaming is `client.stream`. Needs
+Argument parsing only: the decode command is `client.decode`, streaming is `client.streamer` and `client.resumable`. Needs
 numpy and tritonclient, never PyTorch.
 """
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from .decode import PROGRESS_MIN_FRAMES, decode_command
-from .stream import (
+from .protocol import (
     CODEBOOK_SIZE,
     DEFAULT_CHUNK_FRAMES,
     DEFAULT_RESUME_HISTORY_FRAMES,

@@ -1,6 +1,6 @@
 """`code2wav-client decode`: stream codes through a running server, print a summary, write WAV.
 
-The streaming itself is `client.stream`; this module turns command-line choices into a run and its
+The streaming itself is `client.streamer` and `client.resumable`; this module turns command-line choices into a run and its
 output (progress bar, summary table, WAV files).
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .stream import (
+from .protocol import (
     DEFAULT_RESUME_HISTORY_FRAMES,
     DEFAULT_RESUME_TIMEOUT_S,
     FRAME_DURATION_S,
@@ -22,14 +22,13 @@ from .stream import (
     SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
     ClientError,
-    Code2WavStreamer,
-    RunReport,
     StreamOptions,
-    StreamsFailed,
     random_codes,
-    run_resumable,
     validate_codes,
 )
+from .report import RunReport
+from .resumable import StreamsFailed, run_resumable
+from .streamer import Code2WavStreamer
 from .wav import write_wav
 
 # A progress bar is drawn only on a terminal and only for streams longer than this (20 s of audio).

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .stream import (
+from .protocol import (
     DEFAULT_CHUNK_FRAMES,
     FIRST_CHUNK_FRAMES,
     NUM_CODEBOOKS,

@@ -833,9 +833,9 @@ def test_catch_up_pacing_sends_every_frame_produced_since_the_last_request():
     """Catch-up: nothing is sent while a request is in flight; then one request with every frame that
     exists (frame j exists at j * 80 ms after the stream's start); the first request waits for its
     first frame only."""
-    from mimi_code2wav.client.stream import FRAME_DURATION_S, _Stream
+    from mimi_code2wav.client.streamer import FRAME_DURATION_S, ScheduledStream
 
-    stream = _Stream(7, np.zeros((8, 20), np.int64), StreamOptions(paced=True, catch_up=True), start_offset_s=0.5)
+    stream = ScheduledStream(7, np.zeros((8, 20), np.int64), StreamOptions(paced=True, catch_up=True), start_offset_s=0.5)
     assert stream.catch_up_chunk(now_s=100.0, run_start_s=100.0, first_chunk_frames=1) == 100.5  # not started yet
     assert stream.catch_up_chunk(100.5, 100.0, 1) is None and stream.bounds == [(0, 1)]
     stream.next_chunk = 1  # sent: in flight

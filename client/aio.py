@@ -1,0 +1,184 @@
+"""The asyncio client: many live conversations on one event loop, over one gRPC channel per server.
+
+    import asyncio
+    import numpy as np
+    from mimi_code2wav.client.aio import Code2WavClient
+
+    async def conversation(client, codes):                 # codes: int [8, frames], e.g. from a talker
+        pcm = []
+        async with client.stream() as stream:              # one conversation = one stream
+            pcm.append(await stream.decode(codes[:, :1]))  # the first frame alone: float32 [1920], 24 kHz
+            for first in range(1, codes.shape[1], 5):      # then 5 frames per call
+                pcm.append(await stream.decode(codes[:, first : first + 5]))
+        return np.concatenate(pcm)                         # leaving the block sent END
+
+    async def main():
+        rng = np.random.default_rng(0)
+        async with Code2WavClient("127.0.0.1:8001") as client:  # one channel, shared by its streams
+            audio = await asyncio.gather(*(conversation(client, rng.integers(0, 2048, (8, 26))) for _ in range(4)))
+        print([pcm.shape for pcm in audio])                # 4 x (26 * 1920,)
+
+    asyncio.run(main())
+
+`Code2WavClient(urls)` holds one `tritonclient.grpc.aio` channel per URL, shared by all its streams.
+`client.stream()` opens a conversation: a `Code2WavStream`, one Triton sequence (docs/design.md §2),
+whose `await decode(codes [8, F])` sends the next F frames (any F >= 1) as a delta with
+`frame_offset` and returns their PCM, and whose `await close()` ENDs it. Every request carries the
+gRPC header `code2wav-stream: <stream key>`, so a proxy hashing it keeps a conversation on one
+replica. The rules are the resumable client's (`plan.StreamPlan`, shared with `ResumableStream`):
+
+- a lost server (UNAVAILABLE, no answer within `options.response_timeout_s`, "shutting down", a
+  server that forgot the sequence) is resumed by replay: a new sequence on the next URL (or where
+  the proxy now sends the key) with the last `options.resume_history_frames` frames as history,
+  for up to `options.resume_timeout_s`; each resume is listed in `stream.resumes`;
+- `options.response_timeout_s` is each request's deadline;
+- one request in flight per stream: calls of one stream are sent in call order, one after the other,
+  at most `max_pending_calls` waiting (more raise ClientError at once, handing nothing over);
+- a cancelled `decode` (`asyncio.wait_for`, a task cancelled at barge-in) leaves the stream
+  consistent: its frames stay owed and the next call sends them again before its own, at their
+  offsets; the server decodes those it did not get, and that call returns the PCM of its own frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .plan import Send, StreamPlan
+from .protocol import (
+    CHANNEL_ARGS,
+    DEFAULT_OPTIONS,
+    DEFAULT_URL,
+    STREAM_KEY_HEADER,
+    ClientError,
+    RequestFailure,
+    StreamOptions,
+    infer_inputs,
+    request_failure,
+    response_pcm,
+)
+
+# Calls of one stream that may wait behind its request in flight.
+DEFAULT_MAX_PENDING_CALLS = 16
+
+
+class Code2WavClient:
+    """Streams of codes decoded by code2wav, from one event loop, over one channel per server (shared
+    by every stream of the client). `urls`: one server (or a proxy), or several to fail over between.
+    `options`: `model_name`, `response_timeout_s` (each request's deadline) and the `resume_*` fields
+    apply; requests always carry `frame_offset`. Use it as an async context manager, or `await
+    close()`; the channels open on first use, in the running loop."""
+
+    def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
+                 max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS):
+        options.validate()
+        if not options.send_frame_offset:
+            raise ClientError("the asyncio client sends frame_offset with every request (send_frame_offset=True)")
+        if max_pending_calls < 0:
+            raise ClientError(f"max_pending_calls must be >= 0, got {max_pending_calls}")
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ClientError("the client needs at least one server URL")
+        self.options = options
+        self.max_pending_calls = max_pending_calls
+        self._channels: dict = {}
+
+    async def __aenter__(self) -> Code2WavClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channels. Streams not ENDed are dropped by the server after its idle timeout."""
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+    def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
+        """A new conversation. `sequence_id`: non-zero, default random; `stream_key`: what the proxy
+        routes on, default the sequence id in decimal."""
+        return Code2WavStream(self, sequence_id, stream_key)
+
+    def _channel(self, url: str):
+        if url not in self._channels:
+            import tritonclient.grpc.aio as grpcclient
+
+            self._channels[url] = grpcclient.InferenceServerClient(url, channel_args=list(CHANNEL_ARGS))
+        return self._channels[url]
+
+    async def _infer(self, stream: Code2WavStream, step: Send) -> np.ndarray | RequestFailure:
+        """One request of `stream`: its `model_outputs`, or the RequestFailure it ended with."""
+        import tritonclient.grpc.aio as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        request = step.request
+        try:
+            result = await self._channel(step.url).infer(
+                self.options.model_name, infer_inputs(grpcclient, request.arrays), sequence_id=stream.sequence_id,
+                sequence_start=request.start, sequence_end=request.end,
+                headers={STREAM_KEY_HEADER: stream.stream_key}, client_timeout=self.options.response_timeout_s,
+            )
+        except InferenceServerException as exc:
+            return request_failure(exc)
+        return response_pcm(result, f"{step.url}, sequence {stream.sequence_id}, {request.describe()}")
+
+
+class Code2WavStream(StreamPlan):
+    """One conversation of a `Code2WavClient` (see the module's docstring). Read-only attributes:
+    `sequence_id`, `stream_key`, `url`, `next_frame` (frames whose PCM came back), `ended`, `resumes`."""
+
+    def __init__(self, client: Code2WavClient, sequence_id: int | None, stream_key: str | None):
+        super().__init__(client.urls, client.options, sequence_id, stream_key, time.monotonic)
+        self._client = client
+        self._turn = asyncio.Lock()  # held by the call whose request is in flight; FIFO: calls stay in order
+        self._pending_calls = 0
+
+    async def __aenter__(self) -> Code2WavStream:
+        return self
+
+    async def __aexit__(self, exc_type, *exc_info) -> None:
+        if exc_type is None:
+            await self.close()
+
+    async def decode(self, codes: np.ndarray, end: bool = False) -> np.ndarray:
+        """Decode the stream's next frames, codes [8, F] (F >= 1), the last ones with `end`; returns
+        their PCM, float32 [F * 1920]. Raises ClientError when the stream cannot go on."""
+        if self._pending_calls > self.max_pending_calls:
+            raise ClientError(f"stream {self.stream_key}: {self._pending_calls - 1} calls already wait behind "
+                              f"the request in flight (max_pending_calls={self.max_pending_calls})")
+        first, stop = self.hand(codes, end)
+        self._pending_calls += 1
+        try:
+            async with self._turn:
+                return await self._exchange(first, stop, end)
+        finally:
+            self._pending_calls -= 1
+
+    async def close(self) -> None:
+        """END the stream: a request carrying the frames still owed (none: no frame), after the calls
+        waiting. Nothing is sent for a stream that never sent a frame, that ended, or whose server
+        no longer holds it."""
+        async with self._turn:
+            if self.ended or self.handed_frames == 0 or (self._needs_start and self.handed_frames == self.next_frame):
+                return
+            await self._exchange(self.handed_frames, self.handed_frames, True)
+
+    @property
+    def max_pending_calls(self) -> int:
+        return self._client.max_pending_calls
+
+    async def _exchange(self, first: int, stop: int, end: bool) -> np.ndarray:
+        """Drive `StreamPlan.exchange`: send what it asks for, wait what it asks; a cancelled call
+        abandons it, leaving its frames owed."""
+        steps = self.exchange(first, stop, end)
+        step = next(steps)
+        while True:
+            outcome = await (self._client._infer(self, step) if isinstance(step, Send) else asyncio.sleep(step))
+            try:
+                step = steps.send(outcome)
+            except StopIteration as done:
+                return done.value

@@ -1,0 +1,241 @@
+"""The request contract of `code2wav` as every client of this package speaks it (docs/design.md §2).
+
+Codes to request tensors (`input_ids`, `frame_offset`, `history_frames`), the answer's checks (sample
+rate, sample count), which failures a resume can fix, sequence ids and the options of a stream. No
+I/O: the clients (`streamer`, `resumable`, `aio`) send what this module builds.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+MODEL_NAME = "code2wav"
+DEFAULT_URL = "127.0.0.1:8001"
+NUM_CODEBOOKS = 8
+CODEBOOK_SIZE = 2048
+SAMPLE_RATE_HZ = 24000
+SAMPLES_PER_FRAME = 1920
+FRAME_DURATION_S = SAMPLES_PER_FRAME / SAMPLE_RATE_HZ  # 80 ms: one frame every 80 ms
+DEFAULT_CHUNK_FRAMES = 4
+FIRST_CHUNK_FRAMES = 1
+MODES = ("delta", "cumulative")
+PCM_OUTPUT = "model_outputs"
+SAMPLE_RATE_OUTPUT = "sr"
+HISTORY_FRAMES_INPUT = "history_frames"
+# gRPC metadata sent with every request of a resumable stream; its value (the stream key) is the
+# same for all of them, so a proxy hashing it (nginx: `hash $http_code2wav_stream consistent`)
+# sends a whole stream to one replica.
+STREAM_KEY_HEADER = "code2wav-stream"
+# Frames replayed when a stream resumes: 250 frames (20 s) rebuild the decoder state to >= 86 dB SNR
+# in the first second after the resume (`python -m mimi_code2wav.server.bench.resume`).
+DEFAULT_RESUME_HISTORY_FRAMES = 250
+DEFAULT_RESUME_TIMEOUT_S = 30.0
+# History frames per resume request: short requests, each answered within moments even while many
+# streams share the server's replay lane (docs/design.md §2.4).
+DEFAULT_RESUME_PIECE_FRAMES = 16
+# Waits between resume attempts: none before the first, then doubling up to the cap.
+RESUME_BACKOFF_FIRST_S = 0.1
+RESUME_BACKOFF_MAX_S = 2.0
+# gRPC channel options of the clients: no message size limit, and reconnects within a second after a
+# failure instead of gRPC's default backoff of up to two minutes.
+CHANNEL_ARGS = (
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+# Sequence ids are drawn at random below this bound so that clients sharing a server do not collide.
+_SEQUENCE_ID_LIMIT = 1 << 62
+
+
+class ClientError(RuntimeError):
+    """A failure the user can act on; the message is one line."""
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    chunk_frames: int = DEFAULT_CHUNK_FRAMES
+    first_chunk_frames: int = FIRST_CHUNK_FRAMES
+    mode: str = "delta"  # delta: each request holds its new frames; cumulative: the stream so far
+    send_frame_offset: bool = True
+    paced: bool = False
+    # Paced only: at most one request in flight per stream, each carrying every frame produced since
+    # the last one (chunk_frames then only sizes the first request): a live client that catches up
+    # with multi-frame requests when the server is slower than real time, instead of queueing.
+    catch_up: bool = False
+    model_name: str = MODEL_NAME
+    # A request without an answer for this long fails the run (a resumable stream resumes instead).
+    response_timeout_s: float = 60.0
+    # Resumable streams only: frames replayed as history when resuming, and how long to keep trying.
+    resume_history_frames: int = DEFAULT_RESUME_HISTORY_FRAMES
+    resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S
+    # Resumable streams only: the history travels in requests of at most this many history frames.
+    resume_piece_frames: int = DEFAULT_RESUME_PIECE_FRAMES
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ClientError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.chunk_frames < 1 or self.first_chunk_frames < 1:
+            raise ClientError("chunk sizes must be >= 1 frame")
+        if self.catch_up and not self.paced:
+            raise ClientError("catch_up paces requests: it needs paced=True")
+        if self.resume_piece_frames < 1:
+            raise ClientError(f"resume_piece_frames must be >= 1, got {self.resume_piece_frames}")
+        if self.resume_history_frames < 0:
+            raise ClientError(f"resume_history_frames must be >= 0, got {self.resume_history_frames}")
+        if not self.resume_timeout_s > 0 or not self.response_timeout_s > 0:
+            raise ClientError(
+                f"timeouts must be > 0 s, got response {self.response_timeout_s:g} s, resume {self.resume_timeout_s:g} s"
+            )
+
+
+# The options a client uses unless given others (frozen: shared safely as a default argument).
+DEFAULT_OPTIONS = StreamOptions()
+
+
+def chunk_bounds(total_frames: int, chunk_frames: int, first_chunk_frames: int = FIRST_CHUNK_FRAMES) -> list[tuple[int, int]]:
+    """[start, stop) frame ranges of the requests for a stream of `total_frames` frames: the first
+    holds `first_chunk_frames`, the others `chunk_frames` (the last one the remainder)."""
+    if total_frames < 1:
+        raise ValueError(f"a stream needs at least one frame, got {total_frames}")
+    if chunk_frames < 1 or first_chunk_frames < 1:
+        raise ValueError(f"chunk sizes must be >= 1, got first {first_chunk_frames}, then {chunk_frames}")
+    bounds = [(0, min(first_chunk_frames, total_frames))]
+    while bounds[-1][1] < total_frames:
+        start = bounds[-1][1]
+        bounds.append((start, min(start + chunk_frames, total_frames)))
+    return bounds
+
+
+def validate_codes(codes: np.ndarray, num_codebooks: int = NUM_CODEBOOKS, codebook_size: int = CODEBOOK_SIZE) -> np.ndarray:
+    """Codes as int64 [k, F]; a leading batch dimension of 1 is dropped. Raises ClientError."""
+    codes = np.asarray(codes)
+    if codes.ndim == 3 and codes.shape[0] == 1:
+        codes = codes[0]
+    if codes.ndim != 2 or codes.shape[0] != num_codebooks or codes.shape[1] < 1:
+        raise ClientError(f"codes must have shape [{num_codebooks}, frames] with frames >= 1, got {list(codes.shape)}")
+    if not np.issubdtype(codes.dtype, np.integer):
+        raise ClientError(f"codes must be integers, got dtype {codes.dtype}")
+    if codes.min() < 0 or codes.max() >= codebook_size:
+        raise ClientError(f"codes must lie in [0, {codebook_size}), got [{codes.min()}, {codes.max()}]")
+    return codes.astype(np.int64)
+
+
+def random_codes(frames: int, seed: int, num_codebooks: int = NUM_CODEBOOKS, codebook_size: int = CODEBOOK_SIZE) -> np.ndarray:
+    """Seeded uniform codes, int64 [k, frames]."""
+    return np.random.default_rng(seed).integers(0, codebook_size, (num_codebooks, frames), dtype=np.int64)
+
+
+def contract_arrays(codes: np.ndarray, frame_offset: int | None = None,
+                    history_frames: int | None = None) -> dict[str, np.ndarray]:
+    """Request tensors for codes [k, F]: `input_ids` INT64 [1, k*F] (codebook-major), and the optional
+    scalars `frame_offset` and `history_frames` as INT64 [1, 1]."""
+    arrays = {"input_ids": np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1)}
+    if frame_offset is not None:
+        arrays["frame_offset"] = np.array([[frame_offset]], np.int64)
+    if history_frames is not None:
+        arrays[HISTORY_FRAMES_INPUT] = np.array([[history_frames]], np.int64)
+    return arrays
+
+
+def request_arrays(codes: np.ndarray, start: int, stop: int, mode: str, send_frame_offset: bool) -> dict[str, np.ndarray]:
+    """The request tensors (batch dimension included) for frames [start, stop) of a stream."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    first = start if mode == "delta" else 0
+    return contract_arrays(codes[:, first:stop], first if send_frame_offset else None)
+
+
+def infer_inputs(grpc_module, arrays: dict[str, np.ndarray]) -> list:
+    """The request tensors as `InferInput`s of `grpc_module` (tritonclient.grpc or tritonclient.grpc.aio)."""
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpc_module.InferInput(name, list(array.shape), "INT64")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def response_pcm(result, where: str) -> np.ndarray:
+    """The PCM of an answer (a tritonclient InferResult), `model_outputs` as sent (empty when absent),
+    after checking that the answer's sample rate is SAMPLE_RATE_HZ. Raises ClientError naming `where`."""
+    sample_rate = result.as_numpy(SAMPLE_RATE_OUTPUT)
+    if sample_rate is not None and int(sample_rate.reshape(-1)[0]) != SAMPLE_RATE_HZ:
+        raise ClientError(f"{where}: server reports sample rate {int(sample_rate.reshape(-1)[0])}, expected {SAMPLE_RATE_HZ}")
+    pcm = result.as_numpy(PCM_OUTPUT)
+    return np.zeros(0, np.float32) if pcm is None else pcm
+
+
+def checked_pcm(pcm: np.ndarray, expected_frames: int | tuple[int, int], where: str) -> np.ndarray:
+    """`pcm` as float32 [N * 1920], checked to hold whole frames, N = `expected_frames` (or in the
+    [least, most] range given). Raises ClientError naming `where`."""
+    least, most = (expected_frames, expected_frames) if isinstance(expected_frames, int) else expected_frames
+    pcm = np.asarray(pcm).reshape(-1)
+    if pcm.size % SAMPLES_PER_FRAME or not least * SAMPLES_PER_FRAME <= pcm.size <= most * SAMPLES_PER_FRAME:
+        wanted = least * SAMPLES_PER_FRAME if least == most else f"{least * SAMPLES_PER_FRAME}-{most * SAMPLES_PER_FRAME}"
+        raise ClientError(f"{where}: expected {wanted} samples, got {pcm.size}")
+    return pcm.astype(np.float32, copy=False)
+
+
+def draw_sequence_ids(count: int, given: Sequence[int] | None = None) -> list[int]:
+    """`count` distinct non-zero sequence ids: the given ones (checked) or consecutive ones from a
+    random start (clients sharing a server must not reuse each other's live ids: a START on a live
+    id resets that stream)."""
+    if given is None:
+        base = int.from_bytes(os.urandom(8), "little") % (_SEQUENCE_ID_LIMIT - count) + 1
+        return [base + i for i in range(count)]
+    given = list(given)
+    if len(given) != count or len(set(given)) != count or 0 in given:
+        raise ClientError("sequence ids must be distinct, non-zero, one per stream")
+    return given
+
+
+def grpc_reason(exc: Exception) -> str:
+    """The useful part of a gRPC error, one line."""
+    text = " ".join(str(exc).split())
+    if "Connection refused" in text or "connection refused" in text:
+        return "connection refused"
+    if "Deadline Exceeded" in text or "DEADLINE_EXCEEDED" in text:
+        return "no answer in time"
+    return text
+
+
+class RequestFailure(Exception):
+    """A request that got no PCM back, as one line. `resumable`: the server holding the stream is gone
+    or going, or no longer holds the sequence, so the stream can go on in a new sequence."""
+
+    def __init__(self, message: str, resumable: bool):
+        super().__init__(message)
+        self.resumable = resumable
+
+
+# gRPC statuses of a server that is unreachable, gone mid-request or not answering.
+_RESUMABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
+# Answers meaning that the server no longer holds the stream, whatever their status: code2wav's and
+# Triton's reply to a request of a sequence they do not hold (a restarted server, an expired or
+# ended stream) both say "... the START flag"; a server that is exiting says it, and once it has
+# unloaded its models (a drain's last moments) Triton says the model "has no available versions".
+_STREAM_LOST_FRAGMENTS = ("START flag", "the server is shutting down", "has no available versions")
+# A lost connection that some gRPC versions report under another status.
+_CONNECTION_LOST_FRAGMENTS = ("socket closed", "connection reset", "connection refused", "stream removed", "broken pipe")
+
+
+def request_failure(exc: Exception) -> RequestFailure:
+    """A tritonclient InferenceServerException (`status()` like "StatusCode.UNAVAILABLE", `message()`)
+    as a RequestFailure, resumable or not."""
+    status = exc.status() if callable(getattr(exc, "status", None)) else None
+    message = exc.message() if callable(getattr(exc, "message", None)) else None
+    text = " ".join(str(message if message is not None else exc).split())
+    resumable = (
+        status in _RESUMABLE_STATUSES
+        or any(fragment in text for fragment in _STREAM_LOST_FRAGMENTS)
+        or any(fragment in text.lower() for fragment in _CONNECTION_LOST_FRAGMENTS)
+    )
+    if status == "StatusCode.DEADLINE_EXCEEDED":
+        text = f"no answer in time ({text})"
+    return RequestFailure(f"{status.replace('StatusCode.', '')}: {text}" if status else text, resumable)

@@ -1,0 +1,248 @@
+"""The asyncio client (`client.aio`) against real tritonservers: many conversations on one client and
+one channel, cancellation, a lost server resumed by replay; compared with moshi's streaming decode
+of the same codes (docs/design.md §2.3 "equal")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from mimi_code2wav.client.aio import Code2WavClient
+from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, ClientError, StreamOptions, contract_arrays, infer_inputs
+from mimi_code2wav.server.triton import fetch_metrics, metric_value
+
+from mimi_fixtures import assert_equal_audio
+
+# Sequence ids of their own, far from those of the other test modules on the shared server.
+_SEQUENCE_IDS = itertools.count(9_300_001)
+
+
+def ramp(frames: int, first: int = 1, then: int = 5) -> list[tuple[int, int]]:
+    """[start, stop) of the calls of a stream: `first` frames, then `then` frames each."""
+    bounds = [(0, min(first, frames))]
+    while bounds[-1][1] < frames:
+        bounds.append((bounds[-1][1], min(bounds[-1][1] + then, frames)))
+    return bounds
+
+
+def frames_of(pcm: np.ndarray, first: int, stop: int | None = None) -> np.ndarray:
+    return pcm[first * SAMPLES_PER_FRAME : None if stop is None else stop * SAMPLES_PER_FRAME]
+
+
+async def decode_stream(client: Code2WavClient, codes: np.ndarray, calls: list[tuple[int, int]]) -> np.ndarray:
+    """One conversation: the calls in order, then END; its PCM, checked call by call."""
+    pcm = []
+    async with client.stream(sequence_id=next(_SEQUENCE_IDS)) as stream:
+        for first, stop in calls:
+            pcm.append(await stream.decode(codes[:, first:stop]))
+            assert pcm[-1].shape == ((stop - first) * SAMPLES_PER_FRAME,) and pcm[-1].dtype == np.float32
+    assert stream.ended and stream.next_frame == codes.shape[1]
+    return np.concatenate(pcm)
+
+
+def live_streams(server) -> float:
+    return metric_value(fetch_metrics(server.metrics_url), "code2wav_live_streams") or 0.0
+
+
+# ---- units ------------------------------------------------------------------------------------------
+
+def test_the_client_refuses_offsetless_requests_and_empty_url_lists():
+    with pytest.raises(ClientError, match="sends frame_offset with every request"):
+        Code2WavClient("a:1", StreamOptions(send_frame_offset=False))
+    with pytest.raises(ClientError, match="at least one server URL"):
+        Code2WavClient([])
+
+
+def test_a_stream_holds_at_most_max_pending_calls_behind_its_request_in_flight():
+    async def scenario():
+        client = Code2WavClient("a:1", max_pending_calls=1)
+        answer = asyncio.Event()
+
+        async def infer(stream, step):  # a server that answers when told to
+            await answer.wait()
+            return np.zeros(step.request.new_frames * SAMPLES_PER_FRAME, np.float32)
+
+        client._infer = infer
+        stream = client.stream(sequence_id=5)
+        codes = np.zeros((8, 4), np.int64)
+        in_flight = asyncio.ensure_future(stream.decode(codes[:, :1]))
+        waiting = asyncio.ensure_future(stream.decode(codes[:, 1:2]))
+        await asyncio.sleep(0)
+        with pytest.raises(ClientError, match=r"1 calls already wait .* \(max_pending_calls=1\)"):
+            await stream.decode(codes[:, 2:3])
+        assert stream.handed_frames == 2  # the refused call handed nothing over
+        answer.set()
+        assert [len(pcm) for pcm in await asyncio.gather(in_flight, waiting)] == [SAMPLES_PER_FRAME] * 2
+
+    asyncio.run(scenario())
+
+
+# ---- against a real server --------------------------------------------------------------------------
+
+@pytest.mark.server
+def test_the_modules_example_runs(code2wav_server):
+    """The example at the top of client/aio.py (the README's) runs as written, against the test server."""
+    import textwrap
+
+    from mimi_code2wav.client import aio
+
+    example = textwrap.dedent(aio.__doc__.split("\n`Code2WavClient(urls)`")[0].split("\n", 1)[1])
+    assert "asyncio.run(main())" in example
+    exec(compile(example.replace("127.0.0.1:8001", code2wav_server.grpc_url), "client/aio.py example", "exec"), {})
+    assert live_streams(code2wav_server) == 0
+
+
+@pytest.mark.server
+def test_many_streams_share_one_client_and_channel_and_equal_moshi(code2wav_server, scenario, moshi_streams):
+    """Eight conversations at once (each scenario stream twice), the first frame alone and then
+    5-frame calls, over one client: every stream equal to moshi's decode, all ENDed on the server."""
+    names = [*scenario.streams] * 2
+
+    async def run():
+        async with Code2WavClient(code2wav_server.grpc_url) as client:
+            pcm = await asyncio.gather(*(decode_stream(client, scenario.streams[name], ramp(scenario.streams[name].shape[1]))
+                                         for name in names))
+            assert list(client._channels) == [code2wav_server.grpc_url]
+        return pcm
+
+    for name, pcm in zip(names, asyncio.run(run())):
+        assert_equal_audio(pcm, moshi_streams[name], what=f"stream {name} over the asyncio client vs moshi")
+    assert live_streams(code2wav_server) == 0
+
+
+@pytest.mark.server
+def test_a_cancelled_call_leaves_the_stream_consistent(code2wav_server, scenario, moshi_streams):
+    """Three cancellations in one stream: a call waiting behind another (never sent), a call whose
+    request the server decoded but whose answer was abandoned, and a call cancelled while its request
+    is in flight. Each next call carries the owed frames again at their offsets and returns its own
+    frames; the audio of every frame that came back equals moshi's."""
+    codes, reference = scenario.streams["A"], moshi_streams["A"]
+
+    async def run():
+        async with Code2WavClient(code2wav_server.grpc_url) as client:
+            infer, abandon = client._infer, set()
+
+            async def infer_then_maybe_abandon(stream, step):
+                outcome = await infer(stream, step)
+                if step.request.first_new_frame in abandon:  # decoded; the caller is cancelled now
+                    abandon.discard(step.request.first_new_frame)
+                    asyncio.current_task().cancel()
+                    await asyncio.sleep(0)
+                return outcome
+
+            client._infer = infer_then_maybe_abandon
+            stream = client.stream(sequence_id=next(_SEQUENCE_IDS))
+            heard = {}  # first frame -> PCM of the calls that returned
+            heard[0] = await stream.decode(codes[:, :10])
+            # Waiting behind the request in flight, cancelled before it is sent.
+            in_flight = asyncio.ensure_future(stream.decode(codes[:, 10:20]))
+            waiting = asyncio.ensure_future(stream.decode(codes[:, 20:24]))
+            await asyncio.sleep(0)
+            waiting.cancel()
+            heard[10] = await in_flight
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert (stream.next_frame, stream.handed_frames) == (20, 24)
+            heard[24] = await stream.decode(codes[:, 24:30])  # carries 20-23 again: decoded now, not returned
+            # Decoded by the server, the answer abandoned.
+            abandon.add(30)
+            with pytest.raises(asyncio.CancelledError):
+                await stream.decode(codes[:, 30:40])
+            assert (stream.next_frame, stream.handed_frames) == (30, 40)
+            heard[40] = await stream.decode(codes[:, 40:45])  # carries 30-39 again: the server has them
+            # Cancelled while its request is in flight (decoded or not: either is consistent).
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(stream.decode(codes[:, 45:61]), timeout=0.001)
+            heard[61] = await stream.decode(codes[:, 61:80], end=True)
+            assert stream.ended and stream.resumes == []
+        return heard
+
+    heard = asyncio.run(run())
+    for first, pcm in heard.items():
+        stop = first + len(pcm) // SAMPLES_PER_FRAME
+        assert_equal_audio(pcm, frames_of(reference, first, stop), what=f"frames [{first}, {stop}) vs moshi")
+    assert sorted(heard) == [0, 10, 24, 40, 61] and len(heard[61]) == 19 * SAMPLES_PER_FRAME
+    assert live_streams(code2wav_server) == 0
+
+
+@pytest.mark.server
+def test_close_ends_the_stream_with_a_request_of_no_frames(code2wav_server, scenario):
+    codes = scenario.streams["B"]
+
+    async def run():
+        async with Code2WavClient(code2wav_server.grpc_url) as client:
+            stream = client.stream(sequence_id=next(_SEQUENCE_IDS))
+            await stream.decode(codes[:, :3])
+            await stream.close()
+            await stream.close()  # once ended, nothing more is sent
+            assert stream.ended
+            await client.stream().close()  # a stream that sent nothing sends nothing
+        return stream.sequence_id
+
+    sequence_id = asyncio.run(run())
+    with grpcclient.InferenceServerClient(code2wav_server.grpc_url) as client:
+        with pytest.raises(InferenceServerException, match="START"):
+            client.infer("code2wav", infer_inputs(grpcclient, contract_arrays(codes[:, 3:4], 3)), sequence_id=sequence_id)
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_streams_of_a_lost_server_resume_on_the_next_one(served_repository, code2wav_server, scenario, moshi_streams,
+                                                         tmp_path):
+    """Four conversations decode 40 frames on server A; A freezes (SIGSTOP): a request to it misses
+    its deadline. The conversations send their next requests, and A is killed (SIGKILL) with them in
+    flight. Each stream resumes on B with its whole history (fewer frames than R): every frame's PCM
+    once, equal to moshi's uninterrupted decode."""
+    from mimi_code2wav.server.triton import running_server
+
+    names = list(scenario.streams)
+    with running_server(served_repository, log_path=tmp_path / "server-a.log") as server_a:
+
+        async def conversation(client, codes, at_frame_40: list, frozen: asyncio.Event):
+            stream = client.stream(stream_key=f"aio-{next(_SEQUENCE_IDS)}")
+            pcm = [await stream.decode(codes[:, :1])]
+            pcm += [await stream.decode(codes[:, first : first + 13]) for first in range(1, 40, 13)]
+            at_frame_40.append(stream)
+            await frozen.wait()
+            pcm += [await stream.decode(codes[:, 40:56])]
+            pcm += [await stream.decode(codes[:, 56:], end=True)]
+            return stream, np.concatenate(pcm)
+
+        async def run():
+            urls = [server_a.grpc_url, code2wav_server.grpc_url]
+            async with Code2WavClient(urls, StreamOptions(response_timeout_s=60.0)) as client:
+                at_frame_40, frozen = [], asyncio.Event()
+                conversations = asyncio.gather(*(conversation(client, scenario.streams[name], at_frame_40, frozen)
+                                                 for name in names))
+                while len(at_frame_40) < len(names):
+                    await asyncio.sleep(0.01)
+                assert {stream.url for stream in at_frame_40} == {server_a.grpc_url}
+                os.killpg(server_a.pid, signal.SIGSTOP)  # A and its stubs: no request will be answered
+                # The per-request deadline: a stream with nowhere else to go gives up, saying why.
+                options = StreamOptions(response_timeout_s=0.5, resume_timeout_s=1.0)
+                async with Code2WavClient(server_a.grpc_url, options) as frozen_only:
+                    with pytest.raises(ClientError, match=r"could not resume .*DEADLINE_EXCEEDED: no answer in time"):
+                        await frozen_only.stream().decode(scenario.streams["A"][:, :1])
+                frozen.set()
+                await asyncio.sleep(0.5)
+                os.killpg(server_a.pid, signal.SIGKILL)
+                return await conversations
+
+        try:
+            results = asyncio.run(run())
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server_a.pid, signal.SIGKILL)
+    for name, (stream, pcm) in zip(names, results):
+        (resume,) = stream.resumes
+        assert (resume.frame, resume.history_frames, resume.url) == (40, 40, code2wav_server.grpc_url)
+        assert resume.error.startswith("UNAVAILABLE"), resume.error
+        assert_equal_audio(pcm, moshi_streams[name], what=f"stream {name} resumed on B vs moshi")
