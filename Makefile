@@ -19,7 +19,7 @@ REPLICAS ?=
 # A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
-.PHONY: venv lint test serve export bench bench-memory bench-failover record verify clean
+.PHONY: venv lint test serve export bench bench-duplex bench-memory bench-failover record verify clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,14 @@ bench: $(STAMP)
 	status=0; \
 	$(BIN)/code2wav-server bench $(if $(URL),--url $(URL),) || status=1; \
 	$(if $(URL),,$(BIN)/code2wav-server bench --decoder null --out-dir bench_results/null || status=1;) \
+	exit $$status
+
+# Conversations ticking together every 80 ms (per-frame, ramp 1+5, catch-up): the python-ort decoder into
+# bench_results/duplex/, then (local server only) the null decoder into bench_results/duplex-null/.
+bench-duplex: $(STAMP)
+	status=0; \
+	$(BIN)/code2wav-server duplex $(if $(URL),--url $(URL),) || status=1; \
+	$(if $(URL),,$(BIN)/code2wav-server duplex --decoder null --out-dir bench_results/duplex-null || status=1;) \
 	exit $$status
 
 bench-memory: $(STAMP)

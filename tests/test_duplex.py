@@ -1,0 +1,86 @@
+"""The duplex tick benchmark (`server/bench/duplex.py`): its policies turn produced frames into the
+requests a pipeline sends, and a short run against the session's real server with both clients
+accounts for every frame."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mimi_code2wav.server.bench import duplex
+from mimi_code2wav.server.bench.duplex import CATCH_UP, FRAME_S, PER_FRAME, RAMP, ConversationLog, Policy
+
+
+@pytest.mark.parametrize(
+    "policy, produced, sent, total, expected",
+    [
+        pytest.param(PER_FRAME, 0, 0, 10, 0, id="per-frame-nothing-yet"),
+        pytest.param(PER_FRAME, 1, 0, 10, 1, id="per-frame-first"),
+        pytest.param(PER_FRAME, 5, 2, 10, 1, id="per-frame-behind-sends-one"),
+        pytest.param(RAMP, 1, 0, 10, 1, id="ramp-first-alone"),
+        pytest.param(RAMP, 5, 1, 10, 0, id="ramp-waits-for-its-chunk"),
+        pytest.param(RAMP, 6, 1, 10, 5, id="ramp-chunk-of-five"),
+        pytest.param(RAMP, 10, 6, 10, 4, id="ramp-last-chunk-short"),
+        pytest.param(CATCH_UP, 7, 2, 10, 5, id="catch-up-everything-produced"),
+        pytest.param(CATCH_UP, 2, 2, 10, 0, id="catch-up-nothing-new"),
+    ],
+)
+def test_policy_frames_to_send(policy, produced, sent, total, expected):
+    assert policy.frames_to_send(produced, sent, total) == expected
+
+
+def test_due_time_is_the_tick_of_the_chunks_last_frame():
+    start = 100.0
+    assert PER_FRAME.due_s(3, 10, start) == pytest.approx(start + 3 * FRAME_S)
+    # Ramp 1+5: frame 0 alone, frames 1-5 due at frame 5's tick, 6-9 (the short last chunk) at frame 9's.
+    assert [RAMP.due_s(j, 10, start) for j in (0, 1, 5, 6, 9)] == pytest.approx(
+        [start, start + 5 * FRAME_S, start + 5 * FRAME_S, start + 9 * FRAME_S, start + 9 * FRAME_S])
+    assert CATCH_UP.due_s(4, 10, start) == pytest.approx(start + 4 * FRAME_S)
+    assert [p.label for p in (PER_FRAME, RAMP, CATCH_UP)] == ["per-frame", "ramp 1+5", "catch-up"]
+    with pytest.raises(ValueError, match="chunk sizes must be >= 1"):
+        Policy("broken", chunk_frames=0)
+
+
+def test_summary_counts_late_and_missing_frames_as_misses():
+    start = 10.0
+    on_time, late = ConversationLog(4), ConversationLog(4)
+    on_time.arrival_s[:] = start + np.arange(4) * FRAME_S + 0.01
+    late.arrival_s[:3] = start + np.arange(3) * FRAME_S + np.array([0.01, 0.2, 0.01])  # frame 3 never came
+    on_time.requests, late.requests = 4, 3
+    result = duplex.summarize("asyncio", PER_FRAME, [on_time, late], start, budget_ms=80, cpu_s=0.07, wall_s=1.0)
+    assert result.misses == 2 and result.requests == 7 and not result.meets_budget
+    assert result.latency_ms["max"] == pytest.approx(200, abs=1e-6)
+    assert result.client_cpu_ms_per_request == pytest.approx(10)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("drive", [duplex.run_async, duplex.run_threads], ids=["asyncio", "threads"])
+def test_a_short_duplex_run_gets_every_frame_back(code2wav_server, drive):
+    result = drive(code2wav_server.grpc_url, conversations=3, frames=12, policy=RAMP, budget_ms=10_000)
+    assert result.failed is None and result.conversations == 3 and result.frames == 12
+    # Ramp 1+5 over 12 frames: requests of 1, 5, 5 and 1 frames per conversation, every frame answered.
+    assert result.requests == 3 * 4 and result.misses == 0
+    assert 0 < result.latency_ms["p50"] <= result.latency_ms["p99"] <= result.latency_ms["max"]
+    assert result.client_cpu_ms_per_request > 0
+
+
+@pytest.mark.server
+def test_the_duplex_command_writes_its_record(code2wav_server, tmp_path):
+    from mimi_code2wav.server.__main__ import main
+    from mimi_code2wav.server.bench import record
+
+    out = tmp_path / "duplex"
+    assert main(["duplex", "--url", code2wav_server.grpc_url, "--conversations", "2,3", "--policies", "per-frame,catch-up",
+                 "--seconds", "0.8", "--budget-ms", "10000", "--compare-at", "2", "--out-dir", str(out)]) == 0
+    results = json.loads((out / "duplex.json").read_text())
+    assert results["meta"]["kind"] == "duplex-url" and results["frames"] == 10
+    assert [(p["policy"], p["conversations"]) for p in results["points"]] == [
+        ("per-frame", 2), ("per-frame", 3), ("catch-up", 2), ("catch-up", 3)]
+    assert results["most_conversations"] == {"per-frame": 3, "catch-up": 3}
+    assert [p["client"] for p in results["compared"]] == ["asyncio", "threads"]
+    # The record renders it under its own section.
+    records = tmp_path / "records"
+    record.add_run(out / "duplex.json", records)
+    assert "## The duplex tick: a running server" in record.render_record(records)
