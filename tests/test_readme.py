@@ -45,6 +45,8 @@ NOT_RUN = {
         "no Docker engine here; test_compose.py checks the scale profile's structure",
     "kubectl apply -f deploy/kubernetes/code2wav-triton.yaml -f deploy/kubernetes/gateway-envoy.yaml":
         "no cluster here; test_replicas.py checks the manifests' structure and routing policy",
+    "make bench-duplex": "minutes of load on the shared cores; test_duplex.py runs the same command "
+                         "(code2wav-server duplex) with small arguments against a real server",
     "make bench-memory": "a minute of a full server and 64 streams; test_serving.py's memory test runs the same "
                          "measurement (server.memory) at 32 streams and asserts its bounds",
     ".venv/bin/code2wav-export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "
