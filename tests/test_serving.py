@@ -904,12 +904,12 @@ def test_sigterm_with_streams_in_flight_unloads_both_models_without_waiting_out_
         served_repository, tmp_path):
     """SIGTERM while 8 streams keep requests in flight: every request gets its answer or an error
     saying the server is shutting down; both models unload and the server exits inside the exit
-    timeout the launchers use (25 s), with no non-graceful-termination line, no in-flight inference
+    timeout the launchers use (DEFAULT_EXIT_TIMEOUT_S), with no non-graceful-termination line, no in-flight inference
     left, no process or shared memory.
 
     Triton counts every live sequence as an in-flight inference and no request reaches the decoder
     while the server exits (so nothing can END a sequence there): streams the clients abandon leave
-    by the idle timeouts, 10 s in code2wav and 12 s in the decoder; the exit takes about that."""
+    by the idle timeouts (code2wav's, and the decoder's a margin above it); the exit takes about that."""
     from mimi_code2wav.server.triton import running_server
 
     log = tmp_path / "server.log"
