@@ -14,7 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME
 from mimi_code2wav.export.reference import moshi_stream_decode, snr_db
+
+from helpers import export_spec
 
 SEED = 1234
 CODES_SEED = 5
@@ -62,7 +65,7 @@ class Scenario:
     placement: dict[str, tuple[int, int, int]]
 
 
-def make_scenario(num_codebooks: int = 8, codebook_size: int = 2048, seed: int = CODES_SEED) -> Scenario:
+def make_scenario(num_codebooks: int = NUM_CODEBOOKS, codebook_size: int = CODEBOOK_SIZE, seed: int = CODES_SEED) -> Scenario:
     rng = np.random.default_rng(seed)
     streams = {
         "A": rng.integers(0, codebook_size, (num_codebooks, CALLS)),
@@ -111,7 +114,7 @@ def run_scenario(step_fn, zero_state_fn, scenario: Scenario, schedule: int | tup
     return np.concatenate(chunks, axis=1)
 
 
-def stream_audio(pcm: np.ndarray, scenario: Scenario, name: str, samples_per_frame: int = 1920) -> np.ndarray:
+def stream_audio(pcm: np.ndarray, scenario: Scenario, name: str, samples_per_frame: int = SAMPLES_PER_FRAME) -> np.ndarray:
     row, first, frames = scenario.placement[name]
     return pcm[row, first * samples_per_frame : (first + frames) * samples_per_frame]
 
@@ -145,7 +148,7 @@ def moshi_checkpoint(tmp_path_factory):
     from moshi.models.loaders import get_mimi
 
     torch.manual_seed(SEED)
-    model = get_mimi(None, device="cpu", num_codebooks=8)
+    model = get_mimi(None, device="cpu", num_codebooks=NUM_CODEBOOKS)
     randomize_(model, SEED)
     model.eval()
     path = tmp_path_factory.mktemp("moshi") / "tokenizer-test-checkpoint.safetensors"
@@ -175,7 +178,7 @@ def moshi_streams(moshi_checkpoint, scenario):
     # Shorter streams are padded at the end: streaming is causal, so padding cannot change earlier audio.
     padded = np.stack([np.pad(scenario.streams[n], ((0, 0), (0, CALLS - scenario.streams[n].shape[1]))) for n in names])
     pcm = moshi_stream_decode(model, padded)
-    return {n: pcm[i, : scenario.streams[n].shape[1] * 1920] for i, n in enumerate(names)}
+    return {n: pcm[i, : scenario.streams[n].shape[1] * SAMPLES_PER_FRAME] for i, n in enumerate(names)}
 
 
 @pytest.fixture(scope="session")
@@ -229,18 +232,46 @@ def spec_zero_state(spec):
 
 
 @pytest.fixture(scope="session")
+def ort_decode(onnx_fp32):
+    """The served ONNX step run directly in ONNX Runtime, `frames_per_call` frames per call:
+    `decode(codes [k, T], frames_per_call=1) -> PCM float32 [T * 1920]` (the stream alone, batch 1);
+    codes [B, k, T] -> PCM [B, T * 1920] (the B streams batched)."""
+    step = ort_step_fn(ort_session(onnx_fp32))
+    zero_state = spec_zero_state(export_spec(onnx_fp32))
+
+    def decode(codes: np.ndarray, frames_per_call: int = 1) -> np.ndarray:
+        codes = np.asarray(codes)
+        batch = codes if codes.ndim == 3 else codes[None]
+        state, chunks = zero_state(batch.shape[0]), []
+        for first in range(0, batch.shape[2], frames_per_call):
+            pcm, *state = step(np.ascontiguousarray(batch[:, :, first : first + frames_per_call], dtype=np.int32), state)
+            chunks.append(np.asarray(pcm))
+        pcm = np.concatenate(chunks, axis=1)
+        return pcm if codes.ndim == 3 else pcm[0]
+
+    return decode
+
+
+@pytest.fixture(scope="session")
 def served_repository(onnx_fp32, tmp_path_factory):
     """A python-ort model repository (code2wav + mimi_decoder) over the real-architecture export."""
-    from mimi_code2wav.export.onnx_export import read_manifest
     from mimi_code2wav.export.render import DecoderServing, render_repository
-    from mimi_code2wav.export.spec import DecoderSpec
 
-    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
     out = tmp_path_factory.mktemp("served") / "model_repository"
-    return render_repository(spec, onnx_fp32 / "model.onnx", out, "python-ort", DecoderServing(instance_kind="KIND_CPU"))
+    return render_repository(export_spec(onnx_fp32), onnx_fp32 / "model.onnx", out, "python-ort",
+                             DecoderServing(instance_kind="KIND_CPU"))
 
 
 @pytest.fixture(scope="session")
 def code2wav_server(served_repository, triton_server_factory):
     """A real tritonserver serving code2wav + the python-ort mimi_decoder (started once per session)."""
     return triton_server_factory(served_repository)
+
+
+@pytest.fixture
+def grpc_client(code2wav_server):
+    """A gRPC client of the session's code2wav server."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(code2wav_server.grpc_url) as client:
+        yield client

@@ -14,12 +14,17 @@ import numpy as np
 import pytest
 
 from mimi_code2wav.client.stream import (
+    CODEBOOK_SIZE,
+    NUM_CODEBOOKS,
+    SAMPLE_RATE_HZ,
+    SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
     ClientError,
     ReplayBuffer,
     ResumableStream,
     StreamOptions,
     chunk_bounds,
+    random_codes,
     request_arrays,
     request_failure,
     run_resumable,
@@ -28,11 +33,10 @@ from mimi_code2wav.client.stream import (
 from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
 from mimi_code2wav.server.triton import fetch_metrics, free_port, metric_value
 
+from helpers import MODEL_REPOSITORY, REPO_ROOT, load_model_module
 from mimi_fixtures import assert_equal_audio
 
-ROOT = Path(__file__).resolve().parent.parent
 FRAMES = 40
-SAMPLES_PER_FRAME = 1920
 
 
 # ---- units ----------------------------------------------------------------------------------------
@@ -66,8 +70,8 @@ def test_request_arrays_delta_and_cumulative():
     "codes, message",
     [
         pytest.param(np.zeros((4, 3), np.int64), "shape [8, frames]", id="codebooks"),
-        pytest.param(np.full((8, 3), 2048), "[0, 2048)", id="range"),
-        pytest.param(np.zeros((8, 3), np.float32), "integers", id="dtype"),
+        pytest.param(np.full((NUM_CODEBOOKS, 3), CODEBOOK_SIZE), "[0, 2048)", id="range"),
+        pytest.param(np.zeros((NUM_CODEBOOKS, 3), np.float32), "integers", id="dtype"),
     ],
 )
 def test_validate_codes_rejects(codes, message):
@@ -78,19 +82,19 @@ def test_validate_codes_rejects(codes, message):
 def test_float32_wav_is_ieee_float_and_round_trips(tmp_path):
     pcm = np.random.default_rng(0).normal(0, 2, 1001).astype(np.float32)
     path = tmp_path / "x.wav"
-    write_wav(path, pcm, 24000, "float32")
+    write_wav(path, pcm, SAMPLE_RATE_HZ, "float32")
     blob = path.read_bytes()
     format_tag, channels, rate = struct.unpack("<HHI", blob[20:28])
-    assert (format_tag, channels, rate) == (WAVE_FORMAT_IEEE_FLOAT, 1, 24000)
+    assert (format_tag, channels, rate) == (WAVE_FORMAT_IEEE_FLOAT, 1, SAMPLE_RATE_HZ)
     assert b"fact" in blob and len(blob) % 2 == 0
     wav = read_wav(path)
-    assert wav.sample_format == "float32" and wav.sample_rate_hz == 24000
+    assert wav.sample_format == "float32" and wav.sample_rate_hz == SAMPLE_RATE_HZ
     np.testing.assert_array_equal(wav.samples[:, 0], pcm)
 
 
 def test_int16_wav_clips(tmp_path):
     path = tmp_path / "x.wav"
-    write_wav(path, np.array([-3.0, -1.0, 0.0, 0.5, 1.0, 7.0], np.float32), 24000, "int16")
+    write_wav(path, np.array([-3.0, -1.0, 0.0, 0.5, 1.0, 7.0], np.float32), SAMPLE_RATE_HZ, "int16")
     assert struct.unpack("<H", path.read_bytes()[20:22])[0] == WAVE_FORMAT_PCM
     wav = read_wav(path)
     assert wav.sample_format == "int16"
@@ -129,7 +133,7 @@ finally:
 
 
 def run_without_torch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -137,7 +141,7 @@ def test_client_package_imports_only_itself():
     """No module of client/ names the export or server side (or torch) in an import."""
     import ast
 
-    for path in sorted((ROOT / "client").glob("*.py")):
+    for path in sorted((REPO_ROOT / "client").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -163,14 +167,14 @@ def test_decode_streams_where_torch_cannot_be_imported(code2wav_server, tmp_path
     done = run_without_torch("decode", "--url", code2wav_server.grpc_url, "--random", "--frames", "6", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "loaded: []" in done.stderr
-    assert read_wav(out).samples.shape == (6 * 1920, 1)
+    assert read_wav(out).samples.shape == (6 * SAMPLES_PER_FRAME, 1)
 
 
 # ---- the CLI against a real server -----------------------------------------------------------------
 
 def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mimi_code2wav.client", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-m", "mimi_code2wav.client", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s
     )
 
 
@@ -198,7 +202,7 @@ def float_wav(code2wav_server, codes_file, tmp_path_factory) -> tuple[Path, subp
 def test_decode_writes_float32_wav_equal_to_moshi(float_wav, reference):
     out, done = float_wav
     wav = read_wav(out)
-    assert (wav.sample_format, wav.sample_rate_hz, wav.channels) == ("float32", 24000, 1)
+    assert (wav.sample_format, wav.sample_rate_hz, wav.channels) == ("float32", SAMPLE_RATE_HZ, 1)
     assert_equal_audio(wav.samples[:, 0], reference, what="CLI float32 WAV vs moshi streaming")
     for line in ("first-chunk latency", "chunk latency p50", "chunk latency p90", "chunk latency p99", "real-time factor"):
         assert line in done.stdout
@@ -211,7 +215,7 @@ def test_decode_int16_wav_is_the_clipped_float_output(code2wav_server, codes_fil
                    "--wav-format", "int16")
     assert done.returncode == 0, done.stderr
     wav = read_wav(out)
-    assert (wav.sample_format, wav.sample_rate_hz) == ("int16", 24000)
+    assert (wav.sample_format, wav.sample_rate_hz) == ("int16", SAMPLE_RATE_HZ)
     decoded = read_wav(float_wav[0]).samples[:, 0]
     error = np.abs(wav.samples[:, 0] / INT16_FULL_SCALE - np.clip(decoded, -1, 1))
     assert error.max() <= 1 / INT16_FULL_SCALE
@@ -287,8 +291,8 @@ def test_encode_resamples_and_writes_codes(moshi_checkpoint, tmp_path, capsys):
     assert main(["encode", "--weights", str(moshi_checkpoint[0]), str(wav_path), "--out", str(codes_path)]) == 0
     assert "resampling 16000 Hz -> 24000 Hz by linear interpolation" in capsys.readouterr().err
     codes = np.load(codes_path)
-    assert codes.shape == (8, 7) and codes.dtype == np.int64  # 0.5 s -> 6.25 frames, rounded up
-    assert codes.min() >= 0 and codes.max() < 2048
+    assert codes.shape == (NUM_CODEBOOKS, 7) and codes.dtype == np.int64  # 0.5 s -> 6.25 frames, rounded up
+    assert codes.min() >= 0 and codes.max() < CODEBOOK_SIZE
 
 
 # ---- make verify ----------------------------------------------------------------------------------
@@ -316,22 +320,8 @@ def test_verify_fails_for_other_weights(code2wav_server, capsys):
 
 # ---- resume by replay: the client's logic against code2wav's core, over a fake transport ----------
 
-def _load_code2wav_core():
-    """code2wav's core (model_repository/code2wav/1/code2wav_core.py) under a name of its own, to play
-    the server behind the fake connections."""
-    import importlib.util
-
-    # Its sibling files and its triton_streams import.
-    sys.path[:0] = [str(ROOT / "model_repository" / "common"), str(ROOT / "model_repository" / "code2wav" / "1")]
-    spec = importlib.util.spec_from_file_location("code2wav_core_behind_the_client",
-                                                  ROOT / "model_repository" / "code2wav" / "1" / "code2wav_core.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-core = _load_code2wav_core()
+# code2wav's core under a name of its own, to play the server behind the fake connections.
+core = load_model_module(MODEL_REPOSITORY / "code2wav" / "1" / "code2wav_core.py", "code2wav_core_behind_the_client")
 GRPC_STATUS = {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "StatusCode.UNAVAILABLE",
                "INTERNAL": "StatusCode.INTERNAL"}
 
@@ -348,14 +338,14 @@ def lost(text="failed to connect to all addresses; ipv4:127.0.0.1:1: Connection 
 
 
 def frame_codes(frames: int, seed: int = 0) -> np.ndarray:
-    """Codes [8, frames] whose codebook 0 holds the frame index, so PCM says which frame it came from."""
-    codes = np.random.default_rng(seed).integers(0, 2048, (8, frames), dtype=np.int64)
+    """Codes [k, frames] whose codebook 0 holds the frame index, so PCM says which frame it came from."""
+    codes = random_codes(frames, seed)
     codes[0] = np.arange(frames)
     return codes
 
 
 def frames_heard(pcm: np.ndarray) -> list[int]:
-    """The frame index each 1920-sample block of fake PCM came from."""
+    """The frame index each frame-long block of fake PCM came from."""
     blocks = np.asarray(pcm).reshape(-1, SAMPLES_PER_FRAME)
     assert (blocks == blocks[:, :1]).all()
     return blocks[:, 0].astype(int).tolist()

@@ -6,34 +6,22 @@ decoded, in which order, with which flags, and where their audio landed in the o
 """
 
 import asyncio
-import importlib.util
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CORE_PATH = ROOT / "model_repository" / "code2wav" / "1" / "code2wav_core.py"
-CONFIG_PATH = ROOT / "model_repository" / "code2wav" / "config.pbtxt"
-# The core imports its sibling files and triton_streams, which render copies beside them; here both
-# folders are on the path.
-sys.path[:0] = [str(ROOT / "model_repository" / "common"), str(ROOT / "model_repository" / "code2wav" / "1")]
+from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME
+from mimi_code2wav.export.render import idle_timeout_us
 
+from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, triton_model_config
 
-def _load_core():
-    spec = importlib.util.spec_from_file_location("code2wav_core", CORE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+CORE_PATH = MODEL_REPOSITORY / "code2wav" / "1" / "code2wav_core.py"
+CONFIG_PATH = MODEL_REPOSITORY / "code2wav" / "config.pbtxt"
 
-
-core = _load_core()
+core = load_model_module(CORE_PATH)
 
 START = core.FLAG_SEQUENCE_START
 END = core.FLAG_SEQUENCE_END
-K = 8
 SAMPLES = 4  # samples per frame in most tests: small, so outputs are easy to read
 
 
@@ -41,17 +29,17 @@ SAMPLES = 4  # samples per frame in most tests: small, so outputs are easy to re
 # helpers
 
 
-def make_codes(frames, seed=0, codebook_size=2048):
-    """Random codes [K, frames] whose frames are all distinct (codebook 0 holds the frame index).
+def make_codes(frames, seed=0, codebook_size=CODEBOOK_SIZE):
+    """Random codes [NUM_CODEBOOKS, frames] whose frames are all distinct (codebook 0 holds the frame index).
     Drawn frame by frame, so make_codes(n, seed) is a prefix of make_codes(n + m, seed)."""
     rng = np.random.default_rng(seed)
-    codes = rng.integers(0, codebook_size, size=(frames, K), dtype=np.int64).T.copy()
+    codes = rng.integers(0, codebook_size, size=(frames, NUM_CODEBOOKS), dtype=np.int64).T.copy()
     codes[0] = (np.arange(frames) + 7 * seed) % codebook_size
     return codes
 
 
 def flat(codes):
-    """codes [K, F] -> input_ids INT64 [1, K*F], codebook-major."""
+    """codes [NUM_CODEBOOKS, F] -> input_ids INT64 [1, NUM_CODEBOOKS*F], codebook-major."""
     return np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1)
 
 
@@ -60,7 +48,7 @@ def offset(value):
 
 
 def frame_signature(codes):
-    """One float per frame of codes [K, F], identifying it (the fake decoder's PCM value)."""
+    """One float per frame of codes [NUM_CODEBOOKS, F], identifying it (the fake decoder's PCM value)."""
     codes = np.asarray(codes, dtype=np.float64)
     return (codes[0] + codes[1] / 4096.0 + codes[2] / 4096.0**2).astype(np.float32)
 
@@ -76,13 +64,13 @@ class FakeDecoder:
         self.samples_per_frame = samples_per_frame
         self.fail_on_call = fail_on_call
         self.wrong_size_on_call = wrong_size_on_call
-        self.calls = []  # (correlation_id, codes int32 [1, K, S], flags)
+        self.calls = []  # (correlation_id, codes int32 [1, NUM_CODEBOOKS, S], flags)
         self.events = []  # ("begin"/"end", correlation_id) in execution order
         self.in_flight = 0
         self.max_in_flight = 0
 
     async def __call__(self, correlation_id, codes, flags):
-        assert codes.dtype == np.int32 and codes.ndim == 3 and codes.shape[:2] == (1, K)
+        assert codes.dtype == np.int32 and codes.ndim == 3 and codes.shape[:2] == (1, NUM_CODEBOOKS)
         assert codes.flags.c_contiguous
         self.calls.append((correlation_id, codes.copy(), flags))
         call_number = len(self.calls)
@@ -105,21 +93,13 @@ class FakeDecoder:
         return [flags for _, _, flags in self.calls]
 
     def decoded_codes(self, correlation_id=None):
-        """The codes of every non-discarded step, concatenated: [K, frames]."""
+        """The codes of every non-discarded step, concatenated: [NUM_CODEBOOKS, frames]."""
         chunks = [
             codes[0]
             for cid, codes, flags in self.calls
             if correlation_id is None or cid == correlation_id
         ]
-        return np.concatenate(chunks, axis=1) if chunks else np.zeros((K, 0), np.int32)
-
-
-class FakeClock:
-    def __init__(self, now=1000.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
+        return np.concatenate(chunks, axis=1) if chunks else np.zeros((NUM_CODEBOOKS, 0), np.int32)
 
 
 def make_table(clock=None, **overrides):
@@ -135,7 +115,7 @@ def make_table(clock=None, **overrides):
 def send(table, decoder, correlation_id, flags, codes=None, frame_offset=None, input_ids=None, history_frames=None):
     """Process one request; returns its PCM (or raises its error)."""
     if input_ids is None:
-        input_ids = flat(codes if codes is not None else np.zeros((K, 0), np.int64))
+        input_ids = flat(codes if codes is not None else np.zeros((NUM_CODEBOOKS, 0), np.int64))
     request = core.StreamRequest(
         correlation_id=correlation_id,
         flags=flags,
@@ -174,7 +154,7 @@ def test_shipped_config_parses_to_the_default_settings():
     # The JSON form Triton hands to initialize (uint64 fields as strings).
     settings = core.settings_from_config(json_format.MessageToDict(config, preserving_proto_field_name=True))
     assert settings == core.Code2WavSettings()
-    assert settings.stream_idle_timeout_s == 10.0
+    assert settings.stream_idle_timeout_s == idle_timeout_us(CONFIG_PATH) / 1e6
     assert config.max_batch_size > 0
     assert config.sequence_batching.WhichOneof("strategy_choice") == "oldest"
     controls = {c.name: c.control[0] for c in config.sequence_batching.control_input}
@@ -195,11 +175,7 @@ def model_config(idle_us=30_000_000, **changes):
     removes that parameter."""
     settings = core.Code2WavSettings()
     parameters = {name: str(getattr(settings, name)) for name in core.PARAMETER_TYPES}
-    parameters.update(changes)
-    config = {"parameters": {name: {"string_value": value} for name, value in parameters.items() if value is not None}}
-    if idle_us is not None:
-        config["sequence_batching"] = {"max_sequence_idle_microseconds": idle_us}
-    return config
+    return triton_model_config({**parameters, **changes}, idle_us)
 
 
 def test_parameters_are_parsed_from_strings():
@@ -242,21 +218,21 @@ def test_bad_parameters_fail_naming_the_parameter(change, idle_us, parameter, me
 
 def test_unflatten_is_codebook_major():
     frames = 5
-    input_ids = np.arange(K * frames, dtype=np.int64).reshape(1, -1)
-    codes = core.unflatten_codes(input_ids, K)
-    assert codes.shape == (K, frames)
+    input_ids = np.arange(NUM_CODEBOOKS * frames, dtype=np.int64).reshape(1, -1)
+    codes = core.unflatten_codes(input_ids, NUM_CODEBOOKS)
+    assert codes.shape == (NUM_CODEBOOKS, frames)
     # All F codes of codebook 0 first, then codebook 1, ...
     assert codes[0].tolist() == [0, 1, 2, 3, 4]
     assert codes[1].tolist() == [5, 6, 7, 8, 9]
-    assert codes[:, 2].tolist() == [2 + frames * c for c in range(K)]
+    assert codes[:, 2].tolist() == [2 + frames * c for c in range(NUM_CODEBOOKS)]
 
 
 def test_decoder_receives_each_frame_across_codebooks():
     table, decoder = make_table(), FakeDecoder()
     frames = 3
-    send(table, decoder, 1, START, input_ids=np.arange(K * frames, dtype=np.int64).reshape(1, -1))
+    send(table, decoder, 1, START, input_ids=np.arange(NUM_CODEBOOKS * frames, dtype=np.int64).reshape(1, -1))
     assert [codes[0, :, 0].tolist() for _, codes, _ in decoder.calls] == [
-        [f + frames * c for c in range(K)] for f in range(frames)
+        [f + frames * c for c in range(NUM_CODEBOOKS)] for f in range(frames)
     ]
 
 
@@ -282,7 +258,7 @@ def test_malformed_input_ids_are_rejected(input_ids, kind, fragments):
     "codebook, frame, value",
     [
         pytest.param(0, 0, -1, id="negative"),
-        pytest.param(3, 2, 2048, id="codebook-size"),
+        pytest.param(3, 2, CODEBOOK_SIZE, id="codebook-size"),
         pytest.param(7, 4, 99999, id="large"),
     ],
 )
@@ -347,12 +323,12 @@ def test_partial_overlap_decodes_only_the_new_frames():
 
 def test_identical_consecutive_frames_sent_as_deltas_with_offsets_are_all_decoded():
     table, decoder = make_table(), FakeDecoder()
-    silence = np.full((K, 3), 11, np.int64)
+    silence = np.full((NUM_CODEBOOKS, 3), 11, np.int64)
     send(table, decoder, 1, START, silence, frame_offset=0)
     pcm = send(table, decoder, 1, 0, silence, frame_offset=3)
     assert pcm.shape == (1, 3 * SAMPLES)
     assert len(decoder.calls) == 6
-    assert table.history(1).shape == (K, 6)
+    assert table.history(1).shape == (NUM_CODEBOOKS, 6)
 
 
 def test_offset_past_the_history_is_a_gap():
@@ -377,7 +353,7 @@ def test_changed_frame_is_named():
     codes = make_codes(6)
     open_stream(table, decoder, 1, codes[:, :5])
     resend = codes[:, 2:].copy()
-    resend[4, 1] = (resend[4, 1] + 1) % 2048  # frame 3 of the stream
+    resend[4, 1] = (resend[4, 1] + 1) % CODEBOOK_SIZE  # frame 3 of the stream
     error = send_error(table, decoder, 1, 0, resend, frame_offset=2)
     assert error.kind == "changed_frame"
     assert "frame 3 differs" in str(error)
@@ -424,13 +400,13 @@ def test_auto_delta_request_is_decoded_whole():
 
 def test_auto_documented_limit_silence_delta_equal_to_history_start_is_taken_as_resend():
     table, decoder = make_table(), FakeDecoder()
-    silence = np.full((K, 2), 5, np.int64)
+    silence = np.full((NUM_CODEBOOKS, 2), 5, np.int64)
     send(table, decoder, 1, START, silence)
     # A delta of 3 silence frames starts with the whole (silent) history: taken as cumulative, so
     # only its last frame is decoded and 2 frames of audio are lost.
-    pcm = send(table, decoder, 1, 0, np.full((K, 3), 5, np.int64))
+    pcm = send(table, decoder, 1, 0, np.full((NUM_CODEBOOKS, 3), 5, np.int64))
     assert pcm.shape == (1, SAMPLES)
-    assert table.history(1).shape == (K, 3)
+    assert table.history(1).shape == (NUM_CODEBOOKS, 3)
 
 
 def test_auto_documented_limit_short_resend_is_taken_as_delta():
@@ -440,7 +416,7 @@ def test_auto_documented_limit_short_resend_is_taken_as_delta():
     # A resend of the first 2 frames is shorter than the history: decoded again (duplicated audio).
     pcm = send(table, decoder, 1, 0, codes[:, :2])
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, :2]))
-    assert table.history(1).shape == (K, 6)
+    assert table.history(1).shape == (NUM_CODEBOOKS, 6)
 
 
 def test_delta_mode_decodes_a_cumulative_resend_again():
@@ -449,7 +425,7 @@ def test_delta_mode_decodes_a_cumulative_resend_again():
     send(table, decoder, 1, START, codes[:, :3])
     pcm = send(table, decoder, 1, 0, codes)
     np.testing.assert_array_equal(pcm, expected_pcm(codes))
-    assert table.history(1).shape == (K, 8)
+    assert table.history(1).shape == (NUM_CODEBOOKS, 8)
 
 
 def test_delta_mode_still_honours_frame_offset():
@@ -471,7 +447,7 @@ def test_cumulative_mode_decodes_the_suffix_and_rejects_non_prefixes():
     assert "holds 4 frames" in str(error) and "has decoded 5" in str(error)
 
     changed = codes.copy()
-    changed[2, 1] = (changed[2, 1] + 1) % 2048
+    changed[2, 1] = (changed[2, 1] + 1) % CODEBOOK_SIZE
     error = send_error(table, decoder, 1, 0, changed)
     assert error.kind == "changed_frame" and "frame 1 differs" in str(error)
     np.testing.assert_array_equal(table.history(1), codes[:, :5])
@@ -479,9 +455,9 @@ def test_cumulative_mode_decodes_the_suffix_and_rejects_non_prefixes():
 
 def test_cumulative_mode_treats_identical_silence_as_already_decoded():
     table, decoder = make_table(dedupe_mode="cumulative"), FakeDecoder()
-    silence = np.full((K, 2), 5, np.int64)
+    silence = np.full((NUM_CODEBOOKS, 2), 5, np.int64)
     send(table, decoder, 1, START, silence)
-    assert send(table, decoder, 1, 0, np.full((K, 3), 5, np.int64)).shape == (1, SAMPLES)
+    assert send(table, decoder, 1, 0, np.full((NUM_CODEBOOKS, 3), 5, np.int64)).shape == (1, SAMPLES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -515,7 +491,7 @@ def test_start_without_frames_on_a_live_stream_restarts_the_decoder_on_the_next_
     table, decoder = make_table(), FakeDecoder()
     send(table, decoder, 1, START, make_codes(2, seed=1))
     send(table, decoder, 1, START)
-    assert table.history(1).shape == (K, 0)
+    assert table.history(1).shape == (NUM_CODEBOOKS, 0)
     send(table, decoder, 1, 0, make_codes(2, seed=2), frame_offset=0)
     assert decoder.flags() == [START, 0, START, 0]
 
@@ -569,7 +545,7 @@ def test_end_without_new_frames_closes_the_decoder_with_one_discarded_step():
     assert pcm.shape == (1, 0)
     assert decoder.flags() == [START, 0, 0, END]
     _, trailing, _ = decoder.calls[-1]
-    assert trailing.shape == (1, K, 1) and not trailing.any()
+    assert trailing.shape == (1, NUM_CODEBOOKS, 1) and not trailing.any()
     assert 1 not in table
 
 
@@ -648,7 +624,7 @@ def test_unexpected_exception_in_the_decoder_helper_ends_the_stream():
 REJECTED = [
     pytest.param(dict(input_ids=np.zeros((1, 8), np.float64)), "dtype", id="dtype"),
     pytest.param(dict(input_ids=np.zeros((1, 9), np.int64)), "length", id="length"),
-    pytest.param(dict(input_ids=np.full((1, 8), 2048, np.int64)), "code_range", id="code_range"),
+    pytest.param(dict(input_ids=np.full((1, NUM_CODEBOOKS), CODEBOOK_SIZE, np.int64)), "code_range", id="code_range"),
     pytest.param(dict(frame_offset=-2), "negative_offset", id="negative_offset"),
     pytest.param(dict(frame_offset=9), "gap", id="gap"),
     pytest.param(dict(frame_offset=0, changed=True), "changed_frame", id="changed_frame"),
@@ -809,11 +785,11 @@ def test_each_new_frame_is_one_decoder_step():
 
 
 def test_output_is_float32_with_samples_per_frame_per_new_frame():
-    table, decoder = make_table(samples_per_frame=1920), FakeDecoder(samples_per_frame=1920)
+    table, decoder = make_table(samples_per_frame=SAMPLES_PER_FRAME), FakeDecoder(samples_per_frame=SAMPLES_PER_FRAME)
     codes = make_codes(3)
     pcm = send(table, decoder, 1, START, codes)
-    assert pcm.dtype == np.float32 and pcm.shape == (1, 1920 * 3) and pcm.flags.c_contiguous
-    np.testing.assert_array_equal(pcm, expected_pcm(codes, 1920))
+    assert pcm.dtype == np.float32 and pcm.shape == (1, SAMPLES_PER_FRAME * 3) and pcm.flags.c_contiguous
+    np.testing.assert_array_equal(pcm, expected_pcm(codes, SAMPLES_PER_FRAME))
 
 
 @pytest.mark.parametrize(
@@ -848,7 +824,7 @@ def test_plan_steps_are_int32_frames_of_the_new_frames():
     plan = table.plan(1, START, flat(codes))
     assert plan.new_codes.dtype == np.int32
     np.testing.assert_array_equal(plan.new_codes, codes)
-    assert all(step.codes.shape == (1, K, 1) and step.codes.flags.c_contiguous for step in plan.steps)
+    assert all(step.codes.shape == (1, NUM_CODEBOOKS, 1) and step.codes.flags.c_contiguous for step in plan.steps)
     np.testing.assert_array_equal(
         np.concatenate([step.codes[0] for step in plan.steps], axis=1), codes
     )
@@ -1019,15 +995,15 @@ def test_history_grows_geometrically_and_keeps_every_frame():
 
 
 def test_history_of_a_large_codebook_is_int32():
-    history = core.CodeHistory(K, 40000)
-    codes = np.full((K, 3), 39999, np.int64)
+    history = core.CodeHistory(NUM_CODEBOOKS, 40000)
+    codes = np.full((NUM_CODEBOOKS, 3), 39999, np.int64)
     history.append(codes)
     assert history.dtype == np.int32
     np.testing.assert_array_equal(history.codes(), codes)
 
 
 def test_history_first_mismatch():
-    history = core.CodeHistory(2, 2048)
+    history = core.CodeHistory(2, CODEBOOK_SIZE)
     history.append(np.array([[1, 2, 3, 4], [5, 6, 7, 8]]))
     assert history.first_mismatch(np.array([[2, 3], [6, 7]]), 1) is None
     assert history.first_mismatch(np.array([[2, 3], [6, 0]]), 1) == 1
@@ -1156,7 +1132,7 @@ def test_a_resumed_stream_continues_in_absolute_frame_indices():
     assert error.kind == "gap"
     assert "frame_offset 21 leaves a gap: stream 1 has decoded 20 frames, so frame_offset must be at most 20" in str(error)
     changed = stream[:, 11:21].copy()
-    changed[3, 2] = (changed[3, 2] + 1) % 2048  # stream frame 13
+    changed[3, 2] = (changed[3, 2] + 1) % CODEBOOK_SIZE  # stream frame 13
     error = send_error(table, decoder, 1, 0, changed, frame_offset=11)
     assert error.kind == "changed_frame" and "frame 13 differs" in str(error)
     # The held history (the history frames included) ends up in the stream as decoded.

@@ -22,7 +22,10 @@ import pytest
 import tomllib
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from mimi_code2wav.client.stream import NUM_CODEBOOKS, SAMPLES_PER_FRAME
+
+from helpers import REPO_ROOT
+
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "docker" / "export.Dockerfile"
 DOCKERIGNORE = REPO_ROOT / "docker" / "export.Dockerfile.dockerignore"
@@ -607,7 +610,7 @@ def rendered_pool_args(export_dir: Path, streams: int, max_batch_size: int) -> l
     assert state == 8177156  # fp32 KV: 8 x 2 x 8 x 248 x 64 floats + 12672 conv floats + 1 int32
     mib = 2**20
     cuda = -(-(2 * streams + max_batch_size) * state // mib) * mib
-    io = 8 * 16 * 4 + 1920 * 16 * 4
+    io = NUM_CODEBOOKS * 16 * 4 + SAMPLES_PER_FRAME * 16 * 4
     pinned = max(256 * mib, -(-max_batch_size * (state + io) // mib) * mib)
     return [f"--cuda-memory-pool-byte-size=0:{cuda}", f"--pinned-memory-pool-byte-size={pinned}"]
 

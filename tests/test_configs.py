@@ -11,6 +11,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
 from mimi_code2wav.export.onnx_export import ExportOptions, read_manifest
 from mimi_code2wav.export.render import (
     CHECKED_IN_CONFIG,
@@ -82,7 +83,7 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
 
     if target == "null":
         assert not batching.state and set(config.parameters) == {"samples_per_frame"}
-        assert config.parameters["samples_per_frame"].string_value == "1920"
+        assert config.parameters["samples_per_frame"].string_value == str(SAMPLES_PER_FRAME)
         return
     if target == "python-ort":
         assert not batching.state, "the Python backend must not get a state block (it copies the initial state)"
@@ -126,11 +127,11 @@ def test_serving_knobs_render(spec):
 
 
 def test_spec_refuses_names_that_sort_differently():
-    good = DecoderSpec(8, 2048, 1, 1920, 24000, "moshi", "float32",
+    good = DecoderSpec(NUM_CODEBOOKS, CODEBOOK_SIZE, 1, SAMPLES_PER_FRAME, SAMPLE_RATE_HZ, "moshi", "float32",
                        (StateSpec("state_in_00_a", "state_out_00_a", "float32", (1,)),
                         StateSpec("state_in_01_b", "state_out_01_b", "int32", (1,))))
     good.validate()
-    bad = DecoderSpec(8, 2048, 1, 1920, 24000, "moshi", "float32",
+    bad = DecoderSpec(NUM_CODEBOOKS, CODEBOOK_SIZE, 1, SAMPLES_PER_FRAME, SAMPLE_RATE_HZ, "moshi", "float32",
                       (StateSpec("x", "x_next", "float32", (1,)), StateSpec("x_len", "x_len_next", "int32", (1,))))
     with pytest.raises(ValueError, match="sort differently"):
         bad.validate()
@@ -194,7 +195,7 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     mib = 2**20
     assert (gpu / "tritonserver.args").read_text().splitlines() == [
         f"--cuda-memory-pool-byte-size=0:{-(-(2 * 256 + 64) * state // mib) * mib}",  # 4.39 GiB
-        f"--pinned-memory-pool-byte-size={-(-64 * (state + 16 * (8 + 1920) * 4) // mib) * mib}",
+        f"--pinned-memory-pool-byte-size={-(-64 * (state + 16 * (NUM_CODEBOOKS + SAMPLES_PER_FRAME) * 4) // mib) * mib}",
     ]
     assert not (cpu / "tritonserver.args").exists()
     assert code2wav.instance_group[0].count == 1

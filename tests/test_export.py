@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME
+
 from mimi_fixtures import (
     CALLS,
     MAX_FRAMES_PER_CALL,
@@ -36,7 +38,6 @@ from mimi_fixtures import (
 
 torch = pytest.importorskip("torch", reason="the export extra (torch) is needed for export tests")
 
-SPF = 1920
 STREAMS = ("A", "B", "C1", "C2")
 
 
@@ -64,11 +65,11 @@ def test_moshi_streaming_reference_matches_offline_until_window_fills(moshi_chec
     with torch.no_grad():
         offline = model.decode(torch.from_numpy(scenario.streams["A"])[None].long())[0, 0].numpy()
     streaming = moshi_streams["A"]
-    assert streaming.shape == offline.shape == (CALLS * SPF,)
+    assert streaming.shape == offline.shape == (CALLS * SAMPLES_PER_FRAME,)
     # Until 125 frames (250 steps) both see every past step: equal.
-    assert_equal_audio(streaming[: 120 * SPF], offline[: 120 * SPF], what="moshi streaming vs offline, frames < 120")
+    assert_equal_audio(streaming[: 120 * SAMPLES_PER_FRAME], offline[: 120 * SAMPLES_PER_FRAME], what="moshi streaming vs offline, frames < 120")
     # Then moshi's ring gives the first step of each frame one key less: close, but not equal.
-    late = snr_db(streaming[130 * SPF :], offline[130 * SPF :])
+    late = snr_db(streaming[130 * SAMPLES_PER_FRAME :], offline[130 * SAMPLES_PER_FRAME :])
     assert 45 < late < 90, f"window semantics difference expected ~60-67 dB, got {late:.1f} dB"
 
 
@@ -79,7 +80,7 @@ def test_test_weights_are_not_degenerate(moshi_streams):
     n = min(len(a), len(b))
     assert snr_db(a[:n], b[:n]) < 10
     # And every frame carries signal (no silent stretch that parity could pass on).
-    frame_std = a.reshape(-1, SPF).std(axis=1)
+    frame_std = a.reshape(-1, SAMPLES_PER_FRAME).std(axis=1)
     assert frame_std.min() > 0.01
 
 
@@ -115,7 +116,7 @@ def test_exact_window_equals_transformers_offline_decode(mimi, scenario, step_pc
     assert_equal_audio(stream_audio(pcm, scenario, "A"), offline, what="exact window vs MimiModel.decode")
     # And the two windows really differ once the window is full.
     moshi_window = stream_audio(step_pcm(1), scenario, "A")
-    assert snr_db(moshi_window[130 * SPF :], offline[130 * SPF :]) < 90
+    assert snr_db(moshi_window[130 * SAMPLES_PER_FRAME :], offline[130 * SAMPLES_PER_FRAME :]) < 90
 
 
 @pytest.mark.parametrize("schedule", [pytest.param(1, id="F1"), pytest.param(MIXED_CALLS, id="mixed")])
@@ -165,7 +166,7 @@ def test_long_stream_position_matches_float64(mimi):
     step32 = MimiDecoderStep(mimi.model, window="moshi").eval()
     step64 = MimiDecoderStep(copy.deepcopy(mimi.model).double(), window="moshi", dtype=torch.float64).eval()
     rng = np.random.default_rng(11)
-    codes = torch.from_numpy(rng.integers(0, 2048, (1, 8, 24)).astype(np.int32))
+    codes = torch.from_numpy(rng.integers(0, CODEBOOK_SIZE, (1, NUM_CODEBOOKS, 24)).astype(np.int32))
     out = {}
     for name, step in (("fp32", step32), ("fp64", step64)):
         kv, conv, position = step.zero_state(1)

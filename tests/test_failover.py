@@ -20,26 +20,31 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import STREAM_KEY_HEADER, ResumableStream, StreamOptions, run_resumable
+from mimi_code2wav.client.stream import (
+    CODEBOOK_SIZE,
+    NUM_CODEBOOKS,
+    SAMPLES_PER_FRAME,
+    STREAM_KEY_HEADER,
+    ResumableStream,
+    StreamOptions,
+    run_resumable,
+)
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.export.render import CODE2WAV_IDLE_TIMEOUT_US
 from mimi_code2wav.server.nginx import NginxError, find_nginx, replicas_by_stream
 from mimi_code2wav.server.replicas import ReplicaSet
 from mimi_code2wav.server.triton import ServerError, free_ports, port_is_free, process_group_alive
 
-from mimi_fixtures import assert_equal_audio, ort_session
+from helpers import REPO_ROOT, print_and_record, wait_http_ready
+from mimi_fixtures import assert_equal_audio
 
 pytestmark = pytest.mark.server
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
-SAMPLES_PER_FRAME = 1920
 STREAMS = 12
 # The kill comes once every stream has decoded KILL_AT frames, more than the 250 frames of history a
 # resume replays (so the rebuilt state is not exact), and each stream then decodes AFTER_KILL more.
@@ -53,7 +58,7 @@ HISTORY_FRAMES = 250
 # codes.
 RESUMED_MIN_SNR_DB = 75.0
 FAIL_TIMEOUT_S = 2
-STREAM_IDLE_TIMEOUT_S = CODE2WAV_IDLE_TIMEOUT_US / 1e6
+STREAM_IDLE_TIMEOUT_S = CODE2WAV_IDLE_TIMEOUT_US / 1e6  # read from code2wav's config.pbtxt
 IDLE_MARGIN_S = 1.5  # Triton's sequence reaper and code2wav's expiry thread wake within this of the timeout
 
 
@@ -76,29 +81,18 @@ def replica_set(served_repository, tmp_path_factory):
 def streams():
     rng = np.random.default_rng(2026)
     total = KILL_AT + AFTER_KILL + AFTER_RESTART
-    return {f"call-{n}": rng.integers(0, 2048, (8, total)) for n in range(STREAMS)}
+    return {f"call-{n}": rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, total)) for n in range(STREAMS)}
 
 
-def _solo_decode(onnx_dir, streams: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Each stream decoded alone by the ONNX step in this process, 16 frames per call."""
-    session = ort_session(onnx_dir)
-    inputs = session.get_inputs()
-    names = [arg.name for arg in inputs]
-    codes = np.stack(list(streams.values())).astype(np.int32)
-    state = [np.zeros([codes.shape[0], *arg.shape[1:]], np.int32 if "int32" in arg.type else np.float32)
-             for arg in inputs[1:]]
-    pcm = []
-    for first in range(0, codes.shape[2], 16):
-        out = session.run(None, dict(zip(names, [codes[:, :, first : first + 16], *state])))
-        pcm.append(out[0])
-        state = out[1:]
-    pcm = np.concatenate(pcm, axis=1)
+def _solo_decode(ort_decode, streams: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each stream decoded by the ONNX step in this process (the streams batched), 16 frames per call."""
+    pcm = ort_decode(np.stack(list(streams.values())), frames_per_call=16)
     return {key: pcm[i] for i, key in enumerate(streams)}
 
 
 @pytest.fixture(scope="module")
-def solo(onnx_fp32, streams):
-    return _solo_decode(onnx_fp32, streams)
+def solo(ort_decode, streams):
+    return _solo_decode(ort_decode, streams)
 
 
 def _decode(stream: ResumableStream, codes: np.ndarray, first: int, stop: int, end: bool = False,
@@ -203,8 +197,7 @@ def test_a_killed_replicas_streams_resume_elsewhere_and_the_others_never_notice(
     summary = (f"SIGKILL of replica {by_replica[victim_url]} holding {len(victims)} of {STREAMS} streams at frame "
                f"{KILL_AT}: last good response -> first resumed response {statistics.median(stalls) * 1e3:.0f} ms "
                f"median, {max(stalls) * 1e3:.0f} ms max")
-    print(summary)
-    record_property("failover", summary)
+    print_and_record(record_property, "failover", summary)
 
 
 def test_a_restarted_replica_takes_its_streams_back_and_they_resume_again(replica_set, streams, solo, clients):
@@ -249,20 +242,6 @@ PER_SECOND = 13  # frames per ~second of audio (12.5)
 RESTARTED_MIN_SNR_DB = 70.0
 
 
-def _wait_ready(http_port: int, serve: subprocess.Popen, output: Path, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert serve.poll() is None, f"serve exited with {serve.returncode}:\n{output.read_text()}"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"not ready after {timeout_s:.0f} s:\n{output.read_text()}")
-
-
 def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing(
         served_repository, streams, solo, tmp_path, record_property):
     """`code2wav-server serve` with 4 resumable streams in flight; SIGKILL of its tritonserver at frame
@@ -282,7 +261,7 @@ def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing
     clients = {key: ResumableStream(f"127.0.0.1:{grpc_port}", options, sequence_id=3000 + n, stream_key=key)
                for n, key in enumerate(keys)}
     try:
-        _wait_ready(http_port, serve, output)
+        wait_http_ready(http_port, serve, timeout_s=180, output=output)
         first_pid = int(re.search(r"tritonserver starting \(pid (\d+)\)", output.read_text())[1])
         lockstep = threading.Barrier(len(keys), timeout=120)
         before = _in_threads({key: (lambda key=key: _decode(clients[key], streams[key], 0, KILL_AT, lockstep=lockstep))
@@ -326,8 +305,7 @@ def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing
     summary = (f"SIGKILL of tritonserver under `serve` with {len(keys)} streams at frame {KILL_AT}: back (ready) in "
                f"{float(back[2]):.1f} s after its restart, {time.monotonic() - killed:.0f} s to the end of the streams; "
                f"stall last good response -> resumed response {max(stalls):.1f} s max")
-    print(summary)
-    record_property("serve_restart", summary)
+    print_and_record(record_property, "serve_restart", summary)
 
 
 # ---- chaos: replicas killed, hung and drained under live streams -----------------------------------
@@ -337,14 +315,14 @@ CHAOS_FRAMES = 500  # 40 s of audio per stream, paced in real time
 CHAOS_WINDOW_MIN_SNR_DB = 70.0
 
 
-def test_chaos_every_frame_once_through_kills_hangs_and_drains(replica_set, onnx_fp32, record_property):
+def test_chaos_every_frame_once_through_kills_hangs_and_drains(replica_set, ort_decode, record_property):
     """6 paced resumable streams (4-frame requests, a 3 s response deadline) through the proxy while
     replicas are SIGKILLed (then restarted), SIGSTOPped for 6 s (then continued) and SIGTERMed (drained,
     then restarted), at seeded random moments: every stream completes with every frame's PCM exactly
     once, exact up to its first resume and >= 70 dB in every second after it."""
     rng = np.random.default_rng(17)
-    codes = {f"chaos-{n}": rng.integers(0, 2048, (8, CHAOS_FRAMES)) for n in range(CHAOS_STREAMS)}
-    reference = _solo_decode(onnx_fp32, codes)
+    codes = {f"chaos-{n}": rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, CHAOS_FRAMES)) for n in range(CHAOS_STREAMS)}
+    reference = _solo_decode(ort_decode, codes)
     options = StreamOptions(chunk_frames=4, first_chunk_frames=4, paced=True, resume_history_frames=HISTORY_FRAMES,
                             resume_timeout_s=60.0, response_timeout_s=3.0)
     outcome: dict = {}
@@ -418,5 +396,4 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(replica_set, onnx
         assert worst >= CHAOS_WINDOW_MIN_SNR_DB, (key, worst, [r.describe() for r in result.resumes])
         resumes += len(result.resumes)
     summary = f"chaos: {'; '.join(faults)}; {CHAOS_STREAMS} streams, {resumes} resumes, all complete"
-    print(summary)
-    record_property("chaos", summary)
+    print_and_record(record_property, "chaos", summary)

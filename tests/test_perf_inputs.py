@@ -18,8 +18,9 @@ import pytest
 from mimi_code2wav.client.perf_inputs import describe, input_data, sequence_steps
 from mimi_code2wav.server.triton import log_tail
 
-ROOT = Path(__file__).resolve().parent.parent
-PERF_SH = ROOT / "client" / "perf.sh"
+from helpers import REPO_ROOT
+
+PERF_SH = REPO_ROOT / "client" / "perf.sh"
 
 
 def test_one_inner_list_per_stream_one_step_per_chunk():
@@ -72,7 +73,7 @@ def test_perf_analyzer_accepts_the_inputs(code2wav_server, tmp_path, load):
     )
     # One measurement of a fixed request count: short, and no stability search to fail on busy cores.
     # (perf_analyzer 2.51 requires the count to be at least the request rate.)
-    done = subprocess.run([str(PERF_SH), *load, "--request-count", "12"], env=env, cwd=ROOT,
+    done = subprocess.run([str(PERF_SH), *load, "--request-count", "12"], env=env, cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "mimi_decoder" in done.stdout  # the composing model's statistics are reported
@@ -116,7 +117,7 @@ def test_variable_frame_counts_survive_sustained_load(served_repository, tmp_pat
             )
             try:
                 done = subprocess.run([str(PERF_SH), "--concurrency-range", "32", "--request-count", "480"], env=env,
-                                      cwd=ROOT, capture_output=True, text=True, timeout=180)
+                                      cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
             except subprocess.TimeoutExpired:
                 done = None  # perf_analyzer waits forever for the answers of a server that died
             if server.is_alive():

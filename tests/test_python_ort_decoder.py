@@ -9,10 +9,8 @@ render lays them out, by the real tritonserver.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,15 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS
 from mimi_code2wav.export.render import PYTHON_ORT_FILES
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
-SHARED_FILE = REPO_ROOT / "model_repository" / "common" / "triton_streams.py"
+from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, triton_model_config
+
+MODEL_DIR = MODEL_REPOSITORY / "mimi_decoder" / "python_ort"
+SHARED_FILE = MODEL_REPOSITORY / "common" / "triton_streams.py"
 
 ACC = 4
 PCM = ACC + 2
-CODEBOOKS = 8
 STATE_SPEC = [
     {"input": "state_in_00_acc", "output": "state_out_00_acc", "dtype": "float32", "shape": [ACC]},
     {"input": "state_in_01_count", "output": "state_out_01_count", "dtype": "int64", "shape": [1]},
@@ -36,20 +35,7 @@ STATE_SPEC = [
 IDLE_TIMEOUT_US = 2_000_000
 
 
-def load_core_module():
-    # The core imports triton_streams, which render copies beside it, and its sibling modules; here
-    # they are found on the path.
-    for folder in (SHARED_FILE.parent, MODEL_DIR):
-        if str(folder) not in sys.path:
-            sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location("python_ort_core", MODEL_DIR / "python_ort_core.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as model.py imports it (dataclasses need the entry)
-    spec.loader.exec_module(module)
-    return module
-
-
-ort_core = load_core_module()
+ort_core = load_model_module(MODEL_DIR / "python_ort_core.py")
 
 
 def install_model(version_dir: Path) -> None:
@@ -75,7 +61,7 @@ def build_step_onnx(path: Path) -> Path:
         ],
         name="tiny_step",
         inputs=[
-            helper.make_tensor_value_info("codes", TensorProto.INT32, [batch, CODEBOOKS, 1]),
+            helper.make_tensor_value_info("codes", TensorProto.INT32, [batch, NUM_CODEBOOKS, 1]),
             helper.make_tensor_value_info("state_in_00_acc", TensorProto.FLOAT, [batch, ACC]),
             helper.make_tensor_value_info("state_in_01_count", TensorProto.INT64, [batch, 1]),
         ],
@@ -112,42 +98,35 @@ class Reference:
 
 
 def codes_for(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 2048, size=(1, CODEBOOKS, 1), dtype=np.int32)
+    return np.random.default_rng(seed).integers(0, CODEBOOK_SIZE, size=(1, NUM_CODEBOOKS, 1), dtype=np.int32)
 
 
 # --- the core, without a server -------------------------------------------------------------------
-MODEL_CONFIG = {
-    "name": "decoder",
-    "max_batch_size": 8,
-    "input": [{"name": "codes", "data_type": "TYPE_INT32", "dims": ["8", "1"]}],
-    "output": [{"name": "pcm", "data_type": "TYPE_FP32", "dims": [str(PCM)]}],
-    "sequence_batching": {"max_sequence_idle_microseconds": str(IDLE_TIMEOUT_US)},
-    "parameters": {
-        "onnx_file": {"string_value": "model.onnx"},
-        "intra_op_threads": {"string_value": "1"},
-        "intra_op_spinning": {"string_value": "off"},
-        "state_spec": {"string_value": json.dumps(STATE_SPEC)},
-        "value_ranges": {"string_value": "{}"},
-        "max_dims": {"string_value": "{}"},
-        "max_live_streams": {"string_value": "16"},
-        "max_rows_per_run": {"string_value": "8"},
-    },
+PARAMETERS = {
+    "onnx_file": "model.onnx",
+    "intra_op_threads": "1",
+    "intra_op_spinning": "off",
+    "state_spec": json.dumps(STATE_SPEC),
+    "value_ranges": "{}",
+    "max_dims": "{}",
+    "max_live_streams": "16",
+    "max_rows_per_run": "8",
 }
 
 
 def config_with(**parameters):
-    """MODEL_CONFIG with some parameters replaced (None: removed)."""
-    merged = {**MODEL_CONFIG["parameters"], **{key: {"string_value": value} for key, value in parameters.items()}}
-    return {**MODEL_CONFIG, "parameters": {key: value for key, value in merged.items() if value["string_value"] is not None}}
+    """The model config of the tiny model, with some parameters replaced (None: removed)."""
+    return {
+        "name": "decoder",
+        "max_batch_size": 8,
+        "input": [{"name": "codes", "data_type": "TYPE_INT32", "dims": ["8", "1"]}],
+        "output": [{"name": "pcm", "data_type": "TYPE_FP32", "dims": [str(PCM)]}],
+        **triton_model_config({**PARAMETERS, **parameters}, str(IDLE_TIMEOUT_US)),
+    }
+
+
+MODEL_CONFIG = config_with()
 TRITON_TYPES = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32}
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -194,48 +173,46 @@ def test_parse_model_config_reads_parameters_and_timeout():
     assert ranged.value_ranges == {"codes": (0, 2048)}
 
 
+# Each of these fails the load with "parameter '<name>': <message>" (a value of None: the parameter left out).
+BAD_PARAMETERS = [
+    pytest.param("state_spec", None, "missing from the model config's parameters", id="no-state-spec"),
+    pytest.param("value_ranges", None, "missing from the model config's parameters", id="no-value-ranges"),
+    pytest.param("codebook_size", "2048", "unknown parameter (known: onnx_file, intra_op_threads, intra_op_spinning, "
+                 "state_spec, value_ranges, max_dims, max_live_streams, max_rows_per_run)", id="unknown"),
+    pytest.param("max_live_streams", "0", "must be a positive integer or 'auto', got '0'", id="cap-0"),
+    pytest.param("max_live_streams", "many", "must be a positive integer or 'auto', got 'many'", id="cap-word"),
+    pytest.param("max_rows_per_run", "0", "must be a positive integer, got 0", id="rows-0"),
+    pytest.param("max_dims", None, "missing from the model config's parameters", id="no-max-dims"),
+    pytest.param("max_dims", '{"codes": [8, 0]}', "input 'codes': expected a list of positive integers, got [8, 0]",
+                 id="max-dims-zero"),
+    pytest.param("max_dims", '{"codes": [8, 2]}', "input 'codes': [8, 2] does not fit its dims [8, 1]",
+                 id="max-dims-fixed"),
+    pytest.param("max_dims", '{"tokens": [4]}', "['tokens'] are not config inputs (['codes'])", id="max-dims-not-input"),
+    pytest.param("state_spec", '[{"input": "a"}]', "entry 0 must have exactly the keys", id="state-spec-keys"),
+    pytest.param("state_spec", json.dumps([{**STATE_SPEC[0], "dtype": "float64"}]),
+                 "entry 0 dtype 'float64' is not one of", id="state-dtype"),
+    pytest.param("state_spec", "[{", "not valid JSON", id="state-json"),
+    pytest.param("intra_op_threads", "x", "not an integer: 'x'", id="threads"),
+    pytest.param("intra_op_threads", "-1", "must be >= 0", id="threads-<0"),
+    pytest.param("intra_op_spinning", "yes", "must be 'on' or 'off', got 'yes'", id="spinning-word"),
+    pytest.param("value_ranges", '{"codes": [5, 5]}',
+                 "input 'codes': expected [low, high] with integers low < high, got [5, 5]", id="empty-range"),
+    pytest.param("value_ranges", '{"tokens": [0, 10]}', "['tokens'] are not config inputs (['codes'])",
+                 id="range-not-input"),
+    pytest.param("value_ranges", "[0, 2048]", "must be a JSON object", id="range-not-object"),
+]
+
+
+@pytest.mark.parametrize("name, value, message", BAD_PARAMETERS)
+def test_parse_model_config_rejects_a_bad_parameter(name, value, message):
+    with pytest.raises(ValueError) as failure:
+        ort_core.parse_model_config(config_with(**{name: value}), TRITON_TYPES.__getitem__)
+    assert f"parameter '{name}': {message}" in str(failure.value)
+
+
 @pytest.mark.parametrize(
     "config, message",
     [
-        pytest.param(config_with(state_spec=None), "parameter 'state_spec': missing from the model config's parameters",
-                     id="no-state-spec"),
-        pytest.param(config_with(value_ranges=None),
-                     "parameter 'value_ranges': missing from the model config's parameters", id="no-value-ranges"),
-        pytest.param(config_with(codebook_size="2048"),
-                     "parameter 'codebook_size': unknown parameter (known: onnx_file, intra_op_threads, intra_op_spinning, state_spec, "
-                     "value_ranges, max_dims, max_live_streams, max_rows_per_run)", id="unknown"),
-        pytest.param(config_with(max_live_streams="0"),
-                     "parameter 'max_live_streams': must be a positive integer or 'auto', got '0'", id="cap-0"),
-        pytest.param(config_with(max_live_streams="many"),
-                     "parameter 'max_live_streams': must be a positive integer or 'auto', got 'many'", id="cap-word"),
-        pytest.param(config_with(max_rows_per_run="0"),
-                     "parameter 'max_rows_per_run': must be a positive integer, got 0", id="rows-0"),
-        pytest.param(config_with(max_dims=None), "parameter 'max_dims': missing from the model config's parameters",
-                     id="no-max-dims"),
-        pytest.param(config_with(max_dims='{"codes": [8, 0]}'),
-                     "parameter 'max_dims': input 'codes': expected a list of positive integers, got [8, 0]",
-                     id="max-dims-zero"),
-        pytest.param(config_with(max_dims='{"codes": [8, 2]}'),
-                     "parameter 'max_dims': input 'codes': [8, 2] does not fit its dims [8, 1]", id="max-dims-fixed"),
-        pytest.param(config_with(max_dims='{"tokens": [4]}'),
-                     "parameter 'max_dims': ['tokens'] are not config inputs (['codes'])", id="max-dims-not-input"),
-        pytest.param(config_with(state_spec='[{"input": "a"}]'),
-                     "parameter 'state_spec': entry 0 must have exactly the keys", id="state-spec-keys"),
-        pytest.param(config_with(state_spec=json.dumps([{**STATE_SPEC[0], "dtype": "float64"}])),
-                     "parameter 'state_spec': entry 0 dtype 'float64' is not one of", id="state-dtype"),
-        pytest.param(config_with(state_spec="[{"), "parameter 'state_spec': not valid JSON", id="state-json"),
-        pytest.param(config_with(intra_op_threads="x"), "parameter 'intra_op_threads': not an integer: 'x'",
-                     id="threads"),
-        pytest.param(config_with(intra_op_threads="-1"), "parameter 'intra_op_threads': must be >= 0", id="threads-<0"),
-        pytest.param(config_with(intra_op_spinning="yes"), "parameter 'intra_op_spinning': must be 'on' or 'off', got 'yes'",
-                     id="spinning-word"),
-        pytest.param(config_with(value_ranges='{"codes": [5, 5]}'),
-                     "parameter 'value_ranges': input 'codes': expected [low, high] with integers low < high, got [5, 5]",
-                     id="empty-range"),
-        pytest.param(config_with(value_ranges='{"tokens": [0, 10]}'),
-                     "parameter 'value_ranges': ['tokens'] are not config inputs (['codes'])", id="range-not-input"),
-        pytest.param(config_with(value_ranges="[0, 2048]"), "parameter 'value_ranges': must be a JSON object",
-                     id="range-not-object"),
         pytest.param({**MODEL_CONFIG, "sequence_batching": {}},
                      "parameter 'sequence_batching.max_sequence_idle_microseconds': missing: set it explicitly",
                      id="no-idle-timeout"),
@@ -332,8 +309,8 @@ def test_core_bad_request_fails_alone_and_leaves_state(onnx_session):
     core.step([request(1, codes_for(1), start=True), request(2, codes_for(2), start=True)])
     reference.step(codes_for(1))
     other.step(codes_for(2))
-    bad_batch = np.zeros((2, CODEBOOKS, 1), dtype=np.int32)
-    bad_dtype = np.zeros((1, CODEBOOKS, 1), dtype=np.int64)
+    bad_batch = np.zeros((2, NUM_CODEBOOKS, 1), dtype=np.int32)
+    bad_dtype = np.zeros((1, NUM_CODEBOOKS, 1), dtype=np.int64)
     results = core.step(
         [request(1, bad_batch), request(2, codes_for(3)), request(1, bad_dtype)]
     )
@@ -422,16 +399,20 @@ parameters {{ key: "max_rows_per_run" value: {{ string_value: "8" }} }}
 """
 
 
-@pytest.fixture(scope="module")
-def decoder_server(tmp_path_factory, triton_server_factory):
-    repository = tmp_path_factory.mktemp("python_ort_repo")
+def write_repository(repository: Path, state_spec=STATE_SPEC, max_live_streams: int = 64) -> Path:
+    """A repository serving the tiny model as `decoder`, laid out as render lays out python-ort."""
     version_dir = repository / "decoder" / "1"
     version_dir.mkdir(parents=True)
     build_step_onnx(version_dir / "model.onnx")
     install_model(version_dir)
-    (repository / "decoder" / "config.pbtxt").write_text(
-        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(STATE_SPEC), max_live_streams=64)
-    )
+    (repository / "decoder" / "config.pbtxt").write_text(DECODER_CONFIG.format(
+        pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(state_spec), max_live_streams=max_live_streams))
+    return repository
+
+
+@pytest.fixture(scope="module")
+def decoder_server(tmp_path_factory, triton_server_factory):
+    repository = write_repository(tmp_path_factory.mktemp("python_ort_repo"))
     return triton_server_factory(repository, log_path=repository / "server.log")
 
 
@@ -515,7 +496,7 @@ def test_served_model_reports_sequence_without_state(client):
     # Triton starts the sequence, the model rejects its first request (two frames where the graph
     # takes one), so the model has no state for a sequence that Triton considers live: the model's
     # own error answers.
-    two_frames = np.zeros((1, CODEBOOKS, 2), dtype=np.int32)
+    two_frames = np.zeros((1, NUM_CODEBOOKS, 2), dtype=np.int32)
     assert "expected [1, 8, 1]" in server_error(lambda: client.step(13, two_frames, start=True))
     message = server_error(lambda: client.step(13, codes_for(1)))
     assert "sequence 13 has no decoder state in model 'decoder'" in message
@@ -546,16 +527,16 @@ def test_served_bad_request_fails_alone(client):
     )
     np.testing.assert_array_equal(client.step(32, codes_for(2), start=True), other.step(codes_for(2)))
     # Two frames where the graph takes one: rejected by the model, the stream untouched.
-    two_frames = np.zeros((1, CODEBOOKS, 2), dtype=np.int32)
+    two_frames = np.zeros((1, NUM_CODEBOOKS, 2), dtype=np.int32)
     message = server_error(lambda: client.step(31, two_frames))
     assert "input 'codes' has shape [1, 8, 2], expected [1, 8, 1]" in message
     # Shapes that contradict the config: rejected by Triton before the model.
-    seven_codebooks = np.zeros((1, CODEBOOKS - 1, 1), dtype=np.int32)
+    seven_codebooks = np.zeros((1, NUM_CODEBOOKS - 1, 1), dtype=np.int32)
     assert "shape" in server_error(lambda: client.step(31, seven_codebooks))
     two_rows = np.concatenate([codes_for(3), codes_for(4)])
     assert "batch-size 1" in server_error(lambda: client.step(31, two_rows))
     # Codes outside the value range the config gives: rejected by the model, the stream untouched.
-    too_big = np.full((1, CODEBOOKS, 1), 2048, dtype=np.int32)
+    too_big = np.full((1, NUM_CODEBOOKS, 1), CODEBOOK_SIZE, dtype=np.int32)
     assert "input 'codes' holds values in [2048, 2048], outside [0, 2048)" in server_error(
         lambda: client.step(31, too_big)
     )
@@ -627,14 +608,8 @@ def test_served_idle_sequences_expire(decoder_server, client):
 def test_served_bad_parameter_fails_the_load(tmp_path):
     from mimi_code2wav.server.triton import ServerError, running_server
 
-    version_dir = tmp_path / "repo" / "decoder" / "1"
-    version_dir.mkdir(parents=True)
-    build_step_onnx(version_dir / "model.onnx")
-    install_model(version_dir)
     wrong_dtype = [STATE_SPEC[0], {**STATE_SPEC[1], "dtype": "int32"}]
-    (tmp_path / "repo" / "decoder" / "config.pbtxt").write_text(
-        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(wrong_dtype), max_live_streams=64)
-    )
+    write_repository(tmp_path / "repo", state_spec=wrong_dtype)
     with pytest.raises(ServerError) as failure:
         with running_server(tmp_path / "repo", log_path=tmp_path / "server.log"):
             pass
@@ -647,8 +622,8 @@ def test_values_out_of_range_fail_their_row_alone(onnx_session):
     """With a value range for an input, a bad row is rejected before the batched run: its batch-mates step."""
     config = ort_core.parse_model_config(config_with(value_ranges='{"codes": [0, 2048]}'), TRITON_TYPES.__getitem__)
     core, _ = make_core(onnx_session, config=config)
-    good = np.zeros((1, 8, 1), np.int32)
-    bad = np.full((1, 8, 1), 2048, np.int32)
+    good = np.zeros((1, NUM_CODEBOOKS, 1), np.int32)
+    bad = np.full((1, NUM_CODEBOOKS, 1), CODEBOOK_SIZE, np.int32)
     results = core.step([
         ort_core.StepRequest(sequence_id=1, start=True, end=False, inputs={"codes": good}),
         ort_core.StepRequest(sequence_id=2, start=True, end=False, inputs={"codes": bad}),
@@ -675,7 +650,7 @@ def test_variable_frames_are_bounded_and_rows_of_equal_shape_run_together():
 
     core = ort_core.StreamingDecoderCore(config, run, clock=FakeClock(), model_name="decoder")
     frames = {1: 2, 2: 1, 3: 2, 4: 5}
-    results = core.step([request(sid, np.zeros((1, 8, f), np.int32), start=True) for sid, f in frames.items()])
+    results = core.step([request(sid, np.zeros((1, NUM_CODEBOOKS, f), np.int32), start=True) for sid, f in frames.items()])
     assert sorted(runs) == [(1, 1), (2, 2)]
     assert [float(results[i]["pcm"][0, 0]) for i in range(3)] == [2.0, 1.0, 2.0]
     assert isinstance(results[3], ort_core.ModelError) and results[3].kind == "shape"
@@ -685,7 +660,7 @@ def test_variable_frames_are_bounded_and_rows_of_equal_shape_run_together():
 
 def test_streams_left_behind_do_not_keep_a_whole_batch_alive(onnx_session):
     core, _ = make_core(onnx_session)
-    codes = np.zeros((1, 8, 1), np.int32)
+    codes = np.zeros((1, NUM_CODEBOOKS, 1), np.int32)
     core.step([ort_core.StepRequest(sequence_id=i, start=True, end=False, inputs={"codes": codes}) for i in range(1, 5)])
     # Only stream 1 steps again: streams 2-4 must not share the 4-row arrays any more.
     core.step([ort_core.StepRequest(sequence_id=1, start=False, end=False, inputs={"codes": codes})])
@@ -770,7 +745,7 @@ def test_bound_runner_writes_states_into_arrays_of_its_own(onnx_session):
     config = ort_core.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
     runner = ort_core.BoundRunner(onnx_session, config)
     rng = np.random.default_rng(0)
-    feeds = {"codes": rng.integers(0, 2048, (3, 8, 1), dtype=np.int32),
+    feeds = {"codes": rng.integers(0, CODEBOOK_SIZE, (3, NUM_CODEBOOKS, 1), dtype=np.int32),
              "state_in_00_acc": rng.standard_normal((3, ACC)).astype(np.float32),
              "state_in_01_count": np.arange(3, dtype=np.int64).reshape(3, 1)}
     bound = runner(feeds)
@@ -897,15 +872,7 @@ def test_served_start_past_the_cap_is_refused_with_unavailable(tmp_path, triton_
     UNAVAILABLE naming the cap; the two live sequences go on untouched."""
     from tritonclient.utils import InferenceServerException
 
-    repository = tmp_path / "repo"
-    version_dir = repository / "decoder" / "1"
-    version_dir.mkdir(parents=True)
-    build_step_onnx(version_dir / "model.onnx")
-    install_model(version_dir)
-    (repository / "decoder" / "config.pbtxt").write_text(
-        DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(STATE_SPEC), max_live_streams=2)
-    )
-    server = triton_server_factory(repository)
+    server = triton_server_factory(write_repository(tmp_path / "repo", max_live_streams=2))
     client = Client(server.grpc_url)
     try:
         references = {81: Reference(), 82: Reference()}

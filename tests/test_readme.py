@@ -14,8 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
+
+from helpers import REPO_ROOT
+
+README = REPO_ROOT / "README.md"
 PY = str(Path(sys.executable))
 
 
@@ -124,13 +127,13 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         out = tmp_path / "out.wav"
         _run(_python(command.replace("127.0.0.1:8001", url).replace("out.wav", str(out))), tmp_path)
         audio, rate = _read_wav(out)
-        assert rate == 24000 and audio.shape[-1] == 50 * 1920
+        assert rate == SAMPLE_RATE_HZ and audio.shape[-1] == 50 * SAMPLES_PER_FRAME
 
     def decode_codes(command):
         np.save(tmp_path / "codes.npy", scenario.streams["A"][:, :20])
         _run(_python(command) + ["--url", url], tmp_path)
         audio, rate = _read_wav(tmp_path / "speech.wav")
-        assert rate == 24000 and audio.shape[-1] == 20 * 1920
+        assert rate == SAMPLE_RATE_HZ and audio.shape[-1] == 20 * SAMPLES_PER_FRAME
 
     def decode_paced(command):
         result = _run(_python(command.replace("--frames 125", "--frames 10").replace("--streams 8", "--streams 2"))
@@ -141,15 +144,15 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         from mimi_code2wav.client.wav import write_wav
 
         rng = np.random.default_rng(0)
-        write_wav(tmp_path / "speech.wav", (0.1 * rng.standard_normal(24000)).astype(np.float32), 24000)
+        write_wav(tmp_path / "speech.wav", (0.1 * rng.standard_normal(SAMPLE_RATE_HZ)).astype(np.float32), SAMPLE_RATE_HZ)
         _run(_python(command.replace("/path/to/mimi", str(checkpoint))), tmp_path)
         codes = np.load(tmp_path / "codes.npy")
-        assert codes.shape == (8, 13) and codes.min() >= 0 and codes.max() < 2048
+        assert codes.shape == (NUM_CODEBOOKS, 13) and codes.min() >= 0 and codes.max() < CODEBOOK_SIZE
 
     def verify(command):
         # The session server serves exactly this checkpoint.
         args = command.replace("/path/to/tokenizer-e351c8d8-checkpoint125.safetensors", str(checkpoint)).split()
-        result = _run(args + [f"URL={url}"], ROOT)
+        result = _run(args + [f"URL={url}"], REPO_ROOT)
         assert "PASS" in result.stdout
 
     def export_transformers_folder(command):
@@ -184,10 +187,10 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         assert "passed onnx.checker" in result.stderr
 
     def make_venv(command):
-        _run(command.split() + [f"VENV={Path(PY).parent.parent}"], ROOT)
+        _run(command.split() + [f"VENV={Path(PY).parent.parent}"], REPO_ROOT)
 
     def make_lint(command):
-        result = _run(command.split() + [f"VENV={Path(PY).parent.parent}"], ROOT)
+        result = _run(command.split() + [f"VENV={Path(PY).parent.parent}"], REPO_ROOT)
         assert "All checks passed" in result.stdout
 
     def bench_decoder(command):
@@ -199,7 +202,7 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
     def perf_sh(command):
         # One measurement of a fixed request count: short, and no stability search on busy cores.
         env = {"URL": url, "STREAMS": "4", "FRAMES": "9", "BUILD_DIR": str(tmp_path / "perf"), "PYTHON": PY}
-        result = _run(["bash", *command.split(), "--request-count", "12"], ROOT, env=env, timeout=180)
+        result = _run(["bash", *command.split(), "--request-count", "12"], REPO_ROOT, env=env, timeout=180)
         assert "mimi_decoder" in result.stdout  # the composing model's statistics are reported
 
     def render(command):

@@ -29,14 +29,24 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS
 from mimi_code2wav.server import nginx
 from mimi_code2wav.server.nginx import STREAM_KEY_HEADER, NginxError, find_nginx
 from mimi_code2wav.server.replicas import ReplicaSet
-from mimi_code2wav.server.triton import SHM_DIR, fetch_metrics, free_ports, log_tail, metric_value, port_is_free
+from mimi_code2wav.server.triton import (
+    SHM_DIR,
+    fetch_metrics,
+    free_ports,
+    log_tail,
+    metric_value,
+    port_is_free,
+    process_group_alive,
+)
+
+from helpers import REPO_ROOT, code2wav_inputs, pcm_of, print_and_record, process_exists, send_in_chunks, shm_prefix_of
 
 pytestmark = pytest.mark.server
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
 MODEL = "stream_counter"
 # Short, so that a restarted replica gets its keys back within a test's patience.
@@ -405,8 +415,7 @@ def test_killed_replica_streams_move_and_the_others_are_unaffected(nginx_install
         summary = (f"failover (last answer from the dead replica -> first answer from a live one): "
                    f"max {max(first_answer_s) * 1e3:.1f} ms, median {statistics.median(first_answer_s) * 1e3:.1f} ms; "
                    f"to the resumed stream's first audio: max {max(failover_s) * 1e3:.1f} ms over {len(failover_s)} streams")
-        print(summary)
-        record_property("failover", summary)
+        print_and_record(record_property, "failover", summary)
 
 
 def test_restarted_replica_takes_its_streams_back(nginx_install, counter_repository, tmp_path, record_property):
@@ -464,33 +473,10 @@ def test_restarted_replica_takes_its_streams_back(nginx_install, counter_reposit
         client.close()
         summary = (f"restart: ready in {ready_s:.2f} s on the same ports; its keys back after "
                    f"{returned_after_s:.2f} s ({attempts} probes, fail_timeout {FAIL_TIMEOUT_S} s)")
-        print(summary)
-        record_property("restart", summary)
+        print_and_record(record_property, "restart", summary)
 
 
 # ---- the command ---------------------------------------------------------------------------------
-
-def _shm_prefix_of(pid: int) -> str:
-    arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    flag = next(arg for arg in arguments if b"shm-region-prefix-name=" in arg)
-    return flag.split(b"=")[-1].decode()
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
 
 def test_serve_replicas_command_stops_cleanly_on_sigterm(nginx_install, counter_repository, tmp_path):
     """`code2wav-server serve-replicas` in the foreground: ready, routes a stream, and SIGTERM stops
@@ -521,7 +507,7 @@ def test_serve_replicas_command_stops_cleanly_on_sigterm(nginx_install, counter_
         servers = [pid for pid, command in commands.items() if b"tritonserver" in command]
         masters = [pid for pid, command in commands.items() if b"nginx" in command]
         assert len(servers) == 2 and len(masters) == 1, commands
-        prefixes = [_shm_prefix_of(pid) for pid in servers]
+        prefixes = [shm_prefix_of(pid) for pid in servers]
         assert all(list(SHM_DIR.glob(f"{prefix}*")) for prefix in prefixes)
         cli.send_signal(signal.SIGTERM)
         output, _ = cli.communicate(timeout=90)
@@ -541,7 +527,7 @@ def test_serve_replicas_command_stops_cleanly_on_sigterm(nginx_install, counter_
     assert [row[0] for row in table] == ["0", "1"] and sorted(int(row[4]) for row in table) == sorted(servers), output
     assert "SIGTERM: stopping nginx and the replicas" in output and re.search(r"stopped in [0-9.]+ s", output)
     for pid in children:
-        assert not _process_exists(pid) and not _group_exists(pid), f"{pid} ({commands[pid][:60]}) outlived the command"
+        assert not process_exists(pid) and not process_group_alive(pid), f"{pid} ({commands[pid][:60]}) outlived the command"
     ports = [grpc_port, http_port, *(int(port) for row in table for port in row[1:4])]
     assert all(port_is_free(port) for port in ports)
     assert not any(list(SHM_DIR.glob(f"{prefix}*")) for prefix in prefixes)
@@ -549,23 +535,11 @@ def test_serve_replicas_command_stops_cleanly_on_sigterm(nginx_install, counter_
 
 # ---- the real code2wav repository --------------------------------------------------------------------
 
-def _code2wav_inputs(codes: np.ndarray, frame_offset: int) -> list[grpcclient.InferInput]:
-    ids = grpcclient.InferInput("input_ids", [1, codes.size], "INT64")
-    ids.set_data_from_numpy(np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1))
-    offset = grpcclient.InferInput("frame_offset", [1, 1], "INT64")
-    offset.set_data_from_numpy(np.array([[frame_offset]], np.int64))
-    return [ids, offset]
-
-
-def _decode(client, codes: np.ndarray, sequence_id: int, key: str | None, chunk_frames: int = 2) -> np.ndarray:
-    pcm = []
-    for first in range(0, codes.shape[1], chunk_frames):
-        last = min(first + chunk_frames, codes.shape[1])
-        result = client.infer("code2wav", _code2wav_inputs(codes[:, first:last], first), sequence_id=sequence_id,
-                              sequence_start=first == 0, sequence_end=last == codes.shape[1],
-                              headers={STREAM_KEY_HEADER: key} if key else None)
-        pcm.append(result.as_numpy("model_outputs")[0])
-    return np.concatenate(pcm)
+def _decode(client, codes: np.ndarray, sequence_id: int, key: str | None) -> np.ndarray:
+    """A whole stream, 2 frames per request, carrying its stream key when given."""
+    headers = {STREAM_KEY_HEADER: key} if key else None
+    return np.concatenate(send_in_chunks(client, sequence_id, codes, 0, codes.shape[1], chunk_frames=2, start=True,
+                                         headers=headers))
 
 
 def test_code2wav_streams_through_the_proxy(nginx_install, served_repository, tmp_path):
@@ -575,17 +549,18 @@ def test_code2wav_streams_through_the_proxy(nginx_install, served_repository, tm
     from mimi_fixtures import assert_equal_audio
 
     rng = np.random.default_rng(7)
-    streams = {f"conversation-{number}": rng.integers(0, 2048, (8, 6), dtype=np.int64) for number in range(4)}
+    streams = {f"conversation-{number}": rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, 6), dtype=np.int64)
+               for number in range(4)}
     with running_replicas(served_repository, tmp_path / "run", replicas=2) as replica_set:
         with grpcclient.InferenceServerClient(replica_set.proxy_grpc_url) as proxy:
             pcm = {key: [] for key in streams}
             sequence_ids = {key: 900 + number for number, key in enumerate(streams)}
             for first in range(0, 6, 2):  # interleaved: request n of every stream, then n + 1
                 for key, codes in streams.items():
-                    result = proxy.infer("code2wav", _code2wav_inputs(codes[:, first:first + 2], first),
+                    result = proxy.infer("code2wav", code2wav_inputs(codes[:, first:first + 2], first),
                                          sequence_id=sequence_ids[key], sequence_start=first == 0,
                                          headers={STREAM_KEY_HEADER: key})
-                    pcm[key].append(result.as_numpy("model_outputs")[0])
+                    pcm[key].append(pcm_of(result, 2))
             log = inference_log(replica_set, 12)
             served_by = {key: {line["served_by"] for line in log if line["key"] == key} for key in streams}
             assert all(len(replicas) == 1 for replicas in served_by.values()), served_by
@@ -601,7 +576,7 @@ def test_code2wav_streams_through_the_proxy(nginx_install, served_repository, tm
             victim = next(replica for replica in replica_set.replicas if replica.grpc_url in served_by[key])
             replica_set.kill(victim.index)
             with pytest.raises(InferenceServerException, match=NOT_STARTED):
-                proxy.infer("code2wav", _code2wav_inputs(codes[:, :1], 6), sequence_id=sequence_ids[key],
+                proxy.infer("code2wav", code2wav_inputs(codes[:, :1], 6), sequence_id=sequence_ids[key],
                             headers={STREAM_KEY_HEADER: key})
             assert_equal_audio(_decode(proxy, codes, 2900, key), references[key], what=f"{key} started again")
 

@@ -10,7 +10,6 @@ close, by how much depends on R (`python -m mimi_code2wav.server.bench.resume` m
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import threading
@@ -18,20 +17,16 @@ import time
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
-from mimi_code2wav.client.stream import ResumableStream, StreamOptions
+from mimi_code2wav.client.stream import SAMPLES_PER_FRAME, ResumableStream, StreamOptions, random_codes
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
-from mimi_fixtures import assert_equal_audio, ort_session, ort_step_fn, spec_zero_state
+from helpers import code2wav_inputs, frames_of, infer, infer_error, send_in_chunks, sequence_ids, wait_until
+from mimi_fixtures import assert_equal_audio
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
-MODEL = "code2wav"
-NUM_CODEBOOKS = 8
-SAMPLES_PER_FRAME = 1920
 FRAMES_PER_SECOND = 12.5
 # After a resume with R = 250 frames of history, the resumed audio stays this close to the
 # uninterrupted decode (SNR, whole tail and first second). Measured on this test's stream: ~86 dB
@@ -42,88 +37,7 @@ FAILOVER_RESUME_FRAME = 300
 FAILOVER_FRAMES = 340
 
 # Sequence ids of their own, far from those of the other test modules on the shared server.
-_SEQUENCE_IDS = itertools.count(9_100_001)
-
-
-def new_sequence_id() -> int:
-    return next(_SEQUENCE_IDS)
-
-
-def code2wav_inputs(codes: np.ndarray, frame_offset: int | None = None, history_frames: int | None = None):
-    """codes [k, F] -> input_ids INT64 [1, k*F] (codebook-major), and the optional scalars [1, 1]."""
-    arrays = {"input_ids": np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1)}
-    if frame_offset is not None:
-        arrays["frame_offset"] = np.array([[frame_offset]], np.int64)
-    if history_frames is not None:
-        arrays["history_frames"] = np.array([[history_frames]], np.int64)
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), "INT64")
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
-def infer(client, sequence_id, codes, frame_offset=None, history_frames=None, start=False, end=False,
-          new_frames: int | None = None) -> np.ndarray:
-    """One unary request; returns its PCM, 1-D, checked to hold `new_frames` frames."""
-    result = client.infer(MODEL, code2wav_inputs(codes, frame_offset, history_frames), sequence_id=sequence_id,
-                          sequence_start=start, sequence_end=end)
-    pcm = result.as_numpy("model_outputs")
-    assert pcm.dtype == np.float32 and pcm.ndim == 2 and pcm.shape[0] == 1, (pcm.dtype, pcm.shape)
-    if new_frames is not None:
-        assert pcm.shape[1] == new_frames * SAMPLES_PER_FRAME, (
-            f"{pcm.shape[1]} samples, expected {new_frames} frame(s) = {new_frames * SAMPLES_PER_FRAME}")
-    return pcm[0]
-
-
-def infer_error(client, sequence_id, inputs, *expected: str, start=False, end=False) -> str:
-    with pytest.raises(InferenceServerException) as info:
-        client.infer(MODEL, inputs, sequence_id=sequence_id, sequence_start=start, sequence_end=end)
-    message = info.value.message()
-    for text in expected:
-        assert text in message, f"{text!r} not in the error {message!r}"
-    return message
-
-
-def send_in_chunks(client, sequence_id, codes, first, stop, chunk=16, start=False, end=True) -> list[np.ndarray]:
-    """Frames [first, stop) of `codes` as deltas with frame_offset, `chunk` frames each; START on the
-    first request with `start`, END on the last with `end`."""
-    pcm = []
-    for chunk_first in range(first, stop, chunk):
-        last = min(chunk_first + chunk, stop)
-        pcm.append(infer(client, sequence_id, codes[:, chunk_first:last], chunk_first,
-                         start=start and chunk_first == first, end=end and last == stop, new_frames=last - chunk_first))
-    return pcm
-
-
-def frames_of(pcm: np.ndarray, first: int, stop: int | None = None) -> np.ndarray:
-    return pcm[first * SAMPLES_PER_FRAME : None if stop is None else stop * SAMPLES_PER_FRAME]
-
-
-@pytest.fixture(scope="module")
-def ort_decode(onnx_fp32):
-    """The served ONNX step run alone (batch 1), 16 frames per call: codes [k, T] -> PCM [T * 1920]."""
-    from mimi_code2wav.export.onnx_export import read_manifest
-    from mimi_code2wav.export.spec import DecoderSpec
-
-    step = ort_step_fn(ort_session(onnx_fp32))
-    zero_state = spec_zero_state(DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"]))
-
-    def decode(codes: np.ndarray) -> np.ndarray:
-        state, chunks = zero_state(1), []
-        for first in range(0, codes.shape[1], 16):
-            pcm, *state = step(np.ascontiguousarray(codes[None, :, first : first + 16], dtype=np.int32), state)
-            chunks.append(np.asarray(pcm)[0])
-        return np.concatenate(chunks)
-
-    return decode
-
-
-@pytest.fixture
-def grpc_client(code2wav_server):
-    with grpcclient.InferenceServerClient(code2wav_server.grpc_url) as client:
-        yield client
+new_sequence_id = sequence_ids(9_100_001)
 
 
 # ---- the contract on a real server -----------------------------------------------------------------
@@ -139,8 +53,8 @@ def resumed_decode(client, codes, resume_at, history_frames, first_new_frames=16
     sequence_id = new_sequence_id()
     replay_from = resume_at - history_frames
     stop = resume_at + first_new_frames
-    after = [infer(client, sequence_id, codes[:, replay_from:stop], replay_from, history_frames, start=True,
-                   new_frames=first_new_frames)]
+    after = [infer(client, sequence_id, codes[:, replay_from:stop], replay_from, start=True,
+                   new_frames=first_new_frames, history_frames=history_frames)]
     after += send_in_chunks(client, sequence_id, codes, stop, codes.shape[1])
     return np.concatenate(before + after)
 
@@ -181,7 +95,7 @@ def test_a_resumed_stream_refuses_offsets_before_its_resume_point_and_misplaced_
     codes = scenario.streams["B"]
     sequence_id = new_sequence_id()
     before = _counters(code2wav_server)
-    pcm = infer(grpc_client, sequence_id, codes[:, 20:30], 20, 6, start=True, new_frames=4)
+    pcm = infer(grpc_client, sequence_id, codes[:, 20:30], 20, start=True, new_frames=4, history_frames=6)
     assert pcm.size == 4 * SAMPLES_PER_FRAME
     infer_error(grpc_client, sequence_id, code2wav_inputs(codes[:, 19:32], 19),
                 f"frame_offset 19 is before frame 20, where stream {sequence_id} was resumed on this server",
@@ -205,7 +119,7 @@ def test_a_stream_its_server_forgot_is_resumed_on_the_same_server(code2wav_serve
     """The server loses the stream (here: someone else ENDs the sequence; a restart or an idle timeout
     forgets it the same way): Triton answers the next request that it must carry the START flag, and
     the client STARTs the sequence again with its whole history (fewer than R frames): exact."""
-    codes = np.random.default_rng(41).integers(0, 2048, (NUM_CODEBOOKS, 60))
+    codes = random_codes(60, seed=41)
     stream = ResumableStream(code2wav_server.grpc_url, StreamOptions(resume_history_frames=250),
                              sequence_id=new_sequence_id(), stream_key="forgotten")
     with stream:
@@ -216,16 +130,8 @@ def test_a_stream_its_server_forgot_is_resumed_on_the_same_server(code2wav_serve
     assert (resume.frame, resume.history_frames, resume.attempts) == (24, 24, 1)
     assert resume.error == (f"INVALID_ARGUMENT: inference request for sequence {stream.sequence_id} to model "
                             "'code2wav' must specify the START flag on the first request of the sequence")
-    assert_equal_audio(np.concatenate(pcm), ort_decode(codes), what="resumed with the whole history vs ONNX step")
-
-
-def _wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
+    assert_equal_audio(np.concatenate(pcm), ort_decode(codes, frames_per_call=16),
+                       what="resumed with the whole history vs ONNX step")
 
 
 def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code2wav_server, ort_decode, tmp_path):
@@ -236,8 +142,8 @@ def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code
     audio after it within RESUMED_R250_MIN_SNR_DB of the uninterrupted decode."""
     from mimi_code2wav.server.triton import running_server
 
-    codes = np.random.default_rng(43).integers(0, 2048, (NUM_CODEBOOKS, FAILOVER_FRAMES))
-    reference = ort_decode(codes)
+    codes = random_codes(FAILOVER_FRAMES, seed=43)
+    reference = ort_decode(codes, frames_per_call=16)
     t = FAILOVER_RESUME_FRAME
     with running_server(served_repository, log_path=tmp_path / "server-a.log") as server_a:
         stream = ResumableStream([server_a.grpc_url, code2wav_server.grpc_url],
@@ -267,7 +173,7 @@ def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code
             pcm += answer
             pcm.append(stream.decode(codes[:, t + 16 :], end=True))
             done_s = time.monotonic() - sent_s
-        assert _wait_until(lambda: not server_a.is_alive(), 10)
+        assert wait_until(lambda: not server_a.is_alive(), 10)
     pcm = np.concatenate(pcm)
     assert pcm.shape == reference.shape, "a frame's audio is missing or repeated"
     (resume,) = stream.resumes

@@ -25,12 +25,13 @@ from mimi_code2wav.server.triton import (
     TritonServer,
     free_ports,
     port_is_free,
+    process_group_alive,
     running_server,
 )
 
-pytestmark = pytest.mark.server
+from helpers import REPO_ROOT, process_exists, shm_prefix_of, wait_http_ready
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.server
 
 ADD_ONE_CONFIG = """\
 name: "{name}"
@@ -80,22 +81,6 @@ def infer_add_one(grpc_url: str, model: str = "add_one") -> np.ndarray:
     return y
 
 
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_serves_grpc_then_stops_leaving_nothing(tmp_path):
     repository = write_model(tmp_path / "repo")
     with running_server(repository, log_path=tmp_path / "server.log") as server:
@@ -111,7 +96,7 @@ def test_serves_grpc_then_stops_leaving_nothing(tmp_path):
         assert all(port_is_free(port) is False for port in ports)
     assert server.process.returncode == 0, "SIGTERM should give a clean shutdown"
     assert not process_exists(pid)
-    assert not group_exists(pid), "a Python stub outlived the server"
+    assert not process_group_alive(pid), "a Python stub outlived the server"
     assert all(port_is_free(port) for port in ports)
     assert not any(region.exists() for region in regions)
     assert server.shm_regions() == []
@@ -133,7 +118,7 @@ def test_model_failing_to_load_fails_wait_ready_fast_with_log_tail(tmp_path):
     message = str(failure.value)
     assert "exited with code" in message
     assert "initialize failed on purpose" in message
-    assert not group_exists(server.pid)
+    assert not process_group_alive(server.pid)
     assert server.shm_regions() == []
 
 
@@ -148,7 +133,7 @@ def test_model_stuck_loading_times_out_and_stop_cleans_up(tmp_path):
         assert server.is_alive()
     finally:
         server.stop(grace_s=5)
-    assert not group_exists(server.pid)
+    assert not process_group_alive(server.pid)
     assert server.shm_regions() == []
 
 
@@ -161,19 +146,7 @@ def test_running_server_error_carries_log_tail(tmp_path):
             pass
 
 
-def _shm_prefix_of(pid: int) -> str:
-    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    (prefix,) = [
-        arg.split("shm-region-prefix-name=", 1)[1]
-        for arg in cmdline
-        if "shm-region-prefix-name=" in arg
-    ]
-    return prefix
-
-
 def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
-    import tritonclient.http as httpclient
-
     repository = write_model(tmp_path / "repo")
     http_port, grpc_port, metrics_port = free_ports(3)
     command = [
@@ -188,23 +161,12 @@ def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
         command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 60
-        ready = False
-        with httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as client:
-            while time.monotonic() < deadline and cli.poll() is None:
-                try:
-                    ready = client.is_server_ready()
-                except Exception:
-                    ready = False
-                if ready:
-                    break
-                time.sleep(0.1)
-        assert ready, f"serve never became ready (exit code {cli.poll()})"
+        wait_http_ready(http_port, cli, timeout_s=60)
         infer_add_one(f"127.0.0.1:{grpc_port}")
         server_pid = int(
             subprocess.check_output(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"]).split()[0]
         )
-        prefix = _shm_prefix_of(server_pid)
+        prefix = shm_prefix_of(server_pid)
         assert list(SHM_DIR.glob(f"{prefix}*"))
         cli.send_signal(signal.SIGTERM)
         output, _ = cli.communicate(timeout=60)
@@ -217,7 +179,7 @@ def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
     assert re.search(r"tritonserver ready in [0-9.]+ s", output)
     assert "SIGTERM: draining and stopping tritonserver" in output
     assert not process_exists(server_pid)
-    assert not group_exists(server_pid)
+    assert not process_group_alive(server_pid)
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
     assert list(SHM_DIR.glob(f"{prefix}*")) == []
 
@@ -279,12 +241,12 @@ def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
             time.sleep(0.1)
         assert server_pid is not None, "tritonserver never started"
         while time.monotonic() < deadline and prefix is None:
-            prefix = _shm_prefix_of(server_pid)
+            prefix = shm_prefix_of(server_pid)
             prefix = prefix if _stubs_of(prefix) else None
             time.sleep(0.1)
         assert prefix is not None, "the Python stub never started"
         if moment == "serving":
-            _wait_http_ready(http_port, cli)
+            wait_http_ready(http_port, cli, timeout_s=90)
         cli.kill()
         cli.wait()
         # tritonserver is this process's child now: wait for it to exit (its exit timeout at most).
@@ -305,21 +267,6 @@ def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
                 os.waitpid(server_pid, 0)
         for stub in _stubs_of(prefix) if prefix else []:
             os.kill(stub, signal.SIGKILL)
-
-
-def _wait_http_ready(port: int, process: subprocess.Popen, timeout_s: float = 90.0) -> None:
-    import tritonclient.http as httpclient
-
-    deadline = time.monotonic() + timeout_s
-    with httpclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if client.is_server_ready():
-                    return
-            except Exception:
-                pass
-            time.sleep(0.1)
-    raise AssertionError(f"the server never became ready (exit code {process.poll()})")
 
 
 def _tritonserver_under(pid: int) -> int | None:
@@ -353,11 +300,11 @@ def test_make_serve_stops_cleanly_when_its_process_group_is_signalled_twice(tmp_
     )
     server_pid = None
     try:
-        _wait_http_ready(http_port, make)
+        wait_http_ready(http_port, make, timeout_s=90)
         infer_add_one(f"127.0.0.1:{grpc_port}")
         server_pid = _tritonserver_under(make.pid)
         assert server_pid is not None
-        prefix = _shm_prefix_of(server_pid)
+        prefix = shm_prefix_of(server_pid)
         # Back to back, so that the second lands while the first is being handled; then one more later.
         os.killpg(make.pid, signal.SIGINT)
         os.killpg(make.pid, signal.SIGTERM)
@@ -374,7 +321,7 @@ def test_make_serve_stops_cleanly_when_its_process_group_is_signalled_twice(tmp_
     assert len(re.findall(r"^SIG(INT|TERM): draining and stopping tritonserver$", output, re.M)) == 1, output
     assert re.search(r"tritonserver stopped in [0-9.]+ s", output), output
     assert not re.search(r"\] Error \d", output), output  # make saw the launcher exit non-zero
-    assert not process_exists(server_pid) and not group_exists(server_pid)
+    assert not process_exists(server_pid) and not process_group_alive(server_pid)
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
     assert list(SHM_DIR.glob(f"{prefix}*")) == []
 
@@ -408,5 +355,5 @@ def test_signals_during_start_up_give_one_clean_stop(tmp_path):
     assert cli.returncode == 0, output
     assert "Traceback" not in output, output
     assert output.count("stopping tritonserver") == 1, output
-    assert not process_exists(server_pid) and not group_exists(server_pid)
+    assert not process_exists(server_pid) and not process_group_alive(server_pid)
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))

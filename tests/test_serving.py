@@ -20,7 +20,6 @@ import itertools
 import os
 import queue
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +33,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from mimi_code2wav.client.stream import CODEBOOK_SIZE, MODEL_NAME, NUM_CODEBOOKS, SAMPLES_PER_FRAME, random_codes
 from mimi_code2wav.export.reference import moshi_stream_decode
+from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, DecoderServing, render_repository, set_idle_timeout
 from mimi_code2wav.server.triton import (
     DEFAULT_EXIT_TIMEOUT_S,
     SHM_DIR,
@@ -45,16 +46,25 @@ from mimi_code2wav.server.triton import (
     process_group_alive,
 )
 
-from mimi_fixtures import assert_equal_audio, ort_session, ort_step_fn, spec_zero_state
+from helpers import (
+    REPO_ROOT,
+    code2wav_inputs,
+    copy_repository,
+    export_spec,
+    frames_of,
+    infer,
+    infer_error,
+    pcm_of,
+    raw_input,
+    sequence_ids,
+    shm_prefix_of,
+    wait_http_ready,
+    wait_until,
+)
+from mimi_fixtures import assert_equal_audio
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "code2wav"
-NUM_CODEBOOKS = 8
-CODEBOOK_SIZE = 2048
-SAMPLES_PER_FRAME = 1920
-SAMPLE_RATE_HZ = 24000
 MAX_NEW_FRAMES_PER_REQUEST = 1500
 MAX_REQUEST_FRAMES = 45000
 # A stream batched with others stays within this of its solo run (docs/design.md §2.3).
@@ -62,78 +72,12 @@ BATCHED_MAX_ABS = 1e-5
 # Triton's own answer to a request for a sequence it does not hold, and the core's, both say this.
 START_HINT = "START flag"
 
-# Idle timeouts of the short-timeout server: the decoder's sits above code2wav's, as in the shipped
-# configs (code2wav 30 s, mimi_decoder 35 s).
-SHORT_CODE2WAV_IDLE_US = 2_000_000
-SHORT_DECODER_IDLE_US = 3_000_000
+# Idle timeouts of the short-timeout server: code2wav's, and the decoder's above it by the margin the
+# shipped configs keep (render.set_idle_timeout).
+SHORT_CODE2WAV_IDLE_S = 2.0
 
 # Sequence ids far from small numbers another test module might pick on the shared server.
-_SEQUENCE_IDS = itertools.count(7_000_001)
-
-
-def new_sequence_id() -> int:
-    return next(_SEQUENCE_IDS)
-
-
-# ---- the request contract ------------------------------------------------------------------------
-
-def raw_input(name: str, array: np.ndarray, datatype: str) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-    tensor.set_data_from_numpy(array)
-    return tensor
-
-
-def code2wav_inputs(codes: np.ndarray, frame_offset: int | None = None) -> list[grpcclient.InferInput]:
-    """codes [k, F] -> `input_ids` INT64 [1, k*F] (codebook-major: all F codes of codebook 0, then
-    codebook 1, ...) and, when given, `frame_offset` INT64 [1, 1]."""
-    codes = np.asarray(codes)
-    assert codes.ndim == 2 and codes.shape[0] == NUM_CODEBOOKS
-    inputs = [raw_input("input_ids", np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1), "INT64")]
-    if frame_offset is not None:
-        inputs.append(raw_input("frame_offset", np.array([[frame_offset]], np.int64), "INT64"))
-    return inputs
-
-
-def pcm_of(result, new_frames: int | None = None) -> np.ndarray:
-    """The response's `model_outputs` as 1-D float32, after checking `sr` and the output shape."""
-    sr = result.as_numpy("sr")
-    assert sr is not None and sr.dtype == np.int32 and sr.shape == (1, 1), sr
-    assert int(sr[0, 0]) == SAMPLE_RATE_HZ
-    pcm = result.as_numpy("model_outputs")
-    assert pcm.dtype == np.float32 and pcm.ndim == 2 and pcm.shape[0] == 1, (pcm.dtype, pcm.shape)
-    assert pcm.shape[1] % SAMPLES_PER_FRAME == 0, pcm.shape
-    if new_frames is not None:
-        assert pcm.shape[1] == new_frames * SAMPLES_PER_FRAME, (
-            f"{pcm.shape[1]} samples, expected {new_frames} frame(s) = {new_frames * SAMPLES_PER_FRAME}"
-        )
-    return pcm[0]
-
-
-def infer(client, sequence_id: int, codes, frame_offset=None, start=False, end=False,
-          new_frames: int | None = None) -> np.ndarray:
-    """One unary request; returns the PCM of the frames it decoded (checked to be `new_frames`)."""
-    result = client.infer(
-        MODEL, code2wav_inputs(codes, frame_offset),
-        sequence_id=sequence_id, sequence_start=start, sequence_end=end,
-    )
-    return pcm_of(result, new_frames)
-
-
-def infer_error(client, sequence_id: int, inputs, *expected: str, start=False, end=False) -> str:
-    """Send `inputs` (a codes array [k, F] or a list of InferInput) expecting an error whose message
-    contains every `expected` substring; returns the message."""
-    if isinstance(inputs, np.ndarray):
-        inputs = code2wav_inputs(inputs)
-    with pytest.raises(InferenceServerException) as info:
-        client.infer(MODEL, inputs, sequence_id=sequence_id, sequence_start=start, sequence_end=end)
-    message = info.value.message()
-    for text in expected:
-        assert text in message, f"{text!r} not in the error {message!r}"
-    return message
-
-
-def frames_of(pcm: np.ndarray, first: int, stop: int) -> np.ndarray:
-    return pcm[first * SAMPLES_PER_FRAME : stop * SAMPLES_PER_FRAME]
+new_sequence_id = sequence_ids(7_000_001)
 
 
 def chunk_bounds(rng: np.random.Generator, total_frames: int, max_chunk: int = 8) -> list[tuple[int, int]]:
@@ -161,7 +105,7 @@ class StreamingClient:
     def send(self, sequence_id: int, codes, frame_offset=None, start=False, end=False) -> str:
         request_id = str(next(self._request_ids))
         self.client.async_stream_infer(
-            MODEL, code2wav_inputs(codes, frame_offset), request_id=request_id,
+            MODEL_NAME, code2wav_inputs(codes, frame_offset), request_id=request_id,
             sequence_id=sequence_id, sequence_start=start, sequence_end=end,
         )
         return request_id
@@ -235,36 +179,15 @@ def wait_for_metrics(metrics_url: str, condition, timeout_s: float, poll_s: floa
 
 # ---- references ----------------------------------------------------------------------------------
 
-def ort_decode(step, zero_state, codes: np.ndarray) -> np.ndarray:
-    """The served ONNX step run directly, alone (batch 1), one frame per call: PCM float32 [1920*T]."""
-    state = zero_state(1)
-    chunks = []
-    for frame in range(codes.shape[1]):
-        pcm, *state = step(np.ascontiguousarray(codes[None, :, frame : frame + 1], dtype=np.int32), state)
-        chunks.append(np.asarray(pcm)[0])
-    return np.concatenate(chunks)
-
-
 def moshi_decode(model, codes: np.ndarray) -> np.ndarray:
     """moshi's streaming decode of codes [k, T], one frame per call: PCM float32 [1920*T]."""
     return moshi_stream_decode(model, np.asarray(codes)[None])[0]
 
 
 @pytest.fixture(scope="module")
-def ort_decoder(onnx_fp32):
-    from mimi_code2wav.export.onnx_export import read_manifest
-    from mimi_code2wav.export.spec import DecoderSpec
-
-    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
-    step = ort_step_fn(ort_session(onnx_fp32))
-    zero_state = spec_zero_state(spec)
-    return lambda codes: ort_decode(step, zero_state, codes)
-
-
-@pytest.fixture(scope="module")
-def ort_streams(ort_decoder, scenario):
+def ort_streams(ort_decode, scenario):
     """Each scenario stream decoded alone by the ONNX step in ONNX Runtime."""
-    return {name: ort_decoder(codes) for name, codes in scenario.streams.items()}
+    return {name: ort_decode(codes) for name, codes in scenario.streams.items()}
 
 
 def repeated_frame_codes(scenario) -> np.ndarray:
@@ -277,10 +200,10 @@ def repeated_frame_codes(scenario) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def repeated(scenario, moshi_checkpoint, ort_decoder):
+def repeated(scenario, moshi_checkpoint, ort_decode):
     """The repeated-frame codes with their moshi and ORT references."""
     codes = repeated_frame_codes(scenario)
-    return codes, moshi_decode(moshi_checkpoint[1], codes), ort_decoder(codes)
+    return codes, moshi_decode(moshi_checkpoint[1], codes), ort_decode(codes)
 
 
 def assert_matches(pcm, moshi_reference, ort_reference, what: str) -> float:
@@ -289,12 +212,6 @@ def assert_matches(pcm, moshi_reference, ort_reference, what: str) -> float:
     assert_equal_audio(pcm, moshi_reference, what=f"{what} vs moshi")
     error, _ = assert_equal_audio(pcm, ort_reference, max_abs=BATCHED_MAX_ABS, what=f"{what} vs ONNX step")
     return error
-
-
-@pytest.fixture
-def grpc_client(code2wav_server):
-    with grpcclient.InferenceServerClient(code2wav_server.grpc_url) as client:
-        yield client
 
 
 # ---- 1. one stream, every way of sending it ------------------------------------------------------
@@ -507,7 +424,7 @@ def test_sixteen_interleaved_streams_are_batched_and_each_equals_its_solo_run(
           f"step {worst:.2g}")
 
 
-def test_a_long_request_holds_up_no_other_stream(code2wav_server, ort_decoder):
+def test_a_long_request_holds_up_no_other_stream(code2wav_server, ort_decode):
     """One stream sends 400 frames in one request (longer than the 250 a resume replays) while another
     sends one frame per request, each after the previous answer: the short requests are answered while
     the long one is still decoding (a code2wav instance answers each request when it is done and takes
@@ -524,7 +441,7 @@ def test_a_long_request_holds_up_no_other_stream(code2wav_server, ort_decoder):
     live, answered_during = [], 0
     with grpcclient.InferenceServerClient(code2wav_server.grpc_url) as client:
         live.append(infer(client, live_id, live_codes[:, :1], 0, start=True, new_frames=1))
-        client.async_infer(MODEL, code2wav_inputs(long_codes, 0), callback=on_done, sequence_id=long_id,
+        client.async_infer(MODEL_NAME, code2wav_inputs(long_codes, 0), callback=on_done, sequence_id=long_id,
                            sequence_start=True, sequence_end=True)
         for frame in range(1, live_codes.shape[1]):
             live.append(infer(client, live_id, live_codes[:, frame:frame + 1], frame, end=frame == 199, new_frames=1))
@@ -537,9 +454,9 @@ def test_a_long_request_holds_up_no_other_stream(code2wav_server, ort_decoder):
             infer(client, live_id, live_codes[:, frame + 1:frame + 2], frame + 1, end=True, new_frames=1)
     (result, error), = outcome
     assert error is None, error
-    assert_equal_audio(pcm_of(result, 400), ort_decoder(long_codes), max_abs=BATCHED_MAX_ABS, what="the long request")
+    assert_equal_audio(pcm_of(result, 400), ort_decode(long_codes), max_abs=BATCHED_MAX_ABS, what="the long request")
     live = np.concatenate(live)
-    assert_equal_audio(live, ort_decoder(live_codes)[: live.size], max_abs=BATCHED_MAX_ABS, what="the 1-frame stream")
+    assert_equal_audio(live, ort_decode(live_codes)[: live.size], max_abs=BATCHED_MAX_ABS, what="the 1-frame stream")
     # 25 decoder steps of 16 frames: the 1-frame stream gets its turn between them.
     assert answered_during >= 5, f"only {answered_during} 1-frame requests answered while the long one decoded"
     print(f"\n{answered_during} one-frame requests answered while a 400-frame request decoded")
@@ -630,17 +547,13 @@ def test_requests_for_streams_not_started_are_refused_saying_to_start(grpc_clien
     assert str(sequence_id) in message
     infer_error(grpc_client, sequence_id, code2wav_inputs(a[:, :1], 0), START_HINT)
     infer_error(grpc_client, 0, a[:, :1], "non-zero", start=True)
-    assert grpc_client.is_server_ready() and grpc_client.is_model_ready(MODEL)
+    assert grpc_client.is_server_ready() and grpc_client.is_model_ready(MODEL_NAME)
 
 
 def _with_code(codes: np.ndarray, codebook: int, frame: int, value: int) -> np.ndarray:
     codes = np.array(codes, dtype=np.int64)
     codes[codebook, frame] = value
     return codes
-
-
-def _random_codes(frames: int) -> np.ndarray:
-    return np.random.default_rng(frames).integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, frames))
 
 
 # The victim stream has decoded frames [0, 3) of stream A when each of these arrives:
@@ -672,7 +585,7 @@ BAD_REQUESTS = [
                  ["no input_ids"], "shape", id="no-input-ids"),
     pytest.param(lambda a: code2wav_inputs(a[:, 3:4]) + [raw_input("bogus", np.array([[3]], np.int64), "INT64")],
                  ["unexpected inference input 'bogus'"], None, id="unknown-input"),
-    pytest.param(lambda a: code2wav_inputs(_random_codes(MAX_NEW_FRAMES_PER_REQUEST + 1), 3),
+    pytest.param(lambda a: code2wav_inputs(random_codes(MAX_NEW_FRAMES_PER_REQUEST + 1, seed=MAX_NEW_FRAMES_PER_REQUEST + 1), 3),
                  ["1501 new frames", "max_new_frames_per_request=1500"], "limit", id="too-many-new-frames"),
     pytest.param(lambda a: code2wav_inputs(np.zeros((NUM_CODEBOOKS, MAX_REQUEST_FRAMES + 1), np.int64)),
                  ["45001 frames", "max_request_frames=45000"], "limit", id="too-many-frames"),
@@ -691,7 +604,7 @@ def test_bad_request_names_the_problem_and_leaves_streams_as_they_were(
 
     before = ServingMetrics.read(url)
     infer_error(grpc_client, victim, build(a), *expected)
-    assert grpc_client.is_server_ready() and grpc_client.is_model_ready(MODEL)
+    assert grpc_client.is_server_ready() and grpc_client.is_model_ready(MODEL_NAME)
     after = ServingMetrics.read(url)
     counted = {k: after.errors.get(k, 0) - before.errors.get(k, 0) for k in after.errors}
     assert {k: v for k, v in counted.items() if v} == ({kind: 1} if kind else {})
@@ -710,23 +623,11 @@ def test_bad_request_names_the_problem_and_leaves_streams_as_they_were(
 
 # ---- 5, 6. idle expiry and the cancelled-request regression, with second-scale timeouts -----------
 
-def set_idle_timeout(config: Path, idle_us: int) -> None:
-    text = config.read_text()
-    edited, count = re.subn(r"max_sequence_idle_microseconds: *\d+", f"max_sequence_idle_microseconds: {idle_us}", text)
-    assert count == 1, f"{config}: expected one max_sequence_idle_microseconds, found {count}"
-    config.write_text(edited)
-
-
 @pytest.fixture(scope="module")
 def short_timeout_server(served_repository, triton_server_factory, tmp_path_factory):
-    """The served repository with idle timeouts of 2 s (code2wav) and 3 s (mimi_decoder)."""
-    repository = tmp_path_factory.mktemp("short_idle") / "model_repository"
-    # The ONNX file (~190 MB) is linked, not copied.
-    shutil.copytree(served_repository, repository, ignore=shutil.ignore_patterns("*.onnx", "__pycache__"))
-    for onnx_file in Path(served_repository).glob("*/*/*.onnx"):
-        (repository / onnx_file.relative_to(served_repository)).symlink_to(onnx_file.resolve())
-    set_idle_timeout(repository / "code2wav" / "config.pbtxt", SHORT_CODE2WAV_IDLE_US)
-    set_idle_timeout(repository / "mimi_decoder" / "config.pbtxt", SHORT_DECODER_IDLE_US)
+    """The served repository with idle timeouts of 2 s (code2wav) and 4 s (mimi_decoder)."""
+    repository = copy_repository(served_repository, tmp_path_factory.mktemp("short_idle") / "model_repository")
+    set_idle_timeout(repository, SHORT_CODE2WAV_IDLE_S)
     return triton_server_factory(repository)
 
 
@@ -737,7 +638,7 @@ def live_streams(metrics: ServingMetrics) -> tuple[float, float]:
 def test_a_stream_sending_within_the_timeout_outlives_it(short_timeout_server, scenario, moshi_streams, ort_streams):
     a = scenario.streams["A"]
     sequence_id = new_sequence_id()
-    gap_s = 0.7 * SHORT_CODE2WAV_IDLE_US / 1e6
+    gap_s = 0.7 * SHORT_CODE2WAV_IDLE_S
     with grpcclient.InferenceServerClient(short_timeout_server.grpc_url) as client:
         chunks = [infer(client, sequence_id, a[:, :1], 0, start=True, new_frames=1)]
         for frame in (1, 2):
@@ -766,7 +667,7 @@ def test_idle_streams_expire_everywhere_without_further_requests(
             server.metrics_url, lambda m: live_streams(m) == live_streams(baseline), timeout_s=20
         )
         idle_s = time.monotonic() - idle_started
-        assert idle_s > SHORT_CODE2WAV_IDLE_US / 1e6
+        assert idle_s > SHORT_CODE2WAV_IDLE_S
         assert expired.decoder_expired - baseline.decoder_expired == 2
         # Continuing an expired stream is refused, saying to START.
         infer_error(client, expiring, code2wav_inputs(a[:, 4:5], 4), START_HINT)
@@ -781,7 +682,7 @@ def test_idle_streams_expire_everywhere_without_further_requests(
     assert_matches(again, moshi_streams["A"][: again.size], ort_streams["A"][: again.size], "restarted")
     assert live_streams(ServingMetrics.read(server.metrics_url)) == live_streams(baseline)
     print(f"\nidle streams gone from code2wav and mimi_decoder {idle_s:.1f} s after their last request "
-          f"(timeouts {SHORT_CODE2WAV_IDLE_US / 1e6:g} s and {SHORT_DECODER_IDLE_US / 1e6:g} s)")
+          f"(timeouts {SHORT_CODE2WAV_IDLE_S:g} s and {SHORT_CODE2WAV_IDLE_S + DECODER_IDLE_MARGIN_US / 1e6:g} s)")
 
 
 def test_cancelled_requests_then_idle_timeout_leave_no_shared_state(
@@ -802,7 +703,7 @@ def test_cancelled_requests_then_idle_timeout_leave_no_shared_state(
             outcome.append((result, error))
             done.set()
 
-        call = client.async_infer(MODEL, code2wav_inputs(a[:, 2:80], 2), callback=on_done,
+        call = client.async_infer(MODEL_NAME, code2wav_inputs(a[:, 2:80], 2), callback=on_done,
                                   sequence_id=unary_cancelled)
         time.sleep(0.2)
         call.cancel()
@@ -855,19 +756,7 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return children
 
 
-def _wait_until(condition, timeout_s: float, poll_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-    return True
-
-
 def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_path):
-    import urllib.error
-    import urllib.request
-
     http_port, grpc_port, metrics_port = free_ports(3)
     build_dir = tmp_path / "build"
     output_path = tmp_path / "serve.out"
@@ -882,23 +771,14 @@ def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_pa
                                stdin=subprocess.DEVNULL)
     server_pid = None
     try:
-        def ready() -> bool:
-            assert cli.poll() is None, f"serve exited with {cli.returncode}:\n{output_path.read_text()}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as response:
-                    return response.status == 200
-            except (urllib.error.URLError, OSError):
-                return False
-
-        assert _wait_until(ready, timeout_s=600, poll_s=0.5), f"not ready:\n{output_path.read_text()}"
+        wait_http_ready(http_port, cli, timeout_s=600, output=output_path, poll_s=0.5)
         ready_s = time.monotonic() - started
         (server_pid, _), = [child for child in _children(cli.pid) if child[1] == "tritonserver"]
-        cmdline = Path(f"/proc/{server_pid}/cmdline").read_bytes().decode().split("\0")
-        (shm_prefix,) = [arg.split("shm-region-prefix-name=", 1)[1] for arg in cmdline if "shm-region-prefix-name=" in arg]
+        shm_prefix = shm_prefix_of(server_pid)
         assert list(SHM_DIR.glob(f"{shm_prefix}*")), "the Python stubs hold shared memory while serving"
         assert (build_dir / "model_repository" / "mimi_decoder" / "1" / "model.onnx").is_file()
 
-        codes = _random_codes(3)
+        codes = random_codes(3, seed=3)
         with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
             pcm = infer(client, new_sequence_id(), codes, 0, start=True, end=True, new_frames=3)
         assert np.all(np.isfinite(pcm)) and np.any(pcm != 0)
@@ -911,7 +791,7 @@ def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_pa
             cli.wait()
     text = output_path.read_text()
     assert "SIGTERM: draining and stopping tritonserver" in text
-    assert _wait_until(lambda: not Path(f"/proc/{server_pid}").exists() and not process_group_alive(server_pid), 10), \
+    assert wait_until(lambda: not Path(f"/proc/{server_pid}").exists() and not process_group_alive(server_pid), 10), \
         "tritonserver or one of its Python stubs outlived serve"
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
     assert list(SHM_DIR.glob(f"{shm_prefix}*")) == []
@@ -924,21 +804,17 @@ def test_serve_exports_into_a_clean_build_folder_serves_and_stops_cleanly(tmp_pa
 def test_null_decoder_behind_code2wav_returns_silence_of_the_right_length(onnx_fp32, tmp_path, triton_server_factory):
     """The bench target that measures the front's ceiling: code2wav in front, silence at once behind,
     requests of several frames still one decoder call each."""
-    from mimi_code2wav.export.onnx_export import read_manifest
-    from mimi_code2wav.export.render import DecoderServing, render_repository
-    from mimi_code2wav.export.spec import DecoderSpec
-
-    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    spec = export_spec(onnx_fp32)
     repository = render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "repo", "null",
                                    DecoderServing(instance_kind="KIND_CPU"))
     assert not (repository / "mimi_decoder" / "1" / "model.onnx").exists()
     server = triton_server_factory(repository)
-    codes = np.random.default_rng(3).integers(0, 2048, (8, 11))
+    codes = random_codes(11, seed=3)
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         sequence_id = new_sequence_id()
         first = infer(client, sequence_id, codes[:, :1], frame_offset=0, start=True, new_frames=1)
         rest = infer(client, sequence_id, codes[:, 1:], frame_offset=1, end=True, new_frames=10)
-    assert first.shape == (1920,) and rest.shape == (10 * 1920,)
+    assert first.shape == (SAMPLES_PER_FRAME,) and rest.shape == (10 * SAMPLES_PER_FRAME,)
     assert not first.any() and not rest.any()
     samples = fetch_metrics(server.metrics_url)
     assert metric_value(samples, "nv_inference_exec_count", model="mimi_decoder", version="1") == 2
@@ -947,11 +823,7 @@ def test_null_decoder_behind_code2wav_returns_silence_of_the_right_length(onnx_f
 @pytest.fixture(scope="module")
 def null_repository_two_fronts(onnx_fp32, tmp_path_factory):
     """The null bench target with two code2wav instances (`render --front-instances 2`)."""
-    from mimi_code2wav.export.onnx_export import read_manifest
-    from mimi_code2wav.export.render import DecoderServing, render_repository
-    from mimi_code2wav.export.spec import DecoderSpec
-
-    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    spec = export_spec(onnx_fp32)
     return render_repository(spec, onnx_fp32 / "model.onnx", tmp_path_factory.mktemp("fronts") / "repo", "null",
                              DecoderServing(instance_kind="KIND_CPU", front_instances=2))
 
@@ -974,7 +846,7 @@ def test_two_front_instances_share_the_streams_and_the_bench_profile_counts_ever
     with Code2WavStreamer(server.grpc_url) as streamer:
         report = streamer.run([random_codes(40, seed) for seed in range(6)], StreamOptions(chunk_frames=1))
     result = profile.finish(0)
-    assert [r.pcm.shape for r in report.results] == [(40 * 1920,)] * 6
+    assert [r.pcm.shape for r in report.results] == [(40 * SAMPLES_PER_FRAME,)] * 6
     assert all(not r.pcm.any() for r in report.results)
     assert result["requests"] == 6 * 40 == result["code2wav"]["requests"] == result["mimi_decoder"]["requests"]
     assert set(result["server_cpu_ms_per_request"]) == {"tritonserver", "stub code2wav", "stub mimi_decoder"}
@@ -1002,7 +874,7 @@ def test_the_bench_server_restarts_on_the_same_ports_after_a_crash(null_reposito
         assert local.url == url and local.server.pid != pid and local.server.is_alive()
         with Code2WavStreamer(local.url) as streamer:
             report = streamer.run([random_codes(3, 0)], StreamOptions(chunk_frames=1))
-        assert report.results[0].pcm.shape == (3 * 1920,)
+        assert report.results[0].pcm.shape == (3 * SAMPLES_PER_FRAME,)
     finally:
         local.stop()
     assert not local.server
@@ -1013,7 +885,7 @@ def test_the_bench_server_restarts_on_the_same_ports_after_a_crash(null_reposito
 def _stream_until_stopped(url: str, stop: threading.Event, outcomes: list, seed: int) -> None:
     """One client stream: START, then 4-frame requests back to back until `stop` or an error;
     appends ("ok", frames) per answered request and ("error", text) for the one that failed."""
-    codes = np.random.default_rng(seed).integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, 4000))
+    codes = random_codes(4000, seed)
     sequence_id = new_sequence_id()
     try:
         with grpcclient.InferenceServerClient(url) as client:
@@ -1032,12 +904,12 @@ def test_sigterm_with_streams_in_flight_unloads_both_models_without_waiting_out_
         served_repository, tmp_path):
     """SIGTERM while 8 streams keep requests in flight: every request gets its answer or an error
     saying the server is shutting down; both models unload and the server exits inside the exit
-    timeout the launchers use (25 s), with no non-graceful-termination line, no in-flight inference
+    timeout the launchers use (DEFAULT_EXIT_TIMEOUT_S), with no non-graceful-termination line, no in-flight inference
     left, no process or shared memory.
 
     Triton counts every live sequence as an in-flight inference and no request reaches the decoder
     while the server exits (so nothing can END a sequence there): streams the clients abandon leave
-    by the idle timeouts, 10 s in code2wav and 12 s in the decoder; the exit takes about that."""
+    by the idle timeouts (code2wav's, and the decoder's a margin above it); the exit takes about that."""
     from mimi_code2wav.server.triton import running_server
 
     log = tmp_path / "server.log"
@@ -1048,7 +920,7 @@ def test_sigterm_with_streams_in_flight_unloads_both_models_without_waiting_out_
                                     daemon=True) for i in range(8)]
         for thread in threads:
             thread.start()
-        assert _wait_until(lambda: all(sum(1 for kind, _ in o if kind == "ok") >= 3 for o in outcomes), 120), \
+        assert wait_until(lambda: all(sum(1 for kind, _ in o if kind == "ok") >= 3 for o in outcomes), 120), \
             f"the streams did not get going: {[len(o) for o in outcomes]}"
         prefix, pgid = server.shm_prefix, server.pid
         signalled = time.monotonic()
@@ -1082,11 +954,7 @@ def test_sigterm_with_streams_in_flight_unloads_both_models_without_waiting_out_
 @pytest.fixture(scope="module")
 def capped_null_server(onnx_fp32, tmp_path_factory, triton_server_factory):
     """code2wav over the null decoder, rendered for a capacity of 3 streams."""
-    from mimi_code2wav.export.onnx_export import read_manifest
-    from mimi_code2wav.export.render import DecoderServing, render_repository
-    from mimi_code2wav.export.spec import DecoderSpec
-
-    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    spec = export_spec(onnx_fp32)
     repository = render_repository(spec, onnx_fp32 / "model.onnx", tmp_path_factory.mktemp("capped") / "repo", "null",
                                    DecoderServing(instance_kind="KIND_CPU", max_candidate_sequences=3))
     return triton_server_factory(repository)
@@ -1094,7 +962,7 @@ def capped_null_server(onnx_fp32, tmp_path_factory, triton_server_factory):
 
 @pytest.mark.server
 def test_a_start_past_the_stream_cap_is_refused_and_harms_no_live_stream(capped_null_server):
-    codes = _random_codes(3)
+    codes = random_codes(3, seed=3)
     url = capped_null_server.grpc_url
     with grpcclient.InferenceServerClient(url) as client:
         live = [new_sequence_id() for _ in range(3)]
@@ -1102,7 +970,7 @@ def test_a_start_past_the_stream_cap_is_refused_and_harms_no_live_stream(capped_
             infer(client, sequence_id, codes[:, :1], 0, start=True, new_frames=1)
         refused = new_sequence_id()
         with pytest.raises(InferenceServerException) as failure:
-            client.infer(MODEL, code2wav_inputs(codes[:, :1], 0), sequence_id=refused, sequence_start=True)
+            client.infer(MODEL_NAME, code2wav_inputs(codes[:, :1], 0), sequence_id=refused, sequence_start=True)
         assert failure.value.status() == "StatusCode.UNAVAILABLE", failure.value
         assert ("resource exhausted: this code2wav instance already holds 3 live streams, its limit "
                 "(max_live_streams=3); the new stream was refused and no other stream was affected") in failure.value.message()
@@ -1126,15 +994,11 @@ def test_memory_per_live_stream_and_after_expiry(served_repository, tmp_path):
     whole process group) grows by at most 2x the state per stream, besides the free state arrays the
     decoder reports keeping (its state buffer gauge), and returns within 10% of its warmed-up idle
     level once both models have expired them."""
-    from mimi_code2wav.export.render import set_idle_timeout as set_repository_idle_timeout
     from mimi_code2wav.server.bench.memory import open_streams, snapshot, wait_expired
     from mimi_code2wav.server.triton import running_server
 
-    repository = tmp_path / "model_repository"
-    shutil.copytree(served_repository, repository, ignore=shutil.ignore_patterns("*.onnx", "__pycache__"))
-    for onnx_file in Path(served_repository).glob("*/*/*.onnx"):
-        (repository / onnx_file.relative_to(served_repository)).symlink_to(onnx_file.resolve())
-    set_repository_idle_timeout(repository, 2.0)
+    repository = copy_repository(served_repository, tmp_path / "model_repository")
+    set_idle_timeout(repository, 2.0)
     state_mib = 8177156 / 2**20
     with running_server(repository, log_path=tmp_path / "server.log") as server:
         open_streams(server.grpc_url, 1, 1, [1, 4], 0)  # warm-up: one stream, then idle

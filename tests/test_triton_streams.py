@@ -1,17 +1,15 @@
 """Unit tests of model_repository/common/triton_streams.py, the file both Python models share (no server)."""
 
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-COMMON_DIR = Path(__file__).resolve().parents[1] / "model_repository" / "common"
-sys.path.insert(0, str(COMMON_DIR))  # as render places it: beside the models, imported by name
+from helpers import MODEL_REPOSITORY, load_model_module, triton_model_config
 
-import triton_streams  # noqa: E402
+# Imported by name, as the models import it where render places it beside them.
+triton_streams = load_model_module(MODEL_REPOSITORY / "common" / "triton_streams.py")
 
 # --------------------------------------------------------------------------------------------------
 # idle sweeper
@@ -84,11 +82,7 @@ SCHEMA = {"name": str, "count": int, "ratio": float, "table": json.loads}
 
 def model_config(idle_us="30000000", **parameters):
     values = {"name": " decoder ", "count": "3", "ratio": "0.5", "table": '{"a": [0, 2]}'}
-    values.update(parameters)
-    config = {"parameters": {key: {"string_value": value} for key, value in values.items() if value is not None}}
-    if idle_us is not None:
-        config["sequence_batching"] = {"max_sequence_idle_microseconds": idle_us}
-    return config
+    return triton_model_config({**values, **parameters}, idle_us)
 
 
 def test_parameters_are_parsed_by_type():

@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
+
 from mimi_fixtures import assert_equal_audio, tiny_config
 
 torch = pytest.importorskip("torch", reason="the export extra (torch) is needed for weight loading")
@@ -21,8 +23,8 @@ def test_moshi_loads_the_checkpoint_and_both_decode_alike(moshi_checkpoint, mimi
     from moshi.models.loaders import get_mimi
 
     path, _ = moshi_checkpoint
-    moshi_model = get_mimi(str(path), device="cpu", num_codebooks=8)  # moshi's own loader, strict
-    codes = torch.from_numpy(np.random.default_rng(0).integers(0, 2048, (1, 8, 20)))
+    moshi_model = get_mimi(str(path), device="cpu", num_codebooks=NUM_CODEBOOKS)  # moshi's own loader, strict
+    codes = torch.from_numpy(np.random.default_rng(0).integers(0, CODEBOOK_SIZE, (1, NUM_CODEBOOKS, 20)))
     with torch.no_grad():
         reference = moshi_model.decode(codes)[0, 0].numpy()
         ours = mimi.model.decode(codes).audio_values[0, 0].numpy()
@@ -34,12 +36,12 @@ def test_moshi_mapping_covers_the_encoder(moshi_checkpoint, mimi):
     """Encoder weights map too (WAV -> codes uses them): both encoders pick the same codes."""
     from moshi.models.loaders import get_mimi
 
-    moshi_model = get_mimi(str(moshi_checkpoint[0]), device="cpu", num_codebooks=8)
-    audio = torch.from_numpy(np.random.default_rng(1).standard_normal((1, 1, 24000)).astype(np.float32) * 0.1)
+    moshi_model = get_mimi(str(moshi_checkpoint[0]), device="cpu", num_codebooks=NUM_CODEBOOKS)
+    audio = torch.from_numpy(np.random.default_rng(1).standard_normal((1, 1, SAMPLE_RATE_HZ)).astype(np.float32) * 0.1)
     with torch.no_grad():
         reference = moshi_model.encode(audio).numpy()
-        ours = mimi.model.encode(audio, num_quantizers=8).audio_codes.numpy()
-    assert ours.shape == reference.shape == (1, 8, 13)
+        ours = mimi.model.encode(audio, num_quantizers=NUM_CODEBOOKS).audio_codes.numpy()
+    assert ours.shape == reference.shape == (1, NUM_CODEBOOKS, 13)
     assert (ours == reference).mean() > 0.95, (ours == reference).mean()
 
 
@@ -154,10 +156,10 @@ def test_rustymimi_reads_the_test_checkpoint(moshi_checkpoint, moshi_streams, sc
     """Kyutai's Rust Mimi reads the same file: it is in the shipped format, and decodes alike
     while the attention window is not yet full (its window semantics differ later)."""
     rustymimi = pytest.importorskip("rustymimi", reason="rustymimi is a test extra")
-    tokenizer = rustymimi.Tokenizer(str(moshi_checkpoint[0]), num_codebooks=8)
+    tokenizer = rustymimi.Tokenizer(str(moshi_checkpoint[0]), num_codebooks=NUM_CODEBOOKS)
     codes = scenario.streams["A"][:, :20].astype(np.uint32)
     pcm = np.concatenate([np.asarray(tokenizer.decode_step(np.ascontiguousarray(codes[None, :, i : i + 1]))).reshape(-1) for i in range(20)])
-    reference = moshi_streams["A"][: 20 * 1920]
+    reference = moshi_streams["A"][: 20 * SAMPLES_PER_FRAME]
     from mimi_fixtures import snr_db
 
     assert pcm.shape == reference.shape

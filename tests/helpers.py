@@ -1,0 +1,230 @@
+"""Helpers the test modules share (fixtures live in conftest.py and mimi_fixtures.py).
+
+- code2wav's request contract on a real server: inputs, one request, a stream in chunks, an error;
+- processes, shared memory and waits of the launcher tests;
+- the model repository's Python files loaded without a server, the model config as Triton hands it
+  to `initialize`, a fake clock.
+
+The codebook count, codebook size and frame size are the client's (`mimi_code2wav.client.stream`).
+tritonclient is imported where a helper talks to a server, so the unit tests need only numpy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mimi_code2wav.client.stream import MODEL_NAME, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+
+
+# ---- code2wav's request contract (docs/design.md §2) ----------------------------------------------
+
+def sequence_ids(first: int) -> Callable[[], int]:
+    """A test module's own sequence ids, counting from `first`: far from the ids other modules use on
+    the shared server."""
+    return itertools.count(first).__next__
+
+
+def raw_input(name: str, array: np.ndarray, datatype: str):
+    """A gRPC InferInput holding `array` as it is (for requests the contract rejects, too)."""
+    import tritonclient.grpc as grpcclient
+
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def code2wav_inputs(codes: np.ndarray, frame_offset: int | None = None, history_frames: int | None = None) -> list:
+    """codes [k, F] -> `input_ids` INT64 [1, k*F] (codebook-major: all F codes of codebook 0, then
+    codebook 1, ...) and, when given, `frame_offset` and `history_frames` INT64 [1, 1]."""
+    codes = np.asarray(codes)
+    assert codes.ndim == 2 and codes.shape[0] == NUM_CODEBOOKS, codes.shape
+    inputs = [raw_input("input_ids", np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1), "INT64")]
+    for name, value in (("frame_offset", frame_offset), ("history_frames", history_frames)):
+        if value is not None:
+            inputs.append(raw_input(name, np.array([[value]], np.int64), "INT64"))
+    return inputs
+
+
+def pcm_of(result, new_frames: int | None = None) -> np.ndarray:
+    """The response's `model_outputs` as 1-D float32, after checking `sr` and the output shape (and
+    that it holds `new_frames` frames, when given)."""
+    sr = result.as_numpy("sr")
+    assert sr is not None and sr.dtype == np.int32 and sr.shape == (1, 1), sr
+    assert int(sr[0, 0]) == SAMPLE_RATE_HZ
+    pcm = result.as_numpy("model_outputs")
+    assert pcm.dtype == np.float32 and pcm.ndim == 2 and pcm.shape[0] == 1, (pcm.dtype, pcm.shape)
+    assert pcm.shape[1] % SAMPLES_PER_FRAME == 0, pcm.shape
+    if new_frames is not None:
+        assert pcm.shape[1] == new_frames * SAMPLES_PER_FRAME, (
+            f"{pcm.shape[1]} samples, expected {new_frames} frame(s) = {new_frames * SAMPLES_PER_FRAME}"
+        )
+    return pcm[0]
+
+
+def infer(client, sequence_id: int, codes, frame_offset=None, start=False, end=False, new_frames: int | None = None,
+          *, history_frames: int | None = None, headers: dict[str, str] | None = None) -> np.ndarray:
+    """One unary request to code2wav; returns the PCM of the frames it decoded (checked to be
+    `new_frames`)."""
+    result = client.infer(MODEL_NAME, code2wav_inputs(codes, frame_offset, history_frames), sequence_id=sequence_id,
+                          sequence_start=start, sequence_end=end, headers=headers)
+    return pcm_of(result, new_frames)
+
+
+def send_in_chunks(client, sequence_id: int, codes, first: int, stop: int, chunk_frames: int = 16, start=False,
+                   end=True, headers: dict[str, str] | None = None) -> list[np.ndarray]:
+    """Frames [first, stop) of `codes` as deltas with frame_offset, `chunk_frames` each; START on the
+    first request with `start`, END on the last with `end`. Returns each request's PCM."""
+    pcm = []
+    for chunk_first in range(first, stop, chunk_frames):
+        last = min(chunk_first + chunk_frames, stop)
+        pcm.append(infer(client, sequence_id, codes[:, chunk_first:last], chunk_first,
+                         start=start and chunk_first == first, end=end and last == stop,
+                         new_frames=last - chunk_first, headers=headers))
+    return pcm
+
+
+def infer_error(client, sequence_id: int, inputs, *expected: str, start=False, end=False) -> str:
+    """Send `inputs` (a codes array [k, F] or a list of InferInput) expecting an error whose message
+    contains every `expected` substring; returns the message."""
+    from tritonclient.utils import InferenceServerException
+
+    if isinstance(inputs, np.ndarray):
+        inputs = code2wav_inputs(inputs)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(MODEL_NAME, inputs, sequence_id=sequence_id, sequence_start=start, sequence_end=end)
+    message = info.value.message()
+    for text in expected:
+        assert text in message, f"{text!r} not in the error {message!r}"
+    return message
+
+
+def frames_of(pcm: np.ndarray, first: int, stop: int | None = None) -> np.ndarray:
+    """The samples of frames [first, stop) (to the end without `stop`) of 1-D PCM."""
+    return pcm[first * SAMPLES_PER_FRAME : None if stop is None else stop * SAMPLES_PER_FRAME]
+
+
+def export_spec(export_dir: Path):
+    """The DecoderSpec an export folder was built with (its manifest)."""
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.spec import DecoderSpec
+
+    return DecoderSpec.from_dict(read_manifest(export_dir)["spec"])
+
+
+def copy_repository(repository: Path, target: Path) -> Path:
+    """A copy of a rendered repository to edit, its ONNX files (~190 MB each) linked, not copied."""
+    shutil.copytree(repository, target, ignore=shutil.ignore_patterns("*.onnx", "__pycache__"))
+    for onnx_file in Path(repository).glob("*/*/*.onnx"):
+        (target / onnx_file.relative_to(repository)).symlink_to(onnx_file.resolve())
+    return target
+
+
+def print_and_record(record_property, name: str, summary: str) -> None:
+    """A measurement line: printed (pytest -s shows it) and kept in the JUnit report as `name`."""
+    print(summary)
+    record_property(name, summary)
+
+
+# ---- processes, shared memory, waits -------------------------------------------------------------
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def shm_prefix_of(pid: int) -> str:
+    """The shared-memory prefix on the command line of tritonserver `pid` (its Python stubs' regions)."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    (prefix,) = [arg.split("shm-region-prefix-name=", 1)[1] for arg in cmdline if "shm-region-prefix-name=" in arg]
+    return prefix
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Poll `condition` until it holds or `timeout_s` passes; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return condition()
+
+
+def wait_http_ready(http_port: int, process, timeout_s: float, output: Path | None = None, poll_s: float = 0.1) -> float:
+    """Poll tritonserver's /v2/health/ready on `http_port` until it answers 200 while `process` (the
+    command that started it) runs; returns the seconds waited. Fails the test, with the command's
+    output file when given, if the command exits first or the server is not ready in `timeout_s`."""
+    started = time.monotonic()
+
+    def output_text() -> str:
+        return f":\n{output.read_text()}" if output is not None else ""
+
+    while True:
+        code = process.poll()
+        assert code is None, f"the command exited with {code} before the server was ready{output_text()}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as response:
+                if response.status == 200:
+                    return time.monotonic() - started
+        except (urllib.error.URLError, OSError):
+            pass
+        assert time.monotonic() - started < timeout_s, f"the server was not ready after {timeout_s:.0f} s{output_text()}"
+        time.sleep(poll_s)
+
+
+# ---- the model repository's Python files, without a server -----------------------------------------
+
+def load_model_module(path: Path, name: str | None = None):
+    """A model's Python file (e.g. code2wav/1/code2wav_core.py) loaded as module `name` (its file
+    name by default), with its own folder (its sibling modules) and model_repository/common (its
+    `triton_streams` import, which render copies beside it) on the path. A module of that name
+    already loaded from that file is returned as it is (one `triton_streams` for the test and the
+    models that import it)."""
+    for folder in (str(MODEL_REPOSITORY / "common"), str(Path(path).resolve().parent)):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    name = name or Path(path).stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() == Path(path).resolve():
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def triton_model_config(parameters: dict[str, str | None], idle_us: int | str | None = "30000000") -> dict:
+    """A model config in the JSON form Triton hands to `initialize`: string parameters (None: left
+    out) and, unless `idle_us` is None, the sequence batcher's idle timeout."""
+    config = {"parameters": {key: {"string_value": value} for key, value in parameters.items() if value is not None}}
+    if idle_us is not None:
+        config["sequence_batching"] = {"max_sequence_idle_microseconds": idle_us}
+    return config
+
+
+class FakeClock:
+    """A clock the test moves by hand: `clock.now += seconds`."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
