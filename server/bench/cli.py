@@ -31,14 +31,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
 from mimi_code2wav.client.stream import ClientError
-from mimi_code2wav.export.serving_flags import add_serving_arguments
 
-from .local_server import LocalServer, decoder_step_ms
+from .local_server import LocalServer, add_server_arguments, decoder_step_ms, measured_server
 from .points import SweepLoad, SweepPoint
 from .provenance import REPO_ROOT, command_line, run_meta
 from .report import markdown_report, plot, summarize
@@ -53,13 +51,7 @@ def parse_counts(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=os.environ.get("URL") or None,
-                        help="Triton gRPC address of a running server (default: $URL, as perf.sh reads it, "
-                        "else start a local one; `make bench URL=host:port`)")
-    parser.add_argument("--decoder", choices=("python-ort", "null"), default="python-ort",
-                        help="the local server's decoder; null measures the front's own ceiling (default %(default)s)")
-    parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
-    parser.add_argument("--build-dir", default=str(REPO_ROOT / "build" / "bench"), help="export folder of the local server")
+    add_server_arguments(parser)
     parser.add_argument("--streams", type=parse_counts, default=[1, 8, 32], help="unpaced sweep (default 1,8,32)")
     parser.add_argument("--chunk-frames", type=parse_counts, default=[1, 4, 16],
                         help="frames per request after the first, swept (default 1,4,16)")
@@ -72,7 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go (default bench_results/)")
     parser.add_argument("--no-client", action="store_true", help="skip the streaming-client runs")
     parser.add_argument("--no-perf", action="store_true", help="skip perf_analyzer")
-    add_serving_arguments(parser)
 
 
 def _meta(args: argparse.Namespace, server: str, url: str) -> dict:
@@ -112,19 +103,12 @@ def _measure(args: argparse.Namespace, raw_dir: Path, local: LocalServer | None)
 def run(args: argparse.Namespace) -> int:
     raw_dir = args.out_dir / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
-    local = None
     try:
-        if not args.url:
-            print("starting a local server ...", file=sys.stderr, flush=True)
-            local = LocalServer.prepare(args)
-            local.start()
-        results, failures = _measure(args, raw_dir, local)
+        with measured_server(args) as local:
+            results, failures = _measure(args, raw_dir, local)
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if local is not None:
-            local.stop()
     results["summary"] = summarize(results)
     (args.out_dir / "bench.json").write_text(json.dumps(results, indent=2))
     report = markdown_report(results)

@@ -36,7 +36,6 @@ import asyncio
 import functools
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -47,10 +46,9 @@ from pathlib import Path
 import numpy as np
 
 from mimi_code2wav.client.stream import ClientError
-from mimi_code2wav.export.serving_flags import add_serving_arguments
 
 from .cli import parse_counts
-from .local_server import LocalServer
+from .local_server import LocalServer, add_server_arguments, measured_server
 from .provenance import REPO_ROOT, command_line, run_meta
 
 FRAME_S = 0.08
@@ -284,12 +282,7 @@ def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_
 # ---- the command -----------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=os.environ.get("URL") or None,
-                        help="Triton gRPC address of a running server (default: $URL, else start a local one)")
-    parser.add_argument("--decoder", choices=("python-ort", "null"), default="python-ort",
-                        help="the local server's decoder; null measures the front's own ceiling (default %(default)s)")
-    parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
-    parser.add_argument("--build-dir", default=str(REPO_ROOT / "build" / "bench"), help="export folder of the local server")
+    add_server_arguments(parser)
     parser.add_argument("--conversations", type=parse_counts, default=[4, 8, 16, 32, 64, 128, 200],
                         help="conversations per point, tried in turn until one misses (default 4,8,16,32,64,128,200)")
     parser.add_argument("--policies", default="per-frame,ramp,catch-up",
@@ -302,7 +295,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="each request's deadline (default %(default)s)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results" / "duplex",
                         help="where results go (default bench_results/duplex/)")
-    add_serving_arguments(parser)
 
 
 def _profiled(local: LocalServer | None, point: Callable[[], TickResult]) -> tuple[TickResult, dict | None]:
@@ -350,20 +342,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: unknown policies {unknown}; choose from {', '.join(POLICIES)}", file=sys.stderr)
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    local = None
     try:
-        if not args.url:
-            print("starting a local server ...", file=sys.stderr, flush=True)
-            local = LocalServer.prepare(args)
-            local.start()
-        url = args.url or local.url
-        results = measure(url, args, local)
+        with measured_server(args) as local:
+            results = measure(args.url or local.url, args, local)
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if local is not None:
-            local.stop()
     kind = f"duplex-{args.decoder}" if not args.url else "duplex-url"
     results["meta"] = {**run_meta(kind, command_line("code2wav-server")), "budget_ms": args.budget_ms,
                        "decoder": None if args.url else args.decoder,

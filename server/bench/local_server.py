@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import os
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from mimi_code2wav.client.stream import ClientError
-from mimi_code2wav.export.serving_flags import serving_from_args
+from mimi_code2wav.export.serving_flags import add_serving_arguments, serving_from_args
 
 from ..triton import log_tail
 from .profile import PointProfile
@@ -105,3 +110,31 @@ def _shown(path: Path) -> str:
     """`path` relative to the checkout when inside it: the record does not carry a user's folders."""
     path = Path(path).resolve()
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which server a benchmark measures: a running one (`--url`, or $URL as perf.sh reads it), else
+    a local one of its own (`--decoder`, `--weights`, `--build-dir` and the serving flags of render)."""
+    parser.add_argument("--url", default=os.environ.get("URL") or None,
+                        help="Triton gRPC address of a running server (default: $URL, else start a local one)")
+    parser.add_argument("--decoder", choices=("python-ort", "null"), default="python-ort",
+                        help="the local server's decoder; null measures the front's own ceiling (default %(default)s)")
+    parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
+    parser.add_argument("--build-dir", default=str(REPO_ROOT / "build" / "bench"), help="export folder of the local server")
+    add_serving_arguments(parser)
+
+
+@contextlib.contextmanager
+def measured_server(args: argparse.Namespace) -> Iterator[LocalServer | None]:
+    """The local server `add_server_arguments` asks for, started and stopped around the block; None
+    with `--url`."""
+    local = None
+    try:
+        if not args.url:
+            print("starting a local server ...", file=sys.stderr, flush=True)
+            local = LocalServer.prepare(args)
+            local.start()
+        yield local
+    finally:
+        if local is not None:
+            local.stop()
