@@ -234,3 +234,33 @@ def test_readme_python_example_runs(index, code2wav_server, tmp_path):
     example = readme_python_examples()[index].replace("127.0.0.1:8001", code2wav_server.grpc_url)
     assert "127.0.0.1:8001" not in example or code2wav_server.grpc_url == "127.0.0.1:8001"
     _run([PY, "-c", example], tmp_path, timeout=120)
+
+
+def test_the_readme_parameter_table_is_the_shipped_config():
+    """Every row of the README's code2wav parameter table names parameters of
+    model_repository/code2wav/config.pbtxt with their shipped values, and every parameter has a row."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse((REPO_ROOT / "model_repository/code2wav/config.pbtxt").read_text(),
+                               model_config_pb2.ModelConfig())
+    shipped = {key: value.string_value for key, value in config.parameters.items()}
+    shipped["max_sequence_idle_microseconds"] = str(config.sequence_batching.max_sequence_idle_microseconds)
+    table = README.read_text().split("`code2wav` parameters", 1)[1].split("\n\n", 2)[1]
+    documented = {}
+    for row in table.splitlines()[2:]:
+        names, defaults = [cell.strip() for cell in row.strip("|").split("|")][:2]
+        names, defaults = [n.strip("` ") for n in names.split("/")], [d.strip("` ") for d in defaults.split("/")]
+        assert len(names) == len(defaults), row
+        documented.update(zip(names, defaults))
+    assert documented == shipped
+
+
+def test_the_design_doc_lists_every_custom_metric():
+    """The metrics the Python models create are the ones docs/design.md §5 lists."""
+    created = set()
+    for model in ("code2wav/1/model.py", "mimi_decoder/python_ort/model.py"):
+        created |= set(re.findall(r'"((?:code2wav|mimi_decoder)_[a-z_]+)"', (REPO_ROOT / "model_repository" / model).read_text()))
+    design = (REPO_ROOT / "docs/design.md").read_text()
+    listed = set(re.findall(r"`((?:code2wav|mimi_decoder)_[a-z_]+)(?:\{kind\})?`", design.split("## 5.", 1)[1].split("### 5.1", 1)[0]))
+    assert created and created == listed
