@@ -84,3 +84,19 @@ def test_the_duplex_command_writes_its_record(code2wav_server, tmp_path):
     records = tmp_path / "records"
     record.add_run(out / "duplex.json", records)
     assert "## The duplex tick: a running server" in record.render_record(records)
+
+
+@pytest.mark.server
+def test_the_sweep_stops_at_the_first_miss_unless_told_to_keep_going(code2wav_server, tmp_path):
+    from mimi_code2wav.server.__main__ import main
+
+    counts = []
+    for keep_going in (False, True):
+        out = tmp_path / f"keep-going-{keep_going}"
+        assert main(["duplex", "--url", code2wav_server.grpc_url, "--conversations", "2,3", "--policies", "catch-up",
+                     "--seconds", "0.4", "--budget-ms", "0", "--compare-at", "0", "--out-dir", str(out)]
+                    + (["--keep-going"] if keep_going else [])) == 0
+        results = json.loads((out / "duplex.json").read_text())
+        counts.append([p["conversations"] for p in results["points"]])
+        assert results["most_conversations"] == {"catch-up": 0}  # no frame is 0 ms late
+    assert counts == [[2], [2, 3]]

@@ -581,6 +581,76 @@ def test_code2wav_streams_through_the_proxy(nginx_install, served_repository, tm
             assert_equal_audio(_decode(proxy, codes, 2900, key), references[key], what=f"{key} started again")
 
 
+def test_asyncio_conversations_keep_their_replica_and_survive_its_loss(nginx_install, served_repository, ort_decode,
+                                                                      tmp_path):
+    """Four conversations on one asyncio client (one channel to the proxy), two on each replica of the
+    real code2wav: each replica's own metrics count exactly its conversations' frames (affinity, no
+    replay); then one replica is killed between calls: its conversations resume on the other with
+    their whole history, the others never resume, and every conversation's PCM equals its solo
+    decode, every frame once."""
+    import asyncio
+
+    from mimi_code2wav.client.aio import Code2WavClient
+    from mimi_code2wav.client.stream import StreamOptions
+
+    from mimi_fixtures import assert_equal_audio
+
+    rng = np.random.default_rng(11)
+    frames, halfway = 40, 21
+
+    def frames_decoded(replica) -> float:
+        return metric_value(fetch_metrics(replica.metrics_url), "code2wav_frames_decoded_total") or 0.0
+
+    with running_replicas(served_repository, tmp_path / "run", replicas=2) as replica_set:
+        by_url = {replica.grpc_url: replica.index for replica in replica_set.replicas}
+
+        async def run():
+            async with Code2WavClient(replica_set.proxy_grpc_url, StreamOptions(response_timeout_s=60.0)) as client:
+                # Open conversations until each replica holds two; the first frame places each.
+                chosen: dict[int, list] = {0: [], 1: []}
+                closed = [0, 0]
+                for number in range(24):
+                    codes = rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, frames), dtype=np.int64)
+                    stream = client.stream(stream_key=f"aio-proxy-{number}")
+                    first = await stream.decode(codes[:, :1])
+                    placed = nginx.replicas_by_stream(replica_set.proxy.requests())[stream.stream_key]
+                    (replica,) = {by_url[url] for url in placed}
+                    if len(chosen[replica]) < 2:
+                        chosen[replica].append((stream, codes, [first]))
+                    else:
+                        await stream.close()
+                        closed[replica] += 1
+                    if all(len(held) == 2 for held in chosen.values()):
+                        break
+                conversations = chosen[0] + chosen[1]
+                assert len(conversations) == 4, f"24 stream keys did not give each replica two: {chosen}"
+
+                async def calls(stream, codes, pcm, stop):
+                    for first in range(len(pcm) if len(pcm) == 1 else halfway, stop, 5):
+                        pcm.append(await stream.decode(codes[:, first : min(first + 5, stop)], end=min(first + 5, stop) == frames))
+
+                await asyncio.gather(*(calls(stream, codes, pcm, halfway) for stream, codes, pcm in conversations))
+                decoded = [frames_decoded(replica) for replica in replica_set.replicas]
+                replica_set.kill(0)
+                await asyncio.gather(*(calls(stream, codes, pcm, frames) for stream, codes, pcm in conversations))
+                return conversations, decoded, closed
+
+        conversations, decoded, closed = asyncio.run(run())
+        after = frames_decoded(replica_set.replicas[1])
+    # Every replica decoded exactly the frames of its own conversations (and the first frame of those
+    # closed at once), nothing twice.
+    assert decoded == [2 * halfway + closed[0], 2 * halfway + closed[1]], (decoded, closed)
+    for index, (stream, codes, pcm) in enumerate(conversations):
+        moved = index < 2  # the first two were on replica 0
+        assert len(stream.resumes) == (1 if moved else 0), (index, stream.resumes)
+        if moved:
+            assert stream.resumes[0].frame == halfway and stream.resumes[0].history_frames == halfway
+        assert stream.ended
+        assert_equal_audio(np.concatenate(pcm), ort_decode(codes), what=f"conversation {index}")
+    # Replica 1 decoded its own conversations' remaining frames and the moved ones' history and rest.
+    assert after - decoded[1] == 2 * (frames - halfway) + 2 * frames
+
+
 # ---- Kubernetes (structure only: no cluster here) ----------------------------------------------------
 
 def kubernetes_objects() -> dict[tuple[str, str], dict]:

@@ -22,8 +22,9 @@ measured around the run (all of this process's threads).
 `run_threads` drives them with the thread client, one thread and connection per conversation.
 
 For each policy the conversations grow through `--conversations` until a point misses the budget at
-p99 (that point is profiled: the server's CPU per request by process, Triton's queue and execution
-times per model, the load generator's CPU). Then both clients run the per-frame policy at
+p99 (or through all of them, `--keep-going`); every point is profiled (the server's CPU per request
+by process, Triton's queue and execution times per model, the load generator's CPU) and the report
+says where the time goes at the first that misses. Then both clients run the per-frame policy at
 `--compare-at` conversations, back to back. Without --url a local server is started as `bench` does
 (seeded random weights; `--decoder null` measures the front's own ceiling). Results: OUT_DIR/duplex.json
 (`code2wav-server record --add` records it) and duplex.md.
@@ -292,6 +293,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="playout budget: how late past its due time a frame's PCM may be (default %(default)s)")
     parser.add_argument("--compare-at", type=int, default=32,
                         help="conversations at which the asyncio and the thread client both run (0: skip; default %(default)s)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="measure every count of --conversations, also past the first that misses")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="each request's deadline (default %(default)s)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results" / "duplex",
                         help="where results go (default bench_results/duplex/)")
@@ -324,9 +327,10 @@ def measure(url: str, args: argparse.Namespace, local: LocalServer | None) -> di
                                                                  args.budget_ms, timeout_s=args.timeout_s))
             _print_row(result)
             points.append({**result.as_dict(), "profile": profile})
-            if not result.meets_budget:
+            if result.meets_budget and all(p["meets_budget"] for p in points if p["policy"] == policy.label):
+                most[policy.label] = count
+            elif not args.keep_going:
                 break
-            most[policy.label] = count
     compared = []
     if args.compare_at:
         for run_point in (run_async, run_threads):
