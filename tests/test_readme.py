@@ -50,6 +50,8 @@ NOT_RUN = {
         "no cluster here; test_replicas.py checks the manifests' structure and routing policy",
     "make bench-duplex": "minutes of load on the shared cores; test_duplex.py runs the same command "
                          "(code2wav-server duplex) with small arguments against a real server",
+    "make bench-failover": "a minute and a half of 3 replicas under 12 paced streams; test_failover.py runs the same "
+                           "failover (kept streams never resume, moved ones resume once) and asserts it",
     "make bench-memory": "a minute of a full server and 64 streams; test_serving.py's memory test runs the same "
                          "measurement (server.memory) at 32 streams and asserts its bounds",
     ".venv/bin/code2wav-export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "

@@ -161,7 +161,7 @@ def headline(directory: Path = RECORD_DIR) -> str:
                               f"{meta['date']}")
     if not stamps:
         return "No run through Triton is recorded yet: see [docs/benchmarks.md](docs/benchmarks.md)."
-    return "\n".join([*lines, "", *stamps, "", "Every run: [docs/benchmarks.md](docs/benchmarks.md)."])
+    return "\n".join([*lines, "", *stamps])
 
 
 def with_headline(readme: str, table: str) -> str:
