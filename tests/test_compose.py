@@ -33,6 +33,8 @@ ENTRYPOINT = REPO_ROOT / "docker" / "export-entrypoint.sh"
 CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
 PROXY_CONFIG = REPO_ROOT / "docker" / "nginx" / "compose.conf"
+WATCHDOG = REPO_ROOT / "docker" / "triton-watchdog.sh"
+WATCHDOG_IN_CONTAINER = "/opt/code2wav/triton-watchdog.sh"
 
 # NGC release -> the tritonserver (and SDK: perf_analyzer, tritonclient) version it carries.
 NGC_TRITON_VERSIONS = {"24.10": "2.51.0", "26.11": "2.75.0"}
@@ -211,6 +213,17 @@ def test_server_ports_and_healthcheck(services, name):
     assert server["healthcheck"].get("start_period"), "a server loading models needs a start period"
 
 
+@pytest.mark.parametrize("name", (*SERVERS, *REPLICAS))
+def test_every_server_runs_under_the_watchdog(services, name):
+    """tritonserver is the watchdog's command (tests/test_watchdog.py runs the script), the script is
+    the repository's, read-only, and tini is PID 1 (signals passed on, killed servers' stubs reaped)."""
+    server = services[name]
+    assert command_args(server)[:3] == ["sh", WATCHDOG_IN_CONTAINER, "tritonserver"], command_args(server)
+    assert volume_mounts(server)[WATCHDOG_IN_CONTAINER] == ("./docker/triton-watchdog.sh", True)
+    assert server.get("init") is True, f"{name}: no init process"
+    assert server.get("restart") == "unless-stopped", f"{name}: a killed server would stay down"
+
+
 @pytest.mark.parametrize("name", SERVERS)
 def test_server_shutdown_and_shared_memory(services, name):
     server = services[name]
@@ -263,7 +276,6 @@ def test_servers_serve_the_repository_their_writer_renders(services, server, wri
     assert not read_only, f"{writer} cannot write {written_to}"
     server_mounts = volume_mounts(services[server])
     repository = flag_value(command_args(services[server]), "--model-repository")
-    assert command_args(services[server])[0] == "tritonserver"
     assert repository == "/models"
     assert server_mounts[repository] == (volume, True), f"{server} serves {server_mounts.get(repository)}, {writer} writes {volume}"
 
@@ -621,12 +633,13 @@ def test_gpu_servers_take_the_rendered_memory_pools(services, name, tmp_path):
     (rendered by the export) to their command, after the NGC image's own entrypoint."""
     entrypoint = services[name]["entrypoint"]
     assert entrypoint[:3] == ["/opt/nvidia/nvidia_entrypoint.sh", "sh", "-c"], entrypoint
-    assert command_args(services[name])[0] == "tritonserver"
-    # Run the same shell line here, with echo standing in for the server.
+    # Run the same shell line and the watchdog here, with echo standing in for the server.
     args_file = tmp_path / "tritonserver.args"
     args_file.write_text("--cuda-memory-pool-byte-size=0:1048576\n--pinned-memory-pool-byte-size=268435456\n")
     script = entrypoint[3].replace("/models/tritonserver.args", str(args_file))
-    result = subprocess.run(["sh", "-c", script, *entrypoint[4:], "echo", "--model-repository=/models"],
+    sh, watchdog, server = command_args(services[name])[:3]
+    assert (watchdog, server) == (WATCHDOG_IN_CONTAINER, "tritonserver")
+    result = subprocess.run(["sh", "-c", script, *entrypoint[4:], sh, str(WATCHDOG), "echo", "--model-repository=/models"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["--model-repository=/models", "--cuda-memory-pool-byte-size=0:1048576",

@@ -1,0 +1,99 @@
+"""docker/triton-watchdog.sh, which every compose server runs under, around the real tritonserver.
+
+A server that stops answering its health checks (SIGSTOP stands in for a hang) is killed and the
+script exits 137, for the container's restart policy; a server still loading is left alone; SIGTERM
+reaches tritonserver, which drains and exits 0, and so does the script.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from mimi_code2wav.server.processes import group_pids
+from mimi_code2wav.server.triton import TritonServer, process_group_alive
+
+from helpers import REPO_ROOT, process_exists, wait_until
+from test_server_launcher import infer_add_one, write_model
+
+pytestmark = pytest.mark.server
+
+WATCHDOG = REPO_ROOT / "docker" / "triton-watchdog.sh"
+INTERVAL_S, TIMEOUT_S, CHECKS = 0.2, 0.5, 3
+
+
+class WatchedServer(TritonServer):
+    """tritonserver started as docker-compose.yml starts it: as the watchdog's command."""
+
+    def _prepare(self) -> tuple[list[str], dict[str, str]]:
+        command, environment = super()._prepare()
+        environment = {**(environment or os.environ), "WATCHDOG_URL": f"http://{self.host}:{self.http_port}/v2/health/live",
+                       "WATCHDOG_INTERVAL_S": str(INTERVAL_S), "WATCHDOG_TIMEOUT_S": str(TIMEOUT_S),
+                       "WATCHDOG_CHECKS": str(CHECKS)}
+        return ["sh", str(WATCHDOG), *command], environment
+
+    def tritonserver_pid(self) -> int:
+        pids = [pid for pid in group_pids(self.pid) if Path(f"/proc/{pid}/exe").resolve().name == "tritonserver"]
+        assert len(pids) == 1, f"one tritonserver expected in the watchdog's group, found {pids}"
+        return pids[0]
+
+
+def test_a_hung_server_is_killed_and_the_watchdog_exits_137(tmp_path):
+    log = tmp_path / "server.log"
+    server = WatchedServer(write_model(tmp_path / "repo"), log_path=log)
+    try:
+        server.start_ready()
+        infer_add_one(server.grpc_url)
+        triton = server.tritonserver_pid()
+        time.sleep(4 * INTERVAL_S)
+        assert server.is_alive(), f"a healthy server was killed:\n{log.read_text()[-2000:]}"
+        os.kill(triton, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        # CHECKS unanswered checks in a row, each up to TIMEOUT_S after an INTERVAL_S pause.
+        bound_s = CHECKS * (INTERVAL_S + TIMEOUT_S) + 5.0
+        assert wait_until(lambda: not server.is_alive(), bound_s), f"still running {bound_s:.0f} s after the hang"
+        found_after_s = time.monotonic() - stopped_at
+        assert server.exit_code() == 128 + signal.SIGKILL
+        assert not process_exists(triton)
+        text = log.read_text()
+        assert f"triton-watchdog: tritonserver (pid {triton}) answered no health check" in text, text[-2000:]
+        assert "3 times in a row: hung; killing it (SIGKILL)" in text
+        print(f"hang found and the server killed {found_after_s:.1f} s after SIGSTOP")
+    finally:
+        server.stop(grace_s=5)
+    assert not process_group_alive(server.pid), "the watchdog left a process behind"
+
+
+def test_a_loading_server_is_left_alone_and_sigterm_drains_it(tmp_path):
+    # The model takes 3 s to load: the endpoints are not up (refused connections) for longer than the
+    # watchdog's CHECKS x TIMEOUT_S, which must not count as a hang.
+    log = tmp_path / "server.log"
+    server = WatchedServer(write_model(tmp_path / "repo", initialize="import time\ntime.sleep(3)"), log_path=log)
+    try:
+        server.start_ready()
+        infer_add_one(server.grpc_url)
+        triton = server.tritonserver_pid()
+        os.kill(server.pid, signal.SIGTERM)
+        assert server.wait(30) == 0, f"the watchdog should exit with tritonserver's code:\n{log.read_text()[-2000:]}"
+        assert not process_exists(triton)
+        assert "triton-watchdog" not in log.read_text()
+        assert "Non-graceful termination" not in log.read_text()
+    finally:
+        server.stop(grace_s=5)
+    assert wait_until(lambda: not process_group_alive(server.pid), 5.0), "the watchdog left a process behind"
+
+
+def test_the_watchdog_refuses_a_missing_command_and_bad_settings():
+    import subprocess
+
+    result = subprocess.run(["sh", str(WATCHDOG)], capture_output=True, text=True, timeout=10)
+    assert result.returncode == 2 and "usage: triton-watchdog.sh COMMAND" in result.stderr
+    result = subprocess.run(["sh", str(WATCHDOG), "true"], capture_output=True, text=True, timeout=10,
+                            env={**os.environ, "WATCHDOG_CHECKS": "0"})
+    assert result.returncode == 2 and "WATCHDOG_CHECKS must be a positive integer, got '0'" in result.stderr
+    # The command's own exit code comes back.
+    assert subprocess.run(["sh", str(WATCHDOG), "sh", "-c", "exit 3"], timeout=10).returncode == 3
