@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from test_server_launcher import infer_add_one, write_model
 
 from mimi_code2wav.server.processes import group_pids
 from mimi_code2wav.server.triton import TritonServer, process_group_alive
 
 from helpers import REPO_ROOT, process_exists, wait_until
-from test_server_launcher import infer_add_one, write_model
 
 pytestmark = pytest.mark.server
 
@@ -88,8 +89,6 @@ def test_a_loading_server_is_left_alone_and_sigterm_drains_it(tmp_path):
 
 
 def test_the_watchdog_refuses_a_missing_command_and_bad_settings():
-    import subprocess
-
     result = subprocess.run(["sh", str(WATCHDOG)], capture_output=True, text=True, timeout=10)
     assert result.returncode == 2 and "usage: triton-watchdog.sh COMMAND" in result.stderr
     result = subprocess.run(["sh", str(WATCHDOG), "true"], capture_output=True, text=True, timeout=10,
