@@ -8,7 +8,9 @@ each, after a short delay that doubles while it keeps dying soon after its start
 its streams are lost there and resumable clients replay them (docs/design.md §2.4). `--no-restart`
 exits with the server instead.
 
-Ctrl-C or SIGTERM drains and stops the server: tritonserver refuses new streams at once, answers the
+SIGHUP drains the server the same way and starts it again at once on the same ports, reading the
+repository afresh (new weights, a new config): the operator's restart; resumable clients replay their
+streams on it. Ctrl-C or SIGTERM drains and stops the server: tritonserver refuses new streams at once, answers the
 live streams' requests with UNAVAILABLE (resumable clients move on), lets the abandoned streams idle
 out and unloads both models within its exit timeout (DEFAULT_EXIT_TIMEOUT_S, inside Kubernetes' 30 s
 grace period); then its Python stubs and shared memory are gone and the command exits 0
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -179,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
     """Start the server, then restart it whenever it dies (or return its exit code with --no-restart)."""
     stop_signals = foreground.signals
+    drain = _DrainRequests()
     repository = prepare_repository(args)
     server = _new_server(args, repository)
     foreground.stop = server.stop
@@ -193,24 +197,33 @@ def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
         f"  HTTP     http://{server.http_url}\n"
         f"  metrics  {server.metrics_url}\n"
         f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
-        "Ctrl-C or SIGTERM drains and stops it.",
+        "SIGHUP drains and restarts it; Ctrl-C or SIGTERM drains and stops it.",
         flush=True,
     )
     backoff = RestartBackoff()
+    restarts = 0
     while True:
+        drain.serving(server)
         code = server.wait()
         lived_s = time.monotonic() - server.started_at
-        if not args.restart:
+        restarts += 1
+        if drain.requested_for(server):
+            delay_s = 0.0
+            print(f"SIGHUP: tritonserver (pid {server.pid}) drained ({describe_exit(code)}) in "
+                  f"{time.monotonic() - drain.sent_at:.1f} s; restart {restarts} now on the same ports (its log: "
+                  f"{server.log_path}.{restarts})", flush=True)
+        elif not args.restart:
             print(f"tritonserver {describe_exit(code)} after {lived_s:.0f} s:\n{log_tail(server.log_path)}",
                   file=sys.stderr, flush=True)
             return code or 1
-        delay_s = backoff.after_exit(lived_s)
-        print(f"tritonserver (pid {server.pid}) {describe_exit(code)} after {lived_s:.0f} s; restart "
-              f"{backoff.restarts} in {delay_s:.1f} s on the same ports (its log: "
-              f"{server.log_path}.{backoff.restarts})", file=sys.stderr, flush=True)
+        else:
+            delay_s = backoff.after_exit(lived_s)
+            print(f"tritonserver (pid {server.pid}) {describe_exit(code)} after {lived_s:.0f} s; restart "
+                  f"{restarts} in {delay_s:.1f} s on the same ports (its log: "
+                  f"{server.log_path}.{restarts})", file=sys.stderr, flush=True)
         time.sleep(delay_s)
         server.stop()  # the dead one's stubs and shared memory
-        keep_log(server, backoff.restarts)
+        keep_log(server, restarts)
         server = _new_server(args, repository, (server.http_port, server.grpc_port, server.metrics_port))
         foreground.stop = server.stop
         stop_signals.disarm()
@@ -219,11 +232,48 @@ def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
         try:
             ready_after_s = server.wait_ready(args.ready_timeout)
         except ServerError as error:
-            print(f"error: restart {backoff.restarts} failed: {error}", file=sys.stderr, flush=True)
+            print(f"error: restart {restarts} failed: {error}", file=sys.stderr, flush=True)
             server.stop()
             continue
-        print(f"tritonserver back (pid {server.pid}, restart {backoff.restarts}), ready in {ready_after_s:.1f} s",
+        print(f"tritonserver back (pid {server.pid}, restart {restarts}), ready in {ready_after_s:.1f} s",
               flush=True)
+
+
+class _DrainRequests:
+    """SIGHUP: drain the running tritonserver (SIGTERM: it refuses new streams, live ones get
+    UNAVAILABLE and resume) and start it again at once, reading the repository afresh. A SIGHUP that
+    comes while a server is starting waits until it serves."""
+
+    def __init__(self):
+        self._serving: TritonServer | None = None
+        self._pending = False
+        self._drained: TritonServer | None = None
+        self.sent_at = 0.0
+        signal.signal(signal.SIGHUP, self._on_sighup)
+
+    def serving(self, server: TritonServer) -> None:
+        self._serving = server
+        if self._pending:
+            self._drain()
+
+    def requested_for(self, server: TritonServer) -> bool:
+        """Whether `server` exited because a SIGHUP drained it."""
+        self._serving = None
+        return self._drained is server
+
+    def _on_sighup(self, signum, frame) -> None:
+        self._pending = True
+        if self._serving is not None:
+            self._drain()
+
+    def _drain(self) -> None:
+        server, self._pending = self._serving, False
+        if server is None or server is self._drained or not server.is_alive():
+            return
+        # os.write, not print: a signal handler must not re-enter the buffered stdout.
+        os.write(sys.stdout.fileno(), f"SIGHUP: draining tritonserver (pid {server.pid}) to start it again\n".encode())
+        self._drained, self.sent_at = server, time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
 
 
 def add_repository_arguments(parser: argparse.ArgumentParser, served_by: str = "to serve") -> None:

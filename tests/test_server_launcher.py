@@ -29,7 +29,7 @@ from mimi_code2wav.server.triton import (
     running_server,
 )
 
-from helpers import REPO_ROOT, process_exists, shm_prefix_of, wait_http_ready
+from helpers import REPO_ROOT, process_exists, shm_prefix_of, wait_http_ready, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -182,6 +182,49 @@ def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
     assert not process_group_alive(server_pid)
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
     assert list(SHM_DIR.glob(f"{prefix}*")) == []
+
+
+def test_sighup_drains_serve_and_starts_it_again_reading_the_repository_afresh(tmp_path):
+    """The operator's restart: SIGHUP drains tritonserver (exit 0), starts a new one at once on the
+    same ports, which serves what the repository holds now; the old one leaves nothing behind."""
+    repository = write_model(tmp_path / "repo")
+    http_port, grpc_port, metrics_port = free_ports(3)
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
+               "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+               "--log-file", str(log)]
+    cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_http_ready(http_port, cli, timeout_s=60)
+        first_pid = int(subprocess.check_output(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"]).split()[0])
+        write_model(repository, name="add_two")  # what the next server must load
+        cli.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: not process_exists(first_pid), 40), "SIGHUP did not drain the server"
+
+        def second_server() -> int | None:
+            pids = subprocess.run(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"], capture_output=True,
+                                  text=True).stdout.split()
+            return int(pids[0]) if pids else None
+
+        assert wait_until(lambda: second_server() is not None, 20), "no new server after SIGHUP"
+        wait_http_ready(http_port, cli, timeout_s=60)
+        second_pid = second_server()
+        infer_add_one(f"127.0.0.1:{grpc_port}")
+        infer_add_one(f"127.0.0.1:{grpc_port}", model="add_two")
+        assert not process_group_alive(first_pid), "the drained server left a stub behind"
+        cli.send_signal(signal.SIGTERM)
+        output, _ = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 0, output
+    assert f"SIGHUP: draining tritonserver (pid {first_pid}) to start it again" in output, output
+    assert re.search(rf"SIGHUP: tritonserver \(pid {first_pid}\) drained \(exited with code 0\) in [0-9.]+ s; "
+                     r"restart 1 now on the same ports", output), output
+    assert f"tritonserver back (pid {second_pid}, restart 1)" in output, output
+    assert "Non-graceful termination" not in Path(f"{log}.1").read_text()
+    assert not process_group_alive(second_pid)
 
 
 def test_serve_command_with_missing_weights_explains(tmp_path):
