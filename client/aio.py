@@ -15,6 +15,7 @@
     async def main():
         rng = np.random.default_rng(0)
         async with Code2WavClient("127.0.0.1:8001") as client:  # one channel, shared by its streams
+            await client.check_ready()                          # ClientError saying what is wrong
             audio = await asyncio.gather(*(conversation(client, rng.integers(0, 2048, (8, 26))) for _ in range(4)))
         print([pcm.shape for pcm in audio])                # 4 x (26 * 1920,)
 
@@ -33,7 +34,10 @@ replica. The rules are the resumable client's (`plan.StreamPlan`, shared with `R
   for up to `options.resume_timeout_s`; each resume is listed in `stream.resumes`;
 - `options.response_timeout_s` is each request's deadline;
 - one request in flight per stream: calls of one stream are sent in call order, one after the other,
-  at most `max_pending_calls` waiting (more raise ClientError at once, handing nothing over);
+  at most `max_pending_calls` waiting (more raise ClientError at once, handing nothing over); the
+  calls that wait are sent together, as one request of up to `COALESCE_MAX_FRAMES` frames, and each
+  returns its own frames' PCM: a conversation that calls once per frame and falls behind catches up
+  in one request instead of one per frame;
 - a cancelled `decode` (`asyncio.wait_for`, a task cancelled at barge-in) leaves the stream
   consistent: its frames stay owed and the next call sends them again before its own, at their
   offsets; the server decodes those it did not get, and that call returns the PCM of its own frames.
@@ -42,6 +46,7 @@ replica. The rules are the resumable client's (`plan.StreamPlan`, shared with `R
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Sequence
 
@@ -52,17 +57,38 @@ from .protocol import (
     CHANNEL_ARGS,
     DEFAULT_OPTIONS,
     DEFAULT_URL,
+    SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
     ClientError,
     RequestFailure,
     StreamOptions,
+    grpc_reason,
     infer_inputs,
+    model_state,
     request_failure,
     response_pcm,
+    unreachable,
 )
 
 # Calls of one stream that may wait behind its request in flight.
 DEFAULT_MAX_PENDING_CALLS = 16
+# The most frames that calls waiting behind a request in flight are merged into, in the next request
+# (a single call of more frames is sent as it is): 4 s of audio.
+COALESCE_MAX_FRAMES = 50
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One `decode` call: its frames [first, stop) of the stream, and the future of their PCM."""
+
+    first: int
+    stop: int
+    end: bool
+    answer: asyncio.Future
+
+    @property
+    def frames(self) -> int:
+        return self.stop - self.first
 
 
 class Code2WavClient:
@@ -97,6 +123,32 @@ class Code2WavClient:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
+
+    async def check_ready(self, timeout_s: float = 10.0) -> None:
+        """Raise ClientError (one line) unless every URL answers and its model is ready."""
+        from tritonclient.utils import InferenceServerException
+
+        for url in self.urls:
+            channel = self._channel(url)
+            try:
+                live = await channel.is_server_live(client_timeout=timeout_s)
+            except InferenceServerException as exc:
+                raise unreachable(url, exc) from None
+            if not live:
+                raise ClientError(f"Triton at {url} answers but is not live")
+            try:
+                ready = await channel.is_model_ready(self.options.model_name, client_timeout=timeout_s)
+            except InferenceServerException as exc:
+                raise ClientError(f"Triton at {url}: readiness of model '{self.options.model_name}' unknown: "
+                                  f"{grpc_reason(exc)}") from None
+            if not ready:
+                try:
+                    state = model_state((await channel.get_model_repository_index(as_json=True)).get("models", []),
+                                        self.options.model_name)
+                except Exception:  # the index only decorates the message
+                    state = "state unknown"
+                raise ClientError(f"model '{self.options.model_name}' is not ready on Triton at {url} ({state}); "
+                                  "see the server log")
 
     def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
         """A new conversation. `sequence_id`: non-zero, default random; `stream_key`: what the proxy
@@ -136,6 +188,7 @@ class Code2WavStream(StreamPlan):
         self._client = client
         self._turn = asyncio.Lock()  # held by the call whose request is in flight; FIFO: calls stay in order
         self._pending_calls = 0
+        self._queue: list[_Call] = []  # calls not answered yet, in call order
 
     async def __aenter__(self) -> Code2WavStream:
         return self
@@ -150,13 +203,20 @@ class Code2WavStream(StreamPlan):
         if self._pending_calls > self.max_pending_calls:
             raise ClientError(f"stream {self.stream_key}: {self._pending_calls - 1} calls already wait behind "
                               f"the request in flight (max_pending_calls={self.max_pending_calls})")
-        first, stop = self.hand(codes, end)
+        call = _Call(*self.hand(codes, end), end, asyncio.get_running_loop().create_future())
+        self._queue.append(call)
         self._pending_calls += 1
         try:
             async with self._turn:
-                return await self._exchange(first, stop, end)
+                if not call.answer.done():
+                    await self._send_queued()
+            return call.answer.result()
         finally:
             self._pending_calls -= 1
+            if call in self._queue:  # cancelled before its answer: its frames stay owed
+                self._queue.remove(call)
+            if call.answer.done() and not call.answer.cancelled():
+                call.answer.exception()  # retrieved: an abandoned call's error is not "never retrieved"
 
     async def close(self) -> None:
         """END the stream: a request carrying the frames still owed (none: no frame), after the calls
@@ -170,6 +230,31 @@ class Code2WavStream(StreamPlan):
     @property
     def max_pending_calls(self) -> int:
         return self._client.max_pending_calls
+
+    async def _send_queued(self) -> None:
+        """One request for the calls waiting in the queue, from the first up to COALESCE_MAX_FRAMES
+        frames (at least the first call): a conversation whose calls came faster than its answers
+        catches up in one request instead of one per call. Each call's answer is its own frames' PCM
+        (or the request's ClientError); they leave the queue once answered."""
+        batch, frames = [], 0
+        for call in self._queue:
+            if batch and frames + call.frames > COALESCE_MAX_FRAMES:
+                break
+            batch.append(call)
+            frames += call.frames
+        first = batch[0].first
+        try:
+            pcm = await self._exchange(first, batch[-1].stop, batch[-1].end)
+        except ClientError as error:
+            answers = [error] * len(batch)
+        else:
+            answers = [pcm[(call.first - first) * SAMPLES_PER_FRAME : (call.stop - first) * SAMPLES_PER_FRAME]
+                       for call in batch]
+        for call, answer in zip(batch, answers):
+            if call in self._queue:
+                self._queue.remove(call)
+            if not call.answer.done():
+                (call.answer.set_exception if isinstance(answer, ClientError) else call.answer.set_result)(answer)
 
     async def _exchange(self, first: int, stop: int, end: bool) -> np.ndarray:
         """Drive `StreamPlan.exchange`: send what it asks for, wait what it asks; a cancelled call

@@ -205,6 +205,25 @@ def grpc_reason(exc: Exception) -> str:
     return text
 
 
+def unreachable(url: str, exc: Exception) -> ClientError:
+    """The error for a server that did not answer a liveness check, with what to try."""
+    hint = "is the server running?"
+    if "://" in url:
+        hint = "give the gRPC address as host:port, without a scheme such as http://"
+    elif ":" not in url:
+        hint = "give the gRPC address as host:port (the gRPC port, 8001 by default)"
+    return ClientError(f"cannot reach Triton (gRPC) at {url}: {grpc_reason(exc)}; {hint}")
+
+
+def model_state(index: list[dict], model_name: str) -> str:
+    """A model's state in the server's repository index ("state UNAVAILABLE: reason")."""
+    for model in index:
+        if model.get("name") == model_name:
+            reason = model.get("reason")
+            return f"state {model.get('state', 'UNKNOWN')}" + (f": {reason}" if reason else "")
+    return "not in the model repository"
+
+
 class RequestFailure(Exception):
     """A request that got no PCM back, as one line. `resumable`: the server holding the stream is gone
     or going, or no longer holds the sequence, so the stream can go on in a new sequence."""

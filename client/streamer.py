@@ -38,8 +38,10 @@ from .protocol import (
     draw_sequence_ids,
     grpc_reason,
     infer_inputs,
+    model_state,
     request_arrays,
     response_pcm,
+    unreachable,
     validate_codes,
 )
 from .report import RunReport, StreamResult
@@ -127,12 +129,7 @@ class Code2WavStreamer:
         try:
             live = self._client.is_server_live(client_timeout=timeout_s)
         except InferenceServerException as exc:
-            hint = "is the server running?"
-            if "://" in self.url:
-                hint = "give the gRPC address as host:port, without a scheme such as http://"
-            elif ":" not in self.url:
-                hint = "give the gRPC address as host:port (the gRPC port, 8001 by default)"
-            raise ClientError(f"cannot reach Triton (gRPC) at {self.url}: {grpc_reason(exc)}; {hint}") from None
+            raise unreachable(self.url, exc) from None
         if not live:
             raise ClientError(f"Triton at {self.url} answers but is not live")
         try:
@@ -150,11 +147,7 @@ class Code2WavStreamer:
             index = self._client.get_model_repository_index(as_json=True).get("models", [])
         except Exception:  # the index only decorates the message
             return "state unknown"
-        for model in index:
-            if model.get("name") == self.model_name:
-                reason = model.get("reason")
-                return f"state {model.get('state', 'UNKNOWN')}" + (f": {reason}" if reason else "")
-        return "not in the model repository"
+        return model_state(index, self.model_name)
 
     def run(
         self,

@@ -85,6 +85,37 @@ def test_a_stream_holds_at_most_max_pending_calls_behind_its_request_in_flight()
     asyncio.run(scenario())
 
 
+def test_calls_that_wait_behind_a_request_are_sent_together_each_getting_its_own_frames():
+    """A conversation calling once per frame while its request is out: the calls that piled up go as
+    one request (at most COALESCE_MAX_FRAMES frames), and every call returns exactly its frames' PCM."""
+    from mimi_code2wav.client.aio import COALESCE_MAX_FRAMES
+
+    async def scenario():
+        client = Code2WavClient("a:1", max_pending_calls=COALESCE_MAX_FRAMES + 5)
+        sent, answer = [], asyncio.Event()
+
+        async def infer(stream, step):  # a server whose PCM of frame f is all f, answering when told to
+            request = step.request
+            sent.append((request.first_new_frame, request.new_frames))
+            await answer.wait()
+            frames = np.arange(request.first_new_frame, request.first_new_frame + request.new_frames)
+            return np.repeat(frames.astype(np.float32), SAMPLES_PER_FRAME)
+
+        client._infer = infer
+        stream = client.stream(sequence_id=7)
+        codes = np.zeros((8, 2 + COALESCE_MAX_FRAMES + 3), np.int64)
+        calls = [asyncio.ensure_future(stream.decode(codes[:, f : f + 1])) for f in range(codes.shape[1] - 1)]
+        calls.append(asyncio.ensure_future(stream.decode(codes[:, -1:], end=True)))
+        await asyncio.sleep(0)
+        answer.set()
+        pcm = await asyncio.gather(*calls)
+        assert [p.tolist() for p in pcm] == [[float(f)] * SAMPLES_PER_FRAME for f in range(codes.shape[1])]
+        assert sent == [(0, 1), (1, COALESCE_MAX_FRAMES), (1 + COALESCE_MAX_FRAMES, 4)]
+        assert stream.ended and stream.next_frame == codes.shape[1]
+
+    asyncio.run(scenario())
+
+
 # ---- against a real server --------------------------------------------------------------------------
 
 @pytest.mark.server
@@ -98,6 +129,21 @@ def test_the_modules_example_runs(code2wav_server):
     assert "asyncio.run(main())" in example
     exec(compile(example.replace("127.0.0.1:8001", code2wav_server.grpc_url), "client/aio.py example", "exec"), {})
     assert live_streams(code2wav_server) == 0
+
+
+@pytest.mark.server
+def test_check_ready_passes_on_a_ready_server_and_says_what_is_wrong_otherwise(code2wav_server):
+    from mimi_code2wav.server.triton import free_port
+
+    async def check(urls, model="code2wav"):
+        async with Code2WavClient(urls, StreamOptions(model_name=model)) as client:
+            await client.check_ready(timeout_s=5)
+
+    asyncio.run(check(code2wav_server.grpc_url))
+    with pytest.raises(ClientError, match=r"cannot reach Triton \(gRPC\) at 127.0.0.1:\d+: .*is the server running\?"):
+        asyncio.run(check([code2wav_server.grpc_url, f"127.0.0.1:{free_port()}"]))
+    with pytest.raises(ClientError, match="model 'no_such_model' is not ready on Triton at .*not in the model repository"):
+        asyncio.run(check(code2wav_server.grpc_url, "no_such_model"))
 
 
 @pytest.mark.server
