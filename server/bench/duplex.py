@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import math
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,42 +179,53 @@ def summarize(client: str, policy: Policy, logs: Sequence[ConversationLog], star
 AsyncDecode = Callable[[np.ndarray, bool], Awaitable[np.ndarray]]
 
 
-async def _conversation_async(decode: AsyncDecode, codes: np.ndarray, policy: Policy, start_s: float,
-                              log: ConversationLog) -> None:
+def _conversation(codes: np.ndarray, policy: Policy, start_s: float, log: ConversationLog
+                  ) -> Generator[float | tuple[int, int], np.ndarray | None, None]:
+    """One conversation's schedule, without I/O: yields a wait (seconds) or a request ([sent, stop):
+    its frames, END with the last one), and is sent the request's PCM back, which it logs and checks."""
     total, sent = codes.shape[1], 0
     while sent < total:
         now = time.perf_counter()
         produced = min(total, int((now - start_s) / FRAME_S) + 1) if now >= start_s else 0
         count = policy.frames_to_send(produced, sent, total)
         if count == 0:
-            await asyncio.sleep(max(0.0, start_s + produced * FRAME_S - now))
+            yield max(0.0, start_s + produced * FRAME_S - now)
             continue
         stop = sent + count
-        pcm = await decode(codes[:, sent:stop], stop == total)
+        pcm = yield sent, stop
         log.arrival_s[sent:stop] = time.perf_counter()
         log.requests += 1
         if pcm.size != count * 1920:
             raise RuntimeError(f"expected {count * 1920} samples, got {pcm.size}")
         sent = stop
+
+
+async def _conversation_async(decode: AsyncDecode, codes: np.ndarray, policy: Policy, start_s: float,
+                              log: ConversationLog) -> None:
+    steps, answer = _conversation(codes, policy, start_s, log), None
+    total = codes.shape[1]
+    with contextlib.suppress(StopIteration):
+        while True:
+            step = steps.send(answer)
+            if isinstance(step, float):
+                await asyncio.sleep(step)
+                answer = None
+            else:
+                answer = await decode(codes[:, step[0] : step[1]], step[1] == total)
 
 
 def _conversation_thread(decode: Callable[[np.ndarray, bool], np.ndarray], codes: np.ndarray, policy: Policy,
                          start_s: float, log: ConversationLog, stop_event: threading.Event) -> None:
-    total, sent = codes.shape[1], 0
-    while sent < total and not stop_event.is_set():
-        now = time.perf_counter()
-        produced = min(total, int((now - start_s) / FRAME_S) + 1) if now >= start_s else 0
-        count = policy.frames_to_send(produced, sent, total)
-        if count == 0:
-            stop_event.wait(max(0.0, start_s + produced * FRAME_S - now))
-            continue
-        stop = sent + count
-        pcm = decode(codes[:, sent:stop], stop == total)
-        log.arrival_s[sent:stop] = time.perf_counter()
-        log.requests += 1
-        if pcm.size != count * 1920:
-            raise RuntimeError(f"expected {count * 1920} samples, got {pcm.size}")
-        sent = stop
+    steps, answer = _conversation(codes, policy, start_s, log), None
+    total = codes.shape[1]
+    with contextlib.suppress(StopIteration):
+        while not stop_event.is_set():
+            step = steps.send(answer)
+            if isinstance(step, float):
+                stop_event.wait(step)
+                answer = None
+            else:
+                answer = decode(codes[:, step[0] : step[1]], step[1] == total)
 
 
 def _codes(conversations: int, frames: int, seed: int) -> list[np.ndarray]:
