@@ -7,9 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mimi_code2wav.client.protocol import SAMPLE_RATE_HZ
 from mimi_code2wav.client.wav import WavError, read_wav
-
-SAMPLE_RATE_HZ = 24000
 
 
 class EncodeError(Exception):
