@@ -32,7 +32,8 @@ SERVER_EXITING = "Server not ready"
 # The decoder's tensors (docs/design.md §3): codes INT32 [1, k, S] -> pcm FP32 [1, samples_per_frame*S].
 DECODER_INPUT_NAME = "codes"
 DECODER_OUTPUT_NAME = "pcm"
-# How long execute waits for its batch before handing what is unfinished to the response senders.
+# How long execute waits for its batch before handing what is unfinished to the response senders:
+# at most ANSWER_WAIT_S, and no longer once BATCH_STRAGGLER_WAIT_S pass without a request finishing.
 ANSWER_WAIT_S = 0.02
 BATCH_STRAGGLER_WAIT_S = 0.002
 BLS_THREADS_MAX = 256
@@ -60,6 +61,7 @@ class TritonPythonModel:
         self._table = core.StreamTable(settings)
         self._executor = None
         self._loop = None
+        self._deferred_answers = []  # (response sender, result) of finished deferred requests, not yet sent
         self._metrics = triton_streams.GuardedMetrics(self._model_name, args["model_version"], _Metrics,
                                                       pb_utils.Logger.log_warn)
         self._sweeper = triton_streams.IdleSweeper.started(
@@ -93,11 +95,7 @@ class TritonPythonModel:
 
         tasks = self._table.submit_batch(stream_requests, self._decode_step, [a.finish for a in answers])
         if tasks:
-            # The decoder answers a batch's steps together, so the rest of the batch is done within
-            # moments of the first request; a request still running then (a replay) is answered later.
-            done, pending = await asyncio.wait(tasks, timeout=ANSWER_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
-            if pending and done:
-                await asyncio.wait(pending, timeout=BATCH_STRAGGLER_WAIT_S)
+            await _wait_for_batch(loop, tasks)
         for position, task, answer in zip(positions, tasks, answers):
             if task.done():
                 responses[position] = self._response(task.result())
@@ -115,6 +113,24 @@ class TritonPythonModel:
                 pb_utils.Tensor("sr", self._sample_rate),
             ]
         )
+
+    def _send_later(self, sender, result):
+        # Deferred answers that finish together (a decoder batch's steps reach the loop within moments)
+        # go out in one flush with one metrics report: each report and each send is a blocking round
+        # trip to tritonserver. The flush is scheduled before anything the finished task wakes (the
+        # stream's next request), so each stream's answers still go out in its order.
+        self._deferred_answers.append((sender, result))
+        if len(self._deferred_answers) == 1:
+            self._loop.call_soon(self._send_deferred)
+
+    def _send_deferred(self):
+        answers, self._deferred_answers = self._deferred_answers, []
+        self._report_metrics()  # before the answers: a client that reads the metrics next sees its request
+        for sender, result in answers:
+            try:
+                sender.send(self._response(result), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as exc:  # the client went away; nothing else depends on this response
+                pb_utils.Logger.log_warn(f"model '{self._model_name}': a response could not be sent: {exc}")
 
     def _report_metrics(self):
         self._metrics.report(lambda metrics: metrics.report(self._table.stats()))
@@ -199,14 +215,22 @@ class _Answer:
         self.deferred = False
 
     def finish(self, result):
-        if not self.deferred:
+        if self.deferred:
+            self._model._send_later(self._sender, result)
+
+
+async def _wait_for_batch(loop, tasks):
+    """Wait for the first task, then for the others while they keep finishing: the decoder answers a
+    batch's steps together, but they reach this loop one by one, spread over milliseconds when the
+    GIL is busy. Stop once BATCH_STRAGGLER_WAIT_S pass without one finishing (a replay still running
+    is answered later) or ANSWER_WAIT_S after the start."""
+    deadline = loop.time() + ANSWER_WAIT_S
+    done, pending = await asyncio.wait(tasks, timeout=ANSWER_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+    while pending and done:
+        left = deadline - loop.time()
+        if left <= 0:
             return
-        model = self._model
-        model._report_metrics()  # before the answer: a client that reads the metrics next sees this request
-        try:
-            self._sender.send(model._response(result), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as exc:  # the client went away; nothing else depends on this response
-            pb_utils.Logger.log_warn(f"model '{model._model_name}': a response could not be sent: {exc}")
+        done, pending = await asyncio.wait(pending, timeout=min(BATCH_STRAGGLER_WAIT_S, left))
 
 
 def _stream_request(request):
