@@ -51,6 +51,7 @@ from mimi_code2wav.client.stream import ClientError
 
 from .cli import parse_counts
 from .local_server import LocalServer, add_server_arguments, measured_server
+from .profile import settle_gc
 from .provenance import REPO_ROOT, command_line, run_meta
 
 FRAME_S = 0.08
@@ -313,6 +314,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _profiled(local: LocalServer | None, point: Callable[[], TickResult]) -> tuple[TickResult, dict | None]:
+    settle_gc()
     profile = local.profile() if local is not None else None
     if profile is not None:
         profile.start()
@@ -346,6 +348,7 @@ def measure(url: str, args: argparse.Namespace, local: LocalServer | None) -> di
     compared = []
     if args.compare_at:
         for run_point in (run_async, run_threads):
+            settle_gc()
             result = run_point(url, args.compare_at, frames, PER_FRAME, args.budget_ms, timeout_s=args.timeout_s)
             _print_row(result)
             compared.append(result.as_dict())

@@ -3,6 +3,7 @@ statistics from its metrics."""
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -11,6 +12,16 @@ from ..triton import fetch_metrics, metric_value
 
 SERVER_ROLES = ("tritonserver", "stub code2wav", "stub mimi_decoder")
 TRITON_TIMES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def settle_gc() -> None:
+    """Before a point: collect, then freeze what survives (`gc.freeze`), so that the point's own
+    collections scan only its own objects. The load generator holds ~200,000 objects (torch and the
+    export, loaded to start the local server), and a full collection of them stops its event loop or
+    threads for 100-250 ms, which would show as a stall of every stream at once. A pipeline process
+    that loads models and then calls the client has the same problem and the same remedy (README)."""
+    gc.collect()
+    gc.freeze()
 
 
 class PointProfile:

@@ -12,7 +12,7 @@ from .client import run_client_point
 from .local_server import LocalServer
 from .perf import run_perf_point
 from .points import PACED_KEEPS_REAL_TIME, SweepLoad, SweepPoint
-from .profile import PointProfile
+from .profile import PointProfile, settle_gc
 
 
 def _log(message: str) -> None:
@@ -47,6 +47,7 @@ class Sweep:
         """One point, profiled. A local server that dies during it is restarted and the point
         measured once more; the row records the crash (a second crash leaves the error)."""
         for attempt in (1, 2):
+            settle_gc()
             profile = self.local.profile() if self.local is not None else PointProfile(None, None)
             profile.start()
             try:
