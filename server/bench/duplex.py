@@ -21,7 +21,8 @@ measured around the run (all of this process's threads).
 `run_async` drives the conversations from one event loop with the asyncio client (one channel);
 `run_threads` drives them with the thread client, one thread and connection per conversation.
 
-For each policy the conversations grow through `--conversations` until a point misses the budget at
+An unmeasured warm-up (the most conversations, WARM_UP_FRAMES ticks) pays the server's one-off costs
+first. For each policy the conversations grow through `--conversations` until a point misses the budget at
 p99 (or through all of them, `--keep-going`); every point is profiled (the server's CPU per request
 by process, Triton's queue and execution times per model, the load generator's CPU) and the report
 says where the time goes at the first that misses. Then both clients run the per-frame policy at
@@ -330,9 +331,17 @@ def _print_row(result: TickResult) -> None:
           + (f" FAILED: {result.failed}" if result.failed else ""), file=sys.stderr, flush=True)
 
 
+# Unmeasured: the first requests of a server pay one-off costs (sequence slots, state rows, the
+# decoder's first run at each batch size), so a warm-up runs the most conversations for this many ticks.
+WARM_UP_FRAMES = 6
+
+
 def measure(url: str, args: argparse.Namespace, local: LocalServer | None) -> dict:
     frames = max(2, round(args.seconds / FRAME_S))
     points, most = [], {}
+    warm_up = run_async(url, max(args.conversations), WARM_UP_FRAMES, PER_FRAME, args.budget_ms, timeout_s=args.timeout_s)
+    print(f"  warm-up ({warm_up.conversations} conversations, {WARM_UP_FRAMES} frames each, not measured)"
+          + (f" FAILED: {warm_up.failed}" if warm_up.failed else ""), file=sys.stderr, flush=True)
     for name in args.policies.split(","):
         policy = POLICIES[name.strip()]
         most[policy.label] = 0
@@ -352,7 +361,8 @@ def measure(url: str, args: argparse.Namespace, local: LocalServer | None) -> di
             result = run_point(url, args.compare_at, frames, PER_FRAME, args.budget_ms, timeout_s=args.timeout_s)
             _print_row(result)
             compared.append(result.as_dict())
-    return {"points": points, "most_conversations": most, "compared": compared, "frames": frames}
+    return {"points": points, "most_conversations": most, "compared": compared, "frames": frames,
+            "warm_up": {"conversations": warm_up.conversations, "frames": WARM_UP_FRAMES}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -404,7 +414,9 @@ def duplex_markdown(results: dict) -> str:
     lines = [
         f"{meta.get('server', '')}. Conversations tick together every 80 ms, one frame each per tick, "
         f"{results['frames']} frames each; latency from a frame's tick to its PCM; late = past the moment "
-        f"its request could leave; a miss is a frame later than the {meta['budget_ms']:g} ms budget.",
+        f"its request could leave; a miss is a frame later than the {meta['budget_ms']:g} ms budget"
+        + ("; after an unmeasured warm-up, the load generator's objects frozen before each point (`gc.freeze`)."
+           if results.get("warm_up") else "."),
         "",
         "| policy | conversations | frame latency p50 / p99 / max ms | late p99 ms | misses | requests | client CPU ms / request |",
         "|---|---:|---:|---:|---:|---:|---:|",
