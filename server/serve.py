@@ -207,7 +207,7 @@ def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
         code = server.wait()
         lived_s = time.monotonic() - server.started_at
         restarts += 1
-        if drain.requested_for(server):
+        if drain.exited(server):
             delay_s = 0.0
             print(f"SIGHUP: tritonserver (pid {server.pid}) drained ({describe_exit(code)}) in "
                   f"{time.monotonic() - drain.sent_at:.1f} s; restart {restarts} now on the same ports (its log: "
@@ -256,8 +256,8 @@ class _DrainRequests:
         if self._pending:
             self._drain()
 
-    def requested_for(self, server: TritonServer) -> bool:
-        """Whether `server` exited because a SIGHUP drained it."""
+    def exited(self, server: TritonServer) -> bool:
+        """`server` has exited (a SIGHUP now waits for the next one): whether a SIGHUP drained it."""
         self._serving = None
         return self._drained is server
 

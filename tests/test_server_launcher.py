@@ -146,34 +146,39 @@ def test_running_server_error_carries_log_tail(tmp_path):
             pass
 
 
-def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
-    repository = write_model(tmp_path / "repo")
-    http_port, grpc_port, metrics_port = free_ports(3)
-    command = [
-        sys.executable, "-m", "mimi_code2wav.server", "serve",
-        "--model-repository", str(repository),
-        "--http-port", str(http_port),
-        "--grpc-port", str(grpc_port),
-        "--metrics-port", str(metrics_port),
-        "--log-file", str(tmp_path / "server.log"),
-    ]
-    cli = subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+@contextlib.contextmanager
+def serve_cli(repository: Path, log: Path):
+    """`code2wav-server serve` of `repository` on free ports, ready; yields (process, ports). Killed
+    on the way out if the test left it running."""
+    ports = free_ports(3)
+    command = [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
+               *(arg for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), ports)
+                 for arg in (flag, str(port))),
+               "--log-file", str(log)]
+    cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_http_ready(http_port, cli, timeout_s=60)
-        infer_add_one(f"127.0.0.1:{grpc_port}")
-        server_pid = int(
-            subprocess.check_output(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"]).split()[0]
-        )
-        prefix = shm_prefix_of(server_pid)
-        assert list(SHM_DIR.glob(f"{prefix}*"))
-        cli.send_signal(signal.SIGTERM)
-        output, _ = cli.communicate(timeout=60)
+        wait_http_ready(ports[0], cli, timeout_s=60)
+        yield cli, ports
     finally:
         if cli.poll() is None:
             cli.kill()
             cli.wait()
+
+
+def tritonserver_child(cli: subprocess.Popen) -> int | None:
+    pids = subprocess.run(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"], capture_output=True, text=True).stdout.split()
+    return int(pids[0]) if pids else None
+
+
+def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
+    with serve_cli(write_model(tmp_path / "repo"), tmp_path / "server.log") as (cli, ports):
+        http_port, grpc_port, metrics_port = ports
+        infer_add_one(f"127.0.0.1:{grpc_port}")
+        server_pid = tritonserver_child(cli)
+        prefix = shm_prefix_of(server_pid)
+        assert list(SHM_DIR.glob(f"{prefix}*"))
+        cli.send_signal(signal.SIGTERM)
+        output, _ = cli.communicate(timeout=60)
     assert cli.returncode == 0, output
     assert f"gRPC     127.0.0.1:{grpc_port}" in output
     assert re.search(r"tritonserver ready in [0-9.]+ s", output)
@@ -187,37 +192,20 @@ def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
 def test_sighup_drains_serve_and_starts_it_again_reading_the_repository_afresh(tmp_path):
     """The operator's restart: SIGHUP drains tritonserver (exit 0), starts a new one at once on the
     same ports, which serves what the repository holds now; the old one leaves nothing behind."""
-    repository = write_model(tmp_path / "repo")
-    http_port, grpc_port, metrics_port = free_ports(3)
-    log = tmp_path / "server.log"
-    command = [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
-               "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-               "--log-file", str(log)]
-    cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_http_ready(http_port, cli, timeout_s=60)
-        first_pid = int(subprocess.check_output(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"]).split()[0])
+    repository, log = write_model(tmp_path / "repo"), tmp_path / "server.log"
+    with serve_cli(repository, log) as (cli, (http_port, grpc_port, _)):
+        first_pid = tritonserver_child(cli)
         write_model(repository, name="add_two")  # what the next server must load
         cli.send_signal(signal.SIGHUP)
         assert wait_until(lambda: not process_exists(first_pid), 40), "SIGHUP did not drain the server"
-
-        def second_server() -> int | None:
-            pids = subprocess.run(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"], capture_output=True,
-                                  text=True).stdout.split()
-            return int(pids[0]) if pids else None
-
-        assert wait_until(lambda: second_server() is not None, 20), "no new server after SIGHUP"
+        assert wait_until(lambda: tritonserver_child(cli) is not None, 20), "no new server after SIGHUP"
         wait_http_ready(http_port, cli, timeout_s=60)
-        second_pid = second_server()
+        second_pid = tritonserver_child(cli)
         infer_add_one(f"127.0.0.1:{grpc_port}")
         infer_add_one(f"127.0.0.1:{grpc_port}", model="add_two")
         assert not process_group_alive(first_pid), "the drained server left a stub behind"
         cli.send_signal(signal.SIGTERM)
         output, _ = cli.communicate(timeout=60)
-    finally:
-        if cli.poll() is None:
-            cli.kill()
-            cli.wait()
     assert cli.returncode == 0, output
     assert f"SIGHUP: draining tritonserver (pid {first_pid}) to start it again" in output, output
     assert re.search(rf"SIGHUP: tritonserver \(pid {first_pid}\) drained \(exited with code 0\) in [0-9.]+ s; "
