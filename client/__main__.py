@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode", choices=MODES, default="delta",
         help="delta: each request holds only its new frames; cumulative: the whole stream so far (O(n^2) bytes)",
     )
-    decode.add_argument("--no-offsets", action="store_true", help="omit frame_offset (the server then infers resends)")
+    decode.add_argument("--no-offsets", action="store_true", help="omit frame_offset: the server reads each request by its dedupe_mode (delta by default; "
+                        "--mode cumulative then needs dedupe_mode=cumulative)")
     decode.add_argument("--streams", type=int, default=1, help="concurrent streams, each its own sequence, all decoding the same codes")
     pacing = decode.add_mutually_exclusive_group()
     pacing.add_argument("--paced", dest="paced", action="store_true", default=False,

@@ -381,7 +381,7 @@ def test_offset_overlap_shorter_than_the_history_decodes_nothing():
 
 
 def test_auto_cumulative_request_decodes_only_its_suffix():
-    table, decoder = make_table(), FakeDecoder()
+    table, decoder = make_table(dedupe_mode="auto"), FakeDecoder()
     codes = make_codes(7)
     send(table, decoder, 1, START, codes[:, :4])
     pcm = send(table, decoder, 1, 0, codes)
@@ -390,7 +390,7 @@ def test_auto_cumulative_request_decodes_only_its_suffix():
 
 
 def test_auto_delta_request_is_decoded_whole():
-    table, decoder = make_table(), FakeDecoder()
+    table, decoder = make_table(dedupe_mode="auto"), FakeDecoder()
     codes = make_codes(7)
     send(table, decoder, 1, START, codes[:, :4])
     pcm = send(table, decoder, 1, 0, codes[:, 4:])
@@ -399,7 +399,7 @@ def test_auto_delta_request_is_decoded_whole():
 
 
 def test_auto_documented_limit_silence_delta_equal_to_history_start_is_taken_as_resend():
-    table, decoder = make_table(), FakeDecoder()
+    table, decoder = make_table(dedupe_mode="auto"), FakeDecoder()
     silence = np.full((NUM_CODEBOOKS, 2), 5, np.int64)
     send(table, decoder, 1, START, silence)
     # A delta of 3 silence frames starts with the whole (silent) history: taken as cumulative, so
@@ -410,13 +410,26 @@ def test_auto_documented_limit_silence_delta_equal_to_history_start_is_taken_as_
 
 
 def test_auto_documented_limit_short_resend_is_taken_as_delta():
-    table, decoder = make_table(), FakeDecoder()
+    table, decoder = make_table(dedupe_mode="auto"), FakeDecoder()
     codes = make_codes(4)
     send(table, decoder, 1, START, codes)
     # A resend of the first 2 frames is shorter than the history: decoded again (duplicated audio).
     pcm = send(table, decoder, 1, 0, codes[:, :2])
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, :2]))
     assert table.history(1).shape == (NUM_CODEBOOKS, 6)
+
+
+def test_requests_without_offsets_are_deltas_by_default_so_silence_is_never_lost():
+    # A pipeline's stage 0 sends 1 frame, then 5-frame deltas, without frame_offset; a listening
+    # duplex model emits one silence code at length. Every frame is decoded once.
+    table, decoder = make_table(), FakeDecoder()
+    assert table.settings.dedupe_mode == "delta"
+    silence = np.full((NUM_CODEBOOKS, 19), 5, np.int64)
+    sizes = []
+    for index, (first, stop) in enumerate([(0, 1), (1, 6), (6, 11), (11, 16), (16, 19)]):
+        sizes.append(send(table, decoder, 1, START if index == 0 else 0, silence[:, first:stop]).shape[1] // SAMPLES)
+    assert sizes == [1, 5, 5, 5, 3]
+    np.testing.assert_array_equal(table.history(1), silence)
 
 
 def test_delta_mode_decodes_a_cumulative_resend_again():

@@ -5,7 +5,7 @@ PCM is compared with moshi's streaming decode of the same codes (docs/design.md 
 counts, max abs error 1e-4 and >= 100 dB SNR) and, where it ran alone or batched, with the same ONNX
 step run directly in ONNX Runtime (within 1e-5).
 
-Covered: the three ways a client sends a stream (deltas, cumulative prefixes, offsets) over unary and
+Covered: the three ways a client sends a stream (deltas, cumulative prefixes from offset 0, offsets) over unary and
 bidirectional streaming gRPC; dedupe of retries, overlaps and repeated frames; 16 interleaved streams
 batched by the decoder; every row of the stream lifecycle and each kind of bad request; idle expiry and
 the cancelled-request regression on a server with second-scale timeouts; `code2wav-server serve`
@@ -235,7 +235,7 @@ def test_one_stream_equals_moshi_and_the_onnx_step(
     requests = []  # (codes, frame_offset, start, end, new frames)
     for index, (first, stop) in enumerate(bounds):
         sent = {"delta": codes[:, first:stop], "cumulative": codes[:, :stop], "offsets": codes[:, first:stop]}[mode]
-        offset = first if mode == "offsets" else None
+        offset = {"delta": None, "cumulative": 0, "offsets": first}[mode]
         requests.append((sent, offset, index == 0, index == len(bounds) - 1, stop - first))
 
     sequence_id = new_sequence_id()
@@ -316,20 +316,20 @@ def test_retries_and_overlaps_decode_only_new_frames(grpc_client, scenario, mosh
                    ort_reference[: 12 * SAMPLES_PER_FRAME], "retries and overlaps")
 
 
-def test_documented_limit_of_requests_without_offsets(grpc_client, repeated):
-    """Without frame_offset, `auto` dedupe takes a request that starts with the whole history for a
-    resend (docs/design.md §2.1): a delta of silence equal to the history is not decoded. The same
-    frame sent with its offset is."""
-    codes, moshi_reference, ort_reference = repeated
+def test_silence_deltas_without_offsets_are_all_decoded(grpc_client, scenario, moshi_checkpoint, ort_decode):
+    """The shipped default (dedupe_mode=delta): one stream sent as vLLM-Omni's stage 0 sends it, 1
+    frame then 5-frame deltas without frame_offset, every frame the same code (silence). Every frame
+    comes back, equal to moshi; `auto` would return 1, 4, 0, 0, 3 of them (docs/design.md §2.1)."""
+    codes = np.repeat(scenario.streams["A"][:, 40:41], 19, axis=1)
+    moshi_reference, ort_reference = moshi_decode(moshi_checkpoint[1], codes), ort_decode(codes)
+    bounds = [(0, 1), (1, 6), (6, 11), (11, 16), (16, 19)]
     sequence_id = new_sequence_id()
-    chunks = [infer(grpc_client, sequence_id, codes[:, :1], start=True, new_frames=1)]
-    # Frame 1 repeats frame 0, the whole history: taken for a resend, nothing decoded.
-    infer(grpc_client, sequence_id, codes[:, 1:2], new_frames=0)
-    # With its offset it is decoded, and the stream goes on exactly.
-    chunks.append(infer(grpc_client, sequence_id, codes[:, 1:2], 1, new_frames=1))
-    chunks.append(infer(grpc_client, sequence_id, codes[:, 2:6], 2, end=True, new_frames=4))
-    assert_matches(np.concatenate(chunks), moshi_reference[: 6 * SAMPLES_PER_FRAME],
-                   ort_reference[: 6 * SAMPLES_PER_FRAME], "silence delta sent again with its offset")
+    chunks = [
+        infer(grpc_client, sequence_id, codes[:, first:stop], start=first == 0, end=stop == 19, new_frames=stop - first)
+        for first, stop in bounds
+    ]
+    assert [chunk.size // SAMPLES_PER_FRAME for chunk in chunks] == [1, 5, 5, 5, 3]
+    assert_matches(np.concatenate(chunks), moshi_reference, ort_reference, "silence deltas without offsets")
 
 
 # ---- 3. many streams at once ---------------------------------------------------------------------

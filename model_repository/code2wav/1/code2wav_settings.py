@@ -79,7 +79,7 @@ class Code2WavSettings:
     samples_per_frame: int = 1920
     sample_rate_hz: int = 24000
     decoder_max_frames_per_step: int = 16
-    dedupe_mode: str = "auto"
+    dedupe_mode: str = "delta"
     max_new_frames_per_request: int = 1500
     max_request_frames: int = 45000
     max_live_streams: int = 1024
