@@ -119,7 +119,11 @@ def _tensor_block(kind: str, tensors: tuple[TensorSpec, ...]) -> str:
     return f"{kind} [\n" + ",\n".join(items) + "\n]"
 
 
-def _state_block(spec: DecoderSpec) -> str:
+def _state_block(spec: DecoderSpec, same_buffer: bool) -> str:
+    """Triton's implicit state, one entry per state tensor of the spec. With `same_buffer` Triton keeps
+    one buffer per state and sequence slot instead of an input and an output buffer (it holds them
+    per slot until a new sequence takes the slot, docs/design.md §5.1): right for a backend that
+    copies its outputs into the state after the run, as the ONNX Runtime backend does."""
     lines = ["  state ["]
     for index, state in enumerate(spec.states):
         dtype = TRITON_DTYPES[state.dtype]
@@ -127,7 +131,8 @@ def _state_block(spec: DecoderSpec) -> str:
         lines.append(
             f'    {{\n      input_name: "{state.input}"\n      output_name: "{state.output}"\n'
             f"      data_type: {dtype}\n      dims: [ {dims} ]\n"
-            f'      initial_state {{ data_type: {dtype} dims: [ {dims} ] zero_data: true name: "fresh_stream" }}\n'
+            + ("      use_same_buffer_for_input_output: true\n" if same_buffer else "")
+            + f'      initial_state {{ data_type: {dtype} dims: [ {dims} ] zero_data: true name: "fresh_stream" }}\n'
             f"    }}{',' if index < len(spec.states) - 1 else ''}"
         )
     lines.append("  ]")
@@ -184,7 +189,7 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
         common,
         target=target,
         backend_line=backend_line,
-        states=_state_block(spec),
+        states=_state_block(spec, same_buffer=target == "onnxruntime"),
         instance_kind=serving.instance_kind,
     ).rstrip() + "\n"
 

@@ -1,7 +1,7 @@
 """`code2wav-server serve`: run the local tritonserver in the foreground until Ctrl-C or SIGTERM.
 
 Without --model-repository the repository is prepared first (`export.pipeline.prepare_local_repository`:
-exported when missing or stale, rendered with the python-ort decoder under the build folder).
+exported when missing or stale, rendered with the `--decoder` target, python-ort by default, under the build folder).
 
 A tritonserver that dies (a crash, the OOM killer) is started again on the same ports, one log line
 each, after a short delay that doubles while it keeps dying soon after its start (`RestartBackoff`);
@@ -30,6 +30,9 @@ from typing import Callable
 
 from .triton import LOCALHOST, ServerError, TritonServer, log_tail
 
+# The decoder targets a local server renders (tensorrt needs a plan built on a GPU).
+LOCAL_TARGETS = ("python-ort", "onnxruntime", "null")
+
 # A server that lived at least this long before dying is restarted after FIRST_RESTART_DELAY_S; one
 # that dies sooner than that after its previous restart waits twice as long as last time, up to
 # MAX_RESTART_DELAY_S: a server that cannot stay up is retried about once a minute, not in a loop.
@@ -43,8 +46,8 @@ class _StopRequested(Exception):
 
 
 def prepare_repository(args: argparse.Namespace) -> Path:
-    """The model repository to serve: `--model-repository` as it is, else the local python-ort
-    repository under build/, exported first when missing or stale for the weights (`--weights`,
+    """The model repository to serve: `--model-repository` as it is, else the local repository for
+    `--decoder` under build/, exported first when missing or stale for the weights (`--weights`,
     `--random-init`, else kyutai/mimi when available, else seeded random weights)."""
     if args.model_repository is not None:
         repository = Path(args.model_repository)
@@ -55,7 +58,8 @@ def prepare_repository(args: argparse.Namespace) -> Path:
     from mimi_code2wav.export.weights import WeightsError
 
     try:
-        return prepare_local_repository(args.weights, args.random_init, args.seed, Path(args.build_dir))
+        return prepare_local_repository(args.weights, args.random_init, args.seed, Path(args.build_dir),
+                                        target=args.decoder)
     except WeightsError as error:
         raise ServerError(str(error)) from error
 
@@ -284,6 +288,9 @@ def add_repository_arguments(parser: argparse.ArgumentParser, served_by: str = "
     parser.add_argument("--random-init", action="store_true", help="serve seeded random weights (noise)")
     parser.add_argument("--seed", type=int, default=None, help="seed for --random-init")
     parser.add_argument("--build-dir", default="build", help="where exports and the rendered repository go")
+    parser.add_argument("--decoder", choices=LOCAL_TARGETS, default="python-ort",
+                        help="the decoder target to render: python-ort (any machine), onnxruntime (Triton's native "
+                        "backend, from $ORT_BACKEND), null (silence: the front's ceiling) (default %(default)s)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

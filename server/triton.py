@@ -10,6 +10,9 @@ directly needs three things the wheel does not arrange by itself:
 - `LD_LIBRARY_PATH` must put this interpreter's own `libpython` first, then the wheel's bundled
   libraries (`triton_environment`).
 
+A repository with a native `onnxruntime` model also gets Triton's ONNX Runtime backend in the backend
+directory (`ort_backend`: from ORT_BACKEND, with ONNX Runtime 1.19.2's library from PyPI).
+
 `TritonServer` (a `processes.ServerProcess`) starts one server in its own process group, waits for
 `/v2/health/ready` while checking that the process is alive (a stub that cannot start leaves the server
 loading forever), and stops only what it started, including the shared-memory regions its Python stubs
@@ -33,6 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from .ort_backend import install_onnxruntime_backend, needs_onnxruntime
 from .processes import (
     ServerError,
     ServerProcess,
@@ -53,6 +57,8 @@ LOCALHOST = "127.0.0.1"
 # streams its clients abandoned to idle out (code2wav 10 s, the decoder 12 s, docs/design.md §5.2),
 # short enough to exit inside Kubernetes' default 30 s grace period.
 DEFAULT_EXIT_TIMEOUT_S = 25
+# glibc's mmap threshold for tritonserver and its stubs (the python-ort stub pins the same with mallopt).
+MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +163,9 @@ def triton_environment(install: TritonInstall, base: dict[str, str] | None = Non
     )
     # The stub must use this environment, whatever the caller's shell points at.
     env.pop("PYTHONHOME", None)
+    # Buffers of 1 MiB and more (a stream's state is 7.8 MiB) are mapped and given back when freed:
+    # glibc's default threshold rises with every such free until they stay on the heap for good.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
     return env
 
 
@@ -308,6 +317,8 @@ class TritonServer(ServerProcess):
             raise ServerError(f"model repository {self.model_repository} is not a directory")
         install = find_triton_install()
         backend_dir = prepare_backend_directory(install, self.backend_root)
+        if needs_onnxruntime(self.model_repository):
+            install_onnxruntime_backend(backend_dir, _install_file)
         wanted = [self.http_port, self.grpc_port] + ([self.metrics_port] if self.allow_metrics else [])
         picked = iter(free_ports(sum(port is None for port in wanted), self.host))
         self.http_port = self.http_port if self.http_port is not None else next(picked)

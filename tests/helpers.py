@@ -98,6 +98,25 @@ def send_in_chunks(client, sequence_id: int, codes, first: int, stop: int, chunk
     return pcm
 
 
+def decoder_holds(grpc_url: str, sequence_id: int, decoder: str = "mimi_decoder") -> bool:
+    """Whether the decoder's sequence batcher still holds sequence `sequence_id` (any decoder target:
+    Triton itself refuses a step without START for a sequence it does not hold). The probe is one
+    step with END, so a held sequence is ended by it."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    codes = grpcclient.InferInput("codes", [1, NUM_CODEBOOKS, 1], "INT32")
+    codes.set_data_from_numpy(np.zeros((1, NUM_CODEBOOKS, 1), np.int32))
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        try:
+            client.infer(decoder, [codes], sequence_id=sequence_id, sequence_end=True)
+        except InferenceServerException as error:
+            if "must specify the START flag" in error.message():
+                return False
+            raise
+    return True
+
+
 def infer_error(client, sequence_id: int, inputs, *expected: str, start=False, end=False) -> str:
     """Send `inputs` (a codes array [k, F] or a list of InferInput) expecting an error whose message
     contains every `expected` substring; returns the message."""

@@ -7,6 +7,7 @@ serving needs it; a tiny config covers the rest of the option matrix.
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,20 +253,95 @@ def ort_decode(onnx_fp32):
     return decode
 
 
+# The decoder targets the contract suite runs on: the stand-in any machine serves, and Triton's native
+# ONNX Runtime backend with implicit state, which every deployment serves (docs/design.md §4).
+DECODER_TARGETS = ("python-ort", "onnxruntime")
+
+
+def native_backend_missing() -> str | None:
+    """Why the native onnxruntime decoder cannot be served here (None when it can)."""
+    from mimi_code2wav.server.ort_backend import BACKEND_LIBRARY, ORT_BACKEND_ENV, backend_source
+
+    if (backend_source() / BACKEND_LIBRARY).is_file():
+        return None
+    return (f"Triton's ONNX Runtime backend is not at {backend_source()} (set {ORT_BACKEND_ENV}=<folder holding "
+            f"{BACKEND_LIBRARY}>): the native onnxruntime decoder cannot be served here")
+
+
+def require_target(target: str) -> str:
+    """`target`, or a skip saying why it cannot be served here; in CI (CI=true) a failure instead:
+    the native cases are core and never skipped there."""
+    reason = native_backend_missing() if target == "onnxruntime" else None
+    if reason is not None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{reason}; CI runs the contract suite on both decoder targets")
+        pytest.skip(reason)
+    return target
+
+
 @pytest.fixture(scope="session")
-def served_repository(onnx_fp32, tmp_path_factory):
-    """A python-ort model repository (code2wav + mimi_decoder) over the real-architecture export."""
+def repository_for(onnx_fp32, tmp_path_factory):
+    """`repository_for(target)`: a model repository (code2wav + mimi_decoder for `target`, KIND_CPU)
+    over the real-architecture export, rendered once per target."""
     from mimi_code2wav.export.render import DecoderServing, render_repository
 
-    out = tmp_path_factory.mktemp("served") / "model_repository"
-    return render_repository(export_spec(onnx_fp32), onnx_fp32 / "model.onnx", out, "python-ort",
-                             DecoderServing(instance_kind="KIND_CPU"))
+    rendered = {}
+
+    def render(target: str) -> Path:
+        if target not in rendered:
+            out = tmp_path_factory.mktemp(f"served-{target}") / "model_repository"
+            rendered[target] = render_repository(export_spec(onnx_fp32), onnx_fp32 / "model.onnx", out, target,
+                                                 DecoderServing(instance_kind="KIND_CPU"))
+        return rendered[target]
+
+    return render
 
 
 @pytest.fixture(scope="session")
-def code2wav_server(served_repository, triton_server_factory):
+def server_for(repository_for, triton_server_factory):
+    """`server_for(target)`: a real tritonserver serving `repository_for(target)`, started once per
+    session and target."""
+    servers = {}
+
+    def serve(target: str):
+        if target not in servers:
+            servers[target] = triton_server_factory(repository_for(require_target(target)))
+        return servers[target]
+
+    return serve
+
+
+def fixtures_on_each_target():
+    """Module fixtures that run a test module's server tests once per decoder target: assign them in
+    the module (`decoder_target, served_repository, code2wav_server = fixtures_on_each_target()`) and
+    its `served_repository` and `code2wav_server` (and `grpc_client` on it) are those of
+    `decoder_target`, python-ort then onnxruntime."""
+
+    @pytest.fixture(scope="module", params=DECODER_TARGETS, name="decoder_target")
+    def target(request):
+        return require_target(request.param)
+
+    @pytest.fixture(scope="module", name="served_repository")
+    def repository(decoder_target, repository_for):
+        return repository_for(decoder_target)
+
+    @pytest.fixture(scope="module", name="code2wav_server")
+    def server(decoder_target, server_for):
+        return server_for(decoder_target)
+
+    return target, repository, server
+
+
+@pytest.fixture(scope="session")
+def served_repository(repository_for):
+    """The python-ort model repository (code2wav + mimi_decoder) over the real-architecture export."""
+    return repository_for("python-ort")
+
+
+@pytest.fixture(scope="session")
+def code2wav_server(server_for):
     """A real tritonserver serving code2wav + the python-ort mimi_decoder (started once per session)."""
-    return triton_server_factory(served_repository)
+    return server_for("python-ort")
 
 
 @pytest.fixture

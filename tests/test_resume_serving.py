@@ -23,9 +23,12 @@ from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
 from helpers import code2wav_inputs, frames_of, infer, infer_error, send_in_chunks, sequence_ids, wait_until
-from mimi_fixtures import assert_equal_audio
+from mimi_fixtures import assert_equal_audio, fixtures_on_each_target
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+# Resume runs on both decoder targets (python-ort, then the native onnxruntime backend).
+decoder_target, served_repository, code2wav_server = fixtures_on_each_target()
 
 FRAMES_PER_SECOND = 12.5
 # After a resume with R = 250 frames of history, the resumed audio stays this close to the

@@ -1,0 +1,130 @@
+"""Triton's native ONNX Runtime backend beside the pip tritonserver's Python backend.
+
+The `nvidia-pytriton` wheel's tritonserver ships only the Python backend, so the native `onnxruntime`
+decoder (the one every deployment serves, docs/design.md §4) needs two files the project does not
+carry:
+
+- `libtriton_onnxruntime.so`, Triton's backend built for this server (2.51, CPU), from the folder
+  `ORT_BACKEND` names (default: `shared/triton-onnxruntime-backend` beside this checkout). The NGC
+  image `nvcr.io/nvidia/tritonserver:24.10-py3` carries the same backend. It is never copied into
+  the repository, only into the server's private backend directory under build/.
+- `libonnxruntime.so.1`, ONNX Runtime 1.19.2 (the version Triton 2.51 builds against), taken from
+  PyPI's `onnxruntime==1.19.2` wheel: downloaded once by `pip download` (pinned here by the
+  library's sha256) into this environment's `share/mimi-code2wav/`.
+
+`needs_onnxruntime(repository)` says whether a model repository has a native ORT model;
+`install_onnxruntime_backend(backend_dir)` puts both files into `backend_dir/onnxruntime/`.
+`python -m mimi_code2wav.server.ort_backend` fetches the library ahead of time (`make venv` does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .processes import ServerError
+
+ORT_BACKEND_ENV = "ORT_BACKEND"
+BACKEND_LIBRARY = "libtriton_onnxruntime.so"
+ORT_LIBRARY = "libonnxruntime.so.1"  # its SONAME; the backend's RUNPATH is $ORIGIN
+ORT_VERSION = "1.19.2"
+# The library inside the cp311 manylinux_2_28 x86-64 wheel of onnxruntime 1.19.2.
+ORT_LIBRARY_MEMBER = f"onnxruntime/capi/libonnxruntime.so.{ORT_VERSION}"
+ORT_LIBRARY_SHA256 = "4ff01702cba83d4162e87752deb6f09a8bb9297185880e2b54067ef3ffb334f1"
+NGC_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
+_ONNXRUNTIME_BACKEND = re.compile(r'^\s*backend:\s*"onnxruntime"', re.MULTILINE)
+
+
+def default_backend_source() -> Path:
+    """Where the backend is looked for without ORT_BACKEND: shared/ beside this checkout."""
+    return Path(__file__).resolve().parent.parent.parent / "shared" / "triton-onnxruntime-backend"
+
+
+def backend_source() -> Path:
+    return Path(os.environ.get(ORT_BACKEND_ENV) or default_backend_source())
+
+
+def needs_onnxruntime(repository: Path) -> bool:
+    """True when a model of `repository` is served by the native `onnxruntime` backend."""
+    return any(_ONNXRUNTIME_BACKEND.search(config.read_text()) for config in Path(repository).glob("*/config.pbtxt"))
+
+
+def library_cache() -> Path:
+    """This environment's copy of ONNX Runtime's library (a venv's, or the interpreter's prefix)."""
+    return Path(sys.prefix) / "share" / "mimi-code2wav" / f"onnxruntime-{ORT_VERSION}" / ORT_LIBRARY
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_onnxruntime_library(quiet: bool = False) -> Path:
+    """ONNX Runtime 1.19.2's shared library, downloaded from PyPI once and checked by its sha256."""
+    target = library_cache()
+    if target.is_file() and _sha256(target) == ORT_LIBRARY_SHA256:
+        return target
+    if not quiet:
+        print(f"fetching ONNX Runtime {ORT_VERSION}'s library for the native backend (pip download, 13 MB) ...",
+              file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="onnxruntime-wheel-") as folder:
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+                   "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+                   "--platform", "manylinux_2_28_x86_64", "--dest", folder, f"onnxruntime=={ORT_VERSION}"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        wheels = list(Path(folder).glob("onnxruntime-*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise ServerError(f"could not download onnxruntime=={ORT_VERSION} for the native backend: "
+                              f"{(done.stderr or done.stdout).strip().splitlines()[-1:] or 'no wheel'}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(ORT_LIBRARY_MEMBER) as member, open(partial, "wb") as out:
+            while block := member.read(1 << 20):
+                out.write(block)
+    if _sha256(partial) != ORT_LIBRARY_SHA256:
+        partial.unlink()
+        raise ServerError(f"{ORT_LIBRARY_MEMBER} of the downloaded onnxruntime=={ORT_VERSION} wheel does not have "
+                          f"the pinned sha256 {ORT_LIBRARY_SHA256}")
+    os.chmod(partial, 0o755)
+    os.replace(partial, target)
+    return target
+
+
+def install_onnxruntime_backend(backend_dir: Path, install_file) -> Path:
+    """`backend_dir/onnxruntime/` with the backend and ONNX Runtime's library; `install_file(source,
+    target, mode)` copies a file atomically unless an identical one is there. Refuses in one line,
+    naming what is missing, when the backend is not where ORT_BACKEND points."""
+    source = backend_source() / BACKEND_LIBRARY
+    if not source.is_file():
+        raise ServerError(
+            f"the onnxruntime decoder needs Triton's ONNX Runtime backend, and {source} does not exist: set "
+            f"{ORT_BACKEND_ENV}=<folder holding {BACKEND_LIBRARY}> (built for tritonserver 2.51), or serve the "
+            f"repository in the NGC image {NGC_IMAGE}, which carries it"
+        )
+    folder = Path(backend_dir) / "onnxruntime"
+    folder.mkdir(parents=True, exist_ok=True)
+    install_file(source, folder / BACKEND_LIBRARY, 0o755)
+    install_file(fetch_onnxruntime_library(), folder / ORT_LIBRARY, 0o755)
+    return folder
+
+
+def main() -> int:
+    try:
+        print(fetch_onnxruntime_library())
+    except ServerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
