@@ -11,8 +11,11 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 MIMI_WEIGHTS ?=
-# A model repository to serve as it is (default: export and render the local python-ort one).
+# A model repository to serve as it is (default: export and render the local one for TARGET).
 MODEL_REPOSITORY ?=
+# The decoder target `make serve` renders: python-ort (default: any machine), onnxruntime (Triton's native
+# ONNX Runtime backend from ORT_BACKEND, default ../shared/triton-onnxruntime-backend), null (silence).
+TARGET ?=
 # N >= 1: `make serve` runs N tritonserver replicas behind nginx on HTTP_PORT / GRPC_PORT, each stream
 # kept on one replica (code2wav-server serve-replicas; needs nginx). Replica i listens on 8100+10i..8102+10i.
 REPLICAS ?=
@@ -23,11 +26,13 @@ URL ?=
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/constraints.txt
+$(STAMP): pyproject.toml requirements/constraints.txt server/ort_backend.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --disable-pip-version-check -c requirements/constraints.txt -e '.[export,client,serve,test]'
 	# moshi is the independent streaming reference for tests only; its metadata pins torch<2.10.
 	$(PIP) install --quiet --disable-pip-version-check --no-deps moshi==0.2.13
+	# ONNX Runtime 1.19.2's library for Triton's native ORT backend (server/ort_backend.py pins it by sha256).
+	$(BIN)/python -m mimi_code2wav.server.ort_backend
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -40,7 +45,7 @@ export: $(STAMP)
 	$(BIN)/code2wav-export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
 serve: $(STAMP)
-	$(BIN)/code2wav-server $(if $(REPLICAS),serve-replicas --replicas $(REPLICAS),serve --metrics-port $(METRICS_PORT)) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(MODEL_REPOSITORY),--model-repository $(MODEL_REPOSITORY),)
+	$(BIN)/code2wav-server $(if $(REPLICAS),serve-replicas --replicas $(REPLICAS),serve --metrics-port $(METRICS_PORT)) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(MODEL_REPOSITORY),--model-repository $(MODEL_REPOSITORY),) $(if $(TARGET),--decoder $(TARGET),)
 
 # The python-ort decoder's sweep into bench_results/, then (local server only) the same sweep with the
 # null decoder into bench_results/null/: the front's ceiling. Both run; the target fails if either did.

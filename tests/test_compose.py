@@ -650,7 +650,7 @@ def test_gpu_servers_take_the_rendered_memory_pools(services, name, tmp_path):
     assert result.returncode != 0 and "tritonserver.args" in result.stderr
 
 
-def test_entrypoint_jobs_write_the_served_repositories(tmp_path, moshi_checkpoint, onnx_fp32):
+def test_entrypoint_jobs_write_the_served_repositories(tmp_path, moshi_checkpoint, onnx_fp32, repository_for):
     """export -> tensorrt-plan -> tensorrt-render with a moshi-format checkpoint as the mounted weights.
 
     The export folder starts with the session's export of the same checkpoint, so the job finds it
@@ -683,6 +683,10 @@ def test_entrypoint_jobs_write_the_served_repositories(tmp_path, moshi_checkpoin
     gpu_config = CHECKED_IN_CONFIG.read_text()
     cpu_config = (tmp_path / "models-cpu" / "mimi_decoder" / "config.pbtxt").read_text()
     assert "kind: KIND_CPU" in cpu_config and cpu_config == gpu_config.replace("KIND_GPU", "KIND_CPU")
+    # The CPU profile serves exactly the repository the contract suite runs on the native target.
+    suite = repository_for("onnxruntime")
+    for config in ("mimi_decoder/config.pbtxt", "code2wav/config.pbtxt"):
+        assert (tmp_path / "models-cpu" / config).read_text() == (suite / config).read_text(), config
     for repository in (models, tmp_path / "models-cpu"):
         onnx = repository / "mimi_decoder" / "1" / "model.onnx"
         assert onnx.stat().st_size == (export_dir / "model.onnx").stat().st_size

@@ -229,6 +229,28 @@ def test_serve_command_with_missing_weights_explains(tmp_path):
     assert not (tmp_path / "build" / "model_repository").exists()
 
 
+def test_serving_the_native_decoder_without_its_backend_refuses_in_one_line(tmp_path):
+    """A repository with a native onnxruntime model needs Triton's ONNX Runtime backend beside the
+    pip server's Python backend: where ORT_BACKEND holds none, serve stops before starting any
+    server, saying what is missing, where it looked and that the NGC image carries it."""
+    model = tmp_path / "repo" / "mimi_decoder"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text('name: "mimi_decoder"\nbackend: "onnxruntime"\nmax_batch_size: 8\n')
+    empty = tmp_path / "no-backend"
+    empty.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(tmp_path / "repo"),
+         "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--log-file", str(tmp_path / "server.log")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "ORT_BACKEND": str(empty)},
+    )
+    assert result.returncode == 1, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert (f"the onnxruntime decoder needs Triton's ONNX Runtime backend, and {empty}/libtriton_onnxruntime.so "
+            "does not exist: set ORT_BACKEND=") in line
+    assert "nvcr.io/nvidia/tritonserver:24.10-py3, which carries it" in line
+    assert not (tmp_path / "server.log").exists() or "Started" not in (tmp_path / "server.log").read_text()
+
+
 def _stubs_of(shm_prefix: str) -> list[int]:
     """Python stubs of the server that named its shared memory `shm_prefix`, still running."""
     stubs = []

@@ -15,6 +15,7 @@ import numpy as np
 from mimi_code2wav.client.stream import ClientError
 from mimi_code2wav.export.serving_flags import add_serving_arguments, serving_from_args
 
+from ..serve import LOCAL_TARGETS
 from ..triton import log_tail
 from .profile import PointProfile
 from .provenance import REPO_ROOT, timed
@@ -41,6 +42,8 @@ class LocalServer:
             raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
         build_dir = Path(args.build_dir)
         serving = serving_from_args(args, args.decoder)
+        if args.instance_kind is None:
+            serving.instance_kind = "KIND_CPU"  # a local server's decoder runs on the CPU, whatever its target
         repository = prepare_local_repository(args.weights, args.weights is None, 0, build_dir, target=args.decoder,
                                               serving=serving)
         log_path = build_dir / "tritonserver.log"
@@ -117,8 +120,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     a local one of its own (`--decoder`, `--weights`, `--build-dir` and the serving flags of render)."""
     parser.add_argument("--url", default=os.environ.get("URL") or None,
                         help="Triton gRPC address of a running server (default: $URL, else start a local one)")
-    parser.add_argument("--decoder", choices=("python-ort", "null"), default="python-ort",
-                        help="the local server's decoder; null measures the front's own ceiling (default %(default)s)")
+    parser.add_argument("--decoder", choices=LOCAL_TARGETS, default="python-ort",
+                        help="the local server's decoder: python-ort, onnxruntime (Triton's native backend, from "
+                        "$ORT_BACKEND) or null, the front's own ceiling (default %(default)s)")
     parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
     parser.add_argument("--build-dir", default=str(REPO_ROOT / "build" / "bench"), help="export folder of the local server")
     add_serving_arguments(parser)

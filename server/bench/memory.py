@@ -3,7 +3,7 @@
     code2wav-server memory [--streams 16,32,64] [--steps 1,4,4] [--idle-timeout-s 4]
                            [--out-dir bench_results] [--build-dir build/memory]
 
-Starts a local server (python-ort decoder, seeded random weights, its own build folder and ports)
+Starts a local server (`--decoder`, python-ort by default; seeded random weights, its own build folder and ports)
 whose stream idle timeout is `--idle-timeout-s`, then for each count N in `--streams` opens streams
 until N are live (every stream STARTs and takes the steps of `--steps`, all streams of a wave
 concurrently so the decoder batches them, and never ENDs), and reads the memory of the server's
@@ -29,6 +29,7 @@ import numpy as np
 from mimi_code2wav.client.stream import random_codes
 
 from ..processes import group_pids, process_role
+from ..serve import LOCAL_TARGETS
 from ..triton import fetch_metrics, metric_value
 from .provenance import REPO_ROOT, command_line, run_meta, stamp
 
@@ -120,12 +121,15 @@ def _settle(done: Future, result, error) -> None:
         done.set_result(result)
 
 
-def wait_expired(metrics_url: str, timeout_s: float) -> float:
-    """Seconds until both models report no live stream (raises after timeout_s)."""
+def wait_expired(metrics_url: str, timeout_s: float, decoder_idle_s: float = 0.0) -> float:
+    """Seconds until the models report no live stream (raises after timeout_s). A native decoder
+    reports none: then `decoder_idle_s`, its idle timeout, is waited out after code2wav's."""
     began = time.monotonic()
     while True:
         live = live_streams(metrics_url)
-        if all(value == 0 for value in live.values()):
+        if all(value == 0 for value in live.values() if value is not None):
+            if live.get("mimi_decoder") is None:
+                time.sleep(decoder_idle_s)
             return time.monotonic() - began
         if time.monotonic() - began > timeout_s:
             raise RuntimeError(f"streams still live after {timeout_s:.0f} s: {live}")
@@ -137,7 +141,8 @@ def memory_markdown(results: dict) -> str:
     meta = results["meta"]
     roles = sorted({role for row in results["rows"] for role in row["processes"]})
     lines = [
-        f"Python-ort decoder, state {meta['state_mib_per_stream']:.2f} MiB per stream; PSS counts shared memory once.",
+        f"The {meta.get('decoder', 'python-ort')} decoder, state {meta['state_mib_per_stream']:.2f} MiB per stream; PSS "
+        "counts shared memory once; live streams as the decoder counts them, else as code2wav does.",
         "",
         "| point | live streams | total PSS MiB | total RSS MiB | " + " | ".join(f"{r} RSS" for r in roles)
         + " | PSS per stream over idle MiB |",
@@ -146,6 +151,8 @@ def memory_markdown(results: dict) -> str:
     base = results["rows"][0]["pss_mib"]
     for row in results["rows"]:
         live = row["live_streams"].get("mimi_decoder")
+        if live is None:  # the native decoder reports no live streams
+            live = row["live_streams"].get("code2wav")
         per_stream = (row["pss_mib"] - base) / live if live else None
         lines.append(
             f"| {row['label']} | {'' if live is None else int(live)} | {row['pss_mib']:.0f} | {row['rss_mib']:.0f} | "
@@ -173,6 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", default="1,4,4", help="frames per request of every stream (default %(default)s)")
     parser.add_argument("--idle-timeout-s", type=float, default=4.0,
                         help="the served stream idle timeout, so that expiry comes quickly (default %(default)s)")
+    parser.add_argument("--decoder", choices=LOCAL_TARGETS, default="python-ort",
+                        help="the decoder target (onnxruntime: Triton's native backend) (default %(default)s)")
     parser.add_argument("--build-dir", type=Path, default=REPO_ROOT / "build" / "memory", help="the local server's build folder")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go")
 
@@ -180,15 +189,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.onnx_export import read_manifest
     from mimi_code2wav.export.pipeline import prepare_local_repository
-    from mimi_code2wav.export.render import set_idle_timeout
+    from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, set_idle_timeout
     from mimi_code2wav.export.spec import DecoderSpec
 
     from ..triton import running_server
 
     counts = sorted({int(v) for v in args.streams.split(",") if v.strip()})
     steps = [int(v) for v in args.steps.split(",") if v.strip()]
-    repository = prepare_local_repository(None, True, 0, args.build_dir)
+    repository = prepare_local_repository(None, True, 0, args.build_dir, target=args.decoder)
     set_idle_timeout(repository, args.idle_timeout_s)
+    decoder_idle_s = args.idle_timeout_s + DECODER_IDLE_MARGIN_US / 1e6
     spec = DecoderSpec.from_dict(read_manifest(next((args.build_dir / "export").iterdir()))["spec"])
     state_mib = spec.state_bytes_per_stream() / MIB
     rows = []
@@ -203,19 +213,19 @@ def run(args: argparse.Namespace) -> int:
 
         # One stream through once, ended at once: loads ONNX Runtime's kernels, as any first request does.
         open_streams(server.grpc_url, 1, 1, steps, 0)
-        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30)
+        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_idle_s)
         take("idle (warmed up)")
         opened, next_id = 0, 1000
         for count in counts:
             open_streams(server.grpc_url, next_id, count - opened, steps, next_id)
             next_id, opened = next_id + count - opened, count
             take(f"{count} live")
-        waited = wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30)
+        waited = wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_idle_s)
         time.sleep(2 * args.idle_timeout_s)  # batches' shared arrays go with their last stream
         take(f"expired ({waited:.0f} s)")
         open_streams(server.grpc_url, next_id, counts[-1], steps, next_id)
         take(f"{counts[-1]} live again")
-        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30)
+        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_idle_s)
         time.sleep(2 * args.idle_timeout_s)
         take("expired again")
 
@@ -223,7 +233,9 @@ def run(args: argparse.Namespace) -> int:
     per_stream = (peak["pss_mib"] - idle["pss_mib"]) / counts[-1]
     results = {
         "meta": {
-            **run_meta("memory", command_line("code2wav-server")),
+            **run_meta("memory" if args.decoder == "python-ort" else f"memory-{args.decoder}",
+                       command_line("code2wav-server")),
+            "decoder": args.decoder,
             "state_mib_per_stream": state_mib, "steps": steps, "idle_timeout_s": args.idle_timeout_s,
         },
         "rows": rows,

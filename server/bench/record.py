@@ -49,16 +49,23 @@ def _sweep(results: dict) -> str:
 
 SECTIONS = (
     Section("duplex-python-ort", "The duplex tick: the python-ort decoder", duplex_markdown, "code2wav-server duplex"),
+    Section("duplex-onnxruntime", "The duplex tick: the native onnxruntime decoder", duplex_markdown,
+            "code2wav-server duplex --decoder onnxruntime"),
     Section("duplex-null", "The duplex tick: the null decoder (the front's ceiling)", duplex_markdown,
             "code2wav-server duplex --decoder null"),
     Section("duplex-url", "The duplex tick: a running server", duplex_markdown, "code2wav-server duplex --url HOST:PORT"),
     Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m mimi_code2wav.server.bench.decoder"),
     Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m mimi_code2wav.server.bench.gpu"),
     Section("triton-python-ort", "Through Triton: the python-ort decoder", _sweep, "code2wav-server bench"),
+    Section("triton-onnxruntime", "Through Triton: the native onnxruntime decoder", _sweep,
+            "code2wav-server bench --decoder onnxruntime"),
     Section("triton-null", "Through Triton: the null decoder (the front's ceiling)", _sweep,
             "code2wav-server bench --decoder null"),
     Section("triton-url", "Through Triton: a running server", _sweep, "code2wav-server bench --url HOST:PORT"),
-    Section("memory", "Server memory against live streams", memory_markdown, "code2wav-server memory"),
+    Section("memory", "Server memory against live streams: the python-ort decoder", memory_markdown,
+            "code2wav-server memory"),
+    Section("memory-onnxruntime", "Server memory against live streams: the native onnxruntime decoder",
+            memory_markdown, "code2wav-server memory --decoder onnxruntime"),
     Section("resume", "Resume by replay", resume_markdown, "python -m mimi_code2wav.server.bench.resume"),
     Section("failover", "A replica killed under live streams", failover_markdown, "code2wav-server failover"),
 )
@@ -134,14 +141,15 @@ def _best_rate(run: dict) -> dict | None:
 
 
 def headline(directory: Path = RECORD_DIR) -> str:
-    """The README's performance table, for the python-ort and the null decoder: the conversations a
+    """The README's performance table, for the python-ort, the native and the null decoder: the conversations a
     duplex pipeline can tick within the playout budget per policy (`duplex`), and paced streams in real
     time and requests/s through Triton (`bench`), each run with its machine, command, commit and date."""
     runs = _runs(directory)
     lines = ["| decoder behind Triton | duplex conversations within budget: per-frame / ramp 1+5 / catch-up "
              "| paced live streams in real time | requests/s (unpaced) |", "|---|---:|---:|---:|"]
     stamps = []
-    for decoder, name in (("python-ort", "python-ort"), ("null", "null (the front's ceiling)")):
+    for decoder, name in (("python-ort", "python-ort"), ("onnxruntime", "onnxruntime (native)"),
+                          ("null", "null (the front's ceiling)")):
         duplex, sweep = runs.get(f"duplex-{decoder}"), runs.get(f"triton-{decoder}")
         if duplex is None and sweep is None:
             continue
