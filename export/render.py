@@ -185,13 +185,18 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
     else:
         backend_line = 'backend: "tensorrt"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"'
     template = (TEMPLATES / "decoder_native.pbtxt.tmpl").read_text()
-    return string.Template(template).substitute(
+    text = string.Template(template).substitute(
         common,
         target=target,
         backend_line=backend_line,
         states=_state_block(spec, same_buffer=target == "onnxruntime"),
         instance_kind=serving.instance_kind,
     ).rstrip() + "\n"
+    if target == "onnxruntime" and serving.intra_op_threads:
+        # ONNX Runtime's threads per decoder instance (0, the default: one per core).
+        text += (f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{serving.intra_op_threads}" }} '
+                 "}\n")
+    return text
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

@@ -39,6 +39,9 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--front-instances", type=positive_int, default=DecoderServing.front_instances,
                        help="code2wav model instances (Python processes; the streams are shared out among them): "
                        "one carries a few thousand requests/s, more use more cores (default %(default)s)")
+    group.add_argument("--intra-op-threads", type=non_negative_int, default=DecoderServing.intra_op_threads,
+                       help="ONNX Runtime threads per decoder instance (python-ort, onnxruntime); 0: one per core "
+                       "(default %(default)s)")
     group.add_argument("--front-queue-delay-us", type=non_negative_int, default=DecoderServing.front_queue_delay_us,
                        help="how long code2wav's batcher waits for more streams' requests (default %(default)s)")
 
@@ -50,5 +53,6 @@ def serving_from_args(args: argparse.Namespace, target: str) -> DecoderServing:
         instance_kind=kind, instance_count=args.instance_count, max_batch_size=args.max_batch_size,
         max_candidate_sequences=args.max_live_streams, max_queue_delay_us=args.max_queue_delay_us,
         front_instances=args.front_instances, front_queue_delay_us=args.front_queue_delay_us,
+        intra_op_threads=args.intra_op_threads,
         preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],
     )

@@ -126,6 +126,21 @@ def test_serving_knobs_render(spec):
         render_config(spec, "onnxruntime", DecoderServing(max_batch_size=16, preferred_batch_sizes=[8, 32]))
 
 
+def test_native_state_shares_one_buffer_and_threads_render_only_when_set(spec):
+    """The native ORT config keeps one buffer per state and slot (the backend copies its outputs into
+    the state after the run); TensorRT keeps two. ONNX Runtime's thread count is ORT's default unless
+    --intra-op-threads sets it, parsed by Triton's own config schema."""
+    native = render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU"))
+    assert native.count("use_same_buffer_for_input_output: true") == len(spec.states)
+    assert "intra_op_thread_count" not in native
+    plan = render_config(spec, "tensorrt")
+    assert "use_same_buffer_for_input_output" not in plan
+    threaded = render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU", intra_op_threads=1))
+    config = text_format.Parse(threaded, model_config_pb2.ModelConfig())
+    assert config.parameters["intra_op_thread_count"].string_value == "1"
+    assert all(state.use_same_buffer_for_input_output for state in config.sequence_batching.state)
+
+
 def test_spec_refuses_names_that_sort_differently():
     good = DecoderSpec(NUM_CODEBOOKS, CODEBOOK_SIZE, 1, SAMPLES_PER_FRAME, SAMPLE_RATE_HZ, "moshi", "float32",
                        (StateSpec("state_in_00_a", "state_out_00_a", "float32", (1,)),
