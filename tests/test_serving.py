@@ -235,7 +235,7 @@ SEND_CASES = [
 
 @pytest.mark.parametrize("transport, mode, name, seed", SEND_CASES)
 def test_one_stream_equals_moshi_and_the_onnx_step(
-    code2wav_server, scenario, moshi_streams, ort_streams, transport, mode, name, seed
+    decoder_target, code2wav_server, scenario, moshi_streams, ort_streams, transport, mode, name, seed
 ):
     codes = scenario.streams[name]
     bounds = chunk_bounds(np.random.default_rng(seed), codes.shape[1])
@@ -261,7 +261,11 @@ def test_one_stream_equals_moshi_and_the_onnx_step(
             stream.close()
         chunks = [pcm_of(results[rid], request[4]) for rid, request in zip(request_ids, requests)]
 
-    assert_matches(np.concatenate(chunks), moshi_streams[name], ort_streams[name], f"{transport} {mode} {name}")
+    pcm = np.concatenate(chunks)
+    assert_matches(pcm, moshi_streams[name], ort_streams[name], f"{transport} {mode} {name}")
+    error, snr = assert_equal_audio(pcm, moshi_streams[name], what="vs moshi")
+    print(f"\n{decoder_target} decoder, {transport} {mode} stream {name} ({pcm.size // SAMPLES_PER_FRAME} frames): "
+          f"vs moshi max abs {error:.2g}, SNR {snr:.1f} dB")
 
 
 def test_one_frame_per_request_round_trip(code2wav_server, grpc_client, scenario, moshi_streams, ort_streams):
