@@ -22,9 +22,22 @@ REPLICAS ?=
 # A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
-.PHONY: venv lint test serve export bench bench-duplex bench-memory bench-failover record verify clean
+# vLLM-Omni 0.30.0 and this project's plugin, in an environment of their own: importing vLLM-Omni patches
+# vLLM and torch, so the tests run its stage in a subprocess of this interpreter (tests/test_vllm_omni.py).
+VLLM_VENV ?= build/vllm-omni-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: venv vllm-omni-venv lint test serve export bench bench-duplex bench-memory bench-failover record verify clean
 
 venv: $(STAMP)
+
+vllm-omni-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements/vllm-omni.txt pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/vllm-omni.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml requirements/constraints.txt server/ort_backend.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,8 +51,8 @@ $(STAMP): pyproject.toml requirements/constraints.txt server/ort_backend.py
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: $(STAMP) $(VLLM_STAMP)
+	VLLM_OMNI_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 export: $(STAMP)
 	$(BIN)/code2wav-export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)

@@ -105,8 +105,9 @@ def test_step_equals_moshi_streaming(step_pcm, moshi_streams, scenario, schedule
 @pytest.mark.parametrize("schedule", SCHEDULES[1:])
 def test_frames_per_call_do_not_change_audio(step_pcm, schedule):
     """One state for every call size: a stream fed F frames per call (or mixed sizes) equals the
-    same stream fed one frame per call."""
-    np.testing.assert_allclose(step_pcm(schedule), step_pcm(1), atol=1e-5, rtol=0)
+    same stream fed one frame per call (to fp32 round-off: F frames at once and one at a time sum in
+    different orders, which some CPUs' kernels take a hair past 1e-5)."""
+    np.testing.assert_allclose(step_pcm(schedule), step_pcm(1), atol=2e-5, rtol=0)
 
 
 def test_exact_window_equals_transformers_offline_decode(mimi, scenario, step_pcm):

@@ -36,6 +36,12 @@ NOT_RUN = {
     "make serve": "a foreground server on fixed ports 8000-8002; test_serving.py runs the same entry "
                   "point (`code2wav-server serve`) on free ports, checks readiness and a clean SIGTERM",
     "make test": "the command that runs this test",
+    "make vllm-omni-venv": "`make test` makes it first (a prerequisite), in CI too",
+    "pip install 'mimi-code2wav[vllm-omni] @ <path or git URL of this repository>'":
+        "a placeholder URL; `make vllm-omni-venv` installs the same plugin beside vLLM-Omni 0.30.0 for test_vllm_omni.py",
+    "python -m mimi_code2wav.vllm_plugin overlay --url triton-host:8001 --out personaplex-triton.yaml":
+        "needs vLLM-Omni's environment; test_vllm_omni.py runs the same command there and loads what it wrote "
+        "with vLLM-Omni's own loader",
     'make test PYTEST_ARGS="-k parity"': "runs the test suite from inside the test suite",
     "make clean": "removes the working tree's build/ folder (exports) while tests may use it",
     ".venv/bin/python -m mimi_code2wav.server.bench.gpu": "needs a CUDA GPU; without one it exits 3 with a message "

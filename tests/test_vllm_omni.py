@@ -1,0 +1,271 @@
+"""The vLLM-Omni plugin (`mimi_code2wav.vllm_plugin`) against a real tritonserver.
+
+vLLM-Omni 0.30.0 runs in its own environment (build/vllm-omni-venv, `make vllm-omni-venv`; the path
+comes from VLLM_OMNI_PYTHON, which `make test` sets): tests/vllm_omni_stage.py constructs
+`TritonPersonaPlexCode2Wav` there with a real VllmConfig on the CPU, as vLLM-Omni's registry loads
+it, and drives `forward` / `on_requests_finished` with the generation runner's arguments. Every
+request's PCM is compared with moshi's streaming decode of its codes (docs/design.md §2.3). Not
+covered here: stage 0 itself (the talker needs PersonaPlex's weights and a GPU).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mimi_code2wav.client.stream import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME, random_codes
+from mimi_code2wav.export.reference import moshi_stream_decode
+from mimi_code2wav.server.triton import fetch_metrics, metric_value, running_server
+
+from helpers import REPO_ROOT, frames_of, wait_until
+from mimi_fixtures import assert_equal_audio
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+DRIVER = Path(__file__).with_name("vllm_omni_stage.py")
+DEFAULT_PYTHON = REPO_ROOT / "build" / "vllm-omni-venv" / "bin" / "python"
+
+
+def vllm_omni_python() -> Path:
+    """The vLLM-Omni environment's interpreter, or a skip saying how to make it (a failure in CI)."""
+    python = Path(os.environ.get("VLLM_OMNI_PYTHON") or DEFAULT_PYTHON)
+    if python.is_file():
+        return python
+    reason = f"no vLLM-Omni environment at {python}: `make vllm-omni-venv` creates it"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(reason + "; CI runs the plugin's tests")
+    pytest.skip(reason)
+
+
+class Stage:
+    """The driver process: one command, one answer (see tests/vllm_omni_stage.py)."""
+
+    def __init__(self, python: Path, log: Path):
+        self._log = open(log, "w")
+        self.log_path = log
+        self.process = subprocess.Popen([str(python), str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self._log, text=True, cwd=REPO_ROOT)
+        assert json.loads(self._read(300)) == {"ready": True}
+
+    def _read(self, timeout_s: float) -> str:
+        import selectors
+
+        selector = selectors.DefaultSelector()
+        selector.register(self.process.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            raise AssertionError(f"the vLLM-Omni stage did not answer in {timeout_s} s; log {self.log_path}")
+        line = self.process.stdout.readline()
+        assert line, f"the vLLM-Omni stage exited: {self.log_path.read_text()[-3000:]}"
+        return line
+
+    def __call__(self, op: str, timeout_s: float = 120.0, **command) -> dict:
+        self.process.stdin.write(json.dumps({"op": op, **command}) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._read(timeout_s))
+
+    def forward(self, *requests: tuple) -> dict:
+        """requests: (request id, codes [8, F] or None, dummy) -> the answer, PCM decoded."""
+        answer = self("forward", requests=[{"id": rid, "codes": None if codes is None else np.asarray(codes).tolist(),
+                                            "dummy": dummy} for rid, codes, dummy in requests])
+        if "pcm" in answer:
+            answer["pcm"] = [np.frombuffer(base64.b64decode(pcm), np.float32) for pcm in answer["pcm"]]
+        return answer
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    driver = Stage(vllm_omni_python(), tmp_path_factory.mktemp("vllm-omni") / "stage.log")
+    yield driver
+    driver.close()
+
+
+@pytest.fixture(scope="module")
+def code2wav_server(repository_for, triton_server_factory):
+    """A python-ort server of this module's own, so that its live-stream gauge counts only the
+    plugin's streams."""
+    return triton_server_factory(repository_for("python-ort"))
+
+
+@pytest.fixture(scope="module")
+def model(stage, code2wav_server):
+    answer = stage("model", config={"url": code2wav_server.grpc_url}, timeout_s=300)
+    assert "error" not in answer, answer
+    return answer
+
+
+def moshi_decode(moshi_checkpoint, codes) -> np.ndarray:
+    return moshi_stream_decode(moshi_checkpoint[1], np.asarray(codes)[None])[0]
+
+
+def live_streams(server) -> float:
+    return metric_value(fetch_metrics(server.metrics_url), "code2wav_live_streams") or 0.0
+
+
+def test_the_plugin_imports_only_the_client_of_this_project():
+    """vllm_plugin/ runs in the pipeline's environment, which has no export or server side (docs/design.md §6)."""
+    import ast
+
+    for path in sorted((REPO_ROOT / "vllm_plugin").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                assert not node.module.startswith(("mimi_code2wav.export", "mimi_code2wav.server")), path.name
+
+
+def test_the_registry_loads_the_subclass_which_loads_no_mimi(model, code2wav_server):
+    assert model["class"] == "mimi_code2wav.vllm_plugin.code2wav.TritonPersonaPlexCode2Wav"
+    assert model["bases"][1] == "PersonaPlexCode2Wav"
+    assert model["weights"] == [] and model["settings"]["url"] == code2wav_server.grpc_url
+
+
+def test_the_runners_call_shapes_give_each_request_its_audio(stage, model, code2wav_server, moshi_checkpoint):
+    """Two requests interleaved in the runner's batches (1 frame, then 5 frames per step), a batch whose
+    requests have different frame counts, a warm-up request and an empty request beside them, and a
+    step with no input at all: every request's PCM equals moshi's streaming decode of its codes."""
+    a, b = random_codes(16, seed=101), random_codes(9, seed=102)
+    baseline = live_streams(code2wav_server)
+    steps = [
+        [("req-a", a[:, :1], False), ("req-b", b[:, :1], False)],
+        [("req-a", a[:, 1:6], False), ("warmup", np.zeros((8, 1), np.int64), True), ("req-b", b[:, 1:6], False)],
+        [("req-b", b[:, 6:9], False), ("req-a", a[:, 6:16], False), ("req-c", None, False)],
+    ]
+    heard = {"req-a": [], "req-b": []}
+    for requests in steps:
+        answer = stage.forward(*requests)
+        assert "error" not in answer, answer
+        assert answer["sr"] == [SAMPLE_RATE_HZ] * len(requests) and set(answer["sr_dtypes"]) == {"torch.int32"}
+        assert set(answer["dtypes"]) == {"torch.float32"}
+        for (request_id, codes, dummy), pcm in zip(requests, answer["pcm"]):
+            expected = 0 if dummy or codes is None else codes.shape[1] * SAMPLES_PER_FRAME
+            assert pcm.size == expected, (request_id, pcm.size, expected)
+            if request_id in heard:
+                heard[request_id].append(pcm)
+    assert live_streams(code2wav_server) == baseline + 2
+    for request_id, codes in (("req-a", a), ("req-b", b)):
+        assert_equal_audio(np.concatenate(heard[request_id]), moshi_decode(moshi_checkpoint, codes),
+                           what=f"{request_id} through the plugin vs moshi")
+    empty = stage.forward()  # a step with no input at all: one empty output
+    assert [pcm.size for pcm in empty["pcm"]] == [0] and empty["sr"] == [SAMPLE_RATE_HZ]
+    # on_requests_finished ENDs both streams (the server's live-stream gauge goes back).
+    assert stage("finish", ids=["req-a", "req-b"]) == {}
+    assert wait_until(lambda: live_streams(code2wav_server) == baseline, 10), live_streams(code2wav_server)
+
+
+def test_silence_deltas_come_back_whole(stage, model, code2wav_server, moshi_checkpoint):
+    """The stream of docs/design.md §2.1: 1, 5, 5, 5, 3 frames of one repeated code, as stage 0 sends a
+    listening model's silence: every frame's PCM, equal to moshi."""
+    silence = np.repeat(random_codes(1, seed=103), 19, axis=1)
+    chunks = []
+    for first, stop in [(0, 1), (1, 6), (6, 11), (11, 16), (16, 19)]:
+        answer = stage.forward(("silence", silence[:, first:stop], False))
+        assert "error" not in answer, answer
+        chunks.append(answer["pcm"][0])
+    assert [chunk.size // SAMPLES_PER_FRAME for chunk in chunks] == [1, 5, 5, 5, 3]
+    assert_equal_audio(np.concatenate(chunks), moshi_decode(moshi_checkpoint, silence), what="silence vs moshi")
+    live = live_streams(code2wav_server)
+    stage("finish", ids=["silence"])
+    assert wait_until(lambda: live_streams(code2wav_server) == live - 1, 10)
+
+
+def test_a_server_killed_mid_conversation_loses_no_frame(stage, repository_for, code2wav_server, moshi_checkpoint,
+                                                         tmp_path):
+    """The stage's service is two servers (A first, B to fail over to); A is killed between steps. The
+    conversation resumes on B with its whole history (fewer than the 250 frames the client keeps):
+    every frame once, equal to moshi's uninterrupted decode."""
+    codes = random_codes(40, seed=104)
+    baseline = live_streams(code2wav_server)
+    with running_server(repository_for("python-ort"), log_path=tmp_path / "server-a.log") as server_a:
+        answer = stage("model", config={"url": f"{server_a.grpc_url},{code2wav_server.grpc_url}",
+                                        "response_timeout_s": 5.0}, timeout_s=300)
+        assert "error" not in answer, answer
+        chunks = [stage.forward(("conversation", codes[:, :1], False))["pcm"][0]]
+        chunks += [stage.forward(("conversation", codes[:, first : first + 5], False))["pcm"][0] for first in (1, 6, 11)]
+        assert live_streams(server_a) == 1
+        os.killpg(server_a.pid, signal.SIGKILL)
+        assert wait_until(lambda: not server_a.is_alive(), 10)
+        for first in (16, 21, 26, 31, 36):
+            answer = stage.forward(("conversation", codes[:, first : first + 5], False))
+            assert "error" not in answer, answer
+            chunks.append(answer["pcm"][0])
+    pcm = np.concatenate(chunks)
+    assert pcm.size == 40 * SAMPLES_PER_FRAME, "a frame's audio is missing or repeated"
+    reference = moshi_decode(moshi_checkpoint, codes)
+    assert_equal_audio(frames_of(pcm, 0, 16), frames_of(reference, 0, 16), what="before the kill vs moshi")
+    assert_equal_audio(frames_of(pcm, 16), frames_of(reference, 16), what="resumed with the whole history vs moshi")
+    assert live_streams(code2wav_server) == baseline + 1
+    stage("finish", ids=["conversation"])
+    assert wait_until(lambda: live_streams(code2wav_server) == baseline, 10)
+
+
+def test_a_request_the_service_cannot_decode_fails_the_step_naming_it(stage, code2wav_server, tmp_path):
+    """No server at the URL: the stream tries to resume for resume_timeout_s, then `forward` raises,
+    naming the request and the cause (vLLM-Omni fails the stage's requests), after answering nothing
+    as silence."""
+    from mimi_code2wav.server.triton import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    answer = stage("model", config={"url": dead, "resume_timeout_s": 1.0, "response_timeout_s": 1.0})
+    assert "error" not in answer, answer
+    started = time.monotonic()
+    answer = stage.forward(("lost", random_codes(1, seed=105), False))
+    assert "pcm" not in answer
+    assert answer["error"].startswith(f"RuntimeError: the code2wav service at {dead} could not decode: request lost: ")
+    assert time.monotonic() - started < 30
+    bad = stage("model", config={"url": dead, "response_timeout": 1.0})
+    assert bad["error"] == ("ValueError: additional_config.code2wav: unknown key(s) response_timeout (known: url, model, "
+                            "response_timeout_s, resume_timeout_s, resume_history_frames)")
+    # Back to the session's server for the tests after this one.
+    assert "error" not in stage("model", config={"url": code2wav_server.grpc_url})
+
+
+def test_the_deploy_overlay_selects_the_plugin_for_stage_1(stage, code2wav_server):
+    """vLLM-Omni's own loader reads the overlay over its shipped personaplex.yaml: stage 0 as shipped,
+    stage 1 with this plugin's architecture and the service's address."""
+    answer = stage("overlay", url=code2wav_server.grpc_url)
+    assert answer["stages"] == [0, 1]
+    assert answer["model_arch"] == "TritonPersonaPlexCode2Wav"
+    assert answer["additional_config"]["code2wav"]["url"] == code2wav_server.grpc_url
+    assert answer["stage0_max_num_seqs"] == 10  # inherited from the base config
+
+
+def test_the_overlay_command_writes_what_vllm_omni_loads(stage, tmp_path):
+    """The README's command, run in vLLM-Omni's environment: the overlay names the installed base config."""
+    out = tmp_path / "personaplex-triton.yaml"
+    done = subprocess.run([str(vllm_omni_python()), "-m", "mimi_code2wav.vllm_plugin", "overlay", "--url",
+                           "triton-host:8001", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    base = text.split("base_config: ", 1)[1].splitlines()[0]
+    assert Path(base).is_file() and base.endswith("vllm_omni/deploy/personaplex.yaml")
+    assert 'url: "triton-host:8001"' in text and "model_arch: TritonPersonaPlexCode2Wav" in text
+    # The template in deploy/ is the same text, with a placeholder base path.
+    template = (REPO_ROOT / "deploy" / "vllm-omni" / "personaplex-triton.yaml").read_text()
+    assert template == text.replace(base, "/path/to/site-packages/vllm_omni/deploy/personaplex.yaml").replace(
+        "triton-host:8001", "127.0.0.1:8001")
+
+
+def test_per_step_overhead_against_a_direct_client_call(stage, model, code2wav_server):
+    """Prints what a step of one-frame requests costs through the plugin and through the asyncio
+    client alone (same server, same run); the figures are for the record, not asserted."""
+    assert "error" not in stage("model", config={"url": code2wav_server.grpc_url})
+    for streams in (1, 4):
+        answer = stage("timing", url=code2wav_server.grpc_url, streams=streams, steps=30, timeout_s=300)
+        assert "error" not in answer, answer
+        plugin, direct = np.median(answer["plugin"][5:]) * 1e3, np.median(answer["direct"][5:]) * 1e3
+        print(f"\n{streams} request(s) of 1 frame per step: plugin forward {plugin:.1f} ms, direct asyncio client "
+              f"{direct:.1f} ms (median of 25 steps), overhead {plugin - direct:+.1f} ms")

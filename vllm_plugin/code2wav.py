@@ -1,0 +1,244 @@
+"""`TritonPersonaPlexCode2Wav`: vLLM-Omni's PersonaPlex codec stage, decoded by the code2wav service.
+
+A subclass of vLLM-Omni's `PersonaPlexCode2Wav` that loads no Mimi. The generation runner calls
+`forward` with the batch's requests concatenated (`input_ids`, `seq_token_counts`, `request_ids`,
+`runtime_additional_information`) and `on_requests_finished(ids)` when requests end. Here:
+
+- each request id is one stream of the service (`client.aio.Code2WavStream`, stream key = the
+  request id, so a proxy keeps it on one replica); stage 0 sends deltas, which go out with their
+  `frame_offset`, so repeated frames (silence) are decoded like any other;
+- the requests of one `forward` are sent together and awaited together on one event loop in a
+  thread of their own: a step waits for its slowest request, not for the sum;
+- `on_requests_finished` ENDs their streams (without waiting for the answers);
+- a lost server is resumed by replay (the client's rules, docs/design.md §2.4): every frame's PCM
+  comes back once; a request the client cannot bring back raises, after the batch's other requests
+  are answered, which is how vLLM-Omni reports a stage failure (the stage's requests fail with an
+  error) instead of playing silence;
+- warm-up / profiling requests (`meta.personaplex_dummy_profile`) and empty requests return empty
+  audio without a call.
+
+Settings (`PluginSettings`): the stage's `additional_config: {code2wav: {...}}`, else the environment
+(`CODE2WAV_URL`, ...), else the defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm_omni.model_executor.models.output_templates import OmniOutput
+from vllm_omni.model_executor.models.personaplex.personaplex_code2wav import (
+    PersonaPlexCode2Wav,
+    _codec_ids_from_payload_or_input,
+)
+
+from mimi_code2wav.client.aio import Code2WavClient, Code2WavStream
+from mimi_code2wav.client.protocol import (
+    DEFAULT_RESUME_HISTORY_FRAMES,
+    DEFAULT_RESUME_TIMEOUT_S,
+    DEFAULT_URL,
+    MODEL_NAME,
+    NUM_CODEBOOKS,
+    SAMPLE_RATE_HZ,
+    SAMPLES_PER_FRAME,
+    ClientError,
+    StreamOptions,
+)
+
+logger = init_logger(__name__)
+
+CONFIG_KEY = "code2wav"  # additional_config: {code2wav: {url: ..., ...}}
+ENV_PREFIX = "CODE2WAV_"
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginSettings:
+    """How the stage reaches the service. `url`: one server or proxy, or several (comma-separated)
+    to fail over between; `response_timeout_s`: a request's deadline before the stream resumes
+    elsewhere; `resume_timeout_s`: how long a stream keeps trying to resume before the stage fails;
+    `resume_history_frames`: the frames replayed as history on a resume."""
+
+    url: str = DEFAULT_URL
+    model: str = MODEL_NAME
+    response_timeout_s: float = 10.0
+    resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S
+    resume_history_frames: int = DEFAULT_RESUME_HISTORY_FRAMES
+
+    @classmethod
+    def from_sources(cls, stage_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> PluginSettings:
+        """Each field from the stage config, else from CODE2WAV_<FIELD> in the environment, else the
+        default. Unknown config keys and unparsable values are errors naming them."""
+        stage_config = dict(stage_config or {})
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        unknown = sorted(set(stage_config) - set(fields))
+        if unknown:
+            raise ValueError(f"additional_config.{CONFIG_KEY}: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(fields)})")
+        values = {}
+        for name, field in fields.items():
+            source, raw = f"additional_config.{CONFIG_KEY}.{name}", stage_config.get(name)
+            if raw is None:
+                source, raw = ENV_PREFIX + name.upper(), environ.get(ENV_PREFIX + name.upper())
+            if raw is None:
+                continue
+            parse = {"str": str, "float": float, "int": int}[field.type]
+            try:
+                values[name] = parse(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"{source}: not a {field.type}: {raw!r}") from None
+        settings = cls(**values)
+        settings.stream_options()  # validates
+        return settings
+
+    @property
+    def urls(self) -> list[str]:
+        return [url.strip() for url in self.url.split(",") if url.strip()]
+
+    def stream_options(self) -> StreamOptions:
+        options = StreamOptions(model_name=self.model, response_timeout_s=self.response_timeout_s,
+                                resume_timeout_s=self.resume_timeout_s,
+                                resume_history_frames=self.resume_history_frames)
+        options.validate()
+        if not self.urls:
+            raise ValueError(f"additional_config.{CONFIG_KEY}.url: no server URL in {self.url!r}")
+        return options
+
+
+class _LoopThread:
+    """An asyncio event loop in a daemon thread: the runner's thread hands it coroutines and waits."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def submit(self, coroutine) -> None:
+        asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+
+class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
+    """PersonaPlex's code2wav stage as a client of the code2wav Triton service (see the module)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        # The seed's __init__ reads the model folder and sizes in-process Mimi sessions; none of that
+        # applies here, so only the attributes the runner and the inherited helpers read are set.
+        nn.Module.__init__(self)
+        self.vllm_config = vllm_config
+        model_config = vllm_config.model_config
+        self.model_path = getattr(model_config, "model", None)
+        self.config = getattr(model_config, "hf_config", None)
+        self.have_multimodal_outputs = True
+        self.has_preprocess = False
+        self.has_postprocess = False
+        self.enable_update_additional_information = True
+        self.requires_raw_input_tokens = True
+        mimi_config = getattr(self.config, "mimi_config", None)
+        self._num_codebooks = int(getattr(mimi_config, "num_codebooks", NUM_CODEBOOKS))
+        self._output_sample_rate = int(getattr(mimi_config, "sample_rate", SAMPLE_RATE_HZ))
+        self._samples_per_frame = int(getattr(mimi_config, "samples_per_frame", SAMPLES_PER_FRAME))
+        if (self._num_codebooks, self._output_sample_rate, self._samples_per_frame) != (
+                NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME):
+            raise ValueError(f"the code2wav service decodes {NUM_CODEBOOKS} codebooks into {SAMPLES_PER_FRAME} "
+                             f"samples per frame at {SAMPLE_RATE_HZ} Hz; this model's Mimi config asks for "
+                             f"{self._num_codebooks}, {self._samples_per_frame} and {self._output_sample_rate}")
+        self.mimi = None
+        self.settings = PluginSettings.from_sources(
+            (vllm_config.additional_config or {}).get(CONFIG_KEY), os.environ)
+        self._loop = _LoopThread("code2wav-client")
+        self._client = Code2WavClient(self.settings.urls, self.settings.stream_options())
+        self._streams: dict[str, Code2WavStream] = {}
+        logger.info("PersonaPlex code2wav stage decoded by the code2wav service at %s (model %s)",
+                    ", ".join(self.settings.urls), self.settings.model)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Nothing to load: the service holds Mimi. The stage's checkpoint iterator is left unread."""
+        return set()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        runtime_additional_information: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> OmniOutput:
+        """Each request's new frames [k * F] (codebook-major) -> its PCM, float32 [F * 1920], and `sr`."""
+        sr = torch.tensor(self._output_sample_rate, dtype=torch.int32)
+        empty = torch.zeros((0,), dtype=torch.float32)
+        if input_ids is None or input_ids.numel() == 0:
+            return OmniOutput(text_hidden_states=None, multimodal_outputs={"model_outputs": [empty], "sr": [sr]})
+        ids = input_ids.reshape(-1).to(dtype=torch.long)
+        segments = self._split_request_ids(ids, kwargs.get("seq_token_counts"))
+        request_ids = self._resolve_request_ids(len(segments), kwargs.get("request_ids"),
+                                                runtime_additional_information)
+        infos = runtime_additional_information or []
+        work: list[tuple[int, str | None, np.ndarray]] = []
+        for index, segment in enumerate(segments):
+            info = infos[index] if index < len(infos) else None
+            meta = info.get("meta") if isinstance(info, Mapping) else None
+            if isinstance(meta, Mapping) and meta.get("personaplex_dummy_profile") is True:
+                continue
+            flat = _codec_ids_from_payload_or_input(segment, info)
+            if flat.numel() == 0 or flat.numel() % self._num_codebooks:
+                if flat.numel() > 1:  # a single placeholder token marks a segment boundary
+                    logger.warning("request %s: %d codes are not a multiple of %d codebooks; skipped",
+                                   request_ids[index], flat.numel(), self._num_codebooks)
+                continue
+            codes = flat.reshape(self._num_codebooks, -1).cpu().numpy()
+            work.append((index, request_ids[index], codes))
+        audio = [empty] * len(segments)
+        if work:
+            for (index, _, _), pcm in zip(work, self._loop.run(self._decode_all(work))):
+                audio[index] = torch.from_numpy(np.array(pcm, dtype=np.float32))  # its own, writable
+        return OmniOutput(text_hidden_states=None,
+                          multimodal_outputs={"model_outputs": audio, "sr": [sr] * len(segments)})
+
+    async def _decode_all(self, work: list[tuple[int, str | None, np.ndarray]]) -> list[np.ndarray]:
+        """Every request's frames sent at once; raises (naming each) if any request failed, once all
+        are answered."""
+        results = await asyncio.gather(*(self._decode(request_id, codes) for _, request_id, codes in work),
+                                       return_exceptions=True)
+        failures = [f"request {request_id}: {result}" for (_, request_id, _), result in zip(work, results)
+                    if isinstance(result, BaseException)]
+        if failures:
+            raise RuntimeError(f"the code2wav service at {self.settings.url} could not decode: " + "; ".join(failures))
+        return results
+
+    async def _decode(self, request_id: str | None, codes: np.ndarray) -> np.ndarray:
+        if request_id is None:  # no id to continue it by: a stream of one request
+            async with self._client.stream() as stream:
+                return await stream.decode(codes, end=True)
+        stream = self._streams.get(request_id)
+        if stream is None:
+            stream = self._streams[request_id] = self._client.stream(stream_key=request_id)
+        try:
+            return await stream.decode(codes)
+        except ClientError:
+            self._streams.pop(request_id, None)  # its state is gone: a later call starts afresh
+            raise
+
+    def on_requests_finished(self, finished_req_ids: set[str] | list[str]) -> None:
+        """END the streams of finished requests; the runner does not wait for the answers."""
+        streams = [self._streams.pop(str(request_id), None) for request_id in finished_req_ids]
+        streams = [stream for stream in streams if stream is not None]
+        if streams:
+            self._loop.submit(self._close(streams))
+
+    async def _close(self, streams: list[Code2WavStream]) -> None:
+        for stream, outcome in zip(streams, await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)):
+            if isinstance(outcome, BaseException):  # the server drops it after its idle timeout
+                logger.warning("code2wav stream %s: END failed: %s", stream.stream_key, outcome)
