@@ -373,9 +373,11 @@ def running_server(
 ) -> Iterator[TritonServer]:
     """Start a TritonServer on free loopback ports, wait until it is ready, yield it, stop it.
 
-    A port picked free can be taken by someone else before the server binds it: then it retries with
-    new ports, up to `attempts` times. Any other failure raises ServerError with the log tail.
-    Keyword arguments go to TritonServer (fixed ports given there are used as they are).
+    A port picked free can be taken by someone else before the server binds it, and tritonserver 2.51
+    now and then aborts while its backends initialise (docs/design.md §7): then it retries (new ports
+    where they were picked), up to `attempts` times, saying so on stderr. Any other failure raises
+    ServerError with the log tail. Keyword arguments go to TritonServer (fixed ports given there are
+    used as they are).
     """
     ports_fixed = any(
         kwargs.get(name) is not None for name in ("http_port", "grpc_port", "metrics_port")
@@ -385,9 +387,12 @@ def running_server(
         server.start()
         try:
             server.wait_ready(ready_timeout_s)
-        except ServerError:
+        except ServerError as error:
             server.stop()
-            if attempt < attempts and not ports_fixed and _port_taken(server):
+            crashed = server.process is not None and (server.process.returncode or 0) < 0
+            if attempt < attempts and (crashed or (not ports_fixed and _port_taken(server))):
+                print(f"tritonserver did not start (attempt {attempt} of {attempts}), starting it again: "
+                      f"{str(error).splitlines()[0]}", file=sys.stderr, flush=True)
                 continue
             raise
         except BaseException:

@@ -425,7 +425,9 @@ def test_sixteen_interleaved_streams_are_batched_and_each_equals_its_solo_run(
     # at most 3 frames here), and the decoder batched steps of different streams (a BLS that
     # serialised its decoder calls would give executions of one row only: as many as rows).
     assert after.code2wav_frames - before.code2wav_frames == total_frames
-    assert rows == total_requests, f"{rows} decoder rows for {total_requests} requests"
+    # Triton's counters are server-wide: a step of another sequence (an END, an idle release) may land
+    # in the window, hence the slack of 2; a BLS that split requests would add a row per extra call.
+    assert total_requests <= rows <= total_requests + 2, f"{rows} decoder rows for {total_requests} requests"
     assert runs < rows, f"{runs} decoder executions for {rows} rows: none batched two streams"
     assert after.live() == before.live()
     assert not any(decoder_holds(code2wav_server.grpc_url, plan.sequence_id) for plan in plans)

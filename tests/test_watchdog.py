@@ -38,7 +38,13 @@ class WatchedServer(TritonServer):
         return ["sh", str(WATCHDOG), *command], environment
 
     def tritonserver_pid(self) -> int:
-        pids = [pid for pid in group_pids(self.pid) if Path(f"/proc/{pid}/exe").resolve().name == "tritonserver"]
+        def program(pid: int) -> str:
+            try:
+                return Path(f"/proc/{pid}/exe").resolve(strict=True).name
+            except OSError:  # exited since the group was listed
+                return ""
+
+        pids = [pid for pid in group_pids(self.pid) if program(pid) == "tritonserver"]
         assert len(pids) == 1, f"one tritonserver expected in the watchdog's group, found {pids}"
         return pids[0]
 
