@@ -98,6 +98,11 @@ def send_in_chunks(client, sequence_id: int, codes, first: int, stop: int, chunk
     return pcm
 
 
+def decoder_step_inputs() -> list:
+    """One step of zero codes for mimi_decoder itself: `codes` INT32 [1, 8, 1]."""
+    return [raw_input("codes", np.zeros((1, NUM_CODEBOOKS, 1), np.int32), "INT32")]
+
+
 def decoder_holds(grpc_url: str, sequence_id: int, decoder: str = "mimi_decoder") -> bool:
     """Whether the decoder's sequence batcher still holds sequence `sequence_id` (any decoder target:
     Triton itself refuses a step without START for a sequence it does not hold). The probe is one
@@ -105,11 +110,9 @@ def decoder_holds(grpc_url: str, sequence_id: int, decoder: str = "mimi_decoder"
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    codes = grpcclient.InferInput("codes", [1, NUM_CODEBOOKS, 1], "INT32")
-    codes.set_data_from_numpy(np.zeros((1, NUM_CODEBOOKS, 1), np.int32))
     with grpcclient.InferenceServerClient(grpc_url) as client:
         try:
-            client.infer(decoder, [codes], sequence_id=sequence_id, sequence_end=True)
+            client.infer(decoder, decoder_step_inputs(), sequence_id=sequence_id, sequence_end=True)
         except InferenceServerException as error:
             if "must specify the START flag" in error.message():
                 return False

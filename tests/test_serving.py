@@ -51,6 +51,7 @@ from helpers import (
     code2wav_inputs,
     copy_repository,
     decoder_holds,
+    decoder_step_inputs,
     export_spec,
     frames_of,
     infer,
@@ -986,12 +987,10 @@ def decoder_start_is_queued(grpc_url: str, sequence_id: int) -> bool:
     """A START|END step sent straight to the decoder is neither answered nor refused within 2 s: with
     every candidate slot taken, Triton's `oldest` batcher keeps a new sequence in its backlog until a
     slot frees (docs/design.md §7); the step runs then and ends at once."""
-    codes = grpcclient.InferInput("codes", [1, NUM_CODEBOOKS, 1], "INT32")
-    codes.set_data_from_numpy(np.zeros((1, NUM_CODEBOOKS, 1), np.int32))
     with grpcclient.InferenceServerClient(grpc_url) as client:
         try:
-            client.infer("mimi_decoder", [codes], sequence_id=sequence_id, sequence_start=True, sequence_end=True,
-                         client_timeout=2.0)
+            client.infer("mimi_decoder", decoder_step_inputs(), sequence_id=sequence_id, sequence_start=True,
+                         sequence_end=True, client_timeout=2.0)
         except InferenceServerException as error:
             return "Deadline" in str(error) or "DEADLINE_EXCEEDED" in str(error)
     return False
@@ -1040,7 +1039,7 @@ def test_memory_per_live_stream_and_after_expiry(decoder_target, served_reposito
     sequence slot (use_same_buffer_for_input_output), held by the slot until a new sequence takes it,
     plus ONNX Runtime's arena for the largest batch; so memory stays at the peak after expiry, and a
     second round of as many streams reuses it (grows by under 5%) instead of adding to it."""
-    from mimi_code2wav.server.bench.memory import open_streams, snapshot
+    from mimi_code2wav.server.bench.memory import open_streams, snapshot, wait_expired
     from mimi_code2wav.server.triton import running_server
 
     repository = copy_repository(served_repository, tmp_path / "model_repository")
@@ -1049,9 +1048,9 @@ def test_memory_per_live_stream_and_after_expiry(decoder_target, served_reposito
     state_mib = 8177156 / 2**20
     with running_server(repository, log_path=tmp_path / "server.log") as server:
 
-        def expire() -> None:
-            wait_for_metrics(server.metrics_url, lambda m: m.live() == (0, None if m.decoder_live is None else 0), 60)
-            time.sleep(decoder_idle_s + 2)  # the decoder's own timeout; python-ort's scratch goes a second later
+        def expire() -> None:  # both models' timeouts (the native decoder's waited out), then python-ort's scratch
+            wait_expired(server.metrics_url, 60, decoder_idle_s)
+            time.sleep(2)
 
         open_streams(server.grpc_url, 1, 1, [1, 4], 0)  # warm-up: one stream, then idle
         expire()
