@@ -1,7 +1,8 @@
 """ONNX export of the decoder step, with a manifest so a stale export can be detected.
 
 The batch and frame dimensions are the graph's only dynamic ones: every other size is a Python int at
-trace time, and nothing is data-dependent (no scatter, no NonZero, no control flow). Opset 17-20 and
+trace time, and no shape depends on values (no NonZero, no control flow; the caches' ScatterND writes
+a fixed number of slots). Opset 17-20 and
 an IR version the ONNX Runtime inside the NGC 24.10 image reads (1.19: IR <= 10) keep the model
 loadable there.
 """
@@ -23,7 +24,7 @@ MAX_IR_VERSION = 10  # onnxruntime 1.19 (NGC 24.10) reads IR versions up to 10
 MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
 # Ops that must never appear: they would make shapes depend on values, not on (batch, frames).
-FORBIDDEN_OPS = ("ScatterND", "ScatterElements", "Scatter", "NonZero", "Loop", "If")
+FORBIDDEN_OPS = ("NonZero", "Unique", "Compress", "Loop", "If", "Scan")
 # The symbolic dims of the dynamic axes, in the graph and in the TensorRT profile.
 BATCH_DIM, FRAMES_DIM, SAMPLES_DIM = "batch", "frames", "samples"
 

@@ -66,9 +66,8 @@ def _decode_rows(step, codes, rows: Sequence[_Row], keep_from: int, end_frame: i
     import torch
 
     spf = step.samples_per_frame
-    kv, conv, position = step.zero_state(len(rows))
-    position[:, 0] = torch.tensor([row.start_position for row in rows], dtype=torch.int32)
-    state = [kv, conv, position]
+    state = list(step.zero_state(len(rows)))
+    state[-1][:, 0] = torch.tensor([row.start_position for row in rows], dtype=torch.int32)  # position
     starts = np.array([row.start_frame for row in rows])
     streams = torch.tensor([row.stream for row in rows])
     pcm_out = np.zeros((len(rows), (end_frame - keep_from) * spf), dtype=np.float32)

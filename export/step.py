@@ -4,14 +4,21 @@
 plus the updated state, for any F in [1, max_frames_per_step]. Every state tensor is batch first with
 a fixed per-stream shape that does not depend on F, so one stream may mix call sizes freely, and an
 all-zero state is a fresh stream. Rows of a batch never interact, so steps of streams of different
-ages batch together. Updates are functional (concatenate, then keep a constant slice): no scatter, no
-data-dependent shapes; the batch and frame dimensions are the only dynamic ones.
+ages batch together. Nothing has a data-dependent shape; the batch and frame dimensions are the only
+dynamic ones.
 
-State (see `export.spec`):
-  state_*_00_kv_cache  [L, 2, H, N, D]  keys (RoPE applied) and values of the last N transformer steps
-  state_*_01_conv      [C]              left context of every causal conv and the overlap tail of every
-                                        transposed conv, flattened and concatenated
-  state_*_02_position  [1] int32        transformer steps seen so far (2 per frame)
+State (see `export.spec`), per stream:
+  state_*_NN_layer<l>_keys    [H, N, D]  layer l's keys (RoPE applied) of the last N transformer steps
+  state_*_NN_layer<l>_values  [H, N, D]  layer l's values of the same steps
+  state_*_NN_conv             [C]        left context of every causal conv and the overlap tail of every
+                                         transposed conv, flattened and concatenated
+  state_*_NN_position         [1] int32  transformer steps seen so far (2 per frame)
+
+The key/value caches are rings: step p lives in slot p % N, so a call writes its T new steps into T
+slots (one ScatterND, the only copy of the cache a step makes) instead of shifting the whole
+cache. Attention reads the ring as it is: softmax does not care about key order, and the mask is
+computed from the step each slot holds. One tensor per layer and kind means no layer is cut out of a
+packed state and nothing is packed back.
 
 Window semantics. Mimi's transformer attends over a 250-step context. moshi's streaming decoder
 writes both steps of a frame into a 250-entry ring before attending, so the first step of a frame
@@ -84,37 +91,54 @@ class _StreamingConv(nn.Module):
 
 
 class _StreamingConvTranspose(nn.Module):
-    """Causal transposed conv with kernel = 2 * stride (every Mimi transposed conv); its state is
-    the stride-long overlap tail, without bias.
+    """Causal transposed conv with kernel = 2 * stride (every Mimi transposed conv).
 
-    Computed as one matmul plus an overlap-add: input step t writes kernel taps [0, s) to output
-    block t and [s, 2s) to block t + 1, so block t = first half of step t + second half of step
-    t - 1 (the state for t = 0). Small CPU inputs run this several times faster than ConvTranspose.
+    Input step t writes kernel taps [0, s) to output block t and taps [s, 2s) to block t + 1, so a
+    block is complete once the next step has arrived.
+
+    Narrow layers (fewer than MATMUL_CONV_CHANNELS input channels: the last, long ones of the SEANet)
+    run as one ConvTranspose over the previous input step followed by this call's steps, with pads
+    that keep exactly this call's T blocks; the state is the previous input step. No transposes, no
+    overlap-add outside the kernel.
+
+    Wide layers (the first of the SEANet: a 32 MiB weight for a couple of steps per frame) run as one
+    matmul over the whole batch, [B * T, Cin] @ [Cin, Cout * 2s], plus an overlap-add; the state is
+    the overlap tail (taps [s, 2s) of the last step, without bias). A ConvTranspose there computes
+    stream by stream and reads the whole weight once per stream. The depthwise upsampling (one step
+    per frame) is a broadcast multiply with the same overlap-add: ONNX Runtime's grouped
+    ConvTranspose runs one small GEMM per channel.
     """
 
     def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
         super().__init__()
-        self.weight = nn.Parameter(conv.weight.detach().to(dtype).clone(), requires_grad=False)
+        self.weight = nn.Parameter(conv.weight.detach().to(dtype).clone(), requires_grad=False)  # [Cin, Cout/g, 2s]
         self.bias = None
         if conv.bias is not None:
             self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
         self.stride = conv.stride[0]
         self.groups = conv.groups
+        self.in_channels = conv.in_channels
         self.channels = conv.out_channels
         if conv.kernel_size[0] != 2 * self.stride or self.groups not in (1, self.channels):
             raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
+        self.as_matmul = self.groups == 1 and self.in_channels >= MATMUL_CONV_CHANNELS
 
     def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
         stride, channels = self.stride, self.channels
+        if self.groups == 1 and not self.as_matmul:
+            # Blocks [1, T + 1) of the transposed conv over [previous step, x]: block 0 belongs to the
+            # previous call and block T + 1 (the tail) is recomputed by the next one.
+            x = torch.cat([state.take(self.in_channels, 1), x], dim=2)
+            state.put(x[:, :, -1:])
+            return F.conv_transpose1d(x, self.weight, self.bias, stride=stride, padding=stride, groups=self.groups)
         if self.groups == 1:
             # [B * T, Cin] @ [Cin, Cout * K] -> [B, T, Cout, K]. The rows are made contiguous first so
-            # that the whole batch is one GEMM that reads the weight once (a transposed 3-D input
-            # runs as one GEMM of T rows per stream, each reading all of the weight).
+            # that the whole batch is one GEMM that reads the weight once.
             rows = x.transpose(1, 2).reshape(-1, x.shape[1])
             cols = torch.matmul(rows, self.weight.flatten(1)).view(x.shape[0], x.shape[2], channels, 2 * stride)
-        else:  # depthwise: [B, T, C, 1] * [C, K]
+        else:  # depthwise (the upsampling, one step per frame): [B, T, C, 1] * [C, K]
             cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
-        first, second = cols.split(stride, dim=-1)  # one Split: two Slices of the last axis cost more
+        first, second = cols.split(stride, dim=-1)
         # Block t takes the second half of step t - 1: the state for t = 0, then steps 0 .. T-2.
         previous = torch.cat([state.take(channels, stride)[:, None], second[:, :-1]], dim=1)  # [B, T, Cout, s]
         state.put(second[:, -1])
@@ -191,8 +215,8 @@ class MimiDecoderStep(nn.Module):
     """One streaming decoder step over F frames (1 <= F <= max_frames_per_step) for a batch of
     independent streams.
 
-    forward(codes [B, k, F] int32, kv_cache, conv, position [B, 1] int32)
-        -> (pcm [B, 1920 * F] float32, kv_cache', conv', position')
+    forward(codes [B, k, F] int32, *caches, conv, position [B, 1] int32)
+        -> (pcm [B, 1920 * F] float32, *caches', conv', position')
     """
 
     def __init__(
@@ -263,8 +287,10 @@ class MimiDecoderStep(nn.Module):
             block = nn.Module()
             block.norm1 = _copy_layer_norm(layer.input_layernorm, dtype)
             block.norm2 = _copy_layer_norm(layer.post_attention_layernorm, dtype)
+            # The attention scale 1 / sqrt(head_dim) is folded into the query projection (RoPE is linear).
             block.qkv = nn.Parameter(
-                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach().to(dtype).clone(),
+                torch.cat([attn.q_proj.weight / math.sqrt(config.head_dim), attn.k_proj.weight, attn.v_proj.weight])
+                .detach().to(dtype).clone(),
                 requires_grad=False,
             )
             block.out = nn.Parameter(attn.o_proj.weight.detach().to(dtype).clone(), requires_grad=False)
@@ -283,6 +309,9 @@ class MimiDecoderStep(nn.Module):
         self.register_buffer(
             "rope_block_angle", torch.remainder(inv_freq * ROPE_BLOCK, 2 * math.pi).to(dtype), persistent=False
         )
+        half = self.head_dim // 2
+        self.register_buffer("rope_sign", torch.cat([-torch.ones(half), torch.ones(half)]).to(dtype), persistent=False)
+        self.register_buffer("rope_swap", torch.cat([torch.arange(half, 2 * half), torch.arange(half)]), persistent=False)
 
         self.seanet = nn.ModuleList()
         for layer in decoder.decoder_seanet.layers:
@@ -295,8 +324,9 @@ class MimiDecoderStep(nn.Module):
             else:
                 self.seanet.append(_plain_layer(layer))
 
-        # The mask of the largest call; a call of T steps uses its first T rows and n + T columns.
+        # The window of the largest call; a call of T steps uses the first T entries.
         max_steps = self.steps_per_frame * max_frames_per_step
+        self.register_buffer("window_lower", self._window_lower(max_steps), persistent=False)
         self.register_buffer("attn_allowed", self._window_mask(max_steps), persistent=False)
         self.conv_pieces = self._discover_conv_layout()
         self.conv_state_size = sum(c * n for c, n in self.conv_pieces)
@@ -318,22 +348,24 @@ class MimiDecoderStep(nn.Module):
             tables.append(embed)
         return torch.cat(tables)
 
-    def _window_mask(self, steps: int) -> torch.Tensor:
-        """allowed[t, s]: new step t may attend key slot s (cache slots first, then the new steps)."""
-        n = self.cache_len
-        t = torch.arange(steps).view(-1, 1)
-        s = torch.arange(n + steps).view(1, -1)
-        relative = s - n  # key position minus the step's first position
+    def _window_lower(self, steps: int) -> torch.Tensor:
+        """lower[t]: the oldest key new step t may attend, as an offset from the call's first step."""
+        t = torch.arange(steps)
         lower = t - (self.context - 1)
         if self.window == "moshi":
             # The ring holds the last `context` steps up to the end of the step's frame.
             lower = lower + (self.steps_per_frame - 1 - t % self.steps_per_frame)
-        return (relative <= t) & (relative >= lower)
+        return lower.to(torch.int32)
+
+    def _window_mask(self, steps: int) -> torch.Tensor:
+        """allowed[t, j]: new step t may attend new step j of the same call."""
+        j = torch.arange(steps).view(1, -1)
+        return (j <= torch.arange(steps).view(-1, 1)) & (j >= self._window_lower(steps).view(-1, 1))
 
     def _discover_conv_layout(self) -> list[tuple[int, int]]:
         with torch.no_grad():
             state = _ConvState(None, self.dtype)
-            x = torch.zeros(1, self.upsample.channels, 1, dtype=self.dtype)
+            x = torch.zeros(1, self.upsample.in_channels, 1, dtype=self.dtype)
             x = self.upsample(x, state)
             x = torch.zeros(1, x.shape[1], x.shape[2], dtype=self.dtype)
             self._seanet(x, state)
@@ -342,7 +374,16 @@ class MimiDecoderStep(nn.Module):
     # ---- spec -----------------------------------------------------------------------------------
 
     def spec(self) -> DecoderSpec:
-        kv_shape = (self.num_layers, 2, self.num_heads, self.cache_len, self.head_dim)
+        cache_shape = (self.num_heads, self.cache_len, self.head_dim)
+        states = []
+        for layer in range(self.num_layers):
+            for kind in ("keys", "values"):
+                states.append((f"layer{layer}_{kind}", self.kv_cache_dtype, cache_shape,
+                               f"transformer layer {layer}'s {kind} of the last steps, a ring"
+                               + (" (RoPE applied)" if kind == "keys" else "")))
+        states.append(("conv", "float32", (self.conv_state_size,),
+                       "conv left contexts and transposed-conv overlap tails, flattened"))
+        states.append(("position", "int32", (1,), "transformer steps decoded so far"))
         return DecoderSpec(
             num_codebooks=self.num_codebooks,
             codebook_size=self.codebook_size,
@@ -351,35 +392,30 @@ class MimiDecoderStep(nn.Module):
             sample_rate_hz=self.sample_rate_hz,
             window=self.window,
             kv_cache_dtype=self.kv_cache_dtype,
-            states=(
-                StateSpec("state_in_00_kv_cache", "state_out_00_kv_cache", self.kv_cache_dtype, kv_shape,
-                          "transformer keys (RoPE applied) and values of the last steps"),
-                StateSpec("state_in_01_conv", "state_out_01_conv", "float32", (self.conv_state_size,),
-                          "conv left contexts and transposed-conv overlap tails, flattened"),
-                StateSpec("state_in_02_position", "state_out_02_position", "int32", (1,),
-                          "transformer steps decoded so far"),
-            ),
+            states=tuple(StateSpec(f"state_in_{index:02d}_{name}", f"state_out_{index:02d}_{name}", dtype, shape, text)
+                         for index, (name, dtype, shape, text) in enumerate(states)),
         )
 
-    def zero_state(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kv_shape = (batch_size, self.num_layers, 2, self.num_heads, self.cache_len, self.head_dim)
-        return (
-            torch.zeros(kv_shape, dtype=KV_CACHE_DTYPES[self.kv_cache_dtype] if self.dtype == torch.float32 else self.dtype),
-            torch.zeros(batch_size, self.conv_state_size, dtype=self.dtype),
-            torch.zeros(batch_size, 1, dtype=torch.int32),
-        )
+    def zero_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """Every state tensor of a fresh stream, in the spec's order: the 2L caches, conv, position."""
+        cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] if self.dtype == torch.float32 else self.dtype
+        cache_shape = (batch_size, self.num_heads, self.cache_len, self.head_dim)
+        caches = [torch.zeros(cache_shape, dtype=cache_dtype) for _ in range(2 * self.num_layers)]
+        return (*caches, torch.zeros(batch_size, self.conv_state_size, dtype=self.dtype),
+                torch.zeros(batch_size, 1, dtype=torch.int32))
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def forward(self, codes, kv_cache, conv, position):
+    def forward(self, codes, *state):
+        *caches, conv, position = state
         conv_state = _ConvState(conv)
         # [B, k, F] -> [B, hidden, F]: sum of the k folded codebook embeddings.
         latent = self.codebook_table[codes + self.codebook_offsets].sum(dim=1).transpose(1, 2)
         x = self.upsample(latent, conv_state)
-        x, kv_cache = self._transformer(x.transpose(1, 2), kv_cache, position)
+        x, caches = self._transformer(x.transpose(1, 2), caches, position)
         pcm = self._seanet(x.transpose(1, 2), conv_state)
         new_conv = torch.cat(conv_state.updates, dim=1)
-        return pcm.flatten(1).float(), kv_cache, new_conv, position + codes.shape[2] * self.steps_per_frame
+        return (pcm.flatten(1).float(), *caches, new_conv, position + codes.shape[2] * self.steps_per_frame)
 
     def _seanet(self, x, state: _ConvState):
         for layer in self.seanet:
@@ -387,58 +423,77 @@ class MimiDecoderStep(nn.Module):
         return x
 
     def _rope(self, position, steps):
-        """cos, sin [B, 1, T, head_dim] for positions position + [0, T)."""
+        """cos, sin [B, 1, T, head_dim] for positions position + [0, T); sin carries the sign of the
+        rotation, so rotating x is x * cos + x[..., rope_swap] * sin (its halves swapped)."""
         positions = position + torch.arange(steps, dtype=torch.int32, device=position.device).view(1, -1)
         block = torch.div(positions, ROPE_BLOCK, rounding_mode="trunc")
         within = positions - block * ROPE_BLOCK
         angles = block.to(self.dtype)[..., None] * self.rope_block_angle + within.to(self.dtype)[..., None] * self.rope_inv_freq
         angles = torch.cat([angles, angles], dim=-1)[:, None]
-        return angles.cos(), angles.sin()
+        return angles.cos(), angles.sin() * self.rope_sign
 
-    def _transformer(self, x, kv_cache, position):
-        steps, hidden = x.shape[1], self.hidden_size
+    def _transformer(self, x, caches, position):
+        batch, steps, hidden = x.shape[0], x.shape[1], self.hidden_size
         heads, head_dim, n = self.num_heads, self.head_dim, self.cache_len
         cos, sin = self._rope(position, steps)
-        # A key slot holds a real step only once the stream has produced it.
-        slot = torch.arange(n + steps, dtype=torch.int32, device=x.device).view(1, -1) - n
-        filled = (slot + position) >= 0  # [B, n + T]
-        allowed = self.attn_allowed[:steps, : n + steps][None, None] & filled[:, None, None, :]
-        bias = torch.where(allowed, torch.zeros((), dtype=self.dtype, device=x.device),
-                           torch.full((), -math.inf, dtype=self.dtype, device=x.device))
-        bias_past, bias_new = bias[..., :n], bias[..., n:]
-        cache_dtype = kv_cache.dtype
-        scale = 1.0 / math.sqrt(head_dim)
-        new_entries = []
+        # Ring slot s holds the latest step before `position` that is congruent to s (negative: none
+        # yet); the operand of remainder is never negative.
+        slot = torch.arange(n, dtype=torch.int32, device=x.device).view(1, -1)
+        held = position - 1 - torch.remainder(position - 1 - slot + n, n)  # [B, n]
+        lower = self.window_lower[:steps].view(1, 1, -1, 1)  # [1, 1, T, 1]: oldest key offset step t sees
+        allowed_past = ((held - position)[:, None, None, :] >= lower) & (held >= 0)[:, None, None, :]
+        zero = torch.zeros((), dtype=self.dtype, device=x.device)
+        blocked = torch.full((), -math.inf, dtype=self.dtype, device=x.device)
+        bias_past = torch.where(allowed_past, zero, blocked)  # [B, 1, T, n]
+        bias_new = torch.where(self.attn_allowed[:steps, :steps], zero, blocked)  # [T, T]
+        write = self._write_index(position, batch, steps)
+        cache_dtype = caches[0].dtype
+        new_caches = []
         for index, block in enumerate(self.layers):
+            past_k, past_v = caches[2 * index], caches[2 * index + 1]
             h = F.layer_norm(x, (hidden,), block.norm1.weight, block.norm1.bias, block.norm1.eps)
-            qkv = F.linear(h, block.qkv).unflatten(2, (3, heads, head_dim)).permute(2, 0, 3, 1, 4)
-            q, k, v = qkv[0], qkv[1], qkv[2]
-            q = q * cos + _rotate_half(q, head_dim // 2) * sin
-            k = k * cos + _rotate_half(k, head_dim // 2) * sin
-            past_k, past_v = kv_cache[:, index, 0], kv_cache[:, index, 1]
+            # [B, T, 3 * H * D] -> [B, 3H, T, D]: queries and keys get RoPE together, then part.
+            qkv = F.linear(h, block.qkv).view(batch, steps, 3 * heads, head_dim).transpose(1, 2)
+            qk, v = qkv.split([2 * heads, heads], dim=1)
+            qk = qk * cos + qk.index_select(3, self.rope_swap) * sin
+            q, k = qk.split(heads, dim=1)
+            k, v = k.to(cache_dtype), v.to(cache_dtype)
+            new_caches += [_WriteSlots.apply(past_k, write, k), _WriteSlots.apply(past_v, write, v)]
             if cache_dtype != self.dtype:
-                # Attend over what the cache will hold, so F frames per call equal F calls of one frame.
-                k, v = k.to(cache_dtype).to(self.dtype), v.to(cache_dtype).to(self.dtype)
-                past_k, past_v = past_k.to(self.dtype), past_v.to(self.dtype)
-            # Scores against the cache and against the new steps separately: no copy of the cache.
-            scores = torch.cat([
-                torch.matmul(q, past_k.transpose(2, 3)) * scale + bias_past,
-                torch.matmul(q, k.transpose(2, 3)) * scale + bias_new,
-            ], dim=-1)
-            weights = torch.softmax(scores, dim=-1)
-            attn = torch.matmul(weights[..., :n], past_v) + torch.matmul(weights[..., n:], v)
-            attn = attn.transpose(1, 2).flatten(2)
+                # Attend over what the cache holds, so F frames per call equal F calls of one frame.
+                k, v, past_k, past_v = (t.to(self.dtype) for t in (k, v, past_k, past_v))
+            # Scores against the ring and against the new steps separately: no copy of the cache.
+            scores = torch.cat([torch.matmul(q, past_k.transpose(2, 3)) + bias_past,
+                                torch.matmul(q, k.transpose(2, 3)) + bias_new], dim=-1)
+            weights_past, weights_new = torch.softmax(scores, dim=-1).split([n, steps], dim=-1)
+            attn = torch.matmul(weights_past, past_v) + torch.matmul(weights_new, v)
+            attn = attn.transpose(1, 2).reshape(batch, steps, hidden)
             x = x + block.scale1 * F.linear(attn, block.out)
             h = F.layer_norm(x, (hidden,), block.norm2.weight, block.norm2.bias, block.norm2.eps)
             x = x + block.scale2 * F.linear(F.gelu(F.linear(h, block.fc1)), block.fc2)
-            new_entries.append(torch.stack([k, v], dim=1))  # [B, 2, H, T, D]
-        # Shift the whole cache once: drop the oldest `steps` entries of every layer, append the new.
-        new = torch.stack(new_entries, dim=1).to(cache_dtype)
-        return x, torch.cat([kv_cache[:, :, :, :, steps:], new], dim=4)
+        return x, new_caches
+
+    def _write_index(self, position, batch: int, steps: int):
+        """[B, H, T, 3] (row, head, slot): where the call's steps go in every cache, slot (position + t) % n."""
+        shape = (batch, self.num_heads, steps)
+        ahead = torch.arange(steps, dtype=torch.int32, device=position.device).view(1, -1)
+        slots = torch.remainder(position + ahead, self.cache_len).long()[:, None, :].expand(shape)
+        rows = torch.arange(batch, device=position.device).view(-1, 1, 1).expand(shape)
+        heads = torch.arange(self.num_heads, device=position.device).view(1, -1, 1).expand(shape)
+        return torch.stack([rows, heads, slots], dim=-1)
 
 
-def _rotate_half(x, half: int):
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+class _WriteSlots(torch.autograd.Function):
+    """cache with cache[index[..., :3]] = new: the ONNX ScatterND, exported as one node over an index
+    built once per call (torch's index_put exports its own index plumbing at every use)."""
+
+    @staticmethod
+    def forward(ctx, cache, index, new):
+        return cache.index_put(tuple(index.unbind(-1)), new)
+
+    @staticmethod
+    def symbolic(g, cache, index, new):
+        return g.op("ScatterND", cache, index, new)
 
 
 def _copy_layer_norm(norm: nn.LayerNorm, dtype: torch.dtype) -> nn.LayerNorm:

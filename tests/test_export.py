@@ -170,14 +170,14 @@ def test_long_stream_position_matches_float64(mimi):
     codes = torch.from_numpy(rng.integers(0, CODEBOOK_SIZE, (1, NUM_CODEBOOKS, 24)).astype(np.int32))
     out = {}
     for name, step in (("fp32", step32), ("fp64", step64)):
-        kv, conv, position = step.zero_state(1)
-        position += start
+        state = list(step.zero_state(1))
+        state[-1] += start  # position
         chunks = []
         with torch.no_grad():
             for frame in range(codes.shape[2]):
-                pcm, kv, conv, position = step(codes[:, :, frame : frame + 1], kv, conv, position)
+                pcm, *state = step(codes[:, :, frame : frame + 1], *state)
                 chunks.append(pcm.double().numpy())
-        assert int(position) == start + 2 * codes.shape[2]
+        assert int(state[-1]) == start + 2 * codes.shape[2]
         out[name] = np.concatenate(chunks, axis=1)[0]
     error, snr = assert_equal_audio(out["fp32"], out["fp64"], max_abs=1e-4, min_snr_db=100.0,
                                     what="fp32 vs float64 at position 100,000")
