@@ -91,54 +91,38 @@ class _StreamingConv(nn.Module):
 
 
 class _StreamingConvTranspose(nn.Module):
-    """Causal transposed conv with kernel = 2 * stride (every Mimi transposed conv).
+    """Causal transposed conv with kernel = 2 * stride (every Mimi transposed conv); its state is
+    the stride-long overlap tail, without bias.
 
-    Input step t writes kernel taps [0, s) to output block t and taps [s, 2s) to block t + 1, so a
-    block is complete once the next step has arrived.
-
-    Narrow layers (fewer than MATMUL_CONV_CHANNELS input channels: the last, long ones of the SEANet)
-    run as one ConvTranspose over the previous input step followed by this call's steps, with pads
-    that keep exactly this call's T blocks; the state is the previous input step. No transposes, no
-    overlap-add outside the kernel.
-
-    Wide layers (the first of the SEANet: a 32 MiB weight for a couple of steps per frame) run as one
-    matmul over the whole batch, [B * T, Cin] @ [Cin, Cout * 2s], plus an overlap-add; the state is
-    the overlap tail (taps [s, 2s) of the last step, without bias). A ConvTranspose there computes
-    stream by stream and reads the whole weight once per stream. The depthwise upsampling (one step
-    per frame) is a broadcast multiply with the same overlap-add: ONNX Runtime's grouped
-    ConvTranspose runs one small GEMM per channel.
+    Computed as one matmul plus an overlap-add: input step t writes kernel taps [0, s) to output
+    block t and [s, 2s) to block t + 1, so block t = first half of step t + second half of step
+    t - 1 (the state for t = 0). ONNX Runtime 1.19's ConvTranspose (what the native backend of
+    the NGC 24.10 image runs) computes stream by stream and is several times slower on these inputs.
     """
 
     def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
         super().__init__()
-        self.weight = nn.Parameter(conv.weight.detach().to(dtype).clone(), requires_grad=False)  # [Cin, Cout/g, 2s]
+        self.weight = nn.Parameter(conv.weight.detach().to(dtype).clone(), requires_grad=False)
         self.bias = None
         if conv.bias is not None:
             self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
         self.stride = conv.stride[0]
         self.groups = conv.groups
-        self.in_channels = conv.in_channels
         self.channels = conv.out_channels
         if conv.kernel_size[0] != 2 * self.stride or self.groups not in (1, self.channels):
             raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
-        self.as_matmul = self.groups == 1 and self.in_channels >= MATMUL_CONV_CHANNELS
 
     def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
         stride, channels = self.stride, self.channels
-        if self.groups == 1 and not self.as_matmul:
-            # Blocks [1, T + 1) of the transposed conv over [previous step, x]: block 0 belongs to the
-            # previous call and block T + 1 (the tail) is recomputed by the next one.
-            x = torch.cat([state.take(self.in_channels, 1), x], dim=2)
-            state.put(x[:, :, -1:])
-            return F.conv_transpose1d(x, self.weight, self.bias, stride=stride, padding=stride, groups=self.groups)
         if self.groups == 1:
             # [B * T, Cin] @ [Cin, Cout * K] -> [B, T, Cout, K]. The rows are made contiguous first so
-            # that the whole batch is one GEMM that reads the weight once.
+            # that the whole batch is one GEMM that reads the weight once (a transposed 3-D input
+            # runs as one GEMM of T rows per stream, each reading all of the weight).
             rows = x.transpose(1, 2).reshape(-1, x.shape[1])
             cols = torch.matmul(rows, self.weight.flatten(1)).view(x.shape[0], x.shape[2], channels, 2 * stride)
-        else:  # depthwise (the upsampling, one step per frame): [B, T, C, 1] * [C, K]
+        else:  # depthwise: [B, T, C, 1] * [C, K]
             cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
-        first, second = cols.split(stride, dim=-1)
+        first, second = cols.split(stride, dim=-1)  # one Split: two Slices of the last axis cost more
         # Block t takes the second half of step t - 1: the state for t = 0, then steps 0 .. T-2.
         previous = torch.cat([state.take(channels, stride)[:, None], second[:, :-1]], dim=1)  # [B, T, Cout, s]
         state.put(second[:, -1])
@@ -365,7 +349,7 @@ class MimiDecoderStep(nn.Module):
     def _discover_conv_layout(self) -> list[tuple[int, int]]:
         with torch.no_grad():
             state = _ConvState(None, self.dtype)
-            x = torch.zeros(1, self.upsample.in_channels, 1, dtype=self.dtype)
+            x = torch.zeros(1, self.upsample.channels, 1, dtype=self.dtype)
             x = self.upsample(x, state)
             x = torch.zeros(1, x.shape[1], x.shape[2], dtype=self.dtype)
             self._seanet(x, state)

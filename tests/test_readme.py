@@ -4,6 +4,7 @@ an entry below fails this test."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -89,6 +90,7 @@ RUN = {
     "make venv": "make_venv",
     "make lint": "make_lint",
     ".venv/bin/python -m mimi_code2wav.server.bench.decoder": "bench_decoder",
+    ".venv/bin/python -m mimi_code2wav.server.bench.step_profile --baseline OLD_EXPORT_DIR": "step_profile",
     ".venv/bin/python -m mimi_code2wav.export.tensorrt_build --export-dir build/export/f16-moshi-kvfloat32-k8 --fp16 --max-batch 64":
         "tensorrt_build",
 }
@@ -206,6 +208,19 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
                                           "--threads", "1", "--weights", str(checkpoint), "--out", str(tmp_path)],
                       tmp_path, timeout=900)
         assert "| onnxruntime | 1 | 1 | 1 |" in result.stdout and (tmp_path / "decoder.json").is_file()
+
+    def step_profile(command):
+        # The session's export against itself: both columns, the ratio, and the op table with its copy share.
+        args = _python(command.replace("OLD_EXPORT_DIR", str(onnx_fp32))) + [
+            "--export", str(onnx_fp32), "--batches", "1", "--runs", "2", "--rounds", "1", "--warmup", "1",
+            "--out", str(tmp_path / "profile")]
+        result = _run(args, tmp_path, timeout=600)
+        assert "| baseline |" in result.stdout and "| export |" in result.stdout
+        assert "| ScatterND (copy) |" in result.stdout and "**copy ops, share**" in result.stdout
+        recorded = json.loads((tmp_path / "profile" / "step_profile.json").read_text())
+        assert recorded["meta"]["kind"] == "step-profile"
+        profile = recorded["points"][0]["profiles"]["export"]
+        assert 0 < profile["copy_share"] < 1 and profile["ops_ms_per_step"]["MatMul"] > 0
 
     def perf_sh(command):
         # One measurement of a fixed request count: short, and no stability search on busy cores.

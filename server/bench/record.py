@@ -26,6 +26,7 @@ from .memory import memory_markdown
 from .provenance import REPO_ROOT, stamp
 from .report import sweep_markdown
 from .resume import resume_markdown
+from .step_profile import step_profile_markdown
 
 RECORD_DIR = REPO_ROOT / "docs" / "benchmarks"
 RECORD = REPO_ROOT / "docs" / "benchmarks.md"
@@ -55,6 +56,8 @@ SECTIONS = (
             "code2wav-server duplex --decoder null"),
     Section("duplex-url", "The duplex tick: a running server", duplex_markdown, "code2wav-server duplex --url HOST:PORT"),
     Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m mimi_code2wav.server.bench.decoder"),
+    Section("step-profile", "The decoder step's kernel time by op type", step_profile_markdown,
+            "python -m mimi_code2wav.server.bench.step_profile --baseline EXPORT_DIR"),
     Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m mimi_code2wav.server.bench.gpu"),
     Section("triton-python-ort", "Through Triton: the python-ort decoder", _sweep, "code2wav-server bench"),
     Section("triton-onnxruntime", "Through Triton: the native onnxruntime decoder", _sweep,
