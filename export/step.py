@@ -94,37 +94,50 @@ class _StreamingConvTranspose(nn.Module):
     """Causal transposed conv with kernel = 2 * stride (every Mimi transposed conv); its state is
     the stride-long overlap tail, without bias.
 
-    Computed as one matmul plus an overlap-add: input step t writes kernel taps [0, s) to output
-    block t and [s, 2s) to block t + 1, so block t = first half of step t + second half of step
-    t - 1 (the state for t = 0). ONNX Runtime 1.19's ConvTranspose (what the native backend of
-    the NGC 24.10 image runs) computes stream by stream and is several times slower on these inputs.
+    Input step t writes kernel taps [0, s) to output block t and taps [s, 2s) to block t + 1, so
+    block t = first half of step t + second half of step t - 1 (the state for t = 0). Each half is
+    one matmul over the whole batch, [B * T, Cin] @ [Cin, s * Cout], whose columns are tap-major so
+    that the sum is already [B, T * s, Cout]: one transpose of its last two axes makes it
+    channels-first. ONNX Runtime 1.19's ConvTranspose (what the native backend of the NGC 24.10
+    image runs) computes stream by stream and is several times slower on these inputs.
     """
 
     def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
         super().__init__()
-        self.weight = nn.Parameter(conv.weight.detach().to(dtype).clone(), requires_grad=False)
+        weight = conv.weight.detach().to(dtype)  # [Cin, Cout / groups, 2s]
         self.bias = None
         if conv.bias is not None:
             self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
         self.stride = conv.stride[0]
         self.groups = conv.groups
+        self.in_channels = conv.in_channels
         self.channels = conv.out_channels
         if conv.kernel_size[0] != 2 * self.stride or self.groups not in (1, self.channels):
             raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
+        if self.groups == 1:  # [Cin, Cout, s] -> [Cin, s * Cout], tap-major
+            halves = weight.split(self.stride, dim=2)
+            self.first, self.second = (nn.Parameter(h.permute(0, 2, 1).reshape(self.in_channels, -1).contiguous(),
+                                                    requires_grad=False) for h in halves)
+        else:
+            self.weight = nn.Parameter(weight.clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
         stride, channels = self.stride, self.channels
         if self.groups == 1:
-            # [B * T, Cin] @ [Cin, Cout * K] -> [B, T, Cout, K]. The rows are made contiguous first so
-            # that the whole batch is one GEMM that reads the weight once (a transposed 3-D input
-            # runs as one GEMM of T rows per stream, each reading all of the weight).
-            rows = x.transpose(1, 2).reshape(-1, x.shape[1])
-            cols = torch.matmul(rows, self.weight.flatten(1)).view(x.shape[0], x.shape[2], channels, 2 * stride)
-        else:  # depthwise: [B, T, C, 1] * [C, K]
-            cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
-        first, second = cols.split(stride, dim=-1)  # one Split: two Slices of the last axis cost more
-        # Block t takes the second half of step t - 1: the state for t = 0, then steps 0 .. T-2.
-        previous = torch.cat([state.take(channels, stride)[:, None], second[:, :-1]], dim=1)  # [B, T, Cout, s]
+            # Contiguous rows, so that the whole batch is one GEMM that reads each weight once.
+            rows = x.transpose(1, 2).reshape(-1, self.in_channels)
+            first = torch.matmul(rows, self.first).view(x.shape[0], x.shape[2], stride * channels)
+            second = torch.matmul(rows, self.second).view(x.shape[0], x.shape[2], stride * channels)
+            previous = torch.cat([state.take(1, stride * channels), second[:, :-1]], dim=1)  # [B, T, s * Cout]
+            state.put(second[:, -1:])
+            y = (first + previous).view(x.shape[0], -1, channels)  # [B, T * s, Cout]
+            if self.bias is not None:
+                y = y + self.bias
+            return y.transpose(1, 2)
+        # Depthwise (the upsampling, one step per frame): [B, T, C, 1] * [C, 2s], the same halves.
+        cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
+        first, second = cols.split(stride, dim=-1)
+        previous = torch.cat([state.take(channels, stride)[:, None], second[:, :-1]], dim=1)  # [B, T, C, s]
         state.put(second[:, -1])
         y = (first + previous).permute(0, 2, 1, 3).flatten(2)
         if self.bias is not None:

@@ -48,8 +48,7 @@ def step_flops_per_frame(step) -> float:
         return 2 * layer.out_channels * (layer.channels // layer.groups) * layer.kernel * length
 
     def convtr(layer, length):
-        in_ch, out_per_group, kernel = layer.weight.shape
-        return 2 * in_ch * out_per_group * kernel * length
+        return 2 * layer.in_channels * (layer.channels // layer.groups) * 2 * layer.stride * length
 
     flops += convtr(step.upsample, 1)
     length = steps
