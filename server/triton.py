@@ -58,7 +58,7 @@ LOCALHOST = "127.0.0.1"
 # short enough to exit inside Kubernetes' default 30 s grace period.
 DEFAULT_EXIT_TIMEOUT_S = 25
 # glibc's mmap threshold for tritonserver and its stubs (the python-ort stub pins the same with mallopt).
-MMAP_THRESHOLD_BYTES = 1 << 20
+MMAP_THRESHOLD_BYTES = 1 << 17
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +163,9 @@ def triton_environment(install: TritonInstall, base: dict[str, str] | None = Non
     )
     # The stub must use this environment, whatever the caller's shell points at.
     env.pop("PYTHONHOME", None)
-    # Buffers of 1 MiB and more (a stream's state is 7.8 MiB) are mapped and given back when freed:
-    # glibc's default threshold rises with every such free until they stay on the heap for good.
+    # Buffers of 128 KiB and more (a layer's cache of one stream is 248-496 KiB) are mapped and given
+    # back when freed: glibc's default threshold rises with every such free until they stay on the
+    # heap for good.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
     return env
 

@@ -1033,7 +1033,8 @@ def test_memory_per_live_stream_and_after_expiry(decoder_target, served_reposito
     """32 streams opened and abandoned, twice (docs/design.md §5.1), the server's memory (PSS of the
     whole process group) read idle, with them live and after both models expired them.
 
-    python-ort keeps the state itself: each stream costs at most 2x its state, besides the free state
+    python-ort keeps the state itself: each stream costs at most 2.5x its state (its rows, and its
+    share of the multi-row arrays and of ONNX Runtime's scratch at 32 streams), besides the free state
     arrays the decoder reports keeping (its state buffer gauge), and the server returns within 10% of
     its warmed-up idle level. The native decoder's state is Triton's: one buffer per state and
     sequence slot (use_same_buffer_for_input_output), held by the slot until a new sequence takes it,
@@ -1072,11 +1073,11 @@ def test_memory_per_live_stream_and_after_expiry(decoder_target, served_reposito
           f"free state arrays kept; {per_stream:.1f} MiB per stream, state {state_mib:.2f}), after expiry "
           f"{after['pss_mib']:.0f} MiB; again {peak_again['pss_mib']:.0f} MiB live, {after_again['pss_mib']:.0f} MiB expired")
     if decoder_target == "python-ort":
-        assert per_stream <= 2 * state_mib, f"{per_stream:.1f} MiB per live stream"
+        assert per_stream <= 2.5 * state_mib, f"{per_stream:.1f} MiB per live stream"
         assert after["pss_mib"] <= 1.10 * idle["pss_mib"], f"{after['pss_mib']:.0f} MiB after expiry, {idle['pss_mib']:.0f} idle"
         assert after_again["pss_mib"] <= 1.10 * idle["pss_mib"]
     else:
         # The state once per stream, plus ONNX Runtime's scratch for batches of up to 32 rows.
-        assert per_stream <= 4 * state_mib, f"{per_stream:.1f} MiB per live stream"
+        assert per_stream <= 5 * state_mib, f"{per_stream:.1f} MiB per live stream"
         assert peak_again["pss_mib"] <= 1.05 * peak["pss_mib"], "a second round of streams added to the first's memory"
         assert after_again["pss_mib"] <= 1.05 * peak["pss_mib"]

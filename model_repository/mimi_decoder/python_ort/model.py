@@ -41,8 +41,9 @@ import triton_streams  # noqa: E402
 BATCH_SIZE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 # glibc serves allocations of at least this many bytes with their own mmap, and unmaps them when
 # freed. Its default threshold rises with every such free (up to 32 MiB), after which a stream's
-# state (a few MiB) lands on the heap and stays there after the stream is gone.
-MMAP_THRESHOLD_BYTES = 1 << 20
+# state lands on the heap and stays there after the stream is gone. A stream's smallest state array
+# of note is one layer's keys or values: 496 KiB, 248 KiB with an fp16 cache.
+MMAP_THRESHOLD_BYTES = 1 << 17
 _M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 
 
