@@ -64,30 +64,30 @@ serve: $(STAMP)
 # null decoder into bench_results/null/: the front's ceiling. Both run; the target fails if either did.
 bench: $(STAMP)
 	status=0; \
-	$(BIN)/code2wav-server bench $(if $(URL),--url $(URL),) || status=1; \
-	$(if $(URL),,$(BIN)/code2wav-server bench --decoder null --out-dir bench_results/null || status=1;) \
+	$(BIN)/python -m benchmarks sweep $(if $(URL),--url $(URL),) || status=1; \
+	$(if $(URL),,$(BIN)/python -m benchmarks sweep --decoder null --out-dir bench_results/null || status=1;) \
 	exit $$status
 
 # Conversations ticking together every 80 ms (per-frame, ramp 1+5, catch-up): the python-ort decoder into
 # bench_results/duplex/, then (local server only) the null decoder into bench_results/duplex-null/.
 bench-duplex: $(STAMP)
 	status=0; \
-	$(BIN)/code2wav-server duplex $(if $(URL),--url $(URL),) || status=1; \
-	$(if $(URL),,$(BIN)/code2wav-server duplex --decoder null --out-dir bench_results/duplex-null || status=1;) \
+	$(BIN)/python -m benchmarks duplex $(if $(URL),--url $(URL),) || status=1; \
+	$(if $(URL),,$(BIN)/python -m benchmarks duplex --decoder null --out-dir bench_results/duplex-null || status=1;) \
 	exit $$status
 
 bench-memory: $(STAMP)
-	$(BIN)/code2wav-server memory
+	$(BIN)/python -m benchmarks memory
 
 # 3 replicas behind nginx, 12 paced resumable streams, SIGKILL of the busiest replica: what the streams
 # that kept their replica feel, and the stall of those that moved (bench_results/failover/).
 bench-failover: $(STAMP)
-	$(BIN)/code2wav-server failover $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
+	$(BIN)/python -m benchmarks failover $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
 # docs/benchmarks.md and the README's headline table from docs/benchmarks/*.json; with ADD=path/to/run.json
 # (bench_results/bench.json, memory.json, ...) that run is recorded first, replacing the previous one of its kind.
 record: $(STAMP)
-	$(BIN)/code2wav-server record $(if $(ADD),--add $(ADD),)
+	$(BIN)/python -m benchmarks record $(if $(ADD),--add $(ADD),)
 
 verify: $(STAMP)
 	$(BIN)/code2wav-server verify $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(URL),--url $(URL),)

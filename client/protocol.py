@@ -20,6 +20,7 @@ CODEBOOK_SIZE = 2048
 SAMPLE_RATE_HZ = 24000
 SAMPLES_PER_FRAME = 1920
 FRAME_DURATION_S = SAMPLES_PER_FRAME / SAMPLE_RATE_HZ  # 80 ms: one frame every 80 ms
+FRAMES_PER_SECOND = 1 / FRAME_DURATION_S  # 12.5: what one live stream needs decoded per second
 DEFAULT_CHUNK_FRAMES = 4
 FIRST_CHUNK_FRAMES = 1
 MODES = ("delta", "cumulative")
@@ -31,7 +32,7 @@ HISTORY_FRAMES_INPUT = "history_frames"
 # sends a whole stream to one replica.
 STREAM_KEY_HEADER = "code2wav-stream"
 # Frames replayed when a stream resumes: 250 frames (20 s) rebuild the decoder state to >= 86 dB SNR
-# in the first second after the resume (`python -m mimi_code2wav.server.bench.resume`).
+# in the first second after the resume (`python -m benchmarks resume`).
 DEFAULT_RESUME_HISTORY_FRAMES = 250
 DEFAULT_RESUME_TIMEOUT_S = 30.0
 # History frames per resume request: short requests, each answered within moments even while many

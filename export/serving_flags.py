@@ -1,5 +1,5 @@
 """The serving flags of a rendered model repository, declared once: `code2wav-export render` and the
-benchmarks' local servers (`code2wav-server bench`) take the same flags and build the same
+benchmarks' local servers (`python -m benchmarks sweep`) take the same flags and build the same
 `render.DecoderServing` from them."""
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from mimi_code2wav.server.bench import record
-from mimi_code2wav.server.bench.provenance import stamp
+from benchmarks import record
+from benchmarks.provenance import REPO_ROOT, stamp
 
 
 def test_the_record_is_what_the_committed_runs_render():
@@ -76,16 +76,16 @@ def test_the_headline_block_replaces_only_what_lies_between_its_markers():
 
 
 def test_a_stamp_names_machine_command_commit_and_date():
-    meta = {"machine": "2 CPU cores (X), no GPU, Linux 6", "command": "code2wav-server bench", "commit": "abc1234",
+    meta = {"machine": "2 CPU cores (X), no GPU, Linux 6", "command": "python -m benchmarks sweep", "commit": "abc1234",
             "date": "2026-01-02 03:04 UTC"}
-    assert stamp(meta) == ("Machine: 2 CPU cores (X), no GPU, Linux 6. Command: `code2wav-server bench`. "
+    assert stamp(meta) == ("Machine: 2 CPU cores (X), no GPU, Linux 6. Command: `python -m benchmarks sweep`. "
                            "Commit abc1234, 2026-01-02 03:04 UTC.")
 
 
 def test_render_and_bench_take_the_same_serving_flags():
-    """One declaration (export.serving_flags) for `code2wav-export render` and `code2wav-server bench`."""
+    """One declaration (export.serving_flags) for `code2wav-export render` and `python -m benchmarks sweep`."""
+    from benchmarks.__main__ import command_parser
     from mimi_code2wav.export.__main__ import build_parser as export_parser
-    from mimi_code2wav.server.__main__ import build_parser as server_parser
 
     def serving_group(parser):
         group = next(g for g in parser._action_groups if g.title.startswith("serving"))
@@ -94,18 +94,21 @@ def test_render_and_bench_take_the_same_serving_flags():
     def subcommand(parser, name):
         return next(a for a in parser._actions if a.dest == "command").choices[name]
 
-    assert serving_group(subcommand(export_parser(), "render")) == serving_group(subcommand(server_parser(), "bench"))
-    args = server_parser().parse_args(["bench", "--front-instances", "2", "--max-queue-delay-us", "0"])
+    assert serving_group(subcommand(export_parser(), "render")) == serving_group(command_parser("sweep"))
+    args = command_parser("sweep").parse_args(["--front-instances", "2", "--max-queue-delay-us", "0"])
     assert (args.front_instances, args.max_queue_delay_us) == (2, 0)
     with pytest.raises(SystemExit):
-        server_parser().parse_args(["bench", "--front-instances", "0"])
+        command_parser("sweep").parse_args(["--front-instances", "0"])
 
 
 def test_the_gpu_benchmark_imports_only_its_own_needs():
-    """It runs on a GPU machine with torch, numpy and onnx: importing it loads neither the client
-    (tritonclient), onnxruntime nor matplotlib."""
-    code = ("import sys, mimi_code2wav.server.bench.gpu; "
+    """It runs on a GPU machine with torch, numpy and onnx: importing it (as `python -m benchmarks gpu`
+    does) loads neither the client (tritonclient; the protocol's constants are numpy only), onnxruntime,
+    matplotlib nor another benchmark."""
+    code = ("import sys, benchmarks.__main__ as m; m.command_parser('gpu'); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tritonclient', 'onnxruntime', 'matplotlib', "
-            "'torch', 'grpc') or m.startswith(('mimi_code2wav.client', 'mimi_code2wav.server.bench.cli'))))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+            "'torch', 'grpc') or (m.startswith('mimi_code2wav.client.') and m != 'mimi_code2wav.client.protocol') "
+            "or m in ('benchmarks.sweep', 'benchmarks.record')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                          cwd=REPO_ROOT)
     assert done.stdout.strip() == "[]"

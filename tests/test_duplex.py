@@ -1,4 +1,4 @@
-"""The duplex tick benchmark (`server/bench/duplex.py`): its policies turn produced frames into the
+"""The duplex tick benchmark (`benchmarks/duplex.py`): its policies turn produced frames into the
 requests a pipeline sends, and a short run against the session's real server with both clients
 accounts for every frame."""
 
@@ -9,8 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from mimi_code2wav.server.bench import duplex
-from mimi_code2wav.server.bench.duplex import CATCH_UP, FRAME_S, PER_FRAME, RAMP, ConversationLog, Policy
+from benchmarks import duplex
+from benchmarks.duplex import CATCH_UP, PER_FRAME, RAMP, ConversationLog, Policy
+from mimi_code2wav.client.protocol import FRAME_DURATION_S as FRAME_S
 
 
 @pytest.mark.parametrize(
@@ -68,8 +69,8 @@ def test_a_short_duplex_run_gets_every_frame_back(code2wav_server, drive):
 
 @pytest.mark.server
 def test_the_duplex_command_writes_its_record(code2wav_server, tmp_path):
-    from mimi_code2wav.server.__main__ import main
-    from mimi_code2wav.server.bench import record
+    from benchmarks import record
+    from benchmarks.__main__ import main
 
     out = tmp_path / "duplex"
     assert main(["duplex", "--url", code2wav_server.grpc_url, "--conversations", "2,3", "--policies", "per-frame,catch-up",
@@ -88,7 +89,7 @@ def test_the_duplex_command_writes_its_record(code2wav_server, tmp_path):
 
 @pytest.mark.server
 def test_the_sweep_stops_at_the_first_miss_unless_told_to_keep_going(code2wav_server, tmp_path):
-    from mimi_code2wav.server.__main__ import main
+    from benchmarks.__main__ import main
 
     counts = []
     for keep_going in (False, True):

@@ -321,9 +321,11 @@ def test_export_is_skipped_when_manifest_matches_and_redone_when_options_change(
 
 
 def test_gpu_benchmark_without_cuda_exits_clearly(capsys):
-    from mimi_code2wav.server.bench import gpu as bench_gpu
+    from benchmarks import gpu as bench_gpu
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the benchmark would run")
-    assert bench_gpu.main(["--batches", "1"]) == bench_gpu.EXIT_NO_CUDA
+    from benchmarks.__main__ import main as benchmarks_main
+
+    assert benchmarks_main(["gpu", "--batches", "1"]) == bench_gpu.EXIT_NO_CUDA
     assert "no CUDA device" in capsys.readouterr().err

@@ -137,10 +137,10 @@ def test_bench_one_point_writes_tables_json_and_plot(code2wav_server, onnx_fp32,
     problem = _perf_analyzer_problem()
     if problem:
         pytest.skip(problem)
-    from mimi_code2wav.server.__main__ import main
+    from benchmarks.__main__ import main
 
     out = tmp_path / "bench"
-    assert main(["bench", "--url", code2wav_server.grpc_url, "--streams", "1", "--chunk-frames", "1,4", "--frames", "9",
+    assert main(["sweep", "--url", code2wav_server.grpc_url, "--streams", "1", "--chunk-frames", "1,4", "--frames", "9",
                  "--paced-streams", "1", "--point-seconds", "1", "--onnx", str(onnx_fp32 / "model.onnx"),
                  "--out-dir", str(out)]) == 0
     results = json.loads((out / "bench.json").read_text())

@@ -45,7 +45,7 @@ NOT_RUN = {
         "with vLLM-Omni's own loader",
     'make test PYTEST_ARGS="-k parity"': "runs the test suite from inside the test suite",
     "make clean": "removes the working tree's build/ folder (exports) while tests may use it",
-    ".venv/bin/python -m mimi_code2wav.server.bench.gpu": "needs a CUDA GPU; without one it exits 3 with a message "
+    ".venv/bin/python -m benchmarks gpu": "needs a CUDA GPU; without one it exits 3 with a message "
                                              "(test_export.py::test_gpu_benchmark_without_cuda_exits_clearly)",
     "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
                   "client/perf.sh on generated inputs against a real server",
@@ -56,7 +56,7 @@ NOT_RUN = {
     "kubectl apply -f deploy/kubernetes/code2wav-triton.yaml -f deploy/kubernetes/gateway-envoy.yaml":
         "no cluster here; test_replicas.py checks the manifests' structure and routing policy",
     "make bench-duplex": "minutes of load on the shared cores; test_duplex.py runs the same command "
-                         "(code2wav-server duplex) with small arguments against a real server",
+                         "(python -m benchmarks duplex) with small arguments against a real server",
     "make bench-failover": "a minute and a half of 3 replicas under 12 paced streams; test_failover.py runs the same "
                            "failover (kept streams never resume, moved ones resume once) and asserts it",
     "make bench-memory": "a minute of a full server and 64 streams; test_serving.py's memory test runs the same "
@@ -89,8 +89,8 @@ RUN = {
     "--kv-cache-dtype float16 --opset 17 --out build/export/custom": "export_custom",
     "make venv": "make_venv",
     "make lint": "make_lint",
-    ".venv/bin/python -m mimi_code2wav.server.bench.decoder": "bench_decoder",
-    ".venv/bin/python -m mimi_code2wav.server.bench.step_profile --baseline OLD_EXPORT_DIR": "step_profile",
+    ".venv/bin/python -m benchmarks decoder": "bench_decoder",
+    ".venv/bin/python -m benchmarks step-profile --baseline OLD_EXPORT_DIR": "step_profile",
     ".venv/bin/python -m mimi_code2wav.export.tensorrt_build --export-dir build/export/f16-moshi-kvfloat32-k8 --fp16 --max-batch 64":
         "tensorrt_build",
 }
@@ -206,7 +206,7 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
     def bench_decoder(command):
         result = _run(_python(command) + ["--seconds", "0.05", "--batches", "1", "--frames-per-call", "1",
                                           "--threads", "1", "--weights", str(checkpoint), "--out", str(tmp_path)],
-                      tmp_path, timeout=900)
+                      REPO_ROOT, timeout=900)  # benchmarks/ runs from the repository root
         assert "| onnxruntime | 1 | 1 | 1 |" in result.stdout and (tmp_path / "decoder.json").is_file()
 
     def step_profile(command):
@@ -214,7 +214,7 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         args = _python(command.replace("OLD_EXPORT_DIR", str(onnx_fp32))) + [
             "--export", str(onnx_fp32), "--batches", "1", "--runs", "2", "--rounds", "1", "--warmup", "1",
             "--out", str(tmp_path / "profile")]
-        result = _run(args, tmp_path, timeout=600)
+        result = _run(args, REPO_ROOT, timeout=600)
         assert "| baseline |" in result.stdout and "| export |" in result.stdout
         assert "| ScatterND (copy) |" in result.stdout and "**copy ops, share**" in result.stdout
         recorded = json.loads((tmp_path / "profile" / "step_profile.json").read_text())

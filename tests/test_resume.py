@@ -1,10 +1,10 @@
-"""Resume by replay (export/resume.py) on the tiny config: a 20-step attention window (9 frames of KV
+"""Resume by replay (benchmarks/resume_snr.py) on the tiny config: a 20-step attention window (9 frames of KV
 cache) over 2 layers, conv contexts shorter than a frame, seeded random weights.
 
 Measured with these seeds (min over 3 streams, first 4 / first 20 frames after resuming at frame 40):
 R = 0: 0.0 / 7.5 dB; R = 10 (one window + conv context): 36.8 / 44.4 dB; R = 20 (a window per layer):
 82.1 / 89.3 dB; whole history: 125.9 / 128.2 dB. The real architecture (250-step window, 8 layers)
-needs R = 500 frames for the same rounding floor; see `python -m mimi_code2wav.server.bench.resume`.
+needs R = 500 frames for the same rounding floor; see `python -m benchmarks resume`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def tiny_codes(tiny_step):
 
 @pytest.fixture(scope="module")
 def measurement(tiny_step, tiny_codes):
-    from mimi_code2wav.export.resume import measure_resume
+    from benchmarks.resume_snr import measure_resume
 
     return measure_resume(tiny_step, tiny_codes, RESUME_FRAME, HISTORY_FRAMES, WINDOW_FRAMES, ("restart", "continue"))
 
@@ -65,7 +65,7 @@ def test_history_of_a_window_rebuilds_the_state(measurement, mode):
 
 
 def test_report_is_json_table_and_svg(measurement):
-    from mimi_code2wav.server.bench.resume import report_dict, svg_plot, table
+    from benchmarks.resume import report_dict, svg_plot, table
 
     report = json.loads(json.dumps(report_dict(measurement, frame_rate_hz=12.5)))
     assert [row["history_frames"] for row in report["rows"]] == list(HISTORY_FRAMES)
@@ -78,7 +78,7 @@ def test_report_is_json_table_and_svg(measurement):
 
 
 def test_rejects_history_beyond_the_resume_point_and_short_codes(tiny_step, tiny_codes):
-    from mimi_code2wav.export.resume import measure_resume
+    from benchmarks.resume_snr import measure_resume
 
     with pytest.raises(ValueError, match="history frames"):
         measure_resume(tiny_step, tiny_codes, 10, (0, 20), WINDOW_FRAMES)

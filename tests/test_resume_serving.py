@@ -5,7 +5,7 @@ The served decoder is the real-architecture ONNX export with seeded random weigh
 References: moshi's streaming decode of the scenario streams, and the same ONNX step run alone in
 ONNX Runtime for longer streams. A stream resumed with its whole history is "equal" (docs/design.md
 §2.3: max abs 1e-4, >= 100 dB) to the uninterrupted decode; with the last R frames as history it is
-close, by how much depends on R (`python -m mimi_code2wav.server.bench.resume` measures it).
+close, by how much depends on R (`python -m benchmarks resume` measures it).
 """
 
 from __future__ import annotations

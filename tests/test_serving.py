@@ -854,8 +854,8 @@ def test_two_front_instances_share_the_streams_and_the_bench_profile_counts_ever
     """Two code2wav processes serve 6 concurrent streams (each answered in full: the streams'
     requests stay on their instance), and the bench's point profile charges the CPU time of
     tritonserver and both stubs to the requests Triton counted, with both models' batches."""
+    from benchmarks.profile import PointProfile
     from mimi_code2wav.client.stream import Code2WavStreamer, StreamOptions, random_codes
-    from mimi_code2wav.server.bench.profile import PointProfile
     from mimi_code2wav.server.processes import group_pids, process_role
 
     server = triton_server_factory(null_repository_two_fronts)
@@ -877,10 +877,10 @@ def test_two_front_instances_share_the_streams_and_the_bench_profile_counts_ever
 
 @pytest.mark.server
 def test_the_bench_server_restarts_on_the_same_ports_after_a_crash(null_repository_two_fronts, tmp_path):
-    """`code2wav-server bench` goes on after tritonserver dies: the crash is recorded with the log
+    """`python -m benchmarks sweep` goes on after tritonserver dies: the crash is recorded with the log
     tail, the crashed log kept, and a fresh server answers on the same address."""
+    from benchmarks.local_server import LocalServer
     from mimi_code2wav.client.stream import Code2WavStreamer, StreamOptions, random_codes
-    from mimi_code2wav.server.bench.local_server import LocalServer
 
     local = LocalServer(null_repository_two_fronts, tmp_path / "tritonserver.log", "test")
     local.start()
@@ -1042,7 +1042,7 @@ def test_memory_per_live_stream_and_after_expiry(decoder_target, served_reposito
     rounds of as many streams reuse it instead of adding to it: each round stays within the per-stream
     bound, and a third round grows by under 5% over the larger of the first two (the first may not
     reach the whole footprint: its batches, and so the arena, can be smaller)."""
-    from mimi_code2wav.server.bench.memory import open_streams, snapshot, wait_expired
+    from benchmarks.memory import open_streams, snapshot, wait_expired
     from mimi_code2wav.server.triton import running_server
 
     repository = copy_repository(served_repository, tmp_path / "model_repository")

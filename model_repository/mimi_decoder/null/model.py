@@ -3,7 +3,7 @@
 once, with no decoding and no state.
 
 Behind code2wav it measures what gRPC, code2wav and the sequence-batcher hop carry by themselves:
-the front's ceiling, which bounds what any decoder behind it can be given (`code2wav-server bench
+the front's ceiling, which bounds what any decoder behind it can be given (`python -m benchmarks sweep
 --decoder null`). It is never served for audio. Like the python-ort target, `export/render.py`
 copies it with `triton_streams.py` into a rendered `mimi_decoder/1/`; Triton never loads it from here.
 """

@@ -9,7 +9,7 @@ differs from the uninterrupted decode; this module measures by how much.
 For every history length R, `measure_resume` gives the SNR of the first 1 s (13 frames) and the
 first 10 s (125 frames) after the resume point, resumed vs uninterrupted, per stream, and the same
 for a replay of the whole history (which must be exact: the check that the measurement itself is
-sound). Its command line, report and plot: `mimi_code2wav.server.bench.resume`.
+sound). Its command line, report and plot: `python -m benchmarks resume`.
 
 Two ways of starting the resumed state are measured:
   restart   the new sequence's state starts at position 0 (a fresh stream): what the serving
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .reference import snr_db
+from mimi_code2wav.export.reference import snr_db
 
 DEFAULT_HISTORY_FRAMES = (0, 12, 25, 62, 125, 250, 500)
 # 1 s and 10 s of audio at 12.5 frames/s (the first second rounded up to whole frames).

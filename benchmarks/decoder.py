@@ -1,7 +1,7 @@
 """Decoder speed on this machine: moshi PyTorch streaming, the step module (eager PyTorch), ONNX
 Runtime and rustymimi, in one run, against the machine's measured fp32 matmul peak.
 
-  python -m mimi_code2wav.server.bench.decoder [--weights moshi.safetensors] [--seconds 2] [--out bench_results]
+  python -m benchmarks decoder [--weights moshi.safetensors] [--seconds 2] [--out bench_results]
 
 Prints a markdown table and writes `decoder.json` + `decoder.md`. Times are per stream-frame
 (80 ms of audio): `x realtime` = 80 ms / time per frame; `of bound` = the compute bound (FLOPs per
@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from .provenance import command_line, run_meta, stamp, timed
+from mimi_code2wav.client.protocol import FRAME_DURATION_S
 
-FRAME_MS = 80.0
+from .provenance import command_line, run_meta, timed, write_run
 
 
 def matmul_peak_gflops(threads: int, seconds: float) -> float:
@@ -73,7 +72,7 @@ class _Rows:
         ms = seconds_per_call * 1000 / (batch * frames)
         bound_ms = self.flops / (self.peaks[threads] * 1e9) * 1000 if threads in self.peaks else float("nan")
         self.rows.append({"engine": engine, "batch": batch, "frames_per_call": frames, "threads": threads,
-                          "ms_per_frame": ms, "frames_per_s": 1000 / ms, "x_realtime": FRAME_MS / ms,
+                          "ms_per_frame": ms, "frames_per_s": 1000 / ms, "x_realtime": FRAME_DURATION_S * 1000 / ms,
                           "fraction_of_bound": bound_ms / ms})
         _log(f"  {engine:10s} batch {batch:2d} F {frames} threads {threads}: {ms:7.2f} ms/frame")
 
@@ -194,24 +193,23 @@ def decoder_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.server.bench.decoder", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", type=Path, help="moshi-format .safetensors (default: seeded random)")
     parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per configuration")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--frames-per-call", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
     from mimi_code2wav.export.onnx_export import ExportOptions, build_step
     from mimi_code2wav.export.weights import load_weights
 
-    meta = run_meta("decoder", command_line("python -m mimi_code2wav.server.bench.decoder", argv))
+    meta = run_meta("decoder", command_line())
     work = Path(tempfile.mkdtemp(prefix="mimi-bench-"))
     weights = args.weights or _random_checkpoint(work)
     loaded = load_weights(weights)
@@ -226,14 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     _measure_rustymimi(rows, weights, max(args.threads), args.seconds, rng)
     results = {"meta": meta, "matmul_peak_gflops": peaks, "gflop_per_frame": flops / 1e9, "rows": rows.rows,
                "ratios": _ratios(rows, max(args.threads), max(args.batches))}
-    table = f"{stamp(meta)}\n\n{decoder_markdown(results)}"
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decoder.md").write_text(table + "\n")
-    (args.out / "decoder.json").write_text(json.dumps(results, indent=2) + "\n")
-    _log(f"wrote {args.out / 'decoder.md'} and {args.out / 'decoder.json'}")
+    write_run(args.out, "decoder", results, decoder_markdown(results))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
-"""`code2wav-server duplex`: the duplex tick, what a full-duplex speech pipeline feels.
+"""`python -m benchmarks duplex`: the duplex tick, what a full-duplex speech pipeline feels.
 
-    code2wav-server duplex [--url HOST:PORT | --decoder python-ort|null] [--conversations 4,8,16,32,64,128,200]
+    python -m benchmarks duplex [--url HOST:PORT | --decoder python-ort|null] [--conversations 4,8,16,32,64,128,200]
                            [--policies per-frame,ramp,catch-up] [--seconds 8] [--budget-ms 80]
                            [--compare-at 32] [--out-dir bench_results/duplex]
 
@@ -28,7 +28,7 @@ by process, Triton's queue and execution times per model, the load generator's C
 says where the time goes at the first that misses. Then both clients run the per-frame policy at
 `--compare-at` conversations, back to back. Without --url a local server is started as `bench` does
 (seeded random weights; `--decoder null` measures the front's own ceiling). Results: OUT_DIR/duplex.json
-(`code2wav-server record --add` records it) and duplex.md.
+(`python -m benchmarks record --add` records it) and duplex.md.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import math
 import sys
 import threading
@@ -48,14 +47,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mimi_code2wav.client.stream import ClientError
+from mimi_code2wav.client.protocol import FRAME_DURATION_S, SAMPLES_PER_FRAME, ClientError
 
-from .cli import parse_counts
 from .local_server import LocalServer, add_server_arguments, measured_server
 from .profile import settle_gc
-from .provenance import REPO_ROOT, command_line, run_meta
-
-FRAME_S = 0.08
+from .provenance import REPO_ROOT, command_line, run_meta, write_run
+from .sweep import parse_counts
 
 
 @dataclass(frozen=True)
@@ -88,12 +85,12 @@ class Policy:
     def due_s(self, frame: int, total: int, start_s: float) -> float:
         """When frame `frame`'s request may leave at the earliest: the tick of its chunk's last frame."""
         if self.catch_up:
-            return start_s + frame * FRAME_S
+            return start_s + frame * FRAME_DURATION_S
         sent = 0
         while True:
             stop = self.chunk_end(sent, total)
             if frame < stop:
-                return start_s + (stop - 1) * FRAME_S
+                return start_s + (stop - 1) * FRAME_DURATION_S
             sent = stop
 
     @property
@@ -162,7 +159,7 @@ def _percentiles(values_ms: np.ndarray) -> dict:
 def summarize(client: str, policy: Policy, logs: Sequence[ConversationLog], start_s: float, budget_ms: float,
               cpu_s: float, wall_s: float, failed: str | None = None) -> TickResult:
     frames = logs[0].frames if logs else 0
-    ticks = start_s + np.arange(frames) * FRAME_S
+    ticks = start_s + np.arange(frames) * FRAME_DURATION_S
     due = np.array([policy.due_s(j, frames, start_s) for j in range(frames)])
     arrivals = np.stack([log.arrival_s for log in logs]) if logs else np.zeros((0, frames))
     done = ~np.isnan(arrivals)
@@ -188,17 +185,17 @@ def _conversation(codes: np.ndarray, policy: Policy, start_s: float, log: Conver
     total, sent = codes.shape[1], 0
     while sent < total:
         now = time.perf_counter()
-        produced = min(total, int((now - start_s) / FRAME_S) + 1) if now >= start_s else 0
+        produced = min(total, int((now - start_s) / FRAME_DURATION_S) + 1) if now >= start_s else 0
         count = policy.frames_to_send(produced, sent, total)
         if count == 0:
-            yield max(0.0, start_s + produced * FRAME_S - now)
+            yield max(0.0, start_s + produced * FRAME_DURATION_S - now)
             continue
         stop = sent + count
         pcm = yield sent, stop
         log.arrival_s[sent:stop] = time.perf_counter()
         log.requests += 1
-        if pcm.size != count * 1920:
-            raise RuntimeError(f"expected {count * 1920} samples, got {pcm.size}")
+        if pcm.size != count * SAMPLES_PER_FRAME:
+            raise RuntimeError(f"expected {count * SAMPLES_PER_FRAME} samples, got {pcm.size}")
         sent = stop
 
 
@@ -337,7 +334,7 @@ WARM_UP_FRAMES = 6
 
 
 def measure(url: str, args: argparse.Namespace, local: LocalServer | None) -> dict:
-    frames = max(2, round(args.seconds / FRAME_S))
+    frames = max(2, round(args.seconds / FRAME_DURATION_S))
     points, most = [], {}
     warm_up = run_async(url, max(args.conversations), WARM_UP_FRAMES, PER_FRAME, args.budget_ms, timeout_s=args.timeout_s)
     print(f"  warm-up ({warm_up.conversations} conversations, {WARM_UP_FRAMES} frames each, not measured)"
@@ -378,14 +375,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     kind = f"duplex-{args.decoder}" if not args.url else "duplex-url"
-    results["meta"] = {**run_meta(kind, command_line("code2wav-server")), "budget_ms": args.budget_ms,
+    results["meta"] = {**run_meta(kind, command_line()), "budget_ms": args.budget_ms,
                        "decoder": None if args.url else args.decoder,
                        "server": local.description if local is not None else f"running server at {args.url}"}
-    (args.out_dir / "duplex.json").write_text(json.dumps(results, indent=2) + "\n")
-    report = duplex_markdown(results)
-    (args.out_dir / "duplex.md").write_text(report + "\n")
-    print(report)
-    print(f"wrote {args.out_dir}/duplex.md and duplex.json")
+    write_run(args.out_dir, "duplex", results, duplex_markdown(results))
     return 1 if any(point["failed"] for point in results["points"] + results["compared"]) else 0
 
 

@@ -7,8 +7,8 @@ import gc
 import os
 import time
 
-from ..processes import group_cpu_seconds
-from ..triton import fetch_metrics, metric_value
+from mimi_code2wav.server.processes import group_cpu_seconds
+from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
 SERVER_ROLES = ("tritonserver", "stub code2wav", "stub mimi_decoder")
 TRITON_TIMES = ("queue", "compute_input", "compute_infer", "compute_output")

@@ -1,4 +1,4 @@
-"""`code2wav-server failover`: what live streams feel when a replica dies under them.
+"""`python -m benchmarks failover`: what live streams feel when a replica dies under them.
 
 N replicas behind nginx (`replicas.ReplicaSet`, free ports, a run folder of their own), S paced
 resumable streams (`client.stream.run_resumable`: one request in flight per stream, each request C
@@ -14,7 +14,6 @@ timeout). Reported, as a table and as JSON in `--out-dir`:
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import threading
@@ -23,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mimi_code2wav.client.stream import ClientError, StreamOptions, random_codes, run_resumable
+from mimi_code2wav.client.stream import FRAME_DURATION_S, ClientError, StreamOptions, random_codes, run_resumable
+from mimi_code2wav.server.nginx import NginxError, replicas_by_stream
+from mimi_code2wav.server.replicas import ReplicaSet
+from mimi_code2wav.server.serve import add_repository_arguments, prepare_repository
+from mimi_code2wav.server.triton import ServerError
 
-from ..nginx import NginxError, replicas_by_stream
-from ..replicas import ReplicaSet
-from ..serve import add_repository_arguments, prepare_repository
-from ..triton import ServerError
-from .provenance import command_line, run_meta, stamp
+from .provenance import command_line, run_meta, write_run
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
@@ -43,7 +42,7 @@ def _percentiles_ms(values_s: list[float]) -> dict[str, float | None]:
 
 
 def measure(args: argparse.Namespace, repository: Path) -> dict:
-    frames = int(round(args.seconds / 0.08))
+    frames = int(round(args.seconds / FRAME_DURATION_S))
     codes = [random_codes(frames, seed=args.codes_seed + n) for n in range(args.streams)]
     keys = [f"call-{n}" for n in range(args.streams)]
     options = StreamOptions(chunk_frames=args.chunk_frames, first_chunk_frames=args.chunk_frames, paced=True,
@@ -92,7 +91,7 @@ def measure(args: argparse.Namespace, repository: Path) -> dict:
     before = [latency for _, result in kept for sent, latency in zip(result.chunk_sent_s, result.chunk_latencies_s)
               if sent + latency < fault_s]
     return {
-        "meta": run_meta("failover", command_line("code2wav-server")),
+        "meta": run_meta("failover", command_line()),
         "replicas": args.replicas, "streams": args.streams, "chunk_frames": args.chunk_frames,
         "seconds": args.seconds, "fault": args.signal, "fault_at_s": args.kill_at_s, "window_s": args.window_s,
         "history_frames": args.history_frames,
@@ -104,10 +103,6 @@ def measure(args: argparse.Namespace, repository: Path) -> dict:
         "moved_stall": _percentiles_ms([result.resumes[0].stall_s for _, result in moved if result.resumes]),
         "moved_resumes": [len(result.resumes) for _, result in moved],
         "real_time_factor_min": float(min(result.real_time_factor for result in report.results)),
-        # Every request: stream, whether it moved, sent (s after the fault), latency (ms).
-        "requests": [[key, placement.get(key) == victim_url, round(sent - fault_s, 3), round(latency * 1e3, 1)]
-                     for key, result in zip(keys, report.results)
-                     for sent, latency in zip(result.chunk_sent_s, result.chunk_latencies_s)],
     }
 
 
@@ -138,12 +133,7 @@ def run(args: argparse.Namespace) -> int:
     except (ServerError, NginxError, ClientError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "failover.json").write_text(json.dumps(record, indent=2) + "\n")
-    text = f"{stamp(record['meta'])}\n\n{table(record)}"
-    (out_dir / "failover.md").write_text(text + "\n")
-    print(text)
+    write_run(Path(args.out_dir), "failover", record, table(record))
     return 0
 
 

@@ -12,12 +12,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mimi_code2wav import client as client_package
 from mimi_code2wav.client.perf_inputs import describe, input_data
+from mimi_code2wav.client.protocol import FRAMES_PER_SECOND
 
-from .points import FRAMES_PER_S_REAL_TIME, SweepLoad, SweepPoint
 from .provenance import REPO_ROOT
+
+if TYPE_CHECKING:
+    from .sweep import SweepLoad, SweepPoint
 
 PERF_SH = Path(client_package.__file__).resolve().parent / "perf.sh"
 
@@ -49,7 +53,7 @@ def perf_load(point: SweepPoint, load: SweepLoad, mean_frames_per_step: float,
     """perf_analyzer's load flags for the point, its request count and (paced) its request rate.
     Unpaced, `request_rate_estimate` sizes the count so that the point lasts about point_seconds."""
     if point.paced:
-        rate = point.streams * FRAMES_PER_S_REAL_TIME / mean_frames_per_step
+        rate = point.streams * FRAMES_PER_SECOND / mean_frames_per_step
         # perf_analyzer 2.51 requires the request count to be at least the rate.
         count = max(math.ceil(rate * load.point_seconds), math.ceil(rate), 2 * point.streams)
         return (["--request-rate-range", f"{rate:.4f}", "--num-of-sequences", str(point.streams), "--serial-sequences"],

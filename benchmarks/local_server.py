@@ -14,9 +14,9 @@ import numpy as np
 
 from mimi_code2wav.client.stream import ClientError
 from mimi_code2wav.export.serving_flags import add_serving_arguments, serving_from_args
+from mimi_code2wav.server.serve import LOCAL_TARGETS
+from mimi_code2wav.server.triton import log_tail
 
-from ..serve import LOCAL_TARGETS
-from ..triton import log_tail
 from .profile import PointProfile
 from .provenance import REPO_ROOT, timed
 
@@ -52,7 +52,7 @@ class LocalServer:
                    f"(code2wav) / {args.max_queue_delay_us} us (decoder), log {_shown(log_path)}")
 
     def start(self, ports: dict | None = None) -> None:
-        from ..triton import running_server
+        from mimi_code2wav.server.triton import running_server
 
         self._context = running_server(self.repository, log_path=self.log_path, ready_timeout_s=120.0, **(ports or {}))
         self.server = self._context.__enter__()

@@ -1,9 +1,9 @@
-"""`code2wav-server record`: docs/benchmarks.md and the README's headline table, rendered from the
+"""`python -m benchmarks record`: docs/benchmarks.md and the README's headline table, rendered from the
 benchmark JSON kept in docs/benchmarks/ (one file per kind, the latest run of each).
 
-    code2wav-server record                                      render docs/benchmarks.md and the README block
-    code2wav-server record --add bench_results/bench.json ...   copy runs in (as docs/benchmarks/<kind>.json), render
-    code2wav-server record --check                              exit 1 when either is not what the JSON renders
+    python -m benchmarks record                                      render docs/benchmarks.md and the README block
+    python -m benchmarks record --add bench_results/bench.json ...   copy runs in (as docs/benchmarks/<kind>.json), render
+    python -m benchmarks record --check                              exit 1 when either is not what the JSON renders
 
 The record is generated, never edited by hand: tests/test_benchmark_record.py renders the committed
 JSON and compares. Every section is one run, stamped with its machine, command, commit and date.
@@ -23,7 +23,7 @@ from .duplex import duplex_markdown
 from .failover import table as failover_markdown
 from .gpu import gpu_markdown
 from .memory import memory_markdown
-from .provenance import REPO_ROOT, stamp
+from .provenance import REPO_ROOT, record_json, stamp
 from .report import sweep_markdown
 from .resume import resume_markdown
 from .step_profile import step_profile_markdown
@@ -49,28 +49,28 @@ def _sweep(results: dict) -> str:
 
 
 SECTIONS = (
-    Section("duplex-python-ort", "The duplex tick: the python-ort decoder", duplex_markdown, "code2wav-server duplex"),
+    Section("duplex-python-ort", "The duplex tick: the python-ort decoder", duplex_markdown, "python -m benchmarks duplex"),
     Section("duplex-onnxruntime", "The duplex tick: the native onnxruntime decoder", duplex_markdown,
-            "code2wav-server duplex --decoder onnxruntime"),
+            "python -m benchmarks duplex --decoder onnxruntime"),
     Section("duplex-null", "The duplex tick: the null decoder (the front's ceiling)", duplex_markdown,
-            "code2wav-server duplex --decoder null"),
-    Section("duplex-url", "The duplex tick: a running server", duplex_markdown, "code2wav-server duplex --url HOST:PORT"),
-    Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m mimi_code2wav.server.bench.decoder"),
+            "python -m benchmarks duplex --decoder null"),
+    Section("duplex-url", "The duplex tick: a running server", duplex_markdown, "python -m benchmarks duplex --url HOST:PORT"),
+    Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m benchmarks decoder"),
     Section("step-profile", "The decoder step's kernel time by op type", step_profile_markdown,
-            "python -m mimi_code2wav.server.bench.step_profile --baseline EXPORT_DIR"),
-    Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m mimi_code2wav.server.bench.gpu"),
-    Section("triton-python-ort", "Through Triton: the python-ort decoder", _sweep, "code2wav-server bench"),
+            "python -m benchmarks step-profile --baseline EXPORT_DIR"),
+    Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m benchmarks gpu"),
+    Section("triton-python-ort", "Through Triton: the python-ort decoder", _sweep, "python -m benchmarks sweep"),
     Section("triton-onnxruntime", "Through Triton: the native onnxruntime decoder", _sweep,
-            "code2wav-server bench --decoder onnxruntime"),
+            "python -m benchmarks sweep --decoder onnxruntime"),
     Section("triton-null", "Through Triton: the null decoder (the front's ceiling)", _sweep,
-            "code2wav-server bench --decoder null"),
-    Section("triton-url", "Through Triton: a running server", _sweep, "code2wav-server bench --url HOST:PORT"),
+            "python -m benchmarks sweep --decoder null"),
+    Section("triton-url", "Through Triton: a running server", _sweep, "python -m benchmarks sweep --url HOST:PORT"),
     Section("memory", "Server memory against live streams: the python-ort decoder", memory_markdown,
-            "code2wav-server memory"),
+            "python -m benchmarks memory"),
     Section("memory-onnxruntime", "Server memory against live streams: the native onnxruntime decoder",
-            memory_markdown, "code2wav-server memory --decoder onnxruntime"),
-    Section("resume", "Resume by replay", resume_markdown, "python -m mimi_code2wav.server.bench.resume"),
-    Section("failover", "A replica killed under live streams", failover_markdown, "code2wav-server failover"),
+            memory_markdown, "python -m benchmarks memory --decoder onnxruntime"),
+    Section("resume", "Resume by replay", resume_markdown, "python -m benchmarks resume"),
+    Section("failover", "A replica killed under live streams", failover_markdown, "python -m benchmarks failover"),
 )
 KINDS = {section.kind: section for section in SECTIONS}
 
@@ -110,10 +110,10 @@ def render_record(directory: Path = RECORD_DIR) -> str:
     lines = [
         "# Benchmark record",
         "",
-        "Generated by `code2wav-server record` (`make record`) from the JSON in [benchmarks/](benchmarks/): "
+        "Generated by `python -m benchmarks record` (`make record`) from the JSON in [benchmarks/](benchmarks/): "
         "do not edit it by hand. Each section is the latest run of one benchmark, stamped with its machine, "
         "command, commit and date. To record a fresh run, give its JSON to "
-        "`code2wav-server record --add bench_results/bench.json`: it replaces that benchmark's run and "
+        "`python -m benchmarks record --add bench_results/bench.json`: it replaces that benchmark's run and "
         "renders this file and the README's headline table again.",
         "",
     ]
@@ -188,7 +188,7 @@ def add_run(path: Path, directory: Path = RECORD_DIR) -> Path:
     run = read_run(path)
     target = Path(directory) / f"{run['meta']['kind']}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(run, indent=2) + "\n")
+    target.write_text(record_json(run))
     return target
 
 

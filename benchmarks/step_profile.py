@@ -1,7 +1,7 @@
 """Where the exported decoder step spends its time in ONNX Runtime: kernel time by op type, and the
 speed of one export against another in the same run.
 
-  python -m mimi_code2wav.server.bench.step_profile [--export DIR] [--baseline DIR] [--batches 8 1]
+  python -m benchmarks step-profile [--export DIR] [--baseline DIR] [--batches 8 1]
                                                     [--threads 2] [--out bench_results/step-profile]
 
 Without --export the step is exported from seeded random weights (speed does not depend on them);
@@ -12,7 +12,7 @@ frame after warm-up steps, and the kernel time of each op type is summed. Ops th
 time is what a state layout is judged by. With --baseline both models are also timed without the
 profiler, in alternating rounds, and the table gives the median time per step and the ratio.
 
-Prints the tables and writes `step_profile.json` (`code2wav-server record --add` records it) and
+Prints the tables and writes `step_profile.json` (`python -m benchmarks record --add` records it) and
 `step_profile.md` to --out.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .provenance import command_line, run_meta, stamp
+from .provenance import command_line, run_meta, write_run
 
 # Ops whose kernels move or duplicate bytes without arithmetic.
 COPY_OPS = frozenset({
@@ -175,9 +175,7 @@ def _export_fresh(work: Path, args) -> Path:
     return work
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.server.bench.step_profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export", type=Path, help="export folder to profile (default: export one now)")
     parser.add_argument("--baseline", type=Path, help="export folder to time and profile against")
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 1])
@@ -189,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="of the export made without --export")
     parser.add_argument("--weights", type=Path, help="moshi-format .safetensors for the export made without --export")
     parser.add_argument("--out", type=Path, default=Path("bench_results") / "step-profile")
-    args = parser.parse_args(argv)
 
-    meta = run_meta("step-profile", command_line("python -m mimi_code2wav.server.bench.step_profile", argv))
+
+def run(args: argparse.Namespace) -> int:
+    meta = run_meta("step-profile", command_line())
     folders = {"export": args.export or _export_fresh(Path(tempfile.mkdtemp(prefix="mimi-export-")), args)}
     if args.baseline:
         folders = {"baseline": args.baseline, **folders}
@@ -204,14 +203,6 @@ def main(argv: list[str] | None = None) -> int:
         points.append(point)
     results = {"meta": meta, "threads": args.threads, "exports": {name: str(path) for name, path in folders.items()},
                "points": points}
-    table = f"{stamp(meta)}\n\n{step_profile_markdown(results)}"
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_profile.md").write_text(table + "\n")
-    (args.out / "step_profile.json").write_text(json.dumps(results, indent=2) + "\n")
-    _log(f"wrote {args.out / 'step_profile.md'} and {args.out / 'step_profile.json'}")
+    write_run(args.out, "step_profile", results, step_profile_markdown(results))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

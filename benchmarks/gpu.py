@@ -1,6 +1,6 @@
 """GPU throughput estimate: the step module in PyTorch on CUDA, eager and as a CUDA graph.
 
-  python -m mimi_code2wav.server.bench.gpu [--batches 1 8 64 256] [--frames-per-call 1 2] [--dtype float32|float16]
+  python -m benchmarks gpu [--batches 1 8 64 256] [--frames-per-call 1 2] [--dtype float32|float16]
                              [--seconds 3] [--out bench_results]
 
 Runs on a machine with a CUDA GPU and PyTorch built with CUDA (no TensorRT or onnxruntime-gpu
@@ -14,15 +14,15 @@ streams at real time = frames/s / 12.5) and writes `gpu.json` + `gpu.md`. Exits 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from .provenance import command_line, run_meta, stamp
+from mimi_code2wav.client.protocol import FRAMES_PER_SECOND
+
+from .provenance import command_line, run_meta, write_run
 
 EXIT_NO_CUDA = 3
-FRAMES_PER_SECOND = 12.5
 
 
 def _time_cuda(run, seconds: float, warmup: int = 3) -> float:
@@ -86,16 +86,15 @@ def gpu_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.server.bench.gpu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--frames-per-call", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--kv-cache-dtype", choices=("float32", "float16"), default="float32")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
@@ -124,15 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     name = torch.cuda.get_device_name(0)
-    results = {"meta": run_meta("gpu", command_line("python -m mimi_code2wav.server.bench.gpu", argv), gpu=name),
+    results = {"meta": run_meta("gpu", command_line(), gpu=name),
                "gpu": name, "torch": torch.__version__, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}
-    table = f"{stamp(results['meta'])}\n\n{gpu_markdown(results)}"
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu.md").write_text(table + "\n")
-    (args.out / "gpu.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_run(args.out, "gpu", results, gpu_markdown(results))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

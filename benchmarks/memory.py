@@ -1,6 +1,6 @@
-"""`code2wav-server memory`: the server's memory against live streams, and after they expire.
+"""`python -m benchmarks memory`: the server's memory against live streams, and after they expire.
 
-    code2wav-server memory [--streams 16,32,64] [--steps 1,4,4] [--idle-timeout-s 4]
+    python -m benchmarks memory [--streams 16,32,64] [--steps 1,4,4] [--idle-timeout-s 4]
                            [--out-dir bench_results] [--build-dir build/memory]
 
 Starts a local server (`--decoder`, python-ort by default; seeded random weights, its own build folder and ports)
@@ -16,7 +16,6 @@ or leaks). Prints a table and writes OUT_DIR/memory.json and memory.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import Future
@@ -26,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mimi_code2wav.client.stream import random_codes
+from mimi_code2wav.client.stream import SAMPLES_PER_FRAME, random_codes
+from mimi_code2wav.server.processes import group_pids, process_role
+from mimi_code2wav.server.serve import LOCAL_TARGETS
+from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
-from ..processes import group_pids, process_role
-from ..serve import LOCAL_TARGETS
-from ..triton import fetch_metrics, metric_value
-from .provenance import REPO_ROOT, command_line, run_meta, stamp
+from .provenance import REPO_ROOT, command_line, run_meta, write_run
 
 MIB = 2**20
 
@@ -109,7 +108,7 @@ def open_streams(url: str, first_id: int, count: int, steps: list[int], seed: in
                 pending.append(done)
             for done in pending:
                 samples = done.result(timeout=180).as_numpy("model_outputs").size
-                if samples != size * 1920:
+                if samples != size * SAMPLES_PER_FRAME:
                     raise RuntimeError(f"a step of {size} frames returned {samples} samples")
             start += size
 
@@ -169,11 +168,6 @@ def memory_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(results: dict) -> str:
-    """memory.md: the run's stamp, then the table."""
-    return f"Server memory against live streams.\n{stamp(results['meta'])}\n\n{memory_markdown(results)}"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", default="16,32,64",
                         help="live-stream counts to measure at, ascending (default %(default)s)")
@@ -191,8 +185,7 @@ def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.pipeline import prepare_local_repository
     from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, set_idle_timeout
     from mimi_code2wav.export.spec import DecoderSpec
-
-    from ..triton import running_server
+    from mimi_code2wav.server.triton import running_server
 
     counts = sorted({int(v) for v in args.streams.split(",") if v.strip()})
     steps = [int(v) for v in args.steps.split(",") if v.strip()]
@@ -234,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     results = {
         "meta": {
             **run_meta("memory" if args.decoder == "python-ort" else f"memory-{args.decoder}",
-                       command_line("code2wav-server")),
+                       command_line()),
             "decoder": args.decoder,
             "state_mib_per_stream": state_mib, "steps": steps, "idle_timeout_s": args.idle_timeout_s,
         },
@@ -247,11 +240,6 @@ def run(args: argparse.Namespace) -> int:
             "after_second_expiry_over_idle": rows[-1]["pss_mib"] / idle["pss_mib"],
         },
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "memory.json").write_text(json.dumps(results, indent=2))
-    report = markdown_report(results)
-    (args.out_dir / "memory.md").write_text(report + "\n")
-    print(report)
-    print(f"wrote {args.out_dir}/memory.md and memory.json")
+    write_run(args.out_dir, "memory", results, "Server memory against live streams.\n\n" + memory_markdown(results))
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
+import math
 import os
 import platform
 import shlex
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def cpu_model() -> str:
@@ -45,9 +47,9 @@ def git_commit() -> str:
     return commit + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
-def command_line(program: str, argv: list[str] | None = None) -> str:
-    """The command as a user types it: `program` and the arguments (this process's by default)."""
-    return " ".join([program, *([shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])])
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as a user types it: `python -m benchmarks` and the arguments (this process's by default)."""
+    return " ".join(["python -m benchmarks", *([shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])])
 
 
 def run_meta(kind: str, command: str, gpu: str | None = None) -> dict:
@@ -76,3 +78,37 @@ def timed(run, seconds: float, warmup: int = 2, min_calls: int = 5) -> float:
         run()
         samples.append(time.perf_counter() - begin)
     return float(np.median(samples))
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return float(f"{value:.6g}") if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(item) for item in value]
+    return value
+
+
+def record_json(run: dict) -> str:
+    """A run's JSON as results and the record store it: one line per top-level key and per row of a
+    list of rows, floats to 6 significant digits (more than any table shows)."""
+    lines = []
+    for key, value in _rounded(run).items():
+        if isinstance(value, list) and value and all(isinstance(item, (dict, list)) for item in value):
+            rows = ",\n".join(f"    {json.dumps(item)}" for item in value)
+            lines.append(f"  {json.dumps(key)}: [\n{rows}\n  ]")
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def write_run(out_dir: Path, name: str, results: dict, table: str) -> None:
+    """Print a run's table under its stamp and write it as OUT_DIR/NAME.md, its results as NAME.json."""
+    text = f"{stamp(results['meta'])}\n\n{table}"
+    print(text)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.md").write_text(text + "\n")
+    (out_dir / f"{name}.json").write_text(record_json(results))
+    print(f"wrote {out_dir / name}.md and .json", file=sys.stderr, flush=True)

@@ -1,26 +1,26 @@
-"""Resume by replay, measured (`export.resume.measure_resume`): its command line, JSON, table and plot.
+"""Resume by replay, measured (`resume_snr.measure_resume`): its command line, JSON, table and plot.
 
-  python -m mimi_code2wav.server.bench.resume [--weights SRC | --seed N] [--streams 4] [--resume-frame 600]
+  python -m benchmarks resume [--weights SRC | --seed N] [--streams 4] [--resume-frame 600]
       [--history-frames 0 12 25 62 125 250 500] [--codes codes.npy] [--threads N]
       [--out bench_results/resume_snr.json] [--svg bench_results/resume_snr.svg]
 
 For every history length R it reports the SNR of the first 1 s (13 frames) and the first 10 s
 (125 frames) after the resume point, resumed vs uninterrupted, per stream, and the same for a
 replay of the whole history (which must be exact: the check that the measurement itself is sound),
-for both ways of starting the resumed state (`restart`, `continue`; see `export.resume`).
+for both ways of starting the resumed state (`restart`, `continue`; see `resume_snr`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from mimi_code2wav.export.resume import (
+from .provenance import command_line, record_json, run_meta, stamp
+from .resume_snr import (
     DEFAULT_HISTORY_FRAMES,
     DEFAULT_WINDOW_FRAMES,
     FULL_HISTORY_MIN_SNR_DB,
@@ -28,8 +28,6 @@ from mimi_code2wav.export.resume import (
     ResumeMeasurement,
     measure_resume,
 )
-
-from .provenance import command_line, run_meta, stamp
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -153,9 +151,7 @@ def svg_plot(result: ResumeMeasurement, frame_rate_hz: float, mode: str = "resta
     return "\n".join(parts) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.server.bench.resume", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="Mimi weights (transformers folder, moshi .safetensors or hub id); "
                         "default: seeded random weights of the real architecture")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -172,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/resume_snr.json"))
     parser.add_argument("--svg", type=Path, default=Path("bench_results/resume_snr.svg"))
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     import warnings
 
     import torch
@@ -184,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    meta = run_meta("resume", command_line("python -m mimi_code2wav.server.bench.resume", argv))
+    meta = run_meta("resume", command_line())
     started = time.perf_counter()
     loaded = load_weights(args.weights) if args.weights else load_weights(None, seed=args.seed)
     step = MimiDecoderStep(loaded.model, num_codebooks=args.num_codebooks,
@@ -213,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{stamp(meta)}\n\n{resume_markdown(report)}")
     print(f"\nfull-history replay: min SNR {_fmt(full_min)} dB (must be >= {FULL_HISTORY_MIN_SNR_DB:g})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.write_text(record_json(report))
     if args.svg:
         args.svg.parent.mkdir(parents=True, exist_ok=True)
         title = f"Resume by replay ({loaded.source}, {codes.shape[0]} streams, position restarted)"
@@ -221,6 +218,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}" + (f" and {args.svg}" if args.svg else ""), file=sys.stderr)
     return 0 if full_min >= FULL_HISTORY_MIN_SNR_DB else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

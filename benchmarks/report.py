@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mimi_code2wav.client.stream import FRAME_DURATION_S
+from mimi_code2wav.client.protocol import FRAME_DURATION_S, FRAMES_PER_SECOND
 
-from .points import FRAMES_PER_S_REAL_TIME, PACED_KEEPS_REAL_TIME
 from .profile import SERVER_ROLES, PointProfile
 from .provenance import stamp
 
+PACED_KEEPS_REAL_TIME = 0.99  # slowest stream's RTF: paced streams cannot exceed 1, jitter costs ~1%
 CRASH_MARK = " (†)"
 
 
@@ -137,7 +137,7 @@ def _perf_table(rows: list[dict], heading: str) -> list[str]:
     lines = _table_start("perf", heading)
     for row in rows:
         head = f"| {row['chunk_frames']} | {streams_cell(row)}"
-        needed = _fmt(row["streams"] * FRAMES_PER_S_REAL_TIME)
+        needed = _fmt(row["streams"] * FRAMES_PER_SECOND)
         if "error" in row:
             lines.append(f"{head} | {row['error']} | | {needed} | | | | | |")
             continue
@@ -211,7 +211,7 @@ def plot(results: dict, path: Path) -> bool:
         throughput_axes.plot(streams, [r["frames_per_s"] for r in points], style, marker=marker, color=color, label=label)
     all_streams = sorted({r["streams"] for r in results["client"] + results["perf"]})
     if all_streams:
-        throughput_axes.plot(all_streams, [s * FRAMES_PER_S_REAL_TIME for s in all_streams], ":", color="gray",
+        throughput_axes.plot(all_streams, [s * FRAMES_PER_SECOND for s in all_streams], ":", color="gray",
                              label="real time (12.5 frames/s per stream)")
     latency_axes.set(xlabel="concurrent streams", ylabel="request latency (ms, log scale)", title="Latency per request",
                      yscale="log")

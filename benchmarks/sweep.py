@@ -1,0 +1,258 @@
+"""Benchmark code2wav through Triton: unpaced streams x request sizes, and paced live streams.
+
+    python -m benchmarks sweep [--url HOST:PORT] [--decoder python-ort|null] [--streams 1,8,32]
+                          [--chunk-frames 1,4,16] [--paced-streams 4,8,12,16,24,32] [--frames 96]
+                          [--point-seconds 5] [--out-dir bench_results] [--no-client] [--no-perf]
+                          [the serving flags of `code2wav-export render`: --front-instances 1 ...]
+
+Without --url (or $URL) it starts a local server first, as `make serve` does but from its own build
+folder (build/bench, seeded random weights unless --weights: speed does not depend on the weight
+values), with the python-ort decoder or, with `--decoder null`, the null decoder (the decoder's
+interface returning silence at once): that run measures the front's own ceiling, what gRPC, code2wav
+and the sequence-batcher hop carry, which bounds what any decoder behind it can be given.
+
+- Unpaced, for every request size F (`--chunk-frames`) and number of streams N: the streaming
+  client (client.stream; a first request of 1 frame, then F frames, with frame_offset) and
+  perf_analyzer (client/perf.sh, `--concurrency-range N`, deltas): requests/s, frames/s, request
+  p50/p99, first-chunk latency, the decoder's mean batch.
+- Paced live streams (1 frame per request, each request leaving when its frame would exist, 80 ms
+  apart) for growing N until one stream falls behind: the most streams that keep real time; then
+  the same with catch-up (one request in flight per stream, each with every frame produced since
+  the last), what a live client does when the server runs behind.
+- Triton overhead per request: the 1-stream request p50 minus the same ONNX step run directly in
+  ONNX Runtime (batch 1, F frames, in this process) when the export is at hand.
+Results go to OUT_DIR: bench.md (tables), bench.json (`python -m benchmarks record --add` records it),
+bench.png (latency and throughput against streams) and raw/ (perf_analyzer CSVs and reports). The
+load generators run on the same CPU cores as the server, and the tables say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mimi_code2wav.client.stream import ClientError, Code2WavStreamer, StreamOptions, random_codes
+
+from .local_server import LocalServer, add_server_arguments, decoder_step_ms, measured_server
+from .perf import run_perf_point
+from .profile import PointProfile, settle_gc
+from .provenance import REPO_ROOT, command_line, record_json, run_meta
+from .report import PACED_KEEPS_REAL_TIME, markdown_report, plot, summarize
+
+
+@dataclass(frozen=True)
+class SweepLoad:
+    """What every point of a sweep sends: streams of `frames` frames of random codes (stream i seeded
+    `seed + i`), each perf_analyzer point lasting about `point_seconds`."""
+
+    frames: int
+    seed: int
+    point_seconds: float
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """`streams` concurrent streams, `chunk_frames` frames per request after the first. Unpaced: each
+    stream sends its next request when the last returned. Paced: each request leaves when its frame
+    would exist; with `catch_up`, one request in flight per stream, carrying every frame since the last."""
+
+    streams: int
+    chunk_frames: int
+    paced: bool = False
+    catch_up: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.paced:
+            return f"{self.streams} paced live stream(s)" + (", catching up" if self.catch_up else "")
+        return f"{self.streams} stream(s) unpaced, {self.chunk_frames} frame(s) per request"
+
+    def row(self) -> dict:
+        """The point's fields as they head its result row."""
+        fields = {"streams": self.streams, "paced": self.paced, "chunk_frames": self.chunk_frames}
+        return {**fields, "catch_up": self.catch_up} if self.paced else fields
+
+
+def run_client_point(url: str, point: SweepPoint, load: SweepLoad) -> dict:
+    """The point's streams through `Code2WavStreamer`: latency, real-time factor, throughput."""
+    codes = [random_codes(load.frames, load.seed + i) for i in range(point.streams)]
+    options = StreamOptions(chunk_frames=point.chunk_frames, paced=point.paced, catch_up=point.catch_up)
+    with Code2WavStreamer(url) as streamer:
+        report = streamer.run(codes, options)
+    stats = report.summary()
+    sizes = [frames for result in report.results for frames in result.chunk_frames]
+    return {
+        "streams": point.streams, "paced": point.paced, "catch_up": point.catch_up, "chunk_frames": point.chunk_frames,
+        "frames_per_request_mean": float(np.mean(sizes)),
+        "first_chunk_ms": stats["first_chunk_latency_ms_mean"],
+        "first_chunk_ms_max": stats["first_chunk_latency_ms_max"],
+        "p50_ms": stats["chunk_latency_ms_p50"], "p90_ms": stats["chunk_latency_ms_p90"],
+        "p99_ms": stats["chunk_latency_ms_p99"],
+        "real_time_factor": stats["real_time_factor"],
+        "real_time_factor_per_stream_min": stats["real_time_factor_per_stream_min"],
+        "frames_per_s": stats["frames_per_s"],
+        "requests_per_s": stats["requests"] / stats["wall_s"], "requests": stats["requests"],
+    }
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Sweep:
+    """The points of one run against one server (`url`, or the `local` server it started); rows go
+    to `client` and `perf`, failed points are counted in `failures`."""
+
+    def __init__(self, load: SweepLoad, raw_dir: Path, url: str | None = None, local: LocalServer | None = None):
+        self.load, self.raw_dir, self._url, self.local = load, raw_dir, url, local
+        self.client: list[dict] = []
+        self.perf: list[dict] = []
+        self.failures = 0
+
+    @property
+    def url(self) -> str:
+        return self._url or self.local.url
+
+    def server_alive(self) -> bool:
+        return self.local is None or self.local.server.is_alive()
+
+    def warm_up(self, chunk_frames: list[int]) -> None:
+        """The first requests of a fresh server pay one-off set-up costs: they are not measured."""
+        with Code2WavStreamer(self.url) as streamer:
+            streamer.check_ready()
+            for chunk in chunk_frames:
+                streamer.run([random_codes(2 * chunk + 1, self.load.seed)], StreamOptions(chunk_frames=chunk))
+
+    def measure(self, point: SweepPoint, run: Callable[[str], dict]) -> dict:
+        """One point, profiled. A local server that dies during it is restarted and the point
+        measured once more; the row records the crash (a second crash leaves the error)."""
+        for attempt in (1, 2):
+            settle_gc()
+            profile = self.local.profile() if self.local is not None else PointProfile(None, None)
+            profile.start()
+            try:
+                row = run(self.url)
+            except Exception as exc:  # a dying server also fails the client's gRPC stream itself
+                row = {"error": f"{type(exc).__name__}: {exc}"}
+            if not self.server_alive():
+                why = self.local.restart()
+                _log(f"{point.label}: {why}\nrestarted the server")
+                if attempt == 1:
+                    continue
+                row.setdefault("error", "the server crashed twice")
+            if "error" not in row:
+                row["profile"] = profile.finish(row.get("requests", 0))
+            if attempt == 2:
+                row["after_server_crash"] = True
+            row = {**point.row(), **row}
+            self.failures += "error" in row
+            return row
+
+    def unpaced(self, point: SweepPoint, client: bool, perf: bool) -> None:
+        """The point with the streaming client, then with perf_analyzer (its length sized by the
+        client's request rate when the client ran)."""
+        request_rate_estimate = None
+        if client:
+            _log(f"client        {point.label} ...")
+            row = self.measure(point, lambda url: run_client_point(url, point, self.load))
+            request_rate_estimate = row.get("requests_per_s")
+            self.client.append(row)
+        if perf:
+            _log(f"perf_analyzer {point.label} ...")
+            self.perf.append(self.measure(point, lambda url: run_perf_point(
+                url, point, self.load, request_rate_estimate, self.raw_dir, self.server_alive)))
+
+    def paced(self, streams: list[int], catch_up: bool) -> None:
+        """Paced live streams, more each time, until one stream falls behind real time."""
+        for count in streams:
+            point = SweepPoint(count, 1, paced=True, catch_up=catch_up)
+            _log(f"client        {point.label} ...")
+            row = self.measure(point, lambda url, point=point: run_client_point(url, point, self.load))
+            self.client.append(row)
+            if "error" in row or row["real_time_factor_per_stream_min"] < PACED_KEEPS_REAL_TIME:
+                break  # more streams fall further behind
+
+
+def parse_counts(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("comma-separated integers >= 1")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser)
+    parser.add_argument("--streams", type=parse_counts, default=[1, 8, 32], help="unpaced sweep (default 1,8,32)")
+    parser.add_argument("--chunk-frames", type=parse_counts, default=[1, 4, 16],
+                        help="frames per request after the first, swept (default 1,4,16)")
+    parser.add_argument("--paced-streams", type=parse_counts, default=[4, 8, 12, 16, 24, 32],
+                        help="paced live streams, tried in turn until one falls behind (default 4,8,12,16,24,32)")
+    parser.add_argument("--frames", type=int, default=96, help="frames per stream (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the codes; stream i uses seed + i")
+    parser.add_argument("--point-seconds", type=float, default=5.0, help="approximate seconds per perf_analyzer point")
+    parser.add_argument("--onnx", type=Path, help="the served ONNX step, for the overhead column (a local server's is known)")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go (default bench_results/)")
+    parser.add_argument("--no-client", action="store_true", help="skip the streaming-client runs")
+    parser.add_argument("--no-perf", action="store_true", help="skip perf_analyzer")
+
+
+def _meta(args: argparse.Namespace, server: str, url: str) -> dict:
+    local = not args.url
+    return {
+        **run_meta(f"triton-{args.decoder}" if local else "triton-url", command_line()),
+        "server": server, "url": url, "decoder": args.decoder if local else None,
+        "front_instances": args.front_instances if local else None,
+        "queue_delay_us": {"code2wav": args.front_queue_delay_us, "mimi_decoder": args.max_queue_delay_us} if local else None,
+        "frames": args.frames, "chunk_frames": args.chunk_frames, "streams": args.streams,
+        "paced_streams": args.paced_streams,
+    }
+
+
+def _measure(args: argparse.Namespace, raw_dir: Path, local: LocalServer | None) -> tuple[dict, int]:
+    """The sweep's results (without the summary) and its failed points."""
+    onnx_path = args.onnx or (local.onnx_path if local is not None else None)
+    sweep = Sweep(SweepLoad(args.frames, args.seed, args.point_seconds), raw_dir, url=args.url, local=local)
+    sweep.warm_up(args.chunk_frames)
+    results = {"meta": _meta(args, local.description if local else f"running server at {args.url}", sweep.url),
+               "client": sweep.client, "perf": sweep.perf, "decoder_step_ms": {}}
+    if onnx_path is not None:
+        print("the ONNX step alone, batch 1 ...", file=sys.stderr, flush=True)
+        results["decoder_step_ms"] = decoder_step_ms(onnx_path, args.chunk_frames)
+    elif not args.url and args.decoder == "null":
+        results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
+    for chunk, streams in itertools.product(args.chunk_frames, args.streams):
+        sweep.unpaced(SweepPoint(streams, chunk), client=not args.no_client, perf=not args.no_perf)
+    if not args.no_client:
+        for catch_up in (False, True):
+            sweep.paced(args.paced_streams, catch_up)
+    if local is not None and local.crashes:
+        results["meta"]["server_crashes"] = local.crashes
+    return results, sweep.failures
+
+
+def run(args: argparse.Namespace) -> int:
+    raw_dir = args.out_dir / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with measured_server(args) as local:
+            results, failures = _measure(args, raw_dir, local)
+    except ClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    results["summary"] = summarize(results)
+    (args.out_dir / "bench.json").write_text(record_json(results))
+    report = markdown_report(results)
+    (args.out_dir / "bench.md").write_text(report + "\n")
+    plotted = plot(results, args.out_dir / "bench.png")
+    print(report)
+    print(f"wrote {args.out_dir}/bench.md, bench.json" + (", bench.png" if plotted else " (no plot: matplotlib is not installed)")
+          + " and raw/")
+    if failures:
+        print(f"{failures} point(s) failed: see the tables and {raw_dir}", file=sys.stderr)
+    return 1 if failures else 0
