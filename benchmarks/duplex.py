@@ -234,14 +234,15 @@ def _codes(conversations: int, frames: int, seed: int) -> list[np.ndarray]:
 
 def run_threads(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float,
                 seed: int = 0, timeout_s: float = 30.0) -> TickResult:
-    """The conversations on the thread client: one `ResumableStream` (its own connection) and one
+    """The conversations on the thread client: one `Code2WavStream` (its own connection) and one
     thread each."""
-    from mimi_code2wav.client.stream import ResumableStream, StreamOptions
+    from mimi_code2wav.client.protocol import StreamOptions
+    from mimi_code2wav.client.sync import Code2WavClient
 
     codes = _codes(conversations, frames, seed)
     logs = [ConversationLog(frames) for _ in codes]
-    options = StreamOptions(response_timeout_s=timeout_s)
-    streams = [ResumableStream(url, options) for _ in codes]
+    client = Code2WavClient(url, StreamOptions(response_timeout_s=timeout_s))
+    streams = [client.stream() for _ in codes]
     stop_event, failures = threading.Event(), []
     start_s = time.perf_counter() + 0.5
     cpu_start_s = time.process_time()
@@ -268,7 +269,7 @@ def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_
               seed: int = 0, timeout_s: float = 30.0) -> TickResult:
     """The conversations on the asyncio client: one `Code2WavClient` (one channel), one task each."""
     from mimi_code2wav.client.aio import Code2WavClient
-    from mimi_code2wav.client.stream import StreamOptions
+    from mimi_code2wav.client.protocol import StreamOptions
 
     codes = _codes(conversations, frames, seed)
     logs = [ConversationLog(frames) for _ in codes]

@@ -1,7 +1,7 @@
 """`python -m benchmarks failover`: what live streams feel when a replica dies under them.
 
 N replicas behind nginx (`replicas.ReplicaSet`, free ports, a run folder of their own), S paced
-resumable streams (`client.stream.run_resumable`: one request in flight per stream, each request C
+resumable streams (`client.run_streams`: one request in flight per stream, each request C
 frames, sent when its last frame exists), and at `--kill-at-s` the replica holding the most streams
 gets `--signal` (SIGKILL: a crash; SIGSTOP: a hang, which resumable clients notice by their response
 timeout). Reported, as a table and as JSON in `--out-dir`:
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mimi_code2wav.client.stream import FRAME_DURATION_S, ClientError, StreamOptions, random_codes, run_resumable
+from mimi_code2wav.client.protocol import FRAME_DURATION_S, ClientError, StreamOptions, random_codes
 from mimi_code2wav.server.nginx import NginxError, replicas_by_stream
 from mimi_code2wav.server.replicas import ReplicaSet
 from mimi_code2wav.server.serve import add_repository_arguments, prepare_repository
@@ -55,7 +55,7 @@ def measure(args: argparse.Namespace, repository: Path) -> dict:
 
         def run_streams() -> None:
             try:
-                outcome["report"] = run_resumable(replica_set.proxy_grpc_url, codes, options,
+                outcome["report"] = run_streams(replica_set.proxy_grpc_url, codes, options,
                                                   sequence_ids=[1000 + n for n in range(args.streams)],
                                                   stream_keys=keys)
             except BaseException as error:  # reported below

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mimi_code2wav.client.stream import ClientError
+from mimi_code2wav.client.protocol import ClientError
 from mimi_code2wav.export.serving_flags import add_serving_arguments, serving_from_args
 from mimi_code2wav.server.serve import LOCAL_TARGETS
 from mimi_code2wav.server.triton import log_tail

@@ -76,7 +76,7 @@ def _summary_lines(results: dict) -> list[str]:
 # Each table of the sweep: title, what it shows, header row, alignment row.
 TABLES = {
     "client": (
-        "Streaming client (client.stream)",
+        "Streaming client (benchmarks/streamer.py)",
         "Unpaced: each stream sends its next request when the previous one returned. Paced: each request "
         "leaves when its frame would exist (80 ms per frame). Paced, catch-up: one request in flight per "
         "stream, each carrying every frame produced since the last (frames / request is then the mean). "

@@ -12,7 +12,7 @@ interface returning silence at once): that run measures the front's own ceiling,
 and the sequence-batcher hop carry, which bounds what any decoder behind it can be given.
 
 - Unpaced, for every request size F (`--chunk-frames`) and number of streams N: the streaming
-  client (client.stream; a first request of 1 frame, then F frames, with frame_offset) and
+  client (benchmarks/streamer.py: one bidirectional gRPC stream; a first request of 1 frame, then F frames, with frame_offset) and
   perf_analyzer (client/perf.sh, `--concurrency-range N`, deltas): requests/s, frames/s, request
   p50/p99, first-chunk latency, the decoder's mean batch.
 - Paced live streams (1 frame per request, each request leaving when its frame would exist, 80 ms
@@ -37,13 +37,15 @@ from pathlib import Path
 
 import numpy as np
 
-from mimi_code2wav.client.stream import ClientError, Code2WavStreamer, StreamOptions, random_codes
+from mimi_code2wav.client.protocol import ClientError, StreamOptions, random_codes
+from mimi_code2wav.client.sync import Code2WavClient
 
 from .local_server import LocalServer, add_server_arguments, decoder_step_ms, measured_server
 from .perf import run_perf_point
 from .profile import PointProfile, settle_gc
 from .provenance import REPO_ROOT, command_line, record_json, run_meta
 from .report import PACED_KEEPS_REAL_TIME, markdown_report, plot, summarize
+from .streamer import Code2WavStreamer
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,8 @@ class Sweep:
 
     def warm_up(self, chunk_frames: list[int]) -> None:
         """The first requests of a fresh server pay one-off set-up costs: they are not measured."""
+        Code2WavClient(self.url).check_ready()
         with Code2WavStreamer(self.url) as streamer:
-            streamer.check_ready()
             for chunk in chunk_frames:
                 streamer.run([random_codes(2 * chunk + 1, self.load.seed)], StreamOptions(chunk_frames=chunk))
 

@@ -6,7 +6,7 @@
                            [--resume] [--resume-history-frames 250] [--resume-timeout 30]
                            [--stream-key KEY] [--failover-url HOST:PORT ...]
 
-Argument parsing only: the decode command is `client.decode`, streaming is `client.streamer` and `client.resumable`. Needs
+Argument parsing only: the decode command is `client.decode`, streaming is `client.sync`. Needs
 numpy and tritonclient, never PyTorch.
 """
 

@@ -26,7 +26,7 @@
 whose `await decode(codes [8, F])` sends the next F frames (any F >= 1) as a delta with
 `frame_offset` and returns their PCM, and whose `await close()` ENDs it. Every request carries the
 gRPC header `code2wav-stream: <stream key>`, so a proxy hashing it keeps a conversation on one
-replica. The rules are the resumable client's (`plan.StreamPlan`, shared with `ResumableStream`):
+replica. The rules are the thread client's (`plan.StreamPlan`, which `sync.Code2WavStream` drives too):
 
 - a lost server (UNAVAILABLE, no answer within `options.response_timeout_s`, "shutting down", a
   server that forgot the sequence) is resumed by replay: a new sequence on the next URL (or where
@@ -52,7 +52,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .plan import Send, StreamPlan
+from .plan import PlannedStream, Send, StreamPlan
 from .protocol import (
     CHANNEL_ARGS,
     DEFAULT_OPTIONS,
@@ -62,12 +62,10 @@ from .protocol import (
     ClientError,
     RequestFailure,
     StreamOptions,
-    grpc_reason,
     infer_inputs,
-    model_state,
+    readiness,
     request_failure,
     response_pcm,
-    unreachable,
 )
 
 # Calls of one stream that may wait behind its request in flight.
@@ -129,26 +127,17 @@ class Code2WavClient:
         from tritonclient.utils import InferenceServerException
 
         for url in self.urls:
-            channel = self._channel(url)
-            try:
-                live = await channel.is_server_live(client_timeout=timeout_s)
-            except InferenceServerException as exc:
-                raise unreachable(url, exc) from None
-            if not live:
-                raise ClientError(f"Triton at {url} answers but is not live")
-            try:
-                ready = await channel.is_model_ready(self.options.model_name, client_timeout=timeout_s)
-            except InferenceServerException as exc:
-                raise ClientError(f"Triton at {url}: readiness of model '{self.options.model_name}' unknown: "
-                                  f"{grpc_reason(exc)}") from None
-            if not ready:
+            steps = readiness(url, self.options.model_name)
+            method, kwargs = next(steps)
+            while True:
                 try:
-                    state = model_state((await channel.get_model_repository_index(as_json=True)).get("models", []),
-                                        self.options.model_name)
-                except Exception:  # the index only decorates the message
-                    state = "state unknown"
-                raise ClientError(f"model '{self.options.model_name}' is not ready on Triton at {url} ({state}); "
-                                  "see the server log")
+                    outcome = await getattr(self._channel(url), method)(**kwargs, client_timeout=timeout_s)
+                except InferenceServerException as exc:
+                    outcome = exc
+                try:
+                    method, kwargs = steps.send(outcome)
+                except StopIteration:
+                    break
 
     def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
         """A new conversation. `sequence_id`: non-zero, default random; `stream_key`: what the proxy
@@ -179,12 +168,12 @@ class Code2WavClient:
         return response_pcm(result, f"{step.url}, sequence {stream.sequence_id}, {request.describe()}")
 
 
-class Code2WavStream(StreamPlan):
+class Code2WavStream(PlannedStream):
     """One conversation of a `Code2WavClient` (see the module's docstring). Read-only attributes:
     `sequence_id`, `stream_key`, `url`, `next_frame` (frames whose PCM came back), `ended`, `resumes`."""
 
     def __init__(self, client: Code2WavClient, sequence_id: int | None, stream_key: str | None):
-        super().__init__(client.urls, client.options, sequence_id, stream_key, time.monotonic)
+        self._plan = StreamPlan(client.urls, client.options, sequence_id, stream_key, time.monotonic)
         self._client = client
         self._turn = asyncio.Lock()  # held by the call whose request is in flight; FIFO: calls stay in order
         self._pending_calls = 0
@@ -203,7 +192,7 @@ class Code2WavStream(StreamPlan):
         if self._pending_calls > self.max_pending_calls:
             raise ClientError(f"stream {self.stream_key}: {self._pending_calls - 1} calls already wait behind "
                               f"the request in flight (max_pending_calls={self.max_pending_calls})")
-        call = _Call(*self.hand(codes, end), end, asyncio.get_running_loop().create_future())
+        call = _Call(*self._plan.hand(codes, end), end, asyncio.get_running_loop().create_future())
         self._queue.append(call)
         self._pending_calls += 1
         try:
@@ -223,9 +212,9 @@ class Code2WavStream(StreamPlan):
         waiting. Nothing is sent for a stream that never sent a frame, that ended, or whose server
         no longer holds it."""
         async with self._turn:
-            if self.ended or self.handed_frames == 0 or (self._needs_start and self.handed_frames == self.next_frame):
-                return
-            await self._exchange(self.handed_frames, self.handed_frames, True)
+            if self._plan.needs_end:
+                handed = self._plan.handed_frames
+                await self._exchange(handed, handed, True)
 
     @property
     def max_pending_calls(self) -> int:
@@ -259,7 +248,7 @@ class Code2WavStream(StreamPlan):
     async def _exchange(self, first: int, stop: int, end: bool) -> np.ndarray:
         """Drive `StreamPlan.exchange`: send what it asks for, wait what it asks; a cancelled call
         abandons it, leaving its frames owed."""
-        steps = self.exchange(first, stop, end)
+        steps = self._plan.exchange(first, stop, end)
         step = next(steps)
         while True:
             outcome = await (self._client._infer(self, step) if isinstance(step, Send) else asyncio.sleep(step))

@@ -1,7 +1,7 @@
 """`code2wav-client decode`: stream codes through a running server, print a summary, write WAV.
 
-The streaming itself is `client.streamer` and `client.resumable`; this module turns command-line choices into a run and its
-output (progress bar, summary table, WAV files).
+The streaming itself is `sync.run_streams` (the thread client); this module turns command-line choices into a run
+and its output (progress bar, summary table, WAV files).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from .protocol import (
     validate_codes,
 )
 from .report import RunReport
-from .resumable import StreamsFailed, run_resumable
-from .streamer import Code2WavStreamer
+from .sync import Code2WavClient, StreamsFailed, run_streams
 from .wav import write_wav
 
 # A progress bar is drawn only on a terminal and only for streams longer than this (20 s of audio).
@@ -167,25 +166,22 @@ def decode_command(args: argparse.Namespace) -> int:
         response_timeout_s=args.timeout,
         resume_history_frames=(DEFAULT_RESUME_HISTORY_FRAMES if args.resume_history_frames is None
                                else args.resume_history_frames),
+        resume=wants_resume(args),
         resume_timeout_s=DEFAULT_RESUME_TIMEOUT_S if args.resume_timeout is None else args.resume_timeout,
     )
     show_progress = args.progress if args.progress is not None else (sys.stderr.isatty() and codes.shape[1] >= PROGRESS_MIN_FRAMES)
     progress = ProgressBar() if show_progress else None
-    resumable = wants_resume(args)
-    with Code2WavStreamer(args.url, args.model) as streamer:
-        streamer.check_ready()
-        if not resumable:
-            report = streamer.run([codes] * args.streams, options, progress=progress)
-    if resumable:
-        # Failover servers are not checked first: they may be down now and up when needed.
-        servers = [args.url, *args.failover_url]
-        try:
-            report = run_resumable(servers, [codes] * args.streams, options,
-                                   stream_keys=stream_keys(args.stream_key, args.streams), progress=progress)
-        except StreamsFailed as failure:
-            if args.out is not None:
-                write_received(args, failure.received, codes.shape[1])
-            raise
+    servers = [args.url, *args.failover_url]
+    # Failover servers are not checked first: they may be down now and up when needed.
+    Code2WavClient(args.url, options).check_ready()
+    try:
+        report = run_streams(servers, [codes] * args.streams, options,
+                             stream_keys=stream_keys(args.stream_key, args.streams), progress=progress)
+    except StreamsFailed as failure:
+        if args.out is not None:
+            write_received(args, failure.received, codes.shape[1])
+        raise
+    if options.resume:
         report.extra["servers"] = servers
         for line in resume_lines(report):
             print(line, file=sys.stderr)

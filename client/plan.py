@@ -4,12 +4,12 @@
 last R frames whose audio came back (`ReplayBuffer`), the sequence's base, the URL it talks to. Its
 `exchange` is a generator that yields what to do (`Send` a request to a URL, or wait so many
 seconds), is sent the outcome (the answer's PCM, or a `RequestFailure`) and returns the call's PCM.
-The thread client (`resumable.ResumableStream`) and the asyncio client (`aio.Code2WavStream`) drive
-it, each with its own I/O, so both follow the same rules:
+The thread client (`sync.Code2WavStream`) and the asyncio client (`aio.Code2WavStream`) each hold
+one and drive it with their own I/O, so both follow the same rules:
 
 - frames go as deltas with `frame_offset` (or as the options say), START on the sequence's first
   request, END on the last;
-- a failure that a resume can fix (`protocol.request_failure`) STARTs the sequence again, on the next
+- a failure that a resume can fix (`protocol.request_failure`; unless `options.resume` is False) STARTs the sequence again, on the next
   URL, with `frame_offset` o = max(0, n - R), `history_frames` n - o: the kept frames [o, n), in pieces
   of `resume_piece_frames`, then the frames whose answer did not come back as new frames (n: the
   first of them). Attempts: at once, then after 0.1, 0.2, 0.4 ... 2 s, until `resume_timeout_s`;
@@ -186,6 +186,13 @@ class StreamPlan:
     def ended(self) -> bool:
         return self._ended
 
+    @property
+    def needs_end(self) -> bool:
+        """Whether closing the stream sends an END: frames were handed, the stream did not end, and the
+        server holds its sequence or frames are still owed."""
+        return not (self._ended or self.handed_frames == 0
+                    or (self._needs_start and self.handed_frames == self.next_frame))
+
     def hand(self, codes: np.ndarray, end: bool) -> tuple[int, int]:
         """Take the stream's next frames, codes [k, F] (F >= 1), the last ones with `end`; returns their
         stream indices [first, stop). They are owed until an answer brings their audio back."""
@@ -210,7 +217,7 @@ class StreamPlan:
         outcome = yield from self._send_all(requests)
         if isinstance(outcome, RequestFailure):
             self._needs_start = True
-            if not outcome.resumable:
+            if not outcome.resumable or not self.options.resume:
                 raise ClientError(f"{self._where(requests[-1])}: {outcome}")
             outcome, requests = yield from self._resume(new, end, outcome)
         if requests[0].start:
@@ -308,3 +315,37 @@ class StreamPlan:
                 frame=self.next_frame, stall_s=self._clock() - self._last_answer_s, error=str(failure),
                 attempts=attempts, url=self.url, history_frames=sum(r.history_frames for r in requests)))
             return outcome, requests
+
+
+class PlannedStream:
+    """What both drivers' streams show of their `StreamPlan` (`_plan`): read-only attributes."""
+
+    _plan: StreamPlan
+
+    @property
+    def sequence_id(self) -> int:
+        return self._plan.sequence_id
+
+    @property
+    def stream_key(self) -> str:
+        """The value of the gRPC header `code2wav-stream` on every request (what a proxy routes on)."""
+        return self._plan.stream_key
+
+    @property
+    def url(self) -> str:
+        """The server the stream's requests go to now."""
+        return self._plan.url
+
+    @property
+    def next_frame(self) -> int:
+        """Frames whose PCM came back."""
+        return self._plan.next_frame
+
+    @property
+    def ended(self) -> bool:
+        return self._plan.ended
+
+    @property
+    def resumes(self) -> list[Resume]:
+        """Each resume on a new sequence, in order."""
+        return self._plan.resumes

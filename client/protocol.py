@@ -2,7 +2,7 @@
 
 Codes to request tensors (`input_ids`, `frame_offset`, `history_frames`), the answer's checks (sample
 rate, sample count), which failures a resume can fix, sequence ids and the options of a stream. No
-I/O: the clients (`streamer`, `resumable`, `aio`) send what this module builds.
+I/O: the clients (`sync`, `aio`) send what this module builds.
 """
 
 from __future__ import annotations
@@ -70,12 +70,14 @@ class StreamOptions:
     # with multi-frame requests when the server is slower than real time, instead of queueing.
     catch_up: bool = False
     model_name: str = MODEL_NAME
-    # A request without an answer for this long fails the run (a resumable stream resumes instead).
+    # A request without an answer for this long fails (and is resumed, unless resume is False).
     response_timeout_s: float = 60.0
-    # Resumable streams only: frames replayed as history when resuming, and how long to keep trying.
+    # False: a failure that a resume could fix (a lost server) fails the stream at once.
+    resume: bool = True
+    # Frames replayed as history when resuming, and how long to keep trying.
     resume_history_frames: int = DEFAULT_RESUME_HISTORY_FRAMES
     resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S
-    # Resumable streams only: the history travels in requests of at most this many history frames.
+    # The history travels in requests of at most this many history frames.
     resume_piece_frames: int = DEFAULT_RESUME_PIECE_FRAMES
 
     def validate(self) -> None:
@@ -214,6 +216,25 @@ def unreachable(url: str, exc: Exception) -> ClientError:
     elif ":" not in url:
         hint = "give the gRPC address as host:port (the gRPC port, 8001 by default)"
     return ClientError(f"cannot reach Triton (gRPC) at {url}: {grpc_reason(exc)}; {hint}")
+
+
+def readiness(url: str, model_name: str):
+    """The readiness check both drivers run, as a generator: it yields (method, kwargs) of tritonclient's
+    InferenceServerClient to call (the driver adds `client_timeout`), is sent the result or the
+    InferenceServerException the call raised, and raises ClientError (one line) unless the server is
+    live and the model ready."""
+    live = yield "is_server_live", {}
+    if isinstance(live, Exception):
+        raise unreachable(url, live)
+    if not live:
+        raise ClientError(f"Triton at {url} answers but is not live")
+    ready = yield "is_model_ready", {"model_name": model_name}
+    if isinstance(ready, Exception):
+        raise ClientError(f"Triton at {url}: readiness of model '{model_name}' unknown: {grpc_reason(ready)}")
+    if not ready:
+        index = yield "get_model_repository_index", {"as_json": True}
+        state = "state unknown" if isinstance(index, Exception) else model_state(index.get("models", []), model_name)
+        raise ClientError(f"model '{model_name}' is not ready on Triton at {url} ({state}); see the server log")
 
 
 def model_state(index: list[dict], model_name: str) -> str:

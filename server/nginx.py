@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Collection, Sequence
 
 # The gRPC metadata key that names a stream (nginx sees it as $http_code2wav_stream), as clients send it.
-from mimi_code2wav.client.stream import STREAM_KEY_HEADER  # noqa: F401 (re-exported for the server side)
+from mimi_code2wav.client.protocol import STREAM_KEY_HEADER  # noqa: F401 (re-exported for the server side)
 
 from .processes import ServerError, ServerProcess, log_tail
 from .triton import LOCALHOST, free_ports

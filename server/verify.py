@@ -24,16 +24,16 @@ import sys
 
 import numpy as np
 
-from mimi_code2wav.client.stream import (
+from mimi_code2wav.client.protocol import (
     DEFAULT_CHUNK_FRAMES,
     DEFAULT_URL,
     NUM_CODEBOOKS,
     SAMPLES_PER_FRAME,
     ClientError,
-    Code2WavStreamer,
     StreamOptions,
     random_codes,
 )
+from mimi_code2wav.client.sync import Code2WavClient, run_streams
 
 MAX_ABS_ERROR = 1e-4
 MIN_SNR_DB = 100.0
@@ -71,11 +71,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         # The reference first: weights that cannot be read fail before anything is streamed.
         reference, what = reference_decode(args.weights, args.random_init, args.seed, codes)
-        with Code2WavStreamer(args.url) as streamer:
-            streamer.check_ready()
-            print(f"server {args.url}: streaming {args.streams} x {args.frames} frames of seeded codes "
-                  f"(chunks of 1 then {args.chunk_frames} frames, with frame_offset)", flush=True)
-            report = streamer.run(list(codes), StreamOptions(chunk_frames=args.chunk_frames))
+        options = StreamOptions(chunk_frames=args.chunk_frames, resume=False)
+        Code2WavClient(args.url, options).check_ready()
+        print(f"server {args.url}: streaming {args.streams} x {args.frames} frames of seeded codes "
+              f"(chunks of 1 then {args.chunk_frames} frames, with frame_offset)", flush=True)
+        report = run_streams(args.url, list(codes), options)
     except (ClientError, WeightsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

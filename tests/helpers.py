@@ -5,7 +5,7 @@
 - the model repository's Python files loaded without a server, the model config as Triton hands it
   to `initialize`, a fake clock.
 
-The codebook count, codebook size and frame size are the client's (`mimi_code2wav.client.stream`).
+The codebook count, codebook size and frame size are the client's (`mimi_code2wav.client.protocol`).
 tritonclient is imported where a helper talks to a server, so the unit tests need only numpy.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import MODEL_NAME, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
+from mimi_code2wav.client.protocol import MODEL_NAME, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"

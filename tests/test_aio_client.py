@@ -78,7 +78,7 @@ def test_a_stream_holds_at_most_max_pending_calls_behind_its_request_in_flight()
         await asyncio.sleep(0)
         with pytest.raises(ClientError, match=r"1 calls already wait .* \(max_pending_calls=1\)"):
             await stream.decode(codes[:, 2:3])
-        assert stream.handed_frames == 2  # the refused call handed nothing over
+        assert stream._plan.handed_frames == 2  # the refused call handed nothing over
         answer.set()
         assert [len(pcm) for pcm in await asyncio.gather(in_flight, waiting)] == [SAMPLES_PER_FRAME] * 2
 
@@ -196,13 +196,13 @@ def test_a_cancelled_call_leaves_the_stream_consistent(code2wav_server, scenario
             heard[10] = await in_flight
             with pytest.raises(asyncio.CancelledError):
                 await waiting
-            assert (stream.next_frame, stream.handed_frames) == (20, 24)
+            assert (stream.next_frame, stream._plan.handed_frames) == (20, 24)
             heard[24] = await stream.decode(codes[:, 24:30])  # carries 20-23 again: decoded now, not returned
             # Decoded by the server, the answer abandoned.
             abandon.add(30)
             with pytest.raises(asyncio.CancelledError):
                 await stream.decode(codes[:, 30:40])
-            assert (stream.next_frame, stream.handed_frames) == (30, 40)
+            assert (stream.next_frame, stream._plan.handed_frames) == (30, 40)
             heard[40] = await stream.decode(codes[:, 40:45])  # carries 30-39 again: the server has them
             # Cancelled while its request is in flight (decoded or not: either is consistent).
             with pytest.raises(asyncio.TimeoutError):

@@ -8,28 +8,28 @@ import re
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import (
+from mimi_code2wav.client.plan import ReplayBuffer
+from mimi_code2wav.client.protocol import (
     CODEBOOK_SIZE,
     NUM_CODEBOOKS,
     SAMPLE_RATE_HZ,
     SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
     ClientError,
-    ReplayBuffer,
-    ResumableStream,
     StreamOptions,
     chunk_bounds,
     random_codes,
     request_arrays,
     request_failure,
-    run_resumable,
     validate_codes,
 )
+from mimi_code2wav.client.sync import Code2WavClient, run_streams
 from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
 from mimi_code2wav.server.triton import fetch_metrics, free_port, metric_value
 
@@ -391,7 +391,7 @@ class FakeServer:
 
 
 class FakeNetwork:
-    """connect(url, key) for ResumableStream: connections to FakeServers, recording stream keys."""
+    """connect(url, key) for Code2WavStream: connections to FakeServers, recording stream keys."""
 
     def __init__(self, *urls: str, dedupe_mode: str = "delta"):
         self.servers = {url: FakeServer(url, dedupe_mode) for url in urls}
@@ -491,37 +491,36 @@ def test_replay_buffer_keeps_the_last_frames_and_the_frames_asked_for():
 def test_resume_request_replays_the_last_R_frames_then_the_unanswered_ones():
     network = FakeNetwork("a:1")
     codes = frame_codes(14)
-    stream = ResumableStream("a:1", StreamOptions(resume_history_frames=4), sequence_id=9, connect=network)
+    stream = Code2WavClient("a:1", StreamOptions(resume_history_frames=4), connect=network).stream(sequence_id=9)
     stream.decode(codes[:, :1])
     stream.decode(codes[:, 1:10])
-    (request,) = stream.resume_requests(codes[:, 10:13], end=False)
+    (request,) = stream._plan.resume_requests(codes[:, 10:13], end=False)
     assert request.start and not request.end and request.history_frames == 4
     assert (request.first_new_frame, request.new_frames) == (10, 3)
     assert request.arrays["frame_offset"].tolist() == [[6]] and request.arrays["history_frames"].tolist() == [[4]]
     np.testing.assert_array_equal(request.arrays["input_ids"], codes[:, 6:13].reshape(1, -1))  # codebook-major
     assert all(array.dtype == np.int64 for array in request.arrays.values())
     # Fewer frames than R so far: the whole stream is the history.
-    short = ResumableStream("a:1", StreamOptions(resume_history_frames=250), sequence_id=10, connect=network)
+    short = Code2WavClient("a:1", StreamOptions(resume_history_frames=250), connect=network).stream(sequence_id=10)
     short.decode(codes[:, :3])
-    (request,) = short.resume_requests(codes[:, 3:5], end=True)
+    (request,) = short._plan.resume_requests(codes[:, 3:5], end=True)
     assert request.arrays["frame_offset"].tolist() == [[0]] and request.history_frames == 3 and request.end
     # R = 0: a new sequence from the next frame on, no history.
-    bare = ResumableStream("a:1", StreamOptions(resume_history_frames=0), sequence_id=11, connect=network)
+    bare = Code2WavClient("a:1", StreamOptions(resume_history_frames=0), connect=network).stream(sequence_id=11)
     bare.decode(codes[:, :3])
-    (request,) = bare.resume_requests(codes[:, 3:5], end=False)
+    (request,) = bare._plan.resume_requests(codes[:, 3:5], end=False)
     assert request.arrays["frame_offset"].tolist() == [[3]] and request.history_frames == 0
     # Plain requests are deltas with frame_offset and never carry history_frames.
-    plain = stream.request(codes[:, 10:12], end=True)
+    plain = stream._plan.request(codes[:, 10:12], end=True)
     assert set(plain.arrays) == {"input_ids", "frame_offset"} and plain.arrays["frame_offset"].tolist() == [[10]]
 
 
 def test_a_long_history_is_resumed_in_pieces_each_continuing_the_last():
     network = FakeNetwork("a:1")
     codes = frame_codes(30)
-    stream = ResumableStream("a:1", StreamOptions(resume_history_frames=11, resume_piece_frames=4), sequence_id=12,
-                             connect=network)
+    stream = Code2WavClient("a:1", StreamOptions(resume_history_frames=11, resume_piece_frames=4), connect=network).stream(sequence_id=12)
     stream.decode(codes[:, :20])
-    requests = stream.resume_requests(codes[:, 20:22], end=True)
+    requests = stream._plan.resume_requests(codes[:, 20:22], end=True)
     # History [9, 20): pieces of 4, 4, then 3 with the two new frames; START on the first, END on the last.
     assert [(r.start, r.end, r.arrays["frame_offset"].item(), r.history_frames, r.new_frames) for r in requests] == [
         (True, False, 9, 4, 0), (False, False, 13, 4, 0), (False, True, 17, 3, 2)]
@@ -535,8 +534,7 @@ def test_a_lost_server_is_resumed_on_the_next_url_with_every_frame_once():
     codes = frame_codes(40)
     bounds = chunk_bounds(40, 4)
     time_ = FakeTime()
-    stream = ResumableStream(["a:1", "b:2"], StreamOptions(resume_history_frames=8), sequence_id=77,
-                             connect=network, clock=time_.clock, sleep=time_.sleep)
+    stream = Code2WavClient(["a:1", "b:2"], StreamOptions(resume_history_frames=8), connect=network, clock=time_.clock, sleep=time_.sleep).stream(sequence_id=77)
 
     def kill_a(index):
         time_.now_s += 0.25
@@ -567,7 +565,7 @@ def test_an_answer_lost_after_decoding_is_sent_again_as_new_frames():
     server = network.servers["proxy:1"]
     server.lose_answer_of = {3}
     codes = frame_codes(30)
-    stream = ResumableStream("proxy:1", StreamOptions(resume_history_frames=6), connect=network)
+    stream = Code2WavClient("proxy:1", StreamOptions(resume_history_frames=6), connect=network).stream()
     pcm = decode_in_chunks(stream, codes, chunk_bounds(30, 4))
     assert frames_heard(pcm) == list(range(30))
     (resume,) = stream.resumes
@@ -583,7 +581,7 @@ def test_a_restarted_server_that_forgot_the_stream_is_resumed():
     server = network.servers["a:1"]
     codes = frame_codes(20)
     bounds = chunk_bounds(20, 4)
-    stream = ResumableStream("a:1", StreamOptions(resume_history_frames=250), sequence_id=5, connect=network)
+    stream = Code2WavClient("a:1", StreamOptions(resume_history_frames=250), connect=network).stream(sequence_id=5)
     pcm = decode_in_chunks(stream, codes, bounds, lambda index: server.restart() if index == 3 else None)
     assert frames_heard(pcm) == list(range(20))
     (resume,) = stream.resumes
@@ -596,7 +594,7 @@ def test_a_failed_first_request_is_resumed_at_frame_zero():
     network = FakeNetwork("a:1", "b:2")
     network.servers["a:1"].alive = False
     codes = frame_codes(9)
-    stream = ResumableStream(["a:1", "b:2"], connect=network, sleep=lambda s: None)
+    stream = Code2WavClient(["a:1", "b:2"], connect=network, sleep=lambda s: None).stream()
     pcm = decode_in_chunks(stream, codes, chunk_bounds(9, 4))
     assert frames_heard(pcm) == list(range(9))
     (resume,) = stream.resumes
@@ -607,8 +605,7 @@ def test_resuming_gives_up_after_the_resume_timeout_saying_why():
     network = FakeNetwork("a:1", "b:2")
     codes = frame_codes(12)
     time_ = FakeTime()
-    stream = ResumableStream(["a:1", "b:2"], StreamOptions(resume_timeout_s=3.0), sequence_id=42, connect=network,
-                             clock=time_.clock, sleep=time_.sleep)
+    stream = Code2WavClient(["a:1", "b:2"], StreamOptions(resume_timeout_s=3.0), connect=network, clock=time_.clock, sleep=time_.sleep).stream(sequence_id=42)
     stream.decode(codes[:, :5])
     for server in network.servers.values():
         server.alive = False
@@ -625,9 +622,9 @@ def test_resuming_gives_up_after_the_resume_timeout_saying_why():
 def test_a_failure_that_a_resume_cannot_fix_is_raised_at_once():
     network = FakeNetwork("a:1", "b:2")
     codes = frame_codes(8)
-    cumulative = ResumableStream(["a:1", "b:2"], StreamOptions(mode="cumulative"), sequence_id=4, connect=network)
+    cumulative = Code2WavClient(["a:1", "b:2"], StreamOptions(mode="cumulative"), connect=network).stream(sequence_id=4)
     cumulative.decode(codes[:, :2])
-    cumulative._kept._codes[2, 1] += 1  # the client's copy of frame 1 no longer matches what it sent
+    cumulative._plan._kept._codes[2, 1] += 1  # the client's copy of frame 1 no longer matches what it sent
     with pytest.raises(ClientError) as info:
         cumulative.decode(codes[:, 2:4])
     assert str(info.value) == (
@@ -643,8 +640,8 @@ def test_cumulative_and_offsetless_streams_resume_from_the_new_base(mode, send_f
                           else "delta")
     codes = frame_codes(30)
     bounds = chunk_bounds(30, 4)
-    stream = ResumableStream(["a:1", "b:2"], StreamOptions(mode=mode, send_frame_offset=send_frame_offset,
-                                                           resume_history_frames=5), connect=network)
+    stream = Code2WavClient(["a:1", "b:2"], StreamOptions(mode=mode, send_frame_offset=send_frame_offset,
+                                                           resume_history_frames=5), connect=network).stream()
 
     def kill_a(index):
         if bounds[index][0] == 13:
@@ -684,8 +681,7 @@ def test_every_request_carries_the_stream_key_header(monkeypatch):
             pass
 
     monkeypatch.setattr(grpcclient, "InferenceServerClient", Client)
-    stream = ResumableStream(["a:1", "b:2"], StreamOptions(response_timeout_s=7.0), sequence_id=123,
-                             stream_key="call-42")
+    stream = Code2WavClient(["a:1", "b:2"], StreamOptions(response_timeout_s=7.0)).stream(sequence_id=123, stream_key="call-42")
     codes = frame_codes(3)
     stream.decode(codes[:, :1])
     stream.decode(codes[:, 1:3], end=True)
@@ -697,7 +693,7 @@ def test_every_request_carries_the_stream_key_header(monkeypatch):
     assert stream.resumes[0].url == "b:2"
 
 
-def test_run_resumable_decodes_each_stream_with_its_key_and_reports_resumes():
+def test_run_streams_decodes_each_stream_with_its_key_and_reports_resumes():
     network = FakeNetwork("a:1", "b:2")
     codes = [frame_codes(20, seed) for seed in range(3)]
     seen = []
@@ -707,7 +703,7 @@ def test_run_resumable_decodes_each_stream_with_its_key_and_reports_resumes():
         if done >= 24:
             network.servers["a:1"].alive = False
 
-    report = run_resumable(["a:1", "b:2"], codes, StreamOptions(chunk_frames=4), sequence_ids=[11, 12, 13],
+    report = run_streams(["a:1", "b:2"], codes, StreamOptions(chunk_frames=4), sequence_ids=[11, 12, 13],
                            stream_keys=["k0", "k1", "k2"], progress=progress, connect=network)
     assert [result.stream_key for result in report.results] == ["k0", "k1", "k2"]
     assert [result.sequence_id for result in report.results] == [11, 12, 13]
@@ -718,19 +714,44 @@ def test_run_resumable_decodes_each_stream_with_its_key_and_reports_resumes():
     assert report.summary()["resumes"] == sum(len(result.resumes) for result in report.results) >= 1
     assert seen[-1] == (60, 60)
     with pytest.raises(ClientError, match="stream keys must be distinct, one per stream"):
-        run_resumable(["a:1"], codes[:2], stream_keys=["k", "k"], connect=network)
+        run_streams(["a:1"], codes[:2], stream_keys=["k", "k"], connect=network)
 
 
-class ReadyStreamer:
-    """Code2WavStreamer's stand-in for CLI tests: a server that is ready."""
+def test_without_resume_a_lost_server_fails_the_stream_at_once():
+    network = FakeNetwork("a:1", "b:2")
+    codes = frame_codes(6)
+    stream = Code2WavClient(["a:1", "b:2"], StreamOptions(resume=False), connect=network).stream(sequence_id=8)
+    stream.decode(codes[:, :2])
+    network.servers["a:1"].alive = False
+    with pytest.raises(ClientError, match=r"stream 8 \(sequence 8\), frames \[2, 4\) on a:1: UNAVAILABLE: failed to connect"):
+        stream.decode(codes[:, 2:4])
+    assert not stream.resumes and network.servers["b:2"].received == []
 
-    def __init__(self, url, model):
-        pass
 
-    def __enter__(self):
-        return self
+def test_catch_up_streams_send_every_frame_produced_while_a_request_was_out():
+    """Paced with catch-up: the first request waits for its frame; a slow answer (here 0.25 s, about
+    3 frame periods) is followed by one request carrying every frame produced meanwhile, not one
+    request per frame; every frame is heard once, in order."""
+    network = FakeNetwork("a:1")
+    server = network.servers["a:1"]
+    answer = server.infer
 
-    def __exit__(self, *exc_info):
+    def slow_infer(sequence_id, request, timeout_s):
+        time.sleep(0.25)
+        return answer(sequence_id, request, timeout_s)
+
+    server.infer = slow_infer
+    report = run_streams("a:1", [frame_codes(12)], StreamOptions(paced=True, catch_up=True), connect=network)
+    (result,) = report.results
+    assert frames_heard(result.pcm) == list(range(12))
+    assert result.chunk_frames[0] == 1 and sum(result.chunk_frames) == 12
+    assert max(result.chunk_frames[1:]) >= 3 and len(result.chunk_frames) <= 6, result.chunk_frames
+
+
+class ReadyClient:
+    """Code2WavClient's stand-in for CLI tests: a server that is ready."""
+
+    def __init__(self, url, options):
         pass
 
     def check_ready(self):
@@ -742,7 +763,7 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
     where it stopped, and `decode --out` writes those WAVs and says where each stream stopped."""
     from mimi_code2wav.client import __main__ as cli
     from mimi_code2wav.client import decode as decode_module
-    from mimi_code2wav.client.stream import StreamsFailed
+    from mimi_code2wav.client.sync import StreamsFailed
     from mimi_code2wav.client.wav import read_wav
 
     network = FakeNetwork("a:1")
@@ -754,7 +775,7 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
 
     options = StreamOptions(chunk_frames=4, resume_timeout_s=0.3)
     with pytest.raises(StreamsFailed, match="could not resume") as failure:
-        run_resumable(["a:1"], codes, options, progress=progress, connect=network)
+        run_streams(["a:1"], codes, options, progress=progress, connect=network)
     stopped = [pcm.size // SAMPLES_PER_FRAME for pcm in failure.value.received]
     assert max(stopped) >= 8 and all(frames < 20 for frames in stopped), stopped
     for pcm, frames in zip(failure.value.received, stopped):
@@ -764,8 +785,8 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
         raise StreamsFailed("stream 1 could not resume", [np.ones(3 * SAMPLES_PER_FRAME, np.float32) * 0.5,
                                                            np.zeros(0, np.float32)])
 
-    monkeypatch.setattr(decode_module, "Code2WavStreamer", ReadyStreamer)
-    monkeypatch.setattr(decode_module, "run_resumable", failing_run)
+    monkeypatch.setattr(decode_module, "Code2WavClient", ReadyClient)
+    monkeypatch.setattr(decode_module, "run_streams", failing_run)
     out_path = tmp_path / "call.wav"
     code = cli.main(["decode", "--url", "a:1", "--resume", "--random", "--frames", "10", "--streams", "2",
                      "--no-progress", "--out", str(out_path)])
@@ -779,12 +800,13 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
 def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys, tmp_path):
     from mimi_code2wav.client import __main__ as cli
     from mimi_code2wav.client import decode as decode_module
-    from mimi_code2wav.client.stream import Resume, RunReport, StreamResult
+    from mimi_code2wav.client.plan import Resume
+    from mimi_code2wav.client.report import RunReport, StreamResult
 
     given = {}
 
-    class CheckedStreamer(ReadyStreamer):
-        def __init__(self, url, model):
+    class CheckedClient(ReadyClient):
+        def __init__(self, url, options):
             given["checked"] = url
 
     def fake_run(servers, streams_codes, options, stream_keys=None, progress=None):
@@ -796,8 +818,8 @@ def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys, tmp_p
                                          url="b:2", history_frames=2))
         return RunReport(results, options, 1.0)
 
-    monkeypatch.setattr(decode_module, "Code2WavStreamer", CheckedStreamer)
-    monkeypatch.setattr(decode_module, "run_resumable", fake_run)
+    monkeypatch.setattr(decode_module, "Code2WavClient", CheckedClient)
+    monkeypatch.setattr(decode_module, "run_streams", fake_run)
     code = cli.main(["decode", "--url", "a:1", "--failover-url", "b:2", "--random", "--frames", "3", "--streams", "2",
                      "--stream-key", "call", "--resume-history-frames", "25", "--no-progress"])
     out, err = capsys.readouterr()
@@ -825,7 +847,7 @@ def test_catch_up_pacing_sends_every_frame_produced_since_the_last_request():
     """Catch-up: nothing is sent while a request is in flight; then one request with every frame that
     exists (frame j exists at j * 80 ms after the stream's start); the first request waits for its
     first frame only."""
-    from mimi_code2wav.client.streamer import FRAME_DURATION_S, ScheduledStream
+    from benchmarks.streamer import FRAME_DURATION_S, ScheduledStream
 
     stream = ScheduledStream(7, np.zeros((8, 20), np.int64), StreamOptions(paced=True, catch_up=True), start_offset_s=0.5)
     assert stream.catch_up_chunk(now_s=100.0, run_start_s=100.0, first_chunk_frames=1) == 100.5  # not started yet

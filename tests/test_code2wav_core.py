@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME
+from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME
 from mimi_code2wav.export.render import idle_timeout_us
 
 from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, triton_model_config

@@ -22,7 +22,7 @@ import pytest
 import tomllib
 import yaml
 
-from mimi_code2wav.client.stream import NUM_CODEBOOKS, SAMPLES_PER_FRAME
+from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME
 
 from helpers import REPO_ROOT
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME
+from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME
 
 from mimi_fixtures import (
     CALLS,

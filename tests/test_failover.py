@@ -1,5 +1,5 @@
 """Streams that survive faults: the real code2wav and python-ort decoder, resumable clients
-(`client.stream.ResumableStream`) sending every request with their stream key.
+(`client.Code2WavStream`) sending every request with their stream key.
 
 - Replicas behind nginx (`server.replicas.ReplicaSet`, one module-scoped set, tests in order): a
   replica SIGKILLed mid-stream (the others' streams never notice), then restarted under the same
@@ -25,15 +25,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import (
+from mimi_code2wav.client.protocol import (
     CODEBOOK_SIZE,
     NUM_CODEBOOKS,
     SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
-    ResumableStream,
     StreamOptions,
-    run_resumable,
 )
+from mimi_code2wav.client.sync import Code2WavClient, Code2WavStream
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.export.render import CODE2WAV_IDLE_TIMEOUT_US
 from mimi_code2wav.server.nginx import NginxError, find_nginx, replicas_by_stream
@@ -95,7 +94,7 @@ def solo(ort_decode, streams):
     return _solo_decode(ort_decode, streams)
 
 
-def _decode(stream: ResumableStream, codes: np.ndarray, first: int, stop: int, end: bool = False,
+def _decode(stream: Code2WavStream, codes: np.ndarray, first: int, stop: int, end: bool = False,
             lockstep: threading.Barrier | None = None) -> np.ndarray:
     """Frames [first, stop) in chunks; with `lockstep`, every stream sends chunk i only once all have
     had chunk i - 1 answered, so none sits idle waiting for the slowest replica's streams."""
@@ -140,7 +139,7 @@ def _in_threads(work: dict[str, callable]) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def clients(replica_set, streams):
     options = StreamOptions(resume_history_frames=HISTORY_FRAMES, resume_timeout_s=30.0)
-    opened = {key: ResumableStream(replica_set.proxy_grpc_url, options, sequence_id=1000 + n, stream_key=key)
+    opened = {key: Code2WavClient(replica_set.proxy_grpc_url, options).stream(sequence_id=1000 + n, stream_key=key)
               for n, key in enumerate(streams)}
     yield opened
     for stream in opened.values():
@@ -228,7 +227,7 @@ def test_a_restarted_replica_takes_its_streams_back_and_they_resume_again(replic
     assert any(dead.grpc_url in served[key] for key in moved), served
     # A new stream of a key the restarted replica owns starts there.
     key = sorted(moved)[0]
-    with ResumableStream(replica_set.proxy_grpc_url, StreamOptions(), sequence_id=5000, stream_key=key) as fresh:
+    with Code2WavClient(replica_set.proxy_grpc_url, StreamOptions()).stream(sequence_id=5000, stream_key=key) as fresh:
         pcm = fresh.decode(streams[key][:, :4], end=True)
     assert pcm.shape == (4 * SAMPLES_PER_FRAME,) and not fresh.resumes
     assert_equal_audio(pcm, solo[key][: pcm.size], what="a new stream on the restarted replica")
@@ -258,7 +257,7 @@ def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing
             cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     keys = list(streams)[:SERVE_STREAMS]
     options = StreamOptions(resume_history_frames=HISTORY_FRAMES, resume_timeout_s=90.0)
-    clients = {key: ResumableStream(f"127.0.0.1:{grpc_port}", options, sequence_id=3000 + n, stream_key=key)
+    clients = {key: Code2WavClient(f"127.0.0.1:{grpc_port}", options).stream(sequence_id=3000 + n, stream_key=key)
                for n, key in enumerate(keys)}
     try:
         wait_http_ready(http_port, serve, timeout_s=180, output=output)
@@ -329,7 +328,7 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(replica_set, ort_
 
     def run_streams():
         try:
-            outcome["report"] = run_resumable(replica_set.proxy_grpc_url, list(codes.values()), options,
+            outcome["report"] = run_streams(replica_set.proxy_grpc_url, list(codes.values()), options,
                                               sequence_ids=[9000 + n for n in range(CHAOS_STREAMS)],
                                               stream_keys=list(codes))
         except BaseException as error:  # reported below

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS
+from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS
 from mimi_code2wav.export.render import PYTHON_ORT_FILES
 
 from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, triton_model_config

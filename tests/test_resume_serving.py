@@ -1,5 +1,5 @@
 """Resume by replay through real tritonservers: code2wav's `history_frames` contract, and the
-resumable client (`client.stream.ResumableStream`) carrying a stream over the loss of its server.
+resumable client (`client.Code2WavStream`) carrying a stream over the loss of its server.
 
 The served decoder is the real-architecture ONNX export with seeded random weights (`onnx_fp32`).
 References: moshi's streaming decode of the scenario streams, and the same ONNX step run alone in
@@ -18,7 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import SAMPLES_PER_FRAME, ResumableStream, StreamOptions, random_codes
+from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, StreamOptions, random_codes
+from mimi_code2wav.client.sync import Code2WavClient
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
@@ -123,8 +124,7 @@ def test_a_stream_its_server_forgot_is_resumed_on_the_same_server(code2wav_serve
     forgets it the same way): Triton answers the next request that it must carry the START flag, and
     the client STARTs the sequence again with its whole history (fewer than R frames): exact."""
     codes = random_codes(60, seed=41)
-    stream = ResumableStream(code2wav_server.grpc_url, StreamOptions(resume_history_frames=250),
-                             sequence_id=new_sequence_id(), stream_key="forgotten")
+    stream = Code2WavClient(code2wav_server.grpc_url, StreamOptions(resume_history_frames=250)).stream(sequence_id=new_sequence_id(), stream_key="forgotten")
     with stream:
         pcm = [stream.decode(codes[:, :1]), stream.decode(codes[:, 1:24])]
         infer(grpc_client, stream.sequence_id, codes[:, 24:25], 24, end=True, new_frames=1)  # not the client
@@ -149,9 +149,7 @@ def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code
     reference = ort_decode(codes, frames_per_call=16)
     t = FAILOVER_RESUME_FRAME
     with running_server(served_repository, log_path=tmp_path / "server-a.log") as server_a:
-        stream = ResumableStream([server_a.grpc_url, code2wav_server.grpc_url],
-                                 StreamOptions(resume_history_frames=250, response_timeout_s=30.0),
-                                 sequence_id=new_sequence_id(), stream_key="failover")
+        stream = Code2WavClient([server_a.grpc_url, code2wav_server.grpc_url], StreamOptions(resume_history_frames=250, response_timeout_s=30.0)).stream(sequence_id=new_sequence_id(), stream_key="failover")
         with stream:
             pcm = [stream.decode(codes[:, :1])]
             pcm += [stream.decode(codes[:, first : min(first + 16, t)]) for first in range(1, t, 16)]

@@ -33,7 +33,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from mimi_code2wav.client.stream import CODEBOOK_SIZE, MODEL_NAME, NUM_CODEBOOKS, SAMPLES_PER_FRAME, random_codes
+from mimi_code2wav.client.protocol import CODEBOOK_SIZE, MODEL_NAME, NUM_CODEBOOKS, SAMPLES_PER_FRAME, random_codes
 from mimi_code2wav.export.reference import moshi_stream_decode
 from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, DecoderServing, render_repository, set_idle_timeout
 from mimi_code2wav.server.triton import (
@@ -855,7 +855,8 @@ def test_two_front_instances_share_the_streams_and_the_bench_profile_counts_ever
     requests stay on their instance), and the bench's point profile charges the CPU time of
     tritonserver and both stubs to the requests Triton counted, with both models' batches."""
     from benchmarks.profile import PointProfile
-    from mimi_code2wav.client.stream import Code2WavStreamer, StreamOptions, random_codes
+    from benchmarks.streamer import Code2WavStreamer
+    from mimi_code2wav.client.protocol import StreamOptions, random_codes
     from mimi_code2wav.server.processes import group_pids, process_role
 
     server = triton_server_factory(null_repository_two_fronts)
@@ -880,7 +881,8 @@ def test_the_bench_server_restarts_on_the_same_ports_after_a_crash(null_reposito
     """`python -m benchmarks sweep` goes on after tritonserver dies: the crash is recorded with the log
     tail, the crashed log kept, and a fresh server answers on the same address."""
     from benchmarks.local_server import LocalServer
-    from mimi_code2wav.client.stream import Code2WavStreamer, StreamOptions, random_codes
+    from benchmarks.streamer import Code2WavStreamer
+    from mimi_code2wav.client.protocol import StreamOptions, random_codes
 
     local = LocalServer(null_repository_two_fronts, tmp_path / "tritonserver.log", "test")
     local.start()

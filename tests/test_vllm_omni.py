@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME, random_codes
+from mimi_code2wav.client.protocol import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME, random_codes
 from mimi_code2wav.export.reference import moshi_stream_decode
 from mimi_code2wav.server.triton import fetch_metrics, metric_value, running_server
 

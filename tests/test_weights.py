@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
+from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
 
 from mimi_fixtures import assert_equal_audio, tiny_config
 

@@ -1,5 +1,7 @@
-"""`Code2WavStreamer`, the benchmarks' client: many streams of codes over one gRPC stream, with the
-pacing a speech pipeline has, collecting PCM and latency statistics.
+"""`Code2WavStreamer`, the sweep's load generator: many streams of codes over one bidirectional gRPC
+stream, paced as a speech pipeline sends them (several requests of a stream may be in flight),
+collecting PCM and latency statistics. The users' clients are `mimi_code2wav.client` (threads) and
+`mimi_code2wav.client.aio`.
 
 One stream of codes = one Triton sequence: a non-zero sequence id, START on its first request, END on
 its last. Frames are sent the way the speech pipeline sends them: a first chunk of one frame (the
@@ -26,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .protocol import (
+from mimi_code2wav.client.protocol import (
     DEFAULT_OPTIONS,
     DEFAULT_URL,
     FRAME_DURATION_S,
@@ -36,15 +38,12 @@ from .protocol import (
     checked_pcm,
     chunk_bounds,
     draw_sequence_ids,
-    grpc_reason,
     infer_inputs,
-    model_state,
     request_arrays,
     response_pcm,
-    unreachable,
     validate_codes,
 )
-from .report import RunReport, StreamResult
+from mimi_code2wav.client.report import RunReport, StreamResult
 
 
 class ScheduledStream:
@@ -121,33 +120,6 @@ class Code2WavStreamer:
 
     def close(self) -> None:
         self._client.close()
-
-    def check_ready(self, timeout_s: float = 10.0) -> None:
-        """Raise ClientError (one line) unless the server answers and the model is ready."""
-        from tritonclient.utils import InferenceServerException
-
-        try:
-            live = self._client.is_server_live(client_timeout=timeout_s)
-        except InferenceServerException as exc:
-            raise unreachable(self.url, exc) from None
-        if not live:
-            raise ClientError(f"Triton at {self.url} answers but is not live")
-        try:
-            ready = self._client.is_model_ready(self.model_name, client_timeout=timeout_s)
-        except InferenceServerException as exc:
-            raise ClientError(f"Triton at {self.url}: readiness of model '{self.model_name}' unknown: {grpc_reason(exc)}") from None
-        if not ready:
-            raise ClientError(
-                f"model '{self.model_name}' is not ready on Triton at {self.url} ({self._model_state()}); "
-                "see the server log"
-            )
-
-    def _model_state(self) -> str:
-        try:
-            index = self._client.get_model_repository_index(as_json=True).get("models", [])
-        except Exception:  # the index only decorates the message
-            return "state unknown"
-        return model_state(index, self.model_name)
 
     def run(
         self,
@@ -285,15 +257,3 @@ class Code2WavStreamer:
                         f"frames [{start}, {stop})"
                     )
 
-
-def decode(
-    codes: np.ndarray,
-    url: str = DEFAULT_URL,
-    options: StreamOptions = DEFAULT_OPTIONS,
-    sequence_id: int | None = None,
-) -> tuple[np.ndarray, RunReport]:
-    """Decode one stream of codes [k, F] on a running server; returns (PCM float32 [F*1920], report)."""
-    with Code2WavStreamer(url, options.model_name) as streamer:
-        streamer.check_ready()
-        report = streamer.run([codes], options, None if sequence_id is None else [sequence_id])
-    return report.results[0].pcm, report

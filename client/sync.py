@@ -1,10 +1,11 @@
-"""The resumable client: a stream that survives the loss of the server holding it (resume by replay,
-docs/design.md §2.4), one thread per stream.
+"""The thread client: `Code2WavClient` and its streams (`Code2WavStream`), each stream one Triton
+sequence over a gRPC connection of its own, surviving the loss of the server holding it (resume by
+replay, docs/design.md §2.4); `run_streams` decodes several streams at once, one thread each (the
+CLI). The asyncio client (`aio`) has the same API with `await`.
 
-`ResumableStream` drives `plan.StreamPlan` over a connection of its own, one request in flight,
-every request carrying the gRPC header `code2wav-stream: <stream key>` (STREAM_KEY_HEADER) so that a
-proxy can send all of a stream's requests to one replica. `run_resumable` runs several of them, one
-thread each, for the CLI.
+A stream drives `plan.StreamPlan` with one request in flight, every request carrying the gRPC header
+`code2wav-stream: <stream key>` (STREAM_KEY_HEADER) so that a proxy sends all of a stream's requests
+to one replica.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from .plan import PlannedRequest, Send, StreamPlan
+from .plan import PlannedRequest, PlannedStream, Send, StreamPlan
 from .protocol import (
     CHANNEL_ARGS,
     DEFAULT_OPTIONS,
+    DEFAULT_URL,
     FRAME_DURATION_S,
     MODEL_NAME,
     STREAM_KEY_HEADER,
@@ -28,6 +30,7 @@ from .protocol import (
     chunk_bounds,
     draw_sequence_ids,
     infer_inputs,
+    readiness,
     request_failure,
     response_pcm,
     validate_codes,
@@ -82,24 +85,77 @@ class GrpcConnection:
         self._client.close()
 
 
-class ResumableStream(StreamPlan):
-    """One stream of codes decoded by code2wav that survives the loss of the server holding it.
+class Code2WavClient:
+    """Streams of codes decoded by code2wav, from threads: each stream has its own gRPC connection and
+    one request in flight. `urls`: one server (or a proxy), or several to fail over between.
 
-        with ResumableStream(["10.0.0.1:8001", "10.0.0.2:8001"]) as stream:
-            pcm = stream.decode(codes[:, 0:1])                  # frame 0
+        client = Code2WavClient("127.0.0.1:8001")
+        client.check_ready()                                    # ClientError saying what is wrong
+        with client.stream() as stream:                         # one stream = one Triton sequence
+            pcm = stream.decode(codes[:, 0:1])                  # frame 0: float32 [1920], 24 kHz
             pcm = stream.decode(codes[:, 1:5])                  # frames 1-4
             pcm = stream.decode(codes[:, 5:9], end=True)        # frames 5-8, END
 
-    `decode(codes [k, F])` sends the stream's next F frames (a delta with `frame_offset`, or as the
-    options say) and returns their PCM, float32 [F * 1920]. Every request carries the header
-    STREAM_KEY_HEADER with `stream_key` (default: the sequence id in decimal).
+    `connect(url, stream_key) -> Connection`, `clock` and `sleep` replace the network and time (tests).
+    """
+
+    def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
+                 connect: Connect | None = None, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        options.validate()
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ClientError("the client needs at least one server URL")
+        self.options = options
+        self._connect = connect if connect is not None else (
+            lambda url, key: GrpcConnection(url, key, options.model_name))
+        self._clock, self._sleep = clock, sleep
+
+    def __enter__(self) -> Code2WavClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass  # every stream closes its own connection
+
+    def check_ready(self, timeout_s: float = 10.0) -> None:
+        """Raise ClientError (one line) unless every URL answers and its model is ready."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        for url in self.urls:
+            server = grpcclient.InferenceServerClient(url)
+            try:
+                steps = readiness(url, self.options.model_name)
+                method, kwargs = next(steps)
+                while True:
+                    try:
+                        outcome = getattr(server, method)(**kwargs, client_timeout=timeout_s)
+                    except InferenceServerException as exc:
+                        outcome = exc
+                    try:
+                        method, kwargs = steps.send(outcome)
+                    except StopIteration:
+                        break
+            finally:
+                server.close()
+
+    def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
+        """A new stream. `sequence_id`: non-zero, default random; `stream_key`: what a proxy routes on,
+        default the sequence id in decimal."""
+        return Code2WavStream(self, sequence_id, stream_key)
+
+
+class Code2WavStream(PlannedStream):
+    """One stream of a `Code2WavClient`: `decode(codes [k, F])` sends its next F frames (a delta with
+    `frame_offset`, or as the options say) and returns their PCM, float32 [F * 1920]; every request
+    carries the header STREAM_KEY_HEADER with `stream_key`. Read-only: `sequence_id`, `stream_key`,
+    `url`, `next_frame`, `ended`, `resumes`.
 
     When a request fails because the server is gone or going (see `request_failure`), the stream goes
     on in a new sequence with the kept history, as `plan.StreamPlan` says: the answer is the PCM of
-    the failed request's frames, nothing is lost or repeated. Attempts go to the next URL of `urls`
-    each (with one URL, to the same address: a proxy routes the key to a live replica) until
-    `options.resume_timeout_s` after the failure; then ClientError says why. Each resume is recorded
-    in `resumes`.
+    the failed request's frames, nothing is lost or repeated. Attempts go to the next URL each (with
+    one URL, to the same address: a proxy routes the key to a live replica) until
+    `options.resume_timeout_s` after the failure; then ClientError says why.
 
     The resumed sequence keeps the sequence id: on a replica that no longer holds it the START opens
     it, and on one that still does (a lost connection, not a lost server) it resets it (barge-in)
@@ -110,23 +166,12 @@ class ResumableStream(StreamPlan):
     `options.response_timeout_s` before the resume.
     """
 
-    def __init__(
-        self,
-        urls: str | Sequence[str],
-        options: StreamOptions = DEFAULT_OPTIONS,
-        sequence_id: int | None = None,
-        stream_key: str | None = None,
-        connect: Connect | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-    ):
-        super().__init__(urls, options, sequence_id, stream_key, clock)
-        self._connect = connect if connect is not None else (
-            lambda url, key: GrpcConnection(url, key, options.model_name))
-        self._sleep = sleep
+    def __init__(self, client: Code2WavClient, sequence_id: int | None = None, stream_key: str | None = None):
+        self._plan = StreamPlan(client.urls, client.options, sequence_id, stream_key, client._clock)
+        self._client = client
         self._connection: Connection | None = None
 
-    def __enter__(self) -> ResumableStream:
+    def __enter__(self) -> Code2WavStream:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -141,8 +186,8 @@ class ResumableStream(StreamPlan):
         """Decode the stream's next frames, codes [k, F] (F >= 1), the last ones with `end`; returns
         their PCM, float32 [F * 1920]. Resumes on a new sequence if the server holding the stream is
         lost; raises ClientError when that fails or the failure is not one a resume can fix."""
-        first, stop = self.hand(codes, end)
-        steps, outcome = self.exchange(first, stop, end), None
+        first, stop = self._plan.hand(codes, end)
+        steps, outcome = self._plan.exchange(first, stop, end), None
         while True:
             try:
                 step = steps.send(outcome)
@@ -151,16 +196,16 @@ class ResumableStream(StreamPlan):
             if isinstance(step, Send):
                 outcome = self._send(step)
             else:
-                self._sleep(step)
+                self._client._sleep(step)
                 outcome = None
 
     def _send(self, step: Send) -> np.ndarray | RequestFailure:
         if self._connection is not None and self._connection.url != step.url:
             self._drop_connection()
         if self._connection is None:
-            self._connection = self._connect(step.url, self.stream_key)
+            self._connection = self._client._connect(step.url, self.stream_key)
         try:
-            return self._connection.infer(self.sequence_id, step.request, self.options.response_timeout_s)
+            return self._connection.infer(self.sequence_id, step.request, self._client.options.response_timeout_s)
         except RequestFailure as failure:
             self._drop_connection()
             return failure
@@ -172,7 +217,7 @@ class ResumableStream(StreamPlan):
 
 
 class StreamsFailed(ClientError):
-    """A run of resumable streams that a stream's failure stopped: `received` holds, per stream, the
+    """A run of streams that a stream's failure stopped: `received` holds, per stream, the
     PCM that came back before the run stopped (float32, whole frames; the stream stopped at frame
     `len(pcm) // 1920`), so that nothing already decoded is lost."""
 
@@ -181,7 +226,7 @@ class StreamsFailed(ClientError):
         self.received = received
 
 
-def run_resumable(
+def run_streams(
     urls: str | Sequence[str],
     streams_codes: Sequence[np.ndarray],
     options: StreamOptions = DEFAULT_OPTIONS,
@@ -190,14 +235,17 @@ def run_resumable(
     progress: Callable[[int, int], None] | None = None,
     connect: Connect | None = None,
 ) -> RunReport:
-    """Decode each [k, F] code array as its own `ResumableStream` (own connection, own stream key,
-    one request in flight), all concurrently, one thread each; chunks as `chunk_bounds` says.
+    """Decode each [k, F] code array as its own `Code2WavStream` (own connection, own stream key, one
+    request in flight), all concurrently, one thread each.
 
-    Paced: a chunk is sent when its last frame would exist, or when the previous answer came back if
-    that is later (one request in flight per stream). stream_keys default to the sequence ids in
-    decimal. The first stream that fails stops the others and StreamsFailed is raised, with its
-    error and the PCM every stream received until then."""
-    options.validate()
+    Requests: a first one of `options.first_chunk_frames` frames, then `options.chunk_frames` each.
+    Unpaced, each is sent when the previous answer came back. Paced, each is sent when its last frame
+    would exist (frame j at j * 80 ms; the streams' starts spread over one request's period), or when
+    the previous answer came back if that is later; with `catch_up`, each carries every frame that
+    exists by then. stream_keys default to the sequence ids in decimal. The first stream that fails
+    stops the others and StreamsFailed is raised, with its error and the PCM every stream received
+    until then."""
+    client = Code2WavClient(urls, options, connect)
     codes_list = [validate_codes(c) for c in streams_codes]
     if not codes_list:
         raise ClientError("no streams to decode")
@@ -218,31 +266,38 @@ def run_resumable(
     def run_one(index: int) -> None:
         nonlocal frames_done
         codes = codes_list[index]
-        bounds = chunk_bounds(codes.shape[1], options.chunk_frames, options.first_chunk_frames)
-        start_offset_s = index * period_s / len(codes_list) if options.paced else 0.0
-        pcm, latencies_s, sent_times_s, started_s = received[index], [], [], None
-        with ResumableStream(urls, options, sequence_ids[index], stream_keys[index], connect) as stream:
-            for chunk, (first, stop_frame) in enumerate(bounds):
+        total = codes.shape[1]
+        bounds = chunk_bounds(total, options.chunk_frames, options.first_chunk_frames)
+        start_s = run_start_s + (index * period_s / len(codes_list) if options.paced else 0.0)
+        pcm, sizes, latencies_s, sent_times_s = received[index], [], [], []
+        with client.stream(stream_keys[index], sequence_ids[index]) as stream:
+            first = 0
+            while first < total:
+                stop_frame = bounds[len(sizes)][1] if not options.catch_up else min(
+                    total, first + (options.first_chunk_frames if first == 0 else 1))
                 if options.paced:
-                    wait_s = run_start_s + start_offset_s + (stop_frame - 1) * FRAME_DURATION_S - time.perf_counter()
+                    wait_s = start_s + (stop_frame - 1) * FRAME_DURATION_S - time.perf_counter()
                     if wait_s > 0 and stop.wait(wait_s):
                         return
+                    if options.catch_up and first > 0:  # every frame produced by now
+                        produced = int((time.perf_counter() - start_s) / FRAME_DURATION_S) + 1
+                        stop_frame = min(total, max(stop_frame, produced))
                 if stop.is_set():
                     return
                 sent_s = time.perf_counter()
-                started_s = sent_s if started_s is None else started_s
-                pcm.append(stream.decode(codes[:, first:stop_frame], end=chunk == len(bounds) - 1))
+                pcm.append(stream.decode(codes[:, first:stop_frame], end=stop_frame == total))
                 latencies_s.append(time.perf_counter() - sent_s)
                 sent_times_s.append(sent_s)
+                sizes.append(stop_frame - first)
                 with lock:
                     frames_done += stop_frame - first
                     if progress is not None:
                         progress(frames_done, frames_total)
+                first = stop_frame
             results[index] = StreamResult(
-                sequence_id=stream.sequence_id, frames=codes.shape[1], pcm=np.concatenate(pcm),
-                chunk_frames=[b - a for a, b in bounds], chunk_latencies_s=latencies_s, started_s=started_s,
-                finished_s=time.perf_counter(), resumes=list(stream.resumes), stream_key=stream.stream_key,
-                chunk_sent_s=sent_times_s,
+                sequence_id=stream.sequence_id, frames=total, pcm=np.concatenate(pcm), chunk_frames=sizes,
+                chunk_latencies_s=latencies_s, started_s=sent_times_s[0], finished_s=time.perf_counter(),
+                resumes=list(stream.resumes), stream_key=stream.stream_key, chunk_sent_s=sent_times_s,
             )
 
     def guarded(index: int) -> None:
