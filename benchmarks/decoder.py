@@ -35,7 +35,7 @@ def matmul_peak_gflops(threads: int, seconds: float) -> float:
 
 def step_flops_per_frame(step) -> float:
     """Multiply-adds x 2 of one frame through the step module (convs, transformer, attention)."""
-    from mimi_code2wav.export.step import _SEANetBlock, _StreamingConv, _StreamingConvTranspose
+    from mimi_code2wav.export.seanet import SEANetBlock, StreamingConv, StreamingConvTranspose
 
     flops = 0.0
     steps = step.steps_per_frame
@@ -52,13 +52,13 @@ def step_flops_per_frame(step) -> float:
     flops += convtr(step.upsample, 1)
     length = steps
     for layer in step.seanet:
-        if isinstance(layer, _StreamingConvTranspose):
+        if isinstance(layer, StreamingConvTranspose):
             flops += convtr(layer, length)
             length *= layer.stride
-        elif isinstance(layer, _StreamingConv):
+        elif isinstance(layer, StreamingConv):
             flops += conv(layer, length)
-        elif isinstance(layer, _SEANetBlock):
-            flops += sum(conv(sub, length) for sub in layer.layers if isinstance(sub, _StreamingConv))
+        elif isinstance(layer, SEANetBlock):
+            flops += sum(conv(sub, length) for sub in layer.layers if isinstance(sub, StreamingConv))
     return flops
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .seanet import ConvState, SEANetBlock, StreamingConv, StreamingConvTranspose, plain_layer
 from .spec import DecoderSpec, StateSpec
 
 WINDOWS = ("moshi", "exact")
@@ -41,173 +42,6 @@ KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # Positions are split as hi * ROPE_BLOCK + lo so RoPE angles stay accurate in fp32 for streams of
 # many hours: a plain fp32 `position * inv_freq` loses ~4e-3 rad at 100,000 steps, the split ~1e-4.
 ROPE_BLOCK = 1024
-# Stride-1 convs with at least this many input channels run as one matmul over the batch.
-MATMUL_CONV_CHANNELS = 512
-
-
-class _StreamingConv(nn.Module):
-    """Causal stride-1 conv; its state is the last (kernel - 1) * dilation input samples.
-
-    Convs of at least MATMUL_CONV_CHANNELS input channels (the first layers of the SEANet, a few
-    samples per frame each) run as one matmul over the whole batch: the kernel taps gathered beside
-    the channels, [B * T, Cin * K] @ [Cin * K, Cout]. A Conv runs one GEMM per stream, each reading
-    the whole weight (15 MB for the first conv) for a couple of output samples."""
-
-    def __init__(self, conv: nn.Conv1d, dtype: torch.dtype):
-        super().__init__()
-        if conv.stride[0] != 1 or conv.padding[0] != 0:
-            raise ValueError("streaming conv expects stride 1 and no built-in padding")
-        self.bias = None
-        if conv.bias is not None:
-            self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
-        self.dilation = conv.dilation[0]
-        self.groups = conv.groups
-        self.kernel = conv.kernel_size[0]
-        self.context = (self.kernel - 1) * self.dilation
-        self.channels = conv.in_channels
-        self.out_channels = conv.out_channels
-        self.as_matmul = self.groups == 1 and self.channels >= MATMUL_CONV_CHANNELS
-        weight = conv.weight.detach().to(dtype)
-        if self.as_matmul:  # [Cout, Cin, K] -> [Cin * K, Cout]
-            weight = weight.flatten(1).t()
-        self.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
-        if self.context:
-            x = torch.cat([state.take(self.channels, self.context), x], dim=2)
-            state.put(x[:, :, -self.context :])
-        if not self.as_matmul:
-            return F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
-        steps = x.shape[2] - self.context
-        if self.kernel == 1:
-            rows = x.transpose(1, 2).reshape(-1, self.channels)
-        else:
-            taps = [x[:, :, j * self.dilation : j * self.dilation + steps] for j in range(self.kernel)]
-            rows = torch.stack(taps, dim=3).transpose(1, 2).reshape(-1, self.channels * self.kernel)
-        y = torch.matmul(rows, self.weight)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(x.shape[0], steps, self.out_channels).transpose(1, 2)
-
-
-class _StreamingConvTranspose(nn.Module):
-    """Causal transposed conv with kernel = 2 * stride (every Mimi transposed conv); its state is
-    the stride-long overlap tail, without bias.
-
-    Input step t writes kernel taps [0, s) to output block t and taps [s, 2s) to block t + 1, so
-    block t = first half of step t + second half of step t - 1 (the state for t = 0). Each half is
-    one matmul over the whole batch, [B * T, Cin] @ [Cin, s * Cout], whose columns are tap-major so
-    that the sum is already [B, T * s, Cout]: one transpose of its last two axes makes it
-    channels-first. ONNX Runtime 1.19's ConvTranspose (what the native backend of the NGC 24.10
-    image runs) computes stream by stream and is several times slower on these inputs.
-    """
-
-    def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
-        super().__init__()
-        weight = conv.weight.detach().to(dtype)  # [Cin, Cout / groups, 2s]
-        self.bias = None
-        if conv.bias is not None:
-            self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
-        self.stride = conv.stride[0]
-        self.groups = conv.groups
-        self.in_channels = conv.in_channels
-        self.channels = conv.out_channels
-        if conv.kernel_size[0] != 2 * self.stride or self.groups not in (1, self.channels):
-            raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
-        if self.groups == 1:  # [Cin, Cout, s] -> [Cin, s * Cout], tap-major
-            halves = weight.split(self.stride, dim=2)
-            self.first, self.second = (nn.Parameter(h.permute(0, 2, 1).reshape(self.in_channels, -1).contiguous(),
-                                                    requires_grad=False) for h in halves)
-        else:
-            self.weight = nn.Parameter(weight.clone(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
-        stride, channels = self.stride, self.channels
-        if self.groups == 1:
-            # Contiguous rows, so that the whole batch is one GEMM that reads each weight once.
-            rows = x.transpose(1, 2).reshape(-1, self.in_channels)
-            first = torch.matmul(rows, self.first).view(x.shape[0], x.shape[2], stride * channels)
-            second = torch.matmul(rows, self.second).view(x.shape[0], x.shape[2], stride * channels)
-            previous = torch.cat([state.take(1, stride * channels), second[:, :-1]], dim=1)  # [B, T, s * Cout]
-            state.put(second[:, -1:])
-            y = (first + previous).view(x.shape[0], -1, channels)  # [B, T * s, Cout]
-            if self.bias is not None:
-                y = y + self.bias
-            return y.transpose(1, 2)
-        # Depthwise (the upsampling, one step per frame): [B, T, C, 1] * [C, 2s], the same halves.
-        cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
-        first, second = cols.split(stride, dim=-1)
-        previous = torch.cat([state.take(channels, stride)[:, None], second[:, :-1]], dim=1)  # [B, T, C, s]
-        state.put(second[:, -1])
-        y = (first + previous).permute(0, 2, 1, 3).flatten(2)
-        if self.bias is not None:
-            y = y + self.bias[None, :, None]
-        return y
-
-
-class _ConvState:
-    """Reads conv state pieces from the flat state tensor in order and collects their updates."""
-
-    def __init__(self, flat: torch.Tensor | None, dtype: torch.dtype = torch.float32):
-        self.flat = flat
-        self.dtype = dtype
-        self.offset = 0
-        self.updates: list[torch.Tensor] = []
-        self.pieces: list[tuple[int, int]] = []
-
-    def take(self, channels: int, length: int) -> torch.Tensor:
-        size = channels * length
-        self.pieces.append((channels, length))
-        if self.flat is None:  # layout discovery
-            return torch.zeros(1, channels, length, dtype=self.dtype)
-        piece = self.flat[:, self.offset : self.offset + size].reshape(-1, channels, length)
-        self.offset += size
-        return piece
-
-    def put(self, piece: torch.Tensor) -> None:
-        self.updates.append(piece.flatten(1))
-
-
-class _Elu(nn.Module):
-    """ELU as relu(x) + alpha * (exp(min(x, 0)) - 1): the same values (within an ulp), and in ONNX
-    Runtime's vectorised Relu / Min / Exp kernels about 3x faster on a CPU than its Elu kernel, which
-    is a tenth of the SEANet's time at batch 8."""
-
-    def __init__(self, alpha: float):
-        super().__init__()
-        self.alpha = float(alpha)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        negative = torch.exp(torch.clamp(x, max=0.0)) - 1.0
-        return torch.relu(x) + (negative if self.alpha == 1.0 else self.alpha * negative)
-
-
-def _plain_layer(layer: nn.Module) -> nn.Module:
-    return _Elu(layer.alpha) if isinstance(layer, nn.ELU) else layer
-
-
-class _SEANetBlock(nn.Module):
-    """Residual block: ELU, conv k3, ELU, conv k1, plus identity (or 1x1 conv) shortcut."""
-
-    def __init__(self, block, dtype: torch.dtype):
-        super().__init__()
-        from transformers.models.mimi.modeling_mimi import MimiConv1d
-
-        self.layers = nn.ModuleList(
-            [_StreamingConv(layer.conv, dtype) if isinstance(layer, MimiConv1d) else _plain_layer(layer)
-             for layer in block.block]
-        )
-        self.shortcut = None
-        if isinstance(block.shortcut, MimiConv1d):
-            self.shortcut = _StreamingConv(block.shortcut.conv, dtype)
-
-    def forward(self, x: torch.Tensor, state: _ConvState) -> torch.Tensor:
-        residual = x if self.shortcut is None else self.shortcut(x, state)
-        for layer in self.layers:
-            x = layer(x, state) if isinstance(layer, _StreamingConv) else layer(x)
-        return residual + x
-
-
 class MimiDecoderStep(nn.Module):
     """One streaming decoder step over F frames (1 <= F <= max_frames_per_step) for a batch of
     independent streams.
@@ -275,7 +109,7 @@ class MimiDecoderStep(nn.Module):
         )
         if decoder.upsample is None:
             raise ValueError("expected Mimi's learnt upsampling between frame rate and transformer rate")
-        self.upsample = _StreamingConvTranspose(decoder.upsample.conv, dtype)
+        self.upsample = StreamingConvTranspose(decoder.upsample.conv, dtype)
 
         transformer = decoder.decoder_transformer
         self.layers = nn.ModuleList()
@@ -313,13 +147,13 @@ class MimiDecoderStep(nn.Module):
         self.seanet = nn.ModuleList()
         for layer in decoder.decoder_seanet.layers:
             if isinstance(layer, MimiConv1d):
-                self.seanet.append(_StreamingConv(layer.conv, dtype))
+                self.seanet.append(StreamingConv(layer.conv, dtype))
             elif isinstance(layer, MimiConvTranspose1d):
-                self.seanet.append(_StreamingConvTranspose(layer.conv, dtype))
+                self.seanet.append(StreamingConvTranspose(layer.conv, dtype))
             elif isinstance(layer, MimiResnetBlock):
-                self.seanet.append(_SEANetBlock(layer, dtype))
+                self.seanet.append(SEANetBlock(layer, dtype))
             else:
-                self.seanet.append(_plain_layer(layer))
+                self.seanet.append(plain_layer(layer))
 
         # The window of the largest call; a call of T steps uses the first T entries.
         max_steps = self.steps_per_frame * max_frames_per_step
@@ -361,7 +195,7 @@ class MimiDecoderStep(nn.Module):
 
     def _discover_conv_layout(self) -> list[tuple[int, int]]:
         with torch.no_grad():
-            state = _ConvState(None, self.dtype)
+            state = ConvState(None, self.dtype)
             x = torch.zeros(1, self.upsample.channels, 1, dtype=self.dtype)
             x = self.upsample(x, state)
             x = torch.zeros(1, x.shape[1], x.shape[2], dtype=self.dtype)
@@ -405,7 +239,7 @@ class MimiDecoderStep(nn.Module):
 
     def forward(self, codes, *state):
         *caches, conv, position = state
-        conv_state = _ConvState(conv)
+        conv_state = ConvState(conv)
         # [B, k, F] -> [B, hidden, F]: sum of the k folded codebook embeddings.
         latent = self.codebook_table[codes + self.codebook_offsets].sum(dim=1).transpose(1, 2)
         x = self.upsample(latent, conv_state)
@@ -414,9 +248,9 @@ class MimiDecoderStep(nn.Module):
         new_conv = torch.cat(conv_state.updates, dim=1)
         return (pcm.flatten(1).float(), *caches, new_conv, position + codes.shape[2] * self.steps_per_frame)
 
-    def _seanet(self, x, state: _ConvState):
+    def _seanet(self, x, state: ConvState):
         for layer in self.seanet:
-            x = layer(x, state) if isinstance(layer, (_StreamingConv, _StreamingConvTranspose, _SEANetBlock)) else layer(x)
+            x = layer(x, state) if isinstance(layer, (StreamingConv, StreamingConvTranspose, SEANetBlock)) else layer(x)
         return x
 
     def _rope(self, position, steps):
