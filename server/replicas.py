@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import dataclasses
 import signal
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -40,59 +37,13 @@ from .nginx import (
     find_nginx,
 )
 from .processes import StopsOnExit, http_ready
-from .serve import (
-    Foreground,
-    RestartBackoff,
-    _StopSignals,
-    add_repository_arguments,
-    describe_exit,
-    keep_log,
-    prepare_repository,
-    run_in_foreground,
-)
-from .triton import LOCALHOST, ServerError, TritonServer, log_tail, port_is_free
+from .serve import add_repository_arguments, prepare_repository
+from .supervise import Foreground, HealthCheck, Replica, run_in_foreground, supervise
+from .triton import LOCALHOST, ServerError, TritonServer, port_is_free
 
 DEFAULT_REPLICA_BASE_PORT = 8100
 # Replica i's ports: base + 10 i + (0: HTTP, 1: gRPC, 2: metrics), the layout of `serve` shifted.
 REPLICA_PORT_STRIDE = 10
-
-
-@dataclasses.dataclass
-class Replica:
-    """One tritonserver of the set. `server` is replaced by a new TritonServer on every restart,
-    on the same ports."""
-
-    index: int
-    server: TritonServer
-    restarts: int = 0
-    exit_reported: bool = False
-    started_at: float = 0.0
-    backoff: RestartBackoff = dataclasses.field(default_factory=RestartBackoff)
-    next_restart_at: float = 0.0
-    # Health checks in a row that got no answer in time (a hung server).
-    unanswered_checks: int = 0
-
-    # Read from the current server, which each restart replaces.
-    pid = property(lambda self: self.server.pid)
-    grpc_url = property(lambda self: self.server.grpc_url)
-    http_url = property(lambda self: self.server.http_url)
-    metrics_url = property(lambda self: self.server.metrics_url)
-    log_path = property(lambda self: self.server.log_path)
-
-    def is_alive(self) -> bool:
-        return self.server.is_alive()
-
-    def exit_code(self) -> int | None:
-        return self.server.exit_code()
-
-    def kill(self, signum: int = signal.SIGKILL, timeout_s: float = 30.0) -> int:
-        """Send `signum` to tritonserver alone, as a crash would end it, and wait until it exits; its
-        Python stubs then exit by themselves (`ReplicaSet.restart` and `stop` clean up after them).
-        Returns the exit code."""
-        if not self.is_alive():
-            raise ServerError(f"replica {self.index} is not running")
-        self.server.process.send_signal(signum)
-        return self.server.process.wait(timeout_s)
 
 
 class ReplicaSet(StopsOnExit):
@@ -176,11 +127,6 @@ class ReplicaSet(StopsOnExit):
             log_verbose=self.log_verbose,
         )
 
-    def _launch(self, replica: Replica) -> None:
-        with self.launch_guard():
-            replica.started_at = time.monotonic()
-            replica.server.start()
-
     # Lifecycle -------------------------------------------------------------------------------
     def start(self, ready_timeout_s: float = 120.0) -> float:
         """Start every replica and the proxy, wait until each replica is ready and the proxy answers
@@ -193,9 +139,10 @@ class ReplicaSet(StopsOnExit):
         self._check_fixed_ports()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for index in range(self.count):
-            replica = Replica(index, self._new_server(index, self.replica_ports(index)))
+            replica = Replica(index, self._new_server(index, self.replica_ports(index)),
+                              lambda ports, index=index: self._new_server(index, ports), f"replica {index}")
             self.replicas.append(replica)
-            self._launch(replica)
+            replica.launch(self.launch_guard)
         self.proxy.grpc_servers = [replica.grpc_url for replica in self.replicas]
         self.proxy.http_servers = [replica.http_url for replica in self.replicas]
         with self.launch_guard():
@@ -231,23 +178,9 @@ class ReplicaSet(StopsOnExit):
         return index in self.proxy.down
 
     def restart(self, index: int, ready_timeout_s: float = 120.0) -> float:
-        """Start replica `index` again on the same ports and wait until it is ready; returns the
-        seconds that took. A running replica is stopped first. Its previous log is kept as
-        replica-<i>.log.<n>. nginx gives the replica its keys back once the fail timeout of its last
-        failed attempt has passed."""
-        replica = self.replicas[index]
-        old = replica.server
-        old.stop()  # a dead one: waits for its stubs, removes its shared memory
-        replica.restarts += 1
-        keep_log(old, replica.restarts)
-        replica.server = self._new_server(index, (old.http_port, old.grpc_port, old.metrics_port))
-        replica.exit_reported = False
-        self._launch(replica)
-        try:
-            return replica.server.wait_ready(ready_timeout_s)
-        except ServerError as error:
-            replica.server.stop()  # one still loading would otherwise look alive
-            raise ServerError(f"replica {index} did not come back: {error}") from error
+        """Start replica `index` again on the same ports and wait until it is ready (`Replica.relaunch`);
+        nginx gives the replica its keys back once the fail timeout of its last failed attempt has passed."""
+        return self.replicas[index].relaunch(ready_timeout_s, self.launch_guard)
 
     def stop(self) -> None:
         """Stop the proxy, then every replica at once (each waits for its live sequences up to its
@@ -277,127 +210,6 @@ class ReplicaSet(StopsOnExit):
         )
 
 
-@contextlib.contextmanager
-def _signals_held(stop_signals: _StopSignals):
-    """Record, without acting on, SIGINT/SIGTERM while a process is being created; act on exit."""
-    stop_signals.disarm()
-    try:
-        yield
-    finally:
-        stop_signals.arm()
-
-
-@dataclasses.dataclass(frozen=True)
-class HealthCheck:
-    """How the supervisor tells a hung replica: every poll it asks each running replica's
-    /v2/health/ready. A replica that answers "not ready" (it is draining) is taken out of the proxy at
-    once; one that does not answer within `timeout_s`, `unanswered` times in a row (it hangs), is taken
-    out too, and with restarts it is killed and started again. A replica taken out goes back once it
-    answers ready again. `timeout_s` 0: no checks."""
-
-    timeout_s: float = 2.0
-    unanswered: int = 3
-
-    @property
-    def enabled(self) -> bool:
-        return self.timeout_s > 0
-
-
-def _check_health(replica_set: ReplicaSet, health: HealthCheck, restart: bool) -> None:
-    running = [replica for replica in replica_set.replicas if replica.is_alive()]
-    if not health.enabled or not running:
-        return
-    with concurrent.futures.ThreadPoolExecutor(len(running)) as pool:
-        answers = list(pool.map(lambda r: http_ready(f"http://{r.http_url}/v2/health/ready", health.timeout_s), running))
-    for replica, problem in zip(running, answers):
-        taken_out = replica_set.taken_out(replica.index)
-        if problem is None:
-            replica.unanswered_checks = 0
-            if taken_out:
-                replica_set.put_back(replica.index)
-                print(f"replica {replica.index} answers ready again: back in the proxy", flush=True)
-            continue
-        answered = problem.startswith("HTTP ")
-        replica.unanswered_checks = 0 if answered else replica.unanswered_checks + 1
-        if not answered and replica.unanswered_checks < health.unanswered:
-            continue
-        if not taken_out:
-            replica_set.take_out(replica.index)
-            why = ("is not ready (" + problem + ")" if answered else
-                   f"has not answered its health check for {health.unanswered} checks of {health.timeout_s:g} s")
-            print(f"replica {replica.index} (pid {replica.pid}) {why}: taken out of the proxy; its streams "
-                  "resume on the other replicas", file=sys.stderr, flush=True)
-        if restart and not answered:
-            replica.kill()  # hung: the restart below brings it back
-            replica.unanswered_checks = 0
-
-
-def _rolling_restart(replica_set: ReplicaSet, ready_timeout_s: float) -> None:
-    """Each replica in turn: out of the proxy, drained (SIGTERM: its streams resume on the others),
-    started again on the same ports, back in the proxy; then the next one."""
-    for replica in replica_set.replicas:
-        replica_set.take_out(replica.index)
-        began = time.monotonic()
-        if replica.is_alive():
-            replica.kill(signal.SIGTERM, timeout_s=replica.server.stop_grace_s)
-        drained = describe_exit(replica.exit_code())
-        ready_s = replica_set.restart(replica.index, ready_timeout_s)
-        replica.exit_reported = False
-        replica_set.put_back(replica.index)
-        print(f"replica {replica.index} drained ({drained}) and restarted in {time.monotonic() - began:.1f} s "
-              f"(ready in {ready_s:.1f} s, pid {replica.pid}): back in the proxy", flush=True)
-
-
-def _supervise(replica_set: ReplicaSet, restart: bool, ready_timeout_s: float, poll_s: float = 0.5,
-               health: HealthCheck = HealthCheck(), rolling: threading.Event | None = None) -> int:
-    """Watch the proxy and the replicas until a stop signal (raised out of here) or until serving
-    is over: nginx exited, or every replica is gone and none is restarted. Returns the exit code.
-    `rolling` set (SIGHUP): a rolling restart of every replica."""
-    while True:
-        time.sleep(poll_s)
-        proxy = replica_set.proxy
-        if not proxy.is_alive():
-            print(f"nginx exited by itself with code {proxy.exit_code()} (error log {proxy.error_log}):\n"
-                  f"{log_tail(proxy.error_log)}", file=sys.stderr, flush=True)
-            return 1
-        if rolling is not None and rolling.is_set():
-            rolling.clear()
-            print("SIGHUP: rolling restart of the replicas, one at a time", flush=True)
-            _rolling_restart(replica_set, ready_timeout_s)
-            continue
-        _check_health(replica_set, health, restart)
-        for replica in replica_set.replicas:
-            if replica.is_alive():
-                continue
-            now = time.monotonic()
-            if not replica.exit_reported:
-                replica.exit_reported = True
-                lived_s = now - replica.started_at
-                delay = f"; restart in {replica.backoff.after_exit(lived_s):.1f} s" if restart else ""
-                print(
-                    f"replica {replica.index} (pid {replica.pid}) {describe_exit(replica.exit_code())} after "
-                    f"{lived_s:.0f} s; its streams resume on the other replicas{delay}. Log tail "
-                    f"({replica.log_path}):\n{log_tail(replica.log_path, lines=15)}",
-                    file=sys.stderr, flush=True,
-                )
-                replica.next_restart_at = now + replica.backoff.delay_s
-            if restart and now >= replica.next_restart_at:
-                try:
-                    ready_s = replica_set.restart(replica.index, ready_timeout_s)
-                except ServerError as error:
-                    print(f"error: {error}", file=sys.stderr, flush=True)
-                    replica.exit_reported = False  # report, and schedule the next attempt
-                    continue
-                print(f"replica {replica.index} restarted (pid {replica.pid}, restart {replica.restarts}), "
-                      f"ready in {ready_s:.1f} s on {replica.grpc_url}", flush=True)
-                if replica_set.taken_out(replica.index):
-                    replica_set.put_back(replica.index)
-                    print(f"replica {replica.index}: back in the proxy", flush=True)
-        if not restart and not any(replica.is_alive() for replica in replica_set.replicas):
-            print("error: every replica has exited; stopping the proxy", file=sys.stderr, flush=True)
-            return 1
-
-
 def run(args: argparse.Namespace) -> int:
     if args.print_compose_config:
         print(compose_config(args.replicas), end="")
@@ -414,7 +226,7 @@ def _serve_replicas(args: argparse.Namespace, foreground: Foreground) -> int:
     replica_set = ReplicaSet(
         repository, args.replicas, **settings, binary=args.nginx,
         run_dir=args.run_dir if args.run_dir is not None else Path(args.build_dir) / "replicas",
-        launch_guard=lambda: _signals_held(foreground.signals),
+        launch_guard=foreground.launch_guard,
     )
     foreground.stop = replica_set.stop
     print(f"starting {args.replicas} tritonserver replicas and nginx, serving {repository}", flush=True)
@@ -431,10 +243,9 @@ def _serve_replicas(args: argparse.Namespace, foreground: Foreground) -> int:
         "Ctrl-C or SIGTERM stops everything.",
         flush=True,
     )
-    rolling = threading.Event()
-    signal.signal(signal.SIGHUP, lambda signum, frame: rolling.set())
-    return _supervise(replica_set, args.restart, args.ready_timeout,
-                      health=HealthCheck(args.health_timeout_s, args.health_checks), rolling=rolling)
+    return supervise(replica_set.replicas, restart=args.restart, ready_timeout_s=args.ready_timeout,
+                     proxy=replica_set.proxy, health=HealthCheck(args.health_timeout_s, args.health_checks),
+                     guard=foreground.launch_guard)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

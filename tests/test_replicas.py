@@ -29,7 +29,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from mimi_code2wav.client.stream import CODEBOOK_SIZE, NUM_CODEBOOKS
+from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS
 from mimi_code2wav.server import nginx
 from mimi_code2wav.server.nginx import STREAM_KEY_HEADER, NginxError, find_nginx
 from mimi_code2wav.server.replicas import ReplicaSet
@@ -591,7 +591,7 @@ def test_asyncio_conversations_keep_their_replica_and_survive_its_loss(nginx_ins
     import asyncio
 
     from mimi_code2wav.client.aio import Code2WavClient
-    from mimi_code2wav.client.stream import StreamOptions
+    from mimi_code2wav.client.protocol import StreamOptions
 
     from mimi_fixtures import assert_equal_audio
 
@@ -764,7 +764,8 @@ def test_serve_replicas_takes_out_a_hung_replica_restarts_it_and_rolls_on_sighup
 
         cli.send_signal(signal.SIGHUP)
         for index in range(2):
-            wait_for(rf"replica {index} drained \(exited with code 0\) and restarted in [0-9.]+ s", timeout_s=90)
+            wait_for(rf"replica {index} \(pid \d+\) drained \(exited with code 0\) and restarted in [0-9.]+ s",
+                     timeout_s=90)
             # The other replica serves every key meanwhile, or both do once it is back.
             reply = client.send(hung_key, 2000 + index, start=True)
             assert reply.ok, reply

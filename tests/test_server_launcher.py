@@ -208,11 +208,31 @@ def test_sighup_drains_serve_and_starts_it_again_reading_the_repository_afresh(t
         output, _ = cli.communicate(timeout=60)
     assert cli.returncode == 0, output
     assert f"SIGHUP: draining tritonserver (pid {first_pid}) to start it again" in output, output
-    assert re.search(rf"SIGHUP: tritonserver \(pid {first_pid}\) drained \(exited with code 0\) in [0-9.]+ s; "
-                     r"restart 1 now on the same ports", output), output
-    assert f"tritonserver back (pid {second_pid}, restart 1)" in output, output
+    assert re.search(rf"tritonserver \(pid {first_pid}\) drained \(exited with code 0\) and restarted in [0-9.]+ s "
+                     rf"\(ready in [0-9.]+ s, pid {second_pid}, restart 1\)", output), output
     assert "Non-graceful termination" not in Path(f"{log}.1").read_text()
     assert not process_group_alive(second_pid)
+
+
+def test_serve_restarts_a_tritonserver_that_dies_on_the_same_ports(tmp_path):
+    """A crash (SIGKILL of tritonserver alone): reported with its exit, started again on the same
+    ports after the first backoff delay, the dead server's log kept as <log>.1 and its stubs gone."""
+    repository, log = write_model(tmp_path / "repo"), tmp_path / "server.log"
+    with serve_cli(repository, log) as (cli, (http_port, grpc_port, _)):
+        first_pid = tritonserver_child(cli)
+        os.kill(first_pid, signal.SIGKILL)
+        assert wait_until(lambda: tritonserver_child(cli) not in (None, first_pid), 30), "no new server after the crash"
+        wait_http_ready(http_port, cli, timeout_s=60)
+        second_pid = tritonserver_child(cli)
+        infer_add_one(f"127.0.0.1:{grpc_port}")
+        assert not process_group_alive(first_pid), "the dead server left a stub behind"
+        cli.send_signal(signal.SIGTERM)
+        output, _ = cli.communicate(timeout=60)
+    assert cli.returncode == 0, output
+    assert f"tritonserver (pid {first_pid}) was killed by SIGKILL after" in output, output
+    assert "; restart in 0.5 s on the same ports" in output, output
+    assert f"tritonserver restarted (pid {second_pid}, restart 1)" in output, output
+    assert Path(f"{log}.1").is_file()
 
 
 def test_serve_command_with_missing_weights_explains(tmp_path):
