@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, ClientError, StreamOptions, random_codes
+from mimi_code2wav.client.sync import run_streams
 from mimi_code2wav.server.nginx import NginxError, replicas_by_stream
 from mimi_code2wav.server.replicas import ReplicaSet
 from mimi_code2wav.server.serve import add_repository_arguments, prepare_repository
@@ -53,15 +54,15 @@ def measure(args: argparse.Namespace, repository: Path) -> dict:
                     replica_base_port=None) as replica_set:
         outcome: dict = {}
 
-        def run_streams() -> None:
+        def decode_all() -> None:
             try:
                 outcome["report"] = run_streams(replica_set.proxy_grpc_url, codes, options,
-                                                  sequence_ids=[1000 + n for n in range(args.streams)],
-                                                  stream_keys=keys)
+                                                sequence_ids=[1000 + n for n in range(args.streams)],
+                                                stream_keys=keys)
             except BaseException as error:  # reported below
                 outcome["error"] = error
 
-        streams = threading.Thread(target=run_streams, name="failover-streams", daemon=True)
+        streams = threading.Thread(target=decode_all, name="failover-streams", daemon=True)
         streams.start()
         time.sleep(args.kill_at_s)
         placement = {key: sorted(urls)[0] for key, urls in replicas_by_stream(replica_set.proxy.requests()).items()}

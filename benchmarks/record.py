@@ -48,23 +48,25 @@ def _sweep(results: dict) -> str:
     return sweep_markdown(results, heading="###")
 
 
+# The decoder targets a local server runs, as their kinds and sections name them.
+TARGETS = (("python-ort", "the python-ort decoder", ""),
+           ("onnxruntime", "the native onnxruntime decoder", " --decoder onnxruntime"),
+           ("null", "the null decoder (the front's ceiling)", " --decoder null"))
+
+
+def _per_target(kind: str, title: str, render: Callable[[dict], str], command: str) -> list[Section]:
+    """A benchmark's section for each decoder target, then for a running server (`-url`)."""
+    return [*(Section(f"{kind}-{target}", f"{title}: {what}", render, f"{command}{flag}") for target, what, flag in TARGETS),
+            Section(f"{kind}-url", f"{title}: a running server", render, f"{command} --url HOST:PORT")]
+
+
 SECTIONS = (
-    Section("duplex-python-ort", "The duplex tick: the python-ort decoder", duplex_markdown, "python -m benchmarks duplex"),
-    Section("duplex-onnxruntime", "The duplex tick: the native onnxruntime decoder", duplex_markdown,
-            "python -m benchmarks duplex --decoder onnxruntime"),
-    Section("duplex-null", "The duplex tick: the null decoder (the front's ceiling)", duplex_markdown,
-            "python -m benchmarks duplex --decoder null"),
-    Section("duplex-url", "The duplex tick: a running server", duplex_markdown, "python -m benchmarks duplex --url HOST:PORT"),
+    *_per_target("duplex", "The duplex tick", duplex_markdown, "python -m benchmarks duplex"),
     Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m benchmarks decoder"),
     Section("step-profile", "The decoder step's kernel time by op type", step_profile_markdown,
             "python -m benchmarks step-profile --baseline EXPORT_DIR"),
     Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m benchmarks gpu"),
-    Section("triton-python-ort", "Through Triton: the python-ort decoder", _sweep, "python -m benchmarks sweep"),
-    Section("triton-onnxruntime", "Through Triton: the native onnxruntime decoder", _sweep,
-            "python -m benchmarks sweep --decoder onnxruntime"),
-    Section("triton-null", "Through Triton: the null decoder (the front's ceiling)", _sweep,
-            "python -m benchmarks sweep --decoder null"),
-    Section("triton-url", "Through Triton: a running server", _sweep, "python -m benchmarks sweep --url HOST:PORT"),
+    *_per_target("triton", "Through Triton", _sweep, "python -m benchmarks sweep"),
     Section("memory", "Server memory against live streams: the python-ort decoder", memory_markdown,
             "python -m benchmarks memory"),
     Section("memory-onnxruntime", "Server memory against live streams: the native onnxruntime decoder",

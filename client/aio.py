@@ -62,10 +62,12 @@ from .protocol import (
     ClientError,
     RequestFailure,
     StreamOptions,
+    grpc_reason,
     infer_inputs,
-    readiness,
+    model_state,
     request_failure,
     response_pcm,
+    unreachable,
 )
 
 # Calls of one stream that may wait behind its request in flight.
@@ -126,18 +128,25 @@ class Code2WavClient:
         """Raise ClientError (one line) unless every URL answers and its model is ready."""
         from tritonclient.utils import InferenceServerException
 
+        name = self.options.model_name
         for url in self.urls:
-            steps = readiness(url, self.options.model_name)
-            method, kwargs = next(steps)
-            while True:
+            channel = self._channel(url)
+            try:
+                live = await channel.is_server_live(client_timeout=timeout_s)
+            except InferenceServerException as exc:
+                raise unreachable(url, exc) from None
+            if not live:
+                raise ClientError(f"Triton at {url} answers but is not live")
+            try:
+                ready = await channel.is_model_ready(name, client_timeout=timeout_s)
+            except InferenceServerException as exc:
+                raise ClientError(f"Triton at {url}: readiness of model '{name}' unknown: {grpc_reason(exc)}") from None
+            if not ready:
                 try:
-                    outcome = await getattr(self._channel(url), method)(**kwargs, client_timeout=timeout_s)
-                except InferenceServerException as exc:
-                    outcome = exc
-                try:
-                    method, kwargs = steps.send(outcome)
-                except StopIteration:
-                    break
+                    state = model_state((await channel.get_model_repository_index(as_json=True)).get("models", []), name)
+                except Exception:  # the index only decorates the message
+                    state = "state unknown"
+                raise ClientError(f"model '{name}' is not ready on Triton at {url} ({state}); see the server log")
 
     def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
         """A new conversation. `sequence_id`: non-zero, default random; `stream_key`: what the proxy

@@ -318,34 +318,16 @@ class StreamPlan:
 
 
 class PlannedStream:
-    """What both drivers' streams show of their `StreamPlan` (`_plan`): read-only attributes."""
+    """What both drivers' streams show of their `StreamPlan` (`_plan`), read-only: `sequence_id`,
+    `stream_key` (the value of the gRPC header `code2wav-stream` on every request, what a proxy routes
+    on), `url` (where requests go now), `next_frame` (frames whose PCM came back), `ended`, `resumes`
+    (each resume on a new sequence, in order)."""
 
     _plan: StreamPlan
 
-    @property
-    def sequence_id(self) -> int:
-        return self._plan.sequence_id
-
-    @property
-    def stream_key(self) -> str:
-        """The value of the gRPC header `code2wav-stream` on every request (what a proxy routes on)."""
-        return self._plan.stream_key
-
-    @property
-    def url(self) -> str:
-        """The server the stream's requests go to now."""
-        return self._plan.url
-
-    @property
-    def next_frame(self) -> int:
-        """Frames whose PCM came back."""
-        return self._plan.next_frame
-
-    @property
-    def ended(self) -> bool:
-        return self._plan.ended
-
-    @property
-    def resumes(self) -> list[Resume]:
-        """Each resume on a new sequence, in order."""
-        return self._plan.resumes
+    sequence_id = property(lambda self: self._plan.sequence_id)
+    stream_key = property(lambda self: self._plan.stream_key)
+    url = property(lambda self: self._plan.url)
+    next_frame = property(lambda self: self._plan.next_frame)
+    ended = property(lambda self: self._plan.ended)
+    resumes = property(lambda self: self._plan.resumes)

@@ -218,25 +218,6 @@ def unreachable(url: str, exc: Exception) -> ClientError:
     return ClientError(f"cannot reach Triton (gRPC) at {url}: {grpc_reason(exc)}; {hint}")
 
 
-def readiness(url: str, model_name: str):
-    """The readiness check both drivers run, as a generator: it yields (method, kwargs) of tritonclient's
-    InferenceServerClient to call (the driver adds `client_timeout`), is sent the result or the
-    InferenceServerException the call raised, and raises ClientError (one line) unless the server is
-    live and the model ready."""
-    live = yield "is_server_live", {}
-    if isinstance(live, Exception):
-        raise unreachable(url, live)
-    if not live:
-        raise ClientError(f"Triton at {url} answers but is not live")
-    ready = yield "is_model_ready", {"model_name": model_name}
-    if isinstance(ready, Exception):
-        raise ClientError(f"Triton at {url}: readiness of model '{model_name}' unknown: {grpc_reason(ready)}")
-    if not ready:
-        index = yield "get_model_repository_index", {"as_json": True}
-        state = "state unknown" if isinstance(index, Exception) else model_state(index.get("models", []), model_name)
-        raise ClientError(f"model '{model_name}' is not ready on Triton at {url} ({state}); see the server log")
-
-
 def model_state(index: list[dict], model_name: str) -> str:
     """A model's state in the server's repository index ("state UNAVAILABLE: reason")."""
     for model in index:

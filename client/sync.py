@@ -10,6 +10,7 @@ to one replica.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Callable, Protocol, Sequence
@@ -30,7 +31,6 @@ from .protocol import (
     chunk_bounds,
     draw_sequence_ids,
     infer_inputs,
-    readiness,
     request_failure,
     response_pcm,
     validate_codes,
@@ -118,26 +118,16 @@ class Code2WavClient:
         pass  # every stream closes its own connection
 
     def check_ready(self, timeout_s: float = 10.0) -> None:
-        """Raise ClientError (one line) unless every URL answers and its model is ready."""
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
+        """Raise ClientError (one line) unless every URL answers and its model is ready: the asyncio
+        client's check, run to completion here (call it where no event loop runs, as every call of
+        this client)."""
+        from .aio import Code2WavClient as AsyncClient
 
-        for url in self.urls:
-            server = grpcclient.InferenceServerClient(url)
-            try:
-                steps = readiness(url, self.options.model_name)
-                method, kwargs = next(steps)
-                while True:
-                    try:
-                        outcome = getattr(server, method)(**kwargs, client_timeout=timeout_s)
-                    except InferenceServerException as exc:
-                        outcome = exc
-                    try:
-                        method, kwargs = steps.send(outcome)
-                    except StopIteration:
-                        break
-            finally:
-                server.close()
+        async def check() -> None:
+            async with AsyncClient(self.urls, StreamOptions(model_name=self.options.model_name)) as client:
+                await client.check_ready(timeout_s)
+
+        asyncio.run(check())
 
     def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
         """A new stream. `sequence_id`: non-zero, default random; `stream_key`: what a proxy routes on,

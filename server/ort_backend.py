@@ -61,11 +61,7 @@ def library_cache() -> Path:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return hashlib.sha256(path.read_bytes()).hexdigest()  # a library of tens of MB
 
 
 def fetch_onnxruntime_library(quiet: bool = False) -> Path:

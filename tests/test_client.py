@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mimi_code2wav.client import ClientError, Code2WavClient, StreamOptions, run_streams
 from mimi_code2wav.client.plan import ReplayBuffer
 from mimi_code2wav.client.protocol import (
     CODEBOOK_SIZE,
@@ -21,15 +22,12 @@ from mimi_code2wav.client.protocol import (
     SAMPLE_RATE_HZ,
     SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
-    ClientError,
-    StreamOptions,
     chunk_bounds,
     random_codes,
     request_arrays,
     request_failure,
     validate_codes,
 )
-from mimi_code2wav.client.sync import Code2WavClient, run_streams
 from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
 from mimi_code2wav.server.triton import fetch_metrics, free_port, metric_value
 

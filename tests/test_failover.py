@@ -32,7 +32,7 @@ from mimi_code2wav.client.protocol import (
     STREAM_KEY_HEADER,
     StreamOptions,
 )
-from mimi_code2wav.client.sync import Code2WavClient, Code2WavStream
+from mimi_code2wav.client.sync import Code2WavClient, Code2WavStream, run_streams
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.export.render import CODE2WAV_IDLE_TIMEOUT_US
 from mimi_code2wav.server.nginx import NginxError, find_nginx, replicas_by_stream
@@ -270,7 +270,7 @@ def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing
         after = _in_threads({key: (lambda key=key: _decode(clients[key], streams[key], KILL_AT, KILL_AT + AFTER_KILL,
                                                            end=True)) for key in keys})
         text = output.read_text()
-        back = re.search(r"tritonserver back \(pid (\d+), restart 1\), ready in ([0-9.]+) s", text)
+        back = re.search(r"tritonserver restarted \(pid (\d+), restart 1\), ready in ([0-9.]+) s", text)
         assert back and "was killed by SIGKILL" in text, text
         second_pid = int(back[1])
         serve.send_signal(signal.SIGTERM)
@@ -326,11 +326,11 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(replica_set, ort_
                             resume_timeout_s=60.0, response_timeout_s=3.0)
     outcome: dict = {}
 
-    def run_streams():
+    def decode_all():
         try:
             outcome["report"] = run_streams(replica_set.proxy_grpc_url, list(codes.values()), options,
-                                              sequence_ids=[9000 + n for n in range(CHAOS_STREAMS)],
-                                              stream_keys=list(codes))
+                                            sequence_ids=[9000 + n for n in range(CHAOS_STREAMS)],
+                                            stream_keys=list(codes))
         except BaseException as error:  # reported below
             outcome["error"] = error
 
@@ -342,7 +342,7 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(replica_set, ort_
         return max(counts, key=counts.get)
 
     started = time.monotonic()
-    streams_thread = threading.Thread(target=run_streams, daemon=True)
+    streams_thread = threading.Thread(target=decode_all, daemon=True)
     streams_thread.start()
     faults = []
 
