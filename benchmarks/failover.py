@@ -25,9 +25,9 @@ import numpy as np
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, ClientError, StreamOptions, random_codes
 from mimi_code2wav.client.sync import run_streams
 from mimi_code2wav.server.nginx import NginxError, replicas_by_stream
+from mimi_code2wav.server.processes import ServerError
 from mimi_code2wav.server.replicas import ReplicaSet
 from mimi_code2wav.server.serve import add_repository_arguments, prepare_repository
-from mimi_code2wav.server.triton import ServerError
 
 from .provenance import command_line, run_meta, write_run
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from mimi_code2wav.client.protocol import ClientError
 from mimi_code2wav.export.serving_flags import add_serving_arguments, serving_from_args
+from mimi_code2wav.server.processes import log_tail
 from mimi_code2wav.server.serve import LOCAL_TARGETS
-from mimi_code2wav.server.triton import log_tail
 
 from .profile import PointProfile
 from .provenance import REPO_ROOT, timed

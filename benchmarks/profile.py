@@ -16,10 +16,10 @@ TRITON_TIMES = ("queue", "compute_input", "compute_infer", "compute_output")
 
 def settle_gc() -> None:
     """Before a point: collect, then freeze what survives (`gc.freeze`), so that the point's own
-    collections scan only its own objects. The load generator holds ~200,000 objects (torch and the
-    export, loaded to start the local server), and a full collection of them stops its event loop or
-    threads for 100-250 ms, which would show as a stall of every stream at once. A pipeline process
-    that loads models and then calls the client has the same problem and the same remedy (README)."""
+    collections scan only its own objects. The load generator holds torch and the export (loaded to
+    start the local server), whose full collection stops its event loop or threads long enough to
+    show as a stall of every stream at once. A pipeline process that loads models and then calls the
+    client has the same problem and the same remedy (README)."""
     gc.collect()
     gc.freeze()
 

@@ -12,9 +12,8 @@ keys to the next one meanwhile. The policy and the reasons for each setting are 
 - `compose_config`: `docker/nginx/compose.conf`, the file the compose `scale` profile mounts (a test
   keeps it equal to a fresh rendering).
 
-`NginxProxy` (a `processes.ServerProcess`) runs one nginx (master and workers) in its own process
-group: it checks the config with `nginx -t` first, waits until both ports accept connections while
-checking that nginx is alive, and stops only what it started.
+`NginxProxy` (a `processes.ServerProcess`) runs one nginx in its own process group: it checks the
+config with `nginx -t` first, waits until both ports accept connections, and stops only what it started.
 """
 
 from __future__ import annotations
@@ -32,9 +31,6 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Collection, Sequence
-
-# The gRPC metadata key that names a stream (nginx sees it as $http_code2wav_stream), as clients send it.
-from mimi_code2wav.client.protocol import STREAM_KEY_HEADER  # noqa: F401 (re-exported for the server side)
 
 from .processes import ServerError, ServerProcess, log_tail
 from .triton import LOCALHOST, free_ports

@@ -28,18 +28,19 @@ import time
 from pathlib import Path
 from typing import Callable, ContextManager
 
+from mimi_code2wav.client.protocol import STREAM_KEY_HEADER
+
 from .nginx import (
     DEFAULT_FAIL_TIMEOUT_S,
     DEFAULT_MAX_FAILS,
-    STREAM_KEY_HEADER,
     NginxProxy,
     compose_config,
     find_nginx,
 )
-from .processes import StopsOnExit, http_ready
+from .processes import ServerError, StopsOnExit, http_ready
 from .serve import add_repository_arguments, prepare_repository
 from .supervise import Foreground, HealthCheck, Replica, run_in_foreground, supervise
-from .triton import LOCALHOST, ServerError, TritonServer, port_is_free
+from .triton import LOCALHOST, TritonServer, port_is_free
 
 DEFAULT_REPLICA_BASE_PORT = 8100
 # Replica i's ports: base + 10 i + (0: HTTP, 1: gRPC, 2: metrics), the layout of `serve` shifted.

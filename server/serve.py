@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .processes import ServerError
 from .supervise import Foreground, Replica, run_in_foreground, supervise
-from .triton import LOCALHOST, ServerError, TritonServer
+from .triton import LOCALHOST, TritonServer
 
 # The decoder targets a local server renders (tensorrt needs a plan built on a GPU).
 LOCAL_TARGETS = ("python-ort", "onnxruntime", "null")

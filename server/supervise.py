@@ -34,8 +34,8 @@ import threading
 import time
 from typing import Callable, ContextManager
 
-from .processes import http_ready
-from .triton import ServerError, TritonServer, log_tail
+from .processes import ServerError, http_ready, log_tail
+from .triton import TritonServer
 
 # A server that lived at least this long before dying is restarted after FIRST_RESTART_DELAY_S; one
 # that dies sooner than that after its previous restart waits twice as long as last time, up to

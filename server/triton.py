@@ -37,13 +37,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .ort_backend import install_onnxruntime_backend, needs_onnxruntime
-from .processes import (
-    ServerError,
-    ServerProcess,
-    http_ready,
-    log_tail,
-    process_group_alive,  # noqa: F401 (re-exported: the tests check a server's group with it)
-)
+from .processes import ServerError, ServerProcess, http_ready, log_tail
 
 SHM_DIR = Path("/dev/shm")
 # Every region a Python stub creates is named <prefix><uuid>; each server gets its own prefix so that

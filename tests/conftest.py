@@ -12,7 +12,8 @@ import contextlib
 
 import pytest
 
-from mimi_code2wav.server.triton import TritonServer, log_tail, running_server
+from mimi_code2wav.server.processes import log_tail
+from mimi_code2wav.server.triton import TritonServer, running_server
 
 # Session-scoped Mimi fixtures (seeded checkpoints, references, exports) shared by every test module.
 pytest_plugins = ("mimi_fixtures",)

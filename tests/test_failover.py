@@ -36,8 +36,9 @@ from mimi_code2wav.client.sync import Code2WavClient, Code2WavStream, run_stream
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.export.render import CODE2WAV_IDLE_TIMEOUT_US
 from mimi_code2wav.server.nginx import NginxError, find_nginx, replicas_by_stream
+from mimi_code2wav.server.processes import ServerError, process_group_alive
 from mimi_code2wav.server.replicas import ReplicaSet
-from mimi_code2wav.server.triton import ServerError, free_ports, port_is_free, process_group_alive
+from mimi_code2wav.server.triton import free_ports, port_is_free
 
 from helpers import REPO_ROOT, print_and_record, wait_http_ready
 from mimi_fixtures import assert_equal_audio

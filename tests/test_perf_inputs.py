@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mimi_code2wav.client.perf_inputs import describe, input_data, sequence_steps
-from mimi_code2wav.server.triton import log_tail
+from mimi_code2wav.server.processes import log_tail
 
 from helpers import REPO_ROOT
 

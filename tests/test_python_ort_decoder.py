@@ -36,6 +36,8 @@ IDLE_TIMEOUT_US = 2_000_000
 
 
 ort_core = load_model_module(MODEL_DIR / "python_ort_core.py")
+ort_config = load_model_module(MODEL_DIR / "python_ort_config.py")
+ort_memory = load_model_module(MODEL_DIR / "python_ort_memory.py")
 
 
 def install_model(version_dir: Path) -> None:
@@ -138,8 +140,8 @@ def onnx_session(tmp_path_factory):
 
 
 def make_core(session, clock=None, run_wrapper=None, config=None):
-    config = config or ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
-    config = ort_core.check_against_onnx(config, session.get_inputs(), session.get_outputs())
+    config = config or ort_config.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_config.check_against_onnx(config, session.get_inputs(), session.get_outputs())
     names = [t.name for t in config.outputs] + [s.output for s in config.states]
     calls = []
 
@@ -158,7 +160,7 @@ def request(sequence_id, codes, start=False, end=False):
 
 
 def test_parse_model_config_reads_parameters_and_timeout():
-    config = ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_config.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
     assert config.idle_timeout_s == 2.0
     assert config.intra_op_threads == 1
     assert config.onnx_file == "model.onnx"
@@ -168,8 +170,8 @@ def test_parse_model_config_reads_parameters_and_timeout():
     assert config.value_ranges == {}
     assert config.max_live_streams == 16 and config.max_rows_per_run == 8 and config.instance_count == 1
     assert config.state_bytes_per_stream == ACC * 4 + 8
-    assert ort_core.parse_model_config(config_with(max_live_streams="auto"), TRITON_TYPES.__getitem__).max_live_streams is None
-    ranged = ort_core.parse_model_config(config_with(value_ranges='{"codes": [0, 2048]}'), TRITON_TYPES.__getitem__)
+    assert ort_config.parse_model_config(config_with(max_live_streams="auto"), TRITON_TYPES.__getitem__).max_live_streams is None
+    ranged = ort_config.parse_model_config(config_with(value_ranges='{"codes": [0, 2048]}'), TRITON_TYPES.__getitem__)
     assert ranged.value_ranges == {"codes": (0, 2048)}
 
 
@@ -206,7 +208,7 @@ BAD_PARAMETERS = [
 @pytest.mark.parametrize("name, value, message", BAD_PARAMETERS)
 def test_parse_model_config_rejects_a_bad_parameter(name, value, message):
     with pytest.raises(ValueError) as failure:
-        ort_core.parse_model_config(config_with(**{name: value}), TRITON_TYPES.__getitem__)
+        ort_config.parse_model_config(config_with(**{name: value}), TRITON_TYPES.__getitem__)
     assert f"parameter '{name}': {message}" in str(failure.value)
 
 
@@ -225,19 +227,19 @@ def test_parse_model_config_rejects_a_bad_parameter(name, value, message):
 def test_parse_model_config_rejects(config, message):
     config = {key: value for key, value in config.items() if value is not None}
     with pytest.raises(ValueError) as failure:
-        ort_core.parse_model_config(config, TRITON_TYPES.__getitem__)
+        ort_config.parse_model_config(config, TRITON_TYPES.__getitem__)
     assert message in str(failure.value)
 
 
 def test_check_against_onnx_rejects_mismatched_state(onnx_session):
     spec = [STATE_SPEC[0], {**STATE_SPEC[1], "dtype": "int32"}]
-    config = ort_core.parse_model_config(config_with(state_spec=json.dumps(spec)), TRITON_TYPES.__getitem__)
+    config = ort_config.parse_model_config(config_with(state_spec=json.dumps(spec)), TRITON_TYPES.__getitem__)
     with pytest.raises(ValueError, match="state input 'state_in_01_count'"):
-        ort_core.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+        ort_config.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
     renamed = [STATE_SPEC[0], {**STATE_SPEC[1], "input": "state_in_01_other"}]
-    config = ort_core.parse_model_config(config_with(state_spec=json.dumps(renamed)), TRITON_TYPES.__getitem__)
+    config = ort_config.parse_model_config(config_with(state_spec=json.dumps(renamed)), TRITON_TYPES.__getitem__)
     with pytest.raises(ValueError, match="not fed"):
-        ort_core.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+        ort_config.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
 
 
 def test_core_carries_resets_and_ends(onnx_session):
@@ -606,7 +608,8 @@ def test_served_idle_sequences_expire(decoder_server, client):
 
 @pytest.mark.server
 def test_served_bad_parameter_fails_the_load(tmp_path):
-    from mimi_code2wav.server.triton import ServerError, running_server
+    from mimi_code2wav.server.processes import ServerError
+    from mimi_code2wav.server.triton import running_server
 
     wrong_dtype = [STATE_SPEC[0], {**STATE_SPEC[1], "dtype": "int32"}]
     write_repository(tmp_path / "repo", state_spec=wrong_dtype)
@@ -620,7 +623,7 @@ def test_served_bad_parameter_fails_the_load(tmp_path):
 
 def test_values_out_of_range_fail_their_row_alone(onnx_session):
     """With a value range for an input, a bad row is rejected before the batched run: its batch-mates step."""
-    config = ort_core.parse_model_config(config_with(value_ranges='{"codes": [0, 2048]}'), TRITON_TYPES.__getitem__)
+    config = ort_config.parse_model_config(config_with(value_ranges='{"codes": [0, 2048]}'), TRITON_TYPES.__getitem__)
     core, _ = make_core(onnx_session, config=config)
     good = np.zeros((1, NUM_CODEBOOKS, 1), np.int32)
     bad = np.full((1, NUM_CODEBOOKS, 1), CODEBOOK_SIZE, np.int32)
@@ -636,7 +639,7 @@ def test_values_out_of_range_fail_their_row_alone(onnx_session):
 def test_variable_frames_are_bounded_and_rows_of_equal_shape_run_together():
     """With a variable frame dim, a request over `max_dims` fails alone, and steps of different
     frame counts run in separate session runs, each with all the rows of its shape."""
-    config = ort_core.parse_model_config(
+    config = ort_config.parse_model_config(
         {**config_with(max_dims='{"codes": [8, 4]}'),
          "input": [{"name": "codes", "data_type": "TYPE_INT32", "dims": ["8", "-1"]}]},
         TRITON_TYPES.__getitem__,
@@ -671,7 +674,7 @@ def test_streams_left_behind_do_not_keep_a_whole_batch_alive(onnx_session):
 
 # --- memory: the stream cap, runs of bounded size, state outside ONNX Runtime's arena ---------------
 def test_core_refuses_starts_past_the_cap_and_harms_no_live_stream(onnx_session):
-    config = ort_core.parse_model_config(config_with(max_live_streams="2"), TRITON_TYPES.__getitem__)
+    config = ort_config.parse_model_config(config_with(max_live_streams="2"), TRITON_TYPES.__getitem__)
     core, _ = make_core(onnx_session, config=config)
     references = {1: Reference(), 2: Reference()}
     results = core.step([request(sid, codes_for(sid), start=True) for sid in (1, 2, 3)])
@@ -697,21 +700,21 @@ def test_core_refuses_starts_past_the_cap_and_harms_no_live_stream(onnx_session)
 
 
 def test_auto_stream_cap_comes_from_the_available_memory():
-    config = ort_core.parse_model_config(
+    config = ort_config.parse_model_config(
         {**config_with(max_live_streams="auto"), "instance_group": [{"count": 2}],
          "sequence_batching": {**MODEL_CONFIG["sequence_batching"], "oldest": {"max_candidate_sequences": "1000"}}},
         TRITON_TYPES.__getitem__,
     )
     per_stream = 2 * config.state_bytes_per_stream  # 2 x 24 bytes
-    kept = ort_core.state_buffer_limit(config)  # 4 runs of 8 rows: 32 x 24 bytes
+    kept = ort_memory.state_buffer_limit(config)  # 4 runs of 8 rows: 32 x 24 bytes
     assert kept == 32 * 24
     # Half of it, over 2 instances, less the arrays each may keep.
-    cap, reason = ort_core.auto_stream_cap(config, (48 * per_stream + kept) * 2 * 2)
+    cap, reason = ort_memory.auto_stream_cap(config, (48 * per_stream + kept) * 2 * 2)
     assert cap == 48 and "2 instance(s)" in reason
-    assert ort_core.auto_stream_cap(config, (48 * per_stream + kept) * 2 * 2 - 1)[0] == 47
-    cap, reason = ort_core.auto_stream_cap(config, 10**9)
+    assert ort_memory.auto_stream_cap(config, (48 * per_stream + kept) * 2 * 2 - 1)[0] == 47
+    cap, reason = ort_memory.auto_stream_cap(config, 10**9)
     assert cap == 1000 and reason.startswith("1000 (max_candidate_sequences; memory would allow")
-    cap, reason = ort_core.auto_stream_cap(config, None)
+    cap, reason = ort_memory.auto_stream_cap(config, None)
     assert (cap, reason) == (1000, "1000 (max_candidate_sequences; available memory unknown)")
 
 
@@ -720,17 +723,17 @@ def test_available_memory_is_the_tighter_of_host_and_cgroup(tmp_path):
     meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
     cgroup = tmp_path / "cgroup"
     cgroup.mkdir()
-    assert ort_core.available_memory_bytes(str(meminfo), str(cgroup)) == 20000000 * 1024
+    assert ort_memory.available_memory_bytes(str(meminfo), str(cgroup)) == 20000000 * 1024
     (cgroup / "memory.max").write_text("max\n")
     (cgroup / "memory.current").write_text("1000\n")
-    assert ort_core.available_memory_bytes(str(meminfo), str(cgroup)) == 20000000 * 1024
+    assert ort_memory.available_memory_bytes(str(meminfo), str(cgroup)) == 20000000 * 1024
     (cgroup / "memory.max").write_text(f"{2**30}\n")
-    assert ort_core.available_memory_bytes(str(meminfo), str(cgroup)) == 2**30 - 1000
-    assert ort_core.available_memory_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    assert ort_memory.available_memory_bytes(str(meminfo), str(cgroup)) == 2**30 - 1000
+    assert ort_memory.available_memory_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
 
 
 def test_batches_run_in_pieces_of_max_rows_per_run(onnx_session):
-    config = ort_core.parse_model_config(config_with(max_rows_per_run="2"), TRITON_TYPES.__getitem__)
+    config = ort_config.parse_model_config(config_with(max_rows_per_run="2"), TRITON_TYPES.__getitem__)
     core, calls = make_core(onnx_session, config=config)
     references = {sid: Reference() for sid in range(1, 6)}
     for step in range(2):
@@ -741,9 +744,9 @@ def test_batches_run_in_pieces_of_max_rows_per_run(onnx_session):
 
 
 def test_bound_runner_writes_states_into_arrays_of_its_own(onnx_session):
-    config = ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
-    config = ort_core.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
-    runner = ort_core.BoundRunner(onnx_session, config)
+    config = ort_config.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_config.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+    runner = ort_memory.BoundRunner(onnx_session, config)
     rng = np.random.default_rng(0)
     feeds = {"codes": rng.integers(0, CODEBOOK_SIZE, (3, NUM_CODEBOOKS, 1), dtype=np.int32),
              "state_in_00_acc": rng.standard_normal((3, ACC)).astype(np.float32),
@@ -759,17 +762,17 @@ def test_bound_runner_writes_states_into_arrays_of_its_own(onnx_session):
 
 def bound_core(session, config=None, clock=None, limit_bytes=None):
     """A core as model.py builds it: BoundRunner allocating its state outputs from the core's buffers."""
-    config = config or ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
-    config = ort_core.check_against_onnx(config, session.get_inputs(), session.get_outputs())
-    buffers = ort_core.StateBuffers(limit_bytes or ort_core.state_buffer_limit(config))
-    runner = ort_core.BoundRunner(session, config, allocate=buffers.take)
+    config = config or ort_config.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_config.check_against_onnx(config, session.get_inputs(), session.get_outputs())
+    buffers = ort_memory.StateBuffers(limit_bytes or ort_memory.state_buffer_limit(config))
+    runner = ort_memory.BoundRunner(session, config, allocate=buffers.take)
     core = ort_core.StreamingDecoderCore(config, runner, clock=clock or FakeClock(), buffers=buffers,
                                          release=runner.release)
     return core, buffers
 
 
 def test_state_buffers_hand_back_what_they_were_given_up_to_their_limit():
-    buffers = ort_core.StateBuffers(limit_bytes=3 * 64)
+    buffers = ort_memory.StateBuffers(limit_bytes=3 * 64)
     first = buffers.take((2, 8), np.float32)  # 64 bytes
     assert first.shape == (2, 8) and buffers.allocated_total == 1
     buffers.give([first])
@@ -790,7 +793,7 @@ def test_state_buffers_hand_back_what_they_were_given_up_to_their_limit():
 
 
 def test_state_buffers_serve_runs_of_any_rows_from_power_of_two_classes():
-    buffers = ort_core.StateBuffers(limit_bytes=1 << 20)
+    buffers = ort_memory.StateBuffers(limit_bytes=1 << 20)
     five = buffers.take((5, 3), np.float32)
     assert five.shape == (5, 3) and five.flags.c_contiguous and five.base.shape == (8, 3)
     buffers.give([five])
@@ -826,7 +829,7 @@ def test_reused_state_arrays_never_mix_streams(onnx_session):
         assert set(core._streams) == set(references)
     # The arrays did go round, even in this worst case of random groups (a steady group: below).
     assert buffers.reused_total > 5 * buffers.allocated_total
-    assert buffers.held_bytes <= ort_core.state_buffer_limit(core.config)
+    assert buffers.held_bytes <= ort_memory.state_buffer_limit(core.config)
 
 
 def test_a_steady_group_of_streams_allocates_no_new_state(onnx_session):
@@ -848,9 +851,9 @@ def test_a_steady_group_of_streams_allocates_no_new_state(onnx_session):
 def test_idle_memory_is_released_once_per_idle_period(onnx_session):
     clock = FakeClock()
     released = []
-    config = ort_core.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
-    config = ort_core.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
-    runner = ort_core.BoundRunner(onnx_session, config)
+    config = ort_config.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
+    config = ort_config.check_against_onnx(config, onnx_session.get_inputs(), onnx_session.get_outputs())
+    runner = ort_memory.BoundRunner(onnx_session, config)
     core = ort_core.StreamingDecoderCore(config, runner, clock=clock, release=lambda feeds: released.append(runner(feeds)))
     assert not core.release_idle_memory()  # nothing ran yet
     core.step([request(1, codes_for(1), start=True)])

@@ -29,19 +29,12 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS
+from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, STREAM_KEY_HEADER
 from mimi_code2wav.server import nginx
-from mimi_code2wav.server.nginx import STREAM_KEY_HEADER, NginxError, find_nginx
+from mimi_code2wav.server.nginx import NginxError, find_nginx
+from mimi_code2wav.server.processes import log_tail, process_group_alive
 from mimi_code2wav.server.replicas import ReplicaSet
-from mimi_code2wav.server.triton import (
-    SHM_DIR,
-    fetch_metrics,
-    free_ports,
-    log_tail,
-    metric_value,
-    port_is_free,
-    process_group_alive,
-)
+from mimi_code2wav.server.triton import SHM_DIR, fetch_metrics, free_ports, metric_value, port_is_free
 
 from helpers import REPO_ROOT, code2wav_inputs, pcm_of, print_and_record, process_exists, send_in_chunks, shm_prefix_of
 

@@ -19,15 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mimi_code2wav.server.triton import (
-    SHM_DIR,
-    ServerError,
-    TritonServer,
-    free_ports,
-    port_is_free,
-    process_group_alive,
-    running_server,
-)
+from mimi_code2wav.server.processes import ServerError, process_group_alive
+from mimi_code2wav.server.triton import SHM_DIR, TritonServer, free_ports, port_is_free, running_server
 
 from helpers import REPO_ROOT, process_exists, shm_prefix_of, wait_http_ready, wait_until
 

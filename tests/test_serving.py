@@ -36,6 +36,7 @@ from tritonclient.utils import InferenceServerException
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, MODEL_NAME, NUM_CODEBOOKS, SAMPLES_PER_FRAME, random_codes
 from mimi_code2wav.export.reference import moshi_stream_decode
 from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, DecoderServing, render_repository, set_idle_timeout
+from mimi_code2wav.server.processes import process_group_alive
 from mimi_code2wav.server.triton import (
     DEFAULT_EXIT_TIMEOUT_S,
     SHM_DIR,
@@ -43,7 +44,6 @@ from mimi_code2wav.server.triton import (
     free_ports,
     metric_value,
     port_is_free,
-    process_group_alive,
 )
 
 from helpers import (

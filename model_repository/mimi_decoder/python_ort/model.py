@@ -35,7 +35,9 @@ _MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
 if _MODEL_DIR not in sys.path:
     sys.path.insert(0, _MODEL_DIR)
 
+import python_ort_config as ort_config  # noqa: E402
 import python_ort_core as core  # noqa: E402
+import python_ort_memory as ort_memory  # noqa: E402
 import triton_streams  # noqa: E402
 
 BATCH_SIZE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
@@ -143,15 +145,15 @@ class TritonPythonModel:
     def initialize(self, args):
         self._name = args["model_name"]
         try:
-            config = core.parse_model_config(json.loads(args["model_config"]), pb_utils.triton_string_to_numpy)
+            config = ort_config.parse_model_config(json.loads(args["model_config"]), pb_utils.triton_string_to_numpy)
             onnx_path = Path(args["model_repository"]) / args["model_version"] / config.onnx_file
             if not onnx_path.is_file():
                 raise ValueError(f"ONNX file {onnx_path} does not exist (parameter onnx_file)")
             kind, device_id = args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", "0"))
             session = create_session(onnx_path, config.intra_op_threads, kind, device_id, config.intra_op_spinning)
-            config = core.check_against_onnx(config, session.get_inputs(), session.get_outputs())
+            config = ort_config.check_against_onnx(config, session.get_inputs(), session.get_outputs())
             if config.max_live_streams is None:
-                cap, derived = core.auto_stream_cap(config, core.available_memory_bytes())
+                cap, derived = ort_memory.auto_stream_cap(config, ort_memory.available_memory_bytes())
                 config = dataclasses.replace(config, max_live_streams=cap)
             else:
                 derived = f"{config.max_live_streams} (configured)"
@@ -159,8 +161,8 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"model '{self._name}': {exc}") from None
 
         mmap_fixed = fix_mmap_threshold()
-        buffers = core.StateBuffers(core.state_buffer_limit(config))
-        runner = core.BoundRunner(session, config, arena_release_options(kind, device_id), allocate=buffers.take)
+        buffers = ort_memory.StateBuffers(ort_memory.state_buffer_limit(config))
+        runner = ort_memory.BoundRunner(session, config, arena_release_options(kind, device_id), allocate=buffers.take)
         self._core = core.StreamingDecoderCore(
             config, runner, model_name=self._name, log_error=pb_utils.Logger.log_error, release=runner.release,
             buffers=buffers,

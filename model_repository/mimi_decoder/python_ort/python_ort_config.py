@@ -1,5 +1,5 @@
-"""Configuration of the python-ort `mimi_decoder`: its model config read strictly, checked against the
-ONNX graph, and `max_live_streams: auto` resolved against the host's memory.
+"""Configuration of the python-ort `mimi_decoder`: its model config read strictly and checked against the
+ONNX graph (`max_live_streams: auto` is resolved against the host's memory in `python_ort_memory`).
 
 Pure numpy + stdlib, like `python_ort_core` (which builds on the `DecoderConfig` made here); it
 imports `triton_streams`, which `export/render.py` copies beside it from model_repository/common/.
@@ -371,62 +371,3 @@ def _check_graph_tensor(arg, dtype: np.dtype, dims: tuple[int, ...], what: str, 
             )
         merged.append(graph_dim if dim == -1 and graph_dim is not None else dim)
     return tuple(merged)
-
-
-# --- max_live_streams: auto ----------------------------------------------------------------------
-def state_buffer_limit(config: DecoderConfig) -> int:
-    """Bytes of free state arrays an instance keeps for reuse (StateBuffers): four full runs' worth.
-    Runs of changing groups and sizes (live streams) free and need arrays of every row class; with
-    random groups of 1-8 streams, 2 runs' worth reused about half, 4 runs' worth 7 in 8."""
-    return 4 * config.max_rows_per_run * config.state_bytes_per_stream
-
-
-# `max_live_streams: auto`: the streams' state may take this share of the memory available at load,
-# counting MEMORY_PER_STREAM_FACTOR x the state per stream (the state, plus the input copy a run of
-# streams that did not step together makes).
-AUTO_MEMORY_SHARE = 0.5
-MEMORY_PER_STREAM_FACTOR = 2
-
-
-def available_memory_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
-    """Memory this process can still use: MemAvailable, or less where a cgroup (v2 `memory.max`, v1
-    `memory.limit_in_bytes`) limits the container. None when nothing can be read."""
-    candidates = []
-    try:
-        for line in open(meminfo):
-            if line.startswith("MemAvailable:"):
-                candidates.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            with open(f"{cgroup}/{limit_file}") as limit, open(f"{cgroup}/{usage_file}") as usage:
-                text = limit.read().strip()
-                if text != "max" and int(text) < 2**60:
-                    candidates.append(max(0, int(text) - int(usage.read().strip())))
-        except (OSError, ValueError):
-            continue
-    return min(candidates) if candidates else None
-
-
-def auto_stream_cap(config: DecoderConfig, available_bytes: int | None) -> tuple[int, str]:
-    """`max_live_streams: auto` for one instance: AUTO_MEMORY_SHARE of the available memory, split
-    over the instances, less the free state arrays an instance may keep (`state_buffer_limit`), at
-    MEMORY_PER_STREAM_FACTOR x the state per stream; never above max_candidate_sequences. Returns
-    (cap, a sentence saying how it was derived)."""
-    per_stream = MEMORY_PER_STREAM_FACTOR * config.state_bytes_per_stream
-    candidates = config.max_candidate_sequences
-    if available_bytes is None:
-        if candidates is None:
-            raise ValueError("max_live_streams is 'auto' but neither the available memory nor "
-                             "max_candidate_sequences is known: set a number")
-        return candidates, f"{candidates} (max_candidate_sequences; available memory unknown)"
-    kept = state_buffer_limit(config)
-    cap = max(1, int((AUTO_MEMORY_SHARE * available_bytes / config.instance_count - kept) // per_stream))
-    reason = (f"({AUTO_MEMORY_SHARE:g} x {available_bytes / 2**30:.1f} GiB available / {config.instance_count} "
-              f"instance(s) - {kept / 2**20:.0f} MiB of kept state arrays) / {per_stream / 2**20:.1f} MiB per "
-              f"stream ({MEMORY_PER_STREAM_FACTOR}x its state)")
-    if candidates is not None and candidates < cap:
-        return candidates, f"{candidates} (max_candidate_sequences; memory would allow {cap}: {reason})"
-    return cap, f"{cap} ({reason})"

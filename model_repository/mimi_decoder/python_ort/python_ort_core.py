@@ -1,9 +1,7 @@
 """Core of the python-ort `mimi_decoder`: a streaming ONNX step whose state this model keeps itself.
 
-Pure numpy + stdlib (no `triton_python_backend_utils`, no onnxruntime: `model.py` owns the session),
-so it is unit-tested without a server. Beside it: `python_ort_config` (the config, read and checked
-against the ONNX graph), `python_ort_memory` (where state arrays come from) and `triton_streams`,
-which `export/render.py` copies from model_repository/common/.
+Pure numpy + stdlib (`model.py` owns the onnxruntime session), unit-tested without a server; its
+config is `python_ort_config`'s, its state arrays `python_ort_memory`'s.
 
 The native ONNX Runtime backend keeps per-sequence state itself (`sequence_batching { state [...] }`);
 the Python backend ignores that block, so this model does the same work by hand:
@@ -21,8 +19,7 @@ the Python backend ignores that block, so this model does the same work by hand:
   sequence: Triton has already released it); a request without START for a sequence with no state
   gets an error telling to START the sequence; a START beyond `max_live_streams` is refused.
 
-A stream's state is a row of the arrays its last run wrote (`_StateRows`), not a copy: the memory
-note in `python_ort_memory` says what a live stream costs.
+A stream's state is a row of the arrays its last run wrote (`StateRows`), not a copy.
 """
 
 from __future__ import annotations
@@ -35,22 +32,9 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from python_ort_config import (
-    DecoderConfig,
-    auto_stream_cap,
-    available_memory_bytes,
-    check_against_onnx,
-    parse_model_config,
-    state_buffer_limit,
-)
-from python_ort_memory import BoundRunner, StateBuffers
+from python_ort_config import DecoderConfig
+from python_ort_memory import StateBuffers, StateRows, StreamStateRow, reuse_order, state_buffer_limit
 from triton_streams import ModelError
-
-# What model.py (and the tests) use of the python-ort decoder: its config, its runner and the core.
-__all__ = [
-    "BoundRunner", "DecoderConfig", "ModelError", "StateBuffers", "StepRequest", "StreamingDecoderCore",
-    "auto_stream_cap", "available_memory_bytes", "check_against_onnx", "parse_model_config", "state_buffer_limit",
-]
 
 
 @dataclass
@@ -62,33 +46,6 @@ class StepRequest:
     start: bool
     end: bool
     inputs: Mapping[str, np.ndarray | None]
-
-
-class _StateRows:
-    """The output states of one session run: one `[rows, ...]` array per state tensor. Each stream
-    of that run holds a row index into it, so no copy is made after a run; a later run whose rows are
-    exactly the same streams feeds these arrays back as they are. The price: the arrays live until
-    every stream of that run has stepped again or gone, or until `_release_shared_rows` gives the
-    streams left behind their own rows. `holders` counts the streams that hold a row: at 0 the
-    arrays go back to the core's StateBuffers."""
-
-    __slots__ = ("arrays", "holders")
-
-    def __init__(self, arrays: Sequence[np.ndarray]):
-        self.arrays = tuple(arrays)
-        self.holders = 0
-
-
-class _StreamStateRow:
-    """A live stream in the core's table: its state is row `row` of `rows` (None: all zeros, a
-    fresh START), and `last_used` is when its last step ended (idle expiry)."""
-
-    __slots__ = ("rows", "row", "last_used")
-
-    def __init__(self, rows: _StateRows | None, row: int, last_used: float):
-        self.rows = rows
-        self.row = row
-        self.last_used = last_used
 
 
 def _format_dims(dims: Sequence[int]) -> str:
@@ -109,22 +66,6 @@ def _waves(requests: Sequence[StepRequest]) -> list[list[int]]:
     return waves
 
 
-def _reuse_order(previous) -> list[int] | None:
-    """When the previous states are all the rows of one earlier run (more than one), the order of
-    this run's members that matches that run's rows; else None."""
-    count = len(previous)
-    shared = previous[0][0]
-    if (
-        count > 1
-        and shared is not None
-        and all(rows is shared for rows, _ in previous)
-        and shared.arrays[0].shape[0] == count
-        and sorted(row for _, row in previous) == list(range(count))
-    ):
-        return sorted(range(count), key=lambda k: previous[k][1])
-    return None
-
-
 class StreamingDecoderCore:
     """Per-sequence state and batched stepping, independent of Triton.
 
@@ -135,10 +76,8 @@ class StreamingDecoderCore:
     `release(feeds)`, when given, runs one step whose scratch memory is handed back to the system
     afterwards (`release_idle_memory`). `buffers` (default: one of its own, sized by
     `state_buffer_limit`) is where gathered inputs come from and where state arrays go back to;
-    pass the one `run` allocates its state outputs from. Not thread-safe: callers serialise
-    `step()`, `expire_idle()` and `release_idle_memory()`. Request failures are `ModelError`s (kind,
-    message, TritonError code name).
-    """
+    pass the one `run` allocates its state outputs from. Not thread-safe: callers serialise its
+    calls. Request failures are `ModelError`s (kind, message, TritonError code name)."""
 
     def __init__(
         self,
@@ -165,7 +104,7 @@ class StreamingDecoderCore:
             zero = np.zeros((1, *state.shape), dtype=state.dtype)
             zero.flags.writeable = False
             self._zero_rows.append(zero)
-        self._streams: dict[int, _StreamStateRow] = {}
+        self._streams: dict[int, StreamStateRow] = {}
         self.buffers = buffers if buffers is not None else StateBuffers(state_buffer_limit(config))
         # Statistics since creation, read by the metrics publisher.
         self.runs_total = 0
@@ -325,7 +264,7 @@ class StreamingDecoderCore:
         most max_rows_per_run): each member's result goes into `results`, its new state is kept."""
         # Previous state of each member: (rows, row), rows None for a fresh or restarted stream.
         previous = [self._previous_state(requests[index]) for index, _ in members]
-        order = _reuse_order(previous)
+        order = reuse_order(previous)
         if order is not None:
             # Exactly the streams of one earlier run: feed its output states back without a copy,
             # with this run's rows in that run's order.
@@ -353,7 +292,7 @@ class StreamingDecoderCore:
         self.rows_total += len(members)
         self.run_sizes.append(len(members))
 
-    def _previous_state(self, request: StepRequest) -> tuple[_StateRows | None, int]:
+    def _previous_state(self, request: StepRequest) -> tuple[StateRows | None, int]:
         stream = None if request.start else self._streams[request.sequence_id]
         return (stream.rows, stream.row) if stream is not None else (None, 0)
 
@@ -409,7 +348,7 @@ class StreamingDecoderCore:
         # A state output that is one of the inputs (a run may hand one back unchanged) becomes an
         # array of its own: the input's array may go back to the buffers after the run.
         num_outputs = len(self.config.outputs)
-        new_rows = _StateRows([np.array(out) if id(out) in fed else out for out in outputs[num_outputs:]])
+        new_rows = StateRows([np.array(out) if id(out) in fed else out for out in outputs[num_outputs:]])
         for row, (index, _) in enumerate(members):
             request = requests[index]
             results[index] = {
@@ -420,18 +359,18 @@ class StreamingDecoderCore:
                 continue
             stream = self._streams.get(request.sequence_id)
             if stream is None:
-                stream = self._streams[request.sequence_id] = _StreamStateRow(None, 0, now)
+                stream = self._streams[request.sequence_id] = StreamStateRow(None, 0, now)
             self._hold(stream, new_rows, row)
             stream.last_used = now
 
-    def _hold(self, stream: _StreamStateRow, rows: _StateRows, row: int) -> None:
+    def _hold(self, stream: StreamStateRow, rows: StateRows, row: int) -> None:
         """Point `stream` at row `row` of `rows`, letting go of the rows it held."""
         rows.holders += 1
         old, stream.rows, stream.row = stream.rows, rows, row
         if old is not None:
             self._let_go(old)
 
-    def _let_go(self, rows: _StateRows, keep_arrays: bool = True) -> None:
+    def _let_go(self, rows: StateRows, keep_arrays: bool = True) -> None:
         rows.holders -= 1
         if rows.holders == 0 and keep_arrays:
             self.buffers.give(rows.arrays)
@@ -457,4 +396,4 @@ class StreamingDecoderCore:
                     copy = self.buffers.take((1, *array.shape[1:]), array.dtype)
                     copy[...] = array[stream.row : stream.row + 1]
                     own.append(copy)
-                self._hold(stream, _StateRows(own), 0)
+                self._hold(stream, StateRows(own), 0)

@@ -1,6 +1,6 @@
 """Where the python-ort `mimi_decoder`'s state arrays come from: `StateBuffers` keeps the arrays no
 stream holds any more for the next runs, `BoundRunner` has ONNX Runtime write a run's output states
-straight into such arrays.
+straight into such arrays, and `auto_stream_cap` sizes `max_live_streams: auto` by the memory available.
 
 A live stream costs its state (one row of each state tensor) and nothing else: output states are
 written by the session into arrays this model allocates (IO binding), so ONNX Runtime's arena only
@@ -23,10 +23,53 @@ import numpy as np
 from python_ort_config import DecoderConfig
 
 
+class StateRows:
+    """The output states of one session run: one `[rows, ...]` array per state tensor. Each stream
+    of that run holds a row index into it, so no copy is made after a run; a later run whose rows are
+    exactly the same streams feeds these arrays back as they are. The price: the arrays live until
+    every stream of that run has stepped again or gone, or until the core's `_release_shared_rows` gives the
+    streams left behind their own rows. `holders` counts the streams that hold a row: at 0 the
+    arrays go back to the core's StateBuffers."""
+
+    __slots__ = ("arrays", "holders")
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        self.arrays = tuple(arrays)
+        self.holders = 0
+
+
+class StreamStateRow:
+    """A live stream in the core's table: its state is row `row` of `rows` (None: all zeros, a
+    fresh START), and `last_used` is when its last step ended (idle expiry)."""
+
+    __slots__ = ("rows", "row", "last_used")
+
+    def __init__(self, rows: StateRows | None, row: int, last_used: float):
+        self.rows = rows
+        self.row = row
+        self.last_used = last_used
+
+
+def reuse_order(previous) -> list[int] | None:
+    """When the previous states are all the rows of one earlier run (more than one), the order of
+    this run's members that matches that run's rows; else None."""
+    count = len(previous)
+    shared = previous[0][0]
+    if (
+        count > 1
+        and shared is not None
+        and all(rows is shared for rows, _ in previous)
+        and shared.arrays[0].shape[0] == count
+        and sorted(row for _, row in previous) == list(range(count))
+    ):
+        return sorted(range(count), key=lambda k: previous[k][1])
+    return None
+
+
 class StateBuffers:
     """State arrays no stream holds any more, kept to be handed out again.
 
-    A new array of a few MiB is a new mmap (the model pins glibc's mmap threshold at 1 MiB so that
+    A new array of a few MiB is a new mmap (the model pins glibc's mmap threshold at 128 KiB so that
     freed state goes back to the system): the kernel zeroes and maps every page on its first write,
     for each run's output states and for every gathered input. Reusing arrays that were written
     before skips that. Runs vary in rows, so arrays are kept in classes of a power of two rows: a
@@ -118,3 +161,61 @@ class BoundRunner:
 
     def release(self, feeds: Mapping[str, np.ndarray]) -> None:
         self(feeds, self._release_options)
+
+
+# --- max_live_streams: auto ----------------------------------------------------------------------
+def state_buffer_limit(config: DecoderConfig) -> int:
+    """Bytes of free state arrays an instance keeps for reuse (StateBuffers): four full runs' worth
+    (runs of changing groups and sizes free and need arrays of every row class; docs/design.md §5.1)."""
+    return 4 * config.max_rows_per_run * config.state_bytes_per_stream
+
+
+# `max_live_streams: auto`: the streams' state may take this share of the memory available at load,
+# counting MEMORY_PER_STREAM_FACTOR x the state per stream (the state, plus the input copy a run of
+# streams that did not step together makes).
+AUTO_MEMORY_SHARE = 0.5
+MEMORY_PER_STREAM_FACTOR = 2
+
+
+def available_memory_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Memory this process can still use: MemAvailable, or less where a cgroup (v2 `memory.max`, v1
+    `memory.limit_in_bytes`) limits the container. None when nothing can be read."""
+    candidates = []
+    try:
+        for line in open(meminfo):
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(f"{cgroup}/{limit_file}") as limit, open(f"{cgroup}/{usage_file}") as usage:
+                text = limit.read().strip()
+                if text != "max" and int(text) < 2**60:
+                    candidates.append(max(0, int(text) - int(usage.read().strip())))
+        except (OSError, ValueError):
+            continue
+    return min(candidates) if candidates else None
+
+
+def auto_stream_cap(config: DecoderConfig, available_bytes: int | None) -> tuple[int, str]:
+    """`max_live_streams: auto` for one instance: AUTO_MEMORY_SHARE of the available memory, split
+    over the instances, less the free state arrays an instance may keep (`state_buffer_limit`), at
+    MEMORY_PER_STREAM_FACTOR x the state per stream; never above max_candidate_sequences. Returns
+    (cap, a sentence saying how it was derived)."""
+    per_stream = MEMORY_PER_STREAM_FACTOR * config.state_bytes_per_stream
+    candidates = config.max_candidate_sequences
+    if available_bytes is None:
+        if candidates is None:
+            raise ValueError("max_live_streams is 'auto' but neither the available memory nor "
+                             "max_candidate_sequences is known: set a number")
+        return candidates, f"{candidates} (max_candidate_sequences; available memory unknown)"
+    kept = state_buffer_limit(config)
+    cap = max(1, int((AUTO_MEMORY_SHARE * available_bytes / config.instance_count - kept) // per_stream))
+    reason = (f"({AUTO_MEMORY_SHARE:g} x {available_bytes / 2**30:.1f} GiB available / {config.instance_count} "
+              f"instance(s) - {kept / 2**20:.0f} MiB of kept state arrays) / {per_stream / 2**20:.1f} MiB per "
+              f"stream ({MEMORY_PER_STREAM_FACTOR}x its state)")
+    if candidates is not None and candidates < cap:
+        return candidates, f"{candidates} (max_candidate_sequences; memory would allow {cap}: {reason})"
+    return cap, f"{cap} ({reason})"
