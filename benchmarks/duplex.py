@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, SAMPLES_PER_FRAME, ClientError
+from mimi_code2wav.client.report import percentiles
 
 from .local_server import LocalServer, add_server_arguments, measured_server
 from .profile import settle_gc
@@ -149,13 +150,6 @@ class TickResult:
         return cls(**{k: v for k, v in data.items() if k != "meets_budget"})
 
 
-def _percentiles(values_ms: np.ndarray) -> dict:
-    if values_ms.size == 0:
-        return {"p50": math.nan, "p99": math.nan, "max": math.nan}
-    return {"p50": float(np.percentile(values_ms, 50)), "p99": float(np.percentile(values_ms, 99)),
-            "max": float(values_ms.max())}
-
-
 def summarize(client: str, policy: Policy, logs: Sequence[ConversationLog], start_s: float, budget_ms: float,
               cpu_s: float, wall_s: float, failed: str | None = None) -> TickResult:
     frames = logs[0].frames if logs else 0
@@ -168,7 +162,7 @@ def summarize(client: str, policy: Policy, logs: Sequence[ConversationLog], star
     requests = sum(log.requests for log in logs)
     return TickResult(
         client=client, policy=policy.label, conversations=len(logs), frames=frames, budget_ms=budget_ms,
-        latency_ms=_percentiles(latency_ms), late_ms=_percentiles(late_ms),
+        latency_ms=percentiles(latency_ms, empty=math.nan), late_ms=percentiles(late_ms, empty=math.nan),
         misses=int((late_ms > budget_ms).sum()) + int((~done).sum()), requests=requests,
         client_cpu_ms_per_request=cpu_s * 1e3 / max(requests, 1), wall_s=wall_s, failed=failed)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, ClientError, StreamOptions, random_codes
+from mimi_code2wav.client.report import percentiles
 from mimi_code2wav.client.sync import run_streams
 from mimi_code2wav.server.nginx import NginxError, replicas_by_stream
 from mimi_code2wav.server.processes import ServerError
@@ -35,11 +36,7 @@ SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
 
 def _percentiles_ms(values_s: list[float]) -> dict[str, float | None]:
-    if not values_s:
-        return {"p50_ms": None, "p99_ms": None, "max_ms": None}
-    values = np.asarray(values_s) * 1e3
-    return {"p50_ms": float(np.percentile(values, 50)), "p99_ms": float(np.percentile(values, 99)),
-            "max_ms": float(values.max())}
+    return percentiles(np.asarray(values_s) * 1e3)
 
 
 def measure(args: argparse.Namespace, repository: Path) -> dict:
@@ -110,7 +107,7 @@ def measure(args: argparse.Namespace, repository: Path) -> dict:
 def table(record: dict) -> str:
     """The latency table of a failover run (the caller writes the stamp)."""
     def row(name: str, figures: dict) -> str:
-        cells = [f"{figures[k]:.0f}" if figures[k] is not None else "-" for k in ("p50_ms", "p99_ms", "max_ms")]
+        cells = [f"{figures[k]:.0f}" if figures[k] is not None else "-" for k in ("p50", "p99", "max")]
         return f"| {name} | " + " | ".join(cells) + " |"
 
     return "\n".join([

@@ -4,11 +4,21 @@ the CLI and the benchmarks print."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
 from .plan import Resume
 from .protocol import FRAME_DURATION_S, StreamOptions
+
+
+def percentiles(values, points: Sequence[int] = (50, 99), empty=None) -> dict:
+    """{"p50": ..., "p99": ..., "max": ...} of `values` (each of `points`, then the largest), or `empty`
+    for each when there are none: the one summary of latencies the CLI and the benchmarks print."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        return {**{f"p{point}": empty for point in points}, "max": empty}
+    return {**{f"p{point}": float(np.percentile(values, point)) for point in points}, "max": float(values.max())}
 
 
 @dataclass
@@ -79,9 +89,8 @@ class RunReport:
             "requests": int(latencies_ms.size),
             "first_chunk_latency_ms_mean": float(first_ms.mean()),
             "first_chunk_latency_ms_max": float(first_ms.max()),
-            "chunk_latency_ms_p50": float(np.percentile(latencies_ms, 50)),
-            "chunk_latency_ms_p90": float(np.percentile(latencies_ms, 90)),
-            "chunk_latency_ms_p99": float(np.percentile(latencies_ms, 99)),
+            **{f"chunk_latency_ms_{key}": value
+               for key, value in percentiles(latencies_ms, (50, 90, 99)).items() if key != "max"},
             "audio_s": self.audio_s,
             "wall_s": self.wall_s,
             "real_time_factor": self.real_time_factor,

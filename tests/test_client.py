@@ -864,3 +864,11 @@ def test_catch_up_pacing_sends_every_frame_produced_since_the_last_request():
     assert stream.done and stream.catch_up_chunk(300.0, 100.0, 1) is None
     with pytest.raises(ClientError, match="catch_up paces requests: it needs paced=True"):
         StreamOptions(catch_up=True).validate()
+
+
+def test_percentiles_are_the_one_latency_summary():
+    from mimi_code2wav.client.report import percentiles
+
+    assert percentiles(np.arange(101.0)) == {"p50": 50.0, "p99": 99.0, "max": 100.0}
+    assert percentiles([4.0, 1.0], (50, 90, 99))["max"] == 4.0
+    assert percentiles([], empty=None) == {"p50": None, "p99": None, "max": None}
