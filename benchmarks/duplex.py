@@ -26,7 +26,7 @@ first. For each policy the conversations grow through `--conversations` until a 
 p99 (or through all of them, `--keep-going`); every point is profiled (the server's CPU per request
 by process, Triton's queue and execution times per model, the load generator's CPU) and the report
 says where the time goes at the first that misses. Then both clients run the per-frame policy at
-`--compare-at` conversations, back to back. Without --url a local server is started as `bench` does
+`--compare-at` conversations, back to back. Without --url a local server is started as `sweep` does
 (seeded random weights; `--decoder null` measures the front's own ceiling). Results: OUT_DIR/duplex.json
 (`python -m benchmarks record --add` records it) and duplex.md.
 """

@@ -148,7 +148,7 @@ def _best_rate(run: dict) -> dict | None:
 def headline(directory: Path = RECORD_DIR) -> str:
     """The README's performance table, for the python-ort, the native and the null decoder: the conversations a
     duplex pipeline can tick within the playout budget per policy (`duplex`), and paced streams in real
-    time and requests/s through Triton (`bench`), each run with its machine, command, commit and date."""
+    time and requests/s through Triton (`sweep`), each run with its machine, command, commit and date."""
     runs = _runs(directory)
     lines = ["| decoder behind Triton | duplex conversations within budget: per-frame / ramp 1+5 / catch-up "
              "| paced live streams in real time | requests/s (unpaced) |", "|---|---:|---:|---:|"]

@@ -97,10 +97,10 @@ class ScheduledStream:
 
 
 class Code2WavStreamer:
-    """gRPC client for `code2wav`. Use as a context manager; `check_ready()` before `run()`.
+    """gRPC client for `code2wav`, as a context manager (check the server first with the client's
+    `Code2WavClient(url).check_ready()`).
 
         with Code2WavStreamer("127.0.0.1:8001") as streamer:
-            streamer.check_ready()
             report = streamer.run([codes], StreamOptions(paced=False))
     """
 

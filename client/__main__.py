@@ -68,12 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     pacing = decode.add_mutually_exclusive_group()
     pacing.add_argument("--paced", dest="paced", action="store_true", default=False,
                         help="send each chunk when its frames would exist (one frame per 80 ms), as a live "
-                        "pipeline does; concurrent streams start spread over one chunk period")
+                        "pipeline does, or when the previous response arrives if that is later (one request in "
+                        "flight per stream); concurrent streams start spread over one chunk period")
     pacing.add_argument("--unpaced", dest="paced", action="store_false",
                         help="send each stream's next chunk as soon as its previous response arrives (default)")
     decode.add_argument("--catch-up", action="store_true",
-                        help="with --paced: one request in flight per stream, each carrying every frame produced "
-                        "since the last, so a stream the server runs behind catches up in bigger requests")
+                        help="with --paced: each request carries every frame produced since the last, so a stream "
+                        "the server runs behind catches up in bigger requests")
     decode.add_argument(
         "--wav-format", choices=SAMPLE_FORMATS, default="float32",
         help="float32: IEEE float WAV, samples exactly as decoded (default); int16: 16-bit PCM, samples "
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     progress.add_argument("--no-progress", dest="progress", action="store_false", help="never draw one")
     resume = decode.add_argument_group(
         "resume by replay",
-        "Each stream on a connection of its own, one request in flight, every request with the gRPC header "
+        "Every request carries the gRPC header "
         f"{STREAM_KEY_HEADER}: KEY (for a proxy that routes a stream to one replica). When the server holding "
         "a stream is lost, the stream goes on in a new sequence (on the next --failover-url, or where the proxy "
         "now routes the key) that replays its last frames as history; each resume is reported on stderr. "

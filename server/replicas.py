@@ -244,9 +244,8 @@ def _serve_replicas(args: argparse.Namespace, foreground: Foreground) -> int:
         "Ctrl-C or SIGTERM stops everything.",
         flush=True,
     )
-    return supervise(replica_set.replicas, restart=args.restart, ready_timeout_s=args.ready_timeout,
-                     proxy=replica_set.proxy, health=HealthCheck(args.health_timeout_s, args.health_checks),
-                     guard=foreground.launch_guard)
+    return supervise(replica_set.replicas, foreground, restart=args.restart, ready_timeout_s=args.ready_timeout,
+                     proxy=replica_set.proxy, health=HealthCheck(args.health_timeout_s, args.health_checks))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

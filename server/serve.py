@@ -76,7 +76,7 @@ def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
         "SIGHUP drains and restarts it; Ctrl-C or SIGTERM drains and stops it.",
         flush=True,
     )
-    return supervise([server], restart=args.restart, ready_timeout_s=args.ready_timeout, guard=foreground.launch_guard)
+    return supervise([server], foreground, restart=args.restart, ready_timeout_s=args.ready_timeout)
 
 
 def add_repository_arguments(parser: argparse.ArgumentParser, served_by: str = "to serve") -> None:

@@ -29,8 +29,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import signal
+import subprocess
 import sys
-import threading
 import time
 from typing import Callable, ContextManager
 
@@ -52,14 +52,20 @@ class StopRequested(Exception):
 class StopSignals:
     """SIGINT/SIGTERM handler. While disarmed (a process being created) a signal is only recorded;
     armed, the first signal interrupts the main thread with StopRequested, once: every later one is
-    only recorded."""
+    only recorded. SIGHUP is counted in `hangups` from the start (the supervisor acts on it once its
+    servers serve), so that one arriving while they start neither kills the command nor is lost."""
 
     def __init__(self):
         self.armed = False
         self.stopping = False
         self.received: list[str] = []
+        self.hangups = 0
         signal.signal(signal.SIGTERM, self)
         signal.signal(signal.SIGINT, self)
+        signal.signal(signal.SIGHUP, self._hangup)
+
+    def _hangup(self, signum, frame) -> None:
+        self.hangups += 1  # a plain counter: nothing a signal handler can deadlock on
 
     def __call__(self, signum, frame):
         self.received.append(signal.Signals(signum).name)
@@ -119,8 +125,8 @@ def run_in_foreground(command: Callable[[Foreground], int], stopping: str, what:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
         if foreground.stop is not None:
             began = time.monotonic()
             foreground.stop()
@@ -245,13 +251,13 @@ class NoProxy:
         pass
 
 
-def supervise(replicas: list[Replica], *, restart: bool, ready_timeout_s: float, proxy=None,
-              health: HealthCheck = HealthCheck(0), guard: Callable[[], ContextManager] = contextlib.nullcontext,
-              poll_s: float = 0.5) -> int:
+def supervise(replicas: list[Replica], foreground: Foreground, *, restart: bool, ready_timeout_s: float,
+              proxy=None, health: HealthCheck = HealthCheck(0), poll_s: float = 0.5) -> int:
     """Watch `replicas` (behind `proxy`, an NginxProxy, if given) until the command ends (module
-    docstring); a stop signal is raised out of here. Returns the exit code."""
-    rolling = threading.Event()
-    signal.signal(signal.SIGHUP, lambda signum, frame: rolling.set())
+    docstring); a stop signal is raised out of here, SIGHUPs are `foreground.signals.hangups`.
+    Returns the exit code."""
+    signals, guard = foreground.signals, foreground.launch_guard
+    hangups_seen = 0
     behind = proxy if proxy is not None else NoProxy()
     while True:
         time.sleep(poll_s)
@@ -259,12 +265,13 @@ def supervise(replicas: list[Replica], *, restart: bool, ready_timeout_s: float,
             print(f"nginx exited by itself with code {proxy.exit_code()} (error log {proxy.error_log}):\n"
                   f"{log_tail(proxy.error_log)}", file=sys.stderr, flush=True)
             return 1
-        if rolling.is_set():
-            rolling.clear()
+        if signals.hangups != hangups_seen:
+            hangups_seen = signals.hangups
             print("SIGHUP: rolling restart of the replicas, one at a time" if proxy is not None else
                   f"SIGHUP: draining tritonserver (pid {replicas[0].pid}) to start it again", flush=True)
             for replica in replicas:
-                _drain_and_restart(replica, behind, ready_timeout_s, guard)
+                if not _drain_and_restart(replica, behind, ready_timeout_s, guard):
+                    break  # that one is restarted as a dead server would be (or the command ends)
             continue
         _check_health(replicas, behind, health, restart)
         for replica in replicas:
@@ -331,16 +338,24 @@ def _check_health(replicas: list[Replica], proxy, health: HealthCheck, restart: 
             replica.unanswered_checks = 0
 
 
-def _drain_and_restart(replica: Replica, proxy, ready_timeout_s: float, guard) -> None:
+def _drain_and_restart(replica: Replica, proxy, ready_timeout_s: float, guard) -> bool:
     """Out of the proxy, drained (SIGTERM: its streams resume elsewhere), started again on the same
-    ports, back in the proxy."""
+    ports, back in the proxy. False when it did not come back: it is then reported and restarted (or
+    not) as a server that died."""
     proxy.take_out(replica.index)
     began, pid = time.monotonic(), replica.pid
     if replica.is_alive():
-        replica.kill(signal.SIGTERM, timeout_s=replica.server.stop_grace_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # relaunch stops what is left of it
+            replica.kill(signal.SIGTERM, timeout_s=replica.server.stop_grace_s)
     drained = describe_exit(replica.exit_code())
-    ready_s = replica.relaunch(ready_timeout_s, guard)
+    try:
+        ready_s = replica.relaunch(ready_timeout_s, guard)
+    except ServerError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        replica.exit_reported = False
+        return False
     proxy.put_back(replica.index)
     print(f"{replica.label} (pid {pid}) drained ({drained}) and restarted in {time.monotonic() - began:.1f} s "
           f"(ready in {ready_s:.1f} s, pid {replica.pid}, restart {replica.restarts})"
           + (": back in the proxy" if not isinstance(proxy, NoProxy) else ""), flush=True)
+    return True
