@@ -172,6 +172,21 @@ class ServingMetrics:
         return self.code2wav_live + more, None if self.decoder_live is None else self.decoder_live + more
 
 
+def settled_metrics(metrics_url: str, min_decoder_rows: float, timeout_s: float = 5.0) -> ServingMetrics:
+    """The metrics once the decoder has counted at least `min_decoder_rows` steps and its count holds
+    still for 0.1 s: a backend reports a step's count a moment after its answer."""
+    previous = None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = ServingMetrics.read(metrics_url)
+        if previous is not None and metrics.decoder_rows == previous.decoder_rows >= min_decoder_rows:
+            return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the decoder's step count did not settle at >= {min_decoder_rows}: {metrics}")
+        previous = metrics
+        time.sleep(0.1)
+
+
 def wait_for_metrics(metrics_url: str, condition, timeout_s: float, poll_s: float = 0.1):
     """Poll the metrics until `condition(ServingMetrics)` holds; returns (metrics, seconds waited)
     or fails with the last values read."""
@@ -530,7 +545,8 @@ def test_a_rejected_end_ends_the_stream_and_its_decoder_sequence(code2wav_server
     assert opened.live() == before.live(1)
     infer_error(grpc_client, sequence_id, code2wav_inputs(a[:, 5:6], 5), "gap",
                 "the request carried END, so the stream has ended", end=True)
-    closed = ServingMetrics.read(url)
+    # The decoder's END step ran before the answer, but its backend may report the count a moment later.
+    closed, _ = wait_for_metrics(url, lambda m: m.decoder_rows > opened.decoder_rows, timeout_s=5)
     assert closed.live() == before.live()
     assert closed.decoder_rows - opened.decoder_rows == 1  # the discarded END step
     assert not decoder_holds(code2wav_server.grpc_url, sequence_id)
@@ -615,13 +631,14 @@ def test_bad_request_names_the_problem_and_leaves_streams_as_they_were(
     url = code2wav_server.metrics_url
     a, b = scenario.streams["A"], scenario.streams["B"]
     victim, bystander = new_sequence_id(), new_sequence_id()
+    base = ServingMetrics.read(url)
     victim_pcm = [infer(grpc_client, victim, a[:, :3], 0, start=True, new_frames=3)]
     bystander_pcm = [infer(grpc_client, bystander, b[:, :2], 0, start=True, new_frames=2)]
 
-    before = ServingMetrics.read(url)
+    before = settled_metrics(url, base.decoder_rows + 2)  # the two first steps counted
     infer_error(grpc_client, victim, build(a), *expected)
     assert grpc_client.is_server_ready() and grpc_client.is_model_ready(MODEL_NAME)
-    after = ServingMetrics.read(url)
+    after = settled_metrics(url, before.decoder_rows)
     counted = {k: after.errors.get(k, 0) - before.errors.get(k, 0) for k in after.errors}
     assert {k: v for k, v in counted.items() if v} == ({kind: 1} if kind else {})
     # Rejected before any decoder call.
