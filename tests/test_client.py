@@ -318,8 +318,13 @@ def test_verify_fails_for_other_weights(code2wav_server, capsys):
 
 # ---- resume by replay: the client's logic against code2wav's core, over a fake transport ----------
 
-# code2wav's core under a name of its own, to play the server behind the fake connections.
-core = load_model_module(MODEL_REPOSITORY / "code2wav" / "1" / "code2wav_core.py", "code2wav_core_behind_the_client")
+# code2wav's core under a name of its own, to play the server behind the fake connections; the names
+# of its sibling files from the files that define them.
+CODE2WAV_DIR = MODEL_REPOSITORY / "code2wav" / "1"
+core = load_model_module(CODE2WAV_DIR / "code2wav_core.py", "code2wav_core_behind_the_client")
+code2wav_settings = load_model_module(CODE2WAV_DIR / "code2wav_settings.py")
+code2wav_plan = load_model_module(CODE2WAV_DIR / "code2wav_plan.py")
+triton_streams = load_model_module(MODEL_REPOSITORY / "common" / "triton_streams.py")
 GRPC_STATUS = {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "StatusCode.UNAVAILABLE",
                "INTERNAL": "StatusCode.INTERNAL"}
 
@@ -361,7 +366,8 @@ class FakeServer:
         self.lose_answer_of = set()  # indices into `received` whose answer is lost after decoding
 
     def _fresh_table(self):
-        return core.StreamTable(core.Code2WavSettings(decoder_max_frames_per_step=16, dedupe_mode=self.dedupe_mode))
+        settings = code2wav_settings.Code2WavSettings(decoder_max_frames_per_step=16, dedupe_mode=self.dedupe_mode)
+        return core.StreamTable(settings)
 
     def restart(self):
         """A restarted server: alive, holding no stream."""
@@ -375,13 +381,14 @@ class FakeServer:
         if not self.alive:
             raise lost()
         self.received.append((sequence_id, request))
-        flags = (core.FLAG_SEQUENCE_START if request.start else 0) | (core.FLAG_SEQUENCE_END if request.end else 0)
+        flags = ((code2wav_settings.FLAG_SEQUENCE_START if request.start else 0)
+                 | (code2wav_settings.FLAG_SEQUENCE_END if request.end else 0))
         arrays = request.arrays
-        server_request = core.StreamRequest(sequence_id, flags, arrays["input_ids"], arrays.get("frame_offset"),
-                                            arrays.get("history_frames"))
+        server_request = code2wav_plan.StreamRequest(sequence_id, flags, arrays["input_ids"],
+                                                     arrays.get("frame_offset"), arrays.get("history_frames"))
         try:
             pcm = asyncio.run(self.table.process(server_request, self._decode))
-        except core.ModelError as exc:
+        except triton_streams.ModelError as exc:
             raise request_failure(FakeTritonError(GRPC_STATUS[exc.code], str(exc))) from None
         if len(self.received) - 1 in self.lose_answer_of:  # decoded, then the connection broke
             raise request_failure(FakeTritonError("StatusCode.UNAVAILABLE", "Socket closed"))

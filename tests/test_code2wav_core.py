@@ -15,13 +15,23 @@ from mimi_code2wav.export.render import idle_timeout_us
 
 from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, triton_model_config
 
-CORE_PATH = MODEL_REPOSITORY / "code2wav" / "1" / "code2wav_core.py"
+MODEL_DIR = MODEL_REPOSITORY / "code2wav" / "1"
 CONFIG_PATH = MODEL_REPOSITORY / "code2wav" / "config.pbtxt"
 
-core = load_model_module(CORE_PATH)
+# Each name from the file that defines it (the sibling files import one another by module name).
+core = load_model_module(MODEL_DIR / "code2wav_core.py")
+code2wav_settings = load_model_module(MODEL_DIR / "code2wav_settings.py")
+code2wav_plan = load_model_module(MODEL_DIR / "code2wav_plan.py")
+code2wav_history = load_model_module(MODEL_DIR / "code2wav_history.py")
+code2wav_replay = load_model_module(MODEL_DIR / "code2wav_replay.py")
+triton_streams = load_model_module(MODEL_REPOSITORY / "common" / "triton_streams.py")
 
-START = core.FLAG_SEQUENCE_START
-END = core.FLAG_SEQUENCE_END
+START = code2wav_settings.FLAG_SEQUENCE_START
+END = code2wav_settings.FLAG_SEQUENCE_END
+StreamRequest = code2wav_plan.StreamRequest
+DecoderError = code2wav_settings.DecoderError
+RequestError = code2wav_settings.RequestError
+StreamCapError = code2wav_settings.StreamCapError
 SAMPLES = 4  # samples per frame in most tests: small, so outputs are easy to read
 
 
@@ -80,7 +90,7 @@ class FakeDecoder:
         try:
             await asyncio.sleep(0)  # let other streams' steps start
             if call_number == self.fail_on_call:
-                raise core.DecoderError("simulated decoder failure")
+                raise DecoderError("simulated decoder failure")
             pcm = np.repeat(frame_signature(codes[0]), self.samples_per_frame)[None, :]
             if call_number == self.wrong_size_on_call:
                 pcm = pcm[:, :-1]
@@ -108,15 +118,42 @@ def make_table(clock=None, **overrides):
     settings = dict(samples_per_frame=SAMPLES, decoder_max_frames_per_step=1)
     settings.update(overrides)
     if clock is None:
-        return core.StreamTable(core.Code2WavSettings(**settings))
-    return core.StreamTable(core.Code2WavSettings(**settings), clock=clock)
+        return core.StreamTable(code2wav_settings.Code2WavSettings(**settings))
+    return core.StreamTable(code2wav_settings.Code2WavSettings(**settings), clock=clock)
+
+
+def history_of(table, correlation_id):
+    """The decoded codes [k, frames] of a live stream (read-only view), from its base on."""
+    return table.entry(correlation_id).history.codes()
+
+
+def base_of(table, correlation_id):
+    """Stream index of a live stream's first held frame: 0, or where it was resumed."""
+    return table.entry(correlation_id).base
+
+
+def plan_of(table, correlation_id, flags, input_ids, frame_offset=None, history_frames=None):
+    """What decoding one request takes against the table's stream (`code2wav_plan`); changes nothing."""
+    entry = table.entry(correlation_id) if correlation_id in table else None
+    request = StreamRequest(correlation_id, flags, input_ids, frame_offset, history_frames)
+    return code2wav_plan.plan_request(table.settings, entry, request)
+
+
+async def process_batch(table, requests, decode_step):
+    """One batch through `submit_batch`, waited for: per request, its PCM or the exception it failed with."""
+    return list(await asyncio.gather(*table.submit_batch(requests, decode_step)))
+
+
+def requests_in_flight(table):
+    """Streams with a request submitted and not yet finished (the table's queue; no public reader)."""
+    return len(table._queued)
 
 
 def send(table, decoder, correlation_id, flags, codes=None, frame_offset=None, input_ids=None, history_frames=None):
     """Process one request; returns its PCM (or raises its error)."""
     if input_ids is None:
         input_ids = flat(codes if codes is not None else np.zeros((NUM_CODEBOOKS, 0), np.int64))
-    request = core.StreamRequest(
+    request = StreamRequest(
         correlation_id=correlation_id,
         flags=flags,
         input_ids=input_ids,
@@ -127,7 +164,7 @@ def send(table, decoder, correlation_id, flags, codes=None, frame_offset=None, i
 
 
 def send_error(table, decoder, correlation_id, flags, codes=None, frame_offset=None, input_ids=None,
-               error=core.RequestError, history_frames=None):
+               error=RequestError, history_frames=None):
     with pytest.raises(error) as info:
         send(table, decoder, correlation_id, flags, codes, frame_offset, input_ids, history_frames)
     return info.value
@@ -136,7 +173,7 @@ def send_error(table, decoder, correlation_id, flags, codes=None, frame_offset=N
 def open_stream(table, decoder, correlation_id, codes):
     """START a stream with `codes` decoded."""
     send(table, decoder, correlation_id, START, codes, frame_offset=0)
-    np.testing.assert_array_equal(table.history(correlation_id), codes)
+    np.testing.assert_array_equal(history_of(table, correlation_id), codes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,10 +187,12 @@ def test_shipped_config_parses_to_the_default_settings():
     )
     json_format = pytest.importorskip("google.protobuf.json_format")
     config = text_format.Parse(CONFIG_PATH.read_text(), model_config_pb2.ModelConfig())
-    assert set(config.parameters) == set(core.PARAMETER_TYPES)
+    assert set(config.parameters) == set(code2wav_settings.PARAMETER_TYPES)
     # The JSON form Triton hands to initialize (uint64 fields as strings).
-    settings = core.settings_from_config(json_format.MessageToDict(config, preserving_proto_field_name=True))
-    assert settings == core.Code2WavSettings()
+    settings = code2wav_settings.settings_from_config(
+        json_format.MessageToDict(config, preserving_proto_field_name=True)
+    )
+    assert settings == code2wav_settings.Code2WavSettings()
     assert settings.stream_idle_timeout_s == idle_timeout_us(CONFIG_PATH) / 1e6
     assert config.max_batch_size > 0
     assert config.sequence_batching.WhichOneof("strategy_choice") == "oldest"
@@ -173,14 +212,14 @@ def test_shipped_config_parses_to_the_default_settings():
 def model_config(idle_us=30_000_000, **changes):
     """A model config as Triton hands it to initialize, with the default settings; a change of None
     removes that parameter."""
-    settings = core.Code2WavSettings()
-    parameters = {name: str(getattr(settings, name)) for name in core.PARAMETER_TYPES}
+    settings = code2wav_settings.Code2WavSettings()
+    parameters = {name: str(getattr(settings, name)) for name in code2wav_settings.PARAMETER_TYPES}
     return triton_model_config({**parameters, **changes}, idle_us)
 
 
 def test_parameters_are_parsed_from_strings():
     config = model_config(idle_us="5000000", decoder_model_name="other_decoder", dedupe_mode="delta")
-    settings = core.settings_from_config(config)  # the idle timeout in the JSON form of a uint64
+    settings = code2wav_settings.settings_from_config(config)  # the idle timeout in the JSON form of a uint64
     assert settings.decoder_model_name == "other_decoder"
     assert settings.dedupe_mode == "delta"
     assert settings.stream_idle_timeout_s == 5.0
@@ -199,14 +238,14 @@ def test_parameters_are_parsed_from_strings():
                      "unknown parameter (known: decoder_model_name, num_codebooks", id="removed"),
         pytest.param({"dedupe_mode": "both"}, 30_000_000, "dedupe_mode", "auto, delta, cumulative", id="mode"),
         pytest.param({"decoder_model_name": " "}, 30_000_000, "decoder_model_name", "non-empty", id="name"),
-        pytest.param({}, None, core.IDLE_TIMEOUT_FIELD, "missing", id="idle-missing"),
-        pytest.param({}, 0, core.IDLE_TIMEOUT_FIELD, "must be positive", id="idle-zero"),
-        pytest.param({}, "soon", core.IDLE_TIMEOUT_FIELD, "not an integer", id="idle-not-int"),
+        pytest.param({}, None, triton_streams.IDLE_TIMEOUT_FIELD, "missing", id="idle-missing"),
+        pytest.param({}, 0, triton_streams.IDLE_TIMEOUT_FIELD, "must be positive", id="idle-zero"),
+        pytest.param({}, "soon", triton_streams.IDLE_TIMEOUT_FIELD, "not an integer", id="idle-not-int"),
     ],
 )
 def test_bad_parameters_fail_naming_the_parameter(change, idle_us, parameter, message):
-    with pytest.raises(core.ConfigError) as info:
-        core.settings_from_config(model_config(idle_us, **change))
+    with pytest.raises(triton_streams.ConfigError) as info:
+        code2wav_settings.settings_from_config(model_config(idle_us, **change))
     assert info.value.parameter == parameter
     assert f"'{parameter}'" in str(info.value)
     assert message in str(info.value)
@@ -219,7 +258,7 @@ def test_bad_parameters_fail_naming_the_parameter(change, idle_us, parameter, me
 def test_unflatten_is_codebook_major():
     frames = 5
     input_ids = np.arange(NUM_CODEBOOKS * frames, dtype=np.int64).reshape(1, -1)
-    codes = core.unflatten_codes(input_ids, NUM_CODEBOOKS)
+    codes = code2wav_plan.unflatten_codes(input_ids, NUM_CODEBOOKS)
     assert codes.shape == (NUM_CODEBOOKS, frames)
     # All F codes of codebook 0 first, then codebook 1, ...
     assert codes[0].tolist() == [0, 1, 2, 3, 4]
@@ -277,11 +316,11 @@ def test_out_of_range_code_is_named_with_its_position(codebook, frame, value):
 
 def test_frame_offset_dtype_and_shape_are_checked():
     table, decoder = make_table(), FakeDecoder()
-    request = core.StreamRequest(1, START, flat(make_codes(2)), np.array([[0.0]], np.float32))
-    with pytest.raises(core.RequestError, match="frame_offset must be INT64, got float32"):
+    request = StreamRequest(1, START, flat(make_codes(2)), np.array([[0.0]], np.float32))
+    with pytest.raises(RequestError, match="frame_offset must be INT64, got float32"):
         asyncio.run(table.process(request, decoder))
-    request = core.StreamRequest(1, START, flat(make_codes(2)), np.array([[0, 1]], np.int64))
-    with pytest.raises(core.RequestError, match=r"one value \(\[1, 1\]\), got shape \[1, 2\]"):
+    request = StreamRequest(1, START, flat(make_codes(2)), np.array([[0, 1]], np.int64))
+    with pytest.raises(RequestError, match=r"one value \(\[1, 1\]\), got shape \[1, 2\]"):
         asyncio.run(table.process(request, decoder))
     assert decoder.calls == [] and 1 not in table
 
@@ -307,7 +346,7 @@ def test_identical_retry_decodes_nothing():
     retry = send(table, decoder, 1, 0, codes, frame_offset=0)
     assert retry.shape == (1, 0) and retry.dtype == np.float32
     assert len(decoder.calls) == calls
-    np.testing.assert_array_equal(table.history(1), codes)
+    np.testing.assert_array_equal(history_of(table, 1), codes)
 
 
 def test_partial_overlap_decodes_only_the_new_frames():
@@ -318,7 +357,7 @@ def test_partial_overlap_decodes_only_the_new_frames():
     pcm = send(table, decoder, 1, 0, codes[:, 3:], frame_offset=3)
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 5:]))
     np.testing.assert_array_equal(decoder.decoded_codes(), codes[:, 5:])
-    np.testing.assert_array_equal(table.history(1), codes)
+    np.testing.assert_array_equal(history_of(table, 1), codes)
 
 
 def test_identical_consecutive_frames_sent_as_deltas_with_offsets_are_all_decoded():
@@ -328,7 +367,7 @@ def test_identical_consecutive_frames_sent_as_deltas_with_offsets_are_all_decode
     pcm = send(table, decoder, 1, 0, silence, frame_offset=3)
     assert pcm.shape == (1, 3 * SAMPLES)
     assert len(decoder.calls) == 6
-    assert table.history(1).shape == (NUM_CODEBOOKS, 6)
+    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 6)
 
 
 def test_offset_past_the_history_is_a_gap():
@@ -386,7 +425,7 @@ def test_auto_cumulative_request_decodes_only_its_suffix():
     send(table, decoder, 1, START, codes[:, :4])
     pcm = send(table, decoder, 1, 0, codes)
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 4:]))
-    np.testing.assert_array_equal(table.history(1), codes)
+    np.testing.assert_array_equal(history_of(table, 1), codes)
 
 
 def test_auto_delta_request_is_decoded_whole():
@@ -395,7 +434,7 @@ def test_auto_delta_request_is_decoded_whole():
     send(table, decoder, 1, START, codes[:, :4])
     pcm = send(table, decoder, 1, 0, codes[:, 4:])
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 4:]))
-    np.testing.assert_array_equal(table.history(1), codes)
+    np.testing.assert_array_equal(history_of(table, 1), codes)
 
 
 def test_auto_documented_limit_silence_delta_equal_to_history_start_is_taken_as_resend():
@@ -406,7 +445,7 @@ def test_auto_documented_limit_silence_delta_equal_to_history_start_is_taken_as_
     # only its last frame is decoded and 2 frames of audio are lost.
     pcm = send(table, decoder, 1, 0, np.full((NUM_CODEBOOKS, 3), 5, np.int64))
     assert pcm.shape == (1, SAMPLES)
-    assert table.history(1).shape == (NUM_CODEBOOKS, 3)
+    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 3)
 
 
 def test_auto_documented_limit_short_resend_is_taken_as_delta():
@@ -416,7 +455,7 @@ def test_auto_documented_limit_short_resend_is_taken_as_delta():
     # A resend of the first 2 frames is shorter than the history: decoded again (duplicated audio).
     pcm = send(table, decoder, 1, 0, codes[:, :2])
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, :2]))
-    assert table.history(1).shape == (NUM_CODEBOOKS, 6)
+    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 6)
 
 
 def test_requests_without_offsets_are_deltas_by_default_so_silence_is_never_lost():
@@ -429,7 +468,7 @@ def test_requests_without_offsets_are_deltas_by_default_so_silence_is_never_lost
     for index, (first, stop) in enumerate([(0, 1), (1, 6), (6, 11), (11, 16), (16, 19)]):
         sizes.append(send(table, decoder, 1, START if index == 0 else 0, silence[:, first:stop]).shape[1] // SAMPLES)
     assert sizes == [1, 5, 5, 5, 3]
-    np.testing.assert_array_equal(table.history(1), silence)
+    np.testing.assert_array_equal(history_of(table, 1), silence)
 
 
 def test_delta_mode_decodes_a_cumulative_resend_again():
@@ -438,7 +477,7 @@ def test_delta_mode_decodes_a_cumulative_resend_again():
     send(table, decoder, 1, START, codes[:, :3])
     pcm = send(table, decoder, 1, 0, codes)
     np.testing.assert_array_equal(pcm, expected_pcm(codes))
-    assert table.history(1).shape == (NUM_CODEBOOKS, 8)
+    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 8)
 
 
 def test_delta_mode_still_honours_frame_offset():
@@ -463,7 +502,7 @@ def test_cumulative_mode_decodes_the_suffix_and_rejects_non_prefixes():
     changed[2, 1] = (changed[2, 1] + 1) % CODEBOOK_SIZE
     error = send_error(table, decoder, 1, 0, changed)
     assert error.kind == "changed_frame" and "frame 1 differs" in str(error)
-    np.testing.assert_array_equal(table.history(1), codes[:, :5])
+    np.testing.assert_array_equal(history_of(table, 1), codes[:, :5])
 
 
 def test_cumulative_mode_treats_identical_silence_as_already_decoded():
@@ -496,7 +535,7 @@ def test_start_on_a_live_stream_resets_it():
     send(table, decoder, 1, START, old)
     pcm = send(table, decoder, 1, START, new, frame_offset=0)  # barge-in restarts at frame 0
     np.testing.assert_array_equal(pcm, expected_pcm(new))
-    np.testing.assert_array_equal(table.history(1), new)
+    np.testing.assert_array_equal(history_of(table, 1), new)
     assert decoder.flags() == [START, 0, 0, 0, START, 0, 0]
 
 
@@ -504,7 +543,7 @@ def test_start_without_frames_on_a_live_stream_restarts_the_decoder_on_the_next_
     table, decoder = make_table(), FakeDecoder()
     send(table, decoder, 1, START, make_codes(2, seed=1))
     send(table, decoder, 1, START)
-    assert table.history(1).shape == (NUM_CODEBOOKS, 0)
+    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 0)
     send(table, decoder, 1, 0, make_codes(2, seed=2), frame_offset=0)
     assert decoder.flags() == [START, 0, START, 0]
 
@@ -565,10 +604,10 @@ def test_end_without_new_frames_closes_the_decoder_with_one_discarded_step():
 def test_end_only_plan_says_it_needs_the_trailing_step():
     table, decoder = make_table(), FakeDecoder()
     send(table, decoder, 1, START, make_codes(1))
-    plan = table.plan(1, END, flat(make_codes(1)), offset(0))
+    plan = plan_of(table, 1, END, flat(make_codes(1)), offset(0))
     assert plan.new_frames == 0 and plan.needs_end_only_step
     assert [step.flags for step in plan.steps] == [END] and plan.steps[0].discard_output
-    plan = table.plan(1, END, flat(make_codes(2)), offset(0))
+    plan = plan_of(table, 1, END, flat(make_codes(2)), offset(0))
     assert plan.new_frames == 1 and not plan.needs_end_only_step
     assert 1 in table  # planning changes nothing
 
@@ -595,7 +634,7 @@ def test_decoder_failure_part_way_ends_the_stream():
     table, decoder = make_table(), FakeDecoder(fail_on_call=4)
     codes = make_codes(5)
     send(table, decoder, 1, START, codes[:, :2])
-    error = send_error(table, decoder, 1, 0, codes[:, 2:], frame_offset=2, error=core.DecoderError)
+    error = send_error(table, decoder, 1, 0, codes[:, 2:], frame_offset=2, error=DecoderError)
     assert error.kind == "decoder" and error.code == "INTERNAL"
     assert "failed on step 2 of 3 for stream 1" in str(error)
     assert "simulated decoder failure" in str(error)
@@ -608,12 +647,12 @@ def test_decoder_failure_part_way_ends_the_stream():
     # START begins again from frame 0 and the decoder gets START.
     send(table, decoder, 1, START, codes, frame_offset=0)
     assert decoder.flags()[-5] == START
-    np.testing.assert_array_equal(table.history(1), codes)
+    np.testing.assert_array_equal(history_of(table, 1), codes)
 
 
 def test_decoder_output_of_the_wrong_size_ends_the_stream():
     table, decoder = make_table(), FakeDecoder(wrong_size_on_call=2)
-    error = send_error(table, decoder, 1, START, make_codes(3), error=core.DecoderError)
+    error = send_error(table, decoder, 1, START, make_codes(3), error=DecoderError)
     assert f"returned {SAMPLES - 1} samples for 1 frame(s), expected {SAMPLES}" in str(error)
     assert 1 not in table
 
@@ -624,7 +663,7 @@ def test_unexpected_exception_in_the_decoder_helper_ends_the_stream():
     async def broken(correlation_id, codes, flags):
         raise KeyError("pcm")
 
-    error = send_error(table, broken, 1, START, make_codes(1), error=core.DecoderError)
+    error = send_error(table, broken, 1, START, make_codes(1), error=DecoderError)
     assert "KeyError" not in str(error) and "'pcm'" in str(error)
     assert isinstance(error.__cause__, KeyError)
     assert 1 not in table
@@ -673,7 +712,7 @@ def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flag
     assert error.kind == kind and error.code == "INVALID_ARG"
     assert len(decoder.calls) == calls
     assert 1 in table
-    np.testing.assert_array_equal(table.history(1), codes[:, :3])
+    np.testing.assert_array_equal(history_of(table, 1), codes[:, :3])
     assert table.stats().errors_by_kind[kind] == 1
     # The stream carries on where it was: no START needed, the next frame is still frame 3.
     pcm = send(table, decoder, 1, 0, codes[:, 3:5], frame_offset=3)
@@ -729,7 +768,7 @@ def test_idle_streams_expire_on_the_next_batch():
     send(table, decoder, 2, 0, make_codes(2), frame_offset=0)
     clock.now += 15.0  # stream 1 idle 35 s, stream 2 idle 15 s
 
-    asyncio.run(table.process_batch([], decoder))
+    asyncio.run(process_batch(table, [], decoder))
     assert 1 not in table and 2 in table
     assert table.stats().streams_expired == 1 and table.stats().live_streams == 1
     error = send_error(table, decoder, 1, 0, make_codes(2), frame_offset=1)
@@ -765,7 +804,7 @@ def test_a_stream_with_a_request_in_the_batch_is_not_expired():
     send(table, decoder, 1, START, codes[:, :1])
     clock.now += 100.0
     results = asyncio.run(
-        table.process_batch([core.StreamRequest(1, 0, flat(codes), offset(0))], decoder)
+        process_batch(table, [StreamRequest(1, 0, flat(codes), offset(0))], decoder)
     )
     np.testing.assert_array_equal(results[0], expected_pcm(codes[:, 1:]))
 
@@ -826,7 +865,7 @@ def test_new_frames_go_to_the_decoder_in_as_few_calls_as_it_takes(new_frames, ma
 
 def test_a_failure_on_a_later_call_of_a_request_ends_the_stream():
     table, decoder = make_table(decoder_max_frames_per_step=4), FakeDecoder(fail_on_call=2)
-    error = send_error(table, decoder, 1, START, make_codes(6), error=core.DecoderError)
+    error = send_error(table, decoder, 1, START, make_codes(6), error=DecoderError)
     assert "failed on step 2 of 2" in str(error) and "START" in str(error)
     assert 1 not in table
 
@@ -834,7 +873,7 @@ def test_a_failure_on_a_later_call_of_a_request_ends_the_stream():
 def test_plan_steps_are_int32_frames_of_the_new_frames():
     table = make_table()
     codes = make_codes(3)
-    plan = table.plan(1, START, flat(codes))
+    plan = plan_of(table, 1, START, flat(codes))
     assert plan.new_codes.dtype == np.int32
     np.testing.assert_array_equal(plan.new_codes, codes)
     assert all(step.codes.shape == (1, NUM_CODEBOOKS, 1) and step.codes.flags.c_contiguous for step in plan.steps)
@@ -853,11 +892,11 @@ def test_batch_overlaps_streams_and_keeps_each_stream_in_order():
     table, decoder = make_table(), FakeDecoder()
     a, b = make_codes(3, seed=1), make_codes(6, seed=2)
     requests = [
-        core.StreamRequest(1, START, flat(a)),
-        core.StreamRequest(2, START, flat(b[:, :3])),
-        core.StreamRequest(2, 0, flat(b[:, 3:])),  # same stream twice in one batch: runs after
+        StreamRequest(1, START, flat(a)),
+        StreamRequest(2, START, flat(b[:, :3])),
+        StreamRequest(2, 0, flat(b[:, 3:])),  # same stream twice in one batch: runs after
     ]
-    results = asyncio.run(table.process_batch(requests, decoder))
+    results = asyncio.run(process_batch(table, requests, decoder))
     np.testing.assert_array_equal(results[0], expected_pcm(a))
     np.testing.assert_array_equal(results[1], expected_pcm(b[:, :3]))
     np.testing.assert_array_equal(results[2], expected_pcm(b[:, 3:]))
@@ -873,15 +912,15 @@ def test_one_bad_request_does_not_fail_its_batch_mates():
     table, decoder = make_table(), FakeDecoder(fail_on_call=1)
     good = make_codes(2, seed=5)
     requests = [
-        core.StreamRequest(1, START, flat(make_codes(1))),  # decoder fails on its step
-        core.StreamRequest(2, 0, flat(good)),  # unknown stream
-        core.StreamRequest(3, START, np.zeros((1, 3), np.int64)),  # bad length
-        core.StreamRequest(4, START, flat(good)),
+        StreamRequest(1, START, flat(make_codes(1))),  # decoder fails on its step
+        StreamRequest(2, 0, flat(good)),  # unknown stream
+        StreamRequest(3, START, np.zeros((1, 3), np.int64)),  # bad length
+        StreamRequest(4, START, flat(good)),
     ]
-    results = asyncio.run(table.process_batch(requests, decoder))
-    assert isinstance(results[0], core.DecoderError)
-    assert isinstance(results[1], core.RequestError) and results[1].kind == "unknown_stream"
-    assert isinstance(results[2], core.RequestError) and results[2].kind == "length"
+    results = asyncio.run(process_batch(table, requests, decoder))
+    assert isinstance(results[0], DecoderError)
+    assert isinstance(results[1], RequestError) and results[1].kind == "unknown_stream"
+    assert isinstance(results[2], RequestError) and results[2].kind == "length"
     np.testing.assert_array_equal(results[3], expected_pcm(good))
     assert sorted(cid for cid in (1, 2, 3, 4) if cid in table) == [4]
 
@@ -909,18 +948,18 @@ def test_a_long_request_holds_up_no_other_stream_across_batches():
         table, decoder = make_table(), GatedDecoder(gated={1})
         long, live = make_codes(40, seed=1), make_codes(3, seed=2)
         finished = []
-        (slow,) = table.submit_batch([core.StreamRequest(1, START, flat(long))], decoder,
+        (slow,) = table.submit_batch([StreamRequest(1, START, flat(long))], decoder,
                                      [lambda result: finished.append(1)])
         for frame in range(3):
             flags = START if frame == 0 else 0
-            (task,) = table.submit_batch([core.StreamRequest(2, flags, flat(live[:, frame:frame + 1]), offset(frame))],
+            (task,) = table.submit_batch([StreamRequest(2, flags, flat(live[:, frame:frame + 1]), offset(frame))],
                                          decoder, [lambda result, frame=frame: finished.append((2, frame))])
             np.testing.assert_array_equal(await task, expected_pcm(live[:, frame:frame + 1]))
-            assert not slow.done() and table.requests_in_flight == 1
+            assert not slow.done() and requests_in_flight(table) == 1
         decoder.gate.set()
         np.testing.assert_array_equal(await slow, expected_pcm(long))
         assert finished == [(2, 0), (2, 1), (2, 2), 1]
-        assert table.requests_in_flight == 0
+        assert requests_in_flight(table) == 0
 
     asyncio.run(scenario())
 
@@ -939,8 +978,8 @@ def test_a_streams_requests_run_in_order_across_batches_and_finish_before_the_ne
                 order.append((name, decoder.gate.is_set(), len(decoder.calls)))
             return record
 
-        first = table.submit(core.StreamRequest(1, START, flat(codes[:, :16])), decoder, finish("first"))
-        second = table.submit(core.StreamRequest(1, 0, flat(codes[:, 16:]), offset(16)), decoder, finish("second"))
+        first = table.submit(StreamRequest(1, START, flat(codes[:, :16])), decoder, finish("first"))
+        second = table.submit(StreamRequest(1, 0, flat(codes[:, 16:]), offset(16)), decoder, finish("second"))
         await asyncio.sleep(0.01)
         assert not first.done() and not second.done() and decoder.calls == []
         decoder.gate.set()
@@ -957,9 +996,9 @@ def test_streams_opening_in_earlier_batches_count_toward_the_cap():
     async def scenario():
         table, decoder = make_table(max_live_streams=2), GatedDecoder(gated={1, 2})
         codes = make_codes(1)
-        opening = [table.submit(core.StreamRequest(cid, START, flat(codes)), decoder) for cid in (1, 2)]
-        refused = await table.submit(core.StreamRequest(3, START, flat(codes)), decoder)
-        assert isinstance(refused, core.StreamCapError) and "already holds 2 live streams" in str(refused)
+        opening = [table.submit(StreamRequest(cid, START, flat(codes)), decoder) for cid in (1, 2)]
+        refused = await table.submit(StreamRequest(3, START, flat(codes)), decoder)
+        assert isinstance(refused, StreamCapError) and "already holds 2 live streams" in str(refused)
         decoder.gate.set()
         assert not any(isinstance(result, Exception) for result in await asyncio.gather(*opening))
         assert sorted(cid for cid in (1, 2, 3) if cid in table) == [1, 2]
@@ -972,9 +1011,9 @@ def test_a_stream_with_a_request_still_decoding_is_not_expired():
         clock = FakeClock()
         table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), GatedDecoder(gated=set())
         codes = make_codes(2)
-        await table.submit(core.StreamRequest(1, START, flat(codes[:, :1])), decoder)
+        await table.submit(StreamRequest(1, START, flat(codes[:, :1])), decoder)
         decoder.gated.add(1)
-        pending = table.submit(core.StreamRequest(1, 0, flat(codes[:, 1:]), offset(1)), decoder)
+        pending = table.submit(StreamRequest(1, 0, flat(codes[:, 1:]), offset(1)), decoder)
         clock.now += 100.0
         assert table.expire_idle() == [] and 1 in table
         decoder.gate.set()
@@ -998,7 +1037,7 @@ def test_history_grows_geometrically_and_keeps_every_frame():
         send(table, decoder, 1, 0, codes[:, position:end], frame_offset=position)
         capacities.add(table._streams[1].history.capacity)
         position, step = end, step % 7 + 1
-    history = table.history(1)
+    history = history_of(table, 1)
     np.testing.assert_array_equal(history, codes)
     assert history.dtype == np.int16
     assert not history.flags.writeable
@@ -1008,7 +1047,7 @@ def test_history_grows_geometrically_and_keeps_every_frame():
 
 
 def test_history_of_a_large_codebook_is_int32():
-    history = core.CodeHistory(NUM_CODEBOOKS, 40000)
+    history = code2wav_history.CodeHistory(NUM_CODEBOOKS, 40000)
     codes = np.full((NUM_CODEBOOKS, 3), 39999, np.int64)
     history.append(codes)
     assert history.dtype == np.int32
@@ -1016,7 +1055,7 @@ def test_history_of_a_large_codebook_is_int32():
 
 
 def test_history_first_mismatch():
-    history = core.CodeHistory(2, CODEBOOK_SIZE)
+    history = code2wav_history.CodeHistory(2, CODEBOOK_SIZE)
     history.append(np.array([[1, 2, 3, 4], [5, 6, 7, 8]]))
     assert history.first_mismatch(np.array([[2, 3], [6, 7]]), 1) is None
     assert history.first_mismatch(np.array([[2, 3], [6, 0]]), 1) == 1
@@ -1038,7 +1077,7 @@ def test_stats_count_frames_streams_and_errors_by_kind():
     assert stats.errors_by_kind["unknown_stream"] == 1
     assert stats.errors_by_kind["gap"] == 2
     assert stats.errors_by_kind["internal"] == 1
-    assert set(core.ERROR_KINDS) <= set(stats.errors_by_kind)
+    assert set(code2wav_settings.ERROR_KINDS) <= set(stats.errors_by_kind)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1048,25 +1087,25 @@ def test_stats_count_frames_streams_and_errors_by_kind():
 def test_starts_past_max_live_streams_are_refused_and_touch_nothing():
     table, decoder = make_table(max_live_streams=2), FakeDecoder()
     codes = make_codes(2, seed=7)
-    requests = [core.StreamRequest(cid, START, flat(codes[:, :1])) for cid in (1, 2, 3)]
-    requests.append(core.StreamRequest(3, 0, flat(codes[:, 1:])))  # the refused stream's next request
-    results = asyncio.run(table.process_batch(requests, decoder))
+    requests = [StreamRequest(cid, START, flat(codes[:, :1])) for cid in (1, 2, 3)]
+    requests.append(StreamRequest(3, 0, flat(codes[:, 1:])))  # the refused stream's next request
+    results = asyncio.run(process_batch(table, requests, decoder))
     np.testing.assert_array_equal(results[0], expected_pcm(codes[:, :1]))
     refused = results[2]
-    assert isinstance(refused, core.StreamCapError) and (refused.kind, refused.code) == ("stream_cap", "UNAVAILABLE")
+    assert isinstance(refused, StreamCapError) and (refused.kind, refused.code) == ("stream_cap", "UNAVAILABLE")
     assert str(refused).startswith(
         "resource exhausted: this code2wav instance already holds 2 live streams, its limit (max_live_streams=2); "
         "the new stream was refused and no other stream was affected. Retry later, or END streams that are done")
-    assert isinstance(results[3], core.RequestError) and results[3].kind == "unknown_stream"
+    assert isinstance(results[3], RequestError) and results[3].kind == "unknown_stream"
     assert sorted(cid for cid, _, _ in decoder.calls) == [1, 2] and 3 not in table
     assert table.stats().errors_by_kind["stream_cap"] == 1
     # A restart (START on a live stream) and a one-shot START|END take no new room.
-    results = asyncio.run(table.process_batch([core.StreamRequest(1, START, flat(codes[:, :1])),
-                                               core.StreamRequest(4, START | END, flat(codes[:, :1]))], decoder))
+    results = asyncio.run(process_batch(table, [StreamRequest(1, START, flat(codes[:, :1])),
+                                                StreamRequest(4, START | END, flat(codes[:, :1]))], decoder))
     assert not any(isinstance(result, Exception) for result in results) and len(table) == 2
     # After an END there is room again.
-    asyncio.run(table.process_batch([core.StreamRequest(2, END, flat(codes[:, 1:]))], decoder))
-    (result,) = asyncio.run(table.process_batch([core.StreamRequest(3, START, flat(codes[:, :1]))], decoder))
+    asyncio.run(process_batch(table, [StreamRequest(2, END, flat(codes[:, 1:]))], decoder))
+    (result,) = asyncio.run(process_batch(table, [StreamRequest(3, START, flat(codes[:, :1]))], decoder))
     assert not isinstance(result, Exception) and 3 in table
 
 
@@ -1081,12 +1120,12 @@ def test_decoder_refusals_and_shutdown_keep_their_code():
         async def __call__(self, correlation_id, codes, flags):
             raise self.error
 
-    for error, kind, code in ((core.DecoderError("no room", "UNAVAILABLE", "stream_cap"), "stream_cap", "UNAVAILABLE"),
-                              (core.DecoderError("shutting down", "UNAVAILABLE", "unavailable"), "unavailable", "UNAVAILABLE"),
-                              (core.DecoderError("boom"), "decoder", "INTERNAL")):
+    for error, kind, code in ((DecoderError("no room", "UNAVAILABLE", "stream_cap"), "stream_cap", "UNAVAILABLE"),
+                              (DecoderError("shutting down", "UNAVAILABLE", "unavailable"), "unavailable", "UNAVAILABLE"),
+                              (DecoderError("boom"), "decoder", "INTERNAL")):
         table = make_table()
-        (result,) = asyncio.run(table.process_batch([core.StreamRequest(1, START, flat(make_codes(1)))], Refusing(error)))
-        assert isinstance(result, core.DecoderError) and (result.kind, result.code) == (kind, code)
+        (result,) = asyncio.run(process_batch(table, [StreamRequest(1, START, flat(make_codes(1)))], Refusing(error)))
+        assert isinstance(result, DecoderError) and (result.kind, result.code) == (kind, code)
         assert str(error) in str(result) and 1 not in table
         assert table.stats().errors_by_kind[kind] == 1
 
@@ -1116,8 +1155,8 @@ def test_a_resumed_stream_returns_exactly_the_frames_after_its_history(max_frame
         return [min(max_frames_per_step, frames - first) for first in range(0, frames, max_frames_per_step)]
 
     assert sizes == split(4) + split(3)  # the history's steps (the replay lane's), then the new frames'
-    assert table.base(1) == 10
-    np.testing.assert_array_equal(table.history(1), stream[:, 10:17])
+    assert base_of(table, 1) == 10
+    np.testing.assert_array_equal(history_of(table, 1), stream[:, 10:17])
 
 
 def test_history_and_new_frames_never_share_a_decoder_call():
@@ -1139,8 +1178,8 @@ def test_a_resumed_stream_continues_in_absolute_frame_indices():
     # An overlap with the held history (a retry) decodes only what is new.
     pcm = send(table, decoder, 1, 0, stream[:, 12:20], frame_offset=12)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 18:20]))
-    np.testing.assert_array_equal(table.history(1), stream[:, 10:20])
-    assert table.base(1) == 10
+    np.testing.assert_array_equal(history_of(table, 1), stream[:, 10:20])
+    assert base_of(table, 1) == 10
     error = send_error(table, decoder, 1, 0, stream[:, 21:23], frame_offset=21)
     assert error.kind == "gap"
     assert "frame_offset 21 leaves a gap: stream 1 has decoded 20 frames, so frame_offset must be at most 20" in str(error)
@@ -1165,8 +1204,8 @@ def test_an_offset_before_the_resume_point_is_refused_saying_why():
         "frame_offset 9 is before frame 10, where stream 1 was resumed on this server: frames before 10 are "
         "not held here and cannot be compared; send frames from 10 on"
     )
-    assert len(decoder.calls) == calls and table.base(1) == 10
-    np.testing.assert_array_equal(table.history(1), stream[:, 10:14])
+    assert len(decoder.calls) == calls and base_of(table, 1) == 10
+    np.testing.assert_array_equal(history_of(table, 1), stream[:, 10:14])
     assert table.stats().errors_by_kind["before_resume"] == 1
 
 
@@ -1181,8 +1220,8 @@ def test_history_continues_a_stream_in_pieces():
     pcm = send(table, decoder, 1, 0, stream[:, 20:26], frame_offset=20, history_frames=2)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 22:26]))
     np.testing.assert_array_equal(decoder.decoded_codes(), stream[:, 10:26])
-    assert table.base(1) == 10 and table.stats().streams_resumed == 1
-    np.testing.assert_array_equal(table.history(1), stream[:, 10:26])
+    assert base_of(table, 1) == 10 and table.stats().streams_resumed == 1
+    np.testing.assert_array_equal(history_of(table, 1), stream[:, 10:26])
 
 
 @pytest.mark.parametrize("flags", [0, END], ids=["plain", "end"])
@@ -1200,7 +1239,7 @@ def test_history_on_a_continuing_stream_must_start_at_its_next_frame(flags):
         assert 1 not in table and str(error).endswith("; the request carried END, so the stream has ended")
     else:
         assert len(decoder.calls) == calls
-        np.testing.assert_array_equal(table.history(1), stream[:, :3])
+        np.testing.assert_array_equal(history_of(table, 1), stream[:, :3])
 
 
 def test_history_frames_on_an_unknown_stream_without_start_says_to_start():
@@ -1229,7 +1268,7 @@ def test_replayed_history_takes_the_replay_lane():
                 self.history_starts_beside_live.append(self.history_in_flight)
             try:
                 # Live steps outlast the lane's wait for them (REPLAY_WAIT_FOR_IDLE_S).
-                await asyncio.sleep(0.001 if history else 1.5 * core.REPLAY_WAIT_FOR_IDLE_S)
+                await asyncio.sleep(0.001 if history else 1.5 * code2wav_replay.REPLAY_WAIT_FOR_IDLE_S)
                 return await super().__call__(correlation_id, codes, flags)
             finally:
                 self.history_in_flight -= history
@@ -1238,10 +1277,10 @@ def test_replayed_history_takes_the_replay_lane():
     async def scenario():
         table, decoder = make_table(decoder_max_frames_per_step=2), Counting()
         stream = make_codes(20)
-        await table.submit(core.StreamRequest(9, START, flat(stream[:, :1]), offset(0)), decoder)
-        resumes = [table.submit(core.StreamRequest(cid, START, flat(stream[:, :8]), offset(0), offset(8)), decoder)
+        await table.submit(StreamRequest(9, START, flat(stream[:, :1]), offset(0)), decoder)
+        resumes = [table.submit(StreamRequest(cid, START, flat(stream[:, :8]), offset(0), offset(8)), decoder)
                    for cid in (1, 2, 3, 4)]
-        live = [table.submit(core.StreamRequest(9, 0, flat(stream[:, f:f + 1]), offset(f)), decoder) for f in range(1, 4)]
+        live = [table.submit(StreamRequest(9, 0, flat(stream[:, f:f + 1]), offset(f)), decoder) for f in range(1, 4)]
         await asyncio.gather(*resumes, *live)
         assert decoder.history_starts_beside_live and all(count == 1 for count in decoder.history_starts_beside_live), \
             decoder.history_starts_beside_live
@@ -1250,7 +1289,7 @@ def test_replayed_history_takes_the_replay_lane():
         assert live_done < last_history
 
         quiet, decoder = make_table(decoder_max_frames_per_step=2), Counting()
-        await asyncio.gather(*(quiet.submit(core.StreamRequest(cid, START, flat(stream[:, :8]), offset(0), offset(8)),
+        await asyncio.gather(*(quiet.submit(StreamRequest(cid, START, flat(stream[:, :8]), offset(0), offset(8)),
                                             decoder) for cid in (1, 2, 3, 4)))
         assert decoder.most_history_in_flight == 4
 
@@ -1280,8 +1319,8 @@ def test_history_frames_dtype_and_shape_are_checked():
     table, decoder = make_table(), FakeDecoder()
     for value, kind, fragment in ((np.array([[2]], np.int32), "dtype", "history_frames must be INT64, got int32"),
                                   (np.array([[1, 2]], np.int64), "shape", "history_frames must hold one value")):
-        request = core.StreamRequest(1, START, flat(make_codes(3)), offset(0), value)
-        with pytest.raises(core.RequestError) as info:
+        request = StreamRequest(1, START, flat(make_codes(3)), offset(0), value)
+        with pytest.raises(RequestError) as info:
             asyncio.run(table.process(request, decoder))
         assert info.value.kind == kind and fragment in str(info.value)
 
@@ -1307,11 +1346,11 @@ def test_resume_without_history_starts_the_stream_at_its_offset():
     stream = make_codes(9)
     pcm = resume(table, decoder, 1, stream[:, 5:7], first_frame=5, history_frames=0)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 5:7]))
-    assert table.base(1) == 5 and decoder.flags() == [START, 0]
+    assert base_of(table, 1) == 5 and decoder.flags() == [START, 0]
     # history_frames=0 without frame_offset is a plain START.
     pcm = resume(table, decoder, 2, stream[:, :2], first_frame=None, history_frames=0)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, :2]))
-    assert table.base(2) == 0
+    assert base_of(table, 2) == 0
 
 
 def test_barge_in_with_history_restarts_a_live_stream_at_the_resume_point():
@@ -1322,8 +1361,8 @@ def test_barge_in_with_history_restarts_a_live_stream_at_the_resume_point():
     pcm = resume(table, decoder, 1, stream[:, 6:10], first_frame=6, history_frames=3)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 9:10]))
     assert decoder.flags() == [START, 0, 0, 0]
-    assert table.base(1) == 6 and len(table) == 1
-    np.testing.assert_array_equal(table.history(1), stream[:, 6:10])
+    assert base_of(table, 1) == 6 and len(table) == 1
+    np.testing.assert_array_equal(history_of(table, 1), stream[:, 6:10])
     pcm = send(table, decoder, 1, 0, stream[:, 10:12], frame_offset=10)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 10:12]))
 
@@ -1333,8 +1372,8 @@ def test_a_plain_start_after_a_resume_starts_over_at_frame_zero():
     stream = make_codes(12)
     resume(table, decoder, 1, stream[:, 6:10], first_frame=6, history_frames=3)
     send(table, decoder, 1, START, stream[:, :2], frame_offset=0)
-    assert table.base(1) == 0
-    np.testing.assert_array_equal(table.history(1), stream[:, :2])
+    assert base_of(table, 1) == 0
+    np.testing.assert_array_equal(history_of(table, 1), stream[:, :2])
 
 
 def test_a_rejected_resume_leaves_the_live_stream_as_it_was():
@@ -1342,8 +1381,8 @@ def test_a_rejected_resume_leaves_the_live_stream_as_it_was():
     stream = make_codes(8)
     open_stream(table, decoder, 1, stream[:, :3])
     send_error(table, decoder, 1, START, stream[:, 2:5], frame_offset=2, history_frames=4)
-    np.testing.assert_array_equal(table.history(1), stream[:, :3])
-    assert table.base(1) == 0
+    np.testing.assert_array_equal(history_of(table, 1), stream[:, :3])
+    assert base_of(table, 1) == 0
     pcm = send(table, decoder, 1, 0, stream[:, 3:5], frame_offset=3)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 3:5]))
 

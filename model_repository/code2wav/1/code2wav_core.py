@@ -1,8 +1,8 @@
 """Core of the `code2wav` BLS model: everything that is not Triton plumbing.
 
 Pure numpy + stdlib (no `triton_python_backend_utils`), so it is unit-tested without a server and runs
-on the Python 3.10 of the NGC 24.10 image as well as 3.11. model.py and the tests import this module
-only; it gathers the names of its sibling files, each one job:
+on the Python 3.10 of the NGC 24.10 image as well as 3.11. It is one of five sibling files, each one
+job; model.py and the tests import each name from the file that defines it:
 
   code2wav_settings.py  settings from the config, sequence flags, request errors
   code2wav_plan.py      one request -> a DecodePlan: validation, dedupe, resume, limits, decoder calls
@@ -33,28 +33,18 @@ from typing import Dict, List, Optional, Union
 import numpy as np
 
 from code2wav_history import CodeHistory, StreamEntry
-from code2wav_plan import DecodePlan, DecoderStep, StreamRequest, plan_request, unflatten_codes, zero_step_codes
-from code2wav_replay import REPLAY_WAIT_FOR_IDLE_S, ReplayLane
+from code2wav_plan import DecodePlan, StreamRequest, plan_request, zero_step_codes
+from code2wav_replay import ReplayLane
 from code2wav_settings import (
     ERROR_KINDS,
     FLAG_SEQUENCE_END,
     FLAG_SEQUENCE_START,
-    PARAMETER_TYPES,
     Code2WavSettings,
     DecoderError,
     RequestError,
     StreamCapError,
-    settings_from_config,
 )
-from triton_streams import IDLE_TIMEOUT_FIELD, ConfigError, ModelError
-
-# The names model.py and the tests use, whichever sibling file defines them.
-__all__ = [
-    "ERROR_KINDS", "FLAG_SEQUENCE_END", "FLAG_SEQUENCE_START", "IDLE_GRACE_S", "IDLE_TIMEOUT_FIELD",
-    "PARAMETER_TYPES", "REPLAY_WAIT_FOR_IDLE_S", "Code2WavSettings", "Code2WavStats", "CodeHistory",
-    "ConfigError", "DecodePlan", "DecodeStep", "DecoderError", "DecoderStep", "ModelError", "RequestError",
-    "StreamCapError", "StreamRequest", "StreamTable", "settings_from_config", "unflatten_codes",
-]
+from triton_streams import ModelError
 
 IDLE_GRACE_S = 1.0  # streams expire this long after the idle timeout (see StreamTable.expire_idle)
 
@@ -106,15 +96,10 @@ class StreamTable:
     def __contains__(self, correlation_id: object) -> bool:
         return correlation_id in self._streams
 
-    def history(self, correlation_id: int) -> np.ndarray:
-        """The decoded codes [k, frames] of a live stream (read-only view) from its base on; KeyError
-        if not live."""
-        return self._streams[correlation_id].history.codes()
-
-    def base(self, correlation_id: int) -> int:
-        """Stream index of a live stream's first held frame: 0, or where it was resumed; KeyError if
-        not live."""
-        return self._streams[correlation_id].base
+    def entry(self, correlation_id: int) -> StreamEntry:
+        """The entry of a live stream (its decoded codes, base, decoder state); KeyError if not live.
+        For reading: the table alone changes it."""
+        return self._streams[correlation_id]
 
     def stats(self) -> Code2WavStats:
         return Code2WavStats(
@@ -151,18 +136,6 @@ class StreamTable:
             del self._streams[correlation_id]
         self._streams_expired += len(expired)
         return expired
-
-    def plan(
-        self,
-        correlation_id: int,
-        flags: int,
-        input_ids: np.ndarray,
-        frame_offset: Optional[np.ndarray] = None,
-        history_frames: Optional[np.ndarray] = None,
-    ) -> DecodePlan:
-        """Validate one request against its stream and say what decoding it takes (see
-        `code2wav_plan`). Changes nothing; raises RequestError."""
-        return self._plan(StreamRequest(correlation_id, flags, input_ids, frame_offset, history_frames))
 
     def _plan(self, request: StreamRequest) -> DecodePlan:
         return plan_request(self.settings, self._streams.get(request.correlation_id), request)
@@ -318,17 +291,6 @@ class StreamTable:
         self.expire_idle(keep=[request.correlation_id for request in requests])
         finishes = finishes if finishes is not None else [None] * len(requests)
         return [self.submit(request, decode_step, finish) for request, finish in zip(requests, finishes)]
-
-    async def process_batch(
-        self, requests: Sequence[StreamRequest], decode_step: DecodeStep
-    ) -> List[Union[np.ndarray, Exception]]:
-        """`submit_batch` and wait for all of it: per request, its PCM or the exception it failed with."""
-        return list(await asyncio.gather(*self.submit_batch(requests, decode_step)))
-
-    @property
-    def requests_in_flight(self) -> int:
-        """Streams with a request submitted and not yet finished."""
-        return len(self._queued)
 
     async def _run_in_turn(self, previous, request: StreamRequest, decode_step: DecodeStep, finish):
         if previous is not None:

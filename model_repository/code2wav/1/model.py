@@ -2,9 +2,9 @@
 contract: docs/design.md §2).
 
 Thin on purpose: tensors -> numpy, `code2wav_core` (the stream table over the request planning of its
-sibling files), the decoder calls, numpy -> responses. Everything testable lives in the core and in
-`triton_streams` (idle sweeper, errors, parameter policy, metric labels), which `export/render.py`
-copies here from model_repository/common/.
+sibling files, each name imported from the file that defines it), the decoder calls, numpy -> responses.
+Everything testable lives in those files and in `triton_streams` (idle sweeper, errors, parameter
+policy, metric labels), which `export/render.py` copies here from model_repository/common/.
 """
 
 import asyncio
@@ -23,8 +23,10 @@ _MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
 if _MODEL_DIR not in sys.path:
     sys.path.insert(0, _MODEL_DIR)
 
-import code2wav_core as core  # noqa: E402
 import triton_streams  # noqa: E402
+from code2wav_core import StreamTable  # noqa: E402
+from code2wav_plan import StreamRequest  # noqa: E402
+from code2wav_settings import ERROR_KINDS, DecoderError, RequestError, settings_from_config  # noqa: E402
 
 # What a BLS request says once the server is exiting (the Python backend checks the decoder's
 # readiness first, and Triton answers it no more while it shuts down).
@@ -44,8 +46,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         self._model_name = args.get("model_name", "code2wav")
         try:
-            settings = core.settings_from_config(config)
-        except core.ConfigError as exc:
+            settings = settings_from_config(config)
+        except triton_streams.ConfigError as exc:
             raise pb_utils.TritonModelException(f"model '{self._model_name}': {exc}") from None
         self._max_batch_size = int(config.get("max_batch_size", 0))
         if self._max_batch_size < 1:
@@ -58,7 +60,7 @@ class TritonPythonModel:
             [[settings.sample_rate_hz]], dtype=_output_dtype(config, "sr", self._model_name)
         )
         self._decoder_model_name = settings.decoder_model_name
-        self._table = core.StreamTable(settings)
+        self._table = StreamTable(settings)
         self._executor = None
         self._loop = None
         self._deferred_answers = []  # (response sender, result) of finished deferred requests, not yet sent
@@ -137,7 +139,7 @@ class TritonPythonModel:
 
     async def _decode_step(self, correlation_id, codes, flags):
         """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM FP32
-        [1, samples_per_frame*S]. Raises core.DecoderError with the decoder's message."""
+        [1, samples_per_frame*S]. Raises DecoderError with the decoder's message."""
         request = pb_utils.InferenceRequest(
             model_name=self._decoder_model_name,
             inputs=[pb_utils.Tensor(DECODER_INPUT_NAME, codes)],
@@ -151,14 +153,14 @@ class TritonPythonModel:
             message = error.message()
             if SERVER_EXITING in message:
                 # The server is shutting down: no request reaches the decoder any more.
-                raise core.DecoderError(f"the server is shutting down ({message})", "UNAVAILABLE", "unavailable")
+                raise DecoderError(f"the server is shutting down ({message})", "UNAVAILABLE", "unavailable")
             if error.code() == pb_utils.TritonError.UNAVAILABLE:
                 # The decoder's own stream cap: the client may retry later, as for code2wav's.
-                raise core.DecoderError(message, "UNAVAILABLE", "stream_cap")
-            raise core.DecoderError(message)
+                raise DecoderError(message, "UNAVAILABLE", "stream_cap")
+            raise DecoderError(message)
         pcm = pb_utils.get_output_tensor_by_name(response, DECODER_OUTPUT_NAME)
         if pcm is None:
-            raise core.DecoderError(f"the response has no '{DECODER_OUTPUT_NAME}' output")
+            raise DecoderError(f"the response has no '{DECODER_OUTPUT_NAME}' output")
         return pcm.as_numpy()
 
     def _ensure_loop(self, loop):
@@ -236,10 +238,10 @@ async def _wait_for_batch(loop, tasks):
 def _stream_request(request):
     input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
     if input_ids is None:
-        raise core.RequestError("shape", "the request has no input_ids")
+        raise RequestError("shape", "the request has no input_ids")
     frame_offset = pb_utils.get_input_tensor_by_name(request, "frame_offset")
     history_frames = pb_utils.get_input_tensor_by_name(request, "history_frames")
-    return core.StreamRequest(
+    return StreamRequest(
         correlation_id=request.correlation_id(),
         flags=request.flags(),
         # Copies: a request's tensors are freed when execute returns, and it may be decoded later.
@@ -283,7 +285,7 @@ class _Metrics:
         self._live_streams = triton_streams.DeltaMetric(live_family.Metric(labels=labels))
         self._frames_decoded = triton_streams.DeltaMetric(frames_family.Metric(labels=labels))
         self._streams_resumed = triton_streams.DeltaMetric(resumed_family.Metric(labels=labels))
-        self._errors = {kind: self._error_metric(kind) for kind in core.ERROR_KINDS}
+        self._errors = {kind: self._error_metric(kind) for kind in ERROR_KINDS}
 
     def _error_metric(self, kind):
         return triton_streams.DeltaMetric(self._errors_family.Metric(labels={**self._labels, "kind": kind}))
