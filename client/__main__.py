@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Every request carries the gRPC header "
         f"{STREAM_KEY_HEADER}: KEY (for a proxy that routes a stream to one replica). When the server holding "
         "a stream is lost, the stream goes on in a new sequence (on the next --failover-url, or where the proxy "
-        "now routes the key) that replays its last frames as history; each resume is reported on stderr. "
+        "now routes the key) that re-sends its last frames as history; each resume is reported on stderr. "
         "Any of these options turns it on.",
     )
     resume.add_argument("--resume", action="store_true", help="resume streams whose server is lost")

@@ -254,15 +254,15 @@ class StreamPlan:
 
     def _resume_requests(self, new: np.ndarray, end: bool) -> list[PlannedRequest]:
         first = self.next_frame
-        replay_from = max(self._kept.first_frame, first - self.options.resume_history_frames, 0)
-        history = self._kept.frames(replay_from)
+        history_from = max(self._kept.first_frame, first - self.options.resume_history_frames, 0)
+        history = self._kept.frames(history_from)
         piece = self.options.resume_piece_frames
         requests, done = [], 0
         while history.shape[1] - done > piece:
-            requests.append(self._history_request(history[:, done : done + piece], replay_from + done,
+            requests.append(self._history_request(history[:, done : done + piece], history_from + done,
                                                   piece, start=not requests, end=False, new_frames=0))
             done += piece
-        requests.append(self._history_request(np.concatenate([history[:, done:], new], axis=1), replay_from + done,
+        requests.append(self._history_request(np.concatenate([history[:, done:], new], axis=1), history_from + done,
                                               history.shape[1] - done, start=not requests, end=end,
                                               new_frames=new.shape[1]))
         return requests

@@ -74,7 +74,7 @@ class StreamOptions:
     response_timeout_s: float = 60.0
     # False: a failure that a resume could fix (a lost server) fails the stream at once.
     resume: bool = True
-    # Frames replayed as history when resuming, and how long to keep trying.
+    # Frames re-sent as history when resuming, and how long to keep trying.
     resume_history_frames: int = DEFAULT_RESUME_HISTORY_FRAMES
     resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S
     # The history travels in requests of at most this many history frames.

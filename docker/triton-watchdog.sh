@@ -7,7 +7,7 @@
 # that answers nothing within WATCHDOG_TIMEOUT_S (2) seconds, WATCHDOG_CHECKS (3) times in a row, is
 # hung (a deadlock, a stopped process, a stalled host): it is SIGKILLed, one line says so, and this
 # script exits 137. Behind the proxy its streams then move at once (a refused connection is retried
-# on the next replica) instead of waiting on a server that never answers; resumable clients replay
+# on the next replica) instead of waiting on a server that never answers; resumable clients resume
 # them there, and Docker's `restart: unless-stopped` starts the container again.
 #
 # Only an unanswered check counts. A refused connection (the server is still loading its models, its

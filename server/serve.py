@@ -5,7 +5,7 @@ exported when missing or stale, rendered with the `--decoder` target, python-ort
 
 Supervised as `serve-replicas` supervises its replicas (`supervise`): a tritonserver that dies (a
 crash, the OOM killer) is started again on the same ports after a short delay that doubles while it
-keeps dying soon after its start; its streams are lost there and resumable clients replay them
+keeps dying soon after its start; its streams are lost there and resumable clients resume them
 (docs/design.md §2.4). `--no-restart` exits with the server instead. SIGHUP drains the server and
 starts it again at once on the same ports, reading the repository afresh (new weights, a new config).
 

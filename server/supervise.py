@@ -9,7 +9,7 @@ process exists (`signals_held`), so the stop always knows every process it has t
 
 - a server that exits is reported with its log tail. With restarts it is started again on the same
   ports after `RestartBackoff`'s delay, its log kept as <log>.<n>; its streams are lost there and
-  resumable clients replay them (docs/design.md §2.4). Without, the command ends once every server
+  resumable clients resume them (docs/design.md §2.4). Without, the command ends once every server
   has exited (with the server's exit code for a single server);
 - health checks (`HealthCheck`, serve-replicas): a server that answers "not ready" (draining) leaves
   the proxy at once; one that does not answer `unanswered` times in a row (hung) leaves it too and,

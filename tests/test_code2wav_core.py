@@ -22,8 +22,8 @@ CONFIG_PATH = MODEL_REPOSITORY / "code2wav" / "config.pbtxt"
 core = load_model_module(MODEL_DIR / "code2wav_core.py")
 code2wav_settings = load_model_module(MODEL_DIR / "code2wav_settings.py")
 code2wav_plan = load_model_module(MODEL_DIR / "code2wav_plan.py")
-code2wav_history = load_model_module(MODEL_DIR / "code2wav_history.py")
 code2wav_replay = load_model_module(MODEL_DIR / "code2wav_replay.py")
+code2wav_stream = load_model_module(MODEL_DIR / "code2wav_stream.py")
 triton_streams = load_model_module(MODEL_REPOSITORY / "common" / "triton_streams.py")
 
 START = code2wav_settings.FLAG_SEQUENCE_START
@@ -122,9 +122,9 @@ def make_table(clock=None, **overrides):
     return core.StreamTable(code2wav_settings.Code2WavSettings(**settings), clock=clock)
 
 
-def history_of(table, correlation_id):
+def decoded_of(table, correlation_id):
     """The decoded codes [k, frames] of a live stream (read-only view), from its base on."""
-    return table.entry(correlation_id).history.codes()
+    return table.entry(correlation_id).decoded.codes()
 
 
 def base_of(table, correlation_id):
@@ -173,7 +173,7 @@ def send_error(table, decoder, correlation_id, flags, codes=None, frame_offset=N
 def open_stream(table, decoder, correlation_id, codes):
     """START a stream with `codes` decoded."""
     send(table, decoder, correlation_id, START, codes, frame_offset=0)
-    np.testing.assert_array_equal(history_of(table, correlation_id), codes)
+    np.testing.assert_array_equal(decoded_of(table, correlation_id), codes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -346,7 +346,7 @@ def test_identical_retry_decodes_nothing():
     retry = send(table, decoder, 1, 0, codes, frame_offset=0)
     assert retry.shape == (1, 0) and retry.dtype == np.float32
     assert len(decoder.calls) == calls
-    np.testing.assert_array_equal(history_of(table, 1), codes)
+    np.testing.assert_array_equal(decoded_of(table, 1), codes)
 
 
 def test_partial_overlap_decodes_only_the_new_frames():
@@ -357,7 +357,7 @@ def test_partial_overlap_decodes_only_the_new_frames():
     pcm = send(table, decoder, 1, 0, codes[:, 3:], frame_offset=3)
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 5:]))
     np.testing.assert_array_equal(decoder.decoded_codes(), codes[:, 5:])
-    np.testing.assert_array_equal(history_of(table, 1), codes)
+    np.testing.assert_array_equal(decoded_of(table, 1), codes)
 
 
 def test_identical_consecutive_frames_sent_as_deltas_with_offsets_are_all_decoded():
@@ -367,10 +367,10 @@ def test_identical_consecutive_frames_sent_as_deltas_with_offsets_are_all_decode
     pcm = send(table, decoder, 1, 0, silence, frame_offset=3)
     assert pcm.shape == (1, 3 * SAMPLES)
     assert len(decoder.calls) == 6
-    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 6)
+    assert decoded_of(table, 1).shape == (NUM_CODEBOOKS, 6)
 
 
-def test_offset_past_the_history_is_a_gap():
+def test_offset_past_the_decoded_frames_is_a_gap():
     table, decoder = make_table(), FakeDecoder()
     open_stream(table, decoder, 1, make_codes(5))
     error = send_error(table, decoder, 1, 0, make_codes(2), frame_offset=6)
@@ -406,7 +406,7 @@ def test_negative_offset_is_rejected():
     assert "frame_offset must be >= 0, got -1" in str(error)
 
 
-def test_offset_overlap_shorter_than_the_history_decodes_nothing():
+def test_offset_overlap_shorter_than_the_decoded_frames_decodes_nothing():
     table, decoder = make_table(), FakeDecoder()
     codes = make_codes(6)
     open_stream(table, decoder, 1, codes)
@@ -425,7 +425,7 @@ def test_auto_cumulative_request_decodes_only_its_suffix():
     send(table, decoder, 1, START, codes[:, :4])
     pcm = send(table, decoder, 1, 0, codes)
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 4:]))
-    np.testing.assert_array_equal(history_of(table, 1), codes)
+    np.testing.assert_array_equal(decoded_of(table, 1), codes)
 
 
 def test_auto_delta_request_is_decoded_whole():
@@ -434,28 +434,28 @@ def test_auto_delta_request_is_decoded_whole():
     send(table, decoder, 1, START, codes[:, :4])
     pcm = send(table, decoder, 1, 0, codes[:, 4:])
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 4:]))
-    np.testing.assert_array_equal(history_of(table, 1), codes)
+    np.testing.assert_array_equal(decoded_of(table, 1), codes)
 
 
-def test_auto_documented_limit_silence_delta_equal_to_history_start_is_taken_as_resend():
+def test_auto_documented_limit_silence_delta_equal_to_decoded_start_is_taken_as_resend():
     table, decoder = make_table(dedupe_mode="auto"), FakeDecoder()
     silence = np.full((NUM_CODEBOOKS, 2), 5, np.int64)
     send(table, decoder, 1, START, silence)
-    # A delta of 3 silence frames starts with the whole (silent) history: taken as cumulative, so
+    # A delta of 3 silence frames starts with every (silent) decoded frame: taken as cumulative, so
     # only its last frame is decoded and 2 frames of audio are lost.
     pcm = send(table, decoder, 1, 0, np.full((NUM_CODEBOOKS, 3), 5, np.int64))
     assert pcm.shape == (1, SAMPLES)
-    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 3)
+    assert decoded_of(table, 1).shape == (NUM_CODEBOOKS, 3)
 
 
 def test_auto_documented_limit_short_resend_is_taken_as_delta():
     table, decoder = make_table(dedupe_mode="auto"), FakeDecoder()
     codes = make_codes(4)
     send(table, decoder, 1, START, codes)
-    # A resend of the first 2 frames is shorter than the history: decoded again (duplicated audio).
+    # A resend of the first 2 frames is shorter than the decoded frames: decoded again (duplicated audio).
     pcm = send(table, decoder, 1, 0, codes[:, :2])
     np.testing.assert_array_equal(pcm, expected_pcm(codes[:, :2]))
-    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 6)
+    assert decoded_of(table, 1).shape == (NUM_CODEBOOKS, 6)
 
 
 def test_requests_without_offsets_are_deltas_by_default_so_silence_is_never_lost():
@@ -468,7 +468,7 @@ def test_requests_without_offsets_are_deltas_by_default_so_silence_is_never_lost
     for index, (first, stop) in enumerate([(0, 1), (1, 6), (6, 11), (11, 16), (16, 19)]):
         sizes.append(send(table, decoder, 1, START if index == 0 else 0, silence[:, first:stop]).shape[1] // SAMPLES)
     assert sizes == [1, 5, 5, 5, 3]
-    np.testing.assert_array_equal(history_of(table, 1), silence)
+    np.testing.assert_array_equal(decoded_of(table, 1), silence)
 
 
 def test_delta_mode_decodes_a_cumulative_resend_again():
@@ -477,7 +477,7 @@ def test_delta_mode_decodes_a_cumulative_resend_again():
     send(table, decoder, 1, START, codes[:, :3])
     pcm = send(table, decoder, 1, 0, codes)
     np.testing.assert_array_equal(pcm, expected_pcm(codes))
-    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 8)
+    assert decoded_of(table, 1).shape == (NUM_CODEBOOKS, 8)
 
 
 def test_delta_mode_still_honours_frame_offset():
@@ -502,7 +502,7 @@ def test_cumulative_mode_decodes_the_suffix_and_rejects_non_prefixes():
     changed[2, 1] = (changed[2, 1] + 1) % CODEBOOK_SIZE
     error = send_error(table, decoder, 1, 0, changed)
     assert error.kind == "changed_frame" and "frame 1 differs" in str(error)
-    np.testing.assert_array_equal(history_of(table, 1), codes[:, :5])
+    np.testing.assert_array_equal(decoded_of(table, 1), codes[:, :5])
 
 
 def test_cumulative_mode_treats_identical_silence_as_already_decoded():
@@ -535,7 +535,7 @@ def test_start_on_a_live_stream_resets_it():
     send(table, decoder, 1, START, old)
     pcm = send(table, decoder, 1, START, new, frame_offset=0)  # barge-in restarts at frame 0
     np.testing.assert_array_equal(pcm, expected_pcm(new))
-    np.testing.assert_array_equal(history_of(table, 1), new)
+    np.testing.assert_array_equal(decoded_of(table, 1), new)
     assert decoder.flags() == [START, 0, 0, 0, START, 0, 0]
 
 
@@ -543,7 +543,7 @@ def test_start_without_frames_on_a_live_stream_restarts_the_decoder_on_the_next_
     table, decoder = make_table(), FakeDecoder()
     send(table, decoder, 1, START, make_codes(2, seed=1))
     send(table, decoder, 1, START)
-    assert history_of(table, 1).shape == (NUM_CODEBOOKS, 0)
+    assert decoded_of(table, 1).shape == (NUM_CODEBOOKS, 0)
     send(table, decoder, 1, 0, make_codes(2, seed=2), frame_offset=0)
     assert decoder.flags() == [START, 0, START, 0]
 
@@ -647,7 +647,7 @@ def test_decoder_failure_part_way_ends_the_stream():
     # START begins again from frame 0 and the decoder gets START.
     send(table, decoder, 1, START, codes, frame_offset=0)
     assert decoder.flags()[-5] == START
-    np.testing.assert_array_equal(history_of(table, 1), codes)
+    np.testing.assert_array_equal(decoded_of(table, 1), codes)
 
 
 def test_decoder_output_of_the_wrong_size_ends_the_stream():
@@ -712,7 +712,7 @@ def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flag
     assert error.kind == kind and error.code == "INVALID_ARG"
     assert len(decoder.calls) == calls
     assert 1 in table
-    np.testing.assert_array_equal(history_of(table, 1), codes[:, :3])
+    np.testing.assert_array_equal(decoded_of(table, 1), codes[:, :3])
     assert table.stats().errors_by_kind[kind] == 1
     # The stream carries on where it was: no START needed, the next frame is still frame 3.
     pcm = send(table, decoder, 1, 0, codes[:, 3:5], frame_offset=3)
@@ -1023,10 +1023,10 @@ def test_a_stream_with_a_request_still_decoding_is_not_expired():
 
 
 # --------------------------------------------------------------------------------------------------
-# history and stats
+# decoded codes and stats
 
 
-def test_history_grows_geometrically_and_keeps_every_frame():
+def test_decoded_codes_grow_geometrically_and_keep_every_frame():
     table, decoder = make_table(), FakeDecoder()
     codes = make_codes(1000, seed=9)
     send(table, decoder, 1, START, codes[:, :1])
@@ -1035,31 +1035,31 @@ def test_history_grows_geometrically_and_keeps_every_frame():
     while position < 1000:
         end = min(1000, position + step)
         send(table, decoder, 1, 0, codes[:, position:end], frame_offset=position)
-        capacities.add(table._streams[1].history.capacity)
+        capacities.add(table._streams[1].decoded.capacity)
         position, step = end, step % 7 + 1
-    history = history_of(table, 1)
-    np.testing.assert_array_equal(history, codes)
-    assert history.dtype == np.int16
-    assert not history.flags.writeable
+    decoded = decoded_of(table, 1)
+    np.testing.assert_array_equal(decoded, codes)
+    assert decoded.dtype == np.int16
+    assert not decoded.flags.writeable
     assert len(capacities) <= 6  # 64 -> 128 -> ... -> 1024: a handful of reallocations
     assert 1000 <= max(capacities) <= 2048
     assert table.stats().frames_decoded == 1000
 
 
-def test_history_of_a_large_codebook_is_int32():
-    history = code2wav_history.CodeHistory(NUM_CODEBOOKS, 40000)
+def test_decoded_codes_of_a_large_codebook_are_int32():
+    decoded = code2wav_stream.DecodedCodes(NUM_CODEBOOKS, 40000)
     codes = np.full((NUM_CODEBOOKS, 3), 39999, np.int64)
-    history.append(codes)
-    assert history.dtype == np.int32
-    np.testing.assert_array_equal(history.codes(), codes)
+    decoded.append(codes)
+    assert decoded.dtype == np.int32
+    np.testing.assert_array_equal(decoded.codes(), codes)
 
 
-def test_history_first_mismatch():
-    history = code2wav_history.CodeHistory(2, CODEBOOK_SIZE)
-    history.append(np.array([[1, 2, 3, 4], [5, 6, 7, 8]]))
-    assert history.first_mismatch(np.array([[2, 3], [6, 7]]), 1) is None
-    assert history.first_mismatch(np.array([[2, 3], [6, 0]]), 1) == 1
-    assert history.first_mismatch(np.array([[9, 3], [6, 7]]), 1) == 0
+def test_decoded_codes_first_mismatch():
+    decoded = code2wav_stream.DecodedCodes(2, CODEBOOK_SIZE)
+    decoded.append(np.array([[1, 2, 3, 4], [5, 6, 7, 8]]))
+    assert decoded.first_mismatch(np.array([[2, 3], [6, 7]]), 1) is None
+    assert decoded.first_mismatch(np.array([[2, 3], [6, 0]]), 1) == 1
+    assert decoded.first_mismatch(np.array([[9, 3], [6, 7]]), 1) == 0
 
 
 def test_stats_count_frames_streams_and_errors_by_kind():
@@ -1154,9 +1154,9 @@ def test_a_resumed_stream_returns_exactly_the_frames_after_its_history(max_frame
     def split(frames):
         return [min(max_frames_per_step, frames - first) for first in range(0, frames, max_frames_per_step)]
 
-    assert sizes == split(4) + split(3)  # the history's steps (the replay lane's), then the new frames'
+    assert sizes == split(4) + split(3)  # the history's replay steps, then the new frames'
     assert base_of(table, 1) == 10
-    np.testing.assert_array_equal(history_of(table, 1), stream[:, 10:17])
+    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, 10:17])
 
 
 def test_history_and_new_frames_never_share_a_decoder_call():
@@ -1175,10 +1175,10 @@ def test_a_resumed_stream_continues_in_absolute_frame_indices():
     pcm = send(table, decoder, 1, 0, stream[:, 16:18], frame_offset=16)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 16:18]))
     assert decoder.flags() == [0, 0]
-    # An overlap with the held history (a retry) decodes only what is new.
+    # An overlap with the decoded frames (a retry) decodes only what is new.
     pcm = send(table, decoder, 1, 0, stream[:, 12:20], frame_offset=12)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 18:20]))
-    np.testing.assert_array_equal(history_of(table, 1), stream[:, 10:20])
+    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, 10:20])
     assert base_of(table, 1) == 10
     error = send_error(table, decoder, 1, 0, stream[:, 21:23], frame_offset=21)
     assert error.kind == "gap"
@@ -1187,7 +1187,7 @@ def test_a_resumed_stream_continues_in_absolute_frame_indices():
     changed[3, 2] = (changed[3, 2] + 1) % CODEBOOK_SIZE  # stream frame 13
     error = send_error(table, decoder, 1, 0, changed, frame_offset=11)
     assert error.kind == "changed_frame" and "frame 13 differs" in str(error)
-    # The held history (the history frames included) ends up in the stream as decoded.
+    # The history frames count as decoded: the stream's next frame is 20.
     pcm = send(table, decoder, 1, END, stream[:, 20:24], frame_offset=20)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 20:24]))
     assert 1 not in table
@@ -1205,7 +1205,7 @@ def test_an_offset_before_the_resume_point_is_refused_saying_why():
         "not held here and cannot be compared; send frames from 10 on"
     )
     assert len(decoder.calls) == calls and base_of(table, 1) == 10
-    np.testing.assert_array_equal(history_of(table, 1), stream[:, 10:14])
+    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, 10:14])
     assert table.stats().errors_by_kind["before_resume"] == 1
 
 
@@ -1221,7 +1221,7 @@ def test_history_continues_a_stream_in_pieces():
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 22:26]))
     np.testing.assert_array_equal(decoder.decoded_codes(), stream[:, 10:26])
     assert base_of(table, 1) == 10 and table.stats().streams_resumed == 1
-    np.testing.assert_array_equal(history_of(table, 1), stream[:, 10:26])
+    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, 10:26])
 
 
 @pytest.mark.parametrize("flags", [0, END], ids=["plain", "end"])
@@ -1239,7 +1239,7 @@ def test_history_on_a_continuing_stream_must_start_at_its_next_frame(flags):
         assert 1 not in table and str(error).endswith("; the request carried END, so the stream has ended")
     else:
         assert len(decoder.calls) == calls
-        np.testing.assert_array_equal(history_of(table, 1), stream[:, :3])
+        np.testing.assert_array_equal(decoded_of(table, 1), stream[:, :3])
 
 
 def test_history_frames_on_an_unknown_stream_without_start_says_to_start():
@@ -1249,30 +1249,30 @@ def test_history_frames_on_an_unknown_stream_without_start_says_to_start():
 
 
 def test_replayed_history_takes_the_replay_lane():
-    """Four streams resume at once beside a live stream: a history step starts while a live step is
-    in the decoder only as the one history step there, and the live stream's steps do not wait for
-    the 16 history steps; on an instance without live traffic, several history steps run together."""
+    """Four streams resume at once beside a live stream: a replay step starts while a live step is
+    in the decoder only as the one replay step there, and the live stream's steps do not wait for
+    the 16 replay steps; on an instance without live traffic, several replay steps run together."""
 
     class Counting(FakeDecoder):
         def __init__(self):
             super().__init__()
-            self.history_in_flight = self.live_in_flight = self.most_history_in_flight = 0
-            self.history_starts_beside_live = []  # history steps in flight when one starts beside a live step
+            self.replay_in_flight = self.live_in_flight = self.most_replay_in_flight = 0
+            self.replay_starts_beside_live = []  # replay steps in flight when one starts beside a live step
 
         async def __call__(self, correlation_id, codes, flags):
-            history = correlation_id != 9
-            self.history_in_flight += history
-            self.live_in_flight += not history
-            self.most_history_in_flight = max(self.most_history_in_flight, self.history_in_flight)
-            if history and self.live_in_flight:
-                self.history_starts_beside_live.append(self.history_in_flight)
+            replay = correlation_id != 9
+            self.replay_in_flight += replay
+            self.live_in_flight += not replay
+            self.most_replay_in_flight = max(self.most_replay_in_flight, self.replay_in_flight)
+            if replay and self.live_in_flight:
+                self.replay_starts_beside_live.append(self.replay_in_flight)
             try:
                 # Live steps outlast the lane's wait for them (REPLAY_WAIT_FOR_IDLE_S).
-                await asyncio.sleep(0.001 if history else 1.5 * code2wav_replay.REPLAY_WAIT_FOR_IDLE_S)
+                await asyncio.sleep(0.001 if replay else 1.5 * code2wav_replay.REPLAY_WAIT_FOR_IDLE_S)
                 return await super().__call__(correlation_id, codes, flags)
             finally:
-                self.history_in_flight -= history
-                self.live_in_flight -= not history
+                self.replay_in_flight -= replay
+                self.live_in_flight -= not replay
 
     async def scenario():
         table, decoder = make_table(decoder_max_frames_per_step=2), Counting()
@@ -1282,16 +1282,16 @@ def test_replayed_history_takes_the_replay_lane():
                    for cid in (1, 2, 3, 4)]
         live = [table.submit(StreamRequest(9, 0, flat(stream[:, f:f + 1]), offset(f)), decoder) for f in range(1, 4)]
         await asyncio.gather(*resumes, *live)
-        assert decoder.history_starts_beside_live and all(count == 1 for count in decoder.history_starts_beside_live), \
-            decoder.history_starts_beside_live
+        assert decoder.replay_starts_beside_live and all(count == 1 for count in decoder.replay_starts_beside_live), \
+            decoder.replay_starts_beside_live
         live_done = max(i for i, (event, cid) in enumerate(decoder.events) if event == "end" and cid == 9)
-        last_history = max(i for i, (event, cid) in enumerate(decoder.events) if event == "end" and cid != 9)
-        assert live_done < last_history
+        last_replay = max(i for i, (event, cid) in enumerate(decoder.events) if event == "end" and cid != 9)
+        assert live_done < last_replay
 
         quiet, decoder = make_table(decoder_max_frames_per_step=2), Counting()
         await asyncio.gather(*(quiet.submit(StreamRequest(cid, START, flat(stream[:, :8]), offset(0), offset(8)),
                                             decoder) for cid in (1, 2, 3, 4)))
-        assert decoder.most_history_in_flight == 4
+        assert decoder.most_replay_in_flight == 4
 
     asyncio.run(scenario())
 
@@ -1362,7 +1362,7 @@ def test_barge_in_with_history_restarts_a_live_stream_at_the_resume_point():
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 9:10]))
     assert decoder.flags() == [START, 0, 0, 0]
     assert base_of(table, 1) == 6 and len(table) == 1
-    np.testing.assert_array_equal(history_of(table, 1), stream[:, 6:10])
+    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, 6:10])
     pcm = send(table, decoder, 1, 0, stream[:, 10:12], frame_offset=10)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 10:12]))
 
@@ -1373,7 +1373,7 @@ def test_a_plain_start_after_a_resume_starts_over_at_frame_zero():
     resume(table, decoder, 1, stream[:, 6:10], first_frame=6, history_frames=3)
     send(table, decoder, 1, START, stream[:, :2], frame_offset=0)
     assert base_of(table, 1) == 0
-    np.testing.assert_array_equal(history_of(table, 1), stream[:, :2])
+    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, :2])
 
 
 def test_a_rejected_resume_leaves_the_live_stream_as_it_was():
@@ -1381,7 +1381,7 @@ def test_a_rejected_resume_leaves_the_live_stream_as_it_was():
     stream = make_codes(8)
     open_stream(table, decoder, 1, stream[:, :3])
     send_error(table, decoder, 1, START, stream[:, 2:5], frame_offset=2, history_frames=4)
-    np.testing.assert_array_equal(history_of(table, 1), stream[:, :3])
+    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, :3])
     assert base_of(table, 1) == 0
     pcm = send(table, decoder, 1, 0, stream[:, 3:5], frame_offset=3)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 3:5]))

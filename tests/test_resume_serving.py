@@ -55,9 +55,9 @@ def resumed_decode(client, codes, resume_at, history_frames, first_new_frames=16
     sequences ENDed). Returns the PCM of every frame, once."""
     before = send_in_chunks(client, new_sequence_id(), codes, 0, resume_at, start=True)
     sequence_id = new_sequence_id()
-    replay_from = resume_at - history_frames
+    history_from = resume_at - history_frames
     stop = resume_at + first_new_frames
-    after = [infer(client, sequence_id, codes[:, replay_from:stop], replay_from, start=True,
+    after = [infer(client, sequence_id, codes[:, history_from:stop], history_from, start=True,
                    new_frames=first_new_frames, history_frames=history_frames)]
     after += send_in_chunks(client, sequence_id, codes, stop, codes.shape[1])
     return np.concatenate(before + after)
@@ -110,7 +110,7 @@ def test_a_resumed_stream_refuses_offsets_before_its_resume_point_and_misplaced_
                 "history_frames=4 must lie in [0, 3]", start=True)
     infer_error(grpc_client, new_sequence_id(), code2wav_inputs(codes[:, :3], None, 2),
                 "history_frames=2 needs frame_offset", start=True)
-    # The stream is still there: offsets are absolute, an overlap with the history decodes the rest.
+    # The stream is still there: offsets are absolute, an overlap with the decoded frames decodes the rest.
     pcm = infer(grpc_client, sequence_id, codes[:, 28:33], 28, end=True, new_frames=3)
     assert pcm.size == 3 * SAMPLES_PER_FRAME
     after = _counters(code2wav_server)

@@ -335,7 +335,7 @@ def test_retries_and_overlaps_decode_only_new_frames(grpc_client, scenario, mosh
     send(0, 4, 0)  # identical retry: nothing new
     send(2, 4, 0)  # a retry of the tail only
     send(2, 7, 3)  # overlaps 2 decoded frames, decodes 3
-    send(1, 3, 0)  # entirely inside the history
+    send(1, 3, 0)  # entirely inside the decoded frames
     send(7, 10, 3)
     send(9, 10, 0)
     send(8, 12, 2, end=True)  # the last request overlaps too

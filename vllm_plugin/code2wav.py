@@ -65,7 +65,7 @@ class PluginSettings:
     """How the stage reaches the service. `url`: one server or proxy, or several (comma-separated)
     to fail over between; `response_timeout_s`: a request's deadline before the stream resumes
     elsewhere; `resume_timeout_s`: how long a stream keeps trying to resume before the stage fails;
-    `resume_history_frames`: the frames replayed as history on a resume."""
+    `resume_history_frames`: the frames re-sent as history on a resume."""
 
     url: str = DEFAULT_URL
     model: str = MODEL_NAME

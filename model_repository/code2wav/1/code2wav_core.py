@@ -6,7 +6,7 @@ job; model.py and the tests import each name from the file that defines it:
 
   code2wav_settings.py  settings from the config, sequence flags, request errors
   code2wav_plan.py      one request -> a DecodePlan: validation, dedupe, resume, limits, decoder calls
-  code2wav_history.py   what the table keeps per stream (the decoded codes)
+  code2wav_stream.py    what the table keeps per live stream (its decoded codes, its entry)
   code2wav_replay.py    the replay lane: replayed history as background work
   code2wav_core.py      the stream table: admission, each stream's requests in turn, lifecycle, expiry
 
@@ -32,7 +32,6 @@ from typing import Dict, List, Optional, Union
 
 import numpy as np
 
-from code2wav_history import CodeHistory, StreamEntry
 from code2wav_plan import DecodePlan, StreamRequest, plan_request, zero_step_codes
 from code2wav_replay import ReplayLane
 from code2wav_settings import (
@@ -44,6 +43,7 @@ from code2wav_settings import (
     RequestError,
     StreamCapError,
 )
+from code2wav_stream import DecodedCodes, StreamEntry
 from triton_streams import ModelError
 
 IDLE_GRACE_S = 1.0  # streams expire this long after the idle timeout (see StreamTable.expire_idle)
@@ -66,7 +66,7 @@ DecodeStep = Callable[[int, np.ndarray, int], Awaitable[np.ndarray]]
 
 
 class StreamTable:
-    """Live streams keyed by correlation id, with their history, lifecycle and idle expiry.
+    """Live streams keyed by correlation id, with their decoded codes, lifecycle and idle expiry.
 
     One table per model instance, used from one thread: the instance's event loop (model.py runs
     the idle sweeper's `expire_idle` there too). Triton's sequence batcher routes every request of
@@ -155,18 +155,18 @@ class StreamTable:
         now_s = self._clock()
         if stream is None:
             stream = StreamEntry(
-                CodeHistory(self.settings.num_codebooks, self.settings.codebook_size), now_s, plan.base
+                DecodedCodes(self.settings.num_codebooks, self.settings.codebook_size), now_s, plan.base
             )
             self._streams[correlation_id] = stream
         elif plan.starts_stream:
             # Barge-in: the stream starts over. The decoder resets on the next step's START; until
             # then it still holds the old sequence, so decoder_live is kept.
-            stream.history = CodeHistory(self.settings.num_codebooks, self.settings.codebook_size)
+            stream.decoded = DecodedCodes(self.settings.num_codebooks, self.settings.codebook_size)
             stream.base = plan.base
             stream.needs_decoder_start = True
         if plan.history_codes is not None:
-            stream.history.append(plan.history_codes)
-        stream.history.append(plan.new_codes)
+            stream.decoded.append(plan.history_codes)
+        stream.decoded.append(plan.new_codes)
         if plan.steps:
             stream.decoder_live = True
             stream.needs_decoder_start = False

@@ -22,8 +22,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from code2wav_history import CodeHistory, StreamEntry
 from code2wav_settings import FLAG_SEQUENCE_END, FLAG_SEQUENCE_START, Code2WavSettings, RequestError
+from code2wav_stream import DecodedCodes, StreamEntry
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -100,7 +100,7 @@ def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], reque
     check_correlation_id(correlation_id)
     starts = bool(request.flags & FLAG_SEQUENCE_START)
     ends = bool(request.flags & FLAG_SEQUENCE_END)
-    replay = read_scalar_input(request.history_frames, "history_frames")
+    history_frames = read_scalar_input(request.history_frames, "history_frames")
     if entry is None and not starts:
         raise RequestError(
             "unknown_stream",
@@ -112,25 +112,26 @@ def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], reque
     request_frames = codes.shape[1]
     offset = read_scalar_input(request.frame_offset, "frame_offset")
 
-    if replay is None:
+    if history_frames is None:
         continuing = entry if not starts else None
         base = continuing.base if continuing is not None else 0
         first_new = first_new_frame(settings, correlation_id, codes, offset,
-                                    None if continuing is None else continuing.history, base)
+                                    None if continuing is None else continuing.decoded, base)
         first_decoded = first_new
     else:
-        base = resume_base(correlation_id, replay, offset, request_frames, None if starts else entry)
-        first_new, first_decoded = replay, 0
-    check_decoded_frames(settings, replay, request_frames - first_new)
-    decoded_codes = codes[:, first_decoded:].astype(np.int32)
+        base = resume_base(correlation_id, history_frames, offset, request_frames, None if starts else entry)
+        first_new, first_decoded = history_frames, 0
+    check_decoded_frames(settings, history_frames, request_frames - first_new)
+    # The frames this request decodes: the history, if any, then the new frames.
+    to_decode = codes[:, first_decoded:].astype(np.int32)
 
     needs_start = starts or entry is None or entry.needs_decoder_start
-    # History frames get steps of their own, which take the replay lane.
-    history_steps = decoder_steps(settings, decoded_codes[:, :replay], needs_start,
-                                  ends and replay == decoded_codes.shape[1], replay=True) if replay else ()
-    steps = history_steps + decoder_steps(settings, decoded_codes[:, replay or 0 :],
-                                          needs_start and not history_steps, ends)
-    if ends and decoded_codes.shape[1] == 0 and entry is not None and entry.decoder_live:
+    # History frames get steps of their own (replay steps), which take the replay lane.
+    replay_steps = decoder_steps(settings, to_decode[:, :history_frames], needs_start,
+                                 ends and history_frames == to_decode.shape[1], replay=True) if history_frames else ()
+    steps = replay_steps + decoder_steps(settings, to_decode[:, history_frames or 0 :],
+                                         needs_start and not replay_steps, ends)
+    if ends and to_decode.shape[1] == 0 and entry is not None and entry.decoder_live:
         # The decoder holds a sequence for this id (a START without END reached it): close it
         # with one step of zero codes. Without a live decoder sequence (e.g. START|END with no
         # frame) nothing was started there, so nothing is sent.
@@ -138,12 +139,12 @@ def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], reque
 
     return DecodePlan(
         correlation_id=correlation_id,
-        new_codes=decoded_codes[:, first_new - first_decoded :],
+        new_codes=to_decode[:, first_new - first_decoded :],
         steps=steps,
         starts_stream=starts,
         ends_stream=ends,
-        history_codes=None if replay is None else decoded_codes[:, :replay],
-        resumes_stream=replay is not None and starts,
+        history_codes=None if history_frames is None else to_decode[:, :history_frames],
+        resumes_stream=history_frames is not None and starts,
         base=base,
         entry=entry,
     )
@@ -238,17 +239,17 @@ def first_new_frame(
     correlation_id: int,
     codes: np.ndarray,
     offset: Optional[int],
-    history: Optional[CodeHistory],
+    decoded: Optional[DecodedCodes],
     base: int = 0,
 ) -> int:
-    """Index within the request (codes [k, F]) of its first frame to decode. `history` holds the
+    """Index within the request (codes [k, F]) of its first frame to decode. `decoded` holds the
     frames the stream has decoded from `base` on (None for a stream that starts here)."""
     if offset is not None:
-        return _first_new_at_offset(correlation_id, codes, offset, history, base)
+        return _first_new_at_offset(correlation_id, codes, offset, decoded, base)
     # Without an offset, a request is read against the held frames: those of a resumed stream
     # start at its base (the frames before it are on no server), so a cumulative request of a
     # resumed stream holds the frames from its base on.
-    held = 0 if history is None else history.frames
+    held = 0 if decoded is None else decoded.frames
     request_frames = codes.shape[1]
     mode = settings.dedupe_mode
     if mode == "delta" or held == 0:
@@ -261,18 +262,18 @@ def first_new_frame(
                 f"dedupe_mode=cumulative: the request holds {request_frames} frames but stream "
                 f"{correlation_id} has decoded {held}{since}; a cumulative request starts with all of them",
             )
-        _check_unchanged(correlation_id, codes[:, :held], history, 0, base)
+        _check_unchanged(correlation_id, codes[:, :held], decoded, 0, base)
         return held
-    # auto: a resend if it starts with the whole history, else a delta
-    if request_frames >= held and history.first_mismatch(codes[:, :held], 0) is None:
+    # auto: a resend if it starts with every held frame, else a delta
+    if request_frames >= held and decoded.first_mismatch(codes[:, :held], 0) is None:
         return held
     return 0
 
 
 def _first_new_at_offset(
-    correlation_id: int, codes: np.ndarray, offset: int, history: Optional[CodeHistory], base: int
+    correlation_id: int, codes: np.ndarray, offset: int, decoded: Optional[DecodedCodes], base: int
 ) -> int:
-    decoded = base + (0 if history is None else history.frames)
+    next_frame = base + (0 if decoded is None else decoded.frames)
     _check_offset_not_negative(offset)
     if offset < base:
         raise RequestError(
@@ -281,22 +282,22 @@ def _first_new_at_offset(
             f"on this server: frames before {base} are not held here and cannot be compared; "
             f"send frames from {base} on",
         )
-    if offset > decoded:
+    if offset > next_frame:
         raise RequestError(
             "gap",
-            f"frame_offset {offset} leaves a gap: stream {correlation_id} has decoded {decoded} "
-            f"frames, so frame_offset must be at most {decoded}",
+            f"frame_offset {offset} leaves a gap: stream {correlation_id} has decoded {next_frame} "
+            f"frames, so frame_offset must be at most {next_frame}",
         )
-    overlap = min(decoded - offset, codes.shape[1])
+    overlap = min(next_frame - offset, codes.shape[1])
     if overlap > 0:
-        _check_unchanged(correlation_id, codes[:, :overlap], history, offset - base, base)
+        _check_unchanged(correlation_id, codes[:, :overlap], decoded, offset - base, base)
     return overlap
 
 
-def _check_unchanged(correlation_id: int, codes: np.ndarray, history: CodeHistory, start: int, base: int) -> None:
-    """Compare `codes` with held frames [start, start + m); `base` turns held indices into stream
-    indices for the message."""
-    mismatch = history.first_mismatch(codes, start)
+def _check_unchanged(correlation_id: int, codes: np.ndarray, decoded: DecodedCodes, start: int, base: int) -> None:
+    """Compare `codes` with held frames [start, start + m) of `decoded`; `base` turns held indices
+    into stream indices for the message."""
+    mismatch = decoded.first_mismatch(codes, start)
     if mismatch is not None:
         raise RequestError(
             "changed_frame",
@@ -308,32 +309,32 @@ def _check_unchanged(correlation_id: int, codes: np.ndarray, history: CodeHistor
 # ---- 3. resume (docs/design.md §2.4) ----------------------------------------------------------------
 
 
-def resume_base(correlation_id: int, replay: int, offset: Optional[int], request_frames: int,
+def resume_base(correlation_id: int, history_frames: int, offset: Optional[int], request_frames: int,
                 continuing: Optional[StreamEntry]) -> int:
     """The base (stream index of the first held frame) of a stream after a request with
-    history_frames=`replay`: a START (`continuing` None) opens a stream at `frame_offset`, 0 without
+    `history_frames`: a START (`continuing` None) opens a stream at `frame_offset`, 0 without
     one; a request without START continues a resume sent in pieces (every frame new), so it must
     start at the stream's next frame and keeps the stream's base."""
-    if not 0 <= replay <= request_frames:
+    if not 0 <= history_frames <= request_frames:
         raise RequestError(
             "history",
-            f"history_frames={replay} must lie in [0, {request_frames}]: the request holds {request_frames} "
+            f"history_frames={history_frames} must lie in [0, {request_frames}]: the request holds {request_frames} "
             f"frames and its first history_frames of them are the replayed history (stream {correlation_id})",
         )
     if continuing is not None:
         if offset != continuing.next_frame:
             raise RequestError(
                 "history",
-                f"history_frames={replay} on a continuing stream needs frame_offset={continuing.next_frame}, "
+                f"history_frames={history_frames} on a continuing stream needs frame_offset={continuing.next_frame}, "
                 f"the stream's next frame (got {offset}): history is decoded once, after the frames stream "
                 f"{correlation_id} holds",
             )
         return continuing.base
     if offset is None:
-        if replay:
+        if history_frames:
             raise RequestError(
                 "history",
-                f"history_frames={replay} needs frame_offset, the stream index of the request's first "
+                f"history_frames={history_frames} needs frame_offset, the stream index of the request's first "
                 f"frame, to place the history in the stream (stream {correlation_id})",
             )
         return 0
@@ -344,17 +345,17 @@ def resume_base(correlation_id: int, replay: int, offset: Optional[int], request
 # ---- 4. limits --------------------------------------------------------------------------------------
 
 
-def check_decoded_frames(settings: Code2WavSettings, replay: Optional[int], new_frames: int) -> None:
+def check_decoded_frames(settings: Code2WavSettings, history_frames: Optional[int], new_frames: int) -> None:
     """The frames a request decodes, new and replayed history alike (the decoder runs both), within
     `max_new_frames_per_request`."""
     limit = settings.max_new_frames_per_request
-    if replay and replay + new_frames > limit:
+    if history_frames and history_frames + new_frames > limit:
         raise RequestError(
             "limit",
-            f"request decodes {replay + new_frames} frames ({replay} history_frames + {new_frames} "
+            f"request decodes {history_frames + new_frames} frames ({history_frames} history_frames + {new_frames} "
             f"new), more than max_new_frames_per_request={limit}",
         )
-    if not replay and new_frames > limit:
+    if not history_frames and new_frames > limit:
         raise RequestError(
             "limit", f"request has {new_frames} new frames, more than max_new_frames_per_request={limit}"
         )

@@ -1,4 +1,4 @@
-"""What code2wav keeps per live stream: the codes it has decoded (`CodeHistory`) and the stream
+"""What code2wav keeps per live stream: the codes it has decoded (`DecodedCodes`) and the stream
 table's entry around them (`StreamEntry`). Pure numpy."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 
 
-class CodeHistory:
+class DecodedCodes:
     """The codes of the frames a stream has decoded, [k, frames], kept compactly.
 
     int16 when the codebook fits (2048 entries: 16 bytes per frame, ~720 KB per hour of audio),
@@ -52,7 +52,7 @@ class CodeHistory:
         return self._codes.dtype
 
     def first_mismatch(self, codes: np.ndarray, start: int) -> Optional[int]:
-        """Compare `codes` [k, m] with history frames [start, start + m) (all of which exist); return
+        """Compare `codes` [k, m] with decoded frames [start, start + m) (all of which exist); return
         the index within `codes` of the first differing frame, or None when all m are equal."""
         width = codes.shape[1]
         differs = (self._codes[:, start : start + width] != codes).any(axis=0)
@@ -63,11 +63,11 @@ class CodeHistory:
 class StreamEntry:
     """The stream table's entry of one live stream."""
 
-    __slots__ = ("history", "base", "decoder_live", "needs_decoder_start", "last_active_s")
+    __slots__ = ("decoded", "base", "decoder_live", "needs_decoder_start", "last_active_s")
 
-    def __init__(self, history: CodeHistory, now_s: float, base: int = 0):
-        self.history = history
-        # Stream index of the first frame in `history`: 0, or where a resumed stream was started.
+    def __init__(self, decoded: DecodedCodes, now_s: float, base: int = 0):
+        self.decoded = decoded
+        # Stream index of the first frame in `decoded`: 0, or where a resumed stream was started.
         self.base = base
         # The decoder holds a sequence for this correlation id (it got a START and no END yet).
         self.decoder_live = False
@@ -78,4 +78,4 @@ class StreamEntry:
     @property
     def next_frame(self) -> int:
         """Stream index of the stream's next frame: the frames it has decoded, counted from 0."""
-        return self.base + self.history.frames
+        return self.base + self.decoded.frames
