@@ -424,9 +424,9 @@ def test_sixteen_interleaved_streams_are_batched_and_each_equals_its_solo_run(
                                 chunk_bounds(rng, frames, max_chunk=3), join_round=index))
         references.append((name, frames * SAMPLES_PER_FRAME))
 
-    before = ServingMetrics.read(code2wav_server.metrics_url)
+    before = settled_metrics(code2wav_server.metrics_url, 0)
     elapsed_s = run_interleaved(code2wav_server.grpc_url, plans)
-    after = ServingMetrics.read(code2wav_server.metrics_url)
+    after = settled_metrics(code2wav_server.metrics_url, before.decoder_rows + sum(len(p.bounds) for p in plans))
 
     worst = 0.0
     for plan, (name, samples) in zip(plans, references):
@@ -512,13 +512,13 @@ def test_end_without_frames_ends_the_stream_and_its_decoder_sequence(
     url = code2wav_server.metrics_url
     a = scenario.streams["A"]
     sequence_id = new_sequence_id()
-    before = ServingMetrics.read(url)
+    before = settled_metrics(url, 0)
     first = infer(grpc_client, sequence_id, a[:, :5], 0, start=True, new_frames=5)
-    opened = ServingMetrics.read(url)
+    opened = settled_metrics(url, before.decoder_rows + 1)
     assert opened.live() == before.live(1)
 
     infer(grpc_client, sequence_id, a[:, :0], end=True, new_frames=0)
-    closed = ServingMetrics.read(url)
+    closed = settled_metrics(url, opened.decoder_rows + 1)
     assert closed.live() == before.live()
     # The decoder got END on one step whose output was discarded, and holds the sequence no more.
     assert closed.decoder_rows - opened.decoder_rows == 1
@@ -539,14 +539,13 @@ def test_a_rejected_end_ends_the_stream_and_its_decoder_sequence(code2wav_server
     url = code2wav_server.metrics_url
     a = scenario.streams["A"]
     sequence_id = new_sequence_id()
-    before = ServingMetrics.read(url)
+    before = settled_metrics(url, 0)
     infer(grpc_client, sequence_id, a[:, :3], 0, start=True, new_frames=3)
-    opened = ServingMetrics.read(url)
+    opened = settled_metrics(url, before.decoder_rows + 1)
     assert opened.live() == before.live(1)
     infer_error(grpc_client, sequence_id, code2wav_inputs(a[:, 5:6], 5), "gap",
                 "the request carried END, so the stream has ended", end=True)
-    # The decoder's END step ran before the answer, but its backend may report the count a moment later.
-    closed, _ = wait_for_metrics(url, lambda m: m.decoder_rows > opened.decoder_rows, timeout_s=5)
+    closed = settled_metrics(url, opened.decoder_rows + 1)
     assert closed.live() == before.live()
     assert closed.decoder_rows - opened.decoder_rows == 1  # the discarded END step
     assert not decoder_holds(code2wav_server.grpc_url, sequence_id)
