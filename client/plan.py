@@ -1,7 +1,7 @@
 """What one resumable stream sends next, and how it resumes after a lost server (docs/design.md §2.4).
 
 `StreamPlan` holds a stream's side of the contract without any I/O: the frames handed to it, the
-last R frames whose audio came back (`ReplayBuffer`), the sequence's base, the URL it talks to. Its
+last R frames whose audio came back (`HistoryBuffer`), the sequence's base, the URL it talks to. Its
 `exchange` is a generator that yields what to do (`Send` a request to a URL, or wait so many
 seconds), is sent the outcome (the answer's PCM, or a `RequestFailure`) and returns the call's PCM.
 The thread client (`sync.Code2WavStream`) and the asyncio client (`aio.Code2WavStream`) each hold
@@ -83,7 +83,7 @@ class Resume:
                 f"of history replayed): {self.error}")
 
 
-class ReplayBuffer:
+class HistoryBuffer:
     """The codes a resumable stream keeps for a resume: the last `history_frames` frames whose audio
     came back, and every frame from `keep_from` on (cumulative requests resend the frames since their
     sequence's first one). [k, frames] int64, with the stream index of the first one."""
@@ -159,7 +159,7 @@ class StreamPlan:
             raise ClientError("the stream key must not be empty")
         self._clock = clock
         self._url_index = 0
-        self._kept = ReplayBuffer(options.resume_history_frames)
+        self._kept = HistoryBuffer(options.resume_history_frames)
         self._owed = _Owed()
         self._base = 0  # stream index of the current sequence's first frame
         self._needs_start = True  # the next request opens a sequence

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mimi_code2wav.client import ClientError, Code2WavClient, StreamOptions, run_streams
-from mimi_code2wav.client.plan import ReplayBuffer
+from mimi_code2wav.client.plan import HistoryBuffer
 from mimi_code2wav.client.protocol import (
     CODEBOOK_SIZE,
     NUM_CODEBOOKS,
@@ -476,8 +476,8 @@ def test_request_failure_says_which_failures_a_resume_can_fix(status, message, r
         assert str(failure) == text
 
 
-def test_replay_buffer_keeps_the_last_frames_and_the_frames_asked_for():
-    buffer = ReplayBuffer(history_frames=4)
+def test_history_buffer_keeps_the_last_frames_and_the_frames_asked_for():
+    buffer = HistoryBuffer(history_frames=4)
     codes = frame_codes(12)
     buffer.append(codes[:, :3])
     assert (buffer.first_frame, buffer.next_frame) == (0, 3)
@@ -488,7 +488,7 @@ def test_replay_buffer_keeps_the_last_frames_and_the_frames_asked_for():
     assert buffer.first_frame == 6
     with pytest.raises(ValueError, match=re.escape("frame 5 is not kept (kept: [6, 11))")):
         buffer.frames(5)
-    empty = ReplayBuffer(history_frames=0)
+    empty = HistoryBuffer(history_frames=0)
     empty.append(codes[:, :5])
     assert (empty.first_frame, empty.next_frame) == (5, 5) and empty.frames(5).shape == (8, 0)
 
