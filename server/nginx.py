@@ -263,6 +263,8 @@ class NginxProxy(ServerProcess):
     the temporary folders. Ports of 0 are picked free at start.
     """
 
+    balances = True  # streams of a replica taken out go to the others (supervise says so)
+
     name = "nginx"
     error = NginxError
     ready_timeout_s = 10.0

@@ -240,6 +240,7 @@ class NoProxy:
     """What `supervise` asks of a proxy, for a server that has none."""
 
     down: set[int] = set()
+    balances = False
 
     def is_alive(self) -> bool:
         return True
@@ -289,7 +290,7 @@ def _dead(replica: Replica, proxy, restart: bool, ready_timeout_s: float, guard)
     if not replica.exit_reported:
         replica.exit_reported = True
         lived_s = now - replica.started_at
-        where = "; its streams resume on the other replicas" if not isinstance(proxy, NoProxy) else ""
+        where = "; its streams resume on the other replicas" if proxy.balances else ""
         delay = f"; restart in {replica.backoff.after_exit(lived_s):.1f} s on the same ports" if restart else ""
         print(f"{replica.label} (pid {replica.pid}) {describe_exit(replica.exit_code())} after {lived_s:.0f} s"
               f"{where}{delay}. Log tail ({replica.log_path}):\n{log_tail(replica.log_path, lines=15)}",
@@ -357,5 +358,5 @@ def _drain_and_restart(replica: Replica, proxy, ready_timeout_s: float, guard) -
     proxy.put_back(replica.index)
     print(f"{replica.label} (pid {pid}) drained ({drained}) and restarted in {time.monotonic() - began:.1f} s "
           f"(ready in {ready_s:.1f} s, pid {replica.pid}, restart {replica.restarts})"
-          + (": back in the proxy" if not isinstance(proxy, NoProxy) else ""), flush=True)
+          + (": back in the proxy" if proxy.balances else ""), flush=True)
     return True

@@ -8,6 +8,7 @@ policy, metric labels), which `export/render.py` copies here from model_reposito
 """
 
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -34,10 +35,6 @@ SERVER_EXITING = "Server not ready"
 # The decoder's tensors (docs/design.md §3): codes INT32 [1, k, S] -> pcm FP32 [1, samples_per_frame*S].
 DECODER_INPUT_NAME = "codes"
 DECODER_OUTPUT_NAME = "pcm"
-# How long execute waits for its batch before handing what is unfinished to the response senders:
-# at most ANSWER_WAIT_S, and no longer once BATCH_STRAGGLER_WAIT_S pass without a request finishing.
-ANSWER_WAIT_S = 0.02
-BATCH_STRAGGLER_WAIT_S = 0.002
 BLS_THREADS_MAX = 256
 
 
@@ -61,9 +58,15 @@ class TritonPythonModel:
         )
         self._decoder_model_name = settings.decoder_model_name
         self._table = StreamTable(settings)
-        self._executor = None
-        self._loop = None
-        self._deferred_answers = []  # (response sender, result) of finished deferred requests, not yet sent
+        # Each decoder call blocks one of these threads (a BLS request is synchronous). Each stream has
+        # at most one call in flight, so one thread per stream that can be in flight (at least a full
+        # decoder batch, at most BLS_THREADS_MAX) lets the decoder batch every live stream.
+        self._bls_threads = ThreadPoolExecutor(
+            max_workers=max(self._max_batch_size, min(settings.max_live_streams, BLS_THREADS_MAX)),
+            thread_name_prefix="code2wav-bls",
+        )
+        self._loop = None  # the stub's event loop, known from the first execute
+        self._answers = []  # (response sender, result) of finished requests, not yet sent
         self._metrics = triton_streams.GuardedMetrics(self._model_name, args["model_version"], _Metrics,
                                                       pb_utils.Logger.log_warn)
         self._sweeper = triton_streams.IdleSweeper.started(
@@ -76,35 +79,23 @@ class TritonPythonModel:
 
     async def execute(self, requests):
         # Runs on the stub's event loop, which keeps running between calls: every request becomes a
-        # task of the stream table (each stream's requests in order, the streams independently), and
-        # execute returns after at most ANSWER_WAIT_S. What is done by then is answered in the
-        # returned list (the backend's fast path); the rest is answered by the request's own
-        # response sender as it finishes. So the instance takes its next batch while a long request
-        # (a resume's replay) is still decoding, and live streams never wait behind it.
-        loop = asyncio.get_running_loop()
-        self._ensure_loop(loop)
-        responses = [None] * len(requests)
-        positions, stream_requests, answers = [], [], []
-        for position, request in enumerate(requests):
+        # task of the stream table (each stream's requests in order, the streams independently) and
+        # is answered through its response sender when it finishes; execute returns at once. So the
+        # instance takes its next batch while a long request (a resume's replay) is still decoding,
+        # and live streams never wait behind it.
+        self._loop = asyncio.get_running_loop()
+        stream_requests, finishes = [], []
+        for request in requests:
+            sender = request.get_response_sender()
             try:
                 stream_requests.append(_stream_request(request))
             except Exception as exc:
                 self._table.count_error(exc.kind if isinstance(exc, triton_streams.ModelError) else "internal")
-                responses[position] = self._error_response(exc)
+                self._answer(sender, exc)
                 continue
-            positions.append(position)
-            answers.append(_Answer(self, request.get_response_sender()))
-
-        tasks = self._table.submit_batch(stream_requests, self._decode_step, [a.finish for a in answers])
-        if tasks:
-            await _wait_for_batch(loop, tasks)
-        for position, task, answer in zip(positions, tasks, answers):
-            if task.done():
-                responses[position] = self._response(task.result())
-            else:
-                answer.deferred = True  # the task answers through the response sender when it ends
-        self._report_metrics()
-        return responses
+            finishes.append(functools.partial(self._answer, sender))
+        self._table.submit_batch(stream_requests, self._decode_step, finishes)
+        return None
 
     def _response(self, result):
         if isinstance(result, Exception):
@@ -116,17 +107,17 @@ class TritonPythonModel:
             ]
         )
 
-    def _send_later(self, sender, result):
-        # Deferred answers that finish together (a decoder batch's steps reach the loop within moments)
-        # go out in one flush with one metrics report: each report and each send is a blocking round
-        # trip to tritonserver. The flush is scheduled before anything the finished task wakes (the
-        # stream's next request), so each stream's answers still go out in its order.
-        self._deferred_answers.append((sender, result))
-        if len(self._deferred_answers) == 1:
-            self._loop.call_soon(self._send_deferred)
+    def _answer(self, sender, result):
+        # Answers that finish together (a decoder batch's steps reach the loop within moments) go out
+        # in one flush with one metrics report: each report and each send is a blocking round trip to
+        # tritonserver. The flush is scheduled before anything the finished task wakes (the stream's
+        # next request), so each stream's answers go out in its order.
+        self._answers.append((sender, result))
+        if len(self._answers) == 1:
+            self._loop.call_soon(self._send_answers)
 
-    def _send_deferred(self):
-        answers, self._deferred_answers = self._deferred_answers, []
+    def _send_answers(self):
+        answers, self._answers = self._answers, []
         self._report_metrics()  # before the answers: a client that reads the metrics next sees its request
         for sender, result in answers:
             try:
@@ -147,7 +138,7 @@ class TritonPythonModel:
             correlation_id=correlation_id,
             flags=flags,
         )
-        response = await request.async_exec()
+        response = await self._loop.run_in_executor(self._bls_threads, request.exec)
         if response.has_error():
             error = response.error()
             message = error.message()
@@ -162,19 +153,6 @@ class TritonPythonModel:
         if pcm is None:
             raise DecoderError(f"the response has no '{DECODER_OUTPUT_NAME}' output")
         return pcm.as_numpy()
-
-    def _ensure_loop(self, loop):
-        # async_exec() waits for the decoder in the event loop's default executor, which has
-        # min(32, cores + 4) threads: fewer than the streams in flight on small hosts, and the decoder
-        # could only batch that many. Each stream has at most one step in flight, so one thread per
-        # stream that can be in flight (at least a full batch, at most BLS_THREADS_MAX) is enough.
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=max(self._max_batch_size, min(self._table.settings.max_live_streams, BLS_THREADS_MAX)),
-                thread_name_prefix="code2wav-bls",
-            )
-            loop.set_default_executor(self._executor)
-            self._loop = loop
 
     def _expire_idle(self):
         # Called by the sweeper thread: the table belongs to the event loop, so expiry runs there.
@@ -200,39 +178,7 @@ class TritonPythonModel:
     def finalize(self):
         self._sweeper.close(pb_utils.Logger.log_warn)
         self._metrics.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
-
-
-class _Answer:
-    """How one request gets its response: in execute's returned list, or (`deferred`, set by execute
-    when it returns before the request is done) through its response sender when its task ends."""
-
-    __slots__ = ("_model", "_sender", "deferred")
-
-    def __init__(self, model, sender):
-        self._model = model
-        self._sender = sender
-        self.deferred = False
-
-    def finish(self, result):
-        if self.deferred:
-            self._model._send_later(self._sender, result)
-
-
-async def _wait_for_batch(loop, tasks):
-    """Wait for the first task, then for the others while they keep finishing: the decoder answers a
-    batch's steps together, but they reach this loop one by one, spread over milliseconds when the
-    GIL is busy. Stop once BATCH_STRAGGLER_WAIT_S pass without one finishing (a replay still running
-    is answered later) or ANSWER_WAIT_S after the start."""
-    deadline = loop.time() + ANSWER_WAIT_S
-    done, pending = await asyncio.wait(tasks, timeout=ANSWER_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
-    while pending and done:
-        left = deadline - loop.time()
-        if left <= 0:
-            return
-        done, pending = await asyncio.wait(pending, timeout=min(BATCH_STRAGGLER_WAIT_S, left))
+        self._bls_threads.shutdown(wait=False)
 
 
 def _stream_request(request):
