@@ -9,7 +9,8 @@ Without --export the step is exported from seeded random weights (speed does not
 For each batch size, every model is profiled with ONNX Runtime's profiler over --runs steps of one
 frame after warm-up steps, and the kernel time of each op type is summed. Ops that only move bytes
 (Slice, Concat, Split, Transpose, Gather, ScatterND, ...) are marked `copy`: their share of kernel
-time is what a state layout is judged by. With --baseline both models are also timed without the
+time is what a state layout is judged by. Nodes under 30 us per step are counted with their share of
+kernel time: mostly dispatch, what fewer and larger nodes would save. With --baseline both models are also timed without the
 profiler, in alternating rounds, and the table gives the median time per step and the ratio.
 
 Prints the tables and writes `step_profile.json` (`python -m benchmarks record --add` records it) and
@@ -38,6 +39,9 @@ COPY_OPS = frozenset({
 })
 DTYPES = {"int32": np.int32, "float32": np.float32, "float16": np.float16}
 SHOWN_SHARE = 0.005  # ops below half a percent of kernel time are summed into "other"
+# Nodes whose kernel runs shorter than this per step cost mostly their dispatch: their count and share
+# of kernel time say what fewer, larger nodes would save (most at batch 1).
+SMALL_NODE_US = 30
 
 
 def _log(message: str) -> None:
@@ -84,15 +88,16 @@ class Stepper:
             self.step()
         return (time.perf_counter() - started) / runs
 
-    def kernel_us_by_op(self, runs: int) -> dict[str, float]:
-        """Microseconds per op type summed over the last `runs` steps (the profile holds them all)."""
+    def kernel_us_by_node(self, runs: int) -> dict[str, tuple[str, float]]:
+        """{node: (op type, microseconds)} summed over the last `runs` steps (the profile holds them all)."""
         events = json.loads(Path(self.session.end_profiling()).read_text())
         first = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run")[-runs]
-        by_op: dict[str, float] = collections.Counter()
+        by_node: dict[str, tuple[str, float]] = {}
         for event in events:
             if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= first:
-                by_op[event["args"]["op_name"]] += event["dur"]
-        return dict(by_op)
+                op, us = by_node.get(event["name"], (event["args"]["op_name"], 0.0))
+                by_node[event["name"]] = (op, us + event["dur"])
+        return by_node
 
 
 def profile(folder: Path, batch: int, args) -> dict:
@@ -101,8 +106,12 @@ def profile(folder: Path, batch: int, args) -> dict:
     for _ in range(args.warmup):
         stepper.step()
     stepper.seconds_per_step(args.runs)
-    by_op = stepper.kernel_us_by_op(args.runs)
+    by_node = stepper.kernel_us_by_node(args.runs)
+    by_op: dict[str, float] = collections.Counter()
+    for op, us in by_node.values():
+        by_op[op] += us
     total = sum(by_op.values())
+    small = [us for _, us in by_node.values() if us / args.runs < SMALL_NODE_US]
     ops, other = {}, 0.0
     for op, us in sorted(by_op.items(), key=lambda item: -item[1]):
         if us / total >= SHOWN_SHARE:
@@ -113,6 +122,9 @@ def profile(folder: Path, batch: int, args) -> dict:
             "state_mib_per_stream": round(stepper.spec.state_bytes_per_stream() / 2**20, 3),
             "kernel_ms_per_step": round(total / 1000 / args.runs, 3),
             "copy_share": round(sum(us for op, us in by_op.items() if op in COPY_OPS) / total, 4),
+            "nodes": len(by_node),
+            "small_nodes": len(small),
+            "small_nodes_share": round(sum(small) / total, 4),
             "ops_ms_per_step": {**ops, "other": round(other, 3)}}
 
 
@@ -155,6 +167,9 @@ def step_profile_markdown(results: dict) -> str:
                 f"{profiles[name]['ops_ms_per_step'].get(op, 0):.2f}" for name in names) + " |")
         lines.append("| **all kernels** | " + " | ".join(f"**{profiles[n]['kernel_ms_per_step']:.2f}**" for n in names) + " |")
         lines.append("| **copy ops, share** | " + " | ".join(f"**{profiles[n]['copy_share']:.1%}**" for n in names) + " |")
+        lines.append(f"| nodes, of them under {SMALL_NODE_US} us (their share) | " + " | ".join(
+            f"{profiles[n]['nodes']}, {profiles[n]['small_nodes']} ({profiles[n]['small_nodes_share']:.1%})"
+            if "nodes" in profiles[n] else "" for n in names) + " |")
         lines.append("| state MiB / stream, KV cache | " + " | ".join(
             f"{profiles[n]['state_mib_per_stream']:.2f}, {profiles[n]['kv_cache_dtype']}" for n in names) + " |")
     return "\n".join(lines)

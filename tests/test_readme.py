@@ -221,6 +221,9 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         assert recorded["meta"]["kind"] == "step-profile"
         profile = recorded["points"][0]["profiles"]["export"]
         assert 0 < profile["copy_share"] < 1 and profile["ops_ms_per_step"]["MatMul"] > 0
+        # Every node of the step is counted (the serving export has hundreds), the small ones among them.
+        assert profile["nodes"] > 100 and 0 < profile["small_nodes"] < profile["nodes"]
+        assert 0 < profile["small_nodes_share"] < 1 and "| nodes, of them under 30 us" in result.stdout
 
     def perf_sh(command):
         # One measurement of a fixed request count: short, and no stability search on busy cores.
