@@ -9,8 +9,7 @@ keys to the next one meanwhile. The policy and the reasons for each setting are 
 
 - `NginxProxy.config_text`: the proxy that `code2wav-server serve-replicas` runs on loopback, every
   file (pid, logs, temporary folders) inside its own folder, in the foreground (`daemon off`);
-- `compose_config`: `docker/nginx/compose.conf`, the file the compose `scale` profile mounts (a test
-  keeps it equal to a fresh rendering).
+- `compose_config`: `docker/nginx/compose.conf`, the compose `scale` profile's file (a test keeps it fresh).
 
 `NginxProxy` (a `processes.ServerProcess`) runs one nginx in its own process group: it checks the
 config with `nginx -t` first, waits until both ports accept connections, and stops only what it started.
@@ -264,7 +263,6 @@ class NginxProxy(ServerProcess):
     """
 
     balances = True  # streams of a replica taken out go to the others (supervise says so)
-
     name = "nginx"
     error = NginxError
     ready_timeout_s = 10.0
