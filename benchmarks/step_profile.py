@@ -10,8 +10,9 @@ For each batch size, every model is profiled with ONNX Runtime's profiler over -
 frame after warm-up steps, and the kernel time of each op type is summed. Ops that only move bytes
 (Slice, Concat, Split, Transpose, Gather, ScatterND, ...) are marked `copy`: their share of kernel
 time is what a state layout is judged by. Nodes under 30 us per step are counted with their share of
-kernel time: mostly dispatch, what fewer and larger nodes would save. With --baseline both models are also timed without the
-profiler, in alternating rounds, and the table gives the median time per step and the ratio.
+kernel time: mostly dispatch, what fewer and larger nodes would save. With --baseline both models are
+also timed without the profiler, in alternating rounds, and the table gives the median time per step
+and the ratio.
 
 Prints the tables and writes `step_profile.json` (`python -m benchmarks record --add` records it) and
 `step_profile.md` to --out.

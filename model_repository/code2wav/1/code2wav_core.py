@@ -137,9 +137,6 @@ class StreamTable:
         self._streams_expired += len(expired)
         return expired
 
-    def _plan(self, request: StreamRequest) -> DecodePlan:
-        return plan_request(self.settings, self._streams.get(request.correlation_id), request)
-
     def commit(self, plan: DecodePlan) -> None:
         """Record a plan whose decoder steps all succeeded."""
         correlation_id = plan.correlation_id
@@ -222,7 +219,7 @@ class StreamTable:
     async def process(self, request: StreamRequest, decode_step: DecodeStep) -> np.ndarray:
         """Plan, run and commit one request; count its error, if any, and re-raise it."""
         try:
-            plan = self._plan(request)
+            plan = plan_request(self.settings, self._streams.get(request.correlation_id), request)
             return await self.run(plan, decode_step)
         except RequestError as exc:
             self.count_error(exc.kind)
