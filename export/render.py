@@ -38,8 +38,8 @@ CHECKED_IN_CODE2WAV_CONFIG = CODE2WAV_DIR / "config.pbtxt"
 PYTHON_ORT_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
 PYTHON_ORT_FILES = ("model.py", "python_ort_core.py", "python_ort_config.py", "python_ort_memory.py")
 NULL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "null"
-# Shared by both Python models: copied beside each model.py (it is no model itself).
-SHARED_MODEL_FILE = REPO_ROOT / "model_repository" / "common" / "triton_streams.py"
+# Shared by the Python models: every file of it is copied beside each model.py (it is no model itself).
+COMMON_DIR = REPO_ROOT / "model_repository" / "common"
 TARGETS = ("onnxruntime", "tensorrt", "python-ort", "null")
 PYTHON_TARGETS = ("python-ort", "null")  # Python-backend decoders: no implicit state block
 
@@ -300,11 +300,16 @@ def render_code2wav_config(spec: DecoderSpec, serving: DecoderServing | None = N
     )
 
 
+def _copy_common(version: Path) -> None:
+    for source in sorted(COMMON_DIR.glob("*.py")):
+        shutil.copy2(source, version / source.name)
+
+
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
     """A complete model repository in `out_dir`: code2wav (its model files copied, its config rendered
     by `render_code2wav_config`) plus mimi_decoder for `target`, with
-    model_repository/common/triton_streams.py beside each Python model's model.py. For a KIND_GPU
+    the files of model_repository/common/ beside each Python model's model.py. For a KIND_GPU
     decoder with implicit state, also `tritonserver.args`: the memory-pool flags the server needs
     for that many streams (`MemoryPools`), one per line, which the compose GPU services pass on.
 
@@ -319,7 +324,7 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     if code2wav.exists():
         shutil.rmtree(code2wav)
     shutil.copytree(CODE2WAV_DIR / "1", code2wav / "1", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(SHARED_MODEL_FILE, code2wav / "1" / SHARED_MODEL_FILE.name)
+    _copy_common(code2wav / "1")
     (code2wav / "config.pbtxt").write_text(render_code2wav_config(spec, serving))
     decoder = out_dir / serving.model_name
     version = decoder / "1"
@@ -339,7 +344,7 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     elif target == "null":
         shutil.copy2(NULL_DIR / "model.py", version / "model.py")
     if target in PYTHON_TARGETS:
-        shutil.copy2(SHARED_MODEL_FILE, version / SHARED_MODEL_FILE.name)
+        _copy_common(version)
     args_file = out_dir / SERVER_ARGS_FILE
     if serving.instance_kind == "KIND_GPU" and target not in PYTHON_TARGETS:
         pools = MemoryPools.for_spec(spec, serving.max_candidate_sequences, serving.max_batch_size)

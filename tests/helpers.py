@@ -216,9 +216,9 @@ def wait_http_ready(http_port: int, process, timeout_s: float, output: Path | No
 def load_model_module(path: Path, name: str | None = None):
     """A model's Python file (e.g. code2wav/1/code2wav_core.py) loaded as module `name` (its file
     name by default), with its own folder (its sibling modules) and model_repository/common (its
-    `triton_streams` import, which render copies beside it) on the path. A module of that name
-    already loaded from that file is returned as it is (one `triton_streams` for the test and the
-    models that import it)."""
+    imports of `model_errors` and the like, which render copies beside it) on the path. A module of
+    that name already loaded from that file is returned as it is (one `model_errors` for the test and
+    the models that import it)."""
     for folder in (str(MODEL_REPOSITORY / "common"), str(Path(path).resolve().parent)):
         if folder not in sys.path:
             sys.path.insert(0, folder)

@@ -324,7 +324,7 @@ CODE2WAV_DIR = MODEL_REPOSITORY / "code2wav" / "1"
 core = load_model_module(CODE2WAV_DIR / "code2wav_core.py", "code2wav_core_behind_the_client")
 code2wav_settings = load_model_module(CODE2WAV_DIR / "code2wav_settings.py")
 code2wav_plan = load_model_module(CODE2WAV_DIR / "code2wav_plan.py")
-triton_streams = load_model_module(MODEL_REPOSITORY / "common" / "triton_streams.py")
+model_errors = load_model_module(MODEL_REPOSITORY / "common" / "model_errors.py")
 GRPC_STATUS = {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "StatusCode.UNAVAILABLE",
                "INTERNAL": "StatusCode.INTERNAL"}
 
@@ -388,7 +388,7 @@ class FakeServer:
                                                      arrays.get("frame_offset"), arrays.get("history_frames"))
         try:
             pcm = asyncio.run(self.table.process(server_request, self._decode))
-        except triton_streams.ModelError as exc:
+        except model_errors.ModelError as exc:
             raise request_failure(FakeTritonError(GRPC_STATUS[exc.code], str(exc))) from None
         if len(self.received) - 1 in self.lose_answer_of:  # decoded, then the connection broke
             raise request_failure(FakeTritonError("StatusCode.UNAVAILABLE", "Socket closed"))

@@ -24,7 +24,7 @@ code2wav_settings = load_model_module(MODEL_DIR / "code2wav_settings.py")
 code2wav_plan = load_model_module(MODEL_DIR / "code2wav_plan.py")
 code2wav_replay = load_model_module(MODEL_DIR / "code2wav_replay.py")
 code2wav_stream = load_model_module(MODEL_DIR / "code2wav_stream.py")
-triton_streams = load_model_module(MODEL_REPOSITORY / "common" / "triton_streams.py")
+model_errors = load_model_module(MODEL_REPOSITORY / "common" / "model_errors.py")
 
 START = code2wav_settings.FLAG_SEQUENCE_START
 END = code2wav_settings.FLAG_SEQUENCE_END
@@ -238,13 +238,13 @@ def test_parameters_are_parsed_from_strings():
                      "unknown parameter (known: decoder_model_name, num_codebooks", id="removed"),
         pytest.param({"dedupe_mode": "both"}, 30_000_000, "dedupe_mode", "auto, delta, cumulative", id="mode"),
         pytest.param({"decoder_model_name": " "}, 30_000_000, "decoder_model_name", "non-empty", id="name"),
-        pytest.param({}, None, triton_streams.IDLE_TIMEOUT_FIELD, "missing", id="idle-missing"),
-        pytest.param({}, 0, triton_streams.IDLE_TIMEOUT_FIELD, "must be positive", id="idle-zero"),
-        pytest.param({}, "soon", triton_streams.IDLE_TIMEOUT_FIELD, "not an integer", id="idle-not-int"),
+        pytest.param({}, None, model_errors.IDLE_TIMEOUT_FIELD, "missing", id="idle-missing"),
+        pytest.param({}, 0, model_errors.IDLE_TIMEOUT_FIELD, "must be positive", id="idle-zero"),
+        pytest.param({}, "soon", model_errors.IDLE_TIMEOUT_FIELD, "not an integer", id="idle-not-int"),
     ],
 )
 def test_bad_parameters_fail_naming_the_parameter(change, idle_us, parameter, message):
-    with pytest.raises(triton_streams.ConfigError) as info:
+    with pytest.raises(model_errors.ConfigError) as info:
         code2wav_settings.settings_from_config(model_config(idle_us, **change))
     assert info.value.parameter == parameter
     assert f"'{parameter}'" in str(info.value)

@@ -161,9 +161,10 @@ def test_render_repository_never_writes_into_the_tracked_repository(spec, onnx_f
 def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
     out = render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "repo", "python-ort")
     for path in ("code2wav/config.pbtxt", "code2wav/1/model.py", "code2wav/1/code2wav_core.py",
-                 "code2wav/1/triton_streams.py", "mimi_decoder/config.pbtxt", "mimi_decoder/1/model.py",
+                 "code2wav/1/model_errors.py", "code2wav/1/idle_sweeper.py", "mimi_decoder/config.pbtxt",
+                 "mimi_decoder/1/model.py",
                  "mimi_decoder/1/python_ort_core.py", "mimi_decoder/1/python_ort_config.py",
-                 "mimi_decoder/1/python_ort_memory.py", "mimi_decoder/1/triton_streams.py", "mimi_decoder/1/model.onnx"):
+                 "mimi_decoder/1/python_ort_memory.py", "mimi_decoder/1/model_metrics.py", "mimi_decoder/1/model.onnx"):
         assert (out / path).is_file(), path
     with pytest.raises(ValueError, match="needs a plan file"):
         render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "trt", "tensorrt")

@@ -24,7 +24,7 @@ from mimi_code2wav.export.render import PYTHON_ORT_FILES
 from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, triton_model_config
 
 MODEL_DIR = MODEL_REPOSITORY / "mimi_decoder" / "python_ort"
-SHARED_FILE = MODEL_REPOSITORY / "common" / "triton_streams.py"
+COMMON_FILES = sorted((MODEL_REPOSITORY / "common").glob("*.py"))
 
 ACC = 4
 PCM = ACC + 2
@@ -42,7 +42,7 @@ ort_memory = load_model_module(MODEL_DIR / "python_ort_memory.py")
 
 def install_model(version_dir: Path) -> None:
     """The model files of a rendered python-ort version folder (render copies the same ones)."""
-    for source in (*(MODEL_DIR / name for name in PYTHON_ORT_FILES), SHARED_FILE):
+    for source in (*(MODEL_DIR / name for name in PYTHON_ORT_FILES), *COMMON_FILES):
         shutil.copyfile(source, version_dir / source.name)
 
 

@@ -10,7 +10,7 @@ job; model.py and the tests import each name from the file that defines it:
   code2wav_replay.py    the replay lane: replayed history as background work
   code2wav_core.py      the stream table: admission, each stream's requests in turn, lifecycle, expiry
 
-They import `triton_streams` (stdlib only), which `export/render.py` copies beside them from
+They import `model_errors` (stdlib only), which `export/render.py` copies beside them from
 model_repository/common/. What a request means (tensors, dedupe, lifecycle, resume) is the request
 contract, docs/design.md §2.
 
@@ -44,7 +44,7 @@ from code2wav_settings import (
     StreamCapError,
 )
 from code2wav_stream import DecodedCodes, StreamEntry
-from triton_streams import ModelError
+from model_errors import ModelError
 
 IDLE_GRACE_S = 1.0  # streams expire this long after the idle timeout (see StreamTable.expire_idle)
 

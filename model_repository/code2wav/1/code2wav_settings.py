@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from triton_streams import IDLE_TIMEOUT_FIELD, ConfigError, ModelError, read_parameters
+from model_errors import IDLE_TIMEOUT_FIELD, ConfigError, ModelError, read_parameters
 
 # Same values as pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END (Triton's C API).
 FLAG_SEQUENCE_START = 1

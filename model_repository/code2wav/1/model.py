@@ -3,8 +3,9 @@ contract: docs/design.md §2).
 
 Thin on purpose: tensors -> numpy, `code2wav_core` (the stream table over the request planning of its
 sibling files, each name imported from the file that defines it), the decoder calls, numpy -> responses.
-Everything testable lives in those files and in `triton_streams` (idle sweeper, errors, parameter
-policy, metric labels), which `export/render.py` copies here from model_repository/common/.
+Everything testable lives in those files and in the files `export/render.py` copies here from
+model_repository/common/: `model_errors` (request and config errors, the parameter policy),
+`idle_sweeper`, `model_metrics`.
 """
 
 import asyncio
@@ -24,7 +25,9 @@ _MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
 if _MODEL_DIR not in sys.path:
     sys.path.insert(0, _MODEL_DIR)
 
-import triton_streams  # noqa: E402
+import idle_sweeper  # noqa: E402
+import model_errors  # noqa: E402
+import model_metrics  # noqa: E402
 from code2wav_core import StreamTable  # noqa: E402
 from code2wav_plan import StreamRequest  # noqa: E402
 from code2wav_settings import ERROR_KINDS, DecoderError, RequestError, settings_from_config  # noqa: E402
@@ -44,7 +47,7 @@ class TritonPythonModel:
         self._model_name = args.get("model_name", "code2wav")
         try:
             settings = settings_from_config(config)
-        except triton_streams.ConfigError as exc:
+        except model_errors.ConfigError as exc:
             raise pb_utils.TritonModelException(f"model '{self._model_name}': {exc}") from None
         self._max_batch_size = int(config.get("max_batch_size", 0))
         if self._max_batch_size < 1:
@@ -67,9 +70,9 @@ class TritonPythonModel:
         )
         self._loop = None  # the stub's event loop, known from the first execute
         self._answers = []  # (response sender, result) of finished requests, not yet sent
-        self._metrics = triton_streams.GuardedMetrics(self._model_name, args["model_version"], _Metrics,
+        self._metrics = model_metrics.GuardedMetrics(self._model_name, args["model_version"], _Metrics,
                                                       pb_utils.Logger.log_warn)
-        self._sweeper = triton_streams.IdleSweeper.started(
+        self._sweeper = idle_sweeper.IdleSweeper.started(
             self._model_name, settings.stream_idle_timeout_s, self._expire_idle, pb_utils.Logger.log_error
         )
         pb_utils.Logger.log_info(
@@ -90,7 +93,7 @@ class TritonPythonModel:
             try:
                 stream_requests.append(_stream_request(request))
             except Exception as exc:
-                self._table.count_error(exc.kind if isinstance(exc, triton_streams.ModelError) else "internal")
+                self._table.count_error(exc.kind if isinstance(exc, model_errors.ModelError) else "internal")
                 self._answer(sender, exc)
                 continue
             finishes.append(functools.partial(self._answer, sender))
@@ -165,7 +168,7 @@ class TritonPythonModel:
             self._report_metrics()
 
     def _error_response(self, exc):
-        code = triton_streams.error_code(exc)
+        code = model_errors.error_code(exc)
         if code == "INTERNAL":
             pb_utils.Logger.log_error(
                 f"model '{self._model_name}': "
@@ -216,7 +219,7 @@ _METRIC_FAMILIES = (
 
 
 class _Metrics:
-    """Custom metrics, labelled {model, version} and sent as changes (triton_streams.DeltaMetric), so
+    """Custom metrics, labelled {model, version} and sent as changes (model_metrics.DeltaMetric), so
     that several instances add up in one series."""
 
     def __init__(self, labels):
@@ -228,13 +231,13 @@ class _Metrics:
         ]
         live_family, frames_family, resumed_family, self._errors_family = self._families
         self._labels = labels
-        self._live_streams = triton_streams.DeltaMetric(live_family.Metric(labels=labels))
-        self._frames_decoded = triton_streams.DeltaMetric(frames_family.Metric(labels=labels))
-        self._streams_resumed = triton_streams.DeltaMetric(resumed_family.Metric(labels=labels))
+        self._live_streams = model_metrics.DeltaMetric(live_family.Metric(labels=labels))
+        self._frames_decoded = model_metrics.DeltaMetric(frames_family.Metric(labels=labels))
+        self._streams_resumed = model_metrics.DeltaMetric(resumed_family.Metric(labels=labels))
         self._errors = {kind: self._error_metric(kind) for kind in ERROR_KINDS}
 
     def _error_metric(self, kind):
-        return triton_streams.DeltaMetric(self._errors_family.Metric(labels={**self._labels, "kind": kind}))
+        return model_metrics.DeltaMetric(self._errors_family.Metric(labels={**self._labels, "kind": kind}))
 
     def report(self, stats):
         self._live_streams.update(stats.live_streams)

@@ -5,7 +5,7 @@ once, with no decoding and no state.
 Behind code2wav it measures what gRPC, code2wav and the sequence-batcher hop carry by themselves:
 the front's ceiling, which bounds what any decoder behind it can be given (`python -m benchmarks sweep
 --decoder null`). It is never served for audio. Like the python-ort target, `export/render.py`
-copies it with `triton_streams.py` into a rendered `mimi_decoder/1/`; Triton never loads it from here.
+copies it with model_repository/common/ into a rendered `mimi_decoder/1/`; Triton never loads it from here.
 """
 
 import json
@@ -19,14 +19,14 @@ _MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
 if _MODEL_DIR not in sys.path:
     sys.path.insert(0, _MODEL_DIR)
 
-import triton_streams  # noqa: E402
+import model_errors  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
         try:
-            values, _ = triton_streams.read_parameters(json.loads(args["model_config"]), {"samples_per_frame": int})
-        except triton_streams.ConfigError as exc:
+            values, _ = model_errors.read_parameters(json.loads(args["model_config"]), {"samples_per_frame": int})
+        except model_errors.ConfigError as exc:
             raise pb_utils.TritonModelException(f"model '{args['model_name']}': {exc}") from None
         self._samples_per_frame = values["samples_per_frame"]
 

@@ -3,13 +3,13 @@ with the per-sequence state kept by the model.
 
 Thin on purpose: what can be tested without a server is pure numpy beside it, in the config
 (`python_ort_config`), the state arrays (`python_ort_memory`) and the validation and batched stepping
-(`python_ort_core`, through which this file reaches all three), and in `triton_streams` (idle expiry,
-errors, the parameter policy, the metrics guard). This file reads the config, builds the ONNX Runtime
+(`python_ort_core`, through which this file reaches all three), and in model_repository/common/
+(`model_errors`, `idle_sweeper`, `model_metrics`). This file reads the config, builds the ONNX Runtime
 session, turns tensors into numpy and back, and publishes the metrics.
 
 Triton never loads this file from the tracked `model_repository/mimi_decoder/python_ort/`: it only
 considers numeric version folders of a model. `export/render.py` copies it and its modules
-(`PYTHON_ORT_FILES`), with `triton_streams.py`, into a rendered `mimi_decoder/1/` next to
+(`PYTHON_ORT_FILES`), with model_repository/common/, into a rendered `mimi_decoder/1/` next to
 `model.onnx`, with the config rendered from `config.pbtxt.tmpl`.
 
 Metrics (labels `model`, `version`; instances add up): gauges `mimi_decoder_live_streams` and
@@ -35,10 +35,12 @@ _MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
 if _MODEL_DIR not in sys.path:
     sys.path.insert(0, _MODEL_DIR)
 
+import idle_sweeper  # noqa: E402
+import model_errors  # noqa: E402
+import model_metrics  # noqa: E402
 import python_ort_config as ort_config  # noqa: E402
 import python_ort_core as core  # noqa: E402
 import python_ort_memory as ort_memory  # noqa: E402
-import triton_streams  # noqa: E402
 
 BATCH_SIZE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 # glibc serves allocations of at least this many bytes with their own mmap, and unmaps them when
@@ -117,7 +119,7 @@ class _Metrics:
             return self._families[-1].Metric(labels=labels, **kwargs)
 
         self._figures = [
-            (triton_streams.DeltaMetric(metric(name, kind, description)), kind, read)
+            (model_metrics.DeltaMetric(metric(name, kind, description)), kind, read)
             for name, kind, description, read in _CORE_FIGURES
         ]
         self.batch_size = metric(
@@ -177,8 +179,8 @@ class TritonPythonModel:
             f"per run; glibc mmap threshold {'pinned' if mmap_fixed else 'left as it is'}"
         )
         # Last: the sweeper thread calls _expire_idle, which needs the core and the metrics.
-        self._metrics = triton_streams.GuardedMetrics(self._name, args["model_version"], _Metrics, pb_utils.Logger.log_warn)
-        self._sweeper = triton_streams.IdleSweeper.started(
+        self._metrics = model_metrics.GuardedMetrics(self._name, args["model_version"], _Metrics, pb_utils.Logger.log_warn)
+        self._sweeper = idle_sweeper.IdleSweeper.started(
             self._name, config.idle_timeout_s, self._expire_idle, pb_utils.Logger.log_error
         )
 
@@ -210,7 +212,7 @@ class TritonPythonModel:
 
         responses = []
         for result in results:
-            if isinstance(result, triton_streams.ModelError):
+            if isinstance(result, model_errors.ModelError):
                 if result.code == "INVALID_ARG":
                     pb_utils.Logger.log_verbose(f"{self._name}: rejected: {result}")
                 error = pb_utils.TritonError(str(result), getattr(pb_utils.TritonError, result.code))

@@ -2,7 +2,7 @@
 ONNX graph (`max_live_streams: auto` is resolved against the host's memory in `python_ort_memory`).
 
 Pure numpy + stdlib, like `python_ort_core` (which builds on the `DecoderConfig` made here); it
-imports `triton_streams`, which `export/render.py` copies beside it from model_repository/common/.
+imports `model_errors`, which `export/render.py` copies beside it from model_repository/common/.
 A wrong or missing value raises ValueError (`ConfigError` for a parameter), which `model.py` turns
 into a failed load.
 
@@ -10,7 +10,7 @@ The config (`config.pbtxt`, rendered from `config.pbtxt.tmpl`): `input` / `outpu
 non-state tensors; `max_batch_size` > 0 (every request carries a leading batch dimension of 1);
 `sequence_batching` has the `oldest` strategy, START/END/CORRID (TYPE_UINT64) control inputs and a
 positive `max_sequence_idle_microseconds`; there is no `state` block. The `parameters` (string values,
-all required, no other accepted: `triton_streams.read_parameters`):
+all required, no other accepted: `model_errors.read_parameters`):
 
 | key | meaning |
 |---|---|
@@ -38,7 +38,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from triton_streams import ConfigError, read_parameters
+from model_errors import ConfigError, read_parameters
 
 STATE_DTYPES = {
     "float32": np.dtype(np.float32),

@@ -32,9 +32,9 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from model_errors import ModelError
 from python_ort_config import DecoderConfig
 from python_ort_memory import StateBuffers, StateRows, StreamStateRow, reuse_order, state_buffer_limit
-from triton_streams import ModelError
 
 
 @dataclass

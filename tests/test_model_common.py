@@ -1,4 +1,4 @@
-"""Unit tests of model_repository/common/triton_streams.py, the file both Python models share (no server)."""
+"""Unit tests of model_repository/common/, the files the Python models share (no server)."""
 
 import json
 import threading
@@ -9,16 +9,18 @@ import pytest
 from helpers import MODEL_REPOSITORY, load_model_module, triton_model_config
 
 # Imported by name, as the models import it where render places it beside them.
-triton_streams = load_model_module(MODEL_REPOSITORY / "common" / "triton_streams.py")
+idle_sweeper = load_model_module(MODEL_REPOSITORY / "common" / "idle_sweeper.py")
+model_errors = load_model_module(MODEL_REPOSITORY / "common" / "model_errors.py")
+model_metrics = load_model_module(MODEL_REPOSITORY / "common" / "model_metrics.py")
 
 # --------------------------------------------------------------------------------------------------
 # idle sweeper
 
 
 def test_sweep_interval_is_a_quarter_of_the_timeout_within_bounds():
-    assert triton_streams.sweep_interval_s(2.0) == 0.5
-    assert triton_streams.sweep_interval_s(0.1) == 0.05
-    assert triton_streams.sweep_interval_s(30.0) == 1.0
+    assert idle_sweeper.sweep_interval_s(2.0) == 0.5
+    assert idle_sweeper.sweep_interval_s(0.1) == 0.05
+    assert idle_sweeper.sweep_interval_s(30.0) == 1.0
 
 
 def test_sweeper_expires_on_its_own_under_the_lock_and_stops_promptly():
@@ -31,7 +33,7 @@ def test_sweeper_expires_on_its_own_under_the_lock_and_stops_promptly():
         if len(calls) >= 3:
             swept.set()
 
-    sweeper = triton_streams.IdleSweeper(0.2, expire, name="test-sweeper")  # interval 50 ms
+    sweeper = idle_sweeper.IdleSweeper(0.2, expire, name="test-sweeper")  # interval 50 ms
     assert sweeper.interval_s == 0.05
     sweeper.start()
     try:
@@ -61,7 +63,7 @@ def test_sweeper_survives_a_failing_expiry_and_logs_it():
             raise RuntimeError("boom")
         done.set()
 
-    sweeper = triton_streams.IdleSweeper(0.2, expire, name="failing-sweeper", log_error=logged.append)
+    sweeper = idle_sweeper.IdleSweeper(0.2, expire, name="failing-sweeper", log_error=logged.append)
     sweeper.start()
     try:
         assert done.wait(5)
@@ -71,7 +73,7 @@ def test_sweeper_survives_a_failing_expiry_and_logs_it():
 
 
 def test_a_sweeper_never_started_stops():
-    assert triton_streams.IdleSweeper(1.0, lambda: None, name="idle").stop()
+    assert idle_sweeper.IdleSweeper(1.0, lambda: None, name="idle").stop()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -86,11 +88,11 @@ def model_config(idle_us="30000000", **parameters):
 
 
 def test_parameters_are_parsed_by_type():
-    values, idle_timeout_s = triton_streams.read_parameters(model_config(), SCHEMA)
+    values, idle_timeout_s = model_errors.read_parameters(model_config(), SCHEMA)
     assert values == {"name": "decoder", "count": 3, "ratio": 0.5, "table": {"a": [0, 2]}}
     assert idle_timeout_s == 30.0
     # Triton's JSON gives uint64 fields as strings; an int works as well.
-    assert triton_streams.read_parameters(model_config(idle_us=2_000_000), SCHEMA)[1] == 2.0
+    assert model_errors.read_parameters(model_config(idle_us=2_000_000), SCHEMA)[1] == 2.0
 
 
 @pytest.mark.parametrize(
@@ -104,17 +106,17 @@ def test_parameters_are_parsed_by_type():
         pytest.param(model_config(table="{a"), "table", "not valid JSON: '{a'", id="not-json"),
         pytest.param({**model_config(), "parameters": {**model_config()["parameters"], "count": {"int_value": 3}}},
                      "count", "expected a string_value", id="not-string"),
-        pytest.param(model_config(idle_us=None), triton_streams.IDLE_TIMEOUT_FIELD,
+        pytest.param(model_config(idle_us=None), model_errors.IDLE_TIMEOUT_FIELD,
                      "missing: set it explicitly (Triton's default is 1 s)", id="idle-missing"),
-        pytest.param(model_config(idle_us="0"), triton_streams.IDLE_TIMEOUT_FIELD, "must be positive, got 0",
+        pytest.param(model_config(idle_us="0"), model_errors.IDLE_TIMEOUT_FIELD, "must be positive, got 0",
                      id="idle-zero"),
-        pytest.param(model_config(idle_us="soon"), triton_streams.IDLE_TIMEOUT_FIELD, "not an integer: 'soon'",
+        pytest.param(model_config(idle_us="soon"), model_errors.IDLE_TIMEOUT_FIELD, "not an integer: 'soon'",
                      id="idle-not-int"),
     ],
 )
 def test_bad_parameters_fail_naming_the_parameter(config, parameter, message):
-    with pytest.raises(triton_streams.ConfigError) as info:
-        triton_streams.read_parameters(config, SCHEMA)
+    with pytest.raises(model_errors.ConfigError) as info:
+        model_errors.read_parameters(config, SCHEMA)
     assert info.value.parameter == parameter
     assert str(info.value).startswith(f"parameter '{parameter}': ")
     assert message in str(info.value)
@@ -126,8 +128,8 @@ def test_a_parser_of_its_own_words_its_error():
             raise ValueError(f"must be positive, got {text}")
         return int(text)
 
-    with pytest.raises(triton_streams.ConfigError, match=r"^parameter 'count': must be positive, got -1$"):
-        triton_streams.read_parameters(model_config(count="-1"), {**SCHEMA, "count": positive})
+    with pytest.raises(model_errors.ConfigError, match=r"^parameter 'count': must be positive, got -1$"):
+        model_errors.read_parameters(model_config(count="-1"), {**SCHEMA, "count": positive})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,18 +137,18 @@ def test_a_parser_of_its_own_words_its_error():
 
 
 def test_model_errors_carry_a_kind_and_a_triton_error_code_name():
-    client = triton_streams.ModelError("shape", "input 'codes' has shape [2]")
+    client = model_errors.ModelError("shape", "input 'codes' has shape [2]")
     assert client.kind == "shape" and client.code == "INVALID_ARG" and str(client) == "input 'codes' has shape [2]"
-    server = triton_streams.ModelError("decoder", "step failed", "INTERNAL")
-    assert triton_streams.error_code(client) == "INVALID_ARG"
-    assert triton_streams.error_code(server) == "INTERNAL"
-    assert triton_streams.error_code(KeyError("bug")) == "INTERNAL"
+    server = model_errors.ModelError("decoder", "step failed", "INTERNAL")
+    assert model_errors.error_code(client) == "INVALID_ARG"
+    assert model_errors.error_code(server) == "INTERNAL"
+    assert model_errors.error_code(KeyError("bug")) == "INTERNAL"
     with pytest.raises(ValueError, match="error code 'BAD_REQUEST' is not one of UNKNOWN, INTERNAL"):
-        triton_streams.ModelError("shape", "message", "BAD_REQUEST")
+        model_errors.ModelError("shape", "message", "BAD_REQUEST")
 
 
 def test_metric_labels_name_the_model_and_version():
-    assert triton_streams.metric_labels("mimi_decoder", 1) == {"model": "mimi_decoder", "version": "1"}
+    assert model_metrics.metric_labels("mimi_decoder", 1) == {"model": "mimi_decoder", "version": "1"}
 
 
 class FakeMetric:
@@ -159,7 +161,7 @@ class FakeMetric:
 
 def test_delta_metrics_of_two_instances_add_up_and_withdraw():
     shared = FakeMetric()  # one series: same name and labels
-    first, second = triton_streams.DeltaMetric(shared), triton_streams.DeltaMetric(shared)
+    first, second = model_metrics.DeltaMetric(shared), model_metrics.DeltaMetric(shared)
     first.update(3)
     second.update(2)
     first.update(1)
@@ -178,7 +180,7 @@ class FakeModelMetrics:
 
 def test_guarded_metrics_report_until_the_first_failure_then_stay_off():
     warnings = []
-    guarded = triton_streams.GuardedMetrics("mimi_decoder", 1, FakeModelMetrics, warnings.append)
+    guarded = model_metrics.GuardedMetrics("mimi_decoder", 1, FakeModelMetrics, warnings.append)
     metrics = guarded.metrics
     assert metrics.labels == {"model": "mimi_decoder", "version": "1"}
     guarded.report(lambda m: m.reports.append(1))
@@ -200,7 +202,7 @@ def test_guarded_metrics_without_metrics_support_run_without_them():
     def unsupported(labels):
         raise RuntimeError("metrics disabled")
 
-    guarded = triton_streams.GuardedMetrics("code2wav", "1", unsupported, warnings.append)
+    guarded = model_metrics.GuardedMetrics("code2wav", "1", unsupported, warnings.append)
     guarded.report(lambda m: pytest.fail("no metrics to update"))
     guarded.close()
     assert guarded.metrics is None
@@ -208,7 +210,7 @@ def test_guarded_metrics_without_metrics_support_run_without_them():
 
 
 def test_guarded_metrics_close_their_metrics():
-    guarded = triton_streams.GuardedMetrics("code2wav", "1", FakeModelMetrics, pytest.fail)
+    guarded = model_metrics.GuardedMetrics("code2wav", "1", FakeModelMetrics, pytest.fail)
     metrics = guarded.metrics
     guarded.close()
     assert metrics.closed and guarded.metrics is None
@@ -216,7 +218,7 @@ def test_guarded_metrics_close_their_metrics():
 
 def test_a_started_sweeper_is_named_after_its_model_and_closes():
     swept = threading.Event()
-    sweeper = triton_streams.IdleSweeper.started("code2wav", 0.2, swept.set, log_error=pytest.fail)
+    sweeper = idle_sweeper.IdleSweeper.started("code2wav", 0.2, swept.set, log_error=pytest.fail)
     assert swept.wait(5)
     assert sweeper._thread.name == "code2wav-idle-expiry"
     sweeper.close(log_warn=pytest.fail)
@@ -232,7 +234,7 @@ def test_closing_a_stuck_sweeper_warns():
         release.wait(5)
 
     warnings = []
-    sweeper = triton_streams.IdleSweeper.started("mimi_decoder", 0.2, stuck, log_error=pytest.fail)
+    sweeper = idle_sweeper.IdleSweeper.started("mimi_decoder", 0.2, stuck, log_error=pytest.fail)
     assert entered.wait(5)
     sweeper.close(warnings.append, timeout_s=0.1)
     release.set()

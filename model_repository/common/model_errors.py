@@ -1,0 +1,101 @@
+"""How the Python models refuse: a request (`ModelError`, with the label it is counted under and its
+Triton error code) or a config (`ConfigError`, from `read_parameters`'s strict policy: every
+parameter required, none unknown, the idle timeout set).
+
+Not a model: Triton never loads this folder. `export/render.py` copies every file of
+model_repository/common/ beside each Python model's `model.py` in a rendered repository (`code2wav/1/`
+and the python-ort or null `mimi_decoder/1/`), and the models import them as siblings. Pure stdlib
+(no `triton_python_backend_utils`, no numpy): unit-tested without a server, and runs on the NGC
+image's Python 3.10.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Dict, Mapping, Tuple
+
+# The names of pb_utils.TritonError's codes; model.py turns one into the code with getattr.
+TRITON_ERROR_CODES = (
+    "UNKNOWN",
+    "INTERNAL",
+    "NOT_FOUND",
+    "INVALID_ARG",
+    "UNAVAILABLE",
+    "UNSUPPORTED",
+    "ALREADY_EXISTS",
+    "CANCELLED",
+)
+
+
+class ModelError(Exception):
+    """One request failed. `kind` is the short label it is counted and logged under; `code` names the
+    pb_utils.TritonError code its response carries: INVALID_ARG for the client's fault, INTERNAL for
+    the server's."""
+
+    def __init__(self, kind: str, message: str, code: str = "INVALID_ARG"):
+        if code not in TRITON_ERROR_CODES:
+            raise ValueError(f"error code {code!r} is not one of {', '.join(TRITON_ERROR_CODES)}")
+        super().__init__(message)
+        self.kind = kind
+        self.code = code
+
+
+def error_code(exc: BaseException) -> str:
+    """The TritonError code name of a failed request: a ModelError's own, else INTERNAL (a bug)."""
+    return exc.code if isinstance(exc, ModelError) else "INTERNAL"
+
+
+IDLE_TIMEOUT_FIELD = "sequence_batching.max_sequence_idle_microseconds"
+
+# How a failed parse of the plain types reads; other parsers raise ValueError with their own message.
+_PARSE_FAILURES = {int: "not an integer", float: "not a number", json.loads: "not valid JSON"}
+
+
+class ConfigError(ValueError):
+    """A missing or invalid model-config value; `parameter` names it (and the message starts with it)."""
+
+    def __init__(self, parameter: str, message: str):
+        super().__init__(f"parameter '{parameter}': {message}")
+        self.parameter = parameter
+
+
+def read_parameters(
+    config: Mapping[str, Any], schema: Mapping[str, Callable[[str], Any]]
+) -> Tuple[Dict[str, Any], float]:
+    """Read a model config (the JSON Triton hands to `initialize`, parsed) against `schema`
+    (parameter name -> parser of its stripped string value: str, int, float, json.loads, or any
+    callable raising ValueError). Returns (values by name, idle timeout in seconds).
+
+    Every parameter of the schema is required and no other is accepted, so a typo fails the load
+    instead of running on a default; so is a positive `max_sequence_idle_microseconds`, since Triton
+    would silently take 1 s. Raises ConfigError naming the parameter.
+    """
+    parameters = config.get("parameters") or {}
+    unknown = sorted(set(parameters) - set(schema))
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown parameter (known: {', '.join(schema)})")
+    values = {}
+    for name, parse in schema.items():
+        if name not in parameters:
+            raise ConfigError(name, "missing from the model config's parameters")
+        entry = parameters[name]
+        text = entry.get("string_value") if isinstance(entry, Mapping) else None
+        if not isinstance(text, str):
+            raise ConfigError(name, f"expected a string_value, got {entry!r}")
+        try:
+            values[name] = parse(text.strip())
+        except ValueError as exc:
+            failure = _PARSE_FAILURES.get(parse)
+            raise ConfigError(name, f"{failure}: {text!r}" if failure else str(exc)) from None
+
+    idle_us = (config.get("sequence_batching") or {}).get("max_sequence_idle_microseconds")
+    if idle_us is None:
+        raise ConfigError(IDLE_TIMEOUT_FIELD, "missing: set it explicitly (Triton's default is 1 s)")
+    try:
+        # Triton's config JSON carries uint64 fields as strings.
+        idle_us = int(idle_us)
+    except (TypeError, ValueError):
+        raise ConfigError(IDLE_TIMEOUT_FIELD, f"not an integer: {idle_us!r}") from None
+    if idle_us <= 0:
+        raise ConfigError(IDLE_TIMEOUT_FIELD, f"must be positive, got {idle_us} (0 means Triton's 1 s default)")
+    return values, idle_us / 1e6
