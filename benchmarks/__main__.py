@@ -17,6 +17,7 @@ COMMANDS = {
     "memory": ("memory", "the server's memory against live streams and after they expire"),
     "decoder": ("decoder", "the decoder alone on this CPU: moshi, the step module, ONNX Runtime, rustymimi"),
     "step-profile": ("step_profile", "ONNX Runtime's kernel time by op type, against another export"),
+    "python-ort": ("python_ort", "the python-ort decoder's core: what each of its state mechanisms buys"),
     "gpu": ("gpu", "the step module on a CUDA GPU, eager and as a CUDA graph"),
     "resume": ("resume", "resume by replay: SNR of a resumed stream against frames of history"),
     "record": ("record", "render docs/benchmarks.md and the README's headline from docs/benchmarks/*.json"),

@@ -24,6 +24,7 @@ from .failover import table as failover_markdown
 from .gpu import gpu_markdown
 from .memory import memory_markdown
 from .provenance import REPO_ROOT, record_json, stamp
+from .python_ort import python_ort_markdown
 from .report import sweep_markdown
 from .resume import resume_markdown
 from .step_profile import step_profile_markdown
@@ -65,6 +66,8 @@ SECTIONS = (
     Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m benchmarks decoder"),
     Section("step-profile", "The decoder step's kernel time by op type", step_profile_markdown,
             "python -m benchmarks step-profile --baseline EXPORT_DIR"),
+    Section("python-ort", "The python-ort decoder's state mechanisms", python_ort_markdown,
+            "python -m benchmarks python-ort --export EXPORT_DIR"),
     Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m benchmarks gpu"),
     *_per_target("triton", "Through Triton", _sweep, "python -m benchmarks sweep"),
     Section("memory", "Server memory against live streams: the python-ort decoder", memory_markdown,

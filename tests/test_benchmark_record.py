@@ -111,3 +111,30 @@ def test_the_gpu_benchmark_imports_only_its_own_needs():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                           cwd=REPO_ROOT)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_python_ort_benchmark_takes_out_one_mechanism_per_variant(onnx_fp32):
+    """`python -m benchmarks python-ort` builds the model's core from the config render writes, and
+    each variant really runs without its mechanism: without array reuse every output state is a new
+    array, without feed-back every run gathers its inputs into arrays of their own, without IO binding
+    ONNX Runtime allocates the outputs (none come from the core's arrays)."""
+    from benchmarks.python_ort import Bench
+
+    bench = Bench(onnx_fp32, streams=2, threads=2)
+    assert bench.config.max_live_streams == 2 and bench.config.max_rows_per_run == 8
+    counts = {}
+    for variant in ("as served", "no array reuse", "no feed-back", "no IO binding"):
+        with bench.variant(variant) as core:
+            name = bench.config.inputs[0].name
+            for step in range(4):
+                core.step([bench.core_module.StepRequest(sid, step == 0, False, {name: bench.codes[step]})
+                           for sid in (1, 2)])
+                if step == 1:
+                    before = (core.buffers.allocated_total, core.buffers.reused_total)
+            counts[variant] = (core.buffers.allocated_total - before[0], core.buffers.reused_total - before[1])
+    # Two warm runs of the same two streams, each with one array per state: as served each run's
+    # output states reuse the arrays the run before last let go, and its inputs are fed back as they are.
+    states = len(bench.config.states)
+    assert counts == {"as served": (0, 2 * states), "no array reuse": (2 * states, 0),
+                      "no feed-back": (0, 2 * 2 * states), "no IO binding": (0, 0)}, counts
+    assert bench.core_module.reuse_order is not None and bench.ms_per_run("as served", "together", 1, 0) > 0

@@ -19,7 +19,6 @@ Metrics (labels `model`, `version`; instances add up): gauges `mimi_decoder_live
 `max_live_streams`); histogram `mimi_decoder_batch_size` (rows per run).
 """
 
-import ctypes
 import dataclasses
 import json
 import operator
@@ -43,20 +42,6 @@ import python_ort_core as core  # noqa: E402
 import python_ort_memory as ort_memory  # noqa: E402
 
 BATCH_SIZE_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
-# glibc serves allocations of at least this many bytes with their own mmap, and unmaps them when
-# freed. Its default threshold rises with every such free (up to 32 MiB), after which a stream's
-# state lands on the heap and stays there after the stream is gone. A stream's smallest state array
-# of note is one layer's keys or values: 496 KiB, 248 KiB with an fp16 cache.
-MMAP_THRESHOLD_BYTES = 1 << 17
-_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
-
-
-def fix_mmap_threshold() -> bool:
-    """Pin glibc's mmap threshold at MMAP_THRESHOLD_BYTES for this process; False where it cannot."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):  # not glibc
-        return False
 
 
 def create_session(path: Path, intra_op_threads: int, instance_kind: str, device_id: int, spinning: bool = True):
@@ -162,7 +147,7 @@ class TritonPythonModel:
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"model '{self._name}': {exc}") from None
 
-        mmap_fixed = fix_mmap_threshold()
+        mmap_fixed = ort_memory.fix_mmap_threshold()
         buffers = ort_memory.StateBuffers(ort_memory.state_buffer_limit(config))
         runner = ort_memory.BoundRunner(session, config, arena_release_options(kind, device_id), allocate=buffers.take)
         self._core = core.StreamingDecoderCore(

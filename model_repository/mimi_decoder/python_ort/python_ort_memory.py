@@ -15,6 +15,7 @@ Pure numpy + stdlib: `model.py` owns the onnxruntime import and hands the sessio
 from __future__ import annotations
 
 import collections
+import ctypes
 import weakref
 from typing import Callable, Mapping, Sequence
 
@@ -161,6 +162,22 @@ class BoundRunner:
 
     def release(self, feeds: Mapping[str, np.ndarray]) -> None:
         self(feeds, self._release_options)
+
+
+# glibc serves allocations of at least this many bytes with their own mmap, and unmaps them when
+# freed. Its default threshold rises with every such free (up to 32 MiB), after which a stream's
+# state lands on the heap and stays there after the stream is gone. A stream's smallest state array
+# of note is one layer's keys or values: 496 KiB, 248 KiB with an fp16 cache.
+MMAP_THRESHOLD_BYTES = 1 << 17
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+
+
+def fix_mmap_threshold() -> bool:
+    """Pin glibc's mmap threshold at MMAP_THRESHOLD_BYTES for this process; False where it cannot."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 # --- max_live_streams: auto ----------------------------------------------------------------------

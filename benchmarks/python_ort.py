@@ -1,0 +1,187 @@
+"""`python -m benchmarks python-ort`: what each of the python-ort decoder's state mechanisms buys.
+
+    python -m benchmarks python-ort [--export EXPORT_DIR] [--streams 8] [--steps 20] [--rounds 5]
+                                    [--out bench_results/python-ort]
+
+The python-ort `mimi_decoder` (model_repository/mimi_decoder/python_ort/) keeps its streams' state
+itself. Its core runs here without Triton, on the export's real ONNX step in ONNX Runtime, as the
+model builds it (the config `render` writes, glibc's mmap threshold pinned), and once more with one
+mechanism taken out at a time:
+
+    as served          every mechanism
+    no array reuse     free state arrays are not kept (`StateBuffers` holding nothing): every run's
+                       output states and gathered inputs are fresh arrays, faulted in page by page
+    no feed-back       a run of exactly the streams of the previous run gathers their state into a
+                       new batch (`reuse_order` off) instead of feeding the previous outputs back
+    no IO binding      `session.run`: ONNX Runtime allocates the output states, and the outputs are
+                       returned as copies
+
+Two workloads of --streams streams, one frame per step: `together`, every stream steps in every run
+(a duplex tick), and `churn`, each run a different three quarters of the streams (seeded), so the
+previous outputs can never be fed back as they are. The variants run in alternating rounds; the table
+gives the median ms per run of each and its ratio to `as served`. Writes python_ort.json and
+python_ort.md to --out (`python -m benchmarks record --add` records the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from .provenance import REPO_ROOT, command_line, run_meta, write_run
+
+MODEL_DIRS = (REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort", REPO_ROOT / "model_repository" / "common")
+VARIANTS = ("as served", "no array reuse", "no feed-back", "no IO binding")
+WORKLOADS = ("together", "churn")
+TRITON_TYPES = {"TYPE_INT32": np.int32, "TYPE_FP32": np.float32}
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _modules():
+    """The python-ort model's core modules, imported as the model imports them (siblings on the path)."""
+    for folder in MODEL_DIRS:
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    import python_ort_config
+    import python_ort_core
+    import python_ort_memory
+
+    return python_ort_config, python_ort_core, python_ort_memory
+
+
+def served_config(export: Path, streams: int):
+    """The DecoderConfig the python-ort model reads from the config `render` writes for this export,
+    with `streams` as its stream cap."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from mimi_code2wav.export.onnx_export import read_manifest
+    from mimi_code2wav.export.render import render_config
+    from mimi_code2wav.export.spec import DecoderSpec
+
+    config_module, _, _ = _modules()
+    manifest = read_manifest(export)
+    if manifest is None:
+        raise SystemExit(f"{export}: no export (model.onnx + manifest.json) there")
+    text = render_config(DecoderSpec.from_dict(manifest["spec"]), "python-ort")
+    config = json_format.MessageToDict(text_format.Parse(text, model_config_pb2.ModelConfig()),
+                                       preserving_proto_field_name=True)
+    config["parameters"]["max_live_streams"] = {"string_value": str(streams)}
+    return config_module.parse_model_config(config, TRITON_TYPES.__getitem__)
+
+
+class Bench:
+    """One ONNX Runtime session over the export, and a core built on it per variant."""
+
+    def __init__(self, export: Path, streams: int, threads: int):
+        import onnxruntime as ort
+
+        self.config_module, self.core_module, self.memory = _modules()
+        self.memory.fix_mmap_threshold()
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(export / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        config = served_config(export, streams)
+        self.config = self.config_module.check_against_onnx(config, self.session.get_inputs(), self.session.get_outputs())
+        self.streams = streams
+        codes = self.config.inputs[0]
+        rng = np.random.default_rng(0)
+        self.codes = [rng.integers(0, 2048, (1, codes.dims[0], 1)).astype(codes.dtype) for _ in range(16)]
+
+    def core(self, variant: str):
+        memory, config = self.memory, self.config
+        limit = 0 if variant == "no array reuse" else memory.state_buffer_limit(config)
+        buffers = memory.StateBuffers(limit)
+        if variant == "no IO binding":
+            names = [t.name for t in config.outputs] + [s.output for s in config.states]
+            run = lambda feeds: self.session.run(names, feeds)  # noqa: E731
+        else:
+            run = memory.BoundRunner(self.session, config, allocate=buffers.take)
+        return self.core_module.StreamingDecoderCore(config, run, buffers=buffers)
+
+    @contextmanager
+    def variant(self, name: str):
+        """The core of `name`; with "no feed-back", the core's `reuse_order` finds nothing to reuse."""
+        saved = self.core_module.reuse_order
+        if name == "no feed-back":
+            self.core_module.reuse_order = lambda previous: None
+        try:
+            yield self.core(name)
+        finally:
+            self.core_module.reuse_order = saved
+
+    def ms_per_run(self, variant: str, workload: str, steps: int, warmup: int) -> float:
+        rng = np.random.default_rng(1)
+        name = self.config.inputs[0].name
+        with self.variant(variant) as core:
+            ids = list(range(1, self.streams + 1))
+            core.step([self.core_module.StepRequest(sid, True, False, {name: self.codes[0]}) for sid in ids])
+            times = []
+            for step in range(warmup + steps):
+                members = ids if workload == "together" else sorted(rng.choice(ids, 3 * len(ids) // 4, replace=False))
+                requests = [self.core_module.StepRequest(int(sid), False, False, {name: self.codes[step % 16]})
+                            for sid in members]
+                started = time.perf_counter()
+                results = core.step(requests)
+                times.append(time.perf_counter() - started)
+                failed = [r for r in results if not isinstance(r, dict)]
+                if failed:
+                    raise SystemExit(f"{variant}: {failed[0]}")
+        return 1e3 * statistics.median(times[warmup:])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--export", type=Path, help="export folder (model.onnx + manifest.json; default: export one now)")
+    parser.add_argument("--streams", type=int, default=8, help="streams (the model's max_rows_per_run is 8)")
+    parser.add_argument("--steps", type=int, default=20, help="measured runs per variant and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    parser.add_argument("--out", type=Path, default=Path("bench_results") / "python-ort")
+
+
+def python_ort_markdown(results: dict) -> str:
+    lines = [f"{results['streams']} streams, one frame per step, {results['rounds']} alternating rounds of "
+             f"{results['steps']} runs; median ms per run (x as served: its time over the served one's).", "",
+             "| variant | " + " | ".join(f"{w} ms | x as served" for w in WORKLOADS) + " |",
+             "|---|" + "---:|---:|" * len(WORKLOADS)]
+    for variant in VARIANTS:
+        cells = []
+        for workload in WORKLOADS:
+            ms, base = results["ms_per_run"][workload][variant], results["ms_per_run"][workload]["as served"]
+            cells += [f"{ms:.1f}", f"{ms / base:.2f}"]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    meta = run_meta("python-ort", command_line())
+    export = args.export
+    if export is None:
+        from .step_profile import _export_fresh
+
+        export = _export_fresh(Path(tempfile.mkdtemp(prefix="mimi-export-")),
+                               argparse.Namespace(weights=None, kv_cache_dtype="float32"))
+    bench = Bench(export, args.streams, args.threads)
+    rounds: dict[str, dict[str, list[float]]] = {w: {v: [] for v in VARIANTS} for w in WORKLOADS}
+    for index in range(args.rounds):
+        for workload in WORKLOADS:
+            for variant in VARIANTS:
+                rounds[workload][variant].append(bench.ms_per_run(variant, workload, args.steps, args.warmup))
+        _log(f"round {index + 1}/{args.rounds}: " + "; ".join(
+            f"{w} " + ", ".join(f"{v} {rounds[w][v][-1]:.1f}" for v in VARIANTS) for w in WORKLOADS))
+    results = {"meta": meta, "export": str(export), "streams": args.streams, "steps": args.steps, "rounds": args.rounds,
+               "ms_per_run": {w: {v: statistics.median(times) for v, times in by.items()} for w, by in rounds.items()}}
+    write_run(args.out, "python_ort", results, python_ort_markdown(results))
+    return 0
