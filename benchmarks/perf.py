@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from mimi_code2wav import client as client_package
 from mimi_code2wav.client.perf_inputs import describe, input_data
-from mimi_code2wav.client.protocol import FRAMES_PER_SECOND
 
 from .provenance import REPO_ROOT
 
@@ -48,20 +47,6 @@ def parse_perf_report(text: str) -> dict:
     return parsed
 
 
-def perf_load(point: SweepPoint, load: SweepLoad, mean_frames_per_step: float,
-              request_rate_estimate: float) -> tuple[list[str], int, float | None]:
-    """perf_analyzer's load flags for the point, its request count and (paced) its request rate.
-    Unpaced, `request_rate_estimate` sizes the count so that the point lasts about point_seconds."""
-    if point.paced:
-        rate = point.streams * FRAMES_PER_SECOND / mean_frames_per_step
-        # perf_analyzer 2.51 requires the request count to be at least the rate.
-        count = max(math.ceil(rate * load.point_seconds), math.ceil(rate), 2 * point.streams)
-        return (["--request-rate-range", f"{rate:.4f}", "--num-of-sequences", str(point.streams), "--serial-sequences"],
-                count, rate)
-    count = max(math.ceil(request_rate_estimate * load.point_seconds), 4 * point.streams)
-    return ["--concurrency-range", str(point.streams)], count, None
-
-
 def _run_until_done(command: list[str], env: dict, timeout_s: float, server_alive) -> tuple[int, str, str] | str:
     """(exit code, stdout, stderr) of perf.sh, or why it was stopped: perf_analyzer waits for a dead
     server until its timeout, so it is killed as soon as `server_alive()` is false."""
@@ -85,7 +70,7 @@ def run_perf_point(url: str, point: SweepPoint, load: SweepLoad, request_rate_es
                    server_alive=lambda: True, name_suffix: str = "") -> dict:
     """One perf_analyzer measurement; returns the row (with 'error' when it failed)."""
     info = describe(input_data(1, load.frames, point.chunk_frames, load.seed))
-    if not point.paced and request_rate_estimate is None:
+    if request_rate_estimate is None:
         # No client run before this point (--no-client): a short probe sizes it, so that the
         # point lasts about point_seconds at any rate (a fixed guess made fast servers' points
         # a few hundred ms of sequence starts). N streams in a closed loop make N requests per
@@ -96,8 +81,10 @@ def run_perf_point(url: str, point: SweepPoint, load: SweepLoad, request_rate_es
         if "error" in probe:
             return probe
         request_rate_estimate = point.streams / (probe["p50_ms"] / 1e3)
-    flags, count, rate = perf_load(point, load, info["mean_frames_per_step"], request_rate_estimate)
-    name = f"perf-{'paced' if point.paced else 'unpaced'}-{point.streams}-c{point.chunk_frames}{name_suffix}"
+    # N sequences in a closed loop, the count sized so that the point lasts about point_seconds.
+    flags = ["--concurrency-range", str(point.streams)]
+    count = max(math.ceil(request_rate_estimate * load.point_seconds), 4 * point.streams)
+    name = f"perf-{point.streams}-c{point.chunk_frames}{name_suffix}"
     csv_path = raw_dir / f"{name}.csv"
     env = dict(
         os.environ, URL=url, STREAMS=str(point.streams), FRAMES=str(load.frames), CHUNK_FRAMES=str(point.chunk_frames),
@@ -105,8 +92,7 @@ def run_perf_point(url: str, point: SweepPoint, load: SweepLoad, request_rate_es
     )
     command = [str(PERF_SH), *flags, "--request-count", str(count)]
     row = {
-        "streams": point.streams, "paced": point.paced, "chunk_frames": point.chunk_frames, "request_rate": rate,
-        "request_count": count, "command": " ".join(["client/perf.sh", *flags, "--request-count", str(count)]),
+        "streams": point.streams, "chunk_frames": point.chunk_frames, "request_count": count, "command": " ".join(["client/perf.sh", *flags, "--request-count", str(count)]),
     }
     started = time.monotonic()
     done = _run_until_done(command, env, max(120.0, 20 * load.point_seconds), server_alive)

@@ -13,19 +13,25 @@ mechanism taken out at a time:
                        output states and gathered inputs are fresh arrays, faulted in page by page
     no feed-back       a run of exactly the streams of the previous run gathers their state into a
                        new batch (`reuse_order` off) instead of feeding the previous outputs back
-    no IO binding      `session.run`: ONNX Runtime allocates the output states, and the outputs are
-                       returned as copies
+    no IO binding      `session.run`: ONNX Runtime allocates the output states in its arena
+    plain              `session.run` and no array reuse: the simplest stand-in, for reference
 
 Two workloads of --streams streams, one frame per step: `together`, every stream steps in every run
 (a duplex tick), and `churn`, each run a different three quarters of the streams (seeded), so the
 previous outputs can never be fed back as they are. The variants run in alternating rounds; the table
-gives the median ms per run of each and its ratio to `as served`. Writes python_ort.json and
-python_ort.md to --out (`python -m benchmarks record --add` records the JSON).
+gives the median ms per run of each and its ratio to `as served`.
+
+Memory, each variant in a fresh process: its resident size (RSS) once the session is loaded, after
+--steps churning runs, and after every stream ended and the instance went idle
+(`release_idle_memory`, as the model's sweeper calls it): what an idle server keeps.
+
+Writes python_ort.json and python_ort.md to --out (`python -m benchmarks record --add` records the JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -38,7 +44,7 @@ import numpy as np
 from .provenance import REPO_ROOT, command_line, run_meta, write_run
 
 MODEL_DIRS = (REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort", REPO_ROOT / "model_repository" / "common")
-VARIANTS = ("as served", "no array reuse", "no feed-back", "no IO binding")
+VARIANTS = ("as served", "no array reuse", "no feed-back", "no IO binding", "plain")  # "plain": both off
 WORKLOADS = ("together", "churn")
 TRITON_TYPES = {"TYPE_INT32": np.int32, "TYPE_FP32": np.float32}
 
@@ -92,6 +98,9 @@ class Bench:
         if threads:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(export / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        # What the model's arena_release_options makes on a CPU: the run that gives the arena back.
+        self.release_options = ort.RunOptions()
+        self.release_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         config = served_config(export, streams)
         self.config = self.config_module.check_against_onnx(config, self.session.get_inputs(), self.session.get_outputs())
         self.streams = streams
@@ -101,14 +110,16 @@ class Bench:
 
     def core(self, variant: str):
         memory, config = self.memory, self.config
-        limit = 0 if variant == "no array reuse" else memory.state_buffer_limit(config)
+        limit = 0 if variant in ("no array reuse", "plain") else memory.state_buffer_limit(config)
         buffers = memory.StateBuffers(limit)
-        if variant == "no IO binding":
+        if variant in ("no IO binding", "plain"):
             names = [t.name for t in config.outputs] + [s.output for s in config.states]
-            run = lambda feeds: self.session.run(names, feeds)  # noqa: E731
+            run = lambda feeds, options=None: self.session.run(names, feeds, options)  # noqa: E731
+            release = lambda feeds: run(feeds, self.release_options)  # noqa: E731
         else:
-            run = memory.BoundRunner(self.session, config, allocate=buffers.take)
-        return self.core_module.StreamingDecoderCore(config, run, buffers=buffers)
+            run = memory.BoundRunner(self.session, config, self.release_options, allocate=buffers.take)
+            release = run.release
+        return self.core_module.StreamingDecoderCore(config, run, buffers=buffers, release=release)
 
     @contextmanager
     def variant(self, name: str):
@@ -121,7 +132,8 @@ class Bench:
         finally:
             self.core_module.reuse_order = saved
 
-    def ms_per_run(self, variant: str, workload: str, steps: int, warmup: int) -> float:
+    def ms_per_run(self, variant: str, workload: str, steps: int, warmup: int, keep: bool = False) -> float:
+        """Median ms of `steps` runs after `warmup`; with `keep`, the core stays in `self.kept`."""
         rng = np.random.default_rng(1)
         name = self.config.inputs[0].name
         with self.variant(variant) as core:
@@ -138,7 +150,30 @@ class Bench:
                 failed = [r for r in results if not isinstance(r, dict)]
                 if failed:
                     raise SystemExit(f"{variant}: {failed[0]}")
+            if keep:
+                self.kept = core
         return 1e3 * statistics.median(times[warmup:])
+
+
+def _rss_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def memory_of(export: Path, streams: int, threads: int, variant: str, steps: int) -> dict[str, float]:
+    """RSS (MiB) of a fresh process running `variant`: loaded, after `steps` churning runs of
+    `streams` streams, and after they all ended and the core let its idle memory go."""
+    bench = Bench(export, streams, threads)
+    loaded = _rss_mib()
+    bench.ms_per_run(variant, "churn", steps, 0, keep=True)
+    busy = _rss_mib()
+    core = bench.kept
+    core.step([bench.core_module.StepRequest(sid, False, True, {bench.config.inputs[0].name: bench.codes[0]})
+               for sid in range(1, streams + 1)])
+    core.release_idle_memory(idle_s=0.0)
+    return {"loaded": loaded, "busy": busy, "idle": _rss_mib()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +197,13 @@ def python_ort_markdown(results: dict) -> str:
             ms, base = results["ms_per_run"][workload][variant], results["ms_per_run"][workload]["as served"]
             cells += [f"{ms:.1f}", f"{ms / base:.2f}"]
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += ["", f"Resident memory of a fresh process per variant (MiB): loaded, after {results['steps']} churning runs "
+              f"of {results['streams']} streams, and once they ended and the instance went idle.", "",
+              "| variant | loaded | busy | idle | idle - loaded |", "|---|---:|---:|---:|---:|"]
+    for variant in VARIANTS:
+        rss = results["rss_mib"][variant]
+        lines.append(f"| {variant} | {rss['loaded']:.0f} | {rss['busy']:.0f} | {rss['idle']:.0f} | "
+                     f"{rss['idle'] - rss['loaded']:.0f} |")
     return "\n".join(lines)
 
 
@@ -181,7 +223,14 @@ def run(args: argparse.Namespace) -> int:
                 rounds[workload][variant].append(bench.ms_per_run(variant, workload, args.steps, args.warmup))
         _log(f"round {index + 1}/{args.rounds}: " + "; ".join(
             f"{w} " + ", ".join(f"{v} {rounds[w][v][-1]:.1f}" for v in VARIANTS) for w in WORKLOADS))
+    rss = {}
+    spawn = multiprocessing.get_context("spawn")
+    for variant in VARIANTS:
+        with spawn.Pool(1) as pool:
+            rss[variant] = pool.apply(memory_of, (export, args.streams, args.threads, variant, args.steps))
+        _log(f"memory, {variant}: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in rss[variant].items()))
     results = {"meta": meta, "export": str(export), "streams": args.streams, "steps": args.steps, "rounds": args.rounds,
-               "ms_per_run": {w: {v: statistics.median(times) for v, times in by.items()} for w, by in rounds.items()}}
+               "ms_per_run": {w: {v: statistics.median(times) for v, times in by.items()} for w, by in rounds.items()},
+               "rss_mib": rss}
     write_run(args.out, "python_ort", results, python_ort_markdown(results))
     return 0

@@ -140,9 +140,9 @@ def _anchor(title: str) -> str:
 
 
 def _best_rate(run: dict) -> dict | None:
-    """The unpaced point with the most requests/s, perf_analyzer's if it ran, else the client's."""
+    """The point with the most requests/s, perf_analyzer's if it ran, else the client's."""
     for rows in (run["perf"], run["client"]):
-        measured = [r for r in rows if not r["paced"] and "error" not in r]
+        measured = [r for r in rows if "error" not in r]
         if measured:
             return max(measured, key=lambda r: r["requests_per_s"])
     return None
@@ -150,11 +150,11 @@ def _best_rate(run: dict) -> dict | None:
 
 def headline(directory: Path = RECORD_DIR) -> str:
     """The README's performance table, for the python-ort, the native and the null decoder: the conversations a
-    duplex pipeline can tick within the playout budget per policy (`duplex`), and paced streams in real
-    time and requests/s through Triton (`sweep`), each run with its machine, command, commit and date."""
+    duplex pipeline can tick within the playout budget per policy (`duplex`), and requests/s through
+    Triton (`sweep`), each run with its machine, command, commit and date."""
     runs = _runs(directory)
     lines = ["| decoder behind Triton | duplex conversations within budget: per-frame / ramp 1+5 / catch-up "
-             "| paced live streams in real time | requests/s (unpaced) |", "|---|---:|---:|---:|"]
+             "| requests/s (streams sending as fast as answered) |", "|---|---:|---:|"]
     stamps = []
     for decoder, name in (("python-ort", "python-ort"), ("onnxruntime", "onnxruntime (native)"),
                           ("null", "null (the front's ceiling)")):
@@ -168,8 +168,7 @@ def headline(directory: Path = RECORD_DIR) -> str:
         best = _best_rate(sweep) if sweep else None
         rate = "-" if best is None else (f"{best['requests_per_s']:.0f} ({best['streams']} streams, "
                                          f"{best['chunk_frames']} frame(s) per request)")
-        paced = sweep["summary"].get("paced_streams_in_real_time", "-") if sweep else "-"
-        lines.append(f"| {name} | {ticks} | {paced} | {rate} |")
+        lines.append(f"| {name} | {ticks} | {rate} |")
         for run in (duplex, sweep):
             if run is not None:
                 meta = run["meta"]

@@ -10,7 +10,6 @@ from mimi_code2wav.client.protocol import FRAME_DURATION_S, FRAMES_PER_SECOND
 from .profile import SERVER_ROLES, PointProfile
 from .provenance import stamp
 
-PACED_KEEPS_REAL_TIME = 0.99  # slowest stream's RTF: paced streams cannot exceed 1, jitter costs ~1%
 CRASH_MARK = " (†)"
 
 
@@ -26,17 +25,13 @@ def streams_cell(row: dict) -> str:
 
 
 def summarize(results: dict) -> dict:
-    """The headline numbers: most paced streams in real time, 16- vs 1-frame latency, overhead."""
+    """The headline numbers: 16- vs 1-frame latency, frames/s of 8 streams, Triton's overhead."""
     summary = {}
-    for catch_up, key in ((False, "paced_streams_in_real_time"), (True, "paced_streams_in_real_time_catch_up")):
-        paced = [r for r in results["client"] if r["paced"] and r.get("catch_up", False) == catch_up and "error" not in r]
-        kept = [r["streams"] for r in paced if r["real_time_factor_per_stream_min"] >= PACED_KEEPS_REAL_TIME]
-        summary[key] = max(kept, default=0)
-    solo = {r["chunk_frames"]: r for r in results["client"] if not r["paced"] and r["streams"] == 1 and "error" not in r}
+    solo = {r["chunk_frames"]: r for r in results["client"] if r["streams"] == 1 and "error" not in r}
     if 1 in solo and 16 in solo:
         summary["p50_16_frames_over_1_frame"] = solo[16]["p50_ms"] / solo[1]["p50_ms"]
     for row in results["client"]:
-        if not row["paced"] and row["streams"] == 8 and row["chunk_frames"] == 4 and "error" not in row:
+        if row["streams"] == 8 and row["chunk_frames"] == 4 and "error" not in row:
             summary["frames_per_s_8_streams_4_frames"] = row["frames_per_s"]
     step_ms = results.get("decoder_step_ms", {})
     summary["triton_overhead_ms_p50"] = {
@@ -49,13 +44,11 @@ def _summary_lines(results: dict) -> list[str]:
     meta, summary = results["meta"], results["summary"]
     lines = [
         f"- server: {meta['server']}",
-        f"- streams of {meta['frames']} frames ({meta['frames'] * FRAME_DURATION_S:.2f} s); unpaced requests of 1 then "
-        "F frames (the client sends frame_offset, perf_analyzer deltas); paced live streams send 1 frame per request",
+        f"- streams of {meta['frames']} frames ({meta['frames'] * FRAME_DURATION_S:.2f} s), each sending its next "
+        "request when the last returned: requests of 1 then F frames (the client sends frame_offset, perf_analyzer "
+        "deltas); live pacing is the duplex benchmark's",
         f"- **the load generators (this client, perf_analyzer) share the machine's {meta['cpu_cores']} CPU cores with "
         "the server**: numbers are lower bounds for a dedicated server",
-        f"- paced live streams that keep real time (slowest stream RTF >= {PACED_KEEPS_REAL_TIME}): "
-        f"**{summary.get('paced_streams_in_real_time', '-')}**; catching up (one request in flight per stream, "
-        f"each with every frame produced since the last): **{summary.get('paced_streams_in_real_time_catch_up', '-')}**",
     ]
     for crash in meta.get("server_crashes", []):
         lines.append(f"- **the server crashed during the run** and was restarted; the point it crashed in was "
@@ -63,7 +56,7 @@ def _summary_lines(results: dict) -> list[str]:
     if "p50_16_frames_over_1_frame" in summary:
         lines.append(f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**")
     if "frames_per_s_8_streams_4_frames" in summary:
-        lines.append(f"- 8 unpaced streams, 4-frame requests: **{summary['frames_per_s_8_streams_4_frames']:.1f} frames/s**")
+        lines.append(f"- 8 streams, 4-frame requests: **{summary['frames_per_s_8_streams_4_frames']:.1f} frames/s**")
     # JSON keys are strings: the frame counts are read back as numbers to sort them.
     step_ms = {int(chunk): ms for chunk, ms in results.get("decoder_step_ms", {}).items()}
     overheads = {int(chunk): ms for chunk, ms in summary.get("triton_overhead_ms_p50", {}).items()}
@@ -76,14 +69,12 @@ def _summary_lines(results: dict) -> list[str]:
 # Each table of the sweep: title, what it shows, header row, alignment row.
 TABLES = {
     "client": (
-        "Streaming client (benchmarks/streamer.py)",
-        "Unpaced: each stream sends its next request when the previous one returned. Paced: each request "
-        "leaves when its frame would exist (80 ms per frame). Paced, catch-up: one request in flight per "
-        "stream, each carrying every frame produced since the last (frames / request is then the mean). "
-        "RTF = audio seconds of all streams / wall seconds (paced: at most about the number of streams).",
-        "| frames / request | streams | pacing | first chunk ms (mean / max) | request p50 / p90 / p99 ms | RTF total "
+        "The asyncio client (mimi_code2wav.client.aio)",
+        "One channel, one task per stream; each stream sends its next request when the previous one "
+        "returned. RTF = audio seconds of all streams / wall seconds.",
+        "| frames / request | streams | first chunk ms (mean / max) | request p50 / p90 / p99 ms | RTF total "
         "| RTF slowest stream | frames/s |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ),
     "perf": (
         "perf_analyzer 2.51 (gRPC streaming, sequences)",
@@ -97,7 +88,7 @@ TABLES = {
     ),
     "profile": (
         "Where the time goes (server side)",
-        "Per unpaced point, as differences over it: CPU time per request of each server process (from "
+        "Per point, as differences over it: CPU time per request of each server process (from "
         "/proc: tritonserver, the code2wav stub(s), the decoder stub(s)) and of the load generator; server "
         "cores busy = the server's CPU time / wall time; and Triton's own statistics per model: mean batch "
         "and time per execution (one execution is one batch; a code2wav execution includes waiting for its "
@@ -118,9 +109,7 @@ def _table_start(table: str, heading: str) -> list[str]:
 def _client_table(rows: list[dict], heading: str) -> list[str]:
     lines = _table_start("client", heading)
     for row in rows:
-        pacing = ("paced, catch-up" if row.get("catch_up") else "paced") if row["paced"] else "unpaced"
-        frames = _fmt(row["frames_per_request_mean"], 2) if row.get("catch_up") and "error" not in row else row["chunk_frames"]
-        head = f"| {frames} | {streams_cell(row)} | {pacing}"
+        head = f"| {row['chunk_frames']} | {streams_cell(row)}"
         if "error" in row:
             lines.append(f"{head} | {row['error']} | | | | |")
             continue
@@ -175,7 +164,7 @@ def sweep_markdown(results: dict, heading: str = "##") -> str:
     if results["perf"]:
         lines += _perf_table(results["perf"], heading)
     profiled = [(tool, row) for tool, rows in (("client", results["client"]), ("perf_analyzer", results["perf"]))
-                for row in rows if "profile" in row and not row["paced"]]
+                for row in rows if "profile" in row]
     if profiled:
         lines += _profile_table(profiled, heading)
     if any(row.get("after_server_crash") for row in results["client"] + results["perf"]):
@@ -202,11 +191,11 @@ def plot(results: dict, path: Path) -> bool:
     for source, rows, marker in (("client", results["client"], "o"), ("perf_analyzer", results["perf"], "s")):
         for row in rows:
             if "error" not in row:
-                groups.setdefault((source, row["paced"], row["chunk_frames"], marker), []).append(row)
-    for index, ((source, paced, chunk, marker), points) in enumerate(groups.items()):
-        color, style = f"C{index % 10}", "--" if paced else "-"
+                groups.setdefault((source, row["chunk_frames"], marker), []).append(row)
+    for index, ((source, chunk, marker), points) in enumerate(groups.items()):
+        color, style = f"C{index % 10}", "-"
         streams = [r["streams"] for r in points]
-        label = f"{source} {'paced' if paced else 'unpaced'} {chunk} fr/req"
+        label = f"{source} {chunk} fr/req"
         latency_axes.plot(streams, [r["p50_ms"] for r in points], style, marker=marker, color=color, label=f"{label} p50")
         throughput_axes.plot(streams, [r["frames_per_s"] for r in points], style, marker=marker, color=color, label=label)
     all_streams = sorted({r["streams"] for r in results["client"] + results["perf"]})

@@ -1,7 +1,7 @@
-"""Benchmark code2wav through Triton: unpaced streams x request sizes, and paced live streams.
+"""Benchmark code2wav through Triton: streams x request sizes, each stream as fast as it is answered.
 
     python -m benchmarks sweep [--url HOST:PORT] [--decoder python-ort|null] [--streams 1,8,32]
-                          [--chunk-frames 1,4,16] [--paced-streams 4,8,12,16,24,32] [--frames 96]
+                          [--chunk-frames 1,4,16] [--frames 96]
                           [--point-seconds 5] [--out-dir bench_results] [--no-client] [--no-perf]
                           [the serving flags of `code2wav-export render`: --front-instances 1 ...]
 
@@ -11,14 +11,13 @@ values), with the python-ort decoder or, with `--decoder null`, the null decoder
 interface returning silence at once): that run measures the front's own ceiling, what gRPC, code2wav
 and the sequence-batcher hop carry, which bounds what any decoder behind it can be given.
 
-- Unpaced, for every request size F (`--chunk-frames`) and number of streams N: the streaming
-  client (benchmarks/streamer.py: one bidirectional gRPC stream; a first request of 1 frame, then F frames, with frame_offset) and
-  perf_analyzer (client/perf.sh, `--concurrency-range N`, deltas): requests/s, frames/s, request
+- For every request size F (`--chunk-frames`) and number of streams N, unpaced (each stream sends
+  its next request when the previous one returned): the asyncio client (`mimi_code2wav.client.aio`,
+  one channel, one task per stream; a first request of 1 frame, then F frames, with frame_offset)
+  and perf_analyzer (client/perf.sh, `--concurrency-range N`, deltas): requests/s, frames/s, request
   p50/p99, first-chunk latency, the decoder's mean batch.
-- Paced live streams (1 frame per request, each request leaving when its frame would exist, 80 ms
-  apart) for growing N until one stream falls behind: the most streams that keep real time; then
-  the same with catch-up (one request in flight per stream, each with every frame produced since
-  the last), what a live client does when the server runs behind.
+- Live streams, paced at 80 ms per frame, are `python -m benchmarks duplex`'s: the most conversations
+  whose frames meet a playout budget, per request policy.
 - Triton overhead per request: the 1-stream request p50 minus the same ONNX step run directly in
   ONNX Runtime (batch 1, F frames, in this process) when the export is at hand.
 Results go to OUT_DIR: bench.md (tables), bench.json (`python -m benchmarks record --add` records it),
@@ -29,23 +28,24 @@ load generators run on the same CPU cores as the server, and the tables say so.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from mimi_code2wav.client.protocol import ClientError, StreamOptions, random_codes
-from mimi_code2wav.client.sync import Code2WavClient
+from mimi_code2wav.client.protocol import ClientError, StreamOptions, chunk_bounds, random_codes
+from mimi_code2wav.client.report import RunReport, StreamResult
 
 from .local_server import LocalServer, add_server_arguments, decoder_step_ms, measured_server
 from .perf import run_perf_point
 from .profile import PointProfile, settle_gc
 from .provenance import REPO_ROOT, command_line, record_json, run_meta
-from .report import PACED_KEEPS_REAL_TIME, markdown_report, plot, summarize
-from .streamer import Code2WavStreamer
+from .report import markdown_report, plot, summarize
 
 
 @dataclass(frozen=True)
@@ -60,38 +60,57 @@ class SweepLoad:
 
 @dataclass(frozen=True)
 class SweepPoint:
-    """`streams` concurrent streams, `chunk_frames` frames per request after the first. Unpaced: each
-    stream sends its next request when the last returned. Paced: each request leaves when its frame
-    would exist; with `catch_up`, one request in flight per stream, carrying every frame since the last."""
+    """`streams` concurrent streams, `chunk_frames` frames per request after the first; each stream
+    sends its next request when the last returned."""
 
     streams: int
     chunk_frames: int
-    paced: bool = False
-    catch_up: bool = False
 
     @property
     def label(self) -> str:
-        if self.paced:
-            return f"{self.streams} paced live stream(s)" + (", catching up" if self.catch_up else "")
-        return f"{self.streams} stream(s) unpaced, {self.chunk_frames} frame(s) per request"
+        return f"{self.streams} stream(s), {self.chunk_frames} frame(s) per request"
 
     def row(self) -> dict:
         """The point's fields as they head its result row."""
-        fields = {"streams": self.streams, "paced": self.paced, "chunk_frames": self.chunk_frames}
-        return {**fields, "catch_up": self.catch_up} if self.paced else fields
+        return {"streams": self.streams, "chunk_frames": self.chunk_frames}
+
+
+async def _decode_unpaced(client, codes: np.ndarray, chunk_frames: int) -> StreamResult:
+    """One stream through the asyncio client: a first request of 1 frame, then `chunk_frames` each,
+    the next sent when the last returned (the last with END)."""
+    bounds = chunk_bounds(codes.shape[1], chunk_frames)
+    pcm, latencies_s = [], []
+    async with client.stream() as stream:
+        started_s = time.perf_counter()
+        for first, stop in bounds:
+            sent_s = time.perf_counter()
+            pcm.append(await stream.decode(codes[:, first:stop], end=stop == codes.shape[1]))
+            latencies_s.append(time.perf_counter() - sent_s)
+    return StreamResult(stream.sequence_id, codes.shape[1], np.concatenate(pcm), [b - a for a, b in bounds],
+                        latencies_s, started_s, time.perf_counter())
+
+
+def decode_streams(url: str, codes: list[np.ndarray], chunk_frames: int) -> RunReport:
+    """Every stream of `codes` at once through one asyncio client (one channel), unpaced."""
+    from mimi_code2wav.client.aio import Code2WavClient
+
+    options = StreamOptions(chunk_frames=chunk_frames)
+
+    async def main() -> list[StreamResult]:
+        async with Code2WavClient(url, options) as client:
+            return list(await asyncio.gather(*(_decode_unpaced(client, c, chunk_frames) for c in codes)))
+
+    results = asyncio.run(main())
+    wall_s = max(r.finished_s for r in results) - min(r.started_s for r in results)
+    return RunReport(results, options, wall_s)
 
 
 def run_client_point(url: str, point: SweepPoint, load: SweepLoad) -> dict:
-    """The point's streams through `Code2WavStreamer`: latency, real-time factor, throughput."""
+    """The point's streams through the asyncio client: latency, real-time factor, throughput."""
     codes = [random_codes(load.frames, load.seed + i) for i in range(point.streams)]
-    options = StreamOptions(chunk_frames=point.chunk_frames, paced=point.paced, catch_up=point.catch_up)
-    with Code2WavStreamer(url) as streamer:
-        report = streamer.run(codes, options)
-    stats = report.summary()
-    sizes = [frames for result in report.results for frames in result.chunk_frames]
+    stats = decode_streams(url, codes, point.chunk_frames).summary()
     return {
-        "streams": point.streams, "paced": point.paced, "catch_up": point.catch_up, "chunk_frames": point.chunk_frames,
-        "frames_per_request_mean": float(np.mean(sizes)),
+        "streams": point.streams, "chunk_frames": point.chunk_frames,
         "first_chunk_ms": stats["first_chunk_latency_ms_mean"],
         "first_chunk_ms_max": stats["first_chunk_latency_ms_max"],
         "p50_ms": stats["chunk_latency_ms_p50"], "p90_ms": stats["chunk_latency_ms_p90"],
@@ -126,10 +145,11 @@ class Sweep:
 
     def warm_up(self, chunk_frames: list[int]) -> None:
         """The first requests of a fresh server pay one-off set-up costs: they are not measured."""
+        from mimi_code2wav.client.sync import Code2WavClient
+
         Code2WavClient(self.url).check_ready()
-        with Code2WavStreamer(self.url) as streamer:
-            for chunk in chunk_frames:
-                streamer.run([random_codes(2 * chunk + 1, self.load.seed)], StreamOptions(chunk_frames=chunk))
+        for chunk in chunk_frames:
+            decode_streams(self.url, [random_codes(2 * chunk + 1, self.load.seed)], chunk)
 
     def measure(self, point: SweepPoint, run: Callable[[str], dict]) -> dict:
         """One point, profiled. A local server that dies during it is restarted and the point
@@ -140,7 +160,7 @@ class Sweep:
             profile.start()
             try:
                 row = run(self.url)
-            except Exception as exc:  # a dying server also fails the client's gRPC stream itself
+            except Exception as exc:  # a dying server also fails the client's requests
                 row = {"error": f"{type(exc).__name__}: {exc}"}
             if not self.server_alive():
                 why = self.local.restart()
@@ -156,8 +176,8 @@ class Sweep:
             self.failures += "error" in row
             return row
 
-    def unpaced(self, point: SweepPoint, client: bool, perf: bool) -> None:
-        """The point with the streaming client, then with perf_analyzer (its length sized by the
+    def point(self, point: SweepPoint, client: bool, perf: bool) -> None:
+        """The point with the asyncio client, then with perf_analyzer (its length sized by the
         client's request rate when the client ran)."""
         request_rate_estimate = None
         if client:
@@ -170,17 +190,6 @@ class Sweep:
             self.perf.append(self.measure(point, lambda url: run_perf_point(
                 url, point, self.load, request_rate_estimate, self.raw_dir, self.server_alive)))
 
-    def paced(self, streams: list[int], catch_up: bool) -> None:
-        """Paced live streams, more each time, until one stream falls behind real time."""
-        for count in streams:
-            point = SweepPoint(count, 1, paced=True, catch_up=catch_up)
-            _log(f"client        {point.label} ...")
-            row = self.measure(point, lambda url, point=point: run_client_point(url, point, self.load))
-            self.client.append(row)
-            if "error" in row or row["real_time_factor_per_stream_min"] < PACED_KEEPS_REAL_TIME:
-                break  # more streams fall further behind
-
-
 def parse_counts(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
@@ -190,17 +199,15 @@ def parse_counts(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
-    parser.add_argument("--streams", type=parse_counts, default=[1, 8, 32], help="unpaced sweep (default 1,8,32)")
+    parser.add_argument("--streams", type=parse_counts, default=[1, 8, 32], help="concurrent streams, swept (default 1,8,32)")
     parser.add_argument("--chunk-frames", type=parse_counts, default=[1, 4, 16],
                         help="frames per request after the first, swept (default 1,4,16)")
-    parser.add_argument("--paced-streams", type=parse_counts, default=[4, 8, 12, 16, 24, 32],
-                        help="paced live streams, tried in turn until one falls behind (default 4,8,12,16,24,32)")
     parser.add_argument("--frames", type=int, default=96, help="frames per stream (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the codes; stream i uses seed + i")
     parser.add_argument("--point-seconds", type=float, default=5.0, help="approximate seconds per perf_analyzer point")
     parser.add_argument("--onnx", type=Path, help="the served ONNX step, for the overhead column (a local server's is known)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go (default bench_results/)")
-    parser.add_argument("--no-client", action="store_true", help="skip the streaming-client runs")
+    parser.add_argument("--no-client", action="store_true", help="skip the asyncio-client runs")
     parser.add_argument("--no-perf", action="store_true", help="skip perf_analyzer")
 
 
@@ -212,7 +219,6 @@ def _meta(args: argparse.Namespace, server: str, url: str) -> dict:
         "front_instances": args.front_instances if local else None,
         "queue_delay_us": {"code2wav": args.front_queue_delay_us, "mimi_decoder": args.max_queue_delay_us} if local else None,
         "frames": args.frames, "chunk_frames": args.chunk_frames, "streams": args.streams,
-        "paced_streams": args.paced_streams,
     }
 
 
@@ -229,10 +235,7 @@ def _measure(args: argparse.Namespace, raw_dir: Path, local: LocalServer | None)
     elif not args.url and args.decoder == "null":
         results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
     for chunk, streams in itertools.product(args.chunk_frames, args.streams):
-        sweep.unpaced(SweepPoint(streams, chunk), client=not args.no_client, perf=not args.no_perf)
-    if not args.no_client:
-        for catch_up in (False, True):
-            sweep.paced(args.paced_streams, catch_up)
+        sweep.point(SweepPoint(streams, chunk), client=not args.no_client, perf=not args.no_perf)
     if local is not None and local.crashes:
         results["meta"]["server_crashes"] = local.crashes
     return results, sweep.failures

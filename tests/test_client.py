@@ -751,6 +751,8 @@ def test_catch_up_streams_send_every_frame_produced_while_a_request_was_out():
     assert frames_heard(result.pcm) == list(range(12))
     assert result.chunk_frames[0] == 1 and sum(result.chunk_frames) == 12
     assert max(result.chunk_frames[1:]) >= 3 and len(result.chunk_frames) <= 6, result.chunk_frames
+    with pytest.raises(ClientError, match="catch_up paces requests: it needs paced=True"):
+        StreamOptions(catch_up=True).validate()
 
 
 class ReadyClient:
@@ -846,31 +848,6 @@ def test_decode_rejects_bad_resume_options(args, message, capsys):
     with pytest.raises(SystemExit) as info:
         main(["decode", "--random", "--frames", "2", *args])
     assert info.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_catch_up_pacing_sends_every_frame_produced_since_the_last_request():
-    """Catch-up: nothing is sent while a request is in flight; then one request with every frame that
-    exists (frame j exists at j * 80 ms after the stream's start); the first request waits for its
-    first frame only."""
-    from benchmarks.streamer import FRAME_DURATION_S, ScheduledStream
-
-    stream = ScheduledStream(7, np.zeros((8, 20), np.int64), StreamOptions(paced=True, catch_up=True), start_offset_s=0.5)
-    assert stream.catch_up_chunk(now_s=100.0, run_start_s=100.0, first_chunk_frames=1) == 100.5  # not started yet
-    assert stream.catch_up_chunk(100.5, 100.0, 1) is None and stream.bounds == [(0, 1)]
-    stream.next_chunk = 1  # sent: in flight
-    assert stream.catch_up_chunk(100.5 + 5 * FRAME_DURATION_S, 100.0, 1) is None and stream.bounds == [(0, 1)]
-    stream.received = 1  # answered 5.5 frames later: frames 1..5 exist
-    assert stream.catch_up_chunk(100.5 + 5.5 * FRAME_DURATION_S, 100.0, 1) is None and stream.bounds[-1] == (1, 6)
-    stream.next_chunk, stream.received = 2, 2
-    # Nothing new yet: wait until frame 6 exists.
-    due = stream.catch_up_chunk(100.5 + 5.6 * FRAME_DURATION_S, 100.0, 1)
-    assert due == pytest.approx(100.5 + 6 * FRAME_DURATION_S) and len(stream.bounds) == 2
-    # Late by far more than the stream: the last request carries everything up to its end.
-    assert stream.catch_up_chunk(200.0, 100.0, 1) is None and stream.bounds[-1] == (6, 20)
-    stream.next_chunk, stream.received, stream.frames_received = 3, 3, 20
-    assert stream.done and stream.catch_up_chunk(300.0, 100.0, 1) is None
-    with pytest.raises(ClientError, match="catch_up paces requests: it needs paced=True"):
-        StreamOptions(catch_up=True).validate()
 
 
 def test_percentiles_are_the_one_latency_summary():

@@ -871,8 +871,8 @@ def test_two_front_instances_share_the_streams_and_the_bench_profile_counts_ever
     requests stay on their instance), and the bench's point profile charges the CPU time of
     tritonserver and both stubs to the requests Triton counted, with both models' batches."""
     from benchmarks.profile import PointProfile
-    from benchmarks.streamer import Code2WavStreamer
-    from mimi_code2wav.client.protocol import StreamOptions, random_codes
+    from benchmarks.sweep import decode_streams
+    from mimi_code2wav.client.protocol import random_codes
     from mimi_code2wav.server.processes import group_pids, process_role
 
     server = triton_server_factory(null_repository_two_fronts)
@@ -880,8 +880,7 @@ def test_two_front_instances_share_the_streams_and_the_bench_profile_counts_ever
     assert roles == ["stub code2wav", "stub code2wav", "stub mimi_decoder", "tritonserver"]
     profile = PointProfile(server.pid, server.metrics_url)
     profile.start()
-    with Code2WavStreamer(server.grpc_url) as streamer:
-        report = streamer.run([random_codes(40, seed) for seed in range(6)], StreamOptions(chunk_frames=1))
+    report = decode_streams(server.grpc_url, [random_codes(40, seed) for seed in range(6)], chunk_frames=1)
     result = profile.finish(0)
     assert [r.pcm.shape for r in report.results] == [(40 * SAMPLES_PER_FRAME,)] * 6
     assert all(not r.pcm.any() for r in report.results)
@@ -897,8 +896,8 @@ def test_the_bench_server_restarts_on_the_same_ports_after_a_crash(null_reposito
     """`python -m benchmarks sweep` goes on after tritonserver dies: the crash is recorded with the log
     tail, the crashed log kept, and a fresh server answers on the same address."""
     from benchmarks.local_server import LocalServer
-    from benchmarks.streamer import Code2WavStreamer
-    from mimi_code2wav.client.protocol import StreamOptions, random_codes
+    from benchmarks.sweep import decode_streams
+    from mimi_code2wav.client.protocol import random_codes
 
     local = LocalServer(null_repository_two_fronts, tmp_path / "tritonserver.log", "test")
     local.start()
@@ -910,8 +909,7 @@ def test_the_bench_server_restarts_on_the_same_ports_after_a_crash(null_reposito
         assert "tritonserver exited during the run (code -9)" in why and local.crashes == [why]
         assert (tmp_path / "tritonserver.crash1.log").is_file() and f"log kept as {tmp_path / 'tritonserver.crash1.log'}" in why
         assert local.url == url and local.server.pid != pid and local.server.is_alive()
-        with Code2WavStreamer(local.url) as streamer:
-            report = streamer.run([random_codes(3, 0)], StreamOptions(chunk_frames=1))
+        report = decode_streams(local.url, [random_codes(3, 0)], chunk_frames=1)
         assert report.results[0].pcm.shape == (3 * SAMPLES_PER_FRAME,)
     finally:
         local.stop()
