@@ -44,6 +44,9 @@ KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
 MODEL = "stream_counter"
 # Short, so that a restarted replica gets its keys back within a test's patience.
 FAIL_TIMEOUT_S = 2
+# The replica sets' exit timeout. Their tests leave streams open, and a stopping replica waits for its
+# live streams up to this (25 s in production); nothing here is about that wait.
+EXIT_TIMEOUT_S = 1
 # Triton's refusal of a stream it never saw START (the replica a stream moved to).
 NOT_STARTED = "must specify the START flag on the first request of the sequence"
 # The proxy's own answer when no replica could take a request (e.g. in flight when its replica died).
@@ -133,6 +136,7 @@ def running_replicas(repository: Path, run_dir: Path, replicas: int = 3, **kwarg
     """A started ReplicaSet on free loopback ports, stopped on exit; on an error, the tails of nginx's
     error log and of every replica's log are printed (pytest shows them with the failure)."""
     kwargs.setdefault("fail_timeout_s", FAIL_TIMEOUT_S)
+    kwargs.setdefault("exit_timeout_s", EXIT_TIMEOUT_S)
     replica_set = ReplicaSet(repository, replicas, run_dir=run_dir, grpc_port=0, http_port=0,
                              replica_base_port=None, **kwargs)
     try:
