@@ -231,6 +231,16 @@ def inference_log(replica_set: ReplicaSet, expected_lines: int, timeout_s: float
         time.sleep(0.05)
 
 
+def replicas_of_stream(replica_set: ReplicaSet, key: str, timeout_s: float = 5.0) -> set[str]:
+    """The replicas the proxy's access log names for stream `key`; waits for its first line (nginx
+    writes a request's line after the client may already hold the response)."""
+    deadline = time.monotonic() + timeout_s
+    while (placed := nginx.replicas_by_stream(replica_set.proxy.requests()).get(key)) is None:
+        assert time.monotonic() < deadline, f"no access log line for stream {key} in {timeout_s:g} s"
+        time.sleep(0.05)
+    return placed
+
+
 def inference_successes(replica) -> float:
     return metric_value(fetch_metrics(replica.metrics_url), "nv_inference_request_success", model=MODEL) or 0.0
 
@@ -625,7 +635,7 @@ def test_asyncio_conversations_keep_their_replica_and_survive_its_loss(nginx_ins
                     codes = rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, frames), dtype=np.int64)
                     stream = client.stream(stream_key=f"aio-proxy-{number}")
                     first = await stream.decode(codes[:, :1])
-                    placed = nginx.replicas_by_stream(replica_set.proxy.requests())[stream.stream_key]
+                    placed = replicas_of_stream(replica_set, stream.stream_key)
                     (replica,) = {by_url[url] for url in placed}
                     if len(chosen[replica]) < 2:
                         chosen[replica].append((stream, codes, [first]))
