@@ -40,7 +40,7 @@ from .nginx import (
 from .processes import ServerError, StopsOnExit, http_ready
 from .serve import add_repository_arguments, prepare_repository
 from .supervise import Foreground, HealthCheck, Replica, run_in_foreground, supervise
-from .triton import LOCALHOST, TritonServer, port_is_free
+from .triton import DEFAULT_EXIT_TIMEOUT_S, LOCALHOST, TritonServer, port_is_free
 
 DEFAULT_REPLICA_BASE_PORT = 8100
 # Replica i's ports: base + 10 i + (0: HTTP, 1: gRPC, 2: metrics), the layout of `serve` shifted.
@@ -59,6 +59,8 @@ class ReplicaSet(StopsOnExit):
     Replica i uses `replica_base_port + 10 i + (0, 1, 2)` for HTTP, gRPC and metrics, or free ports
     when `replica_base_port` is None. `launch_guard()` is entered around each process launch (the
     foreground command holds its stop signals there, so that stop() always knows every process).
+    `exit_timeout_s` is each replica's --exit-timeout-secs: how long a stopping replica waits for its
+    live streams (a drain), as for `serve`.
     `proxy_options` go to the proxy's `NginxProxy`: `grpc_port` / `http_port` (0: free ports), `host`
     (the address it binds; replicas always listen on 127.0.0.1), `max_fails`, `fail_timeout_s`, `binary`.
     """
@@ -71,6 +73,7 @@ class ReplicaSet(StopsOnExit):
         run_dir: Path | str,
         replica_base_port: int | None = DEFAULT_REPLICA_BASE_PORT,
         log_verbose: int = 0,
+        exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S,
         launch_guard: Callable[[], ContextManager] = contextlib.nullcontext,
         **proxy_options,
     ):
@@ -81,6 +84,7 @@ class ReplicaSet(StopsOnExit):
         self.run_dir = Path(run_dir).resolve()
         self.replica_base_port = replica_base_port or None
         self.log_verbose = log_verbose
+        self.exit_timeout_s = exit_timeout_s
         self.launch_guard = launch_guard
         self.replicas: list[Replica] = []
         # Its replicas' addresses are known once they have started.
@@ -126,6 +130,7 @@ class ReplicaSet(StopsOnExit):
             host=LOCALHOST,
             log_path=self.run_dir / f"replica-{index}.log",
             log_verbose=self.log_verbose,
+            exit_timeout_s=self.exit_timeout_s,
         )
 
     # Lifecycle -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ the log tails of the servers running at that moment are attached to its report.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 
 import pytest
@@ -36,13 +37,25 @@ def tracked_server(model_repository, **kwargs):
 def triton_server_factory():
     """Callable `start(model_repository, **kwargs) -> TritonServer`: a ready server on free ports
     (`.grpc_url`, `.http_url`, `.metrics_url`, `.log_path`), stopped when the session ends.
-    Keyword arguments go to `server.triton.TritonServer` (e.g. `log_verbose=1`)."""
+    Keyword arguments go to `server.triton.TritonServer` (e.g. `log_verbose=1`).
+
+    The servers stop together: each may wait for the streams tests left open (up to its exit
+    timeout), and one after another those waits add up."""
     with contextlib.ExitStack() as stack:
+        started: list[TritonServer] = []
 
         def start(model_repository, **kwargs) -> TritonServer:
-            return stack.enter_context(tracked_server(model_repository, **kwargs))
+            server = stack.enter_context(tracked_server(model_repository, **kwargs))
+            started.append(server)
+            return server
 
-        yield start
+        try:
+            yield start
+        finally:
+            if started:
+                with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
+                    for future in [pool.submit(server.stop) for server in started]:
+                        future.result()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -44,6 +44,9 @@ KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
 MODEL = "stream_counter"
 # Short, so that a restarted replica gets its keys back within a test's patience.
 FAIL_TIMEOUT_S = 2
+# The replica sets' exit timeout. Their tests leave streams open, and a stopping replica waits for its
+# live streams up to this (25 s in production); nothing here is about that wait.
+EXIT_TIMEOUT_S = 1
 # Triton's refusal of a stream it never saw START (the replica a stream moved to).
 NOT_STARTED = "must specify the START flag on the first request of the sequence"
 # The proxy's own answer when no replica could take a request (e.g. in flight when its replica died).
@@ -128,11 +131,26 @@ def counter_repository(tmp_path_factory) -> Path:
     return repository
 
 
+@pytest.fixture(scope="module")
+def short_idle_counter_repository(tmp_path_factory) -> Path:
+    """`stream_counter` whose streams idle out after 2 s, for the commands' tests: they stop (SIGTERM)
+    and drain (SIGHUP) replicas that hold streams, and a stopping replica waits for its live streams
+    (up to the 25 s exit timeout), so here they leave within 2 s."""
+    repository = tmp_path_factory.mktemp("stream_counter_short_idle") / "repository"
+    model_dir = repository / MODEL
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(
+        STREAM_COUNTER_CONFIG.replace("max_sequence_idle_microseconds: 60000000", "max_sequence_idle_microseconds: 2000000"))
+    (model_dir / "1" / "model.py").write_text(STREAM_COUNTER_MODEL)
+    return repository
+
+
 @contextlib.contextmanager
 def running_replicas(repository: Path, run_dir: Path, replicas: int = 3, **kwargs):
     """A started ReplicaSet on free loopback ports, stopped on exit; on an error, the tails of nginx's
     error log and of every replica's log are printed (pytest shows them with the failure)."""
     kwargs.setdefault("fail_timeout_s", FAIL_TIMEOUT_S)
+    kwargs.setdefault("exit_timeout_s", EXIT_TIMEOUT_S)
     replica_set = ReplicaSet(repository, replicas, run_dir=run_dir, grpc_port=0, http_port=0,
                              replica_base_port=None, **kwargs)
     try:
@@ -211,6 +229,16 @@ def inference_log(replica_set: ReplicaSet, expected_lines: int, timeout_s: float
             assert len(lines) == expected_lines, f"{len(lines)} inference lines in the access log, expected {expected_lines}"
             return lines
         time.sleep(0.05)
+
+
+def replicas_of_stream(replica_set: ReplicaSet, key: str, timeout_s: float = 5.0) -> set[str]:
+    """The replicas the proxy's access log names for stream `key`; waits for its first line (nginx
+    writes a request's line after the client may already hold the response)."""
+    deadline = time.monotonic() + timeout_s
+    while (placed := nginx.replicas_by_stream(replica_set.proxy.requests()).get(key)) is None:
+        assert time.monotonic() < deadline, f"no access log line for stream {key} in {timeout_s:g} s"
+        time.sleep(0.05)
+    return placed
 
 
 def inference_successes(replica) -> float:
@@ -471,14 +499,15 @@ def test_restarted_replica_takes_its_streams_back(nginx_install, counter_reposit
 
 # ---- the command ---------------------------------------------------------------------------------
 
-def test_serve_replicas_command_stops_cleanly_on_sigterm(nginx_install, counter_repository, tmp_path):
+def test_serve_replicas_command_stops_cleanly_on_sigterm(nginx_install, short_idle_counter_repository, tmp_path):
     """`code2wav-server serve-replicas` in the foreground: ready, routes a stream, and SIGTERM stops
-    nginx and every replica once, exit 0, leaving no process, port or shared memory."""
+    nginx and every replica once, exit 0, leaving no process, port or shared memory. (The stream is
+    still open at the SIGTERM: its replica waits for it to idle out, 2 s here, not the exit timeout.)"""
     grpc_port, http_port = free_ports(2)
     cli = subprocess.Popen(
         [sys.executable, "-m", "mimi_code2wav.server", "serve-replicas", "--replicas", "2",
-         "--model-repository", str(counter_repository), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-         "--replica-base-port", "0", "--run-dir", str(tmp_path / "run")],
+         "--model-repository", str(short_idle_counter_repository), "--grpc-port", str(grpc_port),
+         "--http-port", str(http_port), "--replica-base-port", "0", "--run-dir", str(tmp_path / "run")],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     children: list[int] = []
@@ -606,7 +635,7 @@ def test_asyncio_conversations_keep_their_replica_and_survive_its_loss(nginx_ins
                     codes = rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, frames), dtype=np.int64)
                     stream = client.stream(stream_key=f"aio-proxy-{number}")
                     first = await stream.decode(codes[:, :1])
-                    placed = nginx.replicas_by_stream(replica_set.proxy.requests())[stream.stream_key]
+                    placed = replicas_of_stream(replica_set, stream.stream_key)
                     (replica,) = {by_url[url] for url in placed}
                     if len(chosen[replica]) < 2:
                         chosen[replica].append((stream, codes, [first]))
@@ -695,23 +724,18 @@ def test_kubernetes_manifests_hash_streams_over_the_ready_pods():
     assert f"httpHeaderName: {STREAM_KEY_HEADER}" in (KUBERNETES_DIR / "gateway-envoy.yaml").read_text()
 
 
-def test_serve_replicas_takes_out_a_hung_replica_restarts_it_and_rolls_on_sighup(nginx_install, tmp_path):
+def test_serve_replicas_takes_out_a_hung_replica_restarts_it_and_rolls_on_sighup(
+        nginx_install, short_idle_counter_repository, tmp_path):
     """`serve-replicas --restart`: a replica that stops answering (SIGSTOP) is taken out of the proxy
     after its unanswered health checks, so new streams of its keys go to the other replica, then killed
     and started again and put back; SIGHUP drains and restarts each replica in turn (exit 0 each),
     the command serving throughout."""
-    # Streams idle out after 2 s here, so that a drain (which waits for live sequences) is short.
-    counter_repository = tmp_path / "repository"
-    (counter_repository / MODEL / "1").mkdir(parents=True)
-    (counter_repository / MODEL / "config.pbtxt").write_text(
-        STREAM_COUNTER_CONFIG.replace("max_sequence_idle_microseconds: 60000000", "max_sequence_idle_microseconds: 2000000"))
-    (counter_repository / MODEL / "1" / "model.py").write_text(STREAM_COUNTER_MODEL)
     grpc_port, http_port = free_ports(2)
     cli = subprocess.Popen(
         [sys.executable, "-m", "mimi_code2wav.server", "serve-replicas", "--replicas", "2", "--restart",
          "--health-timeout-s", "0.5", "--health-checks", "2", "--fail-timeout-s", str(FAIL_TIMEOUT_S),
-         "--model-repository", str(counter_repository), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-         "--replica-base-port", "0", "--run-dir", str(tmp_path / "run")],
+         "--model-repository", str(short_idle_counter_repository), "--grpc-port", str(grpc_port),
+         "--http-port", str(http_port), "--replica-base-port", "0", "--run-dir", str(tmp_path / "run")],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines: list[str] = []
