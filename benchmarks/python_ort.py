@@ -107,7 +107,8 @@ class Bench:
         self.streams = streams
         codes = self.config.inputs[0]
         rng = np.random.default_rng(0)
-        self.codes = [rng.integers(0, 2048, (1, codes.dims[0], 1)).astype(codes.dtype) for _ in range(16)]
+        low, high = self.config.value_ranges[codes.name]
+        self.codes = [rng.integers(low, high, (1, codes.dims[0], 1)).astype(codes.dtype) for _ in range(16)]
 
     def core(self, variant: str):
         memory, config = self.memory, self.config

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from test_server_launcher import infer_add_one, write_model
 
-from mimi_code2wav.server.processes import group_pids, process_group_alive
+from benchmarks.profile import group_pids
+from mimi_code2wav.server.processes import process_group_alive
 from mimi_code2wav.server.triton import TritonServer
 
 from helpers import REPO_ROOT, process_exists, wait_until
