@@ -35,7 +35,6 @@ import argparse
 import multiprocessing
 import statistics
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,9 +98,7 @@ class Bench:
         if threads:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(export / "model.onnx"), options, providers=["CPUExecutionProvider"])
-        # What the model's arena_release_options makes on a CPU: the run that gives the arena back.
-        self.release_options = ort.RunOptions()
-        self.release_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        self.release_options = self.memory.arena_release_options()
         config = served_config(export, streams)
         self.config = self.config_module.check_against_onnx(config, self.session.get_inputs(), self.session.get_outputs())
         self.streams = streams
@@ -115,8 +112,7 @@ class Bench:
         limit = 0 if variant in ("no array reuse", "plain") else memory.state_buffer_limit(config)
         buffers = memory.StateBuffers(limit)
         if variant in ("no IO binding", "plain"):
-            names = [t.name for t in config.outputs] + [s.output for s in config.states]
-            run = lambda feeds, options=None: self.session.run(names, feeds, options)  # noqa: E731
+            run = lambda feeds, options=None: self.session.run(config.output_names, feeds, options)  # noqa: E731
             release = lambda feeds: run(feeds, self.release_options)  # noqa: E731
         else:
             run = memory.BoundRunner(self.session, config, self.release_options, allocate=buffers.take)
@@ -213,10 +209,9 @@ def run(args: argparse.Namespace) -> int:
     meta = run_meta("python-ort", command_line())
     export = args.export
     if export is None:
-        from .step_profile import _export_fresh
+        from .step_profile import export_fresh
 
-        export = _export_fresh(Path(tempfile.mkdtemp(prefix="mimi-export-")),
-                               argparse.Namespace(weights=None, kv_cache_dtype="float32"))
+        export = export_fresh()
     bench = Bench(export, args.streams, args.threads)
     rounds: dict[str, dict[str, list[float]]] = {w: {v: [] for v in VARIANTS} for w in WORKLOADS}
     for index in range(args.rounds):

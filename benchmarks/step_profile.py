@@ -176,15 +176,17 @@ def step_profile_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _export_fresh(work: Path, args) -> Path:
+def export_fresh(weights: Path | None = None, kv_cache_dtype: str = "float32") -> Path:
+    """Export the step now (`weights`, or seeded random ones) into a new temporary folder."""
     import warnings
 
     warnings.filterwarnings("ignore")
     from mimi_code2wav.export.onnx_export import ExportOptions, build_step, export_onnx, write_manifest
     from mimi_code2wav.export.weights import load_weights
 
-    loaded = load_weights(args.weights, seed=None if args.weights else 0)
-    options = ExportOptions(kv_cache_dtype=args.kv_cache_dtype)
+    work = Path(tempfile.mkdtemp(prefix="mimi-export-"))
+    loaded = load_weights(weights, seed=None if weights else 0)
+    options = ExportOptions(kv_cache_dtype=kv_cache_dtype)
     _log("exporting the step ...")
     spec = export_onnx(build_step(loaded.model, options), work / "model.onnx", log=lambda *_: None)
     write_manifest(work, spec, options, loaded.source, loaded.kind, loaded.sha256)
@@ -207,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     meta = run_meta("step-profile", command_line())
-    folders = {"export": args.export or _export_fresh(Path(tempfile.mkdtemp(prefix="mimi-export-")), args)}
+    folders = {"export": args.export or export_fresh(args.weights, args.kv_cache_dtype)}
     if args.baseline:
         folders = {"baseline": args.baseline, **folders}
     points = []

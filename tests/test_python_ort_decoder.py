@@ -142,7 +142,7 @@ def onnx_session(tmp_path_factory):
 def make_core(session, clock=None, run_wrapper=None, config=None):
     config = config or ort_config.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
     config = ort_config.check_against_onnx(config, session.get_inputs(), session.get_outputs())
-    names = [t.name for t in config.outputs] + [s.output for s in config.states]
+    names = config.output_names
     calls = []
 
     def run(feeds):

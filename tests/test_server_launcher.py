@@ -141,21 +141,30 @@ def test_running_server_error_carries_log_tail(tmp_path):
 
 @contextlib.contextmanager
 def serve_cli(repository: Path, log: Path):
-    """`code2wav-server serve` of `repository` on free ports, ready; yields (process, ports). Killed
-    on the way out if the test left it running."""
+    """`code2wav-server serve` of `repository` on free ports, ready; yields (process, ports, its
+    output file: <log>.out, readable while it runs). Killed on the way out if the test left it running."""
     ports = free_ports(3)
     command = [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
                *(arg for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), ports)
                  for arg in (flag, str(port))),
                "--log-file", str(log)]
-    cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = log.with_name(f"{log.name}.out")
+    with output.open("w") as sink:
+        cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_http_ready(ports[0], cli, timeout_s=60)
-        yield cli, ports
+        wait_http_ready(ports[0], cli, timeout_s=60, output=output)
+        yield cli, ports, output
     finally:
         if cli.poll() is None:
             cli.kill()
             cli.wait()
+
+
+def stop_cli(cli: subprocess.Popen, output: Path) -> str:
+    """SIGTERM the serve command, wait for it, and return everything it printed."""
+    cli.send_signal(signal.SIGTERM)
+    cli.wait(timeout=60)
+    return output.read_text()
 
 
 def tritonserver_child(cli: subprocess.Popen) -> int | None:
@@ -164,14 +173,13 @@ def tritonserver_child(cli: subprocess.Popen) -> int | None:
 
 
 def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
-    with serve_cli(write_model(tmp_path / "repo"), tmp_path / "server.log") as (cli, ports):
+    with serve_cli(write_model(tmp_path / "repo"), tmp_path / "server.log") as (cli, ports, out):
         http_port, grpc_port, metrics_port = ports
         infer_add_one(f"127.0.0.1:{grpc_port}")
         server_pid = tritonserver_child(cli)
         prefix = shm_prefix_of(server_pid)
         assert list(SHM_DIR.glob(f"{prefix}*"))
-        cli.send_signal(signal.SIGTERM)
-        output, _ = cli.communicate(timeout=60)
+        output = stop_cli(cli, out)
     assert cli.returncode == 0, output
     assert f"gRPC     127.0.0.1:{grpc_port}" in output
     assert re.search(r"tritonserver ready in [0-9.]+ s", output)
@@ -186,19 +194,18 @@ def test_sighup_drains_serve_and_starts_it_again_reading_the_repository_afresh(t
     """The operator's restart: SIGHUP drains tritonserver (exit 0), starts a new one at once on the
     same ports, which serves what the repository holds now; the old one leaves nothing behind."""
     repository, log = write_model(tmp_path / "repo"), tmp_path / "server.log"
-    with serve_cli(repository, log) as (cli, (http_port, grpc_port, _)):
+    with serve_cli(repository, log) as (cli, (http_port, grpc_port, _), out):
         first_pid = tritonserver_child(cli)
         write_model(repository, name="add_two")  # what the next server must load
         cli.send_signal(signal.SIGHUP)
-        assert wait_until(lambda: not process_exists(first_pid), 40), "SIGHUP did not drain the server"
-        assert wait_until(lambda: tritonserver_child(cli) is not None, 20), "no new server after SIGHUP"
-        wait_http_ready(http_port, cli, timeout_s=60)
+        assert wait_until(lambda: not process_exists(first_pid), 40), f"SIGHUP did not drain the server:\n{out.read_text()}"
+        assert wait_until(lambda: tritonserver_child(cli) is not None, 20), f"no new server after SIGHUP:\n{out.read_text()}"
+        wait_http_ready(http_port, cli, timeout_s=60, output=out)
         second_pid = tritonserver_child(cli)
         infer_add_one(f"127.0.0.1:{grpc_port}")
         infer_add_one(f"127.0.0.1:{grpc_port}", model="add_two")
         assert not process_group_alive(first_pid), "the drained server left a stub behind"
-        cli.send_signal(signal.SIGTERM)
-        output, _ = cli.communicate(timeout=60)
+        output = stop_cli(cli, out)
     assert cli.returncode == 0, output
     assert f"SIGHUP: draining tritonserver (pid {first_pid}) to start it again" in output, output
     assert re.search(rf"tritonserver \(pid {first_pid}\) drained \(exited with code 0\) and restarted in [0-9.]+ s "
@@ -211,16 +218,16 @@ def test_serve_restarts_a_tritonserver_that_dies_on_the_same_ports(tmp_path):
     """A crash (SIGKILL of tritonserver alone): reported with its exit, started again on the same
     ports after the first backoff delay, the dead server's log kept as <log>.1 and its stubs gone."""
     repository, log = write_model(tmp_path / "repo"), tmp_path / "server.log"
-    with serve_cli(repository, log) as (cli, (http_port, grpc_port, _)):
+    with serve_cli(repository, log) as (cli, (http_port, grpc_port, _), out):
         first_pid = tritonserver_child(cli)
         os.kill(first_pid, signal.SIGKILL)
-        assert wait_until(lambda: tritonserver_child(cli) not in (None, first_pid), 30), "no new server after the crash"
-        wait_http_ready(http_port, cli, timeout_s=60)
+        assert wait_until(lambda: tritonserver_child(cli) not in (None, first_pid), 30), \
+            f"no new server after the crash:\n{out.read_text()}"
+        wait_http_ready(http_port, cli, timeout_s=60, output=out)
         second_pid = tritonserver_child(cli)
         infer_add_one(f"127.0.0.1:{grpc_port}")
         assert not process_group_alive(first_pid), "the dead server left a stub behind"
-        cli.send_signal(signal.SIGTERM)
-        output, _ = cli.communicate(timeout=60)
+        output = stop_cli(cli, out)
     assert cli.returncode == 0, output
     assert f"tritonserver (pid {first_pid}) was killed by SIGKILL after" in output, output
     assert "; restart in 0.5 s on the same ports" in output, output

@@ -61,17 +61,6 @@ def create_session(path: Path, intra_op_threads: int, instance_kind: str, device
     return ort.InferenceSession(str(path), sess_options=options, providers=providers)
 
 
-def arena_release_options(instance_kind: str, device_id: int):
-    """Run options that shrink the session's memory arena after the run (ONNX Runtime frees the
-    arena regions no tensor uses any more)."""
-    import onnxruntime as ort
-
-    options = ort.RunOptions()
-    device = f"gpu:{device_id}" if instance_kind.upper() == "GPU" else "cpu:0"
-    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", device)
-    return options
-
-
 # The core's figures, published as changes so the instances add up: (metric name, kind, description,
 # the figure read from the core). Counters grow; gauges leave with their instance.
 _CORE_FIGURES = (
@@ -149,7 +138,7 @@ class TritonPythonModel:
 
         mmap_fixed = ort_memory.fix_mmap_threshold()
         buffers = ort_memory.StateBuffers(ort_memory.state_buffer_limit(config))
-        runner = ort_memory.BoundRunner(session, config, arena_release_options(kind, device_id), allocate=buffers.take)
+        runner = ort_memory.BoundRunner(session, config, ort_memory.arena_release_options(kind, device_id), allocate=buffers.take)
         self._core = core.StreamingDecoderCore(
             config, runner, model_name=self._name, log_error=pb_utils.Logger.log_error, release=runner.release,
             buffers=buffers,

@@ -107,6 +107,11 @@ class DecoderConfig:
     def state_bytes_per_stream(self) -> int:
         return sum(math.prod(s.shape) * s.dtype.itemsize for s in self.states)
 
+    @property
+    def output_names(self) -> list[str]:
+        """What one session run returns, in order: the config's outputs, then each state's output."""
+        return [t.name for t in self.outputs] + [s.output for s in self.states]
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -326,7 +331,7 @@ def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -
             f"ONNX inputs {sorted(graph_inputs)} do not match config inputs + state inputs "
             f"{expected_inputs} (missing from the graph: {missing}, not fed: {unfed})"
         )
-    expected_outputs = [t.name for t in config.outputs] + [s.output for s in config.states]
+    expected_outputs = config.output_names
     missing = [name for name in expected_outputs if name not in graph_outputs]
     if missing:
         raise ValueError(f"ONNX outputs {sorted(graph_outputs)} lack {missing}")

@@ -70,7 +70,7 @@ class StreamingDecoderCore:
     """Per-sequence state and batched stepping, independent of Triton.
 
     `run(feeds)` runs one batched step: `feeds` maps every input and state-input name to a
-    `[rows, ...]` array; it returns the outputs in the order of `output_names` (config outputs,
+    `[rows, ...]` array; it returns the outputs in the order of `config.output_names` (config outputs,
     then state outputs), each `[rows, ...]`; its state outputs must be new arrays (the core keeps
     them as the streams' state and hands them back to `buffers` once no stream holds them).
     `release(feeds)`, when given, runs one step whose scratch memory is handed back to the system
@@ -97,7 +97,6 @@ class StreamingDecoderCore:
         self._clock = clock
         self._model_name = model_name
         self._log_error = log_error
-        self.output_names = [t.name for t in config.outputs] + [s.output for s in config.states]
         # One shared, read-only zero row per state: what a fresh stream feeds on its first step.
         self._zero_rows = []
         for state in config.states:
@@ -323,7 +322,7 @@ class StreamingDecoderCore:
 
     def _run_checked(self, feeds: dict[str, np.ndarray], count: int) -> list[np.ndarray]:
         outputs = list(self._run(feeds))
-        if len(outputs) != len(self.output_names) or any(out.shape[0] != count for out in outputs):
+        if len(outputs) != len(self.config.output_names) or any(out.shape[0] != count for out in outputs):
             raise RuntimeError(f"the step returned shapes {[list(o.shape) for o in outputs]} for {count} rows")
         return outputs
 

@@ -164,6 +164,17 @@ class BoundRunner:
         self(feeds, self._release_options)
 
 
+def arena_release_options(instance_kind: str = "CPU", device_id: int = 0):
+    """Run options that shrink the session's memory arena after the run (ONNX Runtime frees the
+    arena regions no tensor uses any more): what `BoundRunner.release` runs with."""
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    device = f"gpu:{device_id}" if instance_kind.upper() == "GPU" else "cpu:0"
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", device)
+    return options
+
+
 # glibc serves allocations of at least this many bytes with their own mmap, and unmaps them when
 # freed. Its default threshold rises with every such free (up to 32 MiB), after which a stream's
 # state lands on the heap and stays there after the stream is gone. A stream's smallest state array
