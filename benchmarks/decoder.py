@@ -1,5 +1,7 @@
 """Decoder speed on this machine: moshi PyTorch streaming, the step module (eager PyTorch), ONNX
-Runtime and rustymimi, in one run, against the machine's measured fp32 matmul peak.
+Runtime and rustymimi, in one run, against the machine's measured fp32 matmul peak. ONNX Runtime
+runs as the native decoder config has it (no memory patterns), and again with memory patterns on
+(`onnxruntime, mem pattern`) for comparison.
 
   python -m benchmarks decoder [--weights moshi.safetensors] [--seconds 2] [--out bench_results]
 
@@ -125,10 +127,13 @@ def _measure_step(rows: _Rows, model, work: Path, args, rng) -> None:
     names = [t.name for t in spec.inputs]
     for frames, threads in itertools.product(args.frames_per_call, args.threads):
         torch.set_num_threads(threads)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        session = ort.InferenceSession(str(work / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        sessions = {}
+        for engine, pattern in (("onnxruntime", False), ("onnxruntime, mem pattern", True)):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            options.enable_mem_pattern = pattern
+            sessions[engine] = ort.InferenceSession(str(work / "model.onnx"), options, providers=["CPUExecutionProvider"])
         for batch in args.batches:
             codes = rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32)
             state = list(step.zero_state(batch))
@@ -139,13 +144,14 @@ def _measure_step(rows: _Rows, model, work: Path, args, rng) -> None:
                     _, *state = step(torch.from_numpy(codes), *state)
 
             rows.add("step-eager", batch, frames, threads, timed(eager, args.seconds))
-            ort_state = [np.zeros((batch, *s.shape), dtype=s.dtype) for s in spec.states]
+            for engine, session in sessions.items():
+                ort_state = [np.zeros((batch, *s.shape), dtype=s.dtype) for s in spec.states]
 
-            def onnx():
-                nonlocal ort_state
-                _, *ort_state = session.run(None, dict(zip(names, [codes, *ort_state])))
+                def onnx(session=session):
+                    nonlocal ort_state
+                    _, *ort_state = session.run(None, dict(zip(names, [codes, *ort_state])))
 
-            rows.add("onnxruntime", batch, frames, threads, timed(onnx, args.seconds))
+                rows.add(engine, batch, frames, threads, timed(onnx, args.seconds))
 
 
 def _measure_rustymimi(rows: _Rows, weights: Path, threads: int, seconds: float, rng) -> None:
@@ -167,6 +173,11 @@ def _ratios(rows: _Rows, threads: int, batch: int) -> dict[str, float]:
         ratios[f"moshi / onnxruntime, batch 1, {threads} threads"] = moshi1["ms_per_frame"] / ort1["ms_per_frame"]
     if ort1 and rusty:
         ratios["rustymimi / onnxruntime, batch 1"] = rusty["ms_per_frame"] / ort1["ms_per_frame"]
+    for frames in sorted({r["frames_per_call"] for r in rows.rows}):
+        served, pattern = rows.find("onnxruntime", batch, frames, threads), rows.find("onnxruntime, mem pattern", batch, frames, threads)
+        if served and pattern:
+            ratios[f"onnxruntime with / without memory patterns, batch {batch}, F={frames}"] = \
+                pattern["ms_per_frame"] / served["ms_per_frame"]
     best = min((r for r in rows.rows if r["engine"] == "onnxruntime" and r["batch"] == batch),
                key=lambda r: r["ms_per_frame"], default=None)
     if best:

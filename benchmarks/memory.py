@@ -1,7 +1,7 @@
 """`python -m benchmarks memory`: the server's memory against live streams, and after they expire.
 
-    python -m benchmarks memory [--streams 16,32,64] [--steps 1,4,4] [--idle-timeout-s 4]
-                           [--out-dir bench_results] [--build-dir build/memory]
+    python -m benchmarks memory [--streams 16,32,64] [--steps 1,4,4] [--idle-timeout-s 4] [--bursts 1]
+                           [--decoder-parameter KEY=VALUE] [--out-dir bench_results] [--build-dir build/memory]
 
 Starts a local server (`--decoder`, python-ort by default; seeded random weights, its own build folder and ports)
 whose stream idle timeout is `--idle-timeout-s`, then for each count N in `--streams` opens streams
@@ -9,8 +9,10 @@ until N are live (every stream STARTs and takes the steps of `--steps`, all stre
 concurrently so the decoder batches them, and never ENDs), and reads the memory of the server's
 whole process group (tritonserver and every Python stub) from /proc: RSS and PSS (shared memory
 counted once) per process and in total. Then it waits until both models have expired every stream
-and reads it again, twice (a second burst of the largest N, expired, shows whether memory is held
-or leaks). Prints a table and writes OUT_DIR/memory.json and memory.md.
+and reads it again; then `--bursts` more bursts of the largest N, each read live and expired, show
+whether memory is held, leaks or creeps. `--decoder-parameter` sets a parameter of the decoder's
+config (e.g. `enable_mem_pattern=1`: ONNX Runtime's memory patterns, which the native config turns
+off) to compare against the served config. Prints a table and writes OUT_DIR/memory.json and memory.md.
 """
 
 from __future__ import annotations
@@ -85,9 +87,10 @@ def live_streams(metrics_url: str) -> dict[str, float | None]:
     }
 
 
-def open_streams(url: str, first_id: int, count: int, steps: list[int], seed: int) -> None:
+def open_streams(url: str, first_id: int, count: int, steps: list[int], seed: int, settle_s: float = 0.3) -> None:
     """START `count` streams (ids first_id ..) and run each through `steps` (frames per request),
-    every step of all streams in flight together; the streams are left open."""
+    every step of all streams in flight together; the streams are left open. Returns `settle_s`
+    after the last answer: a backend frees a run's gathered inputs only after it has answered."""
     import tritonclient.grpc as grpcclient
 
     frames = sum(steps)
@@ -111,6 +114,7 @@ def open_streams(url: str, first_id: int, count: int, steps: list[int], seed: in
                 if samples != size * SAMPLES_PER_FRAME:
                     raise RuntimeError(f"a step of {size} frames returned {samples} samples")
             start += size
+    time.sleep(settle_s)
 
 
 def _settle(done: Future, result, error) -> None:
@@ -133,6 +137,17 @@ def wait_expired(metrics_url: str, timeout_s: float, decoder_idle_s: float = 0.0
         if time.monotonic() - began > timeout_s:
             raise RuntimeError(f"streams still live after {timeout_s:.0f} s: {live}")
         time.sleep(0.25)
+
+
+def set_parameters(config_path: Path, parameters: dict[str, str]) -> None:
+    """Set string `parameters` in a model's config.pbtxt (the rendered copy a benchmark serves)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    config_path.write_text(text_format.MessageToString(config))
 
 
 def memory_markdown(results: dict) -> str:
@@ -165,6 +180,13 @@ def memory_markdown(results: dict) -> str:
         f"({summary['per_stream_over_state']:.2f}x the state). After expiry: "
         f"{summary['after_expiry_over_idle']:.3f}x the idle PSS (second burst: {summary['after_second_expiry_over_idle']:.3f}x).",
     ]
+    if meta.get("decoder_parameters"):
+        lines.append("Decoder config parameters set: " + ", ".join(f"`{k}: {v}`" for k, v in meta["decoder_parameters"].items()) + ".")
+    bursts = [row for row in results["rows"] if row["label"].startswith(f"{summary['streams']} live, burst")]
+    if bursts:
+        lines.append(f"Live PSS over {len(bursts) + 1} more bursts of {summary['streams']}: "
+                     + ", ".join(f"{row['pss_mib']:.0f}" for row in [results["rows"][len(results['rows']) - 2 * len(bursts) - 2], *bursts])
+                     + " MiB.")
     return "\n".join(lines)
 
 
@@ -176,6 +198,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the served stream idle timeout, so that expiry comes quickly (default %(default)s)")
     parser.add_argument("--decoder", choices=LOCAL_TARGETS, default="python-ort",
                         help="the decoder target (onnxruntime: Triton's native backend) (default %(default)s)")
+    parser.add_argument("--bursts", type=int, default=1,
+                        help="bursts of the largest count after the first expiry, each expired (default %(default)s)")
+    parser.add_argument("--decoder-parameter", action="append", default=[], metavar="KEY=VALUE",
+                        help="a parameter to set in the decoder's config.pbtxt (repeatable)")
     parser.add_argument("--build-dir", type=Path, default=REPO_ROOT / "build" / "memory", help="the local server's build folder")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go")
 
@@ -191,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
     steps = [int(v) for v in args.steps.split(",") if v.strip()]
     repository = prepare_local_repository(None, True, 0, args.build_dir, target=args.decoder)
     set_idle_timeout(repository, args.idle_timeout_s)
+    parameters = dict(item.split("=", 1) for item in args.decoder_parameter)
+    if parameters:
+        set_parameters(repository / "mimi_decoder" / "config.pbtxt", parameters)
     decoder_idle_s = args.idle_timeout_s + DECODER_IDLE_MARGIN_US / 1e6
     spec = DecoderSpec.from_dict(read_manifest(next((args.build_dir / "export").iterdir()))["spec"])
     state_mib = spec.state_bytes_per_stream() / MIB
@@ -216,11 +245,13 @@ def run(args: argparse.Namespace) -> int:
         waited = wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_idle_s)
         time.sleep(2 * args.idle_timeout_s)  # batches' shared arrays go with their last stream
         take(f"expired ({waited:.0f} s)")
-        open_streams(server.grpc_url, next_id, counts[-1], steps, next_id)
-        take(f"{counts[-1]} live again")
-        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_idle_s)
-        time.sleep(2 * args.idle_timeout_s)
-        take("expired again")
+        for burst in range(args.bursts):
+            open_streams(server.grpc_url, next_id, counts[-1], steps, next_id)
+            next_id += counts[-1]
+            take(f"{counts[-1]} live again" if burst == 0 else f"{counts[-1]} live, burst {burst + 2}")
+            wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_idle_s)
+            time.sleep(2 * args.idle_timeout_s)
+            take("expired again" if burst == 0 else f"expired, burst {burst + 2}")
 
     idle, peak = rows[0], rows[len(counts)]
     per_stream = (peak["pss_mib"] - idle["pss_mib"]) / counts[-1]
@@ -230,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
                        command_line()),
             "decoder": args.decoder,
             "state_mib_per_stream": state_mib, "steps": steps, "idle_timeout_s": args.idle_timeout_s,
+            "decoder_parameters": parameters,
         },
         "rows": rows,
         "summary": {
@@ -237,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             "per_stream_mib": per_stream,
             "per_stream_over_state": per_stream / state_mib,
             "after_expiry_over_idle": rows[len(counts) + 1]["pss_mib"] / idle["pss_mib"],
-            "after_second_expiry_over_idle": rows[-1]["pss_mib"] / idle["pss_mib"],
+            "after_second_expiry_over_idle": rows[len(counts) + 3]["pss_mib"] / idle["pss_mib"],
         },
     }
     write_run(args.out_dir, "memory", results, "Server memory against live streams.\n\n" + memory_markdown(results))

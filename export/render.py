@@ -192,6 +192,11 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
         states=_state_block(spec, same_buffer=target == "onnxruntime"),
         instance_kind=serving.instance_kind,
     ).rstrip() + "\n"
+    if target == "onnxruntime":
+        # No memory patterns: ONNX Runtime would plan one block per input shape and take it whole from
+        # its arena every run, and blocks of the many batch shapes fragment the arena, which then ends
+        # larger and grows in more steps (docs/design.md §5.1). Planning each tensor costs no step time.
+        text += 'parameters { key: "enable_mem_pattern" value: { string_value: "0" } }\n'
     if target == "onnxruntime" and serving.intra_op_threads:
         # ONNX Runtime's threads per decoder instance (0, the default: one per core).
         text += (f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{serving.intra_op_threads}" }} '

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
 import sys
@@ -25,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
 
 # MimiModel module names -> flat checkpoint names (the layout kyutai/mimi's model.safetensors uses).
 _MODULE_TO_FLAT = (

@@ -36,7 +36,6 @@ from .triton import LOCALHOST, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = REPO_ROOT / "docker" / "nginx" / "code2wav-proxy.conf.tmpl"
-COMPOSE_CONFIG = REPO_ROOT / "docker" / "nginx" / "compose.conf"
 # Where nginx is commonly installed; /usr/sbin is not on a normal user's PATH on Debian.
 _SEARCH_DIRS = ("/usr/sbin", "/usr/local/sbin", "/usr/local/nginx/sbin", "/sbin")
 # Oldest nginx whose directives the template uses (`keepalive_timeout` in an upstream block).

@@ -173,16 +173,6 @@ class ReplicaSet(StopsOnExit):
         """Kill replica `index`'s tritonserver as a crash would; see Replica.kill."""
         return self.replicas[index].kill(signum)
 
-    def take_out(self, index: int) -> None:
-        """Route no request to replica `index` (its keys go to the next replica) until put_back()."""
-        self.proxy.take_out(index)
-
-    def put_back(self, index: int) -> None:
-        self.proxy.put_back(index)
-
-    def taken_out(self, index: int) -> bool:
-        return index in self.proxy.down
-
     def restart(self, index: int, ready_timeout_s: float = 120.0) -> float:
         """Start replica `index` again on the same ports and wait until it is ready (`Replica.relaunch`);
         nginx gives the replica its keys back once the fail timeout of its last failed attempt has passed."""

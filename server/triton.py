@@ -59,10 +59,9 @@ MMAP_THRESHOLD_BYTES = 1 << 17
 class TritonInstall:
     """Paths inside the installed `nvidia-pytriton` wheel."""
 
-    root: Path  # .../site-packages/pytriton/tritonserver
-    binary: Path  # root/bin/tritonserver
-    backends: Path  # root/backends (holds python/ without a stub)
-    stubs: Path  # root/python_backend_stubs/<major.minor>/triton_python_backend_stub
+    binary: Path  # <pytriton>/tritonserver/bin/tritonserver
+    backends: Path  # <pytriton>/tritonserver/backends (holds python/ without a stub)
+    stubs: Path  # <pytriton>/tritonserver/python_backend_stubs/<major.minor>/triton_python_backend_stub
     libs: Path  # .../site-packages/nvidia_pytriton.libs
 
     @property
@@ -81,7 +80,6 @@ def find_triton_install() -> TritonInstall:
         ) from exc
     root = Path(pytriton.__file__).resolve().parent / "tritonserver"
     install = TritonInstall(
-        root=root,
         binary=root / "bin" / "tritonserver",
         backends=root / "backends",
         stubs=root / "python_backend_stubs",
@@ -162,13 +160,6 @@ def triton_environment(install: TritonInstall, base: dict[str, str] | None = Non
     # heap for good.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
     return env
-
-
-def free_port(host: str = LOCALHOST) -> int:
-    """A TCP port that is free on `host` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def free_ports(count: int, host: str = LOCALHOST) -> list[int]:

@@ -133,7 +133,7 @@ def test_the_modules_example_runs(code2wav_server):
 
 @pytest.mark.server
 def test_check_ready_passes_on_a_ready_server_and_says_what_is_wrong_otherwise(code2wav_server):
-    from mimi_code2wav.server.triton import free_port
+    from mimi_code2wav.server.triton import free_ports
 
     async def check(urls, model="code2wav"):
         async with Code2WavClient(urls, StreamOptions(model_name=model)) as client:
@@ -141,7 +141,7 @@ def test_check_ready_passes_on_a_ready_server_and_says_what_is_wrong_otherwise(c
 
     asyncio.run(check(code2wav_server.grpc_url))
     with pytest.raises(ClientError, match=r"cannot reach Triton \(gRPC\) at 127.0.0.1:\d+: .*is the server running\?"):
-        asyncio.run(check([code2wav_server.grpc_url, f"127.0.0.1:{free_port()}"]))
+        asyncio.run(check([code2wav_server.grpc_url, f"127.0.0.1:{free_ports(1)[0]}"]))
     with pytest.raises(ClientError, match="model 'no_such_model' is not ready on Triton at .*not in the model repository"):
         asyncio.run(check(code2wav_server.grpc_url, "no_such_model"))
 

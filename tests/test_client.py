@@ -29,7 +29,7 @@ from mimi_code2wav.client.protocol import (
     validate_codes,
 )
 from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
-from mimi_code2wav.server.triton import fetch_metrics, free_port, metric_value
+from mimi_code2wav.server.triton import fetch_metrics, free_ports, metric_value
 
 from helpers import MODEL_REPOSITORY, REPO_ROOT, load_model_module
 from mimi_fixtures import assert_equal_audio
@@ -264,7 +264,7 @@ def test_decode_two_streams_run_two_sequences(code2wav_server, codes_file, refer
 
 
 def test_decode_server_down_is_one_clear_line(codes_file):
-    port = free_port()
+    port = free_ports(1)[0]
     done = run_cli("decode", "--url", f"127.0.0.1:{port}", "--codes", str(codes_file), timeout_s=60)
     assert done.returncode == 1
     assert done.stderr.strip() == (

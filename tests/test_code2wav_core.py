@@ -605,10 +605,12 @@ def test_end_only_plan_says_it_needs_the_trailing_step():
     table, decoder = make_table(), FakeDecoder()
     send(table, decoder, 1, START, make_codes(1))
     plan = plan_of(table, 1, END, flat(make_codes(1)), offset(0))
-    assert plan.new_frames == 0 and plan.needs_end_only_step
+    # END with no new frame while the decoder holds the sequence: one step of zero codes carrying END
+    # closes it, its PCM discarded.
+    assert plan.new_frames == 0
     assert [step.flags for step in plan.steps] == [END] and plan.steps[0].discard_output
     plan = plan_of(table, 1, END, flat(make_codes(2)), offset(0))
-    assert plan.new_frames == 1 and not plan.needs_end_only_step
+    assert plan.new_frames == 1 and not plan.steps[-1].discard_output
     assert 1 in table  # planning changes nothing
 
 

@@ -129,15 +129,17 @@ def test_serving_knobs_render(spec):
 def test_native_state_shares_one_buffer_and_threads_render_only_when_set(spec):
     """The native ORT config keeps one buffer per state and slot (the backend copies its outputs into
     the state after the run); TensorRT keeps two. ONNX Runtime's thread count is ORT's default unless
-    --intra-op-threads sets it, parsed by Triton's own config schema."""
+    --intra-op-threads sets it, parsed by Triton's own config schema; its memory patterns are always
+    off (they fragment its arena; tests/test_serving.py's memory test)."""
     native = render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU"))
     assert native.count("use_same_buffer_for_input_output: true") == len(spec.states)
     assert "intra_op_thread_count" not in native
     plan = render_config(spec, "tensorrt")
-    assert "use_same_buffer_for_input_output" not in plan
+    assert "use_same_buffer_for_input_output" not in plan and "parameters" not in plan
     threaded = render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU", intra_op_threads=1))
     config = text_format.Parse(threaded, model_config_pb2.ModelConfig())
     assert config.parameters["intra_op_thread_count"].string_value == "1"
+    assert config.parameters["enable_mem_pattern"].string_value == "0"
     assert all(state.use_same_buffer_for_input_output for state in config.sequence_batching.state)
 
 

@@ -216,9 +216,9 @@ def test_a_request_the_service_cannot_decode_fails_the_step_naming_it(stage, cod
     """No server at the URL: the stream tries to resume for resume_timeout_s, then `forward` raises,
     naming the request and the cause (vLLM-Omni fails the stage's requests), after answering nothing
     as silence."""
-    from mimi_code2wav.server.triton import free_port
+    from mimi_code2wav.server.triton import free_ports
 
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{free_ports(1)[0]}"
     answer = stage("model", config={"url": dead, "resume_timeout_s": 1.0, "response_timeout_s": 1.0})
     assert "error" not in answer, answer
     started = time.monotonic()

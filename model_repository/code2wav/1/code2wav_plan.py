@@ -86,12 +86,6 @@ class DecodePlan:
     def history_frames(self) -> int:
         return 0 if self.history_codes is None else self.history_codes.shape[1]
 
-    @property
-    def needs_end_only_step(self) -> bool:
-        """END with no new frame while the decoder holds the sequence: one step of zero codes
-        carrying END closes it; its PCM is discarded."""
-        return bool(self.steps) and self.steps[-1].discard_output
-
 
 def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], request: StreamRequest) -> DecodePlan:
     """Validate one request of the stream whose table entry is `entry` (None when the stream is not

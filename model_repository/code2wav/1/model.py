@@ -214,6 +214,7 @@ _METRIC_FAMILIES = (
      "COUNTER"),
     ("code2wav_resumed_streams_total",
      "Streams opened by a START with history_frames (resumed after losing their server)", "COUNTER"),
+    ("code2wav_expired_streams_total", "Streams forgotten after the idle timeout without an END", "COUNTER"),
     ("code2wav_errors_total", "Failed code2wav requests by kind", "COUNTER"),
 )
 
@@ -229,11 +230,12 @@ class _Metrics:
             family(name=name, description=description, kind=getattr(family, kind))
             for name, description, kind in _METRIC_FAMILIES
         ]
-        live_family, frames_family, resumed_family, self._errors_family = self._families
+        live_family, frames_family, resumed_family, expired_family, self._errors_family = self._families
         self._labels = labels
         self._live_streams = model_metrics.DeltaMetric(live_family.Metric(labels=labels))
         self._frames_decoded = model_metrics.DeltaMetric(frames_family.Metric(labels=labels))
         self._streams_resumed = model_metrics.DeltaMetric(resumed_family.Metric(labels=labels))
+        self._streams_expired = model_metrics.DeltaMetric(expired_family.Metric(labels=labels))
         self._errors = {kind: self._error_metric(kind) for kind in ERROR_KINDS}
 
     def _error_metric(self, kind):
@@ -243,6 +245,7 @@ class _Metrics:
         self._live_streams.update(stats.live_streams)
         self._frames_decoded.update(stats.frames_decoded)
         self._streams_resumed.update(stats.streams_resumed)
+        self._streams_expired.update(stats.streams_expired)
         for kind, count in stats.errors_by_kind.items():
             if kind not in self._errors:
                 self._errors[kind] = self._error_metric(kind)
@@ -253,6 +256,6 @@ class _Metrics:
         self._live_streams.withdraw()
         # Metrics go before their families (python_backend custom-metrics contract).
         self._errors.clear()
-        self._live_streams = self._frames_decoded = self._streams_resumed = None
+        self._live_streams = self._frames_decoded = self._streams_resumed = self._streams_expired = None
         self._families.clear()
         self._errors_family = None
