@@ -182,11 +182,10 @@ def memory_markdown(results: dict) -> str:
     ]
     if meta.get("decoder_parameters"):
         lines.append("Decoder config parameters set: " + ", ".join(f"`{k}: {v}`" for k, v in meta["decoder_parameters"].items()) + ".")
-    bursts = [row for row in results["rows"] if row["label"].startswith(f"{summary['streams']} live, burst")]
-    if bursts:
-        lines.append(f"Live PSS over {len(bursts) + 1} more bursts of {summary['streams']}: "
-                     + ", ".join(f"{row['pss_mib']:.0f}" for row in [results["rows"][len(results['rows']) - 2 * len(bursts) - 2], *bursts])
-                     + " MiB.")
+    count = summary["streams"]
+    later = [row for row in results["rows"] if row["label"] == f"{count} live again" or row["label"].startswith(f"{count} live, burst")]
+    if len(later) > 1:
+        lines.append(f"Live PSS over {len(later)} more bursts of {count}: " + ", ".join(f"{row['pss_mib']:.0f}" for row in later) + " MiB.")
     return "\n".join(lines)
 
 
@@ -213,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.spec import DecoderSpec
     from mimi_code2wav.server.triton import running_server
 
+    if args.bursts < 1 or any("=" not in item for item in args.decoder_parameter):
+        raise SystemExit("error: --bursts takes 1 or more; --decoder-parameter takes KEY=VALUE")
     counts = sorted({int(v) for v in args.streams.split(",") if v.strip()})
     steps = [int(v) for v in args.steps.split(",") if v.strip()]
     repository = prepare_local_repository(None, True, 0, args.build_dir, target=args.decoder)
