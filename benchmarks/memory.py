@@ -124,15 +124,16 @@ def _settle(done: Future, result, error) -> None:
         done.set_result(result)
 
 
-def wait_expired(metrics_url: str, timeout_s: float, decoder_idle_s: float = 0.0) -> float:
+def wait_expired(metrics_url: str, timeout_s: float, decoder_margin_s: float = 0.0) -> float:
     """Seconds until the models report no live stream (raises after timeout_s). A native decoder
-    reports none: then `decoder_idle_s`, its idle timeout, is waited out after code2wav's."""
+    reports none: its sequences idle out `decoder_margin_s` after code2wav's streams (its idle timeout
+    is code2wav's plus that margin), so that much more is waited once code2wav reports none."""
     began = time.monotonic()
     while True:
         live = live_streams(metrics_url)
         if all(value == 0 for value in live.values() if value is not None):
             if live.get("mimi_decoder") is None:
-                time.sleep(decoder_idle_s)
+                time.sleep(decoder_margin_s)
             return time.monotonic() - began
         if time.monotonic() - began > timeout_s:
             raise RuntimeError(f"streams still live after {timeout_s:.0f} s: {live}")
@@ -221,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     parameters = dict(item.split("=", 1) for item in args.decoder_parameter)
     if parameters:
         set_parameters(repository / "mimi_decoder" / "config.pbtxt", parameters)
-    decoder_idle_s = args.idle_timeout_s + DECODER_IDLE_MARGIN_US / 1e6
+    decoder_margin_s = DECODER_IDLE_MARGIN_US / 1e6 + 0.5  # and Triton's reaper's moment
     spec = DecoderSpec.from_dict(read_manifest(next((args.build_dir / "export").iterdir()))["spec"])
     state_mib = spec.state_bytes_per_stream() / MIB
     rows = []
@@ -236,21 +237,21 @@ def run(args: argparse.Namespace) -> int:
 
         # One stream through once, ended at once: loads ONNX Runtime's kernels, as any first request does.
         open_streams(server.grpc_url, 1, 1, steps, 0)
-        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_idle_s)
+        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
         take("idle (warmed up)")
         opened, next_id = 0, 1000
         for count in counts:
             open_streams(server.grpc_url, next_id, count - opened, steps, next_id)
             next_id, opened = next_id + count - opened, count
             take(f"{count} live")
-        waited = wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_idle_s)
+        waited = wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
         time.sleep(2 * args.idle_timeout_s)  # batches' shared arrays go with their last stream
         take(f"expired ({waited:.0f} s)")
         for burst in range(args.bursts):
             open_streams(server.grpc_url, next_id, counts[-1], steps, next_id)
             next_id += counts[-1]
             take(f"{counts[-1]} live again" if burst == 0 else f"{counts[-1]} live, burst {burst + 2}")
-            wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_idle_s)
+            wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
             time.sleep(2 * args.idle_timeout_s)
             take("expired again" if burst == 0 else f"expired, burst {burst + 2}")
 

@@ -1069,12 +1069,11 @@ def test_memory_per_live_stream_and_after_expiry(decoder_target, served_reposito
                               "preferred_batch_size: [ 32 ] max_queue_delay_microseconds: 1000000", config.read_text())
         assert count == 1, "the decoder config's batching block changed"
         config.write_text(text)
-    decoder_idle_s = 4.0 + DECODER_IDLE_MARGIN_US / 1e6
     state_mib = 8177156 / 2**20
     with running_server(repository, log_path=tmp_path / "server.log") as server:
 
         def expire() -> None:  # both models' timeouts (the native decoder's waited out), then python-ort's scratch
-            wait_expired(server.metrics_url, 60, decoder_idle_s)
+            wait_expired(server.metrics_url, 60, DECODER_IDLE_MARGIN_US / 1e6 + 0.5)
             time.sleep(2)
 
         open_streams(server.grpc_url, 1, 1, [1, 4], 0)  # warm-up: one stream, then idle
