@@ -122,19 +122,24 @@ def make_table(clock=None, **overrides):
     return core.StreamTable(code2wav_settings.Code2WavSettings(**settings), clock=clock)
 
 
+def is_live(table, correlation_id):
+    """Whether the table holds the stream (no public reader: streams are the table's alone)."""
+    return correlation_id in table._streams
+
+
 def decoded_of(table, correlation_id):
     """The decoded codes [k, frames] of a live stream (read-only view), from its base on."""
-    return table.entry(correlation_id).decoded.codes()
+    return table._streams[correlation_id].decoded.codes()
 
 
 def base_of(table, correlation_id):
     """Stream index of a live stream's first held frame: 0, or where it was resumed."""
-    return table.entry(correlation_id).base
+    return table._streams[correlation_id].base
 
 
 def plan_of(table, correlation_id, flags, input_ids, frame_offset=None, history_frames=None):
     """What decoding one request takes against the table's stream (`code2wav_plan`); changes nothing."""
-    entry = table.entry(correlation_id) if correlation_id in table else None
+    entry = table._streams.get(correlation_id)
     request = StreamRequest(correlation_id, flags, input_ids, frame_offset, history_frames)
     return code2wav_plan.plan_request(table.settings, entry, request)
 
@@ -290,7 +295,7 @@ def test_malformed_input_ids_are_rejected(input_ids, kind, fragments):
     assert error.kind == kind
     for fragment in fragments:
         assert fragment in str(error)
-    assert decoder.calls == [] and 1 not in table
+    assert decoder.calls == [] and not is_live(table, 1)
 
 
 @pytest.mark.parametrize(
@@ -322,7 +327,7 @@ def test_frame_offset_dtype_and_shape_are_checked():
     request = StreamRequest(1, START, flat(make_codes(2)), np.array([[0, 1]], np.int64))
     with pytest.raises(RequestError, match=r"one value \(\[1, 1\]\), got shape \[1, 2\]"):
         asyncio.run(table.process(request, decoder))
-    assert decoder.calls == [] and 1 not in table
+    assert decoder.calls == [] and not is_live(table, 1)
 
 
 @pytest.mark.parametrize("correlation_id", [0, -3, "abc"])
@@ -384,7 +389,7 @@ def test_a_start_request_must_begin_at_frame_zero():
     table, decoder = make_table(), FakeDecoder()
     error = send_error(table, decoder, 1, START, make_codes(2), frame_offset=1)
     assert error.kind == "gap" and "has decoded 0 frames" in str(error)
-    assert 1 not in table
+    assert not is_live(table, 1)
 
 
 def test_changed_frame_is_named():
@@ -520,13 +525,13 @@ def test_start_creates_the_stream_and_flags_reach_the_decoder():
     table, decoder = make_table(), FakeDecoder()
     codes = make_codes(6)
     send(table, decoder, 7, START, codes[:, :3])
-    assert 7 in table and len(table) == 1
+    assert is_live(table, 7) and table.stats().live_streams == 1
     send(table, decoder, 7, 0, codes[:, 3:5])
     send(table, decoder, 7, END, codes[:, 5:])
     assert decoder.flags() == [START, 0, 0, 0, 0, END]
     assert {cid for cid, _, _ in decoder.calls} == {7}
     np.testing.assert_array_equal(decoder.decoded_codes(), codes)
-    assert 7 not in table and len(table) == 0
+    assert not is_live(table, 7) and table.stats().live_streams == 0
 
 
 def test_start_on_a_live_stream_resets_it():
@@ -552,7 +557,7 @@ def test_end_removes_the_stream_and_later_requests_must_start_again():
     table, decoder = make_table(), FakeDecoder()
     send(table, decoder, 1, START, make_codes(2))
     send(table, decoder, 1, END, make_codes(3), frame_offset=0)
-    assert 1 not in table
+    assert not is_live(table, 1)
     error = send_error(table, decoder, 1, 0, make_codes(1))
     assert error.kind == "unknown_stream"
     assert "stream 1 is not open" in str(error) and "START" in str(error)
@@ -564,7 +569,7 @@ def test_start_end_in_one_request_decodes_and_closes():
     pcm = send(table, decoder, 1, START | END, codes)
     np.testing.assert_array_equal(pcm, expected_pcm(codes))
     assert decoder.flags() == [START, 0, END]
-    assert 1 not in table
+    assert not is_live(table, 1)
 
 
 def test_start_end_single_frame_carries_both_flags_on_one_step():
@@ -578,15 +583,15 @@ def test_start_end_without_frames_calls_no_decoder():
     table, decoder = make_table(), FakeDecoder()
     pcm = send(table, decoder, 1, START | END)
     assert pcm.shape == (1, 0)
-    assert decoder.calls == [] and 1 not in table
+    assert decoder.calls == [] and not is_live(table, 1)
 
 
 def test_start_then_end_without_frames_calls_no_decoder():
     table, decoder = make_table(), FakeDecoder()
     send(table, decoder, 1, START)
-    assert 1 in table
+    assert is_live(table, 1)
     assert send(table, decoder, 1, END).shape == (1, 0)
-    assert decoder.calls == [] and 1 not in table
+    assert decoder.calls == [] and not is_live(table, 1)
 
 
 def test_end_without_new_frames_closes_the_decoder_with_one_discarded_step():
@@ -598,7 +603,7 @@ def test_end_without_new_frames_closes_the_decoder_with_one_discarded_step():
     assert decoder.flags() == [START, 0, 0, END]
     _, trailing, _ = decoder.calls[-1]
     assert trailing.shape == (1, NUM_CODEBOOKS, 1) and not trailing.any()
-    assert 1 not in table
+    assert not is_live(table, 1)
 
 
 def test_end_only_plan_says_it_needs_the_trailing_step():
@@ -611,7 +616,7 @@ def test_end_only_plan_says_it_needs_the_trailing_step():
     assert [step.flags for step in plan.steps] == [END] and plan.steps[0].discard_output
     plan = plan_of(table, 1, END, flat(make_codes(2)), offset(0))
     assert plan.new_frames == 1 and not plan.steps[-1].discard_output
-    assert 1 in table  # planning changes nothing
+    assert is_live(table, 1)  # planning changes nothing
 
 
 def test_barge_in_start_end_without_frames_closes_the_old_decoder_sequence():
@@ -619,7 +624,7 @@ def test_barge_in_start_end_without_frames_closes_the_old_decoder_sequence():
     send(table, decoder, 1, START, make_codes(2))
     send(table, decoder, 1, START | END)
     assert decoder.flags() == [START, 0, END]
-    assert 1 not in table
+    assert not is_live(table, 1)
 
 
 def test_unknown_stream_without_start_is_rejected():
@@ -629,7 +634,7 @@ def test_unknown_stream_without_start_is_rejected():
     assert "stream 42 is not open" in str(error)
     assert "with the START flag" in str(error)
     assert "12.5 s idle" in str(error)
-    assert decoder.calls == [] and 42 not in table
+    assert decoder.calls == [] and not is_live(table, 42)
 
 
 def test_decoder_failure_part_way_ends_the_stream():
@@ -642,7 +647,7 @@ def test_decoder_failure_part_way_ends_the_stream():
     assert "simulated decoder failure" in str(error)
     assert "START" in str(error)
     assert len(decoder.calls) == 4  # the third step was never sent
-    assert 1 not in table
+    assert not is_live(table, 1)
     stats = table.stats()
     assert stats.errors_by_kind["decoder"] == 1 and stats.frames_decoded == 2
     assert send_error(table, decoder, 1, 0, codes[:, 4:], frame_offset=4).kind == "unknown_stream"
@@ -656,7 +661,7 @@ def test_decoder_output_of_the_wrong_size_ends_the_stream():
     table, decoder = make_table(), FakeDecoder(wrong_size_on_call=2)
     error = send_error(table, decoder, 1, START, make_codes(3), error=DecoderError)
     assert f"returned {SAMPLES - 1} samples for 1 frame(s), expected {SAMPLES}" in str(error)
-    assert 1 not in table
+    assert not is_live(table, 1)
 
 
 def test_unexpected_exception_in_the_decoder_helper_ends_the_stream():
@@ -668,7 +673,7 @@ def test_unexpected_exception_in_the_decoder_helper_ends_the_stream():
     error = send_error(table, broken, 1, START, make_codes(1), error=DecoderError)
     assert "KeyError" not in str(error) and "'pcm'" in str(error)
     assert isinstance(error.__cause__, KeyError)
-    assert 1 not in table
+    assert not is_live(table, 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -713,7 +718,7 @@ def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flag
     table, decoder, codes, calls, error, kind = send_rejected(request_kwargs, kind, flags)
     assert error.kind == kind and error.code == "INVALID_ARG"
     assert len(decoder.calls) == calls
-    assert 1 in table
+    assert is_live(table, 1)
     np.testing.assert_array_equal(decoded_of(table, 1), codes[:, :3])
     assert table.stats().errors_by_kind[kind] == 1
     # The stream carries on where it was: no START needed, the next frame is still frame 3.
@@ -725,7 +730,7 @@ def test_rejected_request_leaves_the_stream_unchanged(request_kwargs, kind, flag
 def test_rejected_start_does_not_create_a_stream():
     table, decoder = make_table(), FakeDecoder()
     send_error(table, decoder, 1, START, input_ids=np.zeros((1, 9), np.int64))
-    assert 1 not in table and len(table) == 0
+    assert not is_live(table, 1) and table.stats().live_streams == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -771,7 +776,7 @@ def test_idle_streams_expire_on_the_next_batch():
     clock.now += 15.0  # stream 1 idle 35 s, stream 2 idle 15 s
 
     asyncio.run(process_batch(table, [], decoder))
-    assert 1 not in table and 2 in table
+    assert not is_live(table, 1) and is_live(table, 2)
     assert table.stats().streams_expired == 1 and table.stats().live_streams == 1
     error = send_error(table, decoder, 1, 0, make_codes(2), frame_offset=1)
     assert error.kind == "unknown_stream"
@@ -783,7 +788,7 @@ def test_rejected_request_with_end_ends_the_stream(request_kwargs, kind):
     a rejected END ends the stream, and its decoder sequence gets a discarded END step."""
     table, decoder, _, calls, error, kind = send_rejected(request_kwargs, kind, END)
     assert error.kind == kind and "the request carried END, so the stream has ended" in str(error)
-    assert 1 not in table
+    assert not is_live(table, 1)
     assert len(decoder.calls) == calls + 1 and decoder.flags()[-1] == END
     assert not decoder.calls[-1][1].any()  # zero codes, output discarded
 
@@ -869,7 +874,7 @@ def test_a_failure_on_a_later_call_of_a_request_ends_the_stream():
     table, decoder = make_table(decoder_max_frames_per_step=4), FakeDecoder(fail_on_call=2)
     error = send_error(table, decoder, 1, START, make_codes(6), error=DecoderError)
     assert "failed on step 2 of 2" in str(error) and "START" in str(error)
-    assert 1 not in table
+    assert not is_live(table, 1)
 
 
 def test_plan_steps_are_int32_frames_of_the_new_frames():
@@ -883,7 +888,7 @@ def test_plan_steps_are_int32_frames_of_the_new_frames():
         np.concatenate([step.codes[0] for step in plan.steps], axis=1), codes
     )
     assert [step.flags for step in plan.steps] == [START, 0, 0]
-    assert 1 not in table
+    assert not is_live(table, 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -924,7 +929,7 @@ def test_one_bad_request_does_not_fail_its_batch_mates():
     assert isinstance(results[1], RequestError) and results[1].kind == "unknown_stream"
     assert isinstance(results[2], RequestError) and results[2].kind == "length"
     np.testing.assert_array_equal(results[3], expected_pcm(good))
-    assert sorted(cid for cid in (1, 2, 3, 4) if cid in table) == [4]
+    assert sorted(cid for cid in (1, 2, 3, 4) if is_live(table, cid)) == [4]
 
 
 class GatedDecoder(FakeDecoder):
@@ -1003,7 +1008,7 @@ def test_streams_opening_in_earlier_batches_count_toward_the_cap():
         assert isinstance(refused, StreamCapError) and "already holds 2 live streams" in str(refused)
         decoder.gate.set()
         assert not any(isinstance(result, Exception) for result in await asyncio.gather(*opening))
-        assert sorted(cid for cid in (1, 2, 3) if cid in table) == [1, 2]
+        assert sorted(cid for cid in (1, 2, 3) if is_live(table, cid)) == [1, 2]
 
     asyncio.run(scenario())
 
@@ -1017,7 +1022,7 @@ def test_a_stream_with_a_request_still_decoding_is_not_expired():
         decoder.gated.add(1)
         pending = table.submit(StreamRequest(1, 0, flat(codes[:, 1:]), offset(1)), decoder)
         clock.now += 100.0
-        assert table.expire_idle() == [] and 1 in table
+        assert table.expire_idle() == [] and is_live(table, 1)
         decoder.gate.set()
         np.testing.assert_array_equal(await pending, expected_pcm(codes[:, 1:]))
 
@@ -1099,16 +1104,16 @@ def test_starts_past_max_live_streams_are_refused_and_touch_nothing():
         "resource exhausted: this code2wav instance already holds 2 live streams, its limit (max_live_streams=2); "
         "the new stream was refused and no other stream was affected. Retry later, or END streams that are done")
     assert isinstance(results[3], RequestError) and results[3].kind == "unknown_stream"
-    assert sorted(cid for cid, _, _ in decoder.calls) == [1, 2] and 3 not in table
+    assert sorted(cid for cid, _, _ in decoder.calls) == [1, 2] and not is_live(table, 3)
     assert table.stats().errors_by_kind["stream_cap"] == 1
     # A restart (START on a live stream) and a one-shot START|END take no new room.
     results = asyncio.run(process_batch(table, [StreamRequest(1, START, flat(codes[:, :1])),
                                                 StreamRequest(4, START | END, flat(codes[:, :1]))], decoder))
-    assert not any(isinstance(result, Exception) for result in results) and len(table) == 2
+    assert not any(isinstance(result, Exception) for result in results) and table.stats().live_streams == 2
     # After an END there is room again.
     asyncio.run(process_batch(table, [StreamRequest(2, END, flat(codes[:, 1:]))], decoder))
     (result,) = asyncio.run(process_batch(table, [StreamRequest(3, START, flat(codes[:, :1]))], decoder))
-    assert not isinstance(result, Exception) and 3 in table
+    assert not isinstance(result, Exception) and is_live(table, 3)
 
 
 def test_decoder_refusals_and_shutdown_keep_their_code():
@@ -1128,7 +1133,7 @@ def test_decoder_refusals_and_shutdown_keep_their_code():
         table = make_table()
         (result,) = asyncio.run(process_batch(table, [StreamRequest(1, START, flat(make_codes(1)))], Refusing(error)))
         assert isinstance(result, DecoderError) and (result.kind, result.code) == (kind, code)
-        assert str(error) in str(result) and 1 not in table
+        assert str(error) in str(result) and not is_live(table, 1)
         assert table.stats().errors_by_kind[kind] == 1
 
 
@@ -1192,7 +1197,7 @@ def test_a_resumed_stream_continues_in_absolute_frame_indices():
     # The history frames count as decoded: the stream's next frame is 20.
     pcm = send(table, decoder, 1, END, stream[:, 20:24], frame_offset=20)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 20:24]))
-    assert 1 not in table
+    assert not is_live(table, 1)
 
 
 def test_an_offset_before_the_resume_point_is_refused_saying_why():
@@ -1238,7 +1243,7 @@ def test_history_on_a_continuing_stream_must_start_at_its_next_frame(flags):
         "history_frames=1 on a continuing stream needs frame_offset=3, the stream's next frame (got 2): history "
         "is decoded once, after the frames stream 1 holds")
     if flags & END:  # Triton releases the sequence with a rejected END (design doc §2.2)
-        assert 1 not in table and str(error).endswith("; the request carried END, so the stream has ended")
+        assert not is_live(table, 1) and str(error).endswith("; the request carried END, so the stream has ended")
     else:
         assert len(decoder.calls) == calls
         np.testing.assert_array_equal(decoded_of(table, 1), stream[:, :3])
@@ -1314,7 +1319,7 @@ def test_bad_history_frames_are_refused_naming_the_values(frames, frame_offset, 
     assert (error.kind, error.code) == ("history", "INVALID_ARG")
     for fragment in fragments:
         assert fragment in str(error)
-    assert decoder.calls == [] and 1 not in table
+    assert decoder.calls == [] and not is_live(table, 1)
 
 
 def test_history_frames_dtype_and_shape_are_checked():
@@ -1363,7 +1368,7 @@ def test_barge_in_with_history_restarts_a_live_stream_at_the_resume_point():
     pcm = resume(table, decoder, 1, stream[:, 6:10], first_frame=6, history_frames=3)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 9:10]))
     assert decoder.flags() == [START, 0, 0, 0]
-    assert base_of(table, 1) == 6 and len(table) == 1
+    assert base_of(table, 1) == 6 and table.stats().live_streams == 1
     np.testing.assert_array_equal(decoded_of(table, 1), stream[:, 6:10])
     pcm = send(table, decoder, 1, 0, stream[:, 10:12], frame_offset=10)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 10:12]))
@@ -1394,7 +1399,7 @@ def test_start_end_with_history_decodes_returns_the_new_frames_and_closes():
     stream = make_codes(6)
     pcm = resume(table, decoder, 1, stream[:, 2:6], first_frame=2, history_frames=2, flags=START | END)
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 4:6]))
-    assert decoder.flags() == [START, 0, 0, END] and 1 not in table
+    assert decoder.flags() == [START, 0, 0, END] and not is_live(table, 1)
 
 
 def test_history_frames_count_toward_the_decoded_frames_limit():

@@ -139,6 +139,11 @@ def onnx_session(tmp_path_factory):
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
+def has_stream(core, sequence_id):
+    """Whether the core holds the stream's state (no public reader: streams are the core's alone)."""
+    return sequence_id in core._streams
+
+
 def make_core(session, clock=None, run_wrapper=None, config=None):
     config = config or ort_config.parse_model_config(MODEL_CONFIG, TRITON_TYPES.__getitem__)
     config = ort_config.check_against_onnx(config, session.get_inputs(), session.get_outputs())
@@ -301,7 +306,7 @@ def test_core_runs_two_steps_of_one_sequence_in_order(onnx_session):
     np.testing.assert_array_equal(results[0]["pcm"], reference.step(codes_for(1)))
     np.testing.assert_array_equal(results[2]["pcm"], reference.step(codes_for(2)))
     assert [call["codes"][0] for call in calls] == [2, 1]
-    assert not core.has_stream(5) and core.has_stream(6)
+    assert not has_stream(core, 5) and has_stream(core, 6)
 
 
 def test_core_bad_request_fails_alone_and_leaves_state(onnx_session):
@@ -323,9 +328,9 @@ def test_core_bad_request_fails_alone_and_leaves_state(onnx_session):
     np.testing.assert_array_equal(result["pcm"], reference.step(codes_for(4)))
     # A rejected START on a new sequence creates nothing; a rejected END still ends.
     (error,) = core.step([request(9, bad_batch, start=True)])
-    assert isinstance(error, ort_core.ModelError) and not core.has_stream(9)
+    assert isinstance(error, ort_core.ModelError) and not has_stream(core, 9)
     (error,) = core.step([request(1, bad_batch, end=True)])
-    assert isinstance(error, ort_core.ModelError) and not core.has_stream(1)
+    assert isinstance(error, ort_core.ModelError) and not has_stream(core, 1)
 
 
 @pytest.mark.parametrize("sequence_id", [0, "stream-1", None])
@@ -345,7 +350,7 @@ def test_core_expires_idle_streams(onnx_session):
     core.step([request(2, codes_for(3))])
     clock.now += 1.0  # sequence 1 idle 2.5 s > 2 s, sequence 2 idle 1.0 s
     assert core.expire_idle() == 1
-    assert not core.has_stream(1) and core.has_stream(2)
+    assert not has_stream(core, 1) and has_stream(core, 2)
     (error,) = core.step([request(1, codes_for(4))])
     assert "idle for more than 2 s" in str(error)
     # A stream whose request is in the batch is not expired before it runs, however late it is.
@@ -365,7 +370,7 @@ def test_core_step_failure_ends_the_batch_sequences(onnx_session):
     (error,) = failing.step([request(1, codes_for(2))])
     assert error.code == "INTERNAL" and error.kind == "decoder"
     assert "boom" in str(error) and "START it again" in str(error)
-    assert not failing.has_stream(1)
+    assert not has_stream(failing, 1)
 
 
 # --- served by the real tritonserver --------------------------------------------------------------
@@ -633,7 +638,7 @@ def test_values_out_of_range_fail_their_row_alone(onnx_session):
     ])
     assert isinstance(results[1], ort_core.ModelError) and results[1].kind == "value_range"
     assert "input 'codes' holds values in [2048, 2048], outside [0, 2048) (parameter value_ranges)" in str(results[1])
-    assert not isinstance(results[0], ort_core.ModelError) and core.has_stream(1) and not core.has_stream(2)
+    assert not isinstance(results[0], ort_core.ModelError) and has_stream(core, 1) and not has_stream(core, 2)
 
 
 def test_variable_frames_are_bounded_and_rows_of_equal_shape_run_together():
@@ -658,7 +663,7 @@ def test_variable_frames_are_bounded_and_rows_of_equal_shape_run_together():
     assert [float(results[i]["pcm"][0, 0]) for i in range(3)] == [2.0, 1.0, 2.0]
     assert isinstance(results[3], ort_core.ModelError) and results[3].kind == "shape"
     assert "input 'codes' has shape [1, 8, 5], at most [1, 8, 4] per request (parameter max_dims)" in str(results[3])
-    assert not core.has_stream(4)
+    assert not has_stream(core, 4)
 
 
 def test_streams_left_behind_do_not_keep_a_whole_batch_alive(onnx_session):
@@ -685,7 +690,7 @@ def test_core_refuses_starts_past_the_cap_and_harms_no_live_stream(onnx_session)
     assert (refused.kind, refused.code) == ("stream_cap", "UNAVAILABLE")
     assert ("resource exhausted: model 'decoder' already holds 2 live streams, its limit "
             "(max_live_streams=2 per instance); this START was refused and no stream was affected") in str(refused)
-    assert not core.has_stream(3) and core.refused_total == 1
+    assert not has_stream(core, 3) and core.refused_total == 1
     # The live streams go on; a START on a live stream (a restart) takes no new room.
     for sid in (1, 2):
         (result,) = core.step([request(sid, codes_for(10 + sid))])

@@ -90,17 +90,6 @@ class StreamTable:
 
     # ---- inspection -------------------------------------------------------------------------
 
-    def __len__(self) -> int:
-        return len(self._streams)
-
-    def __contains__(self, correlation_id: object) -> bool:
-        return correlation_id in self._streams
-
-    def entry(self, correlation_id: int) -> StreamEntry:
-        """The entry of a live stream (its decoded codes, base, decoder state); KeyError if not live.
-        For reading: the table alone changes it."""
-        return self._streams[correlation_id]
-
     def stats(self) -> Code2WavStats:
         return Code2WavStats(
             live_streams=len(self._streams),

@@ -119,9 +119,6 @@ class StreamingDecoderCore:
     def live_streams(self) -> int:
         return len(self._streams)
 
-    def has_stream(self, sequence_id) -> bool:
-        return sequence_id in self._streams
-
     def expire_idle(self, now: float | None = None, keep: frozenset = frozenset()) -> int:
         """Drop streams idle for longer than the idle timeout (measured from the end of their last
         step), except those in `keep`. Returns how many were dropped."""
