@@ -578,7 +578,7 @@ def test_an_answer_lost_after_decoding_is_sent_again_as_new_frames():
     resumed = server.received[4][1]
     assert resumed.arrays["frame_offset"].tolist() == [[3]] and resumed.history_frames == 6
     np.testing.assert_array_equal(resumed.arrays["input_ids"], codes[:, 3:13].reshape(1, -1))
-    assert len(server.table) == 0  # the stream ended with its last request
+    assert server.table.stats().live_streams == 0  # the stream ended with its last request
 
 
 def test_a_restarted_server_that_forgot_the_stream_is_resumed():
