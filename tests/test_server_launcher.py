@@ -153,11 +153,20 @@ def serve_cli(repository: Path, log: Path):
         cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True)
     try:
         wait_http_ready(ports[0], cli, timeout_s=60, output=output)
+        # serve polls readiness on its own: until it has seen the server ready too, a server that
+        # dies is one that failed to start, which serve does not restart.
+        wait_printed(cli, output, "tritonserver ready in ")
         yield cli, ports, output
     finally:
         if cli.poll() is None:
             cli.kill()
             cli.wait()
+
+
+def wait_printed(cli: subprocess.Popen, output: Path, text: str, timeout_s: float = 30) -> None:
+    """Wait until the serve command has printed `text`; fails the test with its output if it does not."""
+    assert wait_until(lambda: text in output.read_text() or cli.poll() is not None, timeout_s) \
+        and text in output.read_text(), f"serve did not print {text!r}:\n{output.read_text()}"
 
 
 def stop_cli(cli: subprocess.Popen, output: Path) -> str:
@@ -201,6 +210,7 @@ def test_sighup_drains_serve_and_starts_it_again_reading_the_repository_afresh(t
         assert wait_until(lambda: not process_exists(first_pid), 40), f"SIGHUP did not drain the server:\n{out.read_text()}"
         assert wait_until(lambda: tritonserver_child(cli) is not None, 20), f"no new server after SIGHUP:\n{out.read_text()}"
         wait_http_ready(http_port, cli, timeout_s=60, output=out)
+        wait_printed(cli, out, ") and restarted in ")
         second_pid = tritonserver_child(cli)
         infer_add_one(f"127.0.0.1:{grpc_port}")
         infer_add_one(f"127.0.0.1:{grpc_port}", model="add_two")
@@ -224,6 +234,7 @@ def test_serve_restarts_a_tritonserver_that_dies_on_the_same_ports(tmp_path):
         assert wait_until(lambda: tritonserver_child(cli) not in (None, first_pid), 30), \
             f"no new server after the crash:\n{out.read_text()}"
         wait_http_ready(http_port, cli, timeout_s=60, output=out)
+        wait_printed(cli, out, "tritonserver restarted (pid ")
         second_pid = tritonserver_child(cli)
         infer_add_one(f"127.0.0.1:{grpc_port}")
         assert not process_group_alive(first_pid), "the dead server left a stub behind"
