@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{label:28s} PSS {row['pss_mib']:7.0f} MiB  RSS {row['rss_mib']:7.0f} MiB  live {row['live_streams']}",
                   file=sys.stderr, flush=True)
 
-        # One stream through once, ended at once: loads ONNX Runtime's kernels, as any first request does.
+        # One stream through once, left open to expire: loads ONNX Runtime's kernels, as any first request does.
         open_streams(server.grpc_url, 1, 1, steps, 0)
         wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
         take("idle (warmed up)")

@@ -130,7 +130,7 @@ def test_native_state_shares_one_buffer_and_threads_render_only_when_set(spec):
     """The native ORT config keeps one buffer per state and slot (the backend copies its outputs into
     the state after the run); TensorRT keeps two. ONNX Runtime's thread count is ORT's default unless
     --intra-op-threads sets it, parsed by Triton's own config schema; its memory patterns are always
-    off (they fragment its arena; tests/test_serving.py's memory test)."""
+    off (they fragment its arena across batch shapes: docs/design.md §5.1)."""
     native = render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU"))
     assert native.count("use_same_buffer_for_input_output: true") == len(spec.states)
     assert "intra_op_thread_count" not in native

@@ -60,7 +60,7 @@ NOT_RUN = {
     "make bench-failover": "a minute and a half of 3 replicas under 12 paced streams; test_failover.py runs the same "
                            "failover (kept streams never resume, moved ones resume once) and asserts it",
     "make bench-memory": "a minute of a full server and 64 streams; test_serving.py's memory test runs the same "
-                         "measurement (server.memory) at 32 streams and asserts its bounds",
+                         "measurement (benchmarks.memory) at 32 streams, the native decoder batching each step as one, and asserts its bounds",
     ".venv/bin/code2wav-export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "
                   "which exists here; test_weights.py checks the hub-id failure message",
     **{command: "no Docker engine here; test_compose.py checks the file's structure (and docker-compose config -q where present)"

@@ -1057,7 +1057,9 @@ def test_memory_per_live_stream_and_after_expiry(decoder_target, served_reposito
     later rounds of as many streams reuse it: each stays within 2% of the first. Here the decoder
     batches each step of a round's 32 streams as one (preferred batch size 32, a long queue delay), so
     that every round runs the same batch shapes: with the served config a round's batches vary, and a
-    round whose batch is the largest yet grows ONNX Runtime's arena once."""
+    round whose batch is the largest yet grows ONNX Runtime's arena once. So this checks that slots and
+    their buffers are reused, not the memory patterns the config turns off (test_configs checks the
+    setting; `python -m benchmarks memory` measures its effect)."""
     from benchmarks.memory import open_streams, snapshot, wait_expired
     from mimi_code2wav.server.triton import running_server
 

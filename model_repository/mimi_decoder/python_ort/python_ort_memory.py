@@ -9,7 +9,8 @@ instance has been idle for a while (`StreamingDecoderCore.release_idle_memory`).
 are kept (at most `state_buffer_limit` bytes, let go with the arena when idle) because a fresh array
 of a few MiB costs the kernel a page fault per 4 KiB on its first write.
 
-Pure numpy + stdlib: `model.py` owns the onnxruntime import and hands the session in.
+numpy and the standard library; onnxruntime is imported only inside `arena_release_options`, and
+`model.py` hands the session in.
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ class BoundRunner:
     which the core keeps as the streams' state; the other outputs (small) come back as copies. ONNX
     Runtime's arena then only holds one run's scratch. `allocate(shape, dtype)` makes those arrays
     (pass the core's `StateBuffers.take` to reuse them). `release(feeds)` runs with the run option
-    that shrinks the arena afterwards (`release_options`, made by the caller, which owns the
-    onnxruntime import), giving that scratch back to the system.
+    that shrinks the arena afterwards (`release_options`, from `arena_release_options`), giving that
+    scratch back to the system.
     """
 
     def __init__(self, session, config: DecoderConfig, release_options=None,
