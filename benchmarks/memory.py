@@ -235,6 +235,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"{label:28s} PSS {row['pss_mib']:7.0f} MiB  RSS {row['rss_mib']:7.0f} MiB  live {row['live_streams']}",
                   file=sys.stderr, flush=True)
 
+        def expire() -> float:
+            """Seconds until every stream expired; then the batches' shared arrays go with their last stream."""
+            waited = wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
+            time.sleep(2 * args.idle_timeout_s)
+            return waited
+
         # One stream through once, left open to expire: loads ONNX Runtime's kernels, as any first request does.
         open_streams(server.grpc_url, 1, 1, steps, 0)
         wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
@@ -244,15 +250,12 @@ def run(args: argparse.Namespace) -> int:
             open_streams(server.grpc_url, next_id, count - opened, steps, next_id)
             next_id, opened = next_id + count - opened, count
             take(f"{count} live")
-        waited = wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
-        time.sleep(2 * args.idle_timeout_s)  # batches' shared arrays go with their last stream
-        take(f"expired ({waited:.0f} s)")
+        take(f"expired ({expire():.0f} s)")
         for burst in range(args.bursts):
             open_streams(server.grpc_url, next_id, counts[-1], steps, next_id)
             next_id += counts[-1]
             take(f"{counts[-1]} live again" if burst == 0 else f"{counts[-1]} live, burst {burst + 2}")
-            wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
-            time.sleep(2 * args.idle_timeout_s)
+            expire()
             take("expired again" if burst == 0 else f"expired, burst {burst + 2}")
 
     idle, peak = rows[0], rows[len(counts)]

@@ -195,7 +195,7 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
     if target == "onnxruntime":
         # No memory patterns: ONNX Runtime would plan one block per input shape and take it whole from
         # its arena every run, and blocks of the many batch shapes fragment the arena, which then ends
-        # larger and grows in more steps (docs/design.md §5.1). The step is as fast either way.
+        # larger and grows in more steps (docs/design.md §5.1 gives what patterns cost and buy).
         text += 'parameters { key: "enable_mem_pattern" value: { string_value: "0" } }\n'
     if target == "onnxruntime" and serving.intra_op_threads:
         # ONNX Runtime's threads per decoder instance (0, the default: one per core).
