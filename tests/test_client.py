@@ -8,6 +8,7 @@ import re
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -354,6 +355,20 @@ def frames_heard(pcm: np.ndarray) -> list[int]:
     return blocks[:, 0].astype(int).tolist()
 
 
+def server_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop every FakeServer's table runs on (in a daemon thread), as code2wav's
+    tables run on its model's loop: the client's threads hand requests to it, and the table's
+    asyncio primitives (the replay scheduler's condition) never see two loops."""
+    global _SERVER_LOOP
+    if _SERVER_LOOP is None:
+        _SERVER_LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_SERVER_LOOP.run_forever, name="fake-server-loop", daemon=True).start()
+    return _SERVER_LOOP
+
+
+_SERVER_LOOP: asyncio.AbstractEventLoop | None = None
+
+
 class FakeServer:
     """code2wav's core with a decoder whose PCM of a frame is its codebook-0 code, repeated."""
 
@@ -387,7 +402,8 @@ class FakeServer:
         server_request = code2wav_plan.StreamRequest(sequence_id, flags, arrays["input_ids"],
                                                      arrays.get("frame_offset"), arrays.get("history_frames"))
         try:
-            pcm = asyncio.run(self.table.process(server_request, self._decode))
+            pcm = asyncio.run_coroutine_threadsafe(self.table.process(server_request, self._decode),
+                                                   server_loop()).result()
         except model_errors.ModelError as exc:
             raise request_failure(FakeTritonError(GRPC_STATUS[exc.code], str(exc))) from None
         if len(self.received) - 1 in self.lose_answer_of:  # decoded, then the connection broke
