@@ -4,6 +4,7 @@ compared with moshi's streaming decode of the same checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import struct
 import subprocess
@@ -355,18 +356,14 @@ def frames_heard(pcm: np.ndarray) -> list[int]:
     return blocks[:, 0].astype(int).tolist()
 
 
+@functools.cache
 def server_loop() -> asyncio.AbstractEventLoop:
     """The one event loop every FakeServer's table runs on (in a daemon thread), as code2wav's
     tables run on its model's loop: the client's threads hand requests to it, and the table's
     asyncio primitives (the replay scheduler's condition) never see two loops."""
-    global _SERVER_LOOP
-    if _SERVER_LOOP is None:
-        _SERVER_LOOP = asyncio.new_event_loop()
-        threading.Thread(target=_SERVER_LOOP.run_forever, name="fake-server-loop", daemon=True).start()
-    return _SERVER_LOOP
-
-
-_SERVER_LOOP: asyncio.AbstractEventLoop | None = None
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="fake-server-loop", daemon=True).start()
+    return loop
 
 
 class FakeServer:
