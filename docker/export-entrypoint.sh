@@ -45,7 +45,6 @@ TENSORRT_REBUILD=${TENSORRT_REBUILD:-0}
 PYTHON=${PYTHON:-python}
 TRTEXEC=${TRTEXEC:-/usr/src/tensorrt/bin/trtexec}
 TENSORRT_DIR=$EXPORT_DIR/tensorrt
-CHECKED_IN_CONFIG=model_repository/mimi_decoder/config.pbtxt
 
 log() { printf 'export-entrypoint: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 2; }
@@ -132,10 +131,12 @@ case $mode in
     export)
         export_model
         render onnxruntime "$MODELS_DIR" KIND_GPU
+        # The installed package's copy of model_repository/mimi_decoder/config.pbtxt.
+        CHECKED_IN_CONFIG=$("$PYTHON" -c 'from mimi_code2wav.export.render import CHECKED_IN_CONFIG; print(CHECKED_IN_CONFIG)')
         if cmp -s "$MODELS_DIR/mimi_decoder/config.pbtxt" "$CHECKED_IN_CONFIG"; then
-            log "$MODELS_DIR/mimi_decoder/config.pbtxt equals the checked-in $CHECKED_IN_CONFIG"
+            log "$MODELS_DIR/mimi_decoder/config.pbtxt equals the checked-in model_repository/mimi_decoder/config.pbtxt"
         else
-            log "note: $MODELS_DIR/mimi_decoder/config.pbtxt differs from the checked-in $CHECKED_IN_CONFIG" \
+            log "note: $MODELS_DIR/mimi_decoder/config.pbtxt differs from the checked-in model_repository/mimi_decoder/config.pbtxt" \
                 "(EXPORT_ARGS, RENDER_ARGS or MAX_BATCH_SIZE set); it matches the export"
         fi
         render onnxruntime "$MODELS_CPU_DIR" KIND_CPU

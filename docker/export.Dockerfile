@@ -1,4 +1,5 @@
-# The export image: PyTorch (CPU) + transformers + ONNX, and the project (mimi_code2wav, editable).
+# The export image: PyTorch (CPU) + transformers + ONNX, and the project (mimi_code2wav) installed as a
+# package, its model sources included as package data.
 # It turns mounted Mimi weights into model.onnx and renders the Triton model repositories
 # (docker/export-entrypoint.sh). Every dependency is installed here, at build time, pinned by
 # pyproject.toml's `export` extra and requirements/constraints.txt; the container installs nothing.
@@ -12,8 +13,11 @@ FROM ${PYTHON_IMAGE}
 
 # Equal to the torch pin of pyproject.toml's `export` extra (the build fails otherwise). The CPU
 # wheel comes from PyTorch's CPU index: PyPI's Linux wheel of the same version is the CUDA build.
+# TORCH_FIND_LINKS, a folder inside the base image holding that wheel, installs it from there
+# instead (no index is asked).
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_FIND_LINKS=
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -23,10 +27,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 
-WORKDIR /app
-
-# Dependencies first (their layer survives code changes); the project itself is installed editable
-# from /app afterwards, so `code2wav-export` renders from the model_repository/ sources copied here.
+# Dependencies first (their layer survives code changes); the project itself is installed from /src
+# afterwards, which is removed again: `code2wav-export` renders from the installed package alone.
+WORKDIR /src
 COPY pyproject.toml ./
 COPY requirements/constraints.txt requirements/constraints.txt
 RUN python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(project['dependencies'] + project['optional-dependencies']['export']))" \
@@ -34,7 +37,9 @@ RUN python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb
     && if ! grep -qx "torch==${TORCH_VERSION}" /tmp/requirements-export.txt; then \
            echo "TORCH_VERSION=${TORCH_VERSION} is not the torch pin of pyproject.toml's export extra" >&2; exit 1; \
        fi \
-    && pip install --no-deps --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+cpu" \
+    && if [ -n "${TORCH_FIND_LINKS}" ]; then torch_source="--no-index --find-links ${TORCH_FIND_LINKS}"; \
+       else torch_source="--index-url ${TORCH_INDEX_URL}"; fi \
+    && pip install --no-deps ${torch_source} "torch==${TORCH_VERSION}+cpu" \
     && pip install -c requirements/constraints.txt -r /tmp/requirements-export.txt \
     && pip check \
     && python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}' and not torch.version.cuda, torch.__version__"
@@ -44,8 +49,12 @@ COPY client/ client/
 COPY export/ export/
 COPY server/ server/
 COPY model_repository/ model_repository/
-COPY docker/export-entrypoint.sh docker/export-entrypoint.sh
-RUN pip install --no-deps -e . && python -c "import mimi_code2wav.export.render"
+COPY vllm_plugin/ vllm_plugin/
+RUN pip install --no-deps . \
+    && cd / && rm -rf /src \
+    && python -c "from mimi_code2wav.export.render import CODE2WAV_DIR; assert (CODE2WAV_DIR / '1' / 'model.py').is_file(), CODE2WAV_DIR"
 
+WORKDIR /app
+COPY docker/export-entrypoint.sh docker/export-entrypoint.sh
 ENTRYPOINT ["sh", "/app/docker/export-entrypoint.sh"]
 CMD ["export"]

@@ -15,6 +15,7 @@ name by name and shape by shape against the architecture before it is loaded int
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -234,7 +235,19 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     if path.suffix not in (".safetensors", ".sft"):
         raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
-    return load_file(str(path))
+    with _unreadable_as_weights_error(path):
+        return load_file(str(path))
+
+
+@contextlib.contextmanager
+def _unreadable_as_weights_error(path: Path):
+    """A truncated or corrupt safetensors file: one error naming it, not the library's traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as error:
+        raise WeightsError(f"{path}: not a readable safetensors file ({error})") from error
 
 
 def load_transformers_dir(path: Path) -> LoadedMimi:
@@ -260,7 +273,7 @@ def load_moshi_checkpoint(path: Path, config=None) -> LoadedMimi:
 def _is_moshi_checkpoint(path: Path) -> bool:
     from safetensors import safe_open
 
-    with safe_open(str(path), "pt") as handle:
+    with _unreadable_as_weights_error(path), safe_open(str(path), "pt") as handle:
         return any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in handle.keys())  # safe_open is not iterable
 
 

@@ -99,8 +99,13 @@ def find_triton_install() -> TritonInstall:
 
 
 def default_backend_root() -> Path:
-    """Where the private backend directory goes: `build/triton-backends` of this checkout."""
-    return Path(__file__).resolve().parent.parent / "build" / "triton-backends"
+    """Where the private backend directory goes: `build/triton-backends` of a checkout; for an installed
+    package, `mimi-code2wav/triton-backends` in the user's cache folder (XDG_CACHE_HOME, ~/.cache)."""
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file():
+        return checkout / "build" / "triton-backends"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "mimi-code2wav" / "triton-backends"
 
 
 def _install_file(source: Path, target: Path, mode: int) -> None:

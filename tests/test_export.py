@@ -11,6 +11,9 @@ and the exported graph's structure (opset, IR version, dynamic batch and frames 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ import pytest
 
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME
 
+from helpers import REPO_ROOT
 from mimi_fixtures import (
     CALLS,
     MAX_FRAMES_PER_CALL,
@@ -329,3 +333,26 @@ def test_gpu_benchmark_without_cuda_exits_clearly(capsys):
 
     assert benchmarks_main(["gpu", "--batches", "1"]) == bench_gpu.EXIT_NO_CUDA
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_render_works_from_a_plain_install_outside_the_checkout(onnx_fp32, tmp_path):
+    """`pip install .` (not editable) ships the model sources as package data: `render` run outside the
+    checkout writes the same model files as the checkout's."""
+    wheels, site, out = tmp_path / "wheels", tmp_path / "site", tmp_path / "repo"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheels),
+                    str(REPO_ROOT)], check=True, timeout=600)
+    (wheel,) = wheels.glob("mimi_code2wav-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import mimi_code2wav.export.render as r; print(r.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where).is_relative_to(site), where
+    subprocess.run([sys.executable, "-m", "mimi_code2wav.export", "render", "--target", "python-ort",
+                    "--export-dir", str(onnx_fp32), "--out", str(out)], cwd=tmp_path, env=env, check=True, timeout=600)
+    sources = REPO_ROOT / "model_repository"
+    copies = {"code2wav/1/model.py": "code2wav/1/model.py", "code2wav/1/model_errors.py": "common/model_errors.py",
+              "mimi_decoder/1/model.py": "mimi_decoder/python_ort/model.py",
+              "mimi_decoder/1/python_ort_core.py": "mimi_decoder/python_ort/python_ort_core.py"}
+    for rendered, source in copies.items():
+        assert (out / rendered).read_bytes() == (sources / source).read_bytes(), rendered

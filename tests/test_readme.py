@@ -63,14 +63,16 @@ NOT_RUN = {
                          "measurement (benchmarks.memory) at 32 streams, the native decoder batching each step as one, and asserts its bounds",
     ".venv/bin/code2wav-export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "
                   "which exists here; test_weights.py checks the hub-id failure message",
-    **{command: "no Docker engine here; test_compose.py checks the file's structure (and docker-compose config -q where present)"
+    **{command: "needs an NVIDIA GPU; test_compose.py checks the GPU services' structure"
        for command in (
            "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose up --build",
            "MIMI_WEIGHTS_DIR=/path/to/ckpts MIMI_WEIGHTS=tokenizer-e351c8d8-checkpoint125.safetensors docker compose up --build",
-           "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile cpu up --build triton-cpu",
            "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile tensorrt up --build triton-tensorrt",
-           "docker compose --profile bench run --rm perf",
        )},
+    "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile cpu up --build triton-cpu":
+        "test_compose_cpu.py runs it as written, with the weights, ports and images set by variables",
+    "docker compose --profile bench run --rm perf": "the SDK image has no stand-in yet; test_perf_inputs.py runs "
+                                                    "client/perf.sh, the service's command, against a real server",
 }
 
 RUN = {

