@@ -9,6 +9,7 @@ the process is alive; and stops the whole group (its Python stubs, nginx's worke
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -52,6 +53,45 @@ def http_ready(url: str, timeout_s: float) -> str | None:
         return f"HTTP {error.code}"
     except (urllib.error.URLError, ConnectionError, OSError) as error:
         return str(error)
+
+
+# A Python model whose stub process died (a segfault, the OOM killer) leaves tritonserver answering
+# ready, and its model ready, while every request to it fails with "Stub process '<instance>' is not
+# healthy": only a request shows it. The probes, on a sequence id no client uses (2^64 - 1): code2wav's
+# START+END request without frames, which its stub answers without calling the decoder, and one
+# START+END step of silence for the decoder (a Python stub with python-ort and null; a step of the
+# native ones). docker/triton-watchdog.sh sends the first.
+STUB_PROBE_SEQUENCE_ID = 2**64 - 1
+STUB_PROBES = {
+    "code2wav": {"name": "input_ids", "shape": [1, 0], "datatype": "INT64", "data": []},
+    "mimi_decoder": {"name": "codes", "shape": [1, 8, 1], "datatype": "INT32", "data": [0] * 8},
+}
+DEAD_STUB = "is not healthy"
+
+
+def dead_stub(http_url: str, timeout_s: float) -> str | None:
+    """The server's error when the Python stub of code2wav or of the decoder at `http_url` (host:port)
+    is dead; None when each answered anything else (a result, a refusal while it drains or loads, no
+    such model) or nothing."""
+    for model, probe in STUB_PROBES.items():
+        body = json.dumps({
+            "parameters": {"sequence_id": STUB_PROBE_SEQUENCE_ID, "sequence_start": True, "sequence_end": True},
+            "inputs": [probe],
+        }).encode()
+        request = urllib.request.Request(f"http://{http_url}/v2/models/{model}/infer", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s):
+                continue
+        except urllib.error.HTTPError as error:
+            text = error.read().decode(errors="replace")
+            if DEAD_STUB in text:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    text = json.loads(text)["error"]
+                return text
+        except (urllib.error.URLError, ConnectionError, OSError):
+            continue
+    return None
 
 
 def process_group_alive(pgid: int) -> bool:

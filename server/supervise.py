@@ -11,6 +11,9 @@ process exists (`signals_held`), so the stop always knows every process it has t
   ports after `RestartBackoff`'s delay, its log kept as <log>.<n>; its streams are lost there and
   resumable clients resume them (docs/design.md §2.4). Without, the command ends once every server
   has exited (with the server's exit code for a single server);
+- stub probes (every STUB_PROBE_EVERY_S, serve and serve-replicas): a server whose code2wav or decoder
+  stub died (`processes.dead_stub`: ready, yet every request fails) is killed, so that the restart
+  brings it back whole (without restarts the command ends with it);
 - health checks (`HealthCheck`, serve-replicas): a server that answers "not ready" (draining) leaves
   the proxy at once; one that does not answer `unanswered` times in a row (hung) leaves it too and,
   with restarts, is killed and started again; it goes back once it answers ready;
@@ -34,7 +37,7 @@ import sys
 import time
 from typing import Callable, ContextManager
 
-from .processes import ServerError, http_ready, log_tail
+from .processes import ServerError, dead_stub, http_ready, log_tail
 from .triton import TritonServer
 
 # A server that lived at least this long before dying is restarted after FIRST_RESTART_DELAY_S; one
@@ -43,6 +46,10 @@ from .triton import TritonServer
 STABLE_AFTER_S = 60.0
 FIRST_RESTART_DELAY_S = 0.5
 MAX_RESTART_DELAY_S = 60.0
+# How often each running server is asked whether its Python stubs are alive, and how long the answer
+# may take (the Python backend takes a second or two to call a stub dead).
+STUB_PROBE_EVERY_S = 5.0
+STUB_PROBE_TIMEOUT_S = 10.0
 
 
 class StopRequested(Exception):
@@ -253,13 +260,15 @@ class NoProxy:
 
 
 def supervise(replicas: list[Replica], foreground: Foreground, *, restart: bool, ready_timeout_s: float,
-              proxy=None, health: HealthCheck = HealthCheck(0), poll_s: float = 0.5) -> int:
+              proxy=None, health: HealthCheck = HealthCheck(0), poll_s: float = 0.5,
+              stub_probe_s: float = STUB_PROBE_EVERY_S) -> int:
     """Watch `replicas` (behind `proxy`, an NginxProxy, if given) until the command ends (module
     docstring); a stop signal is raised out of here, SIGHUPs are `foreground.signals.hangups`.
-    Returns the exit code."""
+    `stub_probe_s` 0: no stub probes. Returns the exit code."""
     signals, guard = foreground.signals, foreground.launch_guard
     hangups_seen = 0
     behind = proxy if proxy is not None else NoProxy()
+    next_probe_at = time.monotonic() + stub_probe_s
     while True:
         time.sleep(poll_s)
         if not behind.is_alive():
@@ -275,6 +284,9 @@ def supervise(replicas: list[Replica], foreground: Foreground, *, restart: bool,
                     break  # that one is restarted as a dead server would be (or the command ends)
             continue
         _check_health(replicas, behind, health, restart)
+        if stub_probe_s > 0 and time.monotonic() >= next_probe_at:
+            _probe_stubs(replicas, behind)
+            next_probe_at = time.monotonic() + stub_probe_s
         for replica in replicas:
             if not replica.is_alive():
                 _dead(replica, behind, restart, ready_timeout_s, guard)
@@ -337,6 +349,24 @@ def _check_health(replicas: list[Replica], proxy, health: HealthCheck, restart: 
         if restart and not answered:
             replica.kill()  # hung: the restart brings it back
             replica.unanswered_checks = 0
+
+
+def _probe_stubs(replicas: list[Replica], proxy) -> None:
+    """Kill each running server with a dead Python stub: the next poll finds it exited and
+    restarts it (or ends the command) as it would after a crash."""
+    running = [replica for replica in replicas if replica.is_alive()]
+    if not running:
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(running)) as pool:
+        answers = list(pool.map(lambda r: dead_stub(r.http_url, STUB_PROBE_TIMEOUT_S), running))
+    for replica, error in zip(running, answers):
+        if error is None or not replica.is_alive():
+            continue
+        proxy.take_out(replica.index)
+        print(f"{replica.label} (pid {replica.pid}) answers ready, but a Python stub is dead ({error.strip()}): "
+              "killing it (SIGKILL) so that it starts again whole", file=sys.stderr, flush=True)
+        with contextlib.suppress(ServerError, subprocess.TimeoutExpired):
+            replica.kill()
 
 
 def _drain_and_restart(replica: Replica, proxy, ready_timeout_s: float, guard) -> bool:

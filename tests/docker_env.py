@@ -13,11 +13,13 @@ the README's `docker compose` commands run on this host, as written:
   `debootstrap --variant=minbase bookworm` (`docker import`, carrying this host's CA bundle so that pip
   inside a build verifies the package index), and on it `tests/standins/tritonserver.Dockerfile` (the pip
   tritonserver 2.51, NGC 24.10's, laid out as the NGC image lays it out) and
-  `tests/standins/python.Dockerfile` (the export image's Python base, with the CPU torch wheel). Images
+  `tests/standins/python.Dockerfile` (the export image's Python base, with the CPU torch wheel), and on
+  the server's `tests/standins/sdk.Dockerfile` (perf_analyzer 2.51 from PyPI's tritonclient). Images
   whose inputs did not change are reused (the base by a digest of its inputs, the others by the
   builder's cache).
 
-The variables select those images (`TRITON_IMAGE`, `EXPORT_PYTHON_IMAGE`, `TORCH_FIND_LINKS`) and, where
+The variables select those images (`TRITON_IMAGE`, `TRITON_SDK_IMAGE`, `EXPORT_PYTHON_IMAGE`,
+`TORCH_FIND_LINKS`) and, where
 containers may not raise RLIMIT_MEMLOCK, set `TRITON_MEMLOCK` to this host's hard limit. Where none of
 this can be had, `DockerUnavailable` says why.
 """
@@ -51,6 +53,7 @@ BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 BASE_REPOSITORY = "mimi-code2wav-standin/debian"
 TRITON_STANDIN = "mimi-code2wav-standin/tritonserver:2.51.0-py3"
 PYTHON_STANDIN = "mimi-code2wav-standin/python:3.11-bookworm"
+SDK_STANDIN = "mimi-code2wav-standin/tritonserver:2.51.0-py3-sdk"
 ENGINE_START_S = 60
 
 
@@ -206,6 +209,9 @@ def build_standins(build_dir: Path) -> None:
         (triton / "nvidia_entrypoint.sh").chmod(0o755)
         install_onnxruntime_backend(triton, _install_file)
         build_standin(TRITON_STANDIN, "tritonserver.Dockerfile", base, triton)
+        sdk = Path(scratch) / "sdk"
+        sdk.mkdir()
+        build_standin(SDK_STANDIN, "sdk.Dockerfile", TRITON_STANDIN, sdk)
 
         python = Path(scratch) / "python"
         (python / "wheels").mkdir(parents=True)
@@ -228,7 +234,8 @@ def docker_environment(build_dir: Path) -> Iterator[dict[str, str]]:
     with docker_engine(build_dir):
         env = compose_environment(build_dir, dict(os.environ))
         build_standins(build_dir)
-        env.update(TRITON_IMAGE=TRITON_STANDIN, EXPORT_PYTHON_IMAGE=PYTHON_STANDIN, TORCH_FIND_LINKS="/opt/wheels",
+        env.update(TRITON_IMAGE=TRITON_STANDIN, TRITON_SDK_IMAGE=SDK_STANDIN, EXPORT_PYTHON_IMAGE=PYTHON_STANDIN,
+                   TORCH_FIND_LINKS="/opt/wheels",
                    DOCKER_BUILDKIT="0", COMPOSE_DOCKER_CLI_BUILD="0")
         if "TRITON_MEMLOCK" not in env and (limit := memlock_limit()) is not None:
             env["TRITON_MEMLOCK"] = limit

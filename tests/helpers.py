@@ -172,6 +172,22 @@ def process_exists(pid: int) -> bool:
     return True
 
 
+def stub_pid(group: int, model: str = "code2wav") -> int:
+    """The Python stub of `model`'s one instance among the processes of process group `group` (a
+    tritonserver's, or its watchdog's)."""
+    from benchmarks.profile import group_pids
+
+    def command_line(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # exited since the group was listed
+            return ""
+
+    pids = [pid for pid in group_pids(group) if f"{model}/1/model.py" in command_line(pid)]
+    assert len(pids) == 1, f"one {model} stub expected in process group {group}, found {pids}"
+    return pids[0]
+
+
 def shm_prefix_of(pid: int) -> str:
     """The shared-memory prefix on the command line of tritonserver `pid` (its Python stubs' regions)."""
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")

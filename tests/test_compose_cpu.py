@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -23,7 +24,7 @@ from mimi_code2wav.client.protocol import MODEL_NAME
 from mimi_code2wav.server.triton import free_ports
 
 from docker_env import DockerUnavailable, docker_environment
-from helpers import REPO_ROOT, code2wav_inputs, infer, infer_error, send_in_chunks, sequence_ids
+from helpers import REPO_ROOT, code2wav_inputs, infer, infer_error, send_in_chunks, sequence_ids, wait_until
 from mimi_fixtures import assert_equal_audio, snr_db
 
 BUILD_DIR = REPO_ROOT / "build" / "docker"
@@ -81,7 +82,9 @@ class Compose:
         return done.stdout + done.stderr
 
     def down(self) -> None:
-        self("down", "-v", "--remove-orphans", "--timeout", "30", check=False)
+        """`down -v` of every profile these tests start: without its profile a service's containers
+        (and the volumes and network they use) stay."""
+        self("--profile", "cpu", "--profile", "bench", "down", "-v", "--remove-orphans", "--timeout", "30")
 
 
 def cpu_up(compose: Compose, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -157,6 +160,17 @@ def test_metrics_scrape(cpu_deployment, client, scenario):
     assert any(line.startswith("code2wav_") for line in text.splitlines()), "no code2wav_* metric in the scrape"
 
 
+def test_bench_profile_writes_perf_analyzers_csv(cpu_deployment):
+    """The README's bench line against the running server: perf_analyzer's CSV in ./bench_results."""
+    csv = REPO_ROOT / "bench_results" / "perf.csv"
+    csv.unlink(missing_ok=True)
+    cpu_deployment("--profile", "bench", "run", "--rm", "perf", timeout_s=600)
+    rows = csv.read_text().splitlines()
+    assert rows[0].startswith("Concurrency,Inferences/Second"), rows[:2]
+    concurrency, per_second = rows[1].split(",")[:2]
+    assert int(concurrency) == 1 and float(per_second) > 0, rows[1]
+
+
 def test_a_second_up_skips_the_export_and_changed_weights_redo_it(cpu_deployment, moshi_checkpoint, client,
                                                                    scenario, moshi_streams):
     cpu_up(cpu_deployment)
@@ -179,6 +193,55 @@ def test_a_second_up_skips_the_export_and_changed_weights_redo_it(cpu_deployment
     pcm = np.concatenate(send_in_chunks(client, new_sequence_id(), codes, 0, codes.shape[1], start=True))
     assert pcm.shape == moshi_streams["B"].shape
     assert snr_db(pcm, moshi_streams["B"]) < 60, f"{name} scaled by 1.5, yet the audio equals the old weights'"
+
+
+def test_stop_with_streams_in_flight_drains_and_down_leaves_nothing(cpu_deployment, scenario):
+    """`docker compose stop` with 8 paced streams in flight: the server exits by itself with 0 inside
+    the grace period (no SIGKILL); `down -v` leaves no container, volume or network of the project."""
+    import threading
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    codes = scenario.streams["A"]
+    sent = [0] * 8
+    stop = threading.Event()
+
+    def stream(index: int) -> None:
+        sequence_id = new_sequence_id()
+        with grpcclient.InferenceServerClient(cpu_deployment.grpc_url) as client:
+            frame = 0
+            while not stop.is_set():
+                try:
+                    infer(client, sequence_id, codes[:, frame % codes.shape[1]][:, None], frame, start=frame == 0,
+                          new_frames=1)
+                except InferenceServerException:
+                    return
+                sent[index] = frame = frame + 1
+                time.sleep(0.08)
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert wait_until(lambda: min(sent) >= 3, 30), f"streams did not get going: {sent}"
+        started = time.monotonic()
+        cpu_deployment("stop", "triton-cpu", timeout_s=120)
+        stopped_s = time.monotonic() - started
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    server = cpu_deployment.service("triton-cpu")
+    assert (server["State"], server["ExitCode"]) == ("exited", 0), server
+    assert stopped_s < 30, f"stop took {stopped_s:.1f} s: past the 30 s grace period"
+    print(f"\ncompose stop with 8 streams in flight: the server exited 0 after {stopped_s:.1f} s")
+    cpu_deployment.down()
+    label = f"label=com.docker.compose.project={cpu_deployment.project}"
+    for kind in ("container", "volume", "network"):
+        left = subprocess.run(["docker", kind, "ls", *(["-a"] if kind == "container" else []), "-q", "--filter", label],
+                              env=cpu_deployment.env, capture_output=True, text=True, check=True).stdout.split()
+        assert not left, f"down -v left {kind}s of {cpu_deployment.project}: {left}"
 
 
 @pytest.mark.parametrize("case", ["missing-folder", "broken-checkpoint"])

@@ -71,8 +71,7 @@ NOT_RUN = {
        )},
     "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile cpu up --build triton-cpu":
         "test_compose_cpu.py runs it as written, with the weights, ports and images set by variables",
-    "docker compose --profile bench run --rm perf": "the SDK image has no stand-in yet; test_perf_inputs.py runs "
-                                                    "client/perf.sh, the service's command, against a real server",
+    "docker compose --profile bench run --rm perf": "test_compose_cpu.py runs it as written against the CPU profile",
 }
 
 RUN = {

@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME
 from mimi_code2wav.server.processes import ServerError, process_group_alive
 from mimi_code2wav.server.triton import SHM_DIR, TritonServer, free_ports, port_is_free, running_server
 
-from helpers import REPO_ROOT, process_exists, shm_prefix_of, wait_http_ready, wait_until
+from helpers import REPO_ROOT, infer, process_exists, shm_prefix_of, stub_pid, wait_http_ready, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -442,3 +443,26 @@ def test_signals_during_start_up_give_one_clean_stop(tmp_path):
     assert output.count("stopping tritonserver") == 1, output
     assert not process_exists(server_pid) and not process_group_alive(server_pid)
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
+
+
+@pytest.mark.parametrize("model", ["code2wav", "mimi_decoder"])
+def test_serve_restarts_a_server_whose_python_stub_died(repository_for, tmp_path, model):
+    """A Python stub that died (SIGKILL stands in for its segfault) leaves tritonserver ready while
+    every request fails; serve's stub probe finds it, kills the server and starts it again, and a fresh
+    conversation decodes."""
+    import tritonclient.grpc as grpcclient
+
+    log = tmp_path / "server.log"
+    with serve_cli(repository_for("null"), log) as (cli, (http_port, grpc_port, _), out):
+        first_pid = tritonserver_child(cli)
+        os.kill(stub_pid(first_pid, model), signal.SIGKILL)
+        wait_printed(cli, out, "tritonserver restarted (pid ", timeout_s=60)
+        wait_http_ready(http_port, cli, timeout_s=60, output=out)
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+            pcm = infer(client, 51, np.zeros((NUM_CODEBOOKS, 5), np.int64), 0, start=True, end=True, new_frames=5)
+        assert pcm.size == 5 * SAMPLES_PER_FRAME
+        output = stop_cli(cli, out)
+    assert cli.returncode == 0, output
+    assert re.search(rf"tritonserver \(pid {first_pid}\) answers ready, but a Python stub is dead \(.*Stub process "
+                     rf"'{model}_0_0' is not healthy\..*\): killing it \(SIGKILL\)", output), output
+    assert f"tritonserver (pid {first_pid}) was killed by SIGKILL after" in output, output

@@ -20,12 +20,13 @@ from benchmarks.profile import group_pids
 from mimi_code2wav.server.processes import process_group_alive
 from mimi_code2wav.server.triton import TritonServer
 
-from helpers import REPO_ROOT, process_exists, wait_until
+from helpers import REPO_ROOT, process_exists, stub_pid, wait_until
 
 pytestmark = pytest.mark.server
 
 WATCHDOG = REPO_ROOT / "docker" / "triton-watchdog.sh"
 INTERVAL_S, TIMEOUT_S, CHECKS = 0.2, 0.5, 3
+PROBE_S, PROBE_TIMEOUT_S = 1, 10
 
 
 class WatchedServer(TritonServer):
@@ -35,7 +36,9 @@ class WatchedServer(TritonServer):
         command, environment = super()._prepare()
         environment = {**(environment or os.environ), "WATCHDOG_URL": f"http://{self.host}:{self.http_port}/v2/health/live",
                        "WATCHDOG_INTERVAL_S": str(INTERVAL_S), "WATCHDOG_TIMEOUT_S": str(TIMEOUT_S),
-                       "WATCHDOG_CHECKS": str(CHECKS)}
+                       "WATCHDOG_CHECKS": str(CHECKS), "WATCHDOG_PROBE_S": str(PROBE_S),
+                       "WATCHDOG_PROBE_TIMEOUT_S": str(PROBE_TIMEOUT_S),
+                       "WATCHDOG_PROBE_URL": f"http://{self.host}:{self.http_port}/v2/models/code2wav/infer"}
         return ["sh", str(WATCHDOG), *command], environment
 
     def tritonserver_pid(self) -> int:
@@ -76,6 +79,30 @@ def test_a_hung_server_is_killed_and_the_watchdog_exits_137(tmp_path):
     assert not process_group_alive(server.pid), "the watchdog left a process behind"
 
 
+def test_a_dead_stub_gets_the_server_killed_and_the_watchdog_exits_137(repository_for, tmp_path):
+    """A code2wav stub that died (SIGKILL stands in for its segfault): the server still answers ready,
+    every request fails; the watchdog's probe finds it and kills the server, for the restart policy."""
+    log = tmp_path / "server.log"
+    server = WatchedServer(repository_for("null"), log_path=log)
+    try:
+        server.start_ready()
+        time.sleep(3 * PROBE_S)
+        assert server.is_alive(), f"a healthy server was killed:\n{log.read_text()[-2000:]}"
+        triton = server.tritonserver_pid()
+        os.kill(stub_pid(server.pid), signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert wait_until(lambda: not server.is_alive(), 2 * (PROBE_S + PROBE_TIMEOUT_S)), "the dead stub went unnoticed"
+        found_after_s = time.monotonic() - killed_at
+        assert server.exit_code() == 128 + signal.SIGKILL
+        text = log.read_text()
+        assert f"triton-watchdog: tritonserver (pid {triton}) answers, but a Python stub is dead" in text, text[-2000:]
+        assert "Stub process 'code2wav_0_0' is not healthy" in text, text[-2000:]
+        print(f"dead stub found and the server killed {found_after_s:.1f} s after the stub's death")
+    finally:
+        server.stop(grace_s=5)
+    assert wait_until(lambda: not process_group_alive(server.pid), 5.0), "the watchdog left a process behind"
+
+
 def test_a_loading_server_is_left_alone_and_sigterm_drains_it(tmp_path):
     # The model takes 3 s to load: the endpoints are not up (refused connections) for longer than the
     # watchdog's CHECKS x TIMEOUT_S, which must not count as a hang.
@@ -103,3 +130,26 @@ def test_the_watchdog_refuses_a_missing_command_and_bad_settings():
     assert result.returncode == 2 and "WATCHDOG_CHECKS must be a positive integer, got '0'" in result.stderr
     # The command's own exit code comes back.
     assert subprocess.run(["sh", str(WATCHDOG), "sh", "-c", "exit 3"], timeout=10).returncode == 3
+
+
+def test_the_kubernetes_liveness_probe_fails_on_a_dead_stub(repository_for, tmp_path):
+    """deploy/kubernetes/code2wav-triton.yaml's liveness command, run as the kubelet runs it (`$$` is
+    a literal `$`), against a real server: it passes while the stubs live, fails once code2wav's died."""
+    import yaml
+
+    manifests = yaml.safe_load_all((REPO_ROOT / "deploy" / "kubernetes" / "code2wav-triton.yaml").read_text())
+    (pod,) = [m["spec"]["template"]["spec"] for m in manifests if m and m.get("kind") in ("Deployment", "StatefulSet")]
+    (triton,) = [c for c in pod["containers"] if c["name"] == "triton"]
+    command = [arg.replace("$$", "$") for arg in triton["livenessProbe"]["exec"]["command"]]
+    server = TritonServer(repository_for("null"), log_path=tmp_path / "server.log")
+    try:
+        server.start_ready()
+        probe = [*command[:-1], command[-1].replace("127.0.0.1:8000", f"{server.host}:{server.http_port}")]
+        alive = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+        assert alive.returncode == 0, alive
+        os.kill(stub_pid(server.pid), signal.SIGKILL)
+        dead = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+        assert dead.returncode == 1 and "Stub process 'code2wav_0_0' is not healthy" in dead.stdout, dead
+        assert server.is_alive()
+    finally:
+        server.stop(grace_s=5)
