@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 
 import pytest
 
 from mimi_code2wav.server.processes import log_tail
 from mimi_code2wav.server.triton import TritonServer, running_server
+
+from docker_env import DockerUnavailable, docker_environment
+from helpers import REPO_ROOT
 
 # Session-scoped Mimi fixtures (seeded checkpoints, references, exports) shared by every test module.
 pytest_plugins = ("mimi_fixtures",)
@@ -56,6 +60,20 @@ def triton_server_factory():
                 with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
                     for future in [pool.submit(server.stop) for server in started]:
                         future.result()
+
+
+@pytest.fixture(scope="session")
+def docker_env():
+    """The environment for the README's `docker compose` commands here (tests/docker_env.py: a Docker
+    engine, Compose v2, stand-in images); the engine it started stops with the session. Without one
+    the compose tests skip, saying why; in CI (CI=true) they fail."""
+    try:
+        with docker_environment(REPO_ROOT / "build" / "docker") as env:
+            yield env
+    except DockerUnavailable as error:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI runs the compose tests, and Docker is unavailable: {error}")
+        pytest.skip(f"Docker is unavailable here: {error}")
 
 
 @pytest.hookimpl(hookwrapper=True)

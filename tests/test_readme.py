@@ -52,7 +52,9 @@ NOT_RUN = {
     "make serve REPLICAS=3": "a foreground proxy and 3 servers on fixed ports; test_replicas.py runs the same "
                              "command (serve-replicas) on free ports and ReplicaSet behind it",
     "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile scale up --build triton-proxy":
-        "no Docker engine here; test_compose.py checks the scale profile's structure",
+        "its replicas reserve a GPU; test_compose_scale.py runs the same profile with docker-compose.cpu.yml",
+    "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose -f docker-compose.yml -f docker-compose.cpu.yml --profile scale "
+    "up --build triton-proxy": "test_compose_scale.py runs it as written: a replica killed, one hung, under 12 streams",
     "kubectl apply -f deploy/kubernetes/code2wav-triton.yaml -f deploy/kubernetes/gateway-envoy.yaml":
         "no cluster here; test_replicas.py checks the manifests' structure and routing policy",
     "make bench-duplex": "minutes of load on the shared cores; test_duplex.py runs the same command "

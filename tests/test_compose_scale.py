@@ -1,0 +1,205 @@
+"""The README's scale-out on a CPU host, run for real: `docker compose -f docker-compose.yml -f
+docker-compose.cpu.yml --profile scale up --build triton-proxy`: three replicas behind nginx, each
+stream kept on one by its key, and the faults compose itself handles (the restart policy, the
+watchdog). Variables as in test_compose_cpu.py; skipped, saying why, without Docker (failed in CI).
+
+Tests in order, on one deployment, each under paced streams through the proxy: the busiest replica's
+tritonserver SIGKILLed (a crash: the watchdog exits with it and the restart policy starts the container
+again; `docker kill` would not do, as Docker restarts no container it was told to stop), then one hung
+(its tritonserver SIGSTOPped, which its watchdog finds). Six streams: what these two cores carry in real
+time through three CPU replicas with room for the moved streams' replays (at twelve, the streams run at
+about 0.9x real time before any fault).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME, StreamOptions
+from mimi_code2wav.client.sync import run_streams
+from mimi_code2wav.export.reference import snr_db
+from mimi_code2wav.server.nginx import read_access_log, replicas_by_stream
+from mimi_code2wav.server.triton import free_ports
+
+from docker_env import Compose
+from helpers import print_and_record, wait_until
+from mimi_fixtures import assert_equal_audio
+
+UP_TIMEOUT_S = 1500
+pytestmark = [pytest.mark.server, pytest.mark.compose, pytest.mark.timeout(UP_TIMEOUT_S + 600)]
+
+FILES = ("docker-compose.yml", "docker-compose.cpu.yml")
+REPLICAS = ("triton-replica-0", "triton-replica-1", "triton-replica-2")
+STREAMS = 6
+CHUNK_FRAMES = 4
+FRAMES = 250  # 20 s of audio per stream
+FAULT_AT_S = 8.0
+HISTORY_FRAMES = 250
+RESUMED_MIN_SNR_DB = 70.0
+# Untouched streams keep real time: wall time at most 1.1 times their audio.
+MIN_REAL_TIME_FACTOR = 1 / 1.1
+
+
+@pytest.fixture(scope="module")
+def scale(docker_env, moshi_checkpoint, tmp_path_factory):
+    checkpoint = moshi_checkpoint[0]
+    http, grpc = free_ports(2)
+    compose = Compose(docker_env, tmp_path_factory.mktemp("compose-scale"), FILES,
+                      MIMI_WEIGHTS_DIR=str(checkpoint.parent), MIMI_WEIGHTS=checkpoint.name,
+                      TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc))
+    try:
+        compose("--profile", "scale", "up", "--build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), "triton-proxy",
+                timeout_s=UP_TIMEOUT_S + 300)
+        compose.grpc_url = f"127.0.0.1:{grpc}"
+        yield compose
+    finally:
+        compose.down()
+
+
+@pytest.fixture(scope="module")
+def streams():
+    rng = np.random.default_rng(35)
+    return {f"call-{n}": rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, FRAMES)) for n in range(STREAMS)}
+
+
+@pytest.fixture(scope="module")
+def solo(ort_decode, streams):
+    """Each stream decoded by the ONNX step in this process: what every replica serves."""
+    pcm = ort_decode(np.stack(list(streams.values())), frames_per_call=16)
+    return {key: pcm[i] for i, key in enumerate(streams)}
+
+
+def replica_addresses(compose: Compose) -> dict[str, str]:
+    """gRPC address (ip:8001) on the compose network -> replica service."""
+    addresses = {}
+    for service in REPLICAS:
+        networks = compose.inspect(service)["NetworkSettings"]["Networks"]
+        for network in networks.values():
+            addresses[f"{network['IPAddress']}:8001"] = service
+    return addresses
+
+
+def placement(compose: Compose, tmp_path, since_s: float) -> dict[str, set[str]]:
+    """Stream key -> the replica services that answered its requests since `since_s` (time.time()),
+    from the proxy's access log."""
+    log = tmp_path / "proxy-access.log"
+    log.write_text(compose.logs("triton-proxy", "--no-log-prefix"))
+    addresses = replica_addresses(compose)
+    requests = [request for request in read_access_log(log) if request.time_s >= since_s]
+    return {key: {addresses.get(url, url) for url in urls} for key, urls in replicas_by_stream(requests).items()}
+
+
+def tritonserver_pid(compose: Compose, service: str) -> int:
+    """The host pid of the service's tritonserver (the container's processes are the host's)."""
+    top = subprocess.run(["docker", "top", compose.inspect(service)["Id"], "-eo", "pid,comm"], env=compose.env,
+                         capture_output=True, text=True, check=True).stdout
+    (pid,) = [int(line.split()[0]) for line in top.splitlines()[1:] if line.split()[-1] == "tritonserver"]
+    return pid
+
+
+def run_with_fault(compose: Compose, streams: dict, tmp_path, fault) -> tuple:
+    """The streams, paced, through the proxy; at FAULT_AT_S `fault(service)` hits the replica holding
+    the most. Returns (report, the service, the keys it held)."""
+    keys = list(streams)
+    options = StreamOptions(chunk_frames=CHUNK_FRAMES, first_chunk_frames=CHUNK_FRAMES, paced=True,
+                            resume_history_frames=HISTORY_FRAMES, resume_timeout_s=90.0, response_timeout_s=5.0)
+    outcome = {}
+
+    def decode_all() -> None:
+        try:
+            outcome["report"] = run_streams(compose.grpc_url, [streams[key] for key in keys], options,
+                                            sequence_ids=[2000 + n for n in range(len(keys))], stream_keys=keys)
+        except BaseException as error:  # raised below
+            outcome["error"] = error
+
+    started = time.time()
+    thread = threading.Thread(target=decode_all, daemon=True)
+    thread.start()
+    time.sleep(FAULT_AT_S)
+    served = placement(compose, tmp_path, started)
+    assert all(len(served.get(key, ())) == 1 for key in keys), served
+    holders = {service: [key for key in keys if served[key] == {service}] for service in REPLICAS}
+    victim = max(REPLICAS, key=lambda service: len(holders[service]))
+    assert len(holders[victim]) < STREAMS, f"every stream hashed to one replica: {holders}"
+    fault(victim)
+    thread.join(FRAMES * 0.08 + 240)
+    assert not thread.is_alive(), "the streams did not finish"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["report"], victim, holders[victim]
+
+
+def check_streams(report, streams: dict, solo: dict, moved: list[str]) -> tuple[list[float], float]:
+    """Every stream complete; the moved ones resumed (once, or twice when their replica came back before
+    they ended), exact before and >= 70 dB after; the others never resumed, exact and in real time. Returns the moved streams' stalls and the kept streams'
+    slowest real-time factor."""
+    stalls, kept_rtf = [], []
+    for key, result in zip(streams, report.results):
+        assert result.pcm.shape == (FRAMES * SAMPLES_PER_FRAME,), key
+        resumes = [resume for resume in result.resumes if resume.frame > 0]
+        if key not in moved:
+            assert not resumes, (key, [r.describe() for r in resumes])
+            assert_equal_audio(result.pcm, solo[key], what=f"{key} (its replica stayed)")
+            kept_rtf.append(result.real_time_factor)
+            continue
+        # Once where it moved; once more where the restarted replica takes its key back (its hash
+        # leads there again) before the stream ends.
+        assert 1 <= len(resumes) <= 2, (key, [r.describe() for r in resumes])
+        cut = resumes[0].frame * SAMPLES_PER_FRAME
+        assert_equal_audio(result.pcm[:cut], solo[key][:cut], what=f"{key} before its resume")
+        assert snr_db(result.pcm[cut:], solo[key][cut:]) >= RESUMED_MIN_SNR_DB, key
+        stalls.append(resumes[0].stall_s)
+    assert min(kept_rtf) >= MIN_REAL_TIME_FACTOR, kept_rtf
+    return stalls, min(kept_rtf)
+
+
+def restarted(compose: Compose, service: str, restarts_before: int, timeout_s: float = 120) -> bool:
+    """The restart policy brought `service` back, healthy."""
+    def back() -> bool:
+        state = compose.inspect(service)
+        return state["RestartCount"] > restarts_before and state["State"].get("Health", {}).get("Status") == "healthy"
+
+    return wait_until(back, timeout_s, poll_s=1.0)
+
+
+def test_a_crashed_replicas_streams_resume_elsewhere_and_the_others_keep_real_time(
+        scale, streams, solo, tmp_path, record_property):
+    crash = {}
+
+    def kill(service: str) -> None:
+        crash["restarts"] = scale.inspect(service)["RestartCount"]
+        os.kill(tritonserver_pid(scale, service), signal.SIGKILL)
+
+    report, victim, moved = run_with_fault(scale, streams, tmp_path, kill)
+    stalls, kept_rtf = check_streams(report, streams, solo, moved)
+    assert restarted(scale, victim, crash["restarts"]), f"{victim} did not come back:\n{scale.logs(victim)[-3000:]}"
+    summary = (f"SIGKILL of {victim}'s tritonserver holding {len(moved)} of {STREAMS} paced streams at {FAULT_AT_S:g} s: "
+               f"{STREAMS}/{STREAMS} complete, stall until resumed {max(stalls) * 1e3:.0f} ms max; kept streams "
+               f"never resumed, slowest at {kept_rtf:.2f}x real time; {victim} restarted by its policy")
+    print_and_record(record_property, "compose_failover", summary)
+
+
+def test_a_hung_replica_is_killed_by_its_watchdog_and_its_streams_move(scale, streams, solo, tmp_path,
+                                                                       record_property):
+    hung = {}
+
+    def hang(service: str) -> None:
+        hung["restarts"] = scale.inspect(service)["RestartCount"]
+        os.kill(tritonserver_pid(scale, service), signal.SIGSTOP)
+
+    report, victim, moved = run_with_fault(scale, streams, tmp_path, hang)
+    stalls, kept_rtf = check_streams(report, streams, solo, moved)
+    logs = scale.logs(victim)
+    assert "answered no health check" in logs and "hung; killing it (SIGKILL)" in logs, logs[-3000:]
+    assert restarted(scale, victim, hung["restarts"]), f"{victim} did not come back:\n{logs[-3000:]}"
+    summary = (f"SIGSTOP of {victim}'s tritonserver holding {len(moved)} of {STREAMS} paced streams: the watchdog "
+               f"killed it, its streams resumed within {max(stalls):.1f} s, the others kept {kept_rtf:.2f}x real "
+               "time, and the restart policy brought it back")
+    print_and_record(record_property, "compose_hang", summary)
