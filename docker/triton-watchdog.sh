@@ -20,7 +20,7 @@
 # WATCHDOG_PROBE_S (5) seconds the script sends code2wav's START+END request without frames (its stub
 # answers it without decoding; sequence id 2^64 - 1, which no client uses) to WATCHDOG_PROBE_URL
 # (default http://127.0.0.1:8000/v2/models/code2wav/infer), waiting up to WATCHDOG_PROBE_TIMEOUT_S (10)
-# seconds for the answer (the Python backend takes a second or two to call a stub dead); an answer
+# seconds for the answer (the Python backend takes seconds to call a stub dead); an answer
 # saying the stub is not healthy gets the server SIGKILLed the same way, for the restart policy.
 # WATCHDOG_PROBE_S=0 turns it off.
 #

@@ -47,7 +47,7 @@ STABLE_AFTER_S = 60.0
 FIRST_RESTART_DELAY_S = 0.5
 MAX_RESTART_DELAY_S = 60.0
 # How often each running server is asked whether its Python stubs are alive, and how long the answer
-# may take (the Python backend takes a second or two to call a stub dead).
+# may take (the Python backend takes seconds to call a stub dead).
 STUB_PROBE_EVERY_S = 5.0
 STUB_PROBE_TIMEOUT_S = 10.0
 

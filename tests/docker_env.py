@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Iterator
 
 from mimi_code2wav.server.ort_backend import install_onnxruntime_backend
-from mimi_code2wav.server.triton import _install_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STANDINS = Path(__file__).resolve().parent / "standins"
@@ -205,6 +204,11 @@ def base_image(build_dir: Path, suite: str = SUITE, packages: tuple[str, ...] = 
     return tag
 
 
+def copy_file(source: Path, target: Path, mode: int) -> None:
+    shutil.copyfile(source, target)
+    os.chmod(target, mode)
+
+
 def build_standin(tag: str, dockerfile: str, base: str, context: Path) -> None:
     shutil.copyfile(STANDINS / dockerfile, context / "Dockerfile")
     log(f"docker build {tag}")
@@ -219,7 +223,7 @@ def build_standins(build_dir: Path) -> None:
         triton.mkdir()
         shutil.copyfile(STANDINS / "nvidia_entrypoint.sh", triton / "nvidia_entrypoint.sh")
         (triton / "nvidia_entrypoint.sh").chmod(0o755)
-        install_onnxruntime_backend(triton, _install_file)
+        install_onnxruntime_backend(triton, copy_file)
         build_standin(TRITON_STANDIN, "tritonserver.Dockerfile", base, triton)
         sdk = Path(scratch) / "sdk"
         sdk.mkdir()

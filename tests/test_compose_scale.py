@@ -6,9 +6,8 @@ watchdog). Variables as in test_compose_cpu.py; skipped, saying why, without Doc
 Tests in order, on one deployment, each under paced streams through the proxy: the busiest replica's
 tritonserver SIGKILLed (a crash: the watchdog exits with it and the restart policy starts the container
 again; `docker kill` would not do, as Docker restarts no container it was told to stop), then one hung
-(its tritonserver SIGSTOPped, which its watchdog finds). Six streams: what these two cores carry in real
-time through three CPU replicas with room for the moved streams' replays (at twelve, the streams run at
-about 0.9x real time before any fault).
+(its tritonserver SIGSTOPped, which its watchdog finds). Six streams: what two cores carry in real time
+through three CPU replicas with room for the moved streams' replays.
 """
 
 from __future__ import annotations
