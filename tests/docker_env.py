@@ -102,14 +102,12 @@ def apt_install(*packages: str) -> None:
 @contextlib.contextmanager
 def docker_engine(build_dir: Path) -> Iterator[None]:
     """A Docker engine that answers: the host's, or a `dockerd` started here and stopped afterwards."""
-    if not shutil.which("docker"):
-        apt_install("docker.io")
-    if answers(["docker", "info"]):
+    if shutil.which("docker") and answers(["docker", "info"]):
         yield
         return
     if os.geteuid() != 0:
         raise DockerUnavailable("no Docker engine answers `docker info`, and only root may start one here")
-    if not shutil.which("dockerd"):
+    if not (shutil.which("docker") and shutil.which("dockerd")):
         apt_install("docker.io")
     build_dir.mkdir(parents=True, exist_ok=True)
     log_path = build_dir / "dockerd.log"

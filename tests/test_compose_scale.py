@@ -103,9 +103,9 @@ def tritonserver_pid(compose: Compose, service: str) -> int:
     return pid
 
 
-def run_with_fault(compose: Compose, streams: dict, tmp_path, fault) -> tuple:
-    """The streams, paced, through the proxy; at FAULT_AT_S `fault(service)` hits the replica holding
-    the most. Returns (report, the service, the keys it held)."""
+def run_with_fault(compose: Compose, streams: dict, tmp_path, signum: int) -> tuple:
+    """The streams, paced, through the proxy; at FAULT_AT_S the tritonserver of the replica holding the
+    most gets `signum`. Returns (report, the service, the keys it held, its restart count before)."""
     keys = list(streams)
     options = StreamOptions(chunk_frames=CHUNK_FRAMES, first_chunk_frames=CHUNK_FRAMES, paced=True,
                             resume_history_frames=HISTORY_FRAMES, resume_timeout_s=90.0, response_timeout_s=5.0)
@@ -127,12 +127,13 @@ def run_with_fault(compose: Compose, streams: dict, tmp_path, fault) -> tuple:
     holders = {service: [key for key in keys if served[key] == {service}] for service in REPLICAS}
     victim = max(REPLICAS, key=lambda service: len(holders[service]))
     assert len(holders[victim]) < STREAMS, f"every stream hashed to one replica: {holders}"
-    fault(victim)
+    restarts_before = compose.inspect(victim)["RestartCount"]
+    os.kill(tritonserver_pid(compose, victim), signum)
     thread.join(FRAMES * 0.08 + 240)
     assert not thread.is_alive(), "the streams did not finish"
     if "error" in outcome:
         raise outcome["error"]
-    return outcome["report"], victim, holders[victim]
+    return outcome["report"], victim, holders[victim], restarts_before
 
 
 def check_streams(report, streams: dict, solo: dict, moved: list[str]) -> tuple[list[float], float]:
@@ -170,15 +171,9 @@ def restarted(compose: Compose, service: str, restarts_before: int, timeout_s: f
 
 def test_a_crashed_replicas_streams_resume_elsewhere_and_the_others_keep_real_time(
         scale, streams, solo, tmp_path, record_property):
-    crash = {}
-
-    def kill(service: str) -> None:
-        crash["restarts"] = scale.inspect(service)["RestartCount"]
-        os.kill(tritonserver_pid(scale, service), signal.SIGKILL)
-
-    report, victim, moved = run_with_fault(scale, streams, tmp_path, kill)
+    report, victim, moved, restarts_before = run_with_fault(scale, streams, tmp_path, signal.SIGKILL)
     stalls, kept_rtf = check_streams(report, streams, solo, moved)
-    assert restarted(scale, victim, crash["restarts"]), f"{victim} did not come back:\n{scale.logs(victim)[-3000:]}"
+    assert restarted(scale, victim, restarts_before), f"{victim} did not come back:\n{scale.logs(victim)[-3000:]}"
     summary = (f"SIGKILL of {victim}'s tritonserver holding {len(moved)} of {STREAMS} paced streams at {FAULT_AT_S:g} s: "
                f"{STREAMS}/{STREAMS} complete, stall until resumed {max(stalls) * 1e3:.0f} ms max; kept streams "
                f"never resumed, slowest at {kept_rtf:.2f}x real time; {victim} restarted by its policy")
@@ -187,17 +182,11 @@ def test_a_crashed_replicas_streams_resume_elsewhere_and_the_others_keep_real_ti
 
 def test_a_hung_replica_is_killed_by_its_watchdog_and_its_streams_move(scale, streams, solo, tmp_path,
                                                                        record_property):
-    hung = {}
-
-    def hang(service: str) -> None:
-        hung["restarts"] = scale.inspect(service)["RestartCount"]
-        os.kill(tritonserver_pid(scale, service), signal.SIGSTOP)
-
-    report, victim, moved = run_with_fault(scale, streams, tmp_path, hang)
+    report, victim, moved, restarts_before = run_with_fault(scale, streams, tmp_path, signal.SIGSTOP)
     stalls, kept_rtf = check_streams(report, streams, solo, moved)
     logs = scale.logs(victim)
     assert "answered no health check" in logs and "hung; killing it (SIGKILL)" in logs, logs[-3000:]
-    assert restarted(scale, victim, hung["restarts"]), f"{victim} did not come back:\n{logs[-3000:]}"
+    assert restarted(scale, victim, restarts_before), f"{victim} did not come back:\n{logs[-3000:]}"
     summary = (f"SIGSTOP of {victim}'s tritonserver holding {len(moved)} of {STREAMS} paced streams: the watchdog "
                f"killed it, its streams resumed within {max(stalls):.1f} s, the others kept {kept_rtf:.2f}x real "
                "time, and the restart policy brought it back")
