@@ -10,7 +10,8 @@
 # with its own input layout), STREAMS (8: sequences in the input data), FRAMES (64 per sequence),
 # CHUNK_FRAMES (4), SCHEDULE (empty; e.g. 1,3,1,16,2: frames per step in turn, instead of
 # CHUNK_FRAMES), SEED (0), SEQUENCE_ID_RANGE (1000000:2000000),
-# MEASUREMENT_INTERVAL_MS (4000), CSV (build/perf/perf.csv), PYTHON (.venv/bin/python),
+# MEASUREMENT_INTERVAL_MS (4000), STABILITY_PERCENTAGE (10) and MAX_TRIALS (10): perf_analyzer's
+# -s and -r, which a noisy host may need raised; CSV (build/perf/perf.csv), PYTHON (.venv/bin/python),
 # PERF_ANALYZER (next to PYTHON), BUILD_DIR (build/perf).
 set -euo pipefail
 
@@ -24,6 +25,8 @@ SCHEDULE=${SCHEDULE:-}
 SEED=${SEED:-0}
 SEQUENCE_ID_RANGE=${SEQUENCE_ID_RANGE:-1000000:2000000}
 MEASUREMENT_INTERVAL_MS=${MEASUREMENT_INTERVAL_MS:-4000}
+STABILITY_PERCENTAGE=${STABILITY_PERCENTAGE:-10}
+MAX_TRIALS=${MAX_TRIALS:-10}
 BUILD_DIR=${BUILD_DIR:-$ROOT/build/perf}
 CSV=${CSV:-$BUILD_DIR/perf.csv}
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
@@ -58,4 +61,5 @@ exec "$PERF_ANALYZER" -m "$MODEL" -u "$URL" -i grpc --streaming \
   --sequence-id-range "$SEQUENCE_ID_RANGE" \
   "${COMPOSING[@]}" \
   --measurement-interval "$MEASUREMENT_INTERVAL_MS" \
+  --stability-percentage "$STABILITY_PERCENTAGE" --max-trials "$MAX_TRIALS" \
   -f "$CSV" "$@"
