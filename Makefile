@@ -16,9 +16,6 @@ MODEL_REPOSITORY ?=
 # The decoder target `make serve` renders: python-ort (default: any machine), onnxruntime (Triton's native
 # ONNX Runtime backend from ORT_BACKEND, default ../shared/triton-onnxruntime-backend), null (silence).
 TARGET ?=
-# N >= 1: `make serve` runs N tritonserver replicas behind nginx on HTTP_PORT / GRPC_PORT, each stream
-# kept on one replica (code2wav-server serve-replicas; needs nginx). Replica i listens on 8100+10i..8102+10i.
-REPLICAS ?=
 # A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
@@ -58,7 +55,7 @@ export: $(STAMP)
 	$(BIN)/code2wav-export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
 serve: $(STAMP)
-	$(BIN)/code2wav-server $(if $(REPLICAS),serve-replicas --replicas $(REPLICAS),serve --metrics-port $(METRICS_PORT)) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(MODEL_REPOSITORY),--model-repository $(MODEL_REPOSITORY),) $(if $(TARGET),--decoder $(TARGET),)
+	$(BIN)/code2wav-server serve --metrics-port $(METRICS_PORT) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(MODEL_REPOSITORY),--model-repository $(MODEL_REPOSITORY),) $(if $(TARGET),--decoder $(TARGET),)
 
 # The python-ort decoder's sweep into bench_results/, then (local server only) the same sweep with the
 # null decoder into bench_results/null/: the front's ceiling. Both run; the target fails if either did.
@@ -79,7 +76,8 @@ bench-duplex: $(STAMP)
 bench-memory: $(STAMP)
 	$(BIN)/python -m benchmarks memory
 
-# 3 replicas behind nginx, 12 paced resumable streams, SIGKILL of the busiest replica: what the streams
+# The compose scale profile on this host's Docker engine (docker-compose.cpu.yml: 3 CPU replicas behind
+# nginx), 12 paced resumable streams, SIGKILL of the busiest replica's tritonserver: what the streams
 # that kept their replica feel, and the stall of those that moved (bench_results/failover/).
 bench-failover: $(STAMP)
 	$(BIN)/python -m benchmarks failover $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)

@@ -1,10 +1,13 @@
 """`python -m benchmarks failover`: what live streams feel when a replica dies under them.
 
-N replicas behind nginx (`replicas.ReplicaSet`, free ports, a run folder of their own), S paced
-resumable streams (`client.run_streams`: one request in flight per stream, each request C
-frames, sent when its last frame exists), and at `--kill-at-s` the replica holding the most streams
-gets `--signal` (SIGKILL: a crash; SIGSTOP: a hang, which resumable clients notice by their response
-timeout). Reported, as a table and as JSON in `--out-dir`:
+The README's CPU scale-out as written, `docker compose -f docker-compose.yml -f docker-compose.cpu.yml
+--profile scale up --build triton-proxy`: three replicas behind nginx, on this host's Docker engine with
+the test tooling's stand-in images where no registry serves the NGC ones (tests/docker_env.py; its
+engine, Compose v2 and images, built once under build/docker). S paced resumable streams through the
+proxy (`client.run_streams`: one request in flight per stream, each request C frames, sent when its
+last frame exists), and at `--kill-at-s` the tritonserver of the replica holding the most streams gets
+`--signal` (SIGKILL: a crash, which the restart policy brings back; SIGSTOP: a hang, which the
+watchdog kills). Reported, as a table and as JSON in `--out-dir`:
 
 - streams that kept their replica: how many resumed anyway (none should: their server never went),
   and their request latency (send -> PCM) in the `--window-s` after the fault and over the run;
@@ -14,6 +17,7 @@ timeout). Reported, as a table and as JSON in `--out-dir`:
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -25,63 +29,71 @@ import numpy as np
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, ClientError, StreamOptions, random_codes
 from mimi_code2wav.client.report import percentiles
 from mimi_code2wav.client.sync import run_streams
-from mimi_code2wav.server.nginx import NginxError, replicas_by_stream
-from mimi_code2wav.server.processes import ServerError
-from mimi_code2wav.server.replicas import ReplicaSet
-from mimi_code2wav.server.serve import add_repository_arguments, prepare_repository
+from mimi_code2wav.server.triton import free_ports
+from tests.docker_env import REPLICAS, Compose, DockerUnavailable, docker_environment
 
 from .provenance import command_line, run_meta, write_run
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
+COMPOSE_FILES = ("docker-compose.yml", "docker-compose.cpu.yml")
+UP_TIMEOUT_S = 1500
 
 
 def _percentiles_ms(values_s: list[float]) -> dict[str, float | None]:
     return percentiles(np.asarray(values_s) * 1e3)
 
 
-def measure(args: argparse.Namespace, repository: Path) -> dict:
+def _weights_variables(weights: str | None) -> dict[str, str]:
+    """The compose variables for `--weights` (a checkpoint file or a transformers folder); without
+    it, seeded random weights."""
+    if weights is None:
+        return {"MIMI_RANDOM_INIT": "1", "MIMI_WEIGHTS_DIR": str(Path("build").resolve())}
+    path = Path(weights).resolve()
+    if not path.exists():
+        raise ClientError(f"--weights {weights}: no such file or folder")
+    if path.is_dir():
+        return {"MIMI_WEIGHTS_DIR": str(path)}
+    return {"MIMI_WEIGHTS_DIR": str(path.parent), "MIMI_WEIGHTS": path.name}
+
+
+def measure(args: argparse.Namespace, compose: Compose, grpc_url: str) -> dict:
     frames = int(round(args.seconds / FRAME_DURATION_S))
     codes = [random_codes(frames, seed=args.codes_seed + n) for n in range(args.streams)]
     keys = [f"call-{n}" for n in range(args.streams)]
     options = StreamOptions(chunk_frames=args.chunk_frames, first_chunk_frames=args.chunk_frames, paced=True,
                             resume_history_frames=args.history_frames, resume_timeout_s=60.0,
                             response_timeout_s=args.response_timeout_s)
-    run_dir = Path(args.out_dir) / "replicas"
-    with ReplicaSet(repository, args.replicas, run_dir=run_dir, grpc_port=0, http_port=0,
-                    replica_base_port=None) as replica_set:
-        outcome: dict = {}
+    outcome: dict = {}
 
-        def decode_all() -> None:
-            try:
-                outcome["report"] = run_streams(replica_set.proxy_grpc_url, codes, options,
-                                                sequence_ids=[1000 + n for n in range(args.streams)],
-                                                stream_keys=keys)
-            except BaseException as error:  # reported below
-                outcome["error"] = error
+    def decode_all() -> None:
+        try:
+            outcome["report"] = run_streams(grpc_url, codes, options,
+                                            sequence_ids=[1000 + n for n in range(args.streams)], stream_keys=keys)
+        except BaseException as error:  # reported below
+            outcome["error"] = error
 
-        streams = threading.Thread(target=decode_all, name="failover-streams", daemon=True)
-        streams.start()
-        time.sleep(args.kill_at_s)
-        placement = {key: sorted(urls)[0] for key, urls in replicas_by_stream(replica_set.proxy.requests()).items()}
-        holders = {url: [key for key in keys if placement.get(key) == url] for url in set(placement.values())}
-        victim_url = max(holders, key=lambda url: len(holders[url]))
-        victim = next(replica for replica in replica_set.replicas if replica.grpc_url == victim_url)
-        fault_s = time.perf_counter()
-        print(f"{args.signal} of replica {victim.index} ({victim_url}), holding {len(holders[victim_url])} of "
-              f"{args.streams} streams, at {args.kill_at_s:g} s", flush=True)
-        victim.server.process.send_signal(SIGNALS[args.signal])
-        streams.join(args.seconds + 180)
-        if args.signal == "STOP":
-            victim.server.process.send_signal(signal.SIGCONT)
-        if "error" in outcome:
-            raise outcome["error"]
-        if streams.is_alive():
-            raise ClientError("the streams did not finish within their length plus 180 s")
-        report = outcome["report"]
+    started = time.time()
+    streams = threading.Thread(target=decode_all, name="failover-streams", daemon=True)
+    streams.start()
+    time.sleep(args.kill_at_s)
+    placement = {key: sorted(services)[0] for key, services in compose.placement(started).items()}
+    holders = {service: [key for key in keys if placement.get(key) == service] for service in REPLICAS}
+    victim = max(REPLICAS, key=lambda service: len(holders[service]))
+    pid = compose.tritonserver_pid(victim)
+    fault_s = time.perf_counter()
+    print(f"{args.signal} of {victim}'s tritonserver, holding {len(holders[victim])} of {args.streams} streams, "
+          f"at {args.kill_at_s:g} s", flush=True)
+    os.kill(pid, SIGNALS[args.signal])
+    streams.join(args.seconds + 180)
+    if "error" in outcome:
+        raise outcome["error"]
+    if streams.is_alive():
+        raise ClientError("the streams did not finish within their length plus 180 s")
+    report = outcome["report"]
 
     kept, moved = [], []
     for key, result in zip(keys, report.results):
-        (moved if placement.get(key) == victim_url else kept).append((key, result))
+        (moved if placement.get(key) == victim else kept).append((key, result))
     window = [latency for _, result in kept
               for sent, latency in zip(result.chunk_sent_s, result.chunk_latencies_s)
               if fault_s <= sent + latency and sent <= fault_s + args.window_s]
@@ -90,7 +102,7 @@ def measure(args: argparse.Namespace, repository: Path) -> dict:
               if sent + latency < fault_s]
     return {
         "meta": run_meta("failover", command_line()),
-        "replicas": args.replicas, "streams": args.streams, "chunk_frames": args.chunk_frames,
+        "replicas": len(REPLICAS), "streams": args.streams, "chunk_frames": args.chunk_frames,
         "seconds": args.seconds, "fault": args.signal, "fault_at_s": args.kill_at_s, "window_s": args.window_s,
         "history_frames": args.history_frames,
         "moved_streams": len(moved), "kept_streams": len(kept),
@@ -125,19 +137,33 @@ def table(record: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        repository = prepare_repository(args)
-        record = measure(args, repository)
-    except (ServerError, NginxError, ClientError) as error:
+        variables = _weights_variables(args.weights)
+        with docker_environment(Path(args.build_dir)) as env:
+            http, grpc = free_ports(2)
+            compose = Compose(env, out_dir, COMPOSE_FILES, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc),
+                              **variables)
+            try:
+                print(f"compose --profile scale up (log: {out_dir / compose.project}.log)", flush=True)
+                compose("--profile", "scale", "up", "--build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S),
+                        "triton-proxy", timeout_s=UP_TIMEOUT_S + 300)
+                record = measure(args, compose, f"127.0.0.1:{grpc}")
+            finally:
+                compose.down()
+    except (DockerUnavailable, ClientError, AssertionError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
-    write_run(Path(args.out_dir), "failover", record, table(record))
+    write_run(out_dir, "failover", record, table(record))
     return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_repository_arguments(parser, "every replica serves")
-    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--weights", help="a moshi-format .safetensors checkpoint or a transformers folder "
+                        "(default: seeded random weights)")
+    parser.add_argument("--build-dir", default="build/docker",
+                        help="the Docker tooling's folder: engine log, Compose, stand-in images (default %(default)s)")
     parser.add_argument("--streams", type=int, default=12)
     parser.add_argument("--chunk-frames", type=int, default=4, help="frames per request (default %(default)s)")
     parser.add_argument("--seconds", type=float, default=40.0, help="audio per stream (default %(default)s)")
@@ -149,5 +175,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-timeout-s", type=float, default=5.0,
                         help="a request unanswered this long resumes the stream (default %(default)s)")
     parser.add_argument("--codes-seed", type=int, default=0, help="seed of the streams' random codes")
-    parser.add_argument("--ready-timeout", type=float, default=180.0)
     parser.add_argument("--out-dir", default="bench_results/failover")

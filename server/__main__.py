@@ -1,10 +1,9 @@
 """Command line of the server side (`code2wav-server`, or `python -m mimi_code2wav.server`).
 
     code2wav-server serve   [--model-repository DIR] [--weights PATH | --random-init] [--http-port 8000] ...
-    code2wav-server serve-replicas [--replicas 2] [--restart] [--grpc-port 8001] ...   (needs nginx)
     code2wav-server verify  [--url 127.0.0.1:8001] [--weights PATH | --random-init] [--streams 2] ...
 
-Argument parsing only: each command is a module (`serve`, `replicas`, `verify`) with `add_arguments(parser)`
+Argument parsing only: each command is a module (`serve`, `verify`) with `add_arguments(parser)`
 and `run(args) -> exit code`. The benchmarks are `python -m benchmarks` (benchmarks/README.md).
 """
 
@@ -13,11 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import replicas, serve, verify
+from . import serve, verify
 
 COMMANDS = {
     "serve": (serve, "run the local tritonserver in the foreground (Ctrl-C or SIGTERM stops it)"),
-    "serve-replicas": (replicas, "N tritonserver replicas behind nginx, every stream kept on one replica"),
     "verify": (verify, "check a running server against a streaming reference decode of the same weights"),
 }
 

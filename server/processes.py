@@ -1,9 +1,9 @@
 """The processes the server side launches.
 
-`ServerProcess` is the base of tritonserver (`triton.TritonServer`) and nginx (`nginx.NginxProxy`): it
-starts a command as the leader of its own process group, its output in a log file and the parent-death
-signal set (a launcher killed without stop() takes it along); waits for readiness while checking that
-the process is alive; and stops the whole group (its Python stubs, nginx's workers) and nothing else.
+`ServerProcess` is the base of tritonserver (`triton.TritonServer`): it starts a command as the
+leader of its own process group, its output in a log file and the parent-death signal set (a
+launcher killed without stop() takes it along); waits for readiness while checking that the process
+is alive; and stops the whole group (its Python stubs) and nothing else.
 """
 
 from __future__ import annotations
@@ -157,28 +157,7 @@ def with_parent_death_signal(command: Sequence[str]) -> tuple[list[str], Callabl
     return list(command), lambda: prctl(set_pdeathsig, sigterm, 0, 0, 0)
 
 
-class StopsOnExit:
-    """A context manager: `start_ready()` on entry (and `stop()` if that fails), `stop()` on exit."""
-
-    def start_ready(self) -> float:
-        raise NotImplementedError
-
-    def stop(self) -> object:
-        raise NotImplementedError
-
-    def __enter__(self):
-        try:
-            self.start_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
-
-
-class ServerProcess(StopsOnExit):
+class ServerProcess:
     """One server process on `host` (gRPC and HTTP ports; None or 0: picked free at start), the
     leader of its own process group, its output in `log_path`.
 
@@ -301,6 +280,18 @@ class ServerProcess(StopsOnExit):
         """`start()`, then `wait_ready()` with its defaults."""
         self.start()
         return self.wait_ready()
+
+    def __enter__(self):
+        """`start_ready()` (and `stop()` if that fails); `stop()` on exit."""
+        try:
+            self.start_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Block until the process exits by itself; returns its exit code."""

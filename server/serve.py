@@ -3,10 +3,9 @@
 Without --model-repository the repository is prepared first (`export.pipeline.prepare_local_repository`:
 exported when missing or stale, rendered with the `--decoder` target, python-ort by default, under the build folder).
 
-Supervised as `serve-replicas` supervises its replicas (`supervise`): a tritonserver that dies (a
-crash, the OOM killer) is started again on the same ports after a short delay that doubles while it
-keeps dying soon after its start; its streams are lost there and resumable clients resume them
-(docs/design.md §2.4). `--no-restart` exits with the server instead. SIGHUP drains the server and
+Supervised (`supervise`): a tritonserver that dies (a crash, the OOM killer) is started again on the
+same ports after a short delay that doubles while it keeps dying soon after its start; its streams
+are lost there and resumable clients resume them (docs/design.md §2.4). `--no-restart` exits with the server instead. SIGHUP drains the server and
 starts it again at once on the same ports, reading the repository afresh (new weights, a new config).
 
 Ctrl-C or SIGTERM drains and stops the server: tritonserver refuses new streams at once, answers the
@@ -22,7 +21,7 @@ import argparse
 from pathlib import Path
 
 from .processes import ServerError
-from .supervise import Foreground, Replica, run_in_foreground, supervise
+from .supervise import Foreground, Supervised, run_in_foreground, supervise
 from .triton import LOCALHOST, TritonServer
 
 # The decoder targets a local server renders (tensorrt needs a plan built on a GPU).
@@ -61,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
     """Start the server, then supervise it: restarted whenever it dies (or its exit code with --no-restart)."""
     repository = prepare_repository(args)
-    server = Replica(0, _new_server(args, repository), lambda ports: _new_server(args, repository, ports),
-                     "tritonserver")
+    server = Supervised(_new_server(args, repository), lambda ports: _new_server(args, repository, ports),
+                        "tritonserver")
     foreground.stop = lambda: server.server.stop()
     server.launch(foreground.launch_guard)
     print(f"tritonserver starting (pid {server.pid}), log: {server.log_path}", flush=True)
@@ -76,7 +75,7 @@ def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
         "SIGHUP drains and restarts it; Ctrl-C or SIGTERM drains and stops it.",
         flush=True,
     )
-    return supervise([server], foreground, restart=args.restart, ready_timeout_s=args.ready_timeout)
+    return supervise(server, foreground, restart=args.restart, ready_timeout_s=args.ready_timeout)
 
 
 def add_repository_arguments(parser: argparse.ArgumentParser, served_by: str = "to serve") -> None:

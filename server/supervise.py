@@ -1,34 +1,29 @@
-"""One supervisor for `code2wav-server serve` (one tritonserver) and `serve-replicas` (N behind nginx).
+"""The supervisor of `code2wav-server serve`: one tritonserver, restarted when it dies.
 
 The command runs in the foreground (`run_in_foreground`): the first SIGINT or SIGTERM stops it once
 and cleanly (`StopSignals`; a second signal, or one that reaches the process group twice, cannot
 interrupt that stop), and a signal that lands while a process is being created waits until the
 process exists (`signals_held`), so the stop always knows every process it has to end.
 
-`supervise` then polls the servers (`Replica`) until the command ends:
+`supervise` then polls the server (`Supervised`) until the command ends:
 
 - a server that exits is reported with its log tail. With restarts it is started again on the same
   ports after `RestartBackoff`'s delay, its log kept as <log>.<n>; its streams are lost there and
-  resumable clients resume them (docs/design.md §2.4). Without, the command ends once every server
-  has exited (with the server's exit code for a single server);
-- stub probes (every STUB_PROBE_EVERY_S, serve and serve-replicas): a server whose code2wav or decoder
-  stub died (`processes.dead_stub`: ready, yet every request fails) is killed, so that the restart
-  brings it back whole (without restarts the command ends with it);
-- health checks (`HealthCheck`, serve-replicas): a server that answers "not ready" (draining) leaves
-  the proxy at once; one that does not answer `unanswered` times in a row (hung) leaves it too and,
-  with restarts, is killed and started again; it goes back once it answers ready;
-- SIGHUP: each server in turn leaves the proxy (if any), is drained (SIGTERM: it refuses new streams,
-  live ones get UNAVAILABLE and resume elsewhere) and started again at once, reading the repository
-  afresh, and comes back: the operator's restart;
-- nginx exiting by itself ends the command.
+  resumable clients resume them (docs/design.md §2.4). Without, the command ends with the server's
+  exit code;
+- stub probes (every STUB_PROBE_EVERY_S): a server whose code2wav or decoder stub died
+  (`processes.dead_stub`: ready, yet every request fails) is killed, so that the restart brings it
+  back whole (without restarts the command ends with it);
+- SIGHUP: the server is drained (SIGTERM: it refuses new streams, live ones get UNAVAILABLE and
+  resume) and started again at once, reading the repository afresh: the operator's restart.
 
-Inside a container the same first job, restarting a tritonserver that died, is docker/triton-watchdog.sh's
+Several servers are the orchestrator's job (docker-compose.yml's `scale` profile, Kubernetes). Inside
+a container the first job here, restarting a tritonserver that died, is docker/triton-watchdog.sh's
 (the orchestrator restarts the container around it): docs/design.md §5.2.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import signal
@@ -37,7 +32,7 @@ import sys
 import time
 from typing import Callable, ContextManager
 
-from .processes import ServerError, dead_stub, http_ready, log_tail
+from .processes import ServerError, dead_stub, log_tail
 from .triton import TritonServer
 
 # A server that lived at least this long before dying is restarted after FIRST_RESTART_DELAY_S; one
@@ -170,11 +165,10 @@ def describe_exit(code: int | None) -> str:
 
 
 @dataclasses.dataclass
-class Replica:
-    """One supervised tritonserver. `new_server(ports)` makes its successor on the same (HTTP, gRPC,
+class Supervised:
+    """The supervised tritonserver. `new_server(ports)` makes its successor on the same (HTTP, gRPC,
     metrics) ports; `server` is replaced on every restart. `label` names it in messages."""
 
-    index: int
     server: TritonServer
     new_server: Callable[[tuple], TritonServer]
     label: str
@@ -183,7 +177,6 @@ class Replica:
     started_at: float = 0.0
     backoff: RestartBackoff = dataclasses.field(default_factory=RestartBackoff)
     next_restart_at: float = 0.0
-    unanswered_checks: int = 0  # health checks in a row that got no answer in time (a hung server)
 
     # Read from the current server, which each restart replaces.
     pid = property(lambda self: self.server.pid)
@@ -230,163 +223,78 @@ class Replica:
             raise ServerError(f"{self.label} did not come back: {error}") from error
 
 
-@dataclasses.dataclass(frozen=True)
-class HealthCheck:
-    """Every poll, each running server's /v2/health/ready is asked, within `timeout_s`; `unanswered`
-    misses in a row make a server hung. `timeout_s` 0: no checks."""
-
-    timeout_s: float = 2.0
-    unanswered: int = 3
-
-    @property
-    def enabled(self) -> bool:
-        return self.timeout_s > 0
-
-
-class NoProxy:
-    """What `supervise` asks of a proxy, for a server that has none."""
-
-    down: set[int] = set()
-    balances = False
-
-    def is_alive(self) -> bool:
-        return True
-
-    def take_out(self, index: int) -> None:
-        pass
-
-    def put_back(self, index: int) -> None:
-        pass
-
-
-def supervise(replicas: list[Replica], foreground: Foreground, *, restart: bool, ready_timeout_s: float,
-              proxy=None, health: HealthCheck = HealthCheck(0), poll_s: float = 0.5,
-              stub_probe_s: float = STUB_PROBE_EVERY_S) -> int:
-    """Watch `replicas` (behind `proxy`, an NginxProxy, if given) until the command ends (module
-    docstring); a stop signal is raised out of here, SIGHUPs are `foreground.signals.hangups`.
-    `stub_probe_s` 0: no stub probes. Returns the exit code."""
+def supervise(server: Supervised, foreground: Foreground, *, restart: bool, ready_timeout_s: float,
+              poll_s: float = 0.5, stub_probe_s: float = STUB_PROBE_EVERY_S) -> int:
+    """Watch `server` until the command ends (module docstring); a stop signal is raised out of
+    here, SIGHUPs are `foreground.signals.hangups`. `stub_probe_s` 0: no stub probes. Returns the
+    exit code."""
     signals, guard = foreground.signals, foreground.launch_guard
     hangups_seen = 0
-    behind = proxy if proxy is not None else NoProxy()
     next_probe_at = time.monotonic() + stub_probe_s
     while True:
         time.sleep(poll_s)
-        if not behind.is_alive():
-            print(f"nginx exited by itself with code {proxy.exit_code()} (error log {proxy.error_log}):\n"
-                  f"{log_tail(proxy.error_log)}", file=sys.stderr, flush=True)
-            return 1
         if signals.hangups != hangups_seen:
             hangups_seen = signals.hangups
-            print("SIGHUP: rolling restart of the replicas, one at a time" if proxy is not None else
-                  f"SIGHUP: draining tritonserver (pid {replicas[0].pid}) to start it again", flush=True)
-            for replica in replicas:
-                if not _drain_and_restart(replica, behind, ready_timeout_s, guard):
-                    break  # that one is restarted as a dead server would be (or the command ends)
+            print(f"SIGHUP: draining tritonserver (pid {server.pid}) to start it again", flush=True)
+            _drain_and_restart(server, ready_timeout_s, guard)
             continue
-        _check_health(replicas, behind, health, restart)
         if stub_probe_s > 0 and time.monotonic() >= next_probe_at:
-            _probe_stubs(replicas, behind)
+            _probe_stubs(server)
             next_probe_at = time.monotonic() + stub_probe_s
-        for replica in replicas:
-            if not replica.is_alive():
-                _dead(replica, behind, restart, ready_timeout_s, guard)
-        if not restart and not any(replica.is_alive() for replica in replicas):
-            if proxy is not None:
-                print("error: every replica has exited; stopping the proxy", file=sys.stderr, flush=True)
-                return 1
-            return replicas[0].exit_code() or 1
+        if not server.is_alive():
+            _dead(server, restart, ready_timeout_s, guard)
+            if not restart:
+                return server.exit_code() or 1
 
 
-def _dead(replica: Replica, proxy, restart: bool, ready_timeout_s: float, guard) -> None:
+def _dead(server: Supervised, restart: bool, ready_timeout_s: float, guard) -> None:
     now = time.monotonic()
-    if not replica.exit_reported:
-        replica.exit_reported = True
-        lived_s = now - replica.started_at
-        where = "; its streams resume on the other replicas" if proxy.balances else ""
-        delay = f"; restart in {replica.backoff.after_exit(lived_s):.1f} s on the same ports" if restart else ""
-        print(f"{replica.label} (pid {replica.pid}) {describe_exit(replica.exit_code())} after {lived_s:.0f} s"
-              f"{where}{delay}. Log tail ({replica.log_path}):\n{log_tail(replica.log_path, lines=15)}",
+    if not server.exit_reported:
+        server.exit_reported = True
+        lived_s = now - server.started_at
+        delay = f"; restart in {server.backoff.after_exit(lived_s):.1f} s on the same ports" if restart else ""
+        print(f"{server.label} (pid {server.pid}) {describe_exit(server.exit_code())} after {lived_s:.0f} s"
+              f"{delay}. Log tail ({server.log_path}):\n{log_tail(server.log_path, lines=15)}",
               file=sys.stderr, flush=True)
-        replica.next_restart_at = now + replica.backoff.delay_s
-    if restart and now >= replica.next_restart_at:
+        server.next_restart_at = now + server.backoff.delay_s
+    if restart and now >= server.next_restart_at:
         try:
-            ready_s = replica.relaunch(ready_timeout_s, guard)
+            ready_s = server.relaunch(ready_timeout_s, guard)
         except ServerError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
-            replica.exit_reported = False  # report, and schedule the next attempt
+            server.exit_reported = False  # report, and schedule the next attempt
             return
-        print(f"{replica.label} restarted (pid {replica.pid}, restart {replica.restarts}), ready in {ready_s:.1f} s "
-              f"on {replica.grpc_url}", flush=True)
-        if replica.index in proxy.down:
-            proxy.put_back(replica.index)
-            print(f"{replica.label}: back in the proxy", flush=True)
+        print(f"{server.label} restarted (pid {server.pid}, restart {server.restarts}), ready in {ready_s:.1f} s "
+              f"on {server.grpc_url}", flush=True)
 
 
-def _check_health(replicas: list[Replica], proxy, health: HealthCheck, restart: bool) -> None:
-    running = [replica for replica in replicas if replica.is_alive()]
-    if not health.enabled or not running:
+def _probe_stubs(server: Supervised) -> None:
+    """Kill a running server with a dead Python stub: the next poll finds it exited and restarts it
+    (or ends the command) as it would after a crash."""
+    if not server.is_alive():
         return
-    with concurrent.futures.ThreadPoolExecutor(len(running)) as pool:
-        answers = list(pool.map(lambda r: http_ready(f"http://{r.http_url}/v2/health/ready", health.timeout_s), running))
-    for replica, problem in zip(running, answers):
-        taken_out = replica.index in proxy.down
-        if problem is None:
-            replica.unanswered_checks = 0
-            if taken_out:
-                proxy.put_back(replica.index)
-                print(f"{replica.label} answers ready again: back in the proxy", flush=True)
-            continue
-        answered = problem.startswith("HTTP ")
-        replica.unanswered_checks = 0 if answered else replica.unanswered_checks + 1
-        if not answered and replica.unanswered_checks < health.unanswered:
-            continue
-        if not taken_out:
-            proxy.take_out(replica.index)
-            why = ("is not ready (" + problem + ")" if answered else
-                   f"has not answered its health check for {health.unanswered} checks of {health.timeout_s:g} s")
-            print(f"{replica.label} (pid {replica.pid}) {why}: taken out of the proxy; its streams "
-                  "resume on the other replicas", file=sys.stderr, flush=True)
-        if restart and not answered:
-            replica.kill()  # hung: the restart brings it back
-            replica.unanswered_checks = 0
-
-
-def _probe_stubs(replicas: list[Replica], proxy) -> None:
-    """Kill each running server with a dead Python stub: the next poll finds it exited and
-    restarts it (or ends the command) as it would after a crash."""
-    running = [replica for replica in replicas if replica.is_alive()]
-    if not running:
+    error = dead_stub(server.http_url, STUB_PROBE_TIMEOUT_S)
+    if error is None or not server.is_alive():
         return
-    with concurrent.futures.ThreadPoolExecutor(len(running)) as pool:
-        answers = list(pool.map(lambda r: dead_stub(r.http_url, STUB_PROBE_TIMEOUT_S), running))
-    for replica, error in zip(running, answers):
-        if error is None or not replica.is_alive():
-            continue
-        proxy.take_out(replica.index)
-        print(f"{replica.label} (pid {replica.pid}) answers ready, but a Python stub is dead ({error.strip()}): "
-              "killing it (SIGKILL) so that it starts again whole", file=sys.stderr, flush=True)
-        with contextlib.suppress(ServerError, subprocess.TimeoutExpired):
-            replica.kill()
+    print(f"{server.label} (pid {server.pid}) answers ready, but a Python stub is dead ({error.strip()}): "
+          "killing it (SIGKILL) so that it starts again whole", file=sys.stderr, flush=True)
+    with contextlib.suppress(ServerError, subprocess.TimeoutExpired):
+        server.kill()
 
 
-def _drain_and_restart(replica: Replica, proxy, ready_timeout_s: float, guard) -> bool:
-    """Out of the proxy, drained (SIGTERM: its streams resume elsewhere), started again on the same
-    ports, back in the proxy. False when it did not come back: it is then reported and restarted (or
-    not) as a server that died."""
-    proxy.take_out(replica.index)
-    began, pid = time.monotonic(), replica.pid
-    if replica.is_alive():
+def _drain_and_restart(server: Supervised, ready_timeout_s: float, guard) -> None:
+    """Drained (SIGTERM: its streams resume), started again on the same ports. When it does not come
+    back it is reported and restarted (or not) as a server that died."""
+    began, pid = time.monotonic(), server.pid
+    if server.is_alive():
         with contextlib.suppress(subprocess.TimeoutExpired):  # relaunch stops what is left of it
-            replica.kill(signal.SIGTERM, timeout_s=replica.server.stop_grace_s)
-    drained = describe_exit(replica.exit_code())
+            server.kill(signal.SIGTERM, timeout_s=server.server.stop_grace_s)
+    drained = describe_exit(server.exit_code())
     try:
-        ready_s = replica.relaunch(ready_timeout_s, guard)
+        ready_s = server.relaunch(ready_timeout_s, guard)
     except ServerError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        replica.exit_reported = False
-        return False
-    proxy.put_back(replica.index)
-    print(f"{replica.label} (pid {pid}) drained ({drained}) and restarted in {time.monotonic() - began:.1f} s "
-          f"(ready in {ready_s:.1f} s, pid {replica.pid}, restart {replica.restarts})"
-          + (": back in the proxy" if proxy.balances else ""), flush=True)
-    return True
+        server.exit_reported = False
+        return
+    print(f"{server.label} (pid {pid}) drained ({drained}) and restarted in {time.monotonic() - began:.1f} s "
+          f"(ready in {ready_s:.1f} s, pid {server.pid}, restart {server.restarts})", flush=True)

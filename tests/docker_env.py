@@ -22,15 +22,19 @@ the README's `docker compose` commands run on this host, as written:
 The variables select those images (`TRITON_IMAGE`, `TRITON_SDK_IMAGE`, `NGINX_IMAGE`,
 `EXPORT_PYTHON_IMAGE`, `TORCH_FIND_LINKS`) and, where
 containers may not raise RLIMIT_MEMLOCK, set `TRITON_MEMLOCK` to this host's hard limit. Where none of
-this can be had, `DockerUnavailable` says why. `Compose` runs `docker compose` under them.
+this can be had, `DockerUnavailable` says why. `Compose` runs `docker compose` under them, and reads
+where the `scale` profile's proxy sent each stream (`Compose.placement`, from nginx's access log in
+docker/nginx/compose.conf's `code2wav_proxy` format). `python -m benchmarks failover` uses it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -64,6 +68,9 @@ PYTHON_STANDIN = "mimi-code2wav-standin/python:3.11-bookworm"
 SDK_STANDIN = "mimi-code2wav-standin/tritonserver:2.51.0-py3-sdk"
 NGINX_STANDIN = "mimi-code2wav-standin/nginx:1.30-forky"
 ENGINE_START_S = 60
+
+
+REPLICAS = ("triton-replica-0", "triton-replica-1", "triton-replica-2")
 
 
 class DockerUnavailable(RuntimeError):
@@ -305,3 +312,67 @@ class Compose:
         the volumes and network they use) stay."""
         self("--profile", "cpu", "--profile", "bench", "--profile", "scale", "down", "-v", "--remove-orphans",
              "--timeout", "30")
+
+    def replica_addresses(self) -> dict[str, str]:
+        """gRPC address (ip:8001) on the compose network -> replica service."""
+        addresses = {}
+        for service in REPLICAS:
+            for network in self.inspect(service)["NetworkSettings"]["Networks"].values():
+                addresses[f"{network['IPAddress']}:8001"] = service
+        return addresses
+
+    def placement(self, since_s: float = 0.0) -> dict[str, set[str]]:
+        """Stream key -> the replica services that answered its requests since `since_s` (time.time()),
+        from the proxy's access log."""
+        addresses = self.replica_addresses()
+        log = self.logs("triton-proxy", "--no-log-prefix")
+        requests = [request for request in read_access_log(log) if request.time_s >= since_s]
+        return {key: {addresses.get(url, url) for url in urls} for key, urls in replicas_by_stream(requests).items()}
+
+    def exit_codes(self, service: str, since_s: float) -> list[int]:
+        """The exit codes of the service's container since `since_s` (time.time()), oldest first
+        (Docker's `die` events: a restarted container's State no longer shows them)."""
+        done = run(["docker", "events", "--since", f"{since_s:.0f}", "--until", f"{time.time() + 1:.0f}",
+                    "--filter", f"container={self.inspect(service)['Id']}", "--filter", "event=die",
+                    "--format", "{{.Actor.Attributes.exitCode}}"], env=self.env)
+        return [int(code) for code in done.stdout.split()]
+
+    def tritonserver_pid(self, service: str) -> int:
+        """The host pid of the service's tritonserver (the container's processes are the host's)."""
+        top = run(["docker", "top", self.inspect(service)["Id"], "-eo", "pid,comm"], env=self.env).stdout
+        (pid,) = [int(line.split()[0]) for line in top.splitlines()[1:] if line.split()[-1] == "tritonserver"]
+        return pid
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxiedRequest:
+    """One line of the proxy's access log (docker/nginx/compose.conf's `code2wav_proxy` format)."""
+
+    time_s: float  # wall-clock time (time.time()) nginx logged it
+    stream_key: str
+    tried: tuple[str, ...]  # replicas (host:port) tried, in order; the last one answered
+
+    @property
+    def replica(self) -> str:
+        return self.tried[-1]
+
+
+_ACCESS_LINE = re.compile(r'^\S+ (?P<msec>[0-9.]+) stream="(?P<key>[^"]*)" upstream="(?P<upstream>[^"]*)" ')
+
+
+def read_access_log(text: str) -> list[ProxiedRequest]:
+    """The requests with a stream key in access log lines of the `code2wav_proxy` format."""
+    requests = []
+    for line in text.splitlines():
+        match = _ACCESS_LINE.match(line)
+        if match and match["key"] and match["key"] != "-":
+            requests.append(ProxiedRequest(float(match["msec"]), match["key"], tuple(match["upstream"].split(", "))))
+    return requests
+
+
+def replicas_by_stream(requests: list[ProxiedRequest]) -> dict[str, set[str]]:
+    """Stream key -> the replicas that answered its requests."""
+    served: dict[str, set[str]] = {}
+    for request in requests:
+        served.setdefault(request.stream_key, set()).add(request.replica)
+    return served

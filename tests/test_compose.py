@@ -1,10 +1,11 @@
-"""docker-compose.yml, docker/export.Dockerfile, docker/export-entrypoint.sh and the `scale` profile's
-nginx config (docker/nginx/compose.conf): what breaks in practice.
+"""docker-compose.yml, docker/export.Dockerfile, docker/export-entrypoint.sh, the `scale` profile's
+nginx config (docker/nginx/compose.conf) and the Kubernetes manifests: what the real runs cannot reach.
 
-No container can run here (no docker engine, no NGC images), so the compose file is checked
-structurally as a user's `docker compose` would interpolate it with no variables set, validated by
-`docker-compose config -q` / `docker compose config -q` where such a binary exists, and the
-entrypoint's jobs run for real on this machine with their folders pointed into tmp dirs.
+The compose `cpu`, `bench` and `scale` profiles run on containers (test_compose_cpu.py,
+test_compose_scale.py). What needs a GPU or the NGC images (the GPU servers' reservations and memory
+pools, the TensorRT jobs, the default image tags) and the Kubernetes manifests (no cluster here) are
+checked structurally, as a user's `docker compose` would interpolate the file with no variables set;
+the entrypoint's jobs also run on this machine with their folders pointed into tmp dirs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import tomllib
 import yaml
 
-from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME
+from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME, STREAM_KEY_HEADER
 
 from helpers import REPO_ROOT
 
@@ -34,6 +35,7 @@ CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pb
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
 PROXY_CONFIG = REPO_ROOT / "docker" / "nginx" / "compose.conf"
 WATCHDOG = REPO_ROOT / "docker" / "triton-watchdog.sh"
+KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
 WATCHDOG_IN_CONTAINER = "/opt/code2wav/triton-watchdog.sh"
 
 # NGC release -> the tritonserver (and SDK: perf_analyzer, tritonclient) version it carries.
@@ -420,15 +422,6 @@ def test_proxy_config_hashes_streams_over_each_replica_by_name(services):
     assert "daemon off;" not in config, "the image's command sets it; a second one fails nginx's start"
 
 
-def test_proxy_config_is_the_rendering_of_its_template():
-    from mimi_code2wav.server.nginx import compose_config
-
-    assert PROXY_CONFIG.read_text() == compose_config(len(REPLICAS)), (
-        f"{PROXY_CONFIG} is out of date with docker/nginx/code2wav-proxy.conf.tmpl: rewrite it with "
-        f"`code2wav-server serve-replicas --replicas {len(REPLICAS)} --print-compose-config > docker/nginx/compose.conf`"
-    )
-
-
 def test_perf_service_runs_perf_sh_against_the_server(services):
     perf = services["perf"]
     args = command_args(perf)
@@ -706,3 +699,54 @@ def test_entrypoint_jobs_write_the_served_repositories(tmp_path, moshi_checkpoin
     assert (trt_models / "mimi_decoder" / "1" / "model.plan").read_text() == "engine"
     assert (trt_models / "tritonserver.args").read_text().splitlines() == expected_pools
     assert (trt_models / "code2wav" / "1" / "model.py").is_file()
+
+
+# ---- Kubernetes (structure only: no cluster here) ----------------------------------------------------
+
+def kubernetes_objects() -> dict[tuple[str, str], dict]:
+    objects = {}
+    for path in sorted(KUBERNETES_DIR.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document:
+                objects[(document["kind"], document["metadata"]["name"])] = document
+    return objects
+
+
+def test_kubernetes_manifests_hash_streams_over_the_ready_pods():
+    objects = kubernetes_objects()
+    deployment = objects[("Deployment", "code2wav-triton")]
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (triton,) = pod["spec"]["containers"]
+    (export,) = pod["spec"]["initContainers"]
+    assert triton["image"] == "nvcr.io/nvidia/tritonserver:26.11-py3"  # compose's default (tests/test_compose.py)
+    assert export["args"] == ["export"] and export["image"].endswith("/mimi-code2wav-export:0.1.0")
+    # The init container renders the repository into the volume Triton serves read-only.
+    models = {mount["mountPath"]: mount for mount in triton["volumeMounts"]}["/models"]
+    assert models["readOnly"] and {"name": models["name"], "mountPath": "/models"} in export["volumeMounts"]
+    assert "--model-repository=/models" in triton["args"]
+    # `$$` is Kubernetes' escape for a literal `$` in command and args.
+    assert "$$(cat /models/tritonserver.args)" in triton["command"][3]
+    ports = {port["name"]: port["containerPort"] for port in triton["ports"]}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert triton["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert triton["resources"]["limits"]["nvidia.com/gpu"] == 1
+    exit_timeout_s = int(next(arg for arg in triton["args"] if arg.startswith("--exit-timeout-secs=")).split("=")[1])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > exit_timeout_s
+
+    service = objects[("Service", "code2wav-triton")]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    grpc_port = next(port for port in service["spec"]["ports"] if port["name"] == "grpc")
+    assert grpc_port["targetPort"] in ports and grpc_port["appProtocol"] == "kubernetes.io/h2c"
+
+    route = objects[("GRPCRoute", "code2wav")]
+    assert [parent["name"] for parent in route["spec"]["parentRefs"]] == ["code2wav"] and ("Gateway", "code2wav") in objects
+    (backend,) = route["spec"]["rules"][0]["backendRefs"]
+    assert (backend["name"], backend["port"]) == ("code2wav-triton", grpc_port["port"])
+
+    policy = objects[("BackendTrafficPolicy", "code2wav-stream-affinity")]["spec"]
+    assert policy["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "GRPCRoute", "name": "code2wav"}]
+    assert policy["loadBalancer"] == {"type": "ConsistentHash",
+                                      "consistentHash": {"type": "Headers", "headers": [{"name": STREAM_KEY_HEADER}]}}
+    assert policy["timeout"]["http"]["requestTimeout"] == "0s", "a route timeout would cut long gRPC streams"
+    assert f"httpHeaderName: {STREAM_KEY_HEADER}" in (KUBERNETES_DIR / "gateway-envoy.yaml").read_text()

@@ -6,15 +6,16 @@ watchdog). Variables as in test_compose_cpu.py; skipped, saying why, without Doc
 Tests in order, on one deployment, each under paced streams through the proxy: the busiest replica's
 tritonserver SIGKILLed (a crash: the watchdog exits with it and the restart policy starts the container
 again; `docker kill` would not do, as Docker restarts no container it was told to stop), then one hung
-(its tritonserver SIGSTOPped, which its watchdog finds). Six streams: what two cores carry in real time
-through three CPU replicas with room for the moved streams' replays.
+(its tritonserver SIGSTOPped, which its watchdog finds), then chaos: replicas killed, hung and drained
+at seeded random moments. Six streams: what two cores carry in real time through three CPU replicas
+with room for the moved streams' replays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -24,10 +25,9 @@ import pytest
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME, StreamOptions
 from mimi_code2wav.client.sync import run_streams
 from mimi_code2wav.export.reference import snr_db
-from mimi_code2wav.server.nginx import read_access_log, replicas_by_stream
 from mimi_code2wav.server.triton import free_ports
 
-from docker_env import Compose
+from docker_env import REPLICAS, Compose
 from helpers import print_and_record, wait_until
 from mimi_fixtures import assert_equal_audio
 
@@ -35,7 +35,6 @@ UP_TIMEOUT_S = 1500
 pytestmark = [pytest.mark.server, pytest.mark.compose, pytest.mark.timeout(UP_TIMEOUT_S + 600)]
 
 FILES = ("docker-compose.yml", "docker-compose.cpu.yml")
-REPLICAS = ("triton-replica-0", "triton-replica-1", "triton-replica-2")
 STREAMS = 6
 CHUNK_FRAMES = 4
 FRAMES = 250  # 20 s of audio per stream
@@ -75,35 +74,7 @@ def solo(ort_decode, streams):
     return {key: pcm[i] for i, key in enumerate(streams)}
 
 
-def replica_addresses(compose: Compose) -> dict[str, str]:
-    """gRPC address (ip:8001) on the compose network -> replica service."""
-    addresses = {}
-    for service in REPLICAS:
-        networks = compose.inspect(service)["NetworkSettings"]["Networks"]
-        for network in networks.values():
-            addresses[f"{network['IPAddress']}:8001"] = service
-    return addresses
-
-
-def placement(compose: Compose, tmp_path, since_s: float) -> dict[str, set[str]]:
-    """Stream key -> the replica services that answered its requests since `since_s` (time.time()),
-    from the proxy's access log."""
-    log = tmp_path / "proxy-access.log"
-    log.write_text(compose.logs("triton-proxy", "--no-log-prefix"))
-    addresses = replica_addresses(compose)
-    requests = [request for request in read_access_log(log) if request.time_s >= since_s]
-    return {key: {addresses.get(url, url) for url in urls} for key, urls in replicas_by_stream(requests).items()}
-
-
-def tritonserver_pid(compose: Compose, service: str) -> int:
-    """The host pid of the service's tritonserver (the container's processes are the host's)."""
-    top = subprocess.run(["docker", "top", compose.inspect(service)["Id"], "-eo", "pid,comm"], env=compose.env,
-                         capture_output=True, text=True, check=True).stdout
-    (pid,) = [int(line.split()[0]) for line in top.splitlines()[1:] if line.split()[-1] == "tritonserver"]
-    return pid
-
-
-def run_with_fault(compose: Compose, streams: dict, tmp_path, signum: int) -> tuple:
+def run_with_fault(compose: Compose, streams: dict, signum: int) -> tuple:
     """The streams, paced, through the proxy; at FAULT_AT_S the tritonserver of the replica holding the
     most gets `signum`. Returns (report, the service, the keys it held, its restart count before)."""
     keys = list(streams)
@@ -122,13 +93,13 @@ def run_with_fault(compose: Compose, streams: dict, tmp_path, signum: int) -> tu
     thread = threading.Thread(target=decode_all, daemon=True)
     thread.start()
     time.sleep(FAULT_AT_S)
-    served = placement(compose, tmp_path, started)
+    served = compose.placement(started)
     assert all(len(served.get(key, ())) == 1 for key in keys), served
     holders = {service: [key for key in keys if served[key] == {service}] for service in REPLICAS}
     victim = max(REPLICAS, key=lambda service: len(holders[service]))
     assert len(holders[victim]) < STREAMS, f"every stream hashed to one replica: {holders}"
     restarts_before = compose.inspect(victim)["RestartCount"]
-    os.kill(tritonserver_pid(compose, victim), signum)
+    os.kill(compose.tritonserver_pid(victim), signum)
     thread.join(FRAMES * 0.08 + 240)
     assert not thread.is_alive(), "the streams did not finish"
     if "error" in outcome:
@@ -170,8 +141,8 @@ def restarted(compose: Compose, service: str, restarts_before: int, timeout_s: f
 
 
 def test_a_crashed_replicas_streams_resume_elsewhere_and_the_others_keep_real_time(
-        scale, streams, solo, tmp_path, record_property):
-    report, victim, moved, restarts_before = run_with_fault(scale, streams, tmp_path, signal.SIGKILL)
+        scale, streams, solo, record_property):
+    report, victim, moved, restarts_before = run_with_fault(scale, streams, signal.SIGKILL)
     stalls, kept_rtf = check_streams(report, streams, solo, moved)
     assert restarted(scale, victim, restarts_before), f"{victim} did not come back:\n{scale.logs(victim)[-3000:]}"
     summary = (f"SIGKILL of {victim}'s tritonserver holding {len(moved)} of {STREAMS} paced streams at {FAULT_AT_S:g} s: "
@@ -180,9 +151,8 @@ def test_a_crashed_replicas_streams_resume_elsewhere_and_the_others_keep_real_ti
     print_and_record(record_property, "compose_failover", summary)
 
 
-def test_a_hung_replica_is_killed_by_its_watchdog_and_its_streams_move(scale, streams, solo, tmp_path,
-                                                                       record_property):
-    report, victim, moved, restarts_before = run_with_fault(scale, streams, tmp_path, signal.SIGSTOP)
+def test_a_hung_replica_is_killed_by_its_watchdog_and_its_streams_move(scale, streams, solo, record_property):
+    report, victim, moved, restarts_before = run_with_fault(scale, streams, signal.SIGSTOP)
     stalls, kept_rtf = check_streams(report, streams, solo, moved)
     logs = scale.logs(victim)
     assert "answered no health check" in logs and "hung; killing it (SIGKILL)" in logs, logs[-3000:]
@@ -191,3 +161,88 @@ def test_a_hung_replica_is_killed_by_its_watchdog_and_its_streams_move(scale, st
                f"killed it, its streams resumed within {max(stalls):.1f} s, the others kept {kept_rtf:.2f}x real "
                "time, and the restart policy brought it back")
     print_and_record(record_property, "compose_hang", summary)
+
+
+CHAOS_STREAMS = 6
+CHAOS_FRAMES = 500  # 40 s of audio per stream, paced in real time
+CHAOS_WINDOW_MIN_SNR_DB = 70.0
+
+
+def test_chaos_every_frame_once_through_kills_hangs_and_drains(scale, ort_decode, record_property):
+    """6 paced resumable streams (4-frame requests, a 3 s response deadline) through the proxy while
+    replicas' tritonservers are SIGKILLed, SIGSTOPped for 6 s (then continued) and SIGTERMed (drained),
+    at seeded random moments, the restart policy bringing back the killed and the drained one: every
+    stream completes with every frame's PCM exactly once, exact up to its first resume and >= 70 dB in
+    every second after it; the drained server exits 0; every replica ends healthy."""
+    rng = np.random.default_rng(17)
+    codes = {f"chaos-{n}": rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, CHAOS_FRAMES)) for n in range(CHAOS_STREAMS)}
+    pcm = ort_decode(np.stack(list(codes.values())), frames_per_call=16)
+    reference = {key: pcm[i] for i, key in enumerate(codes)}
+    options = StreamOptions(chunk_frames=4, first_chunk_frames=4, paced=True, resume_history_frames=HISTORY_FRAMES,
+                            resume_timeout_s=90.0, response_timeout_s=3.0)
+    restarts_before = {service: scale.inspect(service)["RestartCount"] for service in REPLICAS}
+    outcome: dict = {}
+
+    def decode_all():
+        try:
+            outcome["report"] = run_streams(scale.grpc_url, list(codes.values()), options,
+                                            sequence_ids=[9000 + n for n in range(CHAOS_STREAMS)],
+                                            stream_keys=list(codes))
+        except BaseException as error:  # reported below
+            outcome["error"] = error
+
+    started = time.time()
+    streams_thread = threading.Thread(target=decode_all, daemon=True)
+    streams_thread.start()
+    faults = []
+
+    def at(seconds):
+        time.sleep(max(0.0, started + seconds - time.time()))
+
+    def busiest(exclude=()):
+        served = scale.placement(started)
+        counts = {service: sum(service in served.get(key, ()) for key in codes)
+                  for service in REPLICAS if service not in exclude}
+        return max(counts, key=counts.get)
+
+    at(rng.uniform(6, 9))
+    killed = busiest()
+    os.kill(scale.tritonserver_pid(killed), signal.SIGKILL)
+    faults.append(f"SIGKILL {killed} at {time.time() - started:.1f} s")
+    at(rng.uniform(16, 19))
+    hung = busiest(exclude=(killed,))
+    pid = scale.tritonserver_pid(hung)
+    os.kill(pid, signal.SIGSTOP)
+    faults.append(f"SIGSTOP {hung} at {time.time() - started:.1f} s for 6 s")
+    time.sleep(6)
+    with contextlib.suppress(ProcessLookupError):  # its watchdog may have killed it by now
+        os.kill(pid, signal.SIGCONT)
+    at(rng.uniform(27, 30))
+    drained = busiest(exclude=(hung,))
+    os.kill(scale.tritonserver_pid(drained), signal.SIGTERM)
+    faults.append(f"SIGTERM {drained} at {time.time() - started:.1f} s")
+    streams_thread.join(CHAOS_FRAMES * 0.08 + 240)
+    assert not streams_thread.is_alive(), "the streams never finished"
+    if "error" in outcome:
+        raise outcome["error"]
+
+    resumes = 0
+    for key, result in zip(codes, outcome["report"].results):
+        assert result.pcm.shape == (CHAOS_FRAMES * SAMPLES_PER_FRAME,), key
+        first = result.resumes[0].frame if result.resumes else CHAOS_FRAMES
+        cut = first * SAMPLES_PER_FRAME
+        assert_equal_audio(result.pcm[:cut], reference[key][:cut], what=f"{key} before its first resume")
+        window = 13 * SAMPLES_PER_FRAME
+        worst = min((snr_db(result.pcm[start : start + window], reference[key][start : start + window])
+                     for start in range(cut, result.pcm.size, window)), default=float("inf"))
+        assert worst >= CHAOS_WINDOW_MIN_SNR_DB, (key, worst, [r.describe() for r in result.resumes])
+        resumes += len(result.resumes)
+    exits = scale.exit_codes(drained, since_s=started)
+    assert exits and exits[-1] == 0, f"{drained} drained with exit codes {exits}:\n{scale.logs(drained)[-3000:]}"
+    for service in {killed, drained}:
+        assert restarted(scale, service, restarts_before[service]), \
+            f"{service} did not come back:\n{scale.logs(service)[-3000:]}"
+    assert wait_until(lambda: all(scale.inspect(service)["State"].get("Health", {}).get("Status") == "healthy"
+                                  for service in REPLICAS), 120, poll_s=1.0), "a replica did not end healthy"
+    summary = f"chaos on compose: {'; '.join(faults)}; {CHAOS_STREAMS} streams, {resumes} resumes, all complete"
+    print_and_record(record_property, "compose_chaos", summary)

@@ -49,14 +49,12 @@ NOT_RUN = {
                                              "(test_export.py::test_gpu_benchmark_without_cuda_exits_clearly)",
     "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
                   "client/perf.sh on generated inputs against a real server",
-    "make serve REPLICAS=3": "a foreground proxy and 3 servers on fixed ports; test_replicas.py runs the same "
-                             "command (serve-replicas) on free ports and ReplicaSet behind it",
     "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile scale up --build triton-proxy":
         "its replicas reserve a GPU; test_compose_scale.py runs the same profile with docker-compose.cpu.yml",
     "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose -f docker-compose.yml -f docker-compose.cpu.yml --profile scale "
-    "up --build triton-proxy": "test_compose_scale.py runs it as written: a replica killed, one hung, under 12 streams",
+    "up --build triton-proxy": "test_compose_scale.py runs it as written: a replica killed, one hung, then chaos, under paced streams",
     "kubectl apply -f deploy/kubernetes/code2wav-triton.yaml -f deploy/kubernetes/gateway-envoy.yaml":
-        "no cluster here; test_replicas.py checks the manifests' structure and routing policy",
+        "no cluster here; test_compose.py checks the manifests' structure and routing policy",
     "make bench-duplex": "minutes of load on the shared cores; test_duplex.py runs the same command "
                          "(python -m benchmarks duplex) with small arguments against a real server",
     "make bench-failover": "a minute and a half of 3 replicas under 12 paced streams; test_failover.py runs the same "
