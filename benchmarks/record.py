@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -188,8 +189,17 @@ def with_headline(readme: str, table: str) -> str:
 
 
 def add_run(path: Path, directory: Path = RECORD_DIR) -> Path:
-    """Copy a run into `directory` as <kind>.json (replacing that kind's run); returns where."""
+    """Copy a run into `directory` as <kind>.json (replacing that kind's run); returns where. Only a
+    run of a committed tree whose command names no absolute path goes in: the record is what anyone
+    can rerun from a clone."""
     run = read_run(path)
+    meta = run["meta"]
+    if "uncommitted" in meta["commit"]:
+        raise RecordError(f"{path}: ran on a tree with uncommitted changes ({meta['commit']}): commit, then run it again")
+    absolute = [word for word in shlex.split(meta["command"]) if word.startswith("/") or "=/" in word]
+    if absolute:
+        raise RecordError(f"{path}: its command names machine paths ({', '.join(absolute)}): run it again with "
+                          "paths inside the checkout")
     target = Path(directory) / f"{run['meta']['kind']}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(record_json(run))

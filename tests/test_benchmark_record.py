@@ -49,7 +49,7 @@ def test_every_table_of_the_record_follows_its_runs_stamp():
         assert first_table < 0 or body.find(stamps[0]) < first_table, f"section {title!r}: a table before the stamp"
 
 
-def test_add_copies_a_run_in_under_its_kind_and_rejects_an_unstamped_one(tmp_path):
+def test_add_copies_a_committed_runs_in_and_rejects_unstamped_dirty_or_machine_bound_ones(tmp_path):
     source = next(iter(sorted(record.RECORD_DIR.glob("*.json"))))
     run = json.loads(source.read_text())
     fresh = tmp_path / "bench_results" / "run.json"
@@ -58,6 +58,14 @@ def test_add_copies_a_run_in_under_its_kind_and_rejects_an_unstamped_one(tmp_pat
     target = record.add_run(fresh, tmp_path / "record")
     assert target == tmp_path / "record" / f"{run['meta']['kind']}.json"
     assert "Commit 0000000," in record.render_record(tmp_path / "record")
+
+    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "commit": "0000000 (with uncommitted changes)"}}))
+    with pytest.raises(record.RecordError, match="uncommitted changes"):
+        record.add_run(fresh, tmp_path / "record")
+    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "commit": "0000000",
+                                                 "command": "python -m benchmarks memory --out-dir /tmp/x"}}))
+    with pytest.raises(record.RecordError, match="names machine paths \\(/tmp/x\\)"):
+        record.add_run(fresh, tmp_path / "record")
 
     del run["meta"]["command"]
     fresh.write_text(json.dumps(run))
