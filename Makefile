@@ -78,7 +78,8 @@ bench-memory: $(STAMP)
 
 # The compose scale profile on this host's Docker engine (docker-compose.cpu.yml: 3 CPU replicas behind
 # nginx), 12 paced resumable streams, SIGKILL of the busiest replica's tritonserver: what the streams
-# that kept their replica feel, and the stall of those that moved (bench_results/failover/).
+# that kept their replica feel, and the stall of those that moved (bench_results/failover/). As root;
+# MIMI_WEIGHTS here is a checkpoint file or folder (no hub id), else seeded random weights.
 bench-failover: $(STAMP)
 	$(BIN)/python -m benchmarks failover $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 

@@ -1,9 +1,10 @@
 """`python -m benchmarks failover`: what live streams feel when a replica dies under them.
 
 The README's CPU scale-out as written, `docker compose -f docker-compose.yml -f docker-compose.cpu.yml
---profile scale up --build triton-proxy`: three replicas behind nginx, on this host's Docker engine with
-the test tooling's stand-in images where no registry serves the NGC ones (tests/docker_env.py; its
-engine, Compose v2 and images, built once under build/docker). S paced resumable streams through the
+--profile scale up --build triton-proxy`: three replicas behind nginx, on this host's Docker engine
+with the test tooling's stand-in images (tests/docker_env.py: the engine, Compose v2 and the images,
+built once under build/docker; Triton 2.51 as in NGC 24.10). The faults are signals sent from the
+host to the container's tritonserver, so the command runs as root, as the stand-ins' build does. S paced resumable streams through the
 proxy (`client.run_streams`: one request in flight per stream, each request C frames, sent when its
 last frame exists), and at `--kill-at-s` the tritonserver of the replica holding the most streams gets
 `--signal` (SIGKILL: a crash, which the restart policy brings back; SIGSTOP: a hang, which the
@@ -30,7 +31,6 @@ from mimi_code2wav.client.protocol import FRAME_DURATION_S, ClientError, StreamO
 from mimi_code2wav.client.report import percentiles
 from mimi_code2wav.client.sync import run_streams
 from mimi_code2wav.server.triton import free_ports
-from tests.docker_env import REPLICAS, Compose, DockerUnavailable, docker_environment
 
 from .provenance import command_line, run_meta, write_run
 
@@ -56,7 +56,9 @@ def _weights_variables(weights: str | None) -> dict[str, str]:
     return {"MIMI_WEIGHTS_DIR": str(path.parent), "MIMI_WEIGHTS": path.name}
 
 
-def measure(args: argparse.Namespace, compose: Compose, grpc_url: str) -> dict:
+def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
+    from tests.docker_env import REPLICAS
+
     frames = int(round(args.seconds / FRAME_DURATION_S))
     codes = [random_codes(frames, seed=args.codes_seed + n) for n in range(args.streams)]
     keys = [f"call-{n}" for n in range(args.streams)]
@@ -79,6 +81,8 @@ def measure(args: argparse.Namespace, compose: Compose, grpc_url: str) -> dict:
     placement = {key: sorted(services)[0] for key, services in compose.placement(started).items()}
     holders = {service: [key for key in keys if placement.get(key) == service] for service in REPLICAS}
     victim = max(REPLICAS, key=lambda service: len(holders[service]))
+    if not holders[victim]:
+        raise ClientError(f"the proxy's access log placed no stream on any replica by {args.kill_at_s:g} s")
     pid = compose.tritonserver_pid(victim)
     fault_s = time.perf_counter()
     print(f"{args.signal} of {victim}'s tritonserver, holding {len(holders[victim])} of {args.streams} streams, "
@@ -137,6 +141,8 @@ def table(record: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tests.docker_env import Compose, DockerUnavailable, docker_environment
+
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -154,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
                 compose.down()
     except (DockerUnavailable, ClientError, AssertionError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except PermissionError as error:
+        print(f"error: signalling the container's tritonserver from the host needs root: {error}",
+              file=sys.stderr, flush=True)
         return 1
     write_run(out_dir, "failover", record, table(record))
     return 0

@@ -106,7 +106,7 @@ def process_group_alive(pgid: int) -> bool:
 
 def stop_process_group(process: subprocess.Popen, grace_s: float) -> int | None:
     """SIGTERM `process` (the leader of its own process group), SIGKILL the group if it has not
-    exited after `grace_s`, then wait until the rest of the group (Python stubs, nginx workers) is
+    exited after `grace_s`, then wait until the rest of the group (Python stubs) is
     gone too, killing it after 5 s. Idempotent; returns the leader's exit code."""
     def kill_group() -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -235,7 +235,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 # Own process group: Ctrl-C in a terminal does not reach it, and stop() can end it
-                # together with its children (Python stubs, nginx workers) and nothing else.
+                # together with its children (Python stubs) and nothing else.
                 start_new_session=True,
                 # If this process dies without stop() (SIGKILL, a test timeout), the server follows.
                 preexec_fn=preexec_fn,

@@ -41,7 +41,7 @@ from .triton import TritonServer
 STABLE_AFTER_S = 60.0
 FIRST_RESTART_DELAY_S = 0.5
 MAX_RESTART_DELAY_S = 60.0
-# How often each running server is asked whether its Python stubs are alive, and how long the answer
+# How often the running server is asked whether its Python stubs are alive, and how long the answer
 # may take (the Python backend takes seconds to call a stub dead).
 STUB_PROBE_EVERY_S = 5.0
 STUB_PROBE_TIMEOUT_S = 10.0
@@ -54,8 +54,8 @@ class StopRequested(Exception):
 class StopSignals:
     """SIGINT/SIGTERM handler. While disarmed (a process being created) a signal is only recorded;
     armed, the first signal interrupts the main thread with StopRequested, once: every later one is
-    only recorded. SIGHUP is counted in `hangups` from the start (the supervisor acts on it once its
-    servers serve), so that one arriving while they start neither kills the command nor is lost."""
+    only recorded. SIGHUP is counted in `hangups` from the start (the supervisor acts on it once the
+    server serves), so that one arriving while it starts neither kills the command nor is lost."""
 
     def __init__(self):
         self.armed = False

@@ -61,6 +61,38 @@ def test_the_client_refuses_offsetless_requests_and_empty_url_lists():
         Code2WavClient([])
 
 
+def test_every_request_carries_its_streams_key_header(monkeypatch):
+    """The proxy routes by the `code2wav-stream` gRPC metadata: each stream's requests carry its own key."""
+    import tritonclient.grpc.aio as aio_grpc
+
+    from mimi_code2wav.client.protocol import STREAM_KEY_HEADER
+
+    sent = []
+
+    class Channel:
+        def __init__(self, url, channel_args=None):
+            self.url = url
+
+        async def infer(self, model_name, inputs, **kwargs):
+            sent.append((self.url, kwargs["sequence_id"], kwargs["headers"]))
+            raise InferenceServerException("refused", status="StatusCode.INVALID_ARGUMENT")
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(aio_grpc, "InferenceServerClient", Channel)
+
+    async def run():
+        async with Code2WavClient("a:1") as client:
+            for key in ("call-1", "call-2"):
+                with pytest.raises(ClientError, match="refused"):
+                    await client.stream(sequence_id=7, stream_key=key).decode(np.zeros((8, 1), np.int64))
+
+    asyncio.run(run())
+    assert [headers for _, _, headers in sent] == [{STREAM_KEY_HEADER: "call-1"}, {STREAM_KEY_HEADER: "call-2"}]
+    assert STREAM_KEY_HEADER == "code2wav-stream"
+
+
 def test_a_stream_holds_at_most_max_pending_calls_behind_its_request_in_flight():
     async def scenario():
         client = Code2WavClient("a:1", max_pending_calls=1)

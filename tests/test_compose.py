@@ -719,7 +719,7 @@ def test_kubernetes_manifests_hash_streams_over_the_ready_pods():
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     (triton,) = pod["spec"]["containers"]
     (export,) = pod["spec"]["initContainers"]
-    assert triton["image"] == "nvcr.io/nvidia/tritonserver:26.11-py3"  # compose's default (tests/test_compose.py)
+    assert triton["image"] == TRITON_IMAGE  # compose's default
     assert export["args"] == ["export"] and export["image"].endswith("/mimi-code2wav-export:0.1.0")
     # The init container renders the repository into the volume Triton serves read-only.
     models = {mount["mountPath"]: mount for mount in triton["volumeMounts"]}["/models"]

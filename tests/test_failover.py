@@ -111,7 +111,7 @@ def solo(ort_decode, streams):
 def _decode(stream: Code2WavStream, codes: np.ndarray, first: int, stop: int, end: bool = False,
             lockstep: threading.Barrier | None = None) -> np.ndarray:
     """Frames [first, stop) in chunks; with `lockstep`, every stream sends chunk i only once all have
-    had chunk i - 1 answered, so none sits idle waiting for the slowest replica's streams."""
+    had chunk i - 1 answered, so none sits idle waiting for the slowest server's streams."""
     chunks = []
     for start in range(first, stop, CHUNK_FRAMES):
         if lockstep is not None:
@@ -222,9 +222,9 @@ def test_a_restarted_server_serves_again_and_idle_streams_resume_where_they_are(
     count; a new stream whose list starts with the restarted server is decoded there, exact."""
     dead = servers[0]
     idle_since = time.monotonic()  # after every stream's last answer
+    dead.stop()  # its stubs and shared memory
     servers[0] = _start(dead.model_repository, tmp_path / "server-0-restarted.log",
                         [dead.http_port, dead.grpc_port, dead.metrics_port])
-    dead.stop()  # its stubs and shared memory
     servers[0].wait_ready(180)
     # Every server drops the idle streams. Waiting out the timeout for all of them makes the outcome
     # independent of how long the restart took.
@@ -243,7 +243,6 @@ def test_a_restarted_server_serves_again_and_idle_streams_resume_where_they_are(
         assert len(later) == 1 and later[0].frame == first and later[0].url == expected, \
             [r.describe() for r in stream.resumes]
         assert snr_db(last[key], reference) >= RESUMED_MIN_SNR_DB, key
-    assert any(r.url == servers[0].grpc_url for stream in clients.values() for r in stream.resumes if r.frame >= first)
     key = next(iter(streams))
     with Code2WavClient(_urls(servers, 0), StreamOptions()).stream(sequence_id=5000, stream_key=key) as fresh:
         pcm = fresh.decode(streams[key][:, :4], end=True)

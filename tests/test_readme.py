@@ -57,8 +57,9 @@ NOT_RUN = {
         "no cluster here; test_compose.py checks the manifests' structure and routing policy",
     "make bench-duplex": "minutes of load on the shared cores; test_duplex.py runs the same command "
                          "(python -m benchmarks duplex) with small arguments against a real server",
-    "make bench-failover": "a minute and a half of 3 replicas under 12 paced streams; test_failover.py runs the same "
-                           "failover (kept streams never resume, moved ones resume once) and asserts it",
+    "make bench-failover": "the compose scale profile built and run under 12 paced streams (minutes); "
+                           "test_compose_scale.py runs the same profile and failover (kept streams never resume, "
+                           "moved ones resume) and asserts it",
     "make bench-memory": "a minute of a full server and 64 streams; test_serving.py's memory test runs the same "
                          "measurement (benchmarks.memory) at 32 streams, the native decoder batching each step as one, and asserts its bounds",
     ".venv/bin/code2wav-export build --weights kyutai/mimi": "needs the hub or its local cache, neither of "
