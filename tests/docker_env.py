@@ -329,13 +329,14 @@ class Compose:
         requests = [request for request in read_access_log(log) if request.time_s >= since_s]
         return {key: {addresses.get(url, url) for url in urls} for key, urls in replicas_by_stream(requests).items()}
 
-    def exit_codes(self, service: str, since_s: float) -> list[int]:
-        """The exit codes of the service's container since `since_s` (time.time()), oldest first
-        (Docker's `die` events: a restarted container's State no longer shows them)."""
+    def exits(self, service: str, since_s: float) -> list[tuple[float, int]]:
+        """(time.time(), exit code) of each exit of the service's container since `since_s`, oldest
+        first (Docker's `die` events: a restarted container's State no longer shows them)."""
         done = run(["docker", "events", "--since", f"{since_s:.0f}", "--until", f"{time.time() + 1:.0f}",
                     "--filter", f"container={self.inspect(service)['Id']}", "--filter", "event=die",
-                    "--format", "{{.Actor.Attributes.exitCode}}"], env=self.env)
-        return [int(code) for code in done.stdout.split()]
+                    "--format", "{{.TimeNano}} {{.Actor.Attributes.exitCode}}"], env=self.env)
+        pairs = [line.split() for line in done.stdout.splitlines() if line.strip()]
+        return [(int(nanos) / 1e9, int(code)) for nanos, code in pairs]
 
     def tritonserver_pid(self, service: str) -> int:
         """The host pid of the service's tritonserver (the container's processes are the host's)."""
