@@ -108,7 +108,7 @@ def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
         "meta": run_meta("failover", command_line()),
         "replicas": len(REPLICAS), "streams": args.streams, "chunk_frames": args.chunk_frames,
         "seconds": args.seconds, "fault": args.signal, "fault_at_s": args.kill_at_s, "window_s": args.window_s,
-        "history_frames": args.history_frames,
+        "history_frames": args.history_frames, "render_args": args.render_args,
         "moved_streams": len(moved), "kept_streams": len(kept),
         "kept_streams_resumed": sum(1 for _, result in kept if result.resumes),
         "kept_after_fault": _percentiles_ms(window),
@@ -129,7 +129,9 @@ def table(record: dict) -> str:
     return "\n".join([
         f"{record['fault']} of the busiest of {record['replicas']} replicas at {record['fault_at_s']:g} s: "
         f"{record['streams']} paced streams of {record['chunk_frames']}-frame requests, {record['moved_streams']} "
-        f"moved, {record['kept_streams']} kept their replica ({record['kept_streams_resumed']} of them resumed)",
+        f"moved, {record['kept_streams']} kept their replica ({record['kept_streams_resumed']} of them resumed); "
+        f"slowest stream at {record['real_time_factor_min']:.2f}x real time"
+        + (f"; replicas rendered with `{record['render_args']}`" if record.get("render_args") else ""),
         "",
         "| requests | p50 ms | p99 ms | max ms |",
         "|---|---:|---:|---:|",
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         with docker_environment(Path(args.build_dir)) as env:
             http, grpc = free_ports(2)
             compose = Compose(env, out_dir, COMPOSE_FILES, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc),
-                              **variables)
+                              RENDER_ARGS=args.render_args, **variables)
             try:
                 print(f"compose --profile scale up (log: {out_dir / compose.project}.log)", flush=True)
                 compose("--profile", "scale", "up", "--build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S),
@@ -172,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="a moshi-format .safetensors checkpoint or a transformers folder "
                         "(default: seeded random weights)")
+    parser.add_argument("--render-args", default="",
+                        help="the export service's RENDER_ARGS (e.g. \"--intra-op-threads 1\"; default none)")
     parser.add_argument("--build-dir", default="build/docker",
                         help="the Docker tooling's folder: engine log, Compose, stand-in images (default %(default)s)")
     parser.add_argument("--streams", type=int, default=12)
