@@ -131,7 +131,7 @@ def table(record: dict) -> str:
         f"{record['streams']} paced streams of {record['chunk_frames']}-frame requests, {record['moved_streams']} "
         f"moved, {record['kept_streams']} kept their replica ({record['kept_streams_resumed']} of them resumed); "
         f"slowest stream at {record['real_time_factor_min']:.2f}x real time"
-        + (f"; replicas rendered with `{record['render_args']}`" if record.get("render_args") else ""),
+        + (f"; replicas rendered with RENDER_ARGS `{record['render_args']}`" if record.get("render_args") else ""),
         "",
         "| requests | p50 ms | p99 ms | max ms |",
         "|---|---:|---:|---:|",
@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         with docker_environment(Path(args.build_dir)) as env:
             http, grpc = free_ports(2)
             compose = Compose(env, out_dir, COMPOSE_FILES, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc),
-                              RENDER_ARGS=args.render_args, **variables)
+                              **({"RENDER_ARGS": args.render_args} if args.render_args is not None else {}),
+                              **variables)
             try:
                 print(f"compose --profile scale up (log: {out_dir / compose.project}.log)", flush=True)
                 compose("--profile", "scale", "up", "--build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S),
@@ -174,8 +175,9 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="a moshi-format .safetensors checkpoint or a transformers folder "
                         "(default: seeded random weights)")
-    parser.add_argument("--render-args", default="",
-                        help="the export service's RENDER_ARGS (e.g. \"--intra-op-threads 1\"; default none)")
+    parser.add_argument("--render-args", default=None,
+                        help="the export service's RENDER_ARGS (default: docker-compose.cpu.yml's, "
+                        "\"--intra-op-threads 1\"; \"--intra-op-threads 0\": one thread per core)")
     parser.add_argument("--build-dir", default="build/docker",
                         help="the Docker tooling's folder: engine log, Compose, stand-in images (default %(default)s)")
     parser.add_argument("--streams", type=int, default=12)
