@@ -242,7 +242,10 @@ _RESUMABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 # Triton's reply to a request of a sequence they do not hold (a restarted server, an expired or
 # ended stream) both say "... the START flag"; a server that is exiting says it, and once it has
 # unloaded its models (a drain's last moments) Triton says the model "has no available versions".
-_STREAM_LOST_FRAGMENTS = ("START flag", "the server is shutting down", "has no available versions")
+# A server that holds an older copy of the stream, behind where the client is, says the request
+# "leaves a gap": the stream was there before its server hung, moved on elsewhere, and came back
+# (behind a proxy) before that server expired the copy. A resume's START replaces the copy.
+_STREAM_LOST_FRAGMENTS = ("START flag", "the server is shutting down", "has no available versions", "leaves a gap")
 # A lost connection that some gRPC versions report under another status.
 _CONNECTION_LOST_FRAGMENTS = ("socket closed", "connection reset", "connection refused", "stream removed", "broken pipe")
 

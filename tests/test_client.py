@@ -476,6 +476,8 @@ def decode_in_chunks(stream, codes, bounds, before_chunk=None):
         pytest.param("StatusCode.INTERNAL", "decoder 'mimi_decoder' failed on step 1 of 1 for stream 7: boom; the "
                      "stream was ended, send its next request with the START flag to begin again", True, None,
                      id="decoder-fault-ended-the-stream"),
+        pytest.param("StatusCode.INVALID_ARGUMENT", "frame_offset 420 leaves a gap: stream 7 has decoded 126 frames, "
+                     "so frame_offset must be at most 126", True, None, id="stale-copy-of-the-stream"),
         pytest.param("StatusCode.INVALID_ARGUMENT", "frame 3 differs from the frame stream 7 already decoded", False,
                      "INVALID_ARGUMENT: frame 3 differs from the frame stream 7 already decoded", id="changed-frame"),
         pytest.param("StatusCode.INVALID_ARGUMENT", "unexpected inference input 'history_frames' for model 'code2wav'", False, None,
