@@ -10,7 +10,8 @@
 
 The public names: `Code2WavClient` and `Code2WavStream` (`sync`; the same API with `await` in `aio`),
 `run_streams` (several streams at once, paced or not, one thread each; `RunReport`, `StreamResult`,
-`StreamsFailed`), `StreamOptions`, `ClientError` and `Resume`. Beside them: the request contract and
+`StreamsFailed`), `StreamOptions`, `Credentials` (TLS and the inference key), `ClientError` and
+`Resume`. Beside them: the request contract and
 its constants (`protocol`), what a stream sends next and how it resumes, without I/O (`plan`), the
 `code2wav-client decode` CLI (`decode`), WAV I/O (`wav`) and perf_analyzer inputs (`perf_inputs`,
 `perf.sh`).
@@ -21,10 +22,11 @@ relative, so `python -m client.perf_inputs` also runs from a plain checkout (the
 container does that).
 """
 
+from .credentials import Credentials
 from .plan import Resume
 from .protocol import ClientError, StreamOptions
 from .report import RunReport, StreamResult
 from .sync import Code2WavClient, Code2WavStream, StreamsFailed, run_streams
 
-__all__ = ["ClientError", "Code2WavClient", "Code2WavStream", "Resume", "RunReport", "StreamOptions", "StreamResult",
+__all__ = ["ClientError", "Code2WavClient", "Credentials", "Code2WavStream", "Resume", "RunReport", "StreamOptions", "StreamResult",
            "StreamsFailed", "run_streams"]

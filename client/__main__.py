@@ -5,6 +5,7 @@
                            [--streams N] [--paced|--unpaced] [--wav-format float32|int16]
                            [--resume] [--resume-history-frames 250] [--resume-timeout 30]
                            [--stream-key KEY] [--failover-url HOST:PORT ...]
+                           [--tls-ca ca.pem [--tls-cert client.pem --tls-key client.key]] [--key-file FILE]
 
 Argument parsing only: the decode command is `client.decode`, streaming is `client.sync`. Needs
 numpy and tritonclient, never PyTorch.
@@ -16,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .credentials import add_credentials_arguments
 from .decode import PROGRESS_MIN_FRAMES, decode_command
 from .protocol import (
     CODEBOOK_SIZE,
@@ -103,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the stream key header's value (default: the sequence id; with --streams N: KEY-0 ... KEY-{N-1})")
     resume.add_argument("--failover-url", action="append", default=[], metavar="HOST:PORT",
                         help="another server to resume on (repeatable; tried in turn after --url)")
+    add_credentials_arguments(decode)
     decode.set_defaults(handler=decode_command)
 
     return parser

@@ -24,7 +24,8 @@
 `Code2WavClient(urls)` holds one `tritonclient.grpc.aio` channel per URL, shared by all its streams.
 `client.stream()` opens a conversation: a `Code2WavStream`, one Triton sequence (docs/design.md §2),
 whose `await decode(codes [8, F])` sends the next F frames (any F >= 1) as a delta with
-`frame_offset` and returns their PCM, and whose `await close()` ENDs it. Every request carries the
+`frame_offset` and returns their PCM, and whose `await close()` ENDs it. `credentials`
+(`credentials.Credentials`) adds TLS and the inference key, where the server requires them. Every request carries the
 gRPC header `code2wav-stream: <stream key>`, so a proxy hashing it keeps a conversation on one
 replica. The rules are the thread client's (`plan.StreamPlan`, which `sync.Code2WavStream` drives too):
 
@@ -52,11 +53,13 @@ from typing import Sequence
 
 import numpy as np
 
+from .credentials import PLAINTEXT, Credentials
 from .plan import PlannedStream, Send, StreamPlan
 from .protocol import (
     CHANNEL_ARGS,
     DEFAULT_OPTIONS,
     DEFAULT_URL,
+    RESTRICTED_FRAGMENT,
     SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
     ClientError,
@@ -99,8 +102,9 @@ class Code2WavClient:
     close()`; the channels open on first use, in the running loop."""
 
     def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
-                 max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS):
+                 max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS, credentials: Credentials = PLAINTEXT):
         options.validate()
+        credentials.validate()
         if not options.send_frame_offset:
             raise ClientError("the asyncio client sends frame_offset with every request (send_frame_offset=True)")
         if max_pending_calls < 0:
@@ -110,6 +114,8 @@ class Code2WavClient:
             raise ClientError("the client needs at least one server URL")
         self.options = options
         self.max_pending_calls = max_pending_calls
+        self.credentials = credentials
+        self._headers = credentials.headers()
         self._channels: dict = {}
 
     async def __aenter__(self) -> Code2WavClient:
@@ -125,7 +131,8 @@ class Code2WavClient:
             await channel.close()
 
     async def check_ready(self, timeout_s: float = 10.0) -> None:
-        """Raise ClientError (one line) unless every URL answers and its model is ready."""
+        """Raise ClientError (one line) unless every URL answers, takes this client's TLS settings and
+        key, and its model is ready."""
         from tritonclient.utils import InferenceServerException
 
         name = self.options.model_name
@@ -134,7 +141,7 @@ class Code2WavClient:
             try:
                 live = await channel.is_server_live(client_timeout=timeout_s)
             except InferenceServerException as exc:
-                raise unreachable(url, exc) from None
+                raise unreachable(url, exc, self.credentials.connection_hint(str(exc))) from None
             if not live:
                 raise ClientError(f"Triton at {url} answers but is not live")
             try:
@@ -147,6 +154,12 @@ class Code2WavClient:
                 except Exception:  # the index only decorates the message
                     state = "state unknown"
                 raise ClientError(f"model '{name}' is not ready on Triton at {url} ({state}); see the server log")
+            try:  # metadata, unlike health, is behind the inference key where the server requires one
+                await channel.get_model_metadata(name, headers=self._headers, client_timeout=timeout_s)
+            except InferenceServerException as exc:
+                if RESTRICTED_FRAGMENT in str(exc):
+                    raise ClientError(self.credentials.key_refused(url)) from None
+                raise ClientError(f"Triton at {url}: metadata of model '{name}' unavailable: {grpc_reason(exc)}") from None
 
     def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
         """A new conversation. `sequence_id`: non-zero, default random; `stream_key`: what the proxy
@@ -157,7 +170,8 @@ class Code2WavClient:
         if url not in self._channels:
             import tritonclient.grpc.aio as grpcclient
 
-            self._channels[url] = grpcclient.InferenceServerClient(url, channel_args=list(CHANNEL_ARGS))
+            self._channels[url] = grpcclient.InferenceServerClient(
+                url, channel_args=list(CHANNEL_ARGS), creds=self.credentials.channel_credentials())
         return self._channels[url]
 
     async def _infer(self, stream: Code2WavStream, step: Send) -> np.ndarray | RequestFailure:
@@ -170,7 +184,8 @@ class Code2WavClient:
             result = await self._channel(step.url).infer(
                 self.options.model_name, infer_inputs(grpcclient, request.arrays), sequence_id=stream.sequence_id,
                 sequence_start=request.start, sequence_end=request.end,
-                headers={STREAM_KEY_HEADER: stream.stream_key}, client_timeout=self.options.response_timeout_s,
+                headers={**self._headers, STREAM_KEY_HEADER: stream.stream_key},
+                client_timeout=self.options.response_timeout_s,
             )
         except InferenceServerException as exc:
             return request_failure(exc)

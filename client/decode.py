@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .credentials import credentials_from_args
 from .protocol import (
     DEFAULT_RESUME_HISTORY_FRAMES,
     DEFAULT_RESUME_TIMEOUT_S,
@@ -173,10 +174,11 @@ def decode_command(args: argparse.Namespace) -> int:
     progress = ProgressBar() if show_progress else None
     servers = [args.url, *args.failover_url]
     # Failover servers are not checked first: they may be down now and up when needed.
-    Code2WavClient(args.url, options).check_ready()
+    credentials = credentials_from_args(args)
+    Code2WavClient(args.url, options, credentials=credentials).check_ready()
     try:
-        report = run_streams(servers, [codes] * args.streams, options,
-                             stream_keys=stream_keys(args.stream_key, args.streams), progress=progress)
+        report = run_streams(servers, [codes] * args.streams, options, stream_keys=stream_keys(args.stream_key, args.streams),
+                             progress=progress, credentials=credentials)
     except StreamsFailed as failure:
         if args.out is not None:
             write_received(args, failure.received, codes.shape[1])

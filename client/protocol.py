@@ -50,6 +50,9 @@ CHANNEL_ARGS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+# What Triton answers a call of a restricted protocol without the right key header (missing and
+# wrong alike; gRPC status UNAVAILABLE, which alone would read as a lost server).
+RESTRICTED_FRAGMENT = "is restricted, expecting header"
 # Sequence ids are drawn at random below this bound so that clients sharing a server do not collide.
 _SEQUENCE_ID_LIMIT = 1 << 62
 
@@ -208,9 +211,12 @@ def grpc_reason(exc: Exception) -> str:
     return text
 
 
-def unreachable(url: str, exc: Exception) -> ClientError:
-    """The error for a server that did not answer a liveness check, with what to try."""
+def unreachable(url: str, exc: Exception, tls_hint: str | None = None) -> ClientError:
+    """The error for a server that did not answer a liveness check, with what to try (`tls_hint`:
+    what the failure says about TLS, `Credentials.connection_hint`)."""
     hint = "is the server running?"
+    if tls_hint:
+        return ClientError(f"cannot connect to Triton (gRPC) at {url}: {tls_hint} ({grpc_reason(exc)})")
     if "://" in url:
         hint = "give the gRPC address as host:port, without a scheme such as http://"
     elif ":" not in url:
@@ -256,6 +262,9 @@ def request_failure(exc: Exception) -> RequestFailure:
     status = exc.status() if callable(getattr(exc, "status", None)) else None
     message = exc.message() if callable(getattr(exc, "message", None)) else None
     text = " ".join(str(message if message is not None else exc).split())
+    if RESTRICTED_FRAGMENT in text:
+        return RequestFailure(f"the server refused the request: it requires the inference key, and the key was "
+                              f"missing or wrong ({text})", resumable=False)
     resumable = (
         status in _RESUMABLE_STATUSES
         or any(fragment in text for fragment in _STREAM_LOST_FRAGMENTS)

@@ -17,6 +17,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from .credentials import PLAINTEXT, Credentials
 from .plan import PlannedRequest, PlannedStream, Send, StreamPlan
 from .protocol import (
     CHANNEL_ARGS,
@@ -60,14 +61,15 @@ class GrpcConnection:
     # A channel of its own: no subchannel shared with other clients of this process.
     CHANNEL_ARGS = (*CHANNEL_ARGS, ("grpc.use_local_subchannel_pool", 1))
 
-    def __init__(self, url: str, stream_key: str, model_name: str = MODEL_NAME):
+    def __init__(self, url: str, stream_key: str, model_name: str = MODEL_NAME, credentials: Credentials = PLAINTEXT):
         import tritonclient.grpc as grpcclient
 
         self.url = url
         self.model_name = model_name
         self._grpc = grpcclient
-        self._headers = {STREAM_KEY_HEADER: stream_key}
-        self._client = grpcclient.InferenceServerClient(url, channel_args=list(self.CHANNEL_ARGS))
+        self._headers = {**credentials.headers(), STREAM_KEY_HEADER: stream_key}
+        self._client = grpcclient.InferenceServerClient(url, channel_args=list(self.CHANNEL_ARGS),
+                                                        creds=credentials.channel_credentials())
 
     def infer(self, sequence_id: int, request: PlannedRequest, timeout_s: float) -> np.ndarray:
         from tritonclient.utils import InferenceServerException
@@ -96,19 +98,23 @@ class Code2WavClient:
             pcm = stream.decode(codes[:, 1:5])                  # frames 1-4
             pcm = stream.decode(codes[:, 5:9], end=True)        # frames 5-8, END
 
-    `connect(url, stream_key) -> Connection`, `clock` and `sleep` replace the network and time (tests).
+    `credentials` (`credentials.Credentials`) adds TLS and the inference key, where the server
+    requires them. `connect(url, stream_key) -> Connection`, `clock` and `sleep` replace the network
+    and time (tests).
     """
 
     def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
                  connect: Connect | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, credentials: Credentials = PLAINTEXT):
         options.validate()
+        credentials.validate()
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ClientError("the client needs at least one server URL")
         self.options = options
+        self.credentials = credentials
         self._connect = connect if connect is not None else (
-            lambda url, key: GrpcConnection(url, key, options.model_name))
+            lambda url, key: GrpcConnection(url, key, options.model_name, credentials))
         self._clock, self._sleep = clock, sleep
 
     def __enter__(self) -> Code2WavClient:
@@ -124,7 +130,8 @@ class Code2WavClient:
         from .aio import Code2WavClient as AsyncClient
 
         async def check() -> None:
-            async with AsyncClient(self.urls, StreamOptions(model_name=self.options.model_name)) as client:
+            async with AsyncClient(self.urls, StreamOptions(model_name=self.options.model_name),
+                                   credentials=self.credentials) as client:
                 await client.check_ready(timeout_s)
 
         asyncio.run(check())
@@ -224,6 +231,7 @@ def run_streams(
     stream_keys: Sequence[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
     connect: Connect | None = None,
+    credentials: Credentials = PLAINTEXT,
 ) -> RunReport:
     """Decode each [k, F] code array as its own `Code2WavStream` (own connection, own stream key, one
     request in flight), all concurrently, one thread each.
@@ -234,8 +242,8 @@ def run_streams(
     the previous answer came back if that is later; with `catch_up`, each carries every frame that
     exists by then. stream_keys default to the sequence ids in decimal. The first stream that fails
     stops the others and StreamsFailed is raised, with its error and the PCM every stream received
-    until then."""
-    client = Code2WavClient(urls, options, connect)
+    until then. `credentials`: TLS and the inference key (`credentials.Credentials`)."""
+    client = Code2WavClient(urls, options, connect, credentials=credentials)
     codes_list = [validate_codes(c) for c in streams_codes]
     if not codes_list:
         raise ClientError("no streams to decode")

@@ -69,17 +69,17 @@ STUB_PROBES = {
 DEAD_STUB = "is not healthy"
 
 
-def dead_stub(http_url: str, timeout_s: float) -> str | None:
+def dead_stub(http_url: str, timeout_s: float, headers: dict[str, str] | None = None) -> str | None:
     """The server's error when the Python stub of code2wav or of the decoder at `http_url` (host:port)
     is dead; None when each answered anything else (a result, a refusal while it drains or loads, no
-    such model) or nothing."""
+    such model) or nothing. `headers`: the inference key's, where the server requires it."""
     for model, probe in STUB_PROBES.items():
         body = json.dumps({
             "parameters": {"sequence_id": STUB_PROBE_SEQUENCE_ID, "sequence_start": True, "sequence_end": True},
             "inputs": [probe],
         }).encode()
         request = urllib.request.Request(f"http://{http_url}/v2/models/{model}/infer", data=body,
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(request, timeout=timeout_s):
                 continue

@@ -21,6 +21,7 @@ import argparse
 from pathlib import Path
 
 from .processes import ServerError
+from .security import ServerSecurity, add_security_arguments, security_from_args
 from .supervise import Foreground, Supervised, run_in_foreground, supervise
 from .triton import LOCALHOST, TritonServer
 
@@ -46,10 +47,11 @@ def prepare_repository(args: argparse.Namespace) -> Path:
         raise ServerError(str(error)) from error
 
 
-def _new_server(args: argparse.Namespace, repository: Path, ports: tuple | None = None) -> TritonServer:
+def _new_server(args: argparse.Namespace, repository: Path, security: ServerSecurity,
+                ports: tuple | None = None) -> TritonServer:
     http_port, grpc_port, metrics_port = ports or (args.http_port, args.grpc_port, args.metrics_port)
     return TritonServer(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                        host=args.host, log_path=args.log_file, log_verbose=args.log_verbose)
+                        host=args.host, log_path=args.log_file, log_verbose=args.log_verbose, security=security)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
     """Start the server, then supervise it: restarted whenever it dies (or its exit code with --no-restart)."""
+    security = security_from_args(args)
     repository = prepare_repository(args)
-    server = Supervised(_new_server(args, repository), lambda ports: _new_server(args, repository, ports),
-                        "tritonserver")
+    server = Supervised(_new_server(args, repository, security),
+                        lambda ports: _new_server(args, repository, security, ports), "tritonserver")
     foreground.stop = lambda: server.server.stop()
     server.launch(foreground.launch_guard)
     print(f"tritonserver starting (pid {server.pid}), log: {server.log_path}", flush=True)
@@ -71,6 +74,7 @@ def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
         f"  gRPC     {server.grpc_url}\n"
         f"  HTTP     http://{server.http_url}\n"
         f"  metrics  {server.metrics_url}\n"
+        f"  access   {security.describe()}\n"
         f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
         "SIGHUP drains and restarts it; Ctrl-C or SIGTERM drains and stops it.",
         flush=True,
@@ -107,3 +111,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-restart", dest="restart", action="store_false",
                         help="exit when tritonserver dies instead of starting it again")
+    add_security_arguments(parser)

@@ -273,7 +273,7 @@ def _probe_stubs(server: Supervised) -> None:
     (or ends the command) as it would after a crash."""
     if not server.is_alive():
         return
-    error = dead_stub(server.http_url, STUB_PROBE_TIMEOUT_S)
+    error = dead_stub(server.http_url, STUB_PROBE_TIMEOUT_S, server.server.probe_headers)
     if error is None or not server.is_alive():
         return
     print(f"{server.label} (pid {server.pid}) answers ready, but a Python stub is dead ({error.strip()}): "

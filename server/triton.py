@@ -38,6 +38,7 @@ from typing import Iterator, Sequence
 
 from .ort_backend import install_onnxruntime_backend, needs_onnxruntime
 from .processes import ServerError, ServerProcess, http_ready, log_tail
+from .security import OPEN, ServerSecurity
 
 SHM_DIR = Path("/dev/shm")
 # Every region a Python stub creates is named <prefix><uuid>; each server gets its own prefix so that
@@ -250,6 +251,7 @@ class TritonServer(ServerProcess):
         python_shm_default_byte_size: int | None = None,
         backend_root: Path | str | None = None,
         extra_args: Sequence[str] = (),
+        security: ServerSecurity = OPEN,
     ):
         super().__init__(host=host, grpc_port=grpc_port, http_port=http_port, log_path=log_path)
         self.model_repository = Path(model_repository).resolve()
@@ -260,11 +262,24 @@ class TritonServer(ServerProcess):
         self.python_shm_default_byte_size = python_shm_default_byte_size
         self.backend_root = backend_root
         self.extra_args = list(extra_args)
+        security.validate()
+        self.security = security
+        # Triton's HTTP endpoint has no TLS: with TLS on gRPC, HTTP and metrics stay on loopback.
+        self.http_host = LOCALHOST if security.tls else host
         self.shm_prefix = f"{SHM_PREFIX_BASE}{uuid.uuid4().hex[:12]}_"
 
     @property
+    def http_url(self) -> str:
+        return f"{self.http_host}:{self.http_port}"
+
+    @property
     def metrics_url(self) -> str | None:
-        return f"http://{self.host}:{self.metrics_port}/metrics" if self.allow_metrics else None
+        return f"http://{self.http_host}:{self.metrics_port}/metrics" if self.allow_metrics else None
+
+    @property
+    def probe_headers(self) -> dict[str, str]:
+        """The headers of an inference probe (the inference key, where the server requires one)."""
+        return self.security.probe_headers()
 
     @property
     def stop_grace_s(self) -> float:
@@ -272,13 +287,13 @@ class TritonServer(ServerProcess):
         return self.exit_timeout_s + 10.0
 
     def command(self, install: TritonInstall, backend_dir: Path) -> list[str]:
-        """The tritonserver command line for this server's settings."""
+        """The tritonserver command line for this server's settings (it holds any keys: never print it)."""
         cmd = [
             str(install.binary),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={backend_dir}",
             "--disable-auto-complete-config",
-            f"--http-address={self.host}",
+            f"--http-address={self.http_host}",
             f"--http-port={self.http_port}",
             f"--grpc-address={self.host}",
             f"--grpc-port={self.grpc_port}",
@@ -290,7 +305,7 @@ class TritonServer(ServerProcess):
         if self.allow_metrics:
             cmd += [
                 "--allow-metrics=true",
-                f"--metrics-address={self.host}",
+                f"--metrics-address={self.http_host}",
                 f"--metrics-port={self.metrics_port}",
             ]
         else:
@@ -299,7 +314,7 @@ class TritonServer(ServerProcess):
             cmd.append(
                 f"--backend-config=python,shm-default-byte-size={self.python_shm_default_byte_size}"
             )
-        return cmd + self.extra_args
+        return cmd + self.security.tritonserver_args() + self.extra_args
 
     # ServerProcess -------------------------------------------------------------------------
     def _prepare(self) -> tuple[list[str], dict[str, str]]:
@@ -325,7 +340,7 @@ class TritonServer(ServerProcess):
     def readiness(self) -> str | None:
         """`/v2/health/ready` answers 200 (a model that fails to load makes the server exit, a Python
         stub that cannot start leaves its model loading: not ready)."""
-        return http_ready(f"http://{self.host}:{self.http_port}/v2/health/ready", 1.0)
+        return http_ready(f"http://{self.http_url}/v2/health/ready", 1.0)
 
     def exit_cause(self) -> str:
         in_use = re.search(r"Socket '([^']+)' already in use", log_tail(self.log_path))

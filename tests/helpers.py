@@ -11,10 +11,13 @@ tritonclient is imported where a helper talks to a server, so the unit tests nee
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 import urllib.error
@@ -266,3 +269,49 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@contextlib.contextmanager
+def serve_cli(repository: Path, log: Path, *extra_args: str, env: dict[str, str] | None = None):
+    """`code2wav-server serve` of `repository` on free ports (and `extra_args`), ready; yields (process,
+    ports, its output file: <log>.out, readable while it runs). Killed on the way out if the test left
+    it running."""
+    from mimi_code2wav.server.triton import free_ports
+
+    ports = free_ports(3)
+    command = [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
+               *(arg for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), ports)
+                 for arg in (flag, str(port))),
+               "--log-file", str(log), *extra_args]
+    output = log.with_name(f"{log.name}.out")
+    with output.open("w") as sink:
+        cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                               env=env)
+    try:
+        wait_http_ready(ports[0], cli, timeout_s=60, output=output)
+        # serve polls readiness on its own: until it has seen the server ready too, a server that
+        # dies is one that failed to start, which serve does not restart.
+        wait_printed(cli, output, "tritonserver ready in ")
+        yield cli, ports, output
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+
+
+def wait_printed(cli: subprocess.Popen, output: Path, text: str, timeout_s: float = 30) -> None:
+    """Wait until the serve command has printed `text`; fails the test with its output if it does not."""
+    assert wait_until(lambda: text in output.read_text() or cli.poll() is not None, timeout_s) \
+        and text in output.read_text(), f"serve did not print {text!r}:\n{output.read_text()}"
+
+
+def stop_cli(cli: subprocess.Popen, output: Path) -> str:
+    """SIGTERM the serve command, wait for it, and return everything it printed."""
+    cli.send_signal(signal.SIGTERM)
+    cli.wait(timeout=60)
+    return output.read_text()
+
+
+def tritonserver_child(cli: subprocess.Popen) -> int | None:
+    pids = subprocess.run(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"], capture_output=True, text=True).stdout.split()
+    return int(pids[0]) if pids else None

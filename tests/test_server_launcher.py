@@ -23,7 +23,19 @@ from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME
 from mimi_code2wav.server.processes import ServerError, process_group_alive
 from mimi_code2wav.server.triton import SHM_DIR, TritonServer, free_ports, port_is_free, running_server
 
-from helpers import REPO_ROOT, infer, process_exists, shm_prefix_of, stub_pid, wait_http_ready, wait_until
+from helpers import (
+    REPO_ROOT,
+    infer,
+    process_exists,
+    serve_cli,
+    shm_prefix_of,
+    stop_cli,
+    stub_pid,
+    tritonserver_child,
+    wait_http_ready,
+    wait_printed,
+    wait_until,
+)
 
 pytestmark = pytest.mark.server
 
@@ -138,48 +150,6 @@ def test_running_server_error_carries_log_tail(tmp_path):
     with pytest.raises(ServerError, match="bad parameter on purpose"):
         with running_server(repository, ready_timeout_s=60):
             pass
-
-
-@contextlib.contextmanager
-def serve_cli(repository: Path, log: Path):
-    """`code2wav-server serve` of `repository` on free ports, ready; yields (process, ports, its
-    output file: <log>.out, readable while it runs). Killed on the way out if the test left it running."""
-    ports = free_ports(3)
-    command = [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
-               *(arg for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), ports)
-                 for arg in (flag, str(port))),
-               "--log-file", str(log)]
-    output = log.with_name(f"{log.name}.out")
-    with output.open("w") as sink:
-        cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_http_ready(ports[0], cli, timeout_s=60, output=output)
-        # serve polls readiness on its own: until it has seen the server ready too, a server that
-        # dies is one that failed to start, which serve does not restart.
-        wait_printed(cli, output, "tritonserver ready in ")
-        yield cli, ports, output
-    finally:
-        if cli.poll() is None:
-            cli.kill()
-            cli.wait()
-
-
-def wait_printed(cli: subprocess.Popen, output: Path, text: str, timeout_s: float = 30) -> None:
-    """Wait until the serve command has printed `text`; fails the test with its output if it does not."""
-    assert wait_until(lambda: text in output.read_text() or cli.poll() is not None, timeout_s) \
-        and text in output.read_text(), f"serve did not print {text!r}:\n{output.read_text()}"
-
-
-def stop_cli(cli: subprocess.Popen, output: Path) -> str:
-    """SIGTERM the serve command, wait for it, and return everything it printed."""
-    cli.send_signal(signal.SIGTERM)
-    cli.wait(timeout=60)
-    return output.read_text()
-
-
-def tritonserver_child(cli: subprocess.Popen) -> int | None:
-    pids = subprocess.run(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"], capture_output=True, text=True).stdout.split()
-    return int(pids[0]) if pids else None
 
 
 def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):

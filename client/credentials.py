@@ -1,0 +1,154 @@
+"""How a client proves itself to a server that requires it (docs/design.md §5.3): TLS (the CA that
+signed the server's certificate, and for mutual TLS the client's certificate and key) and the
+inference key.
+
+The server side is Triton's own: `--grpc-use-ssl[-mutual]` and `--grpc-restricted-protocol`, which
+checks the gRPC metadata `triton-grpc-protocol-<header>` of every restricted call (`server.security`
+sets both up). A key is never printed: `Credentials` leaves it out of its repr, and no message of
+this package quotes it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .protocol import ClientError
+
+# The keys' header names. Triton's HTTP endpoint checks them as they are; its gRPC endpoint checks
+# the metadata GRPC_RESTRICTED_PREFIX + name.
+KEY_HEADER = "code2wav-key"
+ADMIN_KEY_HEADER = "code2wav-admin-key"
+GRPC_RESTRICTED_PREFIX = "triton-grpc-protocol-"
+# The environment variable a client reads the inference key from when no key file is given.
+KEY_ENV = "CODE2WAV_KEY"
+
+
+def read_secret(path: Path | str, what: str) -> str:
+    """A key kept in a file: its text without surrounding whitespace (a trailing newline). Raises
+    ClientError naming the file, never its content."""
+    try:
+        text = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ClientError(f"cannot read the {what} file {path}: {exc.strerror or exc.__class__.__name__}") from None
+    check_key(text, f"the {what} in {path}")
+    return text
+
+
+def check_key(key: str, where: str) -> None:
+    """A key must be one printable header value: no whitespace or control characters, not empty."""
+    if not key:
+        raise ClientError(f"{where} is empty")
+    if any(ch.isspace() or not ch.isprintable() or ch in ",:=" for ch in key):
+        raise ClientError(f"{where} holds whitespace, control characters or one of ',:=' (a key is one word)")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A client's TLS settings and inference key; the default is plaintext without a key.
+
+    `tls`: connect with TLS, trusting the system's CAs unless `tls_ca` names a PEM file of the CA(s)
+    that signed the server's certificate (giving `tls_ca` implies TLS). `tls_cert` and `tls_key`:
+    the client's certificate chain and private key (PEM), for a server that requires mutual TLS.
+    `key`: the inference key, sent with every call as Triton's restricted-protocol header."""
+
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    key: str | None = field(default=None, repr=False)
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or any((self.tls_ca, self.tls_cert, self.tls_key))
+
+    @classmethod
+    def from_options(cls, tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
+                     tls_key: str | None = None, key_file: str | None = None,
+                     environ: dict | None = None) -> Credentials:
+        """Credentials as a command line or a settings block gives them: the key from `key_file`, else
+        from the environment variable CODE2WAV_KEY when set. Checked (`validate`)."""
+        environ = os.environ if environ is None else environ
+        if key_file:
+            key = read_secret(key_file, "key")
+        elif environ.get(KEY_ENV):
+            key = environ[KEY_ENV].strip()
+            check_key(key, f"the key in ${KEY_ENV}")
+        else:
+            key = None
+        credentials = cls(tls=tls, tls_ca=tls_ca or None, tls_cert=tls_cert or None, tls_key=tls_key or None, key=key)
+        credentials.validate()
+        return credentials
+
+    def validate(self) -> None:
+        """Raise ClientError unless the files named are readable and the client certificate and key
+        come together."""
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ClientError("mutual TLS needs both the client certificate (tls_cert) and its key (tls_key)")
+        for what, path in (("CA", self.tls_ca), ("client certificate", self.tls_cert), ("client key", self.tls_key)):
+            if path and not os.access(path, os.R_OK):
+                raise ClientError(f"the TLS {what} file {path} is missing or unreadable")
+        if self.key is not None:
+            check_key(self.key, "the key")
+
+    def channel_credentials(self):
+        """grpc.ChannelCredentials for a secure channel, or None for plaintext."""
+        if not self.uses_tls:
+            return None
+        import grpc
+
+        def read(path):
+            return Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(root_certificates=read(self.tls_ca), private_key=read(self.tls_key),
+                                            certificate_chain=read(self.tls_cert))
+
+    def headers(self) -> dict[str, str]:
+        """The gRPC metadata every call carries: the inference key, when there is one."""
+        return {GRPC_RESTRICTED_PREFIX + KEY_HEADER: self.key} if self.key else {}
+
+    def key_refused(self, url: str) -> str:
+        """What to say when `url` refused a call for its key."""
+        if self.key is None:
+            return (f"Triton at {url} requires the inference key (header {KEY_HEADER}), and none was given: "
+                    f"give it with --key-file or ${KEY_ENV}")
+        return f"Triton at {url} refused the inference key given (header {KEY_HEADER}): wrong key"
+
+    def connection_hint(self, reason: str) -> str | None:
+        """A hint for a connection that failed before any call was answered, from gRPC's `reason`,
+        when it points at TLS; None when it does not."""
+        if "CERTIFICATE_VERIFY_FAILED" in reason:
+            trusted = f"the CA in {self.tls_ca}" if self.tls_ca else "the system's CAs (give --tls-ca)"
+            return f"the server's TLS certificate is not trusted: it is not signed by {trusted}, or names another host"
+        if "WRONG_VERSION_NUMBER" in reason:
+            return "the TLS handshake failed: the server does not speak TLS on this port (connect without TLS)"
+        if "handshake failed" in reason:
+            return "the TLS handshake failed"
+        if "Socket closed" in reason or "socket closed" in reason:
+            if self.uses_tls:
+                return ("the server closed the TLS connection: it requires a client certificate (mutual TLS: "
+                        "--tls-cert and --tls-key) from a CA it trusts")
+            return "the server closed the connection at once: it expects TLS (give --tls-ca, or --tls)"
+        return None
+
+
+# No TLS, no key: what a client uses unless given credentials (frozen: safe as a default argument).
+PLAINTEXT = Credentials()
+
+
+def add_credentials_arguments(parser) -> None:
+    """The command-line options of `Credentials.from_options`, as an argument group of `parser`."""
+    group = parser.add_argument_group(
+        "TLS and key", f"For a server started with TLS or a key (docs/design.md §5.3). The key comes from --key-file, "
+        f"else from ${KEY_ENV}; it is never printed.")
+    group.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    group.add_argument("--tls-ca", metavar="PEM", help="CA certificate(s) that signed the server's certificate (implies --tls)")
+    group.add_argument("--tls-cert", metavar="PEM", help="client certificate chain, for mutual TLS (with --tls-key)")
+    group.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
+    group.add_argument("--key-file", metavar="FILE", help=f"file holding the inference key (default: ${KEY_ENV})")
+
+
+def credentials_from_args(args) -> Credentials:
+    """The Credentials of parsed `add_credentials_arguments` options. Raises ClientError."""
+    return Credentials.from_options(args.tls, args.tls_ca, args.tls_cert, args.tls_key, args.key_file)

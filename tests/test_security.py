@@ -1,0 +1,265 @@
+"""TLS and the keys (docs/design.md §5.3) on real tritonservers with real certificates: the tests make
+their own CA, server and client certificates with openssl.
+
+One server of the python-ort repository with TLS, an inference key and an admin key (module scope),
+one of the null repository with mutual TLS and a key. Every refusal leaves the server serving and a
+stream that was in progress exact; no secret shows in a log, an error or serve's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mimi_code2wav.client.aio import Code2WavClient as AsyncClient
+from mimi_code2wav.client.credentials import GRPC_RESTRICTED_PREFIX, KEY_ENV, Credentials
+from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, ClientError, StreamOptions
+from mimi_code2wav.client.sync import Code2WavClient, run_streams
+from mimi_code2wav.server.security import ADMIN_KEY_ENV, ServerSecurity
+
+from helpers import REPO_ROOT, serve_cli, stop_cli, stub_pid, tritonserver_child, wait_http_ready, wait_printed
+from mimi_fixtures import assert_equal_audio
+
+pytestmark = pytest.mark.server
+
+INFERENCE_KEY = "inference-0f6a4c2d9b7e41d3"
+ADMIN_KEY = "admin-7c1e5b3a9d2f48e6"
+SECRETS = (INFERENCE_KEY, ADMIN_KEY)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _issue(folder: Path, name: str, ca: str, subject: str, extensions: str | None = None) -> None:
+    """`name`.key and `name`.pem, signed by the CA `ca`.pem/`ca`.key."""
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key",
+             "-out", f"{name}.csr", "-subj", f"/CN={subject}", cwd=folder)
+    ext = []
+    if extensions:
+        (folder / f"{name}.ext").write_text(extensions + "\n")
+        ext = ["-extfile", f"{name}.ext"]
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+             "-out", f"{name}.pem", "-days", "2", *ext, cwd=folder)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """ca (the deployment's), server (localhost, 127.0.0.1), client; rogue-ca and its rogue-client."""
+    if shutil.which("openssl") is None:
+        pytest.fail("the TLS tests make their certificates with openssl, which is not installed (apt-get install openssl)")
+    folder = tmp_path_factory.mktemp("pki")
+    for ca in ("ca", "rogue-ca"):
+        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout",
+                 f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=code2wav test {ca}", cwd=folder)
+    _issue(folder, "server", "ca", "localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1")
+    _issue(folder, "client", "ca", "code2wav client")
+    _issue(folder, "rogue-client", "rogue-ca", "code2wav client")
+    (folder / "inference.key").write_text(INFERENCE_KEY + "\n")
+    (folder / "admin.key").write_text(ADMIN_KEY + "\n")
+    (folder / "wrong.key").write_text("not-the-key\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def secure_server(pki, served_repository, triton_server_factory):
+    """python-ort over TLS, with an inference key and an admin key."""
+    return triton_server_factory(served_repository, security=ServerSecurity(
+        tls_cert=pki / "server.pem", tls_key=pki / "server.key", inference_key=INFERENCE_KEY, admin_key=ADMIN_KEY))
+
+
+@pytest.fixture(scope="module")
+def mutual_server(pki, repository_for, triton_server_factory):
+    """The null decoder over mutual TLS, with an inference key."""
+    return triton_server_factory(repository_for("null"), security=ServerSecurity(
+        tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem",
+        inference_key=INFERENCE_KEY))
+
+
+def _good(pki: Path, **overrides) -> Credentials:
+    return Credentials(**{"tls_ca": str(pki / "ca.pem"), "key": INFERENCE_KEY, **overrides})
+
+
+def _refusal(url: str, credentials: Credentials) -> str:
+    with pytest.raises(ClientError) as refused:
+        Code2WavClient(url, credentials=credentials).check_ready(timeout_s=5)
+    message = str(refused.value)
+    assert "\n" not in message and not any(secret in message for secret in SECRETS), message
+    return message
+
+
+def test_every_bad_credential_is_refused_with_its_own_message_and_a_live_stream_stays_exact(
+        secure_server, pki, scenario, moshi_streams):
+    """A stream decodes half its frames with the right credentials; then each wrong credential is
+    refused at check_ready, saying which; then the stream decodes the rest, equal to moshi."""
+    url = secure_server.grpc_url
+    codes, reference = scenario.streams["A"], moshi_streams["A"]
+    half = codes.shape[1] // 2
+    with Code2WavClient(url, credentials=_good(pki)).stream() as stream:
+        first = stream.decode(codes[:, :half])
+        refusals = {
+            "plaintext": _refusal(url, Credentials()),
+            "another CA": _refusal(url, _good(pki, tls_ca=str(pki / "rogue-ca.pem"))),
+            "system CAs": _refusal(url, _good(pki, tls_ca=None, tls=True)),
+            "no key": _refusal(url, _good(pki, key=None)),
+            "wrong key": _refusal(url, _good(pki, key="not-the-key")),
+        }
+        second = stream.decode(codes[:, half:], end=True)
+    for case, message in refusals.items():
+        print(f"{case}: {message}")
+    assert "it expects TLS" in refusals["plaintext"]
+    assert "certificate is not trusted: it is not signed by the CA in" in refusals["another CA"]
+    assert "rogue-ca.pem" in refusals["another CA"]
+    assert "not signed by the system's CAs (give --tls-ca)" in refusals["system CAs"]
+    assert refusals["no key"] == (f"Triton at {url} requires the inference key (header code2wav-key), and none was "
+                                  f"given: give it with --key-file or ${KEY_ENV}")
+    assert refusals["wrong key"] == f"Triton at {url} refused the inference key given (header code2wav-key): wrong key"
+    Code2WavClient(url, credentials=_good(pki)).check_ready(timeout_s=5)
+    assert_equal_audio(np.concatenate([first, second]), reference, what="a TLS stream around the refusals vs moshi")
+
+
+def test_a_tls_client_of_a_plaintext_server_is_told_so(code2wav_server, pki):
+    message = _refusal(code2wav_server.grpc_url, Credentials(tls_ca=str(pki / "ca.pem")))
+    assert "the server does not speak TLS on this port" in message, message
+
+
+def test_a_request_with_a_wrong_key_fails_at_once_and_is_not_resumed(secure_server, pki, scenario):
+    """Triton refuses a restricted call with UNAVAILABLE, which alone reads as a lost server: the
+    client must fail the stream at once instead of resuming it for resume_timeout_s."""
+    options = StreamOptions(resume_timeout_s=30.0)
+    began = time.monotonic()
+    with pytest.raises(ClientError, match="requires the inference key, and the key was missing or wrong"):
+        with Code2WavClient(secure_server.grpc_url, options, credentials=_good(pki, key="not-the-key")).stream() as stream:
+            stream.decode(scenario.streams["A"][:, :2])
+    assert time.monotonic() - began < 5, "the refused stream was retried as a resume"
+
+
+def test_with_tls_and_the_key_streams_equal_moshi_on_both_clients(secure_server, pki, scenario, moshi_streams):
+    names = list(scenario.streams)
+    report = run_streams(secure_server.grpc_url, [scenario.streams[n] for n in names],
+                         StreamOptions(chunk_frames=3), credentials=_good(pki))
+    for name, result in zip(names, report.results):
+        assert_equal_audio(result.pcm, moshi_streams[name], what=f"{name}: threads over TLS with the key vs moshi")
+
+    async def conversation(client: AsyncClient, codes: np.ndarray) -> np.ndarray:
+        async with client.stream() as stream:
+            return np.concatenate([await stream.decode(codes[:, i : i + 5]) for i in range(0, codes.shape[1], 5)])
+
+    async def run() -> list[np.ndarray]:
+        async with AsyncClient(secure_server.grpc_url, credentials=_good(pki)) as client:
+            await client.check_ready()
+            return await asyncio.gather(*(conversation(client, scenario.streams[n]) for n in names))
+
+    for name, pcm in zip(names, asyncio.run(run())):
+        assert_equal_audio(pcm, moshi_streams[name], what=f"{name}: asyncio over TLS with the key vs moshi")
+
+
+def test_admin_calls_need_the_admin_key_and_health_needs_none(secure_server, pki):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    inference = {GRPC_RESTRICTED_PREFIX + "code2wav-key": INFERENCE_KEY}
+    admin = {GRPC_RESTRICTED_PREFIX + "code2wav-admin-key": ADMIN_KEY}
+    with grpcclient.InferenceServerClient(secure_server.grpc_url, ssl=True, root_certificates=str(pki / "ca.pem")) as client:
+        assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("code2wav")
+        for call in (lambda h: client.get_model_repository_index(headers=h),
+                     lambda h: client.get_inference_statistics("code2wav", headers=h),
+                     lambda h: client.get_log_settings(headers=h),
+                     lambda h: client.get_system_shared_memory_status(headers=h)):
+            for headers in (None, inference):
+                with pytest.raises(InferenceServerException, match="restricted, expecting header "
+                                   "'triton-grpc-protocol-code2wav-admin-key'"):
+                    call(headers)
+            assert call(admin) is not None
+        with pytest.raises(InferenceServerException, match="expecting header 'triton-grpc-protocol-code2wav-key'"):
+            client.get_model_metadata("code2wav", headers=admin)
+        assert client.get_model_metadata("code2wav", headers=inference).name == "code2wav"
+    http = f"http://{secure_server.http_url}"
+    assert secure_server.http_url.startswith("127.0.0.1:")
+    assert urllib.request.urlopen(f"{http}/v2/health/ready", timeout=5).status == 200
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{http}/v2/models/code2wav", timeout=5)
+    assert refused.value.code == 403 and "expecting header 'code2wav-key'" in refused.value.read().decode()
+    request = urllib.request.Request(f"{http}/v2/models/code2wav", headers={"code2wav-key": INFERENCE_KEY})
+    assert urllib.request.urlopen(request, timeout=5).status == 200
+
+
+def test_mutual_tls_requires_a_client_certificate_of_its_ca(mutual_server, pki):
+    url = mutual_server.grpc_url
+    without = _refusal(url, _good(pki))
+    rogue = _refusal(url, _good(pki, tls_cert=str(pki / "rogue-client.pem"), tls_key=str(pki / "rogue-client.key")))
+    for message in (without, rogue):
+        assert "it requires a client certificate (mutual TLS: --tls-cert and --tls-key) from a CA it trusts" in message
+    client_cert = {"tls_cert": str(pki / "client.pem"), "tls_key": str(pki / "client.key")}
+    Code2WavClient(url, credentials=_good(pki, **client_cert)).check_ready(timeout_s=5)
+    report = run_streams(url, [np.zeros((8, 6), np.int64)], credentials=_good(pki, **client_cert))
+    assert report.results[0].pcm.shape == (6 * SAMPLES_PER_FRAME,)
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mimi_code2wav.client", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_the_cli_takes_tls_and_the_key_from_a_file_or_the_environment(secure_server, pki, scenario, moshi_streams,
+                                                                     tmp_path):
+    codes = tmp_path / "a.npy"
+    np.save(codes, scenario.streams["A"])
+    tls = ["--url", secure_server.grpc_url, "--tls-ca", str(pki / "ca.pem")]
+    from mimi_code2wav.client.wav import read_wav
+
+    done = _cli("decode", *tls, "--key-file", str(pki / "inference.key"), "--codes", str(codes), "--out", str(tmp_path / "f.wav"))
+    assert done.returncode == 0, done.stderr
+    assert_equal_audio(read_wav(tmp_path / "f.wav").samples[:, 0], moshi_streams["A"], what="CLI, key from a file")
+    done = _cli("decode", *tls, "--codes", str(codes), "--out", str(tmp_path / "e.wav"), env={KEY_ENV: INFERENCE_KEY})
+    assert done.returncode == 0, done.stderr
+    assert_equal_audio(read_wav(tmp_path / "e.wav").samples[:, 0], moshi_streams["A"], what="CLI, key from the environment")
+    refused = _cli("decode", *tls, "--key-file", str(pki / "wrong.key"), "--random", "--frames", "3", env={KEY_ENV: ""})
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines() == [
+        f"error: Triton at {secure_server.grpc_url} refused the inference key given (header code2wav-key): wrong key"]
+    missing = _cli("decode", *tls, "--key-file", str(tmp_path / "absent.key"), "--random", "--frames", "3")
+    assert missing.returncode == 1 and f"cannot read the key file {tmp_path / 'absent.key'}" in missing.stderr
+
+
+def test_serve_with_tls_and_keys_restarts_a_dead_stub_and_a_tls_stream_resumes(pki, repository_for, tmp_path):
+    """`serve` with TLS and both keys (from the environment): the banner names no secret and keeps
+    HTTP on loopback; the supervisor's stub probe carries the key, so a dead stub is still found
+    and the server restarted; a resumable TLS stream resumes over it and loses no frame."""
+    log = tmp_path / "server.log"
+    env = {**os.environ, KEY_ENV: INFERENCE_KEY, ADMIN_KEY_ENV: ADMIN_KEY}
+    args = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key")]
+    with serve_cli(repository_for("null"), log, *args, env=env) as (cli, (http_port, grpc_port, _), out):
+        assert "access   TLS on gRPC, inference key required, admin key required" in out.read_text()
+        url = f"localhost:{grpc_port}"
+        stream = Code2WavClient(url, StreamOptions(resume_timeout_s=60.0), credentials=_good(pki)).stream()
+        before = stream.decode(np.zeros((8, 10), np.int64))
+        first_pid = tritonserver_child(cli)
+        os.kill(stub_pid(first_pid, "code2wav"), signal.SIGKILL)
+        wait_printed(cli, out, "tritonserver restarted (pid ", timeout_s=60)
+        wait_http_ready(http_port, cli, timeout_s=60, output=out)
+        after = stream.decode(np.zeros((8, 10), np.int64), end=True)
+        output = stop_cli(cli, out)
+    assert cli.returncode == 0, output
+    assert "answers ready, but a Python stub is dead" in output, output
+    assert before.size + after.size == 20 * SAMPLES_PER_FRAME and len(stream.resumes) == 1, stream.resumes
+    for text in (output, log.read_text()):
+        assert not any(secret in text for secret in SECRETS), text[-2000:]
+
+
+def test_no_secret_in_the_servers_logs(secure_server, mutual_server):
+    """Runs last in this module: the logs hold every refusal above."""
+    for server in (secure_server, mutual_server):
+        text = Path(server.log_path).read_text()
+        assert not any(secret in text for secret in SECRETS), server.log_path
