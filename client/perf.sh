@@ -13,6 +13,11 @@
 # MEASUREMENT_INTERVAL_MS (4000), STABILITY_PERCENTAGE (10) and MAX_TRIALS (10): perf_analyzer's
 # -s and -r, which a noisy host may need raised; CSV (build/perf/perf.csv), PYTHON (.venv/bin/python),
 # PERF_ANALYZER (next to PYTHON), BUILD_DIR (build/perf).
+#
+# A server with TLS or keys (docs/design.md §5.3): TLS_CA (a PEM file: TLS, trusting that CA),
+# TLS_CERT and TLS_KEY (mutual TLS), KEY_FILE (else $CODE2WAV_KEY) and ADMIN_KEY_FILE (else
+# $CODE2WAV_ADMIN_KEY): perf_analyzer reads the model's statistics, an admin call. perf_analyzer takes
+# the keys as -H arguments, which anyone who can list this host's processes can read.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -55,7 +60,22 @@ mkdir -p "$(dirname "$CSV")"
 COMPOSING=()
 if [ "$MODEL" = code2wav ]; then COMPOSING=(--bls-composing-models=mimi_decoder); fi
 
+# TLS and keys.
+ACCESS=()
+if [ -n "${TLS_CA:-}" ]; then ACCESS+=(--ssl-grpc-use-ssl "--ssl-grpc-root-certifications-file=$TLS_CA"); fi
+if [ -n "${TLS_CERT:-}" ]; then
+  ACCESS+=("--ssl-grpc-certificate-chain-file=$TLS_CERT" "--ssl-grpc-private-key-file=${TLS_KEY:?TLS_CERT needs TLS_KEY}")
+fi
+read_key() {  # the key in file $1, else the variable named $2; nothing when neither is set
+  if [ -n "$1" ]; then tr -d '[:space:]' < "$1"; else printf '%s' "${!2:-}"; fi
+}
+KEY=$(read_key "${KEY_FILE:-}" CODE2WAV_KEY)
+ADMIN_KEY=$(read_key "${ADMIN_KEY_FILE:-}" CODE2WAV_ADMIN_KEY)
+if [ -n "$KEY" ]; then ACCESS+=(-H "triton-grpc-protocol-code2wav-key:$KEY"); fi
+if [ -n "$ADMIN_KEY" ]; then ACCESS+=(-H "triton-grpc-protocol-code2wav-admin-key:$ADMIN_KEY"); fi
+
 exec "$PERF_ANALYZER" -m "$MODEL" -u "$URL" -i grpc --streaming \
+  "${ACCESS[@]}" \
   --input-data "$INPUT_DATA" \
   --sequence-length "$SEQUENCE_LENGTH" --sequence-length-variation 0 \
   --sequence-id-range "$SEQUENCE_ID_RANGE" \

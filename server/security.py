@@ -135,3 +135,42 @@ def security_from_args(args, environ=None) -> ServerSecurity:
     )
     security.validate()
     return security
+
+
+def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"), days: int = 30) -> Path:
+    """A private CA and what it signs, made with openssl in `folder`: ca.pem/ca.key, server.pem/
+    server.key (valid for `hosts`) and client.pem/client.key (for mutual TLS). For trying TLS and for
+    tests; a deployment's certificates come from its own CA."""
+    import ipaddress
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        raise ServerError("making certificates needs openssl (Debian: apt-get install openssl)")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        done = subprocess.run(["openssl", *args], cwd=folder, capture_output=True, text=True, timeout=60)
+        if done.returncode:
+            raise ServerError(f"openssl {args[0]} failed: {done.stderr.strip()}")
+
+    def new_key(name: str) -> list[str]:
+        return ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key"]
+
+    openssl("req", "-x509", *new_key("ca"), "-out", "ca.pem", "-days", str(days), "-subj", "/CN=code2wav private CA")
+    names = []
+    for host in hosts:
+        try:
+            ipaddress.ip_address(host)
+            names.append(f"IP:{host}")
+        except ValueError:
+            names.append(f"DNS:{host}")
+    (folder / "server.ext").write_text(f"subjectAltName={','.join(names)}\n")
+    for name, subject, extensions in (("server", hosts[0], ["-extfile", "server.ext"]), ("client", "code2wav client", [])):
+        openssl("req", *new_key(name), "-out", f"{name}.csr", "-subj", f"/CN={subject}")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", str(days), *extensions)
+    for path in folder.glob("*.key"):
+        path.chmod(0o600)
+    return folder

@@ -315,3 +315,21 @@ def stop_cli(cli: subprocess.Popen, output: Path) -> str:
 def tritonserver_child(cli: subprocess.Popen) -> int | None:
     pids = subprocess.run(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"], capture_output=True, text=True).stdout.split()
     return int(pids[0]) if pids else None
+
+
+# ---- TLS ---------------------------------------------------------------------------------------------
+
+def make_pki(folder: Path) -> Path:
+    """`server.security.make_certificates` in `folder` (ca, server for localhost and 127.0.0.1, client;
+    each NAME.pem with NAME.key), and another CA's: rogue-ca.pem and rogue-client.pem/.key."""
+    from mimi_code2wav.server.processes import ServerError
+    from mimi_code2wav.server.security import make_certificates
+
+    try:
+        make_certificates(folder, days=2)
+        make_certificates(folder / "rogue", days=2)
+    except ServerError as error:
+        pytest.fail(f"the TLS tests make their certificates: {error}")
+    for name in ("ca.pem", "client.pem", "client.key"):
+        shutil.copy(folder / "rogue" / name, folder / f"rogue-{name}")
+    return folder

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +27,16 @@ from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, ClientError, Stream
 from mimi_code2wav.client.sync import Code2WavClient, run_streams
 from mimi_code2wav.server.security import ADMIN_KEY_ENV, ServerSecurity
 
-from helpers import REPO_ROOT, serve_cli, stop_cli, stub_pid, tritonserver_child, wait_http_ready, wait_printed
+from helpers import (
+    REPO_ROOT,
+    make_pki,
+    serve_cli,
+    stop_cli,
+    stub_pid,
+    tritonserver_child,
+    wait_http_ready,
+    wait_printed,
+)
 from mimi_fixtures import assert_equal_audio
 
 pytestmark = pytest.mark.server
@@ -38,34 +46,9 @@ ADMIN_KEY = "admin-7c1e5b3a9d2f48e6"
 SECRETS = (INFERENCE_KEY, ADMIN_KEY)
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _issue(folder: Path, name: str, ca: str, subject: str, extensions: str | None = None) -> None:
-    """`name`.key and `name`.pem, signed by the CA `ca`.pem/`ca`.key."""
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key",
-             "-out", f"{name}.csr", "-subj", f"/CN={subject}", cwd=folder)
-    ext = []
-    if extensions:
-        (folder / f"{name}.ext").write_text(extensions + "\n")
-        ext = ["-extfile", f"{name}.ext"]
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-out", f"{name}.pem", "-days", "2", *ext, cwd=folder)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
-    """ca (the deployment's), server (localhost, 127.0.0.1), client; rogue-ca and its rogue-client."""
-    if shutil.which("openssl") is None:
-        pytest.fail("the TLS tests make their certificates with openssl, which is not installed (apt-get install openssl)")
-    folder = tmp_path_factory.mktemp("pki")
-    for ca in ("ca", "rogue-ca"):
-        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout",
-                 f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=code2wav test {ca}", cwd=folder)
-    _issue(folder, "server", "ca", "localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1")
-    _issue(folder, "client", "ca", "code2wav client")
-    _issue(folder, "rogue-client", "rogue-ca", "code2wav client")
+    folder = make_pki(tmp_path_factory.mktemp("pki"))
     (folder / "inference.key").write_text(INFERENCE_KEY + "\n")
     (folder / "admin.key").write_text(ADMIN_KEY + "\n")
     (folder / "wrong.key").write_text("not-the-key\n")
@@ -231,6 +214,31 @@ def test_the_cli_takes_tls_and_the_key_from_a_file_or_the_environment(secure_ser
         f"error: Triton at {secure_server.grpc_url} refused the inference key given (header code2wav-key): wrong key"]
     missing = _cli("decode", *tls, "--key-file", str(tmp_path / "absent.key"), "--random", "--frames", "3")
     assert missing.returncode == 1 and f"cannot read the key file {tmp_path / 'absent.key'}" in missing.stderr
+
+
+def test_perf_analyzer_runs_over_tls_with_both_keys(secure_server, pki, tmp_path):
+    """client/perf.sh with TLS_CA, KEY_FILE and ADMIN_KEY_FILE (perf_analyzer reads statistics, an
+    admin call); without the admin key it is refused, naming the header."""
+    from test_perf_inputs import _perf_analyzer_problem
+
+    problem = _perf_analyzer_problem()
+    if problem:
+        pytest.skip(problem)
+    env = {**os.environ, "URL": f"localhost:{secure_server.grpc_port}", "STREAMS": "2", "FRAMES": "9",
+           "BUILD_DIR": str(tmp_path / "perf"), "CSV": str(tmp_path / "perf.csv"), "PYTHON": sys.executable,
+           "TLS_CA": str(pki / "ca.pem"), "KEY_FILE": str(pki / "inference.key")}
+
+    def perf(**extra) -> subprocess.CompletedProcess:
+        return subprocess.run([str(REPO_ROOT / "client" / "perf.sh"), "--concurrency-range", "2", "--request-count", "12"],
+                              env={**env, **extra}, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+
+    done = perf(ADMIN_KEY_FILE=str(pki / "admin.key"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "mimi_decoder" in done.stdout and (tmp_path / "perf.csv").is_file()
+    refused = perf()
+    assert refused.returncode != 0
+    assert "expecting header 'triton-grpc-protocol-code2wav-admin-key'" in refused.stdout + refused.stderr
+    assert not any(secret in done.stdout + done.stderr for secret in SECRETS)
 
 
 def test_serve_with_tls_and_keys_restarts_a_dead_stub_and_a_tls_stream_resumes(pki, repository_for, tmp_path):

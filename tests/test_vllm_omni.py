@@ -25,7 +25,7 @@ from mimi_code2wav.client.protocol import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME, ran
 from mimi_code2wav.export.reference import moshi_stream_decode
 from mimi_code2wav.server.triton import fetch_metrics, metric_value, running_server
 
-from helpers import REPO_ROOT, frames_of, wait_until
+from helpers import REPO_ROOT, frames_of, make_pki, wait_until
 from mimi_fixtures import assert_equal_audio
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -228,8 +228,35 @@ def test_a_request_the_service_cannot_decode_fails_the_step_naming_it(stage, cod
     assert time.monotonic() - started < 30
     bad = stage("model", config={"url": dead, "response_timeout": 1.0})
     assert bad["error"] == ("ValueError: additional_config.code2wav: unknown key(s) response_timeout (known: url, model, "
-                            "response_timeout_s, resume_timeout_s, resume_history_frames)")
+                            "response_timeout_s, resume_timeout_s, resume_history_frames, tls, tls_ca, tls_cert, "
+                            "tls_key, key_file)")
     # Back to the session's server for the tests after this one.
+    assert "error" not in stage("model", config={"url": code2wav_server.grpc_url})
+
+
+def test_the_stage_reaches_a_server_over_tls_with_the_key(stage, repository_for, code2wav_server, moshi_checkpoint,
+                                                          tmp_path):
+    """additional_config.code2wav with tls_ca and key_file: the stage decodes over TLS with the key,
+    equal to moshi; a wrong key fails the step, saying so, without naming the key."""
+    from mimi_code2wav.server.security import ServerSecurity
+
+    pki = make_pki(tmp_path)
+    (pki / "key").write_text("stage-key-51d0b2\n")
+    (pki / "wrong").write_text("not-the-key\n")
+    security = ServerSecurity(tls_cert=pki / "server.pem", tls_key=pki / "server.key", inference_key="stage-key-51d0b2")
+    codes = random_codes(11, seed=106)
+    with running_server(repository_for("python-ort"), log_path=tmp_path / "tls.log", security=security) as server:
+        config = {"url": f"localhost:{server.grpc_port}", "tls_ca": str(pki / "ca.pem"), "key_file": str(pki / "key")}
+        answer = stage("model", config=config, timeout_s=300)
+        assert "error" not in answer, answer
+        pcm = [stage.forward(("tls", codes[:, :1], False))["pcm"][0], stage.forward(("tls", codes[:, 1:], False))["pcm"][0]]
+        stage("finish", ids=["tls"])
+        assert "error" not in stage("model", config={**config, "key_file": str(pki / "wrong")})
+        refused = stage.forward(("refused", codes[:, :1], False))
+    assert_equal_audio(np.concatenate(pcm), moshi_decode(moshi_checkpoint, codes), what="the stage over TLS vs moshi")
+    assert "requires the inference key, and the key was missing or wrong" in refused["error"], refused
+    assert "stage-key-51d0b2" not in refused["error"] and "not-the-key" not in refused["error"]
+    # Back to the module's server for the tests after this one.
     assert "error" not in stage("model", config={"url": code2wav_server.grpc_url})
 
 

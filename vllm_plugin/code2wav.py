@@ -42,6 +42,7 @@ from vllm_omni.model_executor.models.personaplex.personaplex_code2wav import (
 )
 
 from mimi_code2wav.client.aio import Code2WavClient, Code2WavStream
+from mimi_code2wav.client.credentials import Credentials
 from mimi_code2wav.client.protocol import (
     DEFAULT_RESUME_HISTORY_FRAMES,
     DEFAULT_RESUME_TIMEOUT_S,
@@ -65,13 +66,20 @@ class PluginSettings:
     """How the stage reaches the service. `url`: one server or proxy, or several (comma-separated)
     to fail over between; `response_timeout_s`: a request's deadline before the stream resumes
     elsewhere; `resume_timeout_s`: how long a stream keeps trying to resume before the stage fails;
-    `resume_history_frames`: the frames re-sent as history on a resume."""
+    `resume_history_frames`: the frames re-sent as history on a resume. `tls` (TLS with the system's
+    CAs), `tls_ca`, `tls_cert`, `tls_key` and `key_file`: as the client's `Credentials`; the key comes
+    from `key_file`, else from CODE2WAV_KEY (never from the config itself)."""
 
     url: str = DEFAULT_URL
     model: str = MODEL_NAME
     response_timeout_s: float = 10.0
     resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S
     resume_history_frames: int = DEFAULT_RESUME_HISTORY_FRAMES
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    key_file: str = ""
 
     @classmethod
     def from_sources(cls, stage_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> PluginSettings:
@@ -90,14 +98,23 @@ class PluginSettings:
                 source, raw = ENV_PREFIX + name.upper(), environ.get(ENV_PREFIX + name.upper())
             if raw is None:
                 continue
-            parse = {"str": str, "float": float, "int": int}[field.type]
+            parse = {"str": str, "float": float, "int": int, "bool": _boolean}[field.type]
             try:
                 values[name] = parse(raw)
             except (TypeError, ValueError):
                 raise ValueError(f"{source}: not a {field.type}: {raw!r}") from None
         settings = cls(**values)
         settings.stream_options()  # validates
+        settings.credentials(environ)
         return settings
+
+    def credentials(self, environ: Mapping[str, str]) -> Credentials:
+        """TLS and the inference key; ValueError naming what is wrong (never the key)."""
+        try:
+            return Credentials.from_options(self.tls, self.tls_ca, self.tls_cert, self.tls_key, self.key_file,
+                                            environ=dict(environ))
+        except ClientError as error:
+            raise ValueError(f"additional_config.{CONFIG_KEY}: {error}") from None
 
     @property
     def urls(self) -> list[str]:
@@ -111,6 +128,17 @@ class PluginSettings:
         if not self.urls:
             raise ValueError(f"additional_config.{CONFIG_KEY}.url: no server URL in {self.url!r}")
         return options
+
+
+def _boolean(raw) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
 
 
 class _LoopThread:
@@ -157,7 +185,8 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
         self.settings = PluginSettings.from_sources(
             (vllm_config.additional_config or {}).get(CONFIG_KEY), os.environ)
         self._loop = _LoopThread("code2wav-client")
-        self._client = Code2WavClient(self.settings.urls, self.settings.stream_options())
+        self._client = Code2WavClient(self.settings.urls, self.settings.stream_options(),
+                                      credentials=self.settings.credentials(os.environ))
         self._streams: dict[str, Code2WavStream] = {}
         logger.info("PersonaPlex code2wav stage decoded by the code2wav service at %s (model %s)",
                     ", ".join(self.settings.urls), self.settings.model)
