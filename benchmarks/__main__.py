@@ -19,6 +19,7 @@ COMMANDS = {
     "step-profile": ("step_profile", "ONNX Runtime's kernel time by op type, against another export"),
     "python-ort": ("python_ort", "the python-ort decoder's core: what each of its state mechanisms buys"),
     "gpu": ("gpu", "the step module on a CUDA GPU, eager and as a CUDA graph"),
+    "tls": ("tls", "what TLS and the inference key cost: requests/s through the null decoder, plaintext against TLS"),
     "resume": ("resume", "resume by replay: SNR of a resumed stream against frames of history"),
     "record": ("record", "render docs/benchmarks.md and the README's headline from docs/benchmarks/*.json"),
 }

@@ -29,6 +29,7 @@ from .python_ort import python_ort_markdown
 from .report import sweep_markdown
 from .resume import resume_markdown
 from .step_profile import step_profile_markdown
+from .tls import tls_markdown
 
 RECORD_DIR = REPO_ROOT / "docs" / "benchmarks"
 RECORD = REPO_ROOT / "docs" / "benchmarks.md"
@@ -77,6 +78,7 @@ SECTIONS = (
             memory_markdown, "python -m benchmarks memory --decoder onnxruntime"),
     Section("resume", "Resume by replay", resume_markdown, "python -m benchmarks resume"),
     Section("failover", "A replica killed under live streams", failover_markdown, "python -m benchmarks failover"),
+    Section("tls", "TLS and the key against plaintext", tls_markdown, "python -m benchmarks tls"),
 )
 KINDS = {section.kind: section for section in SECTIONS}
 
