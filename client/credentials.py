@@ -125,6 +125,8 @@ class Credentials:
             return "the TLS handshake failed: the server does not speak TLS on this port (connect without TLS)"
         if "handshake failed" in reason:
             return "the TLS handshake failed"
+        if "http1.x server" in reason and not self.uses_tls:  # a proxy's TLS port (nginx: HTTP 400)
+            return "the server answered in HTTP/1: it expects TLS (give --tls-ca, or --tls), or this is its HTTP port"
         if "Socket closed" in reason or "socket closed" in reason:
             if self.uses_tls:
                 return ("the server closed the TLS connection: it requires a client certificate (mutual TLS: "

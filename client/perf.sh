@@ -16,8 +16,10 @@
 #
 # A server with TLS or keys (docs/design.md §5.3): TLS_CA (a PEM file: TLS, trusting that CA),
 # TLS_CERT and TLS_KEY (mutual TLS), KEY_FILE (else $CODE2WAV_KEY) and ADMIN_KEY_FILE (else
-# $CODE2WAV_ADMIN_KEY): perf_analyzer reads the model's statistics, an admin call. perf_analyzer takes
-# the keys as -H arguments, which anyone who can list this host's processes can read.
+# $CODE2WAV_ADMIN_KEY): perf_analyzer reads the model's statistics, an admin call. ACCESS_DIR (the
+# compose perf service's /run/code2wav-access) supplies what is not set from the files in it: ca.pem,
+# client.pem + client.key, inference.key and admin.key. perf_analyzer takes the keys as -H arguments,
+# which anyone who can list this host's processes can read.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -61,6 +63,14 @@ COMPOSING=()
 if [ "$MODEL" = code2wav ]; then COMPOSING=(--bls-composing-models=mimi_decoder); fi
 
 # TLS and keys.
+if [ -n "${ACCESS_DIR:-}" ]; then
+  if [ -z "${TLS_CA:-}" ] && [ -f "$ACCESS_DIR/ca.pem" ]; then TLS_CA=$ACCESS_DIR/ca.pem; fi
+  if [ -z "${TLS_CERT:-}" ] && [ -f "$ACCESS_DIR/client.pem" ] && [ -f "$ACCESS_DIR/client.key" ]; then
+    TLS_CERT=$ACCESS_DIR/client.pem TLS_KEY=$ACCESS_DIR/client.key
+  fi
+  if [ -z "${KEY_FILE:-}" ] && [ -f "$ACCESS_DIR/inference.key" ]; then KEY_FILE=$ACCESS_DIR/inference.key; fi
+  if [ -z "${ADMIN_KEY_FILE:-}" ] && [ -f "$ACCESS_DIR/admin.key" ]; then ADMIN_KEY_FILE=$ACCESS_DIR/admin.key; fi
+fi
 ACCESS=()
 if [ -n "${TLS_CA:-}" ]; then ACCESS+=(--ssl-grpc-use-ssl "--ssl-grpc-root-certifications-file=$TLS_CA"); fi
 if [ -n "${TLS_CERT:-}" ]; then

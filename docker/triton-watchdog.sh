@@ -24,6 +24,18 @@
 # saying the stub is not healthy gets the server SIGKILLed the same way, for the restart policy.
 # WATCHDOG_PROBE_S=0 turns it off.
 #
+# TLS and keys (docs/design.md §5.3) come from the folder WATCHDOG_ACCESS_DIR (default
+# /run/code2wav-access, where docker-compose.yml mounts CODE2WAV_ACCESS_DIR); each file that is there
+# turns on what it names, and an empty folder leaves the server plaintext and open:
+#   server.pem + server.key   TLS on gRPC (the certificate must name the host clients dial)
+#   client-ca.pem             mutual TLS: clients need a certificate signed by this CA
+#   inference.key             the inference key (inference, metadata, model-config calls)
+#   admin.key                 the admin key (model-repository, shared-memory, statistics, trace,
+#                             logging calls); without it those calls take the inference key
+# The keys are appended to tritonserver's command line, which is how Triton takes them: anyone who
+# can list the container's processes can read them. The stub probe sends the inference key in a
+# header that curl reads from its standard input, never from its arguments.
+#
 # WATCHDOG_URL overrides the address checked (default http://127.0.0.1:8000/v2/health/live).
 # Needs only sh, curl, date and sleep (the NGC tritonserver image has them); docker-compose.yml runs every
 # server through it.
@@ -38,6 +50,9 @@ probe_url=${WATCHDOG_PROBE_URL:-http://127.0.0.1:8000/v2/models/code2wav/infer}
 probe_s=${WATCHDOG_PROBE_S:-5}
 probe_timeout=${WATCHDOG_PROBE_TIMEOUT_S:-10}
 PROBE='{"parameters":{"sequence_id":18446744073709551615,"sequence_start":true,"sequence_end":true},"inputs":[{"name":"input_ids","shape":[1,0],"datatype":"INT64","data":[]}]}'
+access_dir=${WATCHDOG_ACCESS_DIR:-/run/code2wav-access}
+INFERENCE_PROTOCOLS=inference,metadata,model-config
+ADMIN_PROTOCOLS=model-repository,shared-memory,statistics,trace,logging
 # curl's exit code for "operation timed out".
 CURL_TIMED_OUT=28
 
@@ -51,6 +66,54 @@ esac
 case $probe_s in
     '' | *[!0-9]*) echo "triton-watchdog: WATCHDOG_PROBE_S must be a whole number of seconds, got '$probe_s'" >&2; exit 2 ;;
 esac
+
+# A key file's one word (surrounding whitespace dropped); exits naming the file when it is not one.
+read_key() {
+    key=$(sed -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' "$1") || exit 2
+    case $key in
+        '' | *[[:space:],:=]*)
+            echo "triton-watchdog: $1 must hold one key: not empty, without whitespace, ',', ':' or '='" >&2; exit 2 ;;
+    esac
+    printf '%s' "$key"
+}
+
+inference_key=
+access="plaintext gRPC"
+if [ -f "$access_dir/server.pem" ] || [ -f "$access_dir/server.key" ]; then
+    if [ ! -f "$access_dir/server.pem" ] || [ ! -f "$access_dir/server.key" ]; then
+        echo "triton-watchdog: TLS needs both server.pem and server.key in $access_dir" >&2
+        exit 2
+    fi
+    set -- "$@" "--grpc-server-cert=$access_dir/server.pem" "--grpc-server-key=$access_dir/server.key"
+    if [ -f "$access_dir/client-ca.pem" ]; then
+        set -- "$@" --grpc-use-ssl-mutual=true "--grpc-root-cert=$access_dir/client-ca.pem"
+        access="mutual TLS on gRPC"
+    else
+        set -- "$@" --grpc-use-ssl=true
+        access="TLS on gRPC"
+    fi
+fi
+if [ -f "$access_dir/inference.key" ]; then
+    inference_key=$(read_key "$access_dir/inference.key") || exit 2
+fi
+if [ -f "$access_dir/admin.key" ]; then
+    admin_key=$(read_key "$access_dir/admin.key") || exit 2
+    if [ -n "$inference_key" ]; then
+        set -- "$@" "--grpc-restricted-protocol=$INFERENCE_PROTOCOLS:code2wav-key=$inference_key" \
+            "--http-restricted-api=$INFERENCE_PROTOCOLS:code2wav-key=$inference_key"
+    fi
+    set -- "$@" "--grpc-restricted-protocol=$ADMIN_PROTOCOLS:code2wav-admin-key=$admin_key" \
+        "--http-restricted-api=$ADMIN_PROTOCOLS:code2wav-admin-key=$admin_key"
+    if [ -n "$inference_key" ]; then access="$access, inference key required"; else access="$access, no inference key"; fi
+    access="$access, admin key required"
+elif [ -n "$inference_key" ]; then
+    set -- "$@" "--grpc-restricted-protocol=$INFERENCE_PROTOCOLS,$ADMIN_PROTOCOLS:code2wav-key=$inference_key" \
+        "--http-restricted-api=$INFERENCE_PROTOCOLS,$ADMIN_PROTOCOLS:code2wav-key=$inference_key"
+    access="$access, inference key required, admin calls take the inference key"
+else
+    access="$access, no key"
+fi
+echo "triton-watchdog: access: $access (from $access_dir)" >&2
 
 "$@" &
 server=$!
@@ -66,7 +129,9 @@ server=$!
             && { [ -z "$prober" ] || ! kill -0 "$prober" 2>/dev/null; }; then
             probed_at=$(date +%s)
             (
-                answer=$(curl -sS -m "$probe_timeout" -H 'Content-Type: application/json' -d "$PROBE" "$probe_url" 2>/dev/null)
+                # curl's config from standard input: the key's header, kept out of curl's arguments.
+                answer=$({ [ -z "$inference_key" ] || printf 'header = "code2wav-key: %s"\n' "$inference_key"; } \
+                    | curl -sS -m "$probe_timeout" -K - -H 'Content-Type: application/json' -d "$PROBE" "$probe_url" 2>/dev/null)
                 case $answer in
                     *"is not healthy"*)
                         echo "triton-watchdog: tritonserver (pid $server) answers, but a Python stub is dead" \

@@ -2,8 +2,9 @@
 
     code2wav-server serve   [--model-repository DIR] [--weights PATH | --random-init] [--http-port 8000] ...
     code2wav-server verify  [--url 127.0.0.1:8001] [--weights PATH | --random-init] [--streams 2] ...
+    code2wav-server certs   --out DIR [--host NAME ...]
 
-Argument parsing only: each command is a module (`serve`, `verify`) with `add_arguments(parser)`
+Argument parsing only: each command is a module (`serve`, `verify`, `security` for `certs`) with `add_arguments(parser)`
 and `run(args) -> exit code`. The benchmarks are `python -m benchmarks` (benchmarks/README.md).
 """
 
@@ -12,10 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import serve, verify
+from . import security, serve, verify
 
 COMMANDS = {
     "serve": (serve, "run the local tritonserver in the foreground (Ctrl-C or SIGTERM stops it)"),
+    "certs": (security, "make a private CA with server and client certificates, for trying TLS"),
     "verify": (verify, "check a running server against a streaming reference decode of the same weights"),
 }
 

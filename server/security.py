@@ -171,6 +171,33 @@ def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.
         openssl("req", *new_key(name), "-out", f"{name}.csr", "-subj", f"/CN={subject}")
         openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                 "-out", f"{name}.pem", "-days", str(days), *extensions)
+    for name in ("server.ext", "server.csr", "client.csr", "ca.srl"):
+        (folder / name).unlink(missing_ok=True)
     for path in folder.glob("*.key"):
         path.chmod(0o600)
     return folder
+
+
+# `code2wav-server certs` ------------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="folder to write ca.pem, server.pem/.key, client.pem/.key")
+    parser.add_argument("--host", action="append", metavar="NAME",
+                        help="a name or address the server certificate is valid for (repeatable; default "
+                        "localhost and 127.0.0.1)")
+    parser.add_argument("--days", type=int, default=30, help="validity (default %(default)s days)")
+
+
+def run(args) -> int:
+    """Make a private CA and its server and client certificates, for trying TLS."""
+    import sys
+
+    try:
+        folder = make_certificates(args.out, tuple(args.host or ("localhost", "127.0.0.1")), args.days)
+    except ServerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote a private CA and certificates to {folder}: ca.pem (what clients trust), server.pem + server.key "
+          "(--tls-cert, --tls-key), client.pem + client.key (mutual TLS: --tls-cert, --tls-key on the client); "
+          "ca.key signs more and belongs nowhere near a server")
+    return 0

@@ -381,7 +381,9 @@ def test_proxy_service(services):
     assert proxy["ports"] == ["127.0.0.1:8000:8000", "127.0.0.1:8001:8001"]
     text = COMPOSE_FILE.read_text()
     assert '"127.0.0.1:${TRITON_HTTP_PORT:-8000}:8000"' in text and '"127.0.0.1:${TRITON_GRPC_PORT:-8001}:8001"' in text
-    assert volume_mounts(proxy) == {"/etc/nginx/nginx.conf": ("./docker/nginx/compose.conf", True)}
+    assert volume_mounts(proxy) == {"/etc/nginx/nginx.conf": ("./docker/nginx/compose.conf", True),
+                                    "/etc/nginx/code2wav-access.conf": ("./docker/nginx/access-plaintext.conf", True),
+                                    "/run/code2wav-access": ("./docker/access", True)}
     test = proxy["healthcheck"]["test"]
     # The official image has busybox's wget and no curl (its Dockerfile removes what fetched the keys).
     assert test[:2] == ["CMD", "wget"] and test[-1] == "http://localhost:8000/v2/health/ready", test
@@ -415,9 +417,16 @@ def test_proxy_config_hashes_streams_over_each_replica_by_name(services):
     # would be balanced round-robin by nginx).
     assert re.search(r'map \$http_code2wav_stream \$code2wav_stream_key \{\n\s+""\s+"[^"]+";\n\s+default \$http_code2wav_stream;', config)
     assert "resolver 127.0.0.11 " in config, "Docker's embedded DNS re-resolves the replicas"
-    assert re.search(r"^        listen 8001;\n        http2 on;$", config, re.M)
+    assert re.search(r"^        include /etc/nginx/code2wav-access.conf;\n        http2 on;$", config, re.M)
     assert re.search(r"^        listen 8000;$", config, re.M)
-    assert re.search(r"^            grpc_pass grpc://code2wav_grpc;$", config, re.M)
+    assert re.search(r"^            grpc_pass \$code2wav_replicas;$", config, re.M)
+    # The included listener: plaintext by default, TLS to clients and to the replicas with CODE2WAV_PROXY_ACCESS=tls.
+    nginx = PROXY_CONFIG.parent
+    plaintext = (nginx / "access-plaintext.conf").read_text()
+    assert re.search(r"^listen 8001;$", plaintext, re.M) and "set $code2wav_replicas grpc://code2wav_grpc;" in plaintext
+    tls = (nginx / "access-tls.conf").read_text()
+    assert re.search(r"^listen 8001 ssl;$", tls, re.M) and "set $code2wav_replicas grpcs://code2wav_grpc;" in tls
+    assert "grpc_ssl_verify on;" in tls and "ssl_certificate /run/code2wav-access/server.pem;" in tls
     assert re.search(r"^            grpc_next_upstream error timeout;$", config, re.M)
     assert "daemon off;" not in config, "the image's command sets it; a second one fails nginx's start"
 

@@ -138,6 +138,44 @@ def test_a_second_up_skips_the_export_and_changed_weights_redo_it(cpu_deployment
     assert snr_db(pcm, moshi_streams["B"]) < 60, f"{name} scaled by 1.5, yet the audio equals the old weights'"
 
 
+def test_tls_and_keys_from_the_access_folder(cpu_deployment, scenario, tmp_path):
+    """CODE2WAV_ACCESS_DIR with a server certificate and both keys: the recreated server serves only TLS
+    clients with the inference key, the same audio as in plaintext before (the weights are the changed
+    ones of the test above); the bench profile's perf_analyzer takes the CA and both keys from the same
+    folder; no key shows in the logs. Then back to plaintext for the tests after."""
+    from mimi_code2wav.client.credentials import Credentials
+    from mimi_code2wav.client.protocol import ClientError
+    from mimi_code2wav.client.sync import Code2WavClient, run_streams
+    from mimi_code2wav.server.security import make_certificates
+
+    access = make_certificates(tmp_path / "access", hosts=("localhost", "127.0.0.1", "triton"))
+    (access / "inference.key").write_text("compose-inference-key\n")
+    (access / "admin.key").write_text("compose-admin-key\n")
+    plaintext = run_streams(cpu_deployment.grpc_url, [scenario.streams["A"]]).results[0].pcm
+    cpu_deployment.env["CODE2WAV_ACCESS_DIR"] = str(access)
+    try:
+        cpu_up(cpu_deployment, "--force-recreate")
+        url = cpu_deployment.grpc_url.replace("127.0.0.1", "localhost")
+        with pytest.raises(ClientError, match="it expects TLS"):
+            Code2WavClient(url).check_ready(timeout_s=5)
+        with pytest.raises(ClientError, match="requires the inference key"):
+            Code2WavClient(url, credentials=Credentials(tls_ca=str(access / "ca.pem"))).check_ready(timeout_s=5)
+        good = Credentials(tls_ca=str(access / "ca.pem"), key="compose-inference-key")
+        report = run_streams(url, [scenario.streams["A"]], credentials=good)
+        assert_equal_audio(report.results[0].pcm, plaintext, what="compose over TLS with the key vs plaintext")
+        csv = REPO_ROOT / "bench_results" / "perf.csv"
+        csv.unlink(missing_ok=True)
+        cpu_deployment("--profile", "bench", "run", "--rm", "perf", "bash", "client/perf.sh", "--request-count", "16",
+                       timeout_s=600)
+        assert csv.read_text().splitlines()[0].startswith("Concurrency,Inferences/Second")
+        logs = cpu_deployment.logs("triton-cpu")
+        assert "triton-watchdog: access: TLS on gRPC, inference key required, admin key required" in logs, logs[-2000:]
+        assert "compose-inference-key" not in logs and "compose-admin-key" not in logs
+    finally:
+        del cpu_deployment.env["CODE2WAV_ACCESS_DIR"]
+        cpu_up(cpu_deployment, "--force-recreate")
+
+
 def test_stop_with_streams_in_flight_drains_and_down_leaves_nothing(cpu_deployment, scenario):
     """`docker compose stop` with 8 paced streams in flight: the server exits by itself with 0 inside
     the grace period (no SIGKILL); `down -v` leaves no container, volume or network of the project."""

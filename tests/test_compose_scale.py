@@ -258,3 +258,43 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(scale, ort_decode
                                   for service in REPLICAS), 120, poll_s=1.0), "a replica did not end healthy"
     summary = f"chaos on compose: {'; '.join(faults)}; {CHAOS_STREAMS} streams, {resumes} resumes, all complete"
     print_and_record(record_property, "compose_chaos", summary)
+
+
+def test_tls_and_keys_through_the_proxy(scale, streams, solo, tmp_path):
+    """Last on the deployment: CODE2WAV_ACCESS_DIR with a certificate naming `triton` and both keys,
+    CODE2WAV_PROXY_ACCESS=tls. nginx terminates TLS, checks the replicas' certificates and forwards the
+    key; a plaintext client and one without the key are refused; with both, every stream is exact and
+    kept on one replica by its key."""
+    from mimi_code2wav.client.credentials import Credentials
+    from mimi_code2wav.client.protocol import ClientError
+    from mimi_code2wav.client.sync import Code2WavClient
+    from mimi_code2wav.server.security import make_certificates
+
+    access = make_certificates(tmp_path / "access", hosts=("localhost", "127.0.0.1", "triton"))
+    (access / "inference.key").write_text("scale-inference-key\n")
+    (access / "admin.key").write_text("scale-admin-key\n")
+    scale.env.update(CODE2WAV_ACCESS_DIR=str(access), CODE2WAV_PROXY_ACCESS="tls")
+    scale("--profile", "scale", "up", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), "--force-recreate", "triton-proxy",
+          timeout_s=UP_TIMEOUT_S + 300)
+    url = scale.grpc_url.replace("127.0.0.1", "localhost")
+    with pytest.raises(ClientError, match="it expects TLS"):
+        Code2WavClient(url).check_ready(timeout_s=10)
+    credentials = Credentials(tls_ca=str(access / "ca.pem"), key="scale-inference-key")
+    try:
+        Code2WavClient(url, credentials=credentials).check_ready(timeout_s=10)
+    except ClientError as error:
+        raise AssertionError(f"{error}\nproxy:\n{scale.logs('triton-proxy')[-3000:]}") from None
+    with pytest.raises(ClientError, match="requires the inference key .*, and none was given"):
+        Code2WavClient(url, credentials=Credentials(tls_ca=str(access / "ca.pem"))).check_ready(timeout_s=10)
+
+    keys = list(streams)[:3]
+    started = time.time()
+    report = run_streams(url, [streams[key][:, :60] for key in keys], StreamOptions(chunk_frames=CHUNK_FRAMES),
+                         stream_keys=keys, credentials=credentials)
+    for key, result in zip(keys, report.results):
+        assert_equal_audio(result.pcm, solo[key][: 60 * SAMPLES_PER_FRAME], what=f"{key} through the TLS proxy")
+    served = scale.placement(started)
+    assert all(len(served.get(key, ())) == 1 for key in keys), served
+    for service in ("triton-proxy", *REPLICAS):
+        logs = scale.logs(service)
+        assert "scale-inference-key" not in logs and "scale-admin-key" not in logs, service

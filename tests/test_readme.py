@@ -73,6 +73,15 @@ NOT_RUN = {
     "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile cpu up --build triton-cpu":
         "test_compose_cpu.py runs it as written, with the weights, ports and images set by variables",
     "docker compose --profile bench run --rm perf": "test_compose_cpu.py runs it as written against the CPU profile",
+    ".venv/bin/code2wav-server serve --host 0.0.0.0 --tls-cert build/access/server.pem --tls-key build/access/server.key "
+    "--key-file inference.key --admin-key-file admin.key":
+        "a foreground server on fixed ports; test_security.py runs `serve` with the same flags on free ports",
+    ".venv/bin/code2wav-client decode --url my-host.example:8001 --tls-ca build/access/ca.pem --key-file inference.key "
+    "--random --frames 50": "a placeholder host; test_security.py runs the CLI with these flags against a TLS server",
+    "TLS_CA=build/access/ca.pem KEY_FILE=inference.key ADMIN_KEY_FILE=admin.key client/perf.sh --concurrency-range 4":
+        "test_security.py runs client/perf.sh with these variables against a TLS server with both keys",
+    "CODE2WAV_ACCESS_DIR=/etc/code2wav-access MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile cpu up --build "
+    "triton-cpu": "test_compose_cpu.py runs the CPU line with CODE2WAV_ACCESS_DIR set to a folder of its certificates and keys",
 }
 
 RUN = {
@@ -90,6 +99,7 @@ RUN = {
     ".venv/bin/code2wav-export build --random-init --seed 0 --max-frames-per-step 4 --window exact "
     "--kv-cache-dtype float16 --opset 17 --out build/export/custom": "export_custom",
     "make venv": "make_venv",
+    ".venv/bin/code2wav-server certs --out build/access --host my-host.example": "certs",
     "make lint": "make_lint",
     ".venv/bin/python -m benchmarks decoder": "bench_decoder",
     ".venv/bin/python -m benchmarks step-profile --baseline OLD_EXPORT_DIR": "step_profile",
@@ -232,6 +242,14 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
         env = {"URL": url, "STREAMS": "4", "FRAMES": "9", "BUILD_DIR": str(tmp_path / "perf"), "PYTHON": PY}
         result = _run(["bash", *command.split(), "--request-count", "12"], REPO_ROOT, env=env, timeout=180)
         assert "mimi_decoder" in result.stdout  # the composing model's statistics are reported
+
+    def certs(command):
+        _run(_python(command), tmp_path)
+        names = sorted(path.name for path in (tmp_path / "build/access").iterdir())
+        assert names == ["ca.key", "ca.pem", "client.key", "client.pem", "server.key", "server.pem"], names
+        san = subprocess.run(["openssl", "x509", "-in", str(tmp_path / "build/access/server.pem"), "-noout", "-ext",
+                              "subjectAltName"], capture_output=True, text=True, check=True).stdout
+        assert "DNS:my-host.example" in san, san
 
     def render(command):
         result = _run(_python(command.replace("build/export/f16-moshi-kvfloat32-k8", str(onnx_fp32))), tmp_path)

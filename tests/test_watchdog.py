@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_server_launcher import infer_add_one, write_model
 
@@ -20,7 +21,7 @@ from benchmarks.profile import group_pids
 from mimi_code2wav.server.processes import process_group_alive
 from mimi_code2wav.server.triton import TritonServer
 
-from helpers import REPO_ROOT, process_exists, stub_pid, wait_until
+from helpers import REPO_ROOT, make_pki, process_exists, stub_pid, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -30,10 +31,15 @@ PROBE_S, PROBE_TIMEOUT_S = 1, 10
 
 
 class WatchedServer(TritonServer):
-    """tritonserver started as docker-compose.yml starts it: as the watchdog's command."""
+    """tritonserver started as docker-compose.yml starts it: as the watchdog's command (`access_dir`:
+    its WATCHDOG_ACCESS_DIR, TLS and keys)."""
+
+    access_dir: Path | None = None
 
     def _prepare(self) -> tuple[list[str], dict[str, str]]:
         command, environment = super()._prepare()
+        if self.access_dir is not None:
+            environment = {**(environment or os.environ), "WATCHDOG_ACCESS_DIR": str(self.access_dir)}
         environment = {**(environment or os.environ), "WATCHDOG_URL": f"http://{self.host}:{self.http_port}/v2/health/live",
                        "WATCHDOG_INTERVAL_S": str(INTERVAL_S), "WATCHDOG_TIMEOUT_S": str(TIMEOUT_S),
                        "WATCHDOG_CHECKS": str(CHECKS), "WATCHDOG_PROBE_S": str(PROBE_S),
@@ -103,6 +109,59 @@ def test_a_dead_stub_gets_the_server_killed_and_the_watchdog_exits_137(repositor
     assert wait_until(lambda: not process_group_alive(server.pid), 5.0), "the watchdog left a process behind"
 
 
+def test_tls_and_keys_come_from_the_access_folder_and_the_stub_probe_carries_the_key(repository_for, tmp_path):
+    """The files of WATCHDOG_ACCESS_DIR (as compose mounts CODE2WAV_ACCESS_DIR) turn on TLS and both
+    keys; a client with the CA and the key decodes, one without the key is refused; the stub probe
+    sends the key, so a dead stub is still found; no key shows in the log."""
+    from mimi_code2wav.client.credentials import Credentials
+    from mimi_code2wav.client.protocol import ClientError
+    from mimi_code2wav.client.sync import Code2WavClient, run_streams
+
+    access = make_pki(tmp_path / "access")
+    (access / "inference.key").write_text("watched-inference-key\n")
+    (access / "admin.key").write_text(" watched-admin-key \n")
+    log = tmp_path / "server.log"
+    server = WatchedServer(repository_for("null"), log_path=log)
+    server.access_dir = access
+    try:
+        server.start_ready()
+        url = f"localhost:{server.grpc_port}"
+        good = Credentials(tls_ca=str(access / "ca.pem"), key="watched-inference-key")
+        assert run_streams(url, [np.zeros((8, 4), np.int64)], credentials=good).results[0].pcm.size == 4 * 1920
+        with pytest.raises(ClientError, match="requires the inference key"):
+            Code2WavClient(url, credentials=Credentials(tls_ca=str(access / "ca.pem"))).check_ready(timeout_s=5)
+        with pytest.raises(ClientError, match="it expects TLS"):
+            Code2WavClient(url).check_ready(timeout_s=5)
+        time.sleep(3 * PROBE_S)
+        assert server.is_alive(), f"the probe without its key? a healthy server was killed:\n{log.read_text()[-2000:]}"
+        os.kill(stub_pid(server.pid), signal.SIGKILL)
+        assert wait_until(lambda: not server.is_alive(), 2 * (PROBE_S + PROBE_TIMEOUT_S)), "the dead stub went unnoticed"
+        text = log.read_text()
+        assert (f"triton-watchdog: access: TLS on gRPC, inference key required, admin key required (from {access})"
+                in text), text[:2000]
+        assert "answers, but a Python stub is dead" in text, text[-2000:]
+        assert "watched-inference-key" not in text and "watched-admin-key" not in text
+    finally:
+        server.stop(grace_s=5)
+
+
+def test_the_access_folder_refuses_half_a_certificate_and_a_bad_key(tmp_path):
+    (tmp_path / "server.pem").write_text("x")
+    done = subprocess.run(["sh", str(WATCHDOG), "true"], capture_output=True, text=True, timeout=10,
+                          env={**os.environ, "WATCHDOG_ACCESS_DIR": str(tmp_path)})
+    assert done.returncode == 2 and f"TLS needs both server.pem and server.key in {tmp_path}" in done.stderr
+    (tmp_path / "server.pem").unlink()
+    (tmp_path / "inference.key").write_text("two words\n")
+    done = subprocess.run(["sh", str(WATCHDOG), "true"], capture_output=True, text=True, timeout=10,
+                          env={**os.environ, "WATCHDOG_ACCESS_DIR": str(tmp_path)})
+    assert done.returncode == 2 and "must hold one key" in done.stderr, done.stderr
+    (tmp_path / "inference.key").write_text("a:b\n")
+    done = subprocess.run(["sh", str(WATCHDOG), "true"], capture_output=True, text=True, timeout=10,
+                          env={**os.environ, "WATCHDOG_ACCESS_DIR": str(tmp_path)})
+    assert done.returncode == 2 and "inference.key must hold one key: not empty, without whitespace, ',', ':' or '='" in done.stderr
+    assert "a:b" not in done.stderr
+
+
 def test_a_loading_server_is_left_alone_and_sigterm_drains_it(tmp_path):
     # The model takes 3 s to load: the endpoints are not up (refused connections) for longer than the
     # watchdog's CHECKS x TIMEOUT_S, which must not count as a hang.
@@ -115,7 +174,7 @@ def test_a_loading_server_is_left_alone_and_sigterm_drains_it(tmp_path):
         os.kill(server.pid, signal.SIGTERM)
         assert server.wait(30) == 0, f"the watchdog should exit with tritonserver's code:\n{log.read_text()[-2000:]}"
         assert not process_exists(triton)
-        assert "triton-watchdog" not in log.read_text()
+        assert "triton-watchdog: tritonserver" not in log.read_text()
         assert "Non-graceful termination" not in log.read_text()
     finally:
         server.stop(grace_s=5)
