@@ -303,6 +303,10 @@ class Compose:
         done = run(["docker", "inspect", self.service(service)["ID"]], env=self.env)
         return json.loads(done.stdout)[0]
 
+    def healthy(self, service: str) -> bool:
+        """The service's container reports healthy (its healthcheck's last verdict)."""
+        return self.inspect(service)["State"].get("Health", {}).get("Status") == "healthy"
+
     def logs(self, service: str, *args: str) -> str:
         done = self("logs", "--no-color", *args, service)
         return done.stdout + done.stderr

@@ -70,7 +70,8 @@ def test_every_request_carries_its_streams_key_header(monkeypatch):
     sent = []
 
     class Channel:
-        def __init__(self, url, channel_args=None):
+        def __init__(self, url, channel_args=None, creds=None):
+            assert creds is None, "plaintext unless credentials are given"
             self.url = url
 
         async def infer(self, model_name, inputs, **kwargs):

@@ -682,7 +682,8 @@ def test_every_request_carries_the_stream_key_header(monkeypatch):
     calls = []
 
     class Client:
-        def __init__(self, url, channel_args=None):
+        def __init__(self, url, channel_args=None, creds=None):
+            assert creds is None, "plaintext unless credentials are given"
             self.url, self.channel_args = url, dict(channel_args)
 
         def infer(self, model_name, inputs, **kwargs):
@@ -773,7 +774,7 @@ def test_catch_up_streams_send_every_frame_produced_while_a_request_was_out():
 class ReadyClient:
     """Code2WavClient's stand-in for CLI tests: a server that is ready."""
 
-    def __init__(self, url, options):
+    def __init__(self, url, options, credentials=None):
         pass
 
     def check_ready(self):
@@ -803,7 +804,7 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
     for pcm, frames in zip(failure.value.received, stopped):
         assert frames_heard(pcm) == list(range(frames))
 
-    def failing_run(servers, streams_codes, options, stream_keys=None, progress=None):
+    def failing_run(servers, streams_codes, options, stream_keys=None, progress=None, credentials=None):
         raise StreamsFailed("stream 1 could not resume", [np.ones(3 * SAMPLES_PER_FRAME, np.float32) * 0.5,
                                                            np.zeros(0, np.float32)])
 
@@ -828,10 +829,10 @@ def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys, tmp_p
     given = {}
 
     class CheckedClient(ReadyClient):
-        def __init__(self, url, options):
+        def __init__(self, url, options, credentials=None):
             given["checked"] = url
 
-    def fake_run(servers, streams_codes, options, stream_keys=None, progress=None):
+    def fake_run(servers, streams_codes, options, stream_keys=None, progress=None, credentials=None):
         given.update(servers=servers, keys=stream_keys, options=options)
         frames = streams_codes[0].shape[1]
         results = [StreamResult(7 + i, frames, np.zeros(frames * SAMPLES_PER_FRAME, np.float32), [1, 2],

@@ -136,7 +136,7 @@ def restarted(compose: Compose, service: str, restarts_before: int, timeout_s: f
     """The restart policy brought `service` back, healthy."""
     def back() -> bool:
         state = compose.inspect(service)
-        return state["RestartCount"] > restarts_before and state["State"].get("Health", {}).get("Status") == "healthy"
+        return state["RestartCount"] > restarts_before and compose.healthy(service)
 
     return wait_until(back, timeout_s, poll_s=1.0)
 
@@ -205,7 +205,7 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(scale, ort_decode
         served = scale.placement(time.time() - 3.0)
         counts = {service: sum(service in served.get(key, ()) for key in codes) for service in REPLICAS
                   if service not in exclude
-                  and scale.inspect(service)["State"].get("Health", {}).get("Status") == "healthy"}
+                  and scale.healthy(service)}
         return max(counts, key=counts.get)
 
     at(rng.uniform(6, 9))
@@ -254,8 +254,8 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(scale, ort_decode
     for service in {killed, drained}:
         assert restarted(scale, service, restarts_before[service]), \
             f"{service} did not come back:\n{scale.logs(service)[-3000:]}"
-    assert wait_until(lambda: all(scale.inspect(service)["State"].get("Health", {}).get("Status") == "healthy"
-                                  for service in REPLICAS), 120, poll_s=1.0), "a replica did not end healthy"
+    assert wait_until(lambda: all(scale.healthy(service) for service in REPLICAS), 120, poll_s=1.0), \
+        "a replica did not end healthy"
     summary = f"chaos on compose: {'; '.join(faults)}; {CHAOS_STREAMS} streams, {resumes} resumes, all complete"
     print_and_record(record_property, "compose_chaos", summary)
 

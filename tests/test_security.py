@@ -266,8 +266,13 @@ def test_serve_with_tls_and_keys_restarts_a_dead_stub_and_a_tls_stream_resumes(p
         assert not any(secret in text for secret in SECRETS), text[-2000:]
 
 
-def test_no_secret_in_the_servers_logs(secure_server, mutual_server):
-    """Runs last in this module: the logs hold every refusal above."""
+def test_no_secret_in_the_servers_logs_or_repositories(secure_server, mutual_server):
+    """Runs last in this module: the logs hold every refusal above. The repositories served are read
+    as bytes, every file of them (configs, models, the Python models)."""
     for server in (secure_server, mutual_server):
         text = Path(server.log_path).read_text()
         assert not any(secret in text for secret in SECRETS), server.log_path
+        for path in Path(server.model_repository).rglob("*"):
+            if path.is_file():
+                data = path.read_bytes()
+                assert not any(secret.encode() in data for secret in SECRETS), path
