@@ -111,7 +111,7 @@ elif [ -n "$inference_key" ]; then
         "--http-restricted-api=$INFERENCE_PROTOCOLS,$ADMIN_PROTOCOLS:code2wav-key=$inference_key"
     access="$access, inference key required, admin calls take the inference key"
 else
-    access="$access, no key"
+    access="$access, no inference key, admin calls open"
 fi
 echo "triton-watchdog: access: $access (from $access_dir)" >&2
 

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -333,3 +334,14 @@ def make_pki(folder: Path) -> Path:
     for name in ("ca.pem", "client.pem", "client.key"):
         shutil.copy(folder / "rogue" / name, folder / f"rogue-{name}")
     return folder
+
+
+def perf_analyzer_problem() -> str | None:
+    """Why perf_analyzer cannot run here, or None."""
+    binary = Path(sysconfig.get_paths()["scripts"]) / "perf_analyzer"
+    if not binary.exists():
+        return f"perf_analyzer is not installed ({binary} missing; it comes with tritonclient[all]==2.51.0)"
+    libs = Path(sysconfig.get_paths()["purelib"]) / "nvidia_pytriton.libs"
+    if not list(libs.glob("libb64-*.so.0d")) or not list(libs.glob("libcudart-*.so.12*")):
+        return f"libb64/libcudart that perf_analyzer links are not in {libs} (the nvidia-pytriton wheel)"
+    return None

@@ -37,6 +37,7 @@ PROXY_CONFIG = REPO_ROOT / "docker" / "nginx" / "compose.conf"
 WATCHDOG = REPO_ROOT / "docker" / "triton-watchdog.sh"
 KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
 WATCHDOG_IN_CONTAINER = "/opt/code2wav/triton-watchdog.sh"
+ACCESS_IN_CONTAINER = "/run/code2wav-access"
 
 # NGC release -> the tritonserver (and SDK: perf_analyzer, tritonclient) version it carries.
 NGC_TRITON_VERSIONS = {"24.10": "2.51.0", "26.11": "2.75.0"}
@@ -383,7 +384,7 @@ def test_proxy_service(services):
     assert '"127.0.0.1:${TRITON_HTTP_PORT:-8000}:8000"' in text and '"127.0.0.1:${TRITON_GRPC_PORT:-8001}:8001"' in text
     assert volume_mounts(proxy) == {"/etc/nginx/nginx.conf": ("./docker/nginx/compose.conf", True),
                                     "/etc/nginx/code2wav-access.conf": ("./docker/nginx/access-plaintext.conf", True),
-                                    "/run/code2wav-access": ("./docker/access", True)}
+                                    ACCESS_IN_CONTAINER: ("./docker/access", True)}
     test = proxy["healthcheck"]["test"]
     # The official image has busybox's wget and no curl (its Dockerfile removes what fetched the keys).
     assert test[:2] == ["CMD", "wget"] and test[-1] == "http://localhost:8000/v2/health/ready", test
@@ -713,17 +714,18 @@ def test_entrypoint_jobs_write_the_served_repositories(tmp_path, moshi_checkpoin
 
 # ---- Kubernetes (structure only: no cluster here) ----------------------------------------------------
 
-def kubernetes_objects() -> dict[tuple[str, str], dict]:
+def kubernetes_objects(*files: str) -> dict[tuple[str, str], dict]:
+    """(kind, name) -> object, as `kubectl apply -f` of `files` in that order leaves them."""
     objects = {}
-    for path in sorted(KUBERNETES_DIR.glob("*.yaml")):
-        for document in yaml.safe_load_all(path.read_text()):
+    for name in files:
+        for document in yaml.safe_load_all((KUBERNETES_DIR / name).read_text()):
             if document:
                 objects[(document["kind"], document["metadata"]["name"])] = document
     return objects
 
 
-def test_kubernetes_manifests_hash_streams_over_the_ready_pods():
-    objects = kubernetes_objects()
+def test_kubernetes_manifests_hash_streams_over_the_ready_pods(services):
+    objects = kubernetes_objects("code2wav-triton.yaml", "gateway-envoy.yaml")
     deployment = objects[("Deployment", "code2wav-triton")]
     pod = deployment["spec"]["template"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
@@ -734,9 +736,20 @@ def test_kubernetes_manifests_hash_streams_over_the_ready_pods():
     # The init container renders the repository into the volume Triton serves read-only.
     models = {mount["mountPath"]: mount for mount in triton["volumeMounts"]}["/models"]
     assert models["readOnly"] and {"name": models["name"], "mountPath": "/models"} in export["volumeMounts"]
-    assert "--model-repository=/models" in triton["args"]
-    # `$$` is Kubernetes' escape for a literal `$` in command and args.
-    assert "$$(cat /models/tritonserver.args)" in triton["command"][3]
+    # It starts as compose's `triton` does: the rendered pools appended, tritonserver under the
+    # watchdog (from a ConfigMap), TLS and keys from an optional Secret (`$$` is Kubernetes' escape
+    # for a literal `$`, as compose's).
+    assert [arg.replace("$$", "$") for arg in triton["command"]] == services["triton"]["entrypoint"]
+    compose_args = [arg for arg in command_args(services["triton"]) if not arg.startswith("--log-verbose=")]
+    assert triton["args"] == compose_args and triton["args"][1] == WATCHDOG_IN_CONTAINER
+    mounts = {mount["mountPath"]: mount for mount in triton["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
+    watchdog = mounts[str(Path(WATCHDOG_IN_CONTAINER).parent)]
+    assert volumes[watchdog["name"]]["configMap"] == {"name": "code2wav-watchdog"}
+    assert f"--from-file=docker/{WATCHDOG.name}" in (KUBERNETES_DIR / "code2wav-triton.yaml").read_text()
+    assert ACCESS_IN_CONTAINER in volume_mounts(services["triton"])
+    access = mounts[ACCESS_IN_CONTAINER]
+    assert access["readOnly"] and volumes[access["name"]]["secret"] == {"secretName": "code2wav-access", "optional": True}
     ports = {port["name"]: port["containerPort"] for port in triton["ports"]}
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
     assert triton["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
@@ -760,3 +773,28 @@ def test_kubernetes_manifests_hash_streams_over_the_ready_pods():
                                       "consistentHash": {"type": "Headers", "headers": [{"name": STREAM_KEY_HEADER}]}}
     assert policy["timeout"]["http"]["requestTimeout"] == "0s", "a route timeout would cut long gRPC streams"
     assert f"httpHeaderName: {STREAM_KEY_HEADER}" in (KUBERNETES_DIR / "gateway-envoy.yaml").read_text()
+
+
+def test_kubernetes_tls_gateway_terminates_and_checks_the_pods():
+    """gateway-envoy-tls.yaml, applied after gateway-envoy.yaml: the Gateway's one listener is TLS on
+    the same port, and the gateway speaks TLS to the Service's gRPC port, checking the pods' name."""
+    plain = kubernetes_objects("code2wav-triton.yaml", "gateway-envoy.yaml")
+    objects = kubernetes_objects("code2wav-triton.yaml", "gateway-envoy.yaml", "gateway-envoy-tls.yaml")
+    (cleartext,) = plain[("Gateway", "code2wav")]["spec"]["listeners"]
+    gateway = objects[("Gateway", "code2wav")]["spec"]
+    assert gateway["gatewayClassName"] == plain[("Gateway", "code2wav")]["spec"]["gatewayClassName"]
+    (listener,) = gateway["listeners"]
+    assert (listener["protocol"], listener["port"], cleartext["protocol"]) == ("HTTPS", cleartext["port"], "HTTP")
+    assert listener["tls"] == {"mode": "Terminate", "certificateRefs": [{"kind": "Secret", "name": "code2wav-gateway-tls"}]}
+    service = objects[("Service", "code2wav-triton")]
+    grpc_port = next(port for port in service["spec"]["ports"] if port["name"] == "grpc")
+    policy = objects[("BackendTLSPolicy", "code2wav-triton-tls")]["spec"]
+    assert policy["targetRefs"] == [{"group": "", "kind": "Service", "name": "code2wav-triton",
+                                     "sectionName": grpc_port["name"]}]
+    assert policy["validation"] == {"hostname": "code2wav-triton",
+                                    "caCertificateRefs": [{"group": "", "kind": "ConfigMap", "name": "code2wav-ca"}]}
+    text = (KUBERNETES_DIR / "gateway-envoy-tls.yaml").read_text()
+    # The names the header's commands create are the ones the objects use; ca.crt is Gateway API's key.
+    assert "kubectl create secret tls code2wav-gateway-tls" in text
+    assert "kubectl create configmap code2wav-ca --from-file=ca.crt=" in text
+    assert "--host code2wav-triton" in text

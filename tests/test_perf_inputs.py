@@ -8,9 +8,7 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ import pytest
 from mimi_code2wav.client.perf_inputs import describe, input_data, sequence_steps
 from mimi_code2wav.server.processes import log_tail
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, perf_analyzer_problem
 
 PERF_SH = REPO_ROOT / "client" / "perf.sh"
 
@@ -43,17 +41,6 @@ def test_steps_are_codebook_major_deltas():
     np.testing.assert_array_equal(rebuilt, codes)
 
 
-def _perf_analyzer_problem() -> str | None:
-    """Why perf_analyzer cannot run here, or None."""
-    binary = Path(sysconfig.get_paths()["scripts"]) / "perf_analyzer"
-    if not binary.exists():
-        return f"perf_analyzer is not installed ({binary} missing; it comes with tritonclient[all]==2.51.0)"
-    libs = Path(sysconfig.get_paths()["purelib"]) / "nvidia_pytriton.libs"
-    if not list(libs.glob("libb64-*.so.0d")) or not list(libs.glob("libcudart-*.so.12*")):
-        return f"libb64/libcudart that perf_analyzer links are not in {libs} (the nvidia-pytriton wheel)"
-    return None
-
-
 @pytest.mark.server
 @pytest.mark.parametrize(
     "load",
@@ -63,7 +50,7 @@ def _perf_analyzer_problem() -> str | None:
     ],
 )
 def test_perf_analyzer_accepts_the_inputs(code2wav_server, tmp_path, load):
-    problem = _perf_analyzer_problem()
+    problem = perf_analyzer_problem()
     if problem:
         pytest.skip(problem)
     csv_path = tmp_path / "perf.csv"
@@ -105,7 +92,7 @@ def test_variable_frame_counts_survive_sustained_load(served_repository, tmp_pat
     if the second crashes too or if any request fails while the server is up."""
     from mimi_code2wav.server.triton import running_server
 
-    problem = _perf_analyzer_problem()
+    problem = perf_analyzer_problem()
     if problem:
         pytest.skip(problem)
     for attempt in (1, 2):
@@ -134,7 +121,7 @@ def test_variable_frame_counts_survive_sustained_load(served_repository, tmp_pat
 
 @pytest.mark.server
 def test_bench_one_point_writes_tables_json_and_plot(code2wav_server, onnx_fp32, tmp_path):
-    problem = _perf_analyzer_problem()
+    problem = perf_analyzer_problem()
     if problem:
         pytest.skip(problem)
     from benchmarks.__main__ import main

@@ -55,6 +55,9 @@ NOT_RUN = {
     "up --build triton-proxy": "test_compose_scale.py runs it as written: a replica killed, one hung, then chaos, under paced streams",
     "kubectl apply -f deploy/kubernetes/code2wav-triton.yaml -f deploy/kubernetes/gateway-envoy.yaml":
         "no cluster here; test_compose.py checks the manifests' structure and routing policy",
+    "kubectl apply -f deploy/kubernetes/gateway-envoy-tls.yaml":
+        "no cluster here; test_compose.py checks its structure, and test_watchdog.py runs the pods' start line "
+        "with TLS and keys",
     "make bench-duplex": "minutes of load on the shared cores; test_duplex.py runs the same command "
                          "(python -m benchmarks duplex) with small arguments against a real server",
     "make bench-failover": "the compose scale profile built and run under 12 paced streams (minutes); "

@@ -30,6 +30,7 @@ from mimi_code2wav.server.security import ADMIN_KEY_ENV, ServerSecurity
 from helpers import (
     REPO_ROOT,
     make_pki,
+    perf_analyzer_problem,
     serve_cli,
     stop_cli,
     stub_pid,
@@ -219,9 +220,8 @@ def test_the_cli_takes_tls_and_the_key_from_a_file_or_the_environment(secure_ser
 def test_perf_analyzer_runs_over_tls_with_both_keys(secure_server, pki, tmp_path):
     """client/perf.sh with TLS_CA, KEY_FILE and ADMIN_KEY_FILE (perf_analyzer reads statistics, an
     admin call); without the admin key it is refused, naming the header."""
-    from test_perf_inputs import _perf_analyzer_problem
 
-    problem = _perf_analyzer_problem()
+    problem = perf_analyzer_problem()
     if problem:
         pytest.skip(problem)
     env = {**os.environ, "URL": f"localhost:{secure_server.grpc_port}", "STREAMS": "2", "FRAMES": "9",

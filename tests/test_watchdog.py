@@ -32,9 +32,11 @@ PROBE_S, PROBE_TIMEOUT_S = 1, 10
 
 class WatchedServer(TritonServer):
     """tritonserver started as docker-compose.yml starts it: as the watchdog's command (`access_dir`:
-    its WATCHDOG_ACCESS_DIR, TLS and keys)."""
+    its WATCHDOG_ACCESS_DIR, TLS and keys; `pod_args_file`: through the Kubernetes pod's command, which
+    appends that file's flags as it appends /models/tritonserver.args)."""
 
     access_dir: Path | None = None
+    pod_args_file: Path | None = None
 
     def _prepare(self) -> tuple[list[str], dict[str, str]]:
         command, environment = super()._prepare()
@@ -45,7 +47,13 @@ class WatchedServer(TritonServer):
                        "WATCHDOG_CHECKS": str(CHECKS), "WATCHDOG_PROBE_S": str(PROBE_S),
                        "WATCHDOG_PROBE_TIMEOUT_S": str(PROBE_TIMEOUT_S),
                        "WATCHDOG_PROBE_URL": f"http://{self.host}:{self.http_port}/v2/models/code2wav/infer"}
-        return ["sh", str(WATCHDOG), *command], environment
+        watched = ["sh", str(WATCHDOG), *command]
+        if self.pod_args_file is None:
+            return watched, environment
+        start = [arg.replace("$$", "$") for arg in kubernetes_triton()["command"]]
+        assert start[:3] == ["/opt/nvidia/nvidia_entrypoint.sh", "sh", "-c"]  # NGC's entrypoint runs its command
+        return [*start[1:3], start[3].replace("/models/tritonserver.args", str(self.pod_args_file)), *start[4:],
+                *watched], environment
 
     def tritonserver_pid(self) -> int:
         def program(pid: int) -> str:
@@ -57,6 +65,16 @@ class WatchedServer(TritonServer):
         pids = [pid for pid in group_pids(self.pid) if program(pid) == "tritonserver"]
         assert len(pids) == 1, f"one tritonserver expected in the watchdog's group, found {pids}"
         return pids[0]
+
+
+def kubernetes_triton() -> dict:
+    """The triton container of deploy/kubernetes/code2wav-triton.yaml's pods."""
+    import yaml
+
+    manifests = yaml.safe_load_all((REPO_ROOT / "deploy" / "kubernetes" / "code2wav-triton.yaml").read_text())
+    (pod,) = [m["spec"]["template"]["spec"] for m in manifests if m and m.get("kind") == "Deployment"]
+    (triton,) = [c for c in pod["containers"] if c["name"] == "triton"]
+    return triton
 
 
 def test_a_hung_server_is_killed_and_the_watchdog_exits_137(tmp_path):
@@ -109,10 +127,12 @@ def test_a_dead_stub_gets_the_server_killed_and_the_watchdog_exits_137(repositor
     assert wait_until(lambda: not process_group_alive(server.pid), 5.0), "the watchdog left a process behind"
 
 
-def test_tls_and_keys_come_from_the_access_folder_and_the_stub_probe_carries_the_key(repository_for, tmp_path):
-    """The files of WATCHDOG_ACCESS_DIR (as compose mounts CODE2WAV_ACCESS_DIR) turn on TLS and both
-    keys; a client with the CA and the key decodes, one without the key is refused; the stub probe
-    sends the key, so a dead stub is still found; no key shows in the log."""
+@pytest.mark.parametrize("start", ["compose", "kubernetes"])
+def test_tls_and_keys_come_from_the_access_folder_and_the_stub_probe_carries_the_key(repository_for, tmp_path, start):
+    """The files of WATCHDOG_ACCESS_DIR (as compose mounts CODE2WAV_ACCESS_DIR, and the Kubernetes pods
+    the Secret code2wav-access) turn on TLS and both keys; a client with the CA and the key decodes, one
+    without the key is refused; the stub probe sends the key, so a dead stub is still found, and the
+    server killed (the pod's liveness probe asks only /v2/health/live); no key shows in the log."""
     from mimi_code2wav.client.credentials import Credentials
     from mimi_code2wav.client.protocol import ClientError
     from mimi_code2wav.client.sync import Code2WavClient, run_streams
@@ -123,6 +143,10 @@ def test_tls_and_keys_come_from_the_access_folder_and_the_stub_probe_carries_the
     log = tmp_path / "server.log"
     server = WatchedServer(repository_for("null"), log_path=log)
     server.access_dir = access
+    if start == "kubernetes":
+        assert kubernetes_triton()["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+        server.pod_args_file = tmp_path / "tritonserver.args"
+        server.pod_args_file.write_text("--log-info=true\n")
     try:
         server.start_ready()
         url = f"localhost:{server.grpc_port}"
@@ -132,6 +156,8 @@ def test_tls_and_keys_come_from_the_access_folder_and_the_stub_probe_carries_the
             Code2WavClient(url, credentials=Credentials(tls_ca=str(access / "ca.pem"))).check_ready(timeout_s=5)
         with pytest.raises(ClientError, match="it expects TLS"):
             Code2WavClient(url).check_ready(timeout_s=5)
+        if start == "kubernetes":  # the pod's command appended the rendered flags
+            assert "--log-info=true" in Path(f"/proc/{server.tritonserver_pid()}/cmdline").read_text().split("\0")
         time.sleep(3 * PROBE_S)
         assert server.is_alive(), f"the probe without its key? a healthy server was killed:\n{log.read_text()[-2000:]}"
         os.kill(stub_pid(server.pid), signal.SIGKILL)
@@ -191,24 +217,27 @@ def test_the_watchdog_refuses_a_missing_command_and_bad_settings():
     assert subprocess.run(["sh", str(WATCHDOG), "sh", "-c", "exit 3"], timeout=10).returncode == 3
 
 
-def test_the_kubernetes_liveness_probe_fails_on_a_dead_stub(repository_for, tmp_path):
-    """deploy/kubernetes/code2wav-triton.yaml's liveness command, run as the kubelet runs it (`$$` is
-    a literal `$`), against a real server: it passes while the stubs live, fails once code2wav's died."""
-    import yaml
+@pytest.mark.parametrize("files", [("tls",), ("tls", "mutual"), ("inference",), ("inference", "admin"), ("admin",),
+                                   ("tls", "mutual", "inference", "admin")])
+def test_the_watchdog_gives_tritonserver_the_flags_serve_gives_it(tmp_path, files):
+    """The access folder's files become the same tritonserver flags as serve's options for the same
+    settings (server/security.py): the same protocol groups, headers and keys."""
+    from mimi_code2wav.server.security import ServerSecurity
 
-    manifests = yaml.safe_load_all((REPO_ROOT / "deploy" / "kubernetes" / "code2wav-triton.yaml").read_text())
-    (pod,) = [m["spec"]["template"]["spec"] for m in manifests if m and m.get("kind") in ("Deployment", "StatefulSet")]
-    (triton,) = [c for c in pod["containers"] if c["name"] == "triton"]
-    command = [arg.replace("$$", "$") for arg in triton["livenessProbe"]["exec"]["command"]]
-    server = TritonServer(repository_for("null"), log_path=tmp_path / "server.log")
-    try:
-        server.start_ready()
-        probe = [*command[:-1], command[-1].replace("127.0.0.1:8000", f"{server.host}:{server.http_port}")]
-        alive = subprocess.run(probe, capture_output=True, text=True, timeout=30)
-        assert alive.returncode == 0, alive
-        os.kill(stub_pid(server.pid), signal.SIGKILL)
-        dead = subprocess.run(probe, capture_output=True, text=True, timeout=30)
-        assert dead.returncode == 1 and "Stub process 'code2wav_0_0' is not healthy" in dead.stdout, dead
-        assert server.is_alive()
-    finally:
-        server.stop(grace_s=5)
+    access = tmp_path.resolve()
+    for name, text in (("server.pem", "tls"), ("server.key", "tls"), ("client-ca.pem", "mutual")):
+        if text in files:
+            (access / name).write_text(text)
+    keys = {"inference": "flag-inference-key", "admin": "flag-admin-key"}
+    for name in keys.keys() & set(files):
+        (access / f"{name}.key").write_text(keys[name] + "\n")
+    done = subprocess.run(["sh", str(WATCHDOG), "echo"], capture_output=True, text=True, timeout=10,
+                          env={**os.environ, "WATCHDOG_ACCESS_DIR": str(access)})
+    assert done.returncode == 0, done.stderr
+    tls = "tls" in files
+    security = ServerSecurity(tls_cert=access / "server.pem" if tls else None, tls_key=access / "server.key" if tls else None,
+                              tls_client_ca=access / "client-ca.pem" if "mutual" in files else None,
+                              inference_key=keys["inference"] if "inference" in files else None,
+                              admin_key=keys["admin"] if "admin" in files else None)
+    assert sorted(done.stdout.split()) == sorted(security.tritonserver_args())
+    assert f"triton-watchdog: access: {security.describe()}" in done.stderr
