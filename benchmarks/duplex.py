@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mimi_code2wav.client.credentials import PLAINTEXT, Credentials, add_credentials_arguments, credentials_from_args
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, SAMPLES_PER_FRAME, ClientError
 from mimi_code2wav.client.report import percentiles
 
@@ -227,7 +228,7 @@ def _codes(conversations: int, frames: int, seed: int) -> list[np.ndarray]:
 
 
 def run_threads(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float,
-                seed: int = 0, timeout_s: float = 30.0) -> TickResult:
+                seed: int = 0, timeout_s: float = 30.0, credentials: Credentials = PLAINTEXT) -> TickResult:
     """The conversations on the thread client: one `Code2WavStream` (its own connection) and one
     thread each."""
     from mimi_code2wav.client.protocol import StreamOptions
@@ -235,7 +236,7 @@ def run_threads(url: str, conversations: int, frames: int, policy: Policy, budge
 
     codes = _codes(conversations, frames, seed)
     logs = [ConversationLog(frames) for _ in codes]
-    client = Code2WavClient(url, StreamOptions(response_timeout_s=timeout_s))
+    client = Code2WavClient(url, StreamOptions(response_timeout_s=timeout_s), credentials=credentials)
     streams = [client.stream() for _ in codes]
     stop_event, failures = threading.Event(), []
     start_s = time.perf_counter() + 0.5
@@ -260,7 +261,7 @@ def run_threads(url: str, conversations: int, frames: int, policy: Policy, budge
 
 
 def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float,
-              seed: int = 0, timeout_s: float = 30.0) -> TickResult:
+              seed: int = 0, timeout_s: float = 30.0, credentials: Credentials = PLAINTEXT) -> TickResult:
     """The conversations on the asyncio client: one `Code2WavClient` (one channel), one task each."""
     from mimi_code2wav.client.aio import Code2WavClient
     from mimi_code2wav.client.protocol import StreamOptions
@@ -269,7 +270,7 @@ def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_
     logs = [ConversationLog(frames) for _ in codes]
 
     async def main() -> tuple[float, float, float, str | None]:
-        async with Code2WavClient(url, StreamOptions(response_timeout_s=timeout_s)) as client:
+        async with Code2WavClient(url, StreamOptions(response_timeout_s=timeout_s), credentials=credentials) as client:
             streams = [client.stream() for _ in codes]
             start_s = time.perf_counter() + 0.5
             cpu_start_s = time.process_time()
@@ -290,6 +291,7 @@ def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
+    add_credentials_arguments(parser)  # for --url: a server with TLS or a key
     parser.add_argument("--conversations", type=parse_counts, default=[4, 8, 16, 32, 64, 128, 200],
                         help="conversations per point, tried in turn until one misses (default 4,8,16,32,64,128,200)")
     parser.add_argument("--policies", default="per-frame,ramp,catch-up",
@@ -328,10 +330,15 @@ def _print_row(result: TickResult) -> None:
 WARM_UP_FRAMES = 6
 
 
-def measure(url: str, args: argparse.Namespace, local: LocalServer | None) -> dict:
+def measure(url: str, args: argparse.Namespace, local: LocalServer | None,
+            credentials: Credentials = PLAINTEXT) -> dict:
     frames = max(2, round(args.seconds / FRAME_DURATION_S))
     points, most = [], {}
-    warm_up = run_async(url, max(args.conversations), WARM_UP_FRAMES, PER_FRAME, args.budget_ms, timeout_s=args.timeout_s)
+    from mimi_code2wav.client.sync import Code2WavClient
+
+    Code2WavClient(url, credentials=credentials).check_ready()  # a bad credential stops here, in one line
+    client = {"timeout_s": args.timeout_s, "credentials": credentials}
+    warm_up = run_async(url, max(args.conversations), WARM_UP_FRAMES, PER_FRAME, args.budget_ms, **client)
     print(f"  warm-up ({warm_up.conversations} conversations, {WARM_UP_FRAMES} frames each, not measured)"
           + (f" FAILED: {warm_up.failed}" if warm_up.failed else ""), file=sys.stderr, flush=True)
     for name in args.policies.split(","):
@@ -339,7 +346,7 @@ def measure(url: str, args: argparse.Namespace, local: LocalServer | None) -> di
         most[policy.label] = 0
         for count in args.conversations:
             result, profile = _profiled(local, functools.partial(run_async, url, count, frames, policy,
-                                                                 args.budget_ms, timeout_s=args.timeout_s))
+                                                                 args.budget_ms, **client))
             _print_row(result)
             points.append({**result.as_dict(), "profile": profile})
             if result.meets_budget and all(p["meets_budget"] for p in points if p["policy"] == policy.label):
@@ -350,7 +357,7 @@ def measure(url: str, args: argparse.Namespace, local: LocalServer | None) -> di
     if args.compare_at:
         for run_point in (run_async, run_threads):
             settle_gc()
-            result = run_point(url, args.compare_at, frames, PER_FRAME, args.budget_ms, timeout_s=args.timeout_s)
+            result = run_point(url, args.compare_at, frames, PER_FRAME, args.budget_ms, **client)
             _print_row(result)
             compared.append(result.as_dict())
     return {"points": points, "most_conversations": most, "compared": compared, "frames": frames,
@@ -364,8 +371,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     try:
+        credentials = credentials_from_args(args)
         with measured_server(args) as local:
-            results = measure(args.url or local.url, args, local)
+            results = measure(args.url or local.url, args, local, credentials)
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

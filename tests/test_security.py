@@ -8,6 +8,7 @@ stream that was in progress exact; no secret shows in a log, an error or serve's
 
 from __future__ import annotations
 
+import json
 import asyncio
 import os
 import signal
@@ -215,6 +216,24 @@ def test_the_cli_takes_tls_and_the_key_from_a_file_or_the_environment(secure_ser
         f"error: Triton at {secure_server.grpc_url} refused the inference key given (header code2wav-key): wrong key"]
     missing = _cli("decode", *tls, "--key-file", str(tmp_path / "absent.key"), "--random", "--frames", "3")
     assert missing.returncode == 1 and f"cannot read the key file {tmp_path / 'absent.key'}" in missing.stderr
+
+
+def test_the_duplex_benchmark_measures_a_server_with_tls_and_the_key(secure_server, pki, tmp_path, capsys):
+    """`python -m benchmarks duplex --url` against a TLS server: with the CA and the key it measures
+    every point; without the key it stops at once with the refusal, naming no secret."""
+    from benchmarks.__main__ import main
+
+    url = f"localhost:{secure_server.grpc_port}"
+    common = ["duplex", "--url", url, "--conversations", "2", "--policies", "per-frame", "--seconds", "0.8",
+              "--budget-ms", "10000", "--compare-at", "2", "--tls-ca", str(pki / "ca.pem")]
+    assert main([*common, "--key-file", str(pki / "inference.key"), "--out-dir", str(tmp_path / "ok")]) == 0
+    results = json.loads((tmp_path / "ok" / "duplex.json").read_text())
+    assert [(p["conversations"], p["failed"]) for p in results["points"]] == [(2, None)]
+    assert not any(secret in json.dumps(results) for secret in SECRETS)
+    capsys.readouterr()
+    assert main([*common, "--out-dir", str(tmp_path / "refused")]) == 1
+    err = capsys.readouterr().err
+    assert "requires the inference key (header code2wav-key)" in err and not any(secret in err for secret in SECRETS), err
 
 
 def test_perf_analyzer_runs_over_tls_with_both_keys(secure_server, pki, tmp_path):
