@@ -8,8 +8,8 @@ stream that was in progress exact; no secret shows in a log, an error or serve's
 
 from __future__ import annotations
 
-import json
 import asyncio
+import json
 import os
 import signal
 import subprocess
