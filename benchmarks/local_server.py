@@ -18,7 +18,7 @@ from mimi_code2wav.server.processes import log_tail
 from mimi_code2wav.server.serve import LOCAL_TARGETS
 
 from .profile import PointProfile
-from .provenance import REPO_ROOT, timed
+from .provenance import REPO_ROOT, shown_path, timed
 
 
 class LocalServer:
@@ -49,7 +49,7 @@ class LocalServer:
         log_path = build_dir / "tritonserver.log"
         return cls(repository, log_path, f"local tritonserver 2.51 (pytriton wheel), {args.decoder} decoder, "
                    f"{args.front_instances} code2wav instance(s), batcher waits {args.front_queue_delay_us} us "
-                   f"(code2wav) / {args.max_queue_delay_us} us (decoder), log {_shown(log_path)}")
+                   f"(code2wav) / {args.max_queue_delay_us} us (decoder), log {shown_path(log_path)}")
 
     def start(self, ports: dict | None = None) -> None:
         from mimi_code2wav.server.triton import running_server
@@ -75,7 +75,7 @@ class LocalServer:
         tail = tail[-8:]
         crashed_log = self.log_path.with_name(f"{self.log_path.stem}.crash{len(self.crashes) + 1}.log")
         why = (f"tritonserver exited during the run (code {code}{': SIGSEGV' if code == -11 else ''}); log "
-               f"kept as {_shown(crashed_log)}:\n" + "\n".join(tail))
+               f"kept as {shown_path(crashed_log)}:\n" + "\n".join(tail))
         self.crashes.append(why)
         self.stop()
         if self.log_path.exists():
@@ -107,12 +107,6 @@ def decoder_step_ms(onnx_path: Path, frame_counts: list[int], seconds: float = 1
         feeds[inputs[0].name] = rng.integers(0, 2048, (1, 8, frames)).astype(np.int32)
         result[frames] = timed(lambda: session.run(None, feeds), seconds) * 1000  # noqa: B023 (timed here)
     return result
-
-
-def _shown(path: Path) -> str:
-    """`path` relative to the checkout when inside it: the record does not carry a user's folders."""
-    path = Path(path).resolve()
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

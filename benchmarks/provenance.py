@@ -52,6 +52,13 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join(["python -m benchmarks", *([shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])])
 
 
+def shown_path(path: str | Path) -> str:
+    """`path` as a record or a log shows it: relative to the checkout when inside it, else as given
+    (the record refuses machine paths: `record.machine_paths`)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else str(path)
+
+
 def run_meta(kind: str, command: str, gpu: str | None = None) -> dict:
     """The stamp every benchmark JSON carries under "meta": what ran (`kind`, the record's section;
     `command`), where (machine, CPU model and cores, GPU), at which commit and when (UTC)."""

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .provenance import REPO_ROOT, command_line, run_meta, write_run
+from .provenance import REPO_ROOT, command_line, run_meta, shown_path, write_run
+from .step_profile import FRESH_EXPORT
 
 MODEL_DIRS = (REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort", REPO_ROOT / "model_repository" / "common")
 VARIANTS = ("as served", "no array reuse", "no feed-back", "no IO binding", "plain")  # "plain": both off
@@ -226,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         with spawn.Pool(1) as pool:
             rss[variant] = pool.apply(memory_of, (export, args.streams, args.threads, variant, args.steps))
         _log(f"memory, {variant}: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in rss[variant].items()))
-    results = {"meta": meta, "export": str(export), "streams": args.streams, "steps": args.steps, "rounds": args.rounds,
+    results = {"meta": meta, "export": shown_path(export) if args.export else FRESH_EXPORT, "streams": args.streams, "steps": args.steps, "rounds": args.rounds,
                "ms_per_run": {w: {v: statistics.median(times) for v, times in by.items()} for w, by in rounds.items()},
                "rss_mib": rss}
     write_run(args.out, "python_ort", results, python_ort_markdown(results))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,6 +190,24 @@ def with_headline(readme: str, table: str) -> str:
     return readme[: begin + len(HEADLINE_BEGIN)] + "\n" + table + "\n" + readme[end:]
 
 
+def machine_paths(value) -> list[str]:
+    """The absolute file paths in a run's strings (its command, the folders it names): a record shows
+    none, since they mean nothing on another machine. A path counts when its top folder exists here
+    (/tmp, /home, ...) or when it names the checkout."""
+    if isinstance(value, dict):
+        return [found for item in value.values() for found in machine_paths(item)]
+    if isinstance(value, list):
+        return [found for item in value for found in machine_paths(item)]
+    if not isinstance(value, str):
+        return []
+    found = []
+    for word in re.findall(r"(?:^|[\s=`'\"(])(/[^\s`'\")]+)", value):
+        top = Path(*Path(word).parts[:2])
+        if word.startswith(str(REPO_ROOT)) or (len(Path(word).parts) > 2 and top.is_dir()):
+            found.append(word)
+    return found
+
+
 def add_run(path: Path, directory: Path = RECORD_DIR) -> Path:
     """Copy a run into `directory` as <kind>.json (replacing that kind's run); returns where. Only a
     run of a committed tree whose command names no absolute path goes in: the record is what anyone
@@ -198,10 +216,10 @@ def add_run(path: Path, directory: Path = RECORD_DIR) -> Path:
     meta = run["meta"]
     if "uncommitted" in meta["commit"]:
         raise RecordError(f"{path}: ran on a tree with uncommitted changes ({meta['commit']}): commit, then run it again")
-    absolute = [word for word in shlex.split(meta["command"]) if word.startswith("/") or "=/" in word]
+    absolute = machine_paths(run)
     if absolute:
-        raise RecordError(f"{path}: its command names machine paths ({', '.join(absolute)}): run it again with "
-                          "paths inside the checkout")
+        raise RecordError(f"{path}: it names machine paths ({', '.join(absolute)}): run it again with "
+                          "paths inside the checkout, relative")
     target = Path(directory) / f"{run['meta']['kind']}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(record_json(run))

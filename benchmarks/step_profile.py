@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .provenance import command_line, run_meta, write_run
+from .provenance import command_line, run_meta, shown_path, write_run
 
 # Ops whose kernels move or duplicate bytes without arithmetic.
 COPY_OPS = frozenset({
@@ -176,6 +176,10 @@ def step_profile_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+# How a record names the export a benchmark made for itself (in a temporary folder).
+FRESH_EXPORT = "a fresh export (seeded random weights unless --weights)"
+
+
 def export_fresh(weights: Path | None = None, kv_cache_dtype: str = "float32") -> Path:
     """Export the step now (`weights`, or seeded random ones) into a new temporary folder."""
     import warnings
@@ -209,7 +213,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     meta = run_meta("step-profile", command_line())
-    folders = {"export": args.export or export_fresh(args.weights, args.kv_cache_dtype)}
+    fresh = None if args.export else export_fresh(args.weights, args.kv_cache_dtype)
+    folders = {"export": args.export or fresh}
     if args.baseline:
         folders = {"baseline": args.baseline, **folders}
     points = []
@@ -219,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
             _log(f"  batch {batch}: profiling {name} ({args.runs} steps)")
             point["profiles"][name] = profile(folder, batch, args)
         points.append(point)
-    results = {"meta": meta, "threads": args.threads, "exports": {name: str(path) for name, path in folders.items()},
+    results = {"meta": meta, "threads": args.threads, "exports": {name: shown_path(path) if path is not fresh else FRESH_EXPORT for name, path in folders.items()},
                "points": points}
     write_run(args.out, "step_profile", results, step_profile_markdown(results))
     return 0

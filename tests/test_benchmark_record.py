@@ -31,8 +31,11 @@ def test_every_committed_run_is_stamped_and_named_by_its_kind():
     runs = sorted(record.RECORD_DIR.glob("*.json"))
     assert {path.stem for path in runs} >= {"triton-python-ort", "triton-null"}, "the headline's runs are missing"
     for path in runs:
-        meta = record.read_run(path)["meta"]
+        run = record.read_run(path)
+        meta = run["meta"]
         assert path.stem == meta["kind"]
+        # What anyone can rerun from a clone: a committed tree, no folder of the machine it ran on.
+        assert "uncommitted" not in meta["commit"] and not record.machine_paths(run), path
         assert all(meta[field] not in (None, "") for field in record.META_FIELDS), path
         assert isinstance(meta["cpu_cores"], int) and meta["cpu_model"] in meta["machine"]
 
@@ -65,6 +68,9 @@ def test_add_copies_a_committed_runs_in_and_rejects_unstamped_dirty_or_machine_b
     fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "commit": "0000000",
                                                  "command": "python -m benchmarks memory --out-dir /tmp/x"}}))
     with pytest.raises(record.RecordError, match="names machine paths \\(/tmp/x\\)"):
+        record.add_run(fresh, tmp_path / "record")
+    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "commit": "0000000"}, "export": "/tmp/mimi-export-1"}))
+    with pytest.raises(record.RecordError, match="names machine paths \\(/tmp/mimi-export-1\\)"):
         record.add_run(fresh, tmp_path / "record")
 
     del run["meta"]["command"]
