@@ -20,6 +20,7 @@ COMMANDS = {
     "python-ort": ("python_ort", "the python-ort decoder's core: what each of its state mechanisms buys"),
     "gpu": ("gpu", "the step module on a CUDA GPU, eager and as a CUDA graph"),
     "tls": ("tls", "what TLS and the inference key cost: requests/s through the null decoder, plaintext against TLS"),
+    "front": ("front", "what the code2wav front costs per request and where, against the minimal BLS front"),
     "resume": ("resume", "resume by replay: SNR of a resumed stream against frames of history"),
     "record": ("record", "render docs/benchmarks.md and the README's headline from docs/benchmarks/*.json"),
 }

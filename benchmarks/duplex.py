@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from mimi_code2wav.client.credentials import PLAINTEXT, Credentials, add_credentials_arguments, credentials_from_args
-from mimi_code2wav.client.protocol import FRAME_DURATION_S, SAMPLES_PER_FRAME, ClientError
+from mimi_code2wav.client.protocol import FRAME_DURATION_S, MODEL_NAME, SAMPLES_PER_FRAME, ClientError
 from mimi_code2wav.client.report import percentiles
 
 from .local_server import LocalServer, add_server_arguments, measured_server
@@ -261,7 +261,8 @@ def run_threads(url: str, conversations: int, frames: int, policy: Policy, budge
 
 
 def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float,
-              seed: int = 0, timeout_s: float = 30.0, credentials: Credentials = PLAINTEXT) -> TickResult:
+              seed: int = 0, timeout_s: float = 30.0, credentials: Credentials = PLAINTEXT,
+              model_name: str = MODEL_NAME) -> TickResult:
     """The conversations on the asyncio client: one `Code2WavClient` (one channel), one task each."""
     from mimi_code2wav.client.aio import Code2WavClient
     from mimi_code2wav.client.protocol import StreamOptions
@@ -270,7 +271,8 @@ def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_
     logs = [ConversationLog(frames) for _ in codes]
 
     async def main() -> tuple[float, float, float, str | None]:
-        async with Code2WavClient(url, StreamOptions(response_timeout_s=timeout_s), credentials=credentials) as client:
+        options = StreamOptions(model_name=model_name, response_timeout_s=timeout_s)
+        async with Code2WavClient(url, options, credentials=credentials) as client:
             streams = [client.stream() for _ in codes]
             start_s = time.perf_counter() + 0.5
             cpu_start_s = time.process_time()

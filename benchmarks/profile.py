@@ -77,13 +77,13 @@ class PointProfile:
     """What one benchmark point cost the server, as differences over the point: the CPU time of each
     process of a local server (tritonserver, the code2wav and decoder stubs; from /proc) and of the
     load generator (this process and perf_analyzer), and Triton's per-model statistics (requests,
-    executions, queue and compute times; from its metrics). Either source may be absent (a remote
-    server): its fields are then missing."""
+    executions, queue and compute times; from its metrics) of `models`, the front first. Either
+    source may be absent (a remote server): its fields are then missing."""
 
     MODELS = ("code2wav", "mimi_decoder")
 
-    def __init__(self, pgid: int | None, metrics_url: str | None):
-        self._pgid, self._metrics_url = pgid, metrics_url
+    def __init__(self, pgid: int | None, metrics_url: str | None, models: tuple[str, ...] = MODELS):
+        self._pgid, self._metrics_url, self.models = pgid, metrics_url, models  # the front first
 
     def _read(self) -> dict:
         times = os.times()
@@ -100,7 +100,7 @@ class PointProfile:
                 state["triton"] = {
                     model: {name: metric_value(samples, f"nv_inference_{name}", model=model) or 0.0
                             for name in ("request_success", "exec_count", *(f"{t}_duration_us" for t in TRITON_TIMES))}
-                    for model in self.MODELS
+                    for model in self.models
                 }
         return state
 
@@ -114,7 +114,7 @@ class PointProfile:
         wall_s = after["monotonic"] - before["monotonic"]
         profile: dict = {"wall_s": wall_s}
         if "triton" in before and "triton" in after:
-            for model in self.MODELS:
+            for model in self.models:
                 delta = {name: after["triton"][model][name] - before["triton"][model][name]
                          for name in after["triton"][model]}
                 executions = delta["exec_count"]
@@ -129,7 +129,7 @@ class PointProfile:
                     "queue_ms_per_request": (delta["queue_duration_us"] / delta["request_success"] / 1e3
                                              if delta["request_success"] else None),
                 }
-            requests = int(profile["code2wav"]["requests"]) or requests
+            requests = int(profile[self.models[0]]["requests"]) or requests
         profile["requests"] = requests
         if requests:
             profile["load_cpu_ms_per_request"] = (after["load_cpu_s"] - before["load_cpu_s"]) / requests * 1e3

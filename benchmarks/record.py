@@ -22,6 +22,7 @@ from pathlib import Path
 from .decoder import decoder_markdown
 from .duplex import duplex_markdown
 from .failover import table as failover_markdown
+from .front import front_markdown
 from .gpu import gpu_markdown
 from .memory import memory_markdown
 from .provenance import REPO_ROOT, record_json, stamp
@@ -79,6 +80,8 @@ SECTIONS = (
     Section("resume", "Resume by replay", resume_markdown, "python -m benchmarks resume"),
     Section("failover", "A replica killed under live streams", failover_markdown, "python -m benchmarks failover"),
     Section("tls", "TLS and the key against plaintext", tls_markdown, "python -m benchmarks tls"),
+    Section("front", "The front's cost per request, against the minimal BLS front", front_markdown,
+            "python -m benchmarks front"),
 )
 KINDS = {section.kind: section for section in SECTIONS}
 

@@ -1,0 +1,73 @@
+"""The front benchmark (`benchmarks/front.py`): py-spy's samples are charged to the part of the stub
+that ran them, and a short run on a real server measures code2wav against the minimal front and
+splits the front stub's CPU."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+
+import pytest
+
+from benchmarks import front
+from benchmarks.local_server import LocalServer
+
+SOURCES = {("model.py", 10): "                sender.send(self._response(result), flags=FINAL)",
+           ("model.py", 11): "        self._answers.append((sender, result))",
+           ("code2wav_core.py", 5): "        for stream in self._streams:"}
+RAW = "\n".join([
+    # The thread pool running a decoder call: a pb_utils call wherever it came from.
+    "_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:83);run (concurrent/futures/thread.py:58) 7",
+    # A line of the front calling into pb_utils, and one of its own Python.
+    "_run_once (asyncio/base_events.py:1922);_send_answers (/srv/repo/code2wav/1/model.py:10) 4",
+    "_run_once (asyncio/base_events.py:1922);_answer (model.py:11) 2",
+    # The stream table's Python under a stdlib helper: the innermost line of the front's own files.
+    "_run (asyncio/events.py:80);process (code2wav_core.py:5);helper (contextlib.py:334) 3",
+    # numpy, innermost.
+    "_stream_request (model.py:11);copy (numpy/core/numeric.py:100) 2",
+    # The event loop itself, the pool waiting for work, and nothing of the front's.
+    "run_forever (asyncio/base_events.py:607);_run_once (asyncio/base_events.py:1910) 3",
+    "_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:81) 1",
+    "<module> (server.py:1);main (other.py:2) 1",
+    "not a sample line",
+])
+
+
+def test_samples_are_charged_to_the_part_of_the_stub_that_ran_them():
+    stacks = front.parse_raw(RAW)
+    assert sum(stacks.values()) == 23
+    parts, busiest = front.charge(stacks, SOURCES)
+    assert parts == {front.PB_UTILS: 11, "front Python": 5, "numpy": 2, "asyncio and threads": 4, "other": 1}
+    assert busiest[0] == ("_send_answers (/srv/repo/code2wav/1/model.py:10)",
+                          "sender.send(self._response(result), flags=FINAL)", 4)
+    # The line texts of a served folder, keyed by file name and line number.
+    served = front.sources(front.MINIMAL_FRONT.parent)
+    assert any("async_exec()" in text for (name, _), text in served.items() if name == "model.py")
+
+
+@pytest.mark.server
+def test_a_short_run_compares_the_fronts_and_splits_the_stubs_cpu(repository_for, tmp_path):
+    problem = front.py_spy_problem()
+    if problem:
+        pytest.skip(problem)
+    repository = shutil.copytree(repository_for("null"), tmp_path / "model_repository")
+    local = LocalServer(repository, tmp_path / "tritonserver.log", "test server")
+    args = argparse.Namespace(conversations=4, unpaced=4, seconds=1.5, rounds=1, rate=200, budget_ms=80.0)
+    point = front.measure_instances(local, 1, args, None)
+    assert local.server is None  # stopped
+    assert all(point["rps"][f][0] > 20 for f in front.FRONTS) and point["ratio"] > 0
+    for name in front.FRONTS:
+        live = point["live"][name]
+        assert live["result"]["failed"] is None and live["result"]["misses"] == 0, live["result"]
+        assert live["profile"][name]["requests"] == live["result"]["requests"] > 0
+        sampled = point["sampled"][name]
+        assert sampled["stubs"] == 1 and sampled["result"]["failed"] is None
+        assert sampled["samples"][front.PB_UTILS] > 0, sampled
+    assert point["sampled"]["code2wav"]["samples"]["front Python"] > 0
+    rows = dict(front.breakdown(point, "code2wav"))
+    split = sum(ms for what, ms in rows.items() if what.startswith("CPU: front stub, "))
+    assert split == pytest.approx(rows["CPU: front stub"]) and rows["CPU: front stub"] > 0
+    results = {"meta": {}, "conversations": 4, "unpaced": 4, "seconds": 1.5, "rounds": 1, "rate": 200,
+               "budget_ms": 80.0, "sampling": None, "points": [point]}
+    table = front.front_markdown(results)
+    assert f"| CPU: front stub, {front.PB_UTILS} |" in table and "| 1 | code2wav |" in table
