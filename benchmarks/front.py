@@ -293,6 +293,7 @@ def front_markdown(results: dict) -> str:
             lines.append(f"| {point['instances']} | {front} | {result['late_ms']['p50']:.0f} / {result['late_ms']['p99']:.0f} | "
                          f"{result['misses']} | {profile.get('server_cpu_ms_per_request_total', float('nan')):.3f} | "
                          f"{profile.get('server_cpu_cores_busy') or float('nan'):.2f} |")
+    lines += ["", *sizing(results)]
     if results["sampling"]:
         lines += ["", f"CPU by part not measured: {results['sampling']}."]
     for point in results["points"]:
@@ -307,6 +308,31 @@ def front_markdown(results: dict) -> str:
             lines += ["", "| code2wav's busiest lines (innermost of its own) | samples |", "|---|---:|"]
             lines += [f"| `{frame}`: `{text}` | {count} |" for frame, text, count in sampled["busiest_lines"]]
     return "\n".join(lines)
+
+
+REQUESTS_PER_S_PER_CONVERSATION = 1 / FRAME_DURATION_S  # per-frame: one request per 80 ms frame
+
+
+def sizing(results: dict) -> list[str]:
+    """Host sizing from code2wav's live points: the server CPU a per-frame conversation costs, and the
+    most conversations one front instance's process can carry (one core at most, under its GIL)."""
+    lines = ["Sizing from the live code2wav runs (server CPU only; the null decoder, so the decoder's own "
+             "cost comes on top; rerun on the serving host):", "",
+             "| front instances | server CPU ms / request | per-frame conversations per server core | "
+             "front stub CPU ms / request | per-frame conversations one front instance carries at most |",
+             "|---:|---:|---:|---:|---:|"]
+    for point in results["points"]:
+        profile = point["live"]["code2wav"]["profile"]
+        server_ms = profile.get("server_cpu_ms_per_request_total")
+        stub_ms = profile.get("server_cpu_ms_per_request", {}).get("stub code2wav")
+        if not server_ms or not stub_ms:
+            continue
+        per_core = 1000 / server_ms / REQUESTS_PER_S_PER_CONVERSATION
+        stub_per_instance = 1000 / stub_ms / REQUESTS_PER_S_PER_CONVERSATION  # the stubs' CPU per request, any instance
+        lines.append(f"| {point['instances']} | {server_ms:.3f} | {per_core:.0f} | {stub_ms:.3f} | {stub_per_instance:.0f} |")
+    lines += ["", "Cores for N per-frame conversations: N x 12.5 requests/s x the server CPU per request; front "
+              "instances: N over the last column, at least."]
+    return lines
 
 
 def _ms(value: float | None) -> str:

@@ -45,6 +45,8 @@ NOT_RUN = {
         "with vLLM-Omni's own loader",
     'make test PYTEST_ARGS="-k parity"': "runs the test suite from inside the test suite",
     "make clean": "removes the working tree's build/ folder (exports) while tests may use it",
+    ".venv/bin/python -m benchmarks front": "minutes of load at its defaults; tests/test_front_benchmark.py runs a "
+                                            "short one on a real server and checks what it measures",
     ".venv/bin/python -m benchmarks gpu": "needs a CUDA GPU; without one it exits 3 with a message "
                                              "(test_export.py::test_gpu_benchmark_without_cuda_exits_clearly)",
     "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
