@@ -42,6 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mimi_code2wav.client.credentials import PLAINTEXT
 from mimi_code2wav.client.protocol import FRAME_DURATION_S
 
 from .duplex import PER_FRAME, run_async
@@ -79,6 +80,12 @@ def _location(frame: str) -> tuple[str, str, int]:
     return function, file_name, int(line) if line.isdigit() else 0
 
 
+def _source_key(frame: str) -> tuple[str, int]:
+    """(file name, line) of a frame: how `sources` keys a line."""
+    _, file_name, line = _location(frame)
+    return os.path.basename(file_name), line
+
+
 def sources(model_folder: Path) -> dict[tuple[str, int], str]:
     """(file name, line number) -> the line, for every Python file a served model's folder holds."""
     return {(path.name, number): text for path in model_folder.glob("*.py")
@@ -95,8 +102,8 @@ def sample_part(stack: tuple[str, ...], front_sources: dict[tuple[str, int], str
     if file_name.endswith("concurrent/futures/thread.py") and function == "run":
         return PB_UTILS  # the pool runs nothing but decoder calls (request.exec, async_exec)
     for frame in reversed(stack):
-        _, file_name, line = _location(frame)
-        text = front_sources.get((os.path.basename(file_name), line))
+        _, file_name, _ = _location(frame)
+        text = front_sources.get(_source_key(frame))
         if text is not None:
             return PB_UTILS if PB_UTILS_CALL.search(text) else "front Python"
         if "asyncio/" in file_name or os.path.basename(file_name) in ("threading.py", "thread.py", "_base.py", "queue.py"):
@@ -111,11 +118,10 @@ def charge(stacks: collections.Counter, front_sources: dict[tuple[str, int], str
     lines: collections.Counter = collections.Counter()
     for stack, count in stacks.items():
         parts[sample_part(stack, front_sources)] += count
-        own = next((f for f in reversed(stack) if (os.path.basename(_location(f)[1]), _location(f)[2]) in front_sources), None)
+        own = next((f for f in reversed(stack) if _source_key(f) in front_sources), None)
         if own is not None:
             lines[own] += count
-    busiest = [(frame, front_sources[(os.path.basename(_location(frame)[1]), _location(frame)[2])].strip(), count)
-               for frame, count in lines.most_common(10)]
+    busiest = [(frame, front_sources[_source_key(frame)].strip(), count) for frame, count in lines.most_common(10)]
     return parts, busiest
 
 
@@ -152,8 +158,8 @@ def py_spy_problem() -> str | None:
     """Why py-spy cannot sample the stubs here, or None."""
     if py_spy() is None:
         return "py-spy is not installed (the serve extra pins it: make venv)"
-    if os.geteuid() != 0 and Path("/proc/sys/kernel/yama/ptrace_scope").exists() \
-            and Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip() != "0":
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    if os.geteuid() != 0 and scope.exists() and scope.read_text().strip() != "0":
         return "py-spy needs ptrace rights over the stubs: run as root, or with kernel.yama.ptrace_scope 0"
     return None
 
@@ -196,10 +202,10 @@ def measure_instances(local: LocalServer, instances: int, args, sampling: str | 
     local.start()
     try:
         for front in FRONTS:  # warm-up
-            unpaced_requests_per_s(local.url, None, args.unpaced, 1.0, model_name=front)
+            unpaced_requests_per_s(local.url, PLAINTEXT, args.unpaced, 1.0, model_name=front)
         for round_index in range(args.rounds):
             for front in FRONTS:
-                point["rps"][front].append(unpaced_requests_per_s(local.url, None, args.unpaced, args.seconds,
+                point["rps"][front].append(unpaced_requests_per_s(local.url, PLAINTEXT, args.unpaced, args.seconds,
                                                                   model_name=front))
             print(f"  {instances} instance(s), round {round_index + 1}: "
                   + ", ".join(f"{front} {point['rps'][front][-1]:.0f} requests/s" for front in FRONTS), flush=True)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mimi_code2wav.client.protocol import MODEL_NAME
+
 from .provenance import command_line, run_meta, write_run
 
 KEY = "bench-inference-key"
@@ -39,14 +41,13 @@ async def _conversation(client, codes: np.ndarray, until: float) -> int:
     return answered
 
 
-def measure(url: str, credentials, conversations: int, seconds: float, model_name: str = "code2wav") -> float:
+def measure(url: str, credentials, conversations: int, seconds: float, model_name: str = MODEL_NAME) -> float:
     """Requests/s of `conversations` unpaced 1-frame conversations of `model_name` for `seconds`."""
     from mimi_code2wav.client.aio import Code2WavClient
-    from mimi_code2wav.client.credentials import PLAINTEXT
     from mimi_code2wav.client.protocol import StreamOptions, random_codes
 
     async def main() -> int:
-        async with Code2WavClient(url, StreamOptions(model_name=model_name), credentials=credentials or PLAINTEXT) as client:
+        async with Code2WavClient(url, StreamOptions(model_name=model_name), credentials=credentials) as client:
             await client.check_ready()
             until = time.monotonic() + seconds
             counts = await asyncio.gather(*(_conversation(client, random_codes(64, seed=i), until)
