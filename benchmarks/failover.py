@@ -117,6 +117,8 @@ def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
         "moved_stall": _percentiles_ms([result.resumes[0].stall_s for _, result in moved if result.resumes]),
         "moved_resumes": [len(result.resumes) for _, result in moved],
         "real_time_factor_min": float(min(result.real_time_factor for result in report.results)),
+        # Paced streams take their audio's length; a kept stream the fault slowed takes longer.
+        "kept_wall_per_audio_max": float(max(result.wall_s / result.audio_s for _, result in kept)) if kept else None,
     }
 
 
@@ -131,6 +133,8 @@ def table(record: dict) -> str:
         f"{record['streams']} paced streams of {record['chunk_frames']}-frame requests, {record['moved_streams']} "
         f"moved, {record['kept_streams']} kept their replica ({record['kept_streams_resumed']} of them resumed); "
         f"slowest stream at {record['real_time_factor_min']:.2f}x real time"
+        + (f"; the slowest kept stream took {record['kept_wall_per_audio_max']:.2f}x its audio's length"
+           if record.get("kept_wall_per_audio_max") is not None else "")
         + (f"; replicas rendered with RENDER_ARGS `{record['render_args']}`" if record.get("render_args") else ""),
         "",
         "| requests | p50 ms | p99 ms | max ms |",
