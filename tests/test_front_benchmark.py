@@ -52,7 +52,8 @@ def test_a_short_run_compares_the_fronts_and_splits_the_stubs_cpu(repository_for
         pytest.skip(problem)
     repository = shutil.copytree(repository_for("null"), tmp_path / "model_repository")
     local = LocalServer(repository, tmp_path / "tritonserver.log", "test server")
-    args = argparse.Namespace(conversations=4, unpaced=4, seconds=1.5, rounds=1, rate=200, budget_ms=80.0)
+    # A light live load keeps the stubs mostly idle: sample fast enough that the front's own lines show.
+    args = argparse.Namespace(conversations=4, unpaced=4, seconds=1.5, rounds=1, rate=1000, budget_ms=80.0)
     point = front.measure_instances(local, 1, args, None)
     assert local.server is None  # stopped
     assert all(point["rps"][f][0] > 20 for f in front.FRONTS) and point["ratio"] > 0
@@ -63,11 +64,15 @@ def test_a_short_run_compares_the_fronts_and_splits_the_stubs_cpu(repository_for
         sampled = point["sampled"][name]
         assert sampled["stubs"] == 1 and sampled["result"]["failed"] is None
         assert sampled["samples"][front.PB_UTILS] > 0, sampled
-    assert point["sampled"]["code2wav"]["samples"]["front Python"] > 0
+    # Samples in code2wav's own files are found, and charged to its pb_utils calls, its Python or the
+    # numpy it calls.
+    code2wav = point["sampled"]["code2wav"]
+    own = sum(count for _, _, count in code2wav["busiest_lines"])
+    assert own > 0 and sum(code2wav["samples"][part] for part in (front.PB_UTILS, "front Python", "numpy")) >= own, code2wav
     rows = dict(front.breakdown(point, "code2wav"))
     split = sum(ms for what, ms in rows.items() if what.startswith("CPU: front stub, "))
     assert split == pytest.approx(rows["CPU: front stub"]) and rows["CPU: front stub"] > 0
-    results = {"meta": {}, "conversations": 4, "unpaced": 4, "seconds": 1.5, "rounds": 1, "rate": 200,
+    results = {"meta": {}, "conversations": 4, "unpaced": 4, "seconds": 1.5, "rounds": 1, "rate": 1000,
                "budget_ms": 80.0, "sampling": None, "points": [point]}
     table = front.front_markdown(results)
     assert f"| CPU: front stub, {front.PB_UTILS} |" in table and "| 1 | code2wav |" in table
