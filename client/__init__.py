@@ -8,18 +8,13 @@
         pcm = stream.decode(codes[:, :1])                    # codes int [8, F] -> float32 [F * 1920]
         pcm = stream.decode(codes[:, 1:], end=True)
 
-The public names: `Code2WavClient` and `Code2WavStream` (`sync`; the same API with `await` in `aio`),
-`run_streams` (several streams at once, paced or not, one thread each; `RunReport`, `StreamResult`,
-`StreamsFailed`), `StreamOptions`, `Credentials` (TLS and the inference key), `ClientError` and
-`Resume`. Beside them: the request contract and
-its constants (`protocol`), what a stream sends next and how it resumes, without I/O (`plan`), the
-`code2wav-client decode` CLI (`decode`), WAV I/O (`wav`) and perf_analyzer inputs (`perf_inputs`,
-`perf.sh`).
+`run_streams` decodes several streams at once (paced or not, one thread each). Modules: the request
+contract (`protocol`), what a stream sends and how it resumes, without I/O (`plan`), the CLI
+(`decode`), WAV I/O (`wav`), perf_analyzer inputs (`perf_inputs`, `perf.sh`).
 
-Needs numpy and tritonclient only: nothing here imports PyTorch, the export or the server side
-(a test holds it to that), and tritonclient only once a client talks. Imports inside the package are
-relative, so `python -m client.perf_inputs` also runs from a plain checkout (the perf_analyzer SDK
-container does that).
+Needs numpy and tritonclient only (a test holds it to that; tritonclient is imported once a client
+talks). Relative imports let `python -m client.perf_inputs` run from a plain checkout, as the
+perf_analyzer SDK container does.
 """
 
 from .credentials import Credentials

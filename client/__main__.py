@@ -1,14 +1,6 @@
 """Command line of the code2wav client (`code2wav-client`, or `python -m mimi_code2wav.client`).
 
-    code2wav-client decode --url 127.0.0.1:8001 (--codes codes.npy | --random --frames N --seed S)
-                           [--out out.wav] [--chunk-frames 4] [--mode delta|cumulative] [--no-offsets]
-                           [--streams N] [--paced|--unpaced] [--wav-format float32|int16]
-                           [--resume] [--resume-history-frames 250] [--resume-timeout 30]
-                           [--stream-key KEY] [--failover-url HOST:PORT ...]
-                           [--tls-ca ca.pem [--tls-cert client.pem --tls-key client.key]] [--key-file FILE]
-
-Argument parsing only: the decode command is `client.decode`, streaming is `client.sync`. Needs
-numpy and tritonclient, never PyTorch.
+Argument parsing only (`code2wav-client decode --help`); the command is `client.decode`. Never PyTorch.
 """
 
 from __future__ import annotations
@@ -40,11 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     decode = commands.add_parser(
-        "decode",
-        help="stream codes through code2wav and write a WAV file",
+        "decode", help="stream codes through code2wav and write a WAV file",
         description="Stream codes [8, F] through a running code2wav server as one Triton sequence per "
-        "stream, print latency and real-time-factor statistics, and write 24 kHz mono WAV.",
-    )
+        "stream, print latency and real-time-factor statistics, and write 24 kHz mono WAV.")
     decode.add_argument("--url", default=DEFAULT_URL, help="Triton gRPC address host:port (default %(default)s)")
     decode.add_argument("--model", default=MODEL_NAME, help="model name (default %(default)s)")
     source = decode.add_mutually_exclusive_group(required=True)
@@ -52,18 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--random", action="store_true", help="seeded random codes (the audio is noise)")
     decode.add_argument("--frames", type=int, help="frames of random codes (80 ms each)")
     decode.add_argument("--seed", type=int, default=0, help="seed of the random codes (default %(default)s)")
-    decode.add_argument(
-        "--out", type=Path,
-        help="WAV file to write; with --streams N > 1, OUT_0.wav ... OUT_{N-1}.wav; omit it to only report statistics",
-    )
-    decode.add_argument(
-        "--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES,
-        help=f"frames per request after the first, which holds {FIRST_CHUNK_FRAMES} (default %(default)s)",
-    )
-    decode.add_argument(
-        "--mode", choices=MODES, default="delta",
-        help="delta: each request holds only its new frames; cumulative: the whole stream so far (O(n^2) bytes)",
-    )
+    decode.add_argument("--out", type=Path, help="WAV file to write; with --streams N > 1, OUT_0.wav ... "
+                        "OUT_{N-1}.wav; omit it to only report statistics")
+    decode.add_argument("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES,
+                        help=f"frames per request after the first, which holds {FIRST_CHUNK_FRAMES} "
+                        "(default %(default)s)")
+    decode.add_argument("--mode", choices=MODES, default="delta", help="delta: each request holds only its new "
+                        "frames; cumulative: the whole stream so far (O(n^2) bytes)")
     decode.add_argument("--no-offsets", action="store_true", help="omit frame_offset: the server reads each request by its dedupe_mode (delta by default; "
                         "--mode cumulative then needs dedupe_mode=cumulative)")
     decode.add_argument("--streams", type=int, default=1, help="concurrent streams, each its own sequence, all decoding the same codes")
@@ -77,24 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--catch-up", action="store_true",
                         help="with --paced: each request carries every frame produced since the last, so a stream "
                         "the server runs behind catches up in bigger requests")
-    decode.add_argument(
-        "--wav-format", choices=SAMPLE_FORMATS, default="float32",
-        help="float32: IEEE float WAV, samples exactly as decoded (default); int16: 16-bit PCM, samples "
-        "clipped to [-1, 1] then scaled by 32767",
-    )
+    decode.add_argument("--wav-format", choices=SAMPLE_FORMATS, default="float32",
+                        help="float32: IEEE float WAV, samples exactly as decoded (default); int16: 16-bit PCM, "
+                        "samples clipped to [-1, 1] then scaled by 32767")
     decode.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any one response (default %(default)s)")
     progress = decode.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None,
                           help=f"always draw a progress bar on stderr (default: on a terminal, for streams of >= {PROGRESS_MIN_FRAMES} frames)")
     progress.add_argument("--no-progress", dest="progress", action="store_false", help="never draw one")
     resume = decode.add_argument_group(
-        "resume by replay",
-        "Every request carries the gRPC header "
-        f"{STREAM_KEY_HEADER}: KEY (for a proxy that routes a stream to one replica). When the server holding "
-        "a stream is lost, the stream goes on in a new sequence (on the next --failover-url, or where the proxy "
-        "now routes the key) that re-sends its last frames as history; each resume is reported on stderr. "
-        "Any of these options turns it on.",
-    )
+        "resume by replay", f"Every request carries the gRPC header {STREAM_KEY_HEADER}: KEY (for a proxy that routes "
+        "a stream to one replica). When the server holding a stream is lost, the stream goes on in a new sequence (on "
+        "the next --failover-url, or where the proxy now routes the key) that re-sends its last frames as history; "
+        "each resume is reported on stderr. Any of these options turns it on.")
     resume.add_argument("--resume", action="store_true", help="resume streams whose server is lost")
     resume.add_argument("--resume-history-frames", type=int, metavar="R",
                         help=f"frames replayed to rebuild the decoder state (default {DEFAULT_RESUME_HISTORY_FRAMES}: "
@@ -114,12 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("streams", "chunk_frames", "frames"):  # usage errors: exit 2, like argparse's own
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if getattr(args, "resume_history_frames", None) is not None and args.resume_history_frames < 0:
-        parser.error(f"--resume-history-frames must be >= 0, got {args.resume_history_frames}")
+    for name, least in (("streams", 1), ("chunk_frames", 1), ("frames", 1), ("resume_history_frames", 0)):
+        value = getattr(args, name, None)  # usage errors: exit 2, like argparse's own
+        if value is not None and value < least:
+            parser.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if getattr(args, "resume_timeout", None) is not None and not args.resume_timeout > 0:
         parser.error(f"--resume-timeout must be > 0 s, got {args.resume_timeout:g}")
     try:

@@ -5,43 +5,35 @@
     from mimi_code2wav.client.aio import Code2WavClient
 
     async def conversation(client, codes):                 # codes: int [8, frames], e.g. from a talker
-        pcm = []
-        async with client.stream() as stream:              # one conversation = one stream
-            pcm.append(await stream.decode(codes[:, :1]))  # the first frame alone: float32 [1920], 24 kHz
-            for first in range(1, codes.shape[1], 5):      # then 5 frames per call
+        async with client.stream() as stream:              # one conversation = one stream; END on exit
+            pcm = [await stream.decode(codes[:, :1])]      # the first frame alone, then 5 per call
+            for first in range(1, codes.shape[1], 5):
                 pcm.append(await stream.decode(codes[:, first : first + 5]))
-        return np.concatenate(pcm)                         # leaving the block sent END
+        return np.concatenate(pcm)                         # float32 [frames * 1920], 24 kHz
 
     async def main():
         rng = np.random.default_rng(0)
-        async with Code2WavClient("127.0.0.1:8001") as client:  # one channel, shared by its streams
-            await client.check_ready()                          # ClientError saying what is wrong
+        async with Code2WavClient("127.0.0.1:8001") as client:  # one channel per server, shared by its streams
+            await client.check_ready()                          # ClientError saying what is wrong, if anything
             audio = await asyncio.gather(*(conversation(client, rng.integers(0, 2048, (8, 26))) for _ in range(4)))
-        print([pcm.shape for pcm in audio])                # 4 x (26 * 1920,)
+        assert [pcm.shape for pcm in audio] == [(26 * 1920,)] * 4
 
     asyncio.run(main())
 
-`Code2WavClient(urls)` holds one `tritonclient.grpc.aio` channel per URL, shared by all its streams.
-`client.stream()` opens a conversation: a `Code2WavStream`, one Triton sequence (docs/design.md §2),
-whose `await decode(codes [8, F])` sends the next F frames (any F >= 1) as a delta with
-`frame_offset` and returns their PCM, and whose `await close()` ENDs it. `credentials`
-(`credentials.Credentials`) adds TLS and the inference key, where the server requires them. Every request carries the
-gRPC header `code2wav-stream: <stream key>`, so a proxy hashing it keeps a conversation on one
-replica. The rules are the thread client's (`plan.StreamPlan`, which `sync.Code2WavStream` drives too):
+`Code2WavClient(urls)` holds one `tritonclient.grpc.aio` channel per URL, shared by its streams;
+`client.stream()` is one Triton sequence whose `await decode(codes [8, F])` (F >= 1) returns the PCM
+of its frames and whose `await close()` ENDs it. Every request carries the header `code2wav-stream:
+<stream key>` (a proxy keeps a stream on one replica); `credentials` adds TLS and the inference key.
+The rules are the thread client's (`plan.StreamPlan`):
 
-- a lost server (UNAVAILABLE, no answer within `options.response_timeout_s`, "shutting down", a
-  server that forgot the sequence) is resumed by replay: a new sequence on the next URL (or where
-  the proxy now sends the key) with the last `options.resume_history_frames` frames as history,
-  for up to `options.resume_timeout_s`; each resume is listed in `stream.resumes`;
-- `options.response_timeout_s` is each request's deadline;
-- one request in flight per stream: calls of one stream are sent in call order, one after the other,
-  at most `max_pending_calls` waiting (more raise ClientError at once, handing nothing over); the
-  calls that wait are sent together, as one request of up to `COALESCE_MAX_FRAMES` frames, and each
-  returns its own frames' PCM: a conversation that calls once per frame and falls behind catches up
-  in one request instead of one per frame;
-- a cancelled `decode` (`asyncio.wait_for`, a task cancelled at barge-in) leaves the stream
-  consistent: its frames stay owed and the next call sends them again before its own, at their
-  offsets; the server decodes those it did not get, and that call returns the PCM of its own frames.
+- a lost server (`protocol.request_failure`) is resumed by replaying the last
+  `options.resume_history_frames` frames on the next URL, for up to `options.resume_timeout_s`;
+  each resume is listed in `stream.resumes`; `options.response_timeout_s` is each request's deadline;
+- one request in flight per stream: calls wait in call order, at most `max_pending_calls` (more
+  raise ClientError, handing nothing over); those waiting go as one request of up to
+  `COALESCE_MAX_FRAMES` frames, so a conversation that falls behind catches up in one request;
+- a cancelled `decode` (`asyncio.wait_for`, barge-in) leaves its frames owed: the next call sends
+  them again, at their offsets, before its own.
 """
 
 from __future__ import annotations
@@ -73,10 +65,8 @@ from .protocol import (
     unreachable,
 )
 
-# Calls of one stream that may wait behind its request in flight.
 DEFAULT_MAX_PENDING_CALLS = 16
-# The most frames that calls waiting behind a request in flight are merged into, in the next request
-# (a single call of more frames is sent as it is): 4 s of audio.
+# Frames that waiting calls are merged into, at most (a single longer call goes as it is): 4 s.
 COALESCE_MAX_FRAMES = 50
 
 
@@ -95,11 +85,10 @@ class _Call:
 
 
 class Code2WavClient:
-    """Streams of codes decoded by code2wav, from one event loop, over one channel per server (shared
-    by every stream of the client). `urls`: one server (or a proxy), or several to fail over between.
-    `options`: `model_name`, `response_timeout_s` (each request's deadline) and the `resume_*` fields
-    apply; requests always carry `frame_offset`. Use it as an async context manager, or `await
-    close()`; the channels open on first use, in the running loop."""
+    """Streams decoded by code2wav from one event loop, over one channel per server. `urls`: one
+    server (or a proxy), or several to fail over between. `options`: `model_name`, `response_timeout_s`
+    and `resume_*` apply; requests always carry `frame_offset`. An async context manager (or `await
+    close()`); channels open on first use, in the running loop."""
 
     def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
                  max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS, credentials: Credentials = PLAINTEXT):
@@ -131,8 +120,8 @@ class Code2WavClient:
             await channel.close()
 
     async def check_ready(self, timeout_s: float = 10.0) -> None:
-        """Raise ClientError (one line) unless every URL answers, takes this client's TLS settings and
-        key, and its model is ready."""
+        """Raise ClientError (one line) unless every URL answers, takes this client's TLS and key, and
+        its model is ready."""
         from tritonclient.utils import InferenceServerException
 
         name = self.options.model_name
@@ -162,8 +151,7 @@ class Code2WavClient:
                 raise ClientError(f"Triton at {url}: metadata of model '{name}' unavailable: {grpc_reason(exc)}") from None
 
     def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
-        """A new conversation. `sequence_id`: non-zero, default random; `stream_key`: what the proxy
-        routes on, default the sequence id in decimal."""
+        """A new conversation; `sequence_id` (non-zero) defaults to random, `stream_key` to it in decimal."""
         return Code2WavStream(self, sequence_id, stream_key)
 
     def _channel(self, url: str):
@@ -175,7 +163,6 @@ class Code2WavClient:
         return self._channels[url]
 
     async def _infer(self, stream: Code2WavStream, step: Send) -> np.ndarray | RequestFailure:
-        """One request of `stream`: its `model_outputs`, or the RequestFailure it ended with."""
         import tritonclient.grpc.aio as grpcclient
         from tritonclient.utils import InferenceServerException
 
@@ -183,18 +170,15 @@ class Code2WavClient:
         try:
             result = await self._channel(step.url).infer(
                 self.options.model_name, infer_inputs(grpcclient, request.arrays), sequence_id=stream.sequence_id,
-                sequence_start=request.start, sequence_end=request.end,
-                headers={**self._headers, STREAM_KEY_HEADER: stream.stream_key},
-                client_timeout=self.options.response_timeout_s,
-            )
+                sequence_start=request.start, sequence_end=request.end, client_timeout=self.options.response_timeout_s,
+                headers={**self._headers, STREAM_KEY_HEADER: stream.stream_key})
         except InferenceServerException as exc:
             return request_failure(exc)
         return response_pcm(result, f"{step.url}, sequence {stream.sequence_id}, {request.describe()}")
 
 
 class Code2WavStream(PlannedStream):
-    """One conversation of a `Code2WavClient` (see the module's docstring). Read-only attributes:
-    `sequence_id`, `stream_key`, `url`, `next_frame` (frames whose PCM came back), `ended`, `resumes`."""
+    """One conversation of a `Code2WavClient` (see the module's docstring and `PlannedStream`)."""
 
     def __init__(self, client: Code2WavClient, sequence_id: int | None, stream_key: str | None):
         self._plan = StreamPlan(client.urls, client.options, sequence_id, stream_key, time.monotonic)
@@ -211,8 +195,8 @@ class Code2WavStream(PlannedStream):
             await self.close()
 
     async def decode(self, codes: np.ndarray, end: bool = False) -> np.ndarray:
-        """Decode the stream's next frames, codes [8, F] (F >= 1), the last ones with `end`; returns
-        their PCM, float32 [F * 1920]. Raises ClientError when the stream cannot go on."""
+        """PCM float32 [F * 1920] of the stream's next frames, codes [8, F] (F >= 1), the last ones with
+        `end`. Raises ClientError when the stream cannot go on."""
         if self._pending_calls > self.max_pending_calls:
             raise ClientError(f"stream {self.stream_key}: {self._pending_calls - 1} calls already wait behind "
                               f"the request in flight (max_pending_calls={self.max_pending_calls})")
@@ -232,9 +216,8 @@ class Code2WavStream(PlannedStream):
                 call.answer.exception()  # retrieved: an abandoned call's error is not "never retrieved"
 
     async def close(self) -> None:
-        """END the stream: a request carrying the frames still owed (none: no frame), after the calls
-        waiting. Nothing is sent for a stream that never sent a frame, that ended, or whose server
-        no longer holds it."""
+        """END the stream (with the frames still owed), after the waiting calls; nothing is sent for a
+        stream that sent no frame, ended, or whose server no longer holds it."""
         async with self._turn:
             if self._plan.needs_end:
                 handed = self._plan.handed_frames
@@ -245,10 +228,8 @@ class Code2WavStream(PlannedStream):
         return self._client.max_pending_calls
 
     async def _send_queued(self) -> None:
-        """One request for the calls waiting in the queue, from the first up to COALESCE_MAX_FRAMES
-        frames (at least the first call): a conversation whose calls came faster than its answers
-        catches up in one request instead of one per call. Each call's answer is its own frames' PCM
-        (or the request's ClientError); they leave the queue once answered."""
+        """One request for the queued calls, up to COALESCE_MAX_FRAMES frames (at least the first call);
+        each call gets its own frames' PCM (or the request's ClientError) and leaves the queue."""
         batch, frames = [], 0
         for call in self._queue:
             if batch and frames + call.frames > COALESCE_MAX_FRAMES:
@@ -270,8 +251,7 @@ class Code2WavStream(PlannedStream):
                 (call.answer.set_exception if isinstance(answer, ClientError) else call.answer.set_result)(answer)
 
     async def _exchange(self, first: int, stop: int, end: bool) -> np.ndarray:
-        """Drive `StreamPlan.exchange`: send what it asks for, wait what it asks; a cancelled call
-        abandons it, leaving its frames owed."""
+        """Drive `StreamPlan.exchange`; a cancelled call abandons it, leaving its frames owed."""
         steps = self._plan.exchange(first, stop, end)
         step = next(steps)
         while True:

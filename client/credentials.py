@@ -1,11 +1,7 @@
-"""How a client proves itself to a server that requires it (docs/design.md §5.3): TLS (the CA that
-signed the server's certificate, and for mutual TLS the client's certificate and key) and the
-inference key.
-
-The server side is Triton's own: `--grpc-use-ssl[-mutual]` and `--grpc-restricted-protocol`, which
-checks the gRPC metadata `triton-grpc-protocol-<header>` of every restricted call (`server.security`
-sets both up). A key is never printed: `Credentials` leaves it out of its repr, and no message of
-this package quotes it.
+"""How a client proves itself to a server that requires it (docs/design.md §5.3): TLS (server CA; for
+mutual TLS, the client's certificate and key) and the inference key, checked by Triton's
+`--grpc-use-ssl[-mutual]` and `--grpc-restricted-protocol` (`server.security` sets them up). A key is
+never printed: not in `Credentials`' repr, nor in any message.
 """
 
 from __future__ import annotations
@@ -16,18 +12,15 @@ from pathlib import Path
 
 from .protocol import ClientError
 
-# The keys' header names. Triton's HTTP endpoint checks them as they are; its gRPC endpoint checks
-# the metadata GRPC_RESTRICTED_PREFIX + name.
+# Header names: Triton's HTTP endpoint checks them as they are, gRPC as GRPC_RESTRICTED_PREFIX + name.
 KEY_HEADER = "code2wav-key"
 ADMIN_KEY_HEADER = "code2wav-admin-key"
 GRPC_RESTRICTED_PREFIX = "triton-grpc-protocol-"
-# The environment variable a client reads the inference key from when no key file is given.
 KEY_ENV = "CODE2WAV_KEY"
 
 
 def read_secret(path: Path | str, what: str) -> str:
-    """A key kept in a file: its text without surrounding whitespace (a trailing newline). Raises
-    ClientError naming the file, never its content."""
+    """A key kept in a file, stripped. Raises ClientError naming the file, never its content."""
     try:
         text = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
@@ -46,12 +39,9 @@ def check_key(key: str, where: str) -> None:
 
 @dataclass(frozen=True)
 class Credentials:
-    """A client's TLS settings and inference key; the default is plaintext without a key.
-
-    `tls`: connect with TLS, trusting the system's CAs unless `tls_ca` names a PEM file of the CA(s)
-    that signed the server's certificate (giving `tls_ca` implies TLS). `tls_cert` and `tls_key`:
-    the client's certificate chain and private key (PEM), for a server that requires mutual TLS.
-    `key`: the inference key, sent with every call as Triton's restricted-protocol header."""
+    """A client's TLS settings and inference key; the default is plaintext without a key. `tls`: trust
+    the system's CAs unless `tls_ca` names a PEM of the server's CA(s) (which implies TLS); `tls_cert`,
+    `tls_key`: PEM chain and key for mutual TLS; `key`: sent with every call (restricted protocol)."""
 
     tls: bool = False
     tls_ca: str | None = None
@@ -67,8 +57,7 @@ class Credentials:
     def from_options(cls, tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
                      tls_key: str | None = None, key_file: str | None = None,
                      environ: dict | None = None) -> Credentials:
-        """Credentials as a command line or a settings block gives them: the key from `key_file`, else
-        from the environment variable CODE2WAV_KEY when set. Checked (`validate`)."""
+        """Checked Credentials from a command line or settings: the key from `key_file`, else $CODE2WAV_KEY."""
         environ = os.environ if environ is None else environ
         if key_file:
             key = read_secret(key_file, "key")
@@ -82,8 +71,7 @@ class Credentials:
         return credentials
 
     def validate(self) -> None:
-        """Raise ClientError unless the files named are readable and the client certificate and key
-        come together."""
+        """Raise ClientError unless the files are readable and the client certificate and key pair up."""
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ClientError("mutual TLS needs both the client certificate (tls_cert) and its key (tls_key)")
         for what, path in (("CA", self.tls_ca), ("client certificate", self.tls_cert), ("client key", self.tls_key)):
@@ -98,11 +86,9 @@ class Credentials:
             return None
         import grpc
 
-        def read(path):
-            return Path(path).read_bytes() if path else None
-
-        return grpc.ssl_channel_credentials(root_certificates=read(self.tls_ca), private_key=read(self.tls_key),
-                                            certificate_chain=read(self.tls_cert))
+        ca, key, chain = (Path(path).read_bytes() if path else None
+                          for path in (self.tls_ca, self.tls_key, self.tls_cert))
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=chain)
 
     def headers(self) -> dict[str, str]:
         """The gRPC metadata every call carries: the inference key, when there is one."""
@@ -116,8 +102,7 @@ class Credentials:
         return f"Triton at {url} refused the inference key given (header {KEY_HEADER}): wrong key"
 
     def connection_hint(self, reason: str) -> str | None:
-        """A hint for a connection that failed before any call was answered, from gRPC's `reason`,
-        when it points at TLS; None when it does not."""
+        """What gRPC's `reason` for a failed connection says about TLS, or None."""
         if "CERTIFICATE_VERIFY_FAILED" in reason:
             trusted = f"the CA in {self.tls_ca}" if self.tls_ca else "the system's CAs (give --tls-ca)"
             return f"the server's TLS certificate is not trusted: it is not signed by {trusted}, or names another host"

@@ -1,7 +1,5 @@
-"""`code2wav-client decode`: stream codes through a running server, print a summary, write WAV.
-
-The streaming itself is `sync.run_streams` (the thread client); this module turns command-line choices into a run
-and its output (progress bar, summary table, WAV files).
+"""`code2wav-client decode`: stream codes through a running server (`sync.run_streams`), print a
+summary, write WAV.
 """
 
 from __future__ import annotations
@@ -69,9 +67,7 @@ def summary_table(report: RunReport, url: str) -> str:
         ("requests", f"{stats['requests']}: {options.mode} {offsets}, chunks of {options.first_chunk_frames} then {options.chunk_frames} frames"),
         ("pacing", pacing),
         ("first-chunk latency", f"{stats['first_chunk_latency_ms_mean']:.1f} ms (max over streams {stats['first_chunk_latency_ms_max']:.1f} ms)"),
-        ("chunk latency p50", f"{stats['chunk_latency_ms_p50']:.1f} ms"),
-        ("chunk latency p90", f"{stats['chunk_latency_ms_p90']:.1f} ms"),
-        ("chunk latency p99", f"{stats['chunk_latency_ms_p99']:.1f} ms"),
+        *((f"chunk latency p{point}", f"{stats[f'chunk_latency_ms_p{point}']:.1f} ms") for point in (50, 90, 99)),
         ("wall time", f"{stats['wall_s']:.2f} s"),
         ("real-time factor", f"{stats['real_time_factor']:.2f} (audio s / wall s, all streams; slowest stream {stats['real_time_factor_per_stream_min']:.2f})"),
         ("throughput", f"{stats['frames_per_s']:.1f} frames/s"),
@@ -85,9 +81,7 @@ def summary_table(report: RunReport, url: str) -> str:
 
 def output_paths(out: Path, streams: int) -> list[Path]:
     """out.wav for one stream; out_0.wav, out_1.wav, ... for several."""
-    if streams == 1:
-        return [out]
-    return [out.with_name(f"{out.stem}_{i}{out.suffix or '.wav'}") for i in range(streams)]
+    return [out] if streams == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix or '.wav'}") for i in range(streams)]
 
 
 def load_codes(args: argparse.Namespace) -> np.ndarray:
@@ -107,8 +101,7 @@ def load_codes(args: argparse.Namespace) -> np.ndarray:
 
 
 def stream_keys(stream_key: str | None, streams: int) -> list[str] | None:
-    """The stream key of each stream: KEY for one stream, KEY-0 ... KEY-{N-1} for several; None: the
-    sequence ids."""
+    """KEY for one stream, KEY-0 ... KEY-{N-1} for several; None (the sequence ids) without a KEY."""
     if stream_key is None:
         return None
     return [stream_key] if streams == 1 else [f"{stream_key}-{index}" for index in range(streams)]
@@ -116,11 +109,8 @@ def stream_keys(stream_key: str | None, streams: int) -> list[str] | None:
 
 def resume_lines(report: RunReport) -> list[str]:
     """One line per resume of any stream, for stderr."""
-    return [
-        f"stream {index} (key {result.stream_key}): {resume.describe()}"
-        for index, result in enumerate(report.results)
-        for resume in result.resumes
-    ]
+    return [f"stream {index} (key {result.stream_key}): {resume.describe()}"
+            for index, result in enumerate(report.results) for resume in result.resumes]
 
 
 def wants_resume(args: argparse.Namespace) -> bool:

@@ -3,22 +3,15 @@
     python -m client.perf_inputs --out build/perf/inputs.json [--streams 4] [--frames 64]
                                  [--chunk-frames 4 | --schedule 1,3,1,16,2] [--seed 0] [--model code2wav]
 
-The file is perf_analyzer's `--input-data` JSON for sequence models (checked with perf_analyzer
-2.51.0): a top-level "data" list with one inner list per sequence, one dict per step, each input as
-{"content": [flat values], "shape": [dims without the batch dimension]} (perf_analyzer adds the batch
-dimension of 1 itself, since code2wav has max_batch_size > 0):
+perf_analyzer's `--input-data` JSON for sequence models (checked with 2.51.0), one list of steps per
+sequence, each input without the batch dimension (perf_analyzer adds it, max_batch_size > 0):
 
-    {"data": [[{"input_ids": {"content": [...], "shape": [8]}},
-               {"input_ids": {"content": [...], "shape": [32]}}, ...],
-              [...]]}
+    {"data": [[{"input_ids": {"content": [...], "shape": [8]}}, {"input_ids": {...}}, ...], [...]]}
 
-Steps are deltas WITHOUT frame_offset: when a measurement window ends or the load changes,
-perf_analyzer ends in-flight sequences by sending their last step with END, skipping the steps in
-between, and an offset would then (correctly) be rejected as a gap. Chunking follows the client:
-a first step of one frame, then `chunk_frames` frames per step; or `--schedule` sizes in turn.
-
-`--model mimi_decoder` writes steps for the decoder model itself (what a client calling it directly
-sends): `{"codes": {"content": [...], "shape": [8, F]}}`, INT32, F frames per step.
+Steps are deltas WITHOUT frame_offset: perf_analyzer ends in-flight sequences (end of a window, a load
+change) by sending their last step with END, skipping those between, which an offset would (rightly)
+reject as a gap. One frame, then `chunk_frames` per step (or `--schedule` sizes in turn); `--model
+mimi_decoder`: the decoder's own steps, `{"codes": {"content": [...], "shape": [8, F]}}` INT32.
 """
 
 from __future__ import annotations
@@ -77,8 +70,7 @@ def sequence_steps(codes: np.ndarray, chunk_frames: int = DEFAULT_CHUNK_FRAMES,
 
 def input_data(streams: int, frames: int, chunk_frames: int = DEFAULT_CHUNK_FRAMES, seed: int = 0,
                schedule: tuple[int, ...] | None = None, model: str = "code2wav") -> dict:
-    """The --input-data document: `streams` sequences of `frames` seeded random frames each
-    (stream i uses seed + i)."""
+    """The --input-data document: `streams` sequences of `frames` random frames (stream i: seed + i)."""
     if streams < 1:
         raise ValueError(f"streams must be >= 1, got {streams}")
     if model not in MODELS:
@@ -94,8 +86,7 @@ def _step_frames(step: dict) -> int:
 
 
 def describe(document: dict) -> dict:
-    """Steps per sequence and frames per step of an input-data document (what a perf run needs to
-    turn requests/s into frames/s)."""
+    """Steps per sequence and frames per step of a document (to turn requests/s into frames/s)."""
     step_frames = [[_step_frames(step) for step in sequence] for sequence in document["data"]]
     steps = {len(s) for s in step_frames}
     if len(steps) != 1:

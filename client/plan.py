@@ -1,26 +1,22 @@
 """What one resumable stream sends next, and how it resumes after a lost server (docs/design.md §2.4).
 
-`StreamPlan` holds a stream's side of the contract without any I/O: the frames handed to it, the
-last R frames whose audio came back (`HistoryBuffer`), the sequence's base, the URL it talks to. Its
-`exchange` is a generator that yields what to do (`Send` a request to a URL, or wait so many
-seconds), is sent the outcome (the answer's PCM, or a `RequestFailure`) and returns the call's PCM.
-The thread client (`sync.Code2WavStream`) and the asyncio client (`aio.Code2WavStream`) each hold
-one and drive it with their own I/O, so both follow the same rules:
+`StreamPlan` is a stream's side of the contract without I/O: the frames handed to it, the last R
+whose audio came back (`HistoryBuffer`), the sequence's base and URL. Its generator `exchange` yields
+what to do (`Send` a request, or wait so many seconds), is sent the outcome (PCM or `RequestFailure`)
+and returns the call's PCM; `sync` and `aio` drive it with their own I/O, so both follow its rules:
 
-- frames go as deltas with `frame_offset` (or as the options say), START on the sequence's first
-  request, END on the last;
-- a failure that a resume can fix (`protocol.request_failure`; unless `options.resume` is False) STARTs the sequence again, on the next
-  URL, with `frame_offset` o = max(0, n - R), `history_frames` n - o: the kept frames [o, n), in pieces
-  of `resume_piece_frames`, then the frames whose answer did not come back as new frames (n: the
-  first of them). Attempts: at once, then after 0.1, 0.2, 0.4 ... 2 s, until `resume_timeout_s`;
-- frames of a call abandoned before its answer (a cancelled asyncio call) stay owed: the next request
-  carries them again at their offsets; the server decodes those it did not get, and only the
-  PCM of the calling frames is returned.
+- frames go as deltas with `frame_offset` (or as the options say), START first, END last;
+- a failure a resume can fix (`protocol.request_failure`, unless `options.resume` is False) STARTs
+  the sequence again on the next URL with `frame_offset` o = max(0, n - R), `history_frames` n - o
+  (the kept frames [o, n) in pieces of `resume_piece_frames`), then the unanswered frames from n.
+  Attempts: at once, then after 0.1, 0.2, 0.4 ... 2 s, until `resume_timeout_s`;
+- frames of a call abandoned before its answer stay owed: the next request carries them again at
+  their offsets, and only the PCM of the calling frames is returned.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
 import numpy as np
@@ -42,8 +38,8 @@ from .protocol import (
 
 @dataclass(frozen=True)
 class PlannedRequest:
-    """One request of a resumable stream: its tensors (batch dimension included) and what its answer
-    must hold: the PCM of stream frames [first_new_frame, first_new_frame + new_frames)."""
+    """One request: its tensors (batch dimension included), and its answer's frames of stream PCM,
+    [first_new_frame, first_new_frame + new_frames)."""
 
     arrays: dict[str, np.ndarray]
     start: bool
@@ -51,9 +47,7 @@ class PlannedRequest:
     first_new_frame: int
     new_frames: int
     history_frames: int = 0  # a resume: leading frames of input_ids replayed to rebuild the decoder state
-    # Leading new frames the server may have decoded already (those of an abandoned call): their PCM
-    # comes back only if it did not.
-    maybe_decoded: int = 0
+    maybe_decoded: int = 0  # leading new frames of an abandoned call: their PCM comes back if not decoded yet
 
     def describe(self) -> str:
         return f"frames [{self.first_new_frame}, {self.first_new_frame + self.new_frames})"
@@ -84,46 +78,39 @@ class Resume:
 
 
 class HistoryBuffer:
-    """The codes a resumable stream keeps for a resume: the last `history_frames` frames whose audio
-    came back, and every frame from `keep_from` on (cumulative requests resend the frames since their
-    sequence's first one). [k, frames] int64, with the stream index of the first one."""
+    """Codes kept for a resume, [k, frames] int64 from stream frame `first_frame`: the last
+    `history_frames` answered frames, and every frame from `keep_from` on (for cumulative requests)."""
 
     def __init__(self, history_frames: int, num_codebooks: int = NUM_CODEBOOKS):
         self.history_frames = history_frames
         self._codes = np.zeros((num_codebooks, 0), np.int64)
-        self._first = 0
-
-    @property
-    def first_frame(self) -> int:
-        return self._first
+        self.first_frame = 0
 
     @property
     def next_frame(self) -> int:
         """Frames appended so far: the stream index of the next frame."""
-        return self._first + self._codes.shape[1]
+        return self.first_frame + self._codes.shape[1]
 
     def frames(self, first: int) -> np.ndarray:
         """Codes of stream frames [first, next_frame), [k, next_frame - first]."""
-        if not self._first <= first <= self.next_frame:
-            raise ValueError(f"frame {first} is not kept (kept: [{self._first}, {self.next_frame}))")
-        return self._codes[:, first - self._first :]
+        if not self.first_frame <= first <= self.next_frame:
+            raise ValueError(f"frame {first} is not kept (kept: [{self.first_frame}, {self.next_frame}))")
+        return self._codes[:, first - self.first_frame :]
 
     def append(self, codes: np.ndarray, keep_from: int | None = None) -> None:
-        """Append frames [k, n], then drop those before the last `history_frames` (and before
-        `keep_from`, if given)."""
+        """Append frames [k, n], then drop those before the last `history_frames` and `keep_from`."""
         self._codes = np.concatenate([self._codes, np.asarray(codes, np.int64)], axis=1)
         first = max(self.next_frame - self.history_frames, 0)
         if keep_from is not None:
             first = min(first, keep_from)
-        first = max(first, self._first)
-        self._codes = self._codes[:, first - self._first :].copy()
-        self._first = first
+        first = max(first, self.first_frame)
+        self._codes = self._codes[:, first - self.first_frame :].copy()
+        self.first_frame = first
 
 
 @dataclass(frozen=True)
 class Send:
-    """Send `request` of the stream to the server at `url`; the outcome sent back into `exchange`
-    is the answer's `model_outputs` (sample rate checked) or the RequestFailure it ended with."""
+    """Send `request` to `url`; the outcome sent back is `model_outputs` or a RequestFailure."""
 
     request: PlannedRequest
     url: str
@@ -133,18 +120,8 @@ class Send:
 Step = Generator["Send | float", "np.ndarray | RequestFailure | None", np.ndarray]
 
 
-@dataclass
-class _Owed:
-    """Frames handed to the stream whose audio has not come back, from the stream's next frame on."""
-
-    codes: np.ndarray = field(default_factory=lambda: np.zeros((NUM_CODEBOOKS, 0), np.int64))
-    end: bool = False  # the last call handed asked for END
-
-
 class StreamPlan:
-    """One stream's requests and resumes, without I/O (see the module's docstring). Attributes a
-    caller reads: `urls`, `url` (where requests go now), `sequence_id`, `stream_key`, `next_frame`,
-    `ended`, `resumes` (each resume, in order)."""
+    """One stream's requests and resumes, without I/O (see the module's docstring)."""
 
     def __init__(self, urls: str | Sequence[str], options: StreamOptions, sequence_id: int | None,
                  stream_key: str | None, clock: Callable[[], float]):
@@ -160,10 +137,11 @@ class StreamPlan:
         self._clock = clock
         self._url_index = 0
         self._kept = HistoryBuffer(options.resume_history_frames)
-        self._owed = _Owed()
+        self._owed = np.zeros((NUM_CODEBOOKS, 0), np.int64)  # handed frames whose audio has not come back
+        self._owed_end = False  # the last call handed asked for END
         self._base = 0  # stream index of the current sequence's first frame
         self._needs_start = True  # the next request opens a sequence
-        self._ended = False
+        self.ended = False
         self._last_answer_s: float | None = None
         self.resumes: list[Resume] = []
 
@@ -180,37 +158,32 @@ class StreamPlan:
     @property
     def handed_frames(self) -> int:
         """Frames handed to the stream so far, answered or not."""
-        return self.next_frame + self._owed.codes.shape[1]
-
-    @property
-    def ended(self) -> bool:
-        return self._ended
+        return self.next_frame + self._owed.shape[1]
 
     @property
     def needs_end(self) -> bool:
-        """Whether closing the stream sends an END: frames were handed, the stream did not end, and the
-        server holds its sequence or frames are still owed."""
-        return not (self._ended or self.handed_frames == 0
+        """Closing sends an END: frames were handed, not ended, and a sequence is open or frames owed."""
+        return not (self.ended or self.handed_frames == 0
                     or (self._needs_start and self.handed_frames == self.next_frame))
 
     def hand(self, codes: np.ndarray, end: bool) -> tuple[int, int]:
-        """Take the stream's next frames, codes [k, F] (F >= 1), the last ones with `end`; returns their
-        stream indices [first, stop). They are owed until an answer brings their audio back."""
+        """Take the next frames, codes [k, F] (F >= 1), owed until their audio comes back; returns
+        their stream indices [first, stop)."""
         codes = validate_codes(codes)
-        if self._ended or self._owed.end:
+        if self.ended or self._owed_end:
             raise ClientError(f"stream {self.stream_key}: decode() after the request that ended it")
         first = self.handed_frames
-        self._owed = _Owed(np.concatenate([self._owed.codes, codes], axis=1), end)
+        self._owed, self._owed_end = np.concatenate([self._owed, codes], axis=1), end
         return first, first + codes.shape[1]
 
     def exchange(self, first: int, stop: int, end: bool) -> Step:
-        """Bring back the PCM of handed frames [first, stop), float32 [(stop - first) * 1920]: the
-        request (or the resume) carrying every owed frame before `stop`, END with `end`. Nothing
-        changes until the answer is in: a driver that abandons the generator leaves the frames owed.
-        Raises ClientError when the failure is not one a resume can fix or resuming timed out."""
+        """The PCM of handed frames [first, stop), float32 [(stop - first) * 1920], from a request (or
+        resume) carrying every owed frame before `stop`, END with `end`. Nothing changes before the
+        answer: an abandoned generator leaves the frames owed. Raises ClientError if not resumable
+        or resuming timed out."""
         if self._last_answer_s is None:
             self._last_answer_s = self._clock()
-        new = self._owed.codes[:, : stop - self.next_frame]
+        new = self._owed[:, : stop - self.next_frame]
         own_frames = stop - first
         requests = (self._resume_requests(new, end) if self._needs_start and self.next_frame
                     else [self._request(new, end, new.shape[1] - own_frames)])
@@ -223,24 +196,21 @@ class StreamPlan:
         if requests[0].start:
             self._base = requests[0].first_new_frame - requests[0].history_frames
         self._kept.append(new, self._base if self.options.mode == "cumulative" else None)
-        self._owed = _Owed(self._owed.codes[:, new.shape[1] :], self._owed.end)
+        self._owed = self._owed[:, new.shape[1] :]
         self._needs_start = False
-        self._ended = end
+        self.ended = end
         self._last_answer_s = self._clock()
         return outcome[outcome.size - own_frames * SAMPLES_PER_FRAME :]
 
     def request(self, codes: np.ndarray, end: bool) -> PlannedRequest:
-        """The request for the owed frames and then `codes` [k, F] on the current sequence (the
-        first request of the stream opens it: START at frame 0)."""
-        return self._request(np.concatenate([self._owed.codes, codes], axis=1), end, 0)
+        """The request for the owed frames and then `codes` [k, F] on the current sequence."""
+        return self._request(np.concatenate([self._owed, codes], axis=1), end, 0)
 
     def resume_requests(self, codes: np.ndarray, end: bool) -> list[PlannedRequest]:
-        """A new sequence carrying the kept history and then the owed frames and `codes` [k, F]: a
-        START with the first `options.resume_piece_frames` frames of history, requests of history
-        alone for the next pieces, and the last piece with the new frames (one request when the
-        history fits in a piece). Pieces keep every request short, so a resume never outlasts the
-        server's idle timeout however long it waits for the decoder's replay lane (docs/design.md §2.4)."""
-        return self._resume_requests(np.concatenate([self._owed.codes, codes], axis=1), end)
+        """A new sequence: the kept history in pieces of `options.resume_piece_frames` (a START, then
+        history alone), the last piece with the owed frames and `codes` [k, F]. Short pieces keep a
+        resume within the server's idle timeout however long the replay lane waits (design §2.4)."""
+        return self._resume_requests(np.concatenate([self._owed, codes], axis=1), end)
 
     def _request(self, new: np.ndarray, end: bool, maybe_decoded: int) -> PlannedRequest:
         first = self.next_frame
@@ -253,32 +223,24 @@ class StreamPlan:
                               maybe_decoded=0 if self._needs_start else maybe_decoded)
 
     def _resume_requests(self, new: np.ndarray, end: bool) -> list[PlannedRequest]:
-        first = self.next_frame
-        history_from = max(self._kept.first_frame, first - self.options.resume_history_frames, 0)
+        history_from = max(self._kept.first_frame, self.next_frame - self.options.resume_history_frames, 0)
         history = self._kept.frames(history_from)
         piece = self.options.resume_piece_frames
-        requests, done = [], 0
-        while history.shape[1] - done > piece:
-            requests.append(self._history_request(history[:, done : done + piece], history_from + done,
-                                                  piece, start=not requests, end=False, new_frames=0))
-            done += piece
-        requests.append(self._history_request(np.concatenate([history[:, done:], new], axis=1), history_from + done,
-                                              history.shape[1] - done, start=not requests, end=end,
-                                              new_frames=new.shape[1]))
+        last = max(history.shape[1] - 1, 0) // piece * piece  # the last piece, which carries the new frames
+        requests = []
+        for done in range(0, last + 1, piece):
+            codes = history[:, done : done + piece] if done < last else np.concatenate([history[:, done:], new], axis=1)
+            history_frames = min(piece, history.shape[1] - done)
+            requests.append(PlannedRequest(
+                contract_arrays(codes, history_from + done, history_frames), not requests, end and done == last,
+                history_from + done + history_frames, new.shape[1] if done == last else 0, history_frames))
         return requests
-
-    @staticmethod
-    def _history_request(codes: np.ndarray, frame_offset: int, history_frames: int, start: bool, end: bool,
-                         new_frames: int) -> PlannedRequest:
-        return PlannedRequest(contract_arrays(codes, frame_offset, history_frames), start, end,
-                              frame_offset + history_frames, new_frames, history_frames=history_frames)
 
     def _where(self, request: PlannedRequest) -> str:
         return f"stream {self.stream_key} (sequence {self.sequence_id}), {request.describe()} on {self.url}"
 
     def _send_all(self, requests: list[PlannedRequest]) -> Step:
-        """Send `requests` in order; returns the last one's PCM (the others hold history only), or the
-        RequestFailure that stopped them."""
+        """Send `requests` in order; returns the last one's PCM, or the RequestFailure that stopped them."""
         for request in requests:
             outcome = yield Send(request, self.url)
             if isinstance(outcome, RequestFailure):
@@ -287,8 +249,7 @@ class StreamPlan:
         return pcm
 
     def _resume(self, new: np.ndarray, end: bool, failure: RequestFailure) -> Step:
-        """Open a new sequence with the kept history until one answers or the resume timeout passes;
-        returns (PCM, the requests that brought it)."""
+        """Resume until one answers or the resume timeout passes; returns (PCM, the requests sent)."""
         deadline_s = self._clock() + self.options.resume_timeout_s
         last, attempts = failure, 0
         while True:
@@ -318,10 +279,8 @@ class StreamPlan:
 
 
 class PlannedStream:
-    """What both drivers' streams show of their `StreamPlan` (`_plan`), read-only: `sequence_id`,
-    `stream_key` (the value of the gRPC header `code2wav-stream` on every request, what a proxy routes
-    on), `url` (where requests go now), `next_frame` (frames whose PCM came back), `ended`, `resumes`
-    (each resume on a new sequence, in order)."""
+    """What both clients' streams show of their `StreamPlan` (`_plan`), read-only; `stream_key` is the
+    `code2wav-stream` header's value, `next_frame` the frames whose PCM came back."""
 
     _plan: StreamPlan
 

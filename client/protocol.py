@@ -1,8 +1,5 @@
-"""The request contract of `code2wav` as every client of this package speaks it (docs/design.md §2).
-
-Codes to request tensors (`input_ids`, `frame_offset`, `history_frames`), the answer's checks (sample
-rate, sample count), which failures a resume can fix, sequence ids and the options of a stream. No
-I/O: the clients (`sync`, `aio`) send what this module builds.
+"""The request contract of `code2wav` as this package's clients speak it (docs/design.md §2), no I/O:
+request tensors, the answer's checks, which failures a resume can fix, sequence ids, stream options.
 """
 
 from __future__ import annotations
@@ -27,9 +24,8 @@ MODES = ("delta", "cumulative")
 PCM_OUTPUT = "model_outputs"
 SAMPLE_RATE_OUTPUT = "sr"
 HISTORY_FRAMES_INPUT = "history_frames"
-# gRPC metadata sent with every request of a resumable stream; its value (the stream key) is the
-# same for all of them, so a proxy hashing it (nginx: `hash $http_code2wav_stream consistent`)
-# sends a whole stream to one replica.
+# gRPC metadata of every request, valued the stream key: a proxy hashing it (nginx: `hash
+# $http_code2wav_stream consistent`) sends a whole stream to one replica.
 STREAM_KEY_HEADER = "code2wav-stream"
 # Frames replayed when a stream resumes: 250 frames (20 s) rebuild the decoder state to >= 86 dB SNR
 # in the first second after the resume (`python -m benchmarks resume`).
@@ -38,7 +34,7 @@ DEFAULT_RESUME_TIMEOUT_S = 30.0
 # History frames per resume request: short requests, each answered within moments even while many
 # streams share the server's replay lane (docs/design.md §2.4).
 DEFAULT_RESUME_PIECE_FRAMES = 16
-# Waits between resume attempts: none before the first, then doubling up to the cap.
+# Waits between resume attempts (none before the first), doubling up to the cap.
 RESUME_BACKOFF_FIRST_S = 0.1
 RESUME_BACKOFF_MAX_S = 2.0
 # gRPC channel options of the clients: no message size limit, and reconnects within a second after a
@@ -68,20 +64,15 @@ class StreamOptions:
     mode: str = "delta"  # delta: each request holds its new frames; cumulative: the stream so far
     send_frame_offset: bool = True
     paced: bool = False
-    # Paced only: at most one request in flight per stream, each carrying every frame produced since
-    # the last one (chunk_frames then only sizes the first request): a live client that catches up
-    # with multi-frame requests when the server is slower than real time, instead of queueing.
+    # Paced only: each request carries every frame produced since the last (chunk_frames sizes only the
+    # first), so a live client the server runs behind catches up instead of queueing.
     catch_up: bool = False
     model_name: str = MODEL_NAME
-    # A request without an answer for this long fails (and is resumed, unless resume is False).
-    response_timeout_s: float = 60.0
-    # False: a failure that a resume could fix (a lost server) fails the stream at once.
-    resume: bool = True
-    # Frames re-sent as history when resuming, and how long to keep trying.
-    resume_history_frames: int = DEFAULT_RESUME_HISTORY_FRAMES
-    resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S
-    # The history travels in requests of at most this many history frames.
-    resume_piece_frames: int = DEFAULT_RESUME_PIECE_FRAMES
+    response_timeout_s: float = 60.0  # a request without an answer for this long fails (and is resumed)
+    resume: bool = True  # False: a lost server fails the stream at once
+    resume_history_frames: int = DEFAULT_RESUME_HISTORY_FRAMES  # frames re-sent as history on a resume
+    resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S  # how long to keep trying to resume
+    resume_piece_frames: int = DEFAULT_RESUME_PIECE_FRAMES  # most history frames per resume request
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -95,9 +86,8 @@ class StreamOptions:
         if self.resume_history_frames < 0:
             raise ClientError(f"resume_history_frames must be >= 0, got {self.resume_history_frames}")
         if not self.resume_timeout_s > 0 or not self.response_timeout_s > 0:
-            raise ClientError(
-                f"timeouts must be > 0 s, got response {self.response_timeout_s:g} s, resume {self.resume_timeout_s:g} s"
-            )
+            raise ClientError(f"timeouts must be > 0 s, got response {self.response_timeout_s:g} s, "
+                              f"resume {self.resume_timeout_s:g} s")
 
 
 # The options a client uses unless given others (frozen: shared safely as a default argument).
@@ -214,9 +204,9 @@ def grpc_reason(exc: Exception) -> str:
 def unreachable(url: str, exc: Exception, tls_hint: str | None = None) -> ClientError:
     """The error for a server that did not answer a liveness check, with what to try (`tls_hint`:
     what the failure says about TLS, `Credentials.connection_hint`)."""
-    hint = "is the server running?"
     if tls_hint:
         return ClientError(f"cannot connect to Triton (gRPC) at {url}: {tls_hint} ({grpc_reason(exc)})")
+    hint = "is the server running?"
     if "://" in url:
         hint = "give the gRPC address as host:port, without a scheme such as http://"
     elif ":" not in url:
@@ -244,13 +234,10 @@ class RequestFailure(Exception):
 
 # gRPC statuses of a server that is unreachable, gone mid-request or not answering.
 _RESUMABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
-# Answers meaning that the server no longer holds the stream, whatever their status: code2wav's and
-# Triton's reply to a request of a sequence they do not hold (a restarted server, an expired or
-# ended stream) both say "... the START flag"; a server that is exiting says it, and once it has
-# unloaded its models (a drain's last moments) Triton says the model "has no available versions".
-# A server that holds an older copy of the stream, behind where the client is, says the request
-# "leaves a gap": the stream was there before its server hung, moved on elsewhere, and came back
-# (behind a proxy) before that server expired the copy. A resume's START replaces the copy.
+# Answers meaning the server no longer holds the stream, whatever their status: a sequence it does not
+# hold (restarted server, expired or ended stream: "... the START flag"), a server exiting, or done
+# unloading its models in a drain ("has no available versions"), or one holding an older copy of a
+# stream that moved on elsewhere and came back behind a proxy ("leaves a gap"; a START replaces it).
 _STREAM_LOST_FRAGMENTS = ("START flag", "the server is shutting down", "has no available versions", "leaves a gap")
 # A lost connection that some gRPC versions report under another status.
 _CONNECTION_LOST_FRAGMENTS = ("socket closed", "connection reset", "connection refused", "stream removed", "broken pipe")
@@ -265,11 +252,8 @@ def request_failure(exc: Exception) -> RequestFailure:
     if RESTRICTED_FRAGMENT in text:
         return RequestFailure(f"the server refused the request: it requires the inference key, and the key was "
                               f"missing or wrong ({text})", resumable=False)
-    resumable = (
-        status in _RESUMABLE_STATUSES
-        or any(fragment in text for fragment in _STREAM_LOST_FRAGMENTS)
-        or any(fragment in text.lower() for fragment in _CONNECTION_LOST_FRAGMENTS)
-    )
+    resumable = (status in _RESUMABLE_STATUSES or any(fragment in text for fragment in _STREAM_LOST_FRAGMENTS)
+                 or any(fragment in text.lower() for fragment in _CONNECTION_LOST_FRAGMENTS))
     if status == "StatusCode.DEADLINE_EXCEEDED":
         text = f"no answer in time ({text})"
     return RequestFailure(f"{status.replace('StatusCode.', '')}: {text}" if status else text, resumable)

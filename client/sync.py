@@ -1,11 +1,7 @@
-"""The thread client: `Code2WavClient` and its streams (`Code2WavStream`), each stream one Triton
-sequence over a gRPC connection of its own, surviving the loss of the server holding it (resume by
-replay, docs/design.md §2.4); `run_streams` decodes several streams at once, one thread each (the
-CLI). The asyncio client (`aio`) has the same API with `await`.
-
-A stream drives `plan.StreamPlan` with one request in flight, every request carrying the gRPC header
-`code2wav-stream: <stream key>` (STREAM_KEY_HEADER) so that a proxy sends all of a stream's requests
-to one replica.
+"""The thread client: `Code2WavClient` and its streams (`Code2WavStream`), each one Triton sequence
+over a gRPC connection of its own that drives `plan.StreamPlan`, one request in flight, and survives
+the loss of its server (resume by replay, docs/design.md §2.4); `run_streams` decodes several streams
+at once, one thread each (the CLI). The asyncio client (`aio`) has the same API with `await`.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ from .report import RunReport, StreamResult
 
 
 class Connection(Protocol):
-    """A resumable stream's connection to one server."""
+    """A stream's connection to one server (`GrpcConnection`, or a test's fake)."""
 
     url: str
 
@@ -50,15 +46,13 @@ class Connection(Protocol):
     def close(self) -> None: ...
 
 
-# connect(url, stream key) -> Connection
 Connect = Callable[[str, str], Connection]
 
 
 class GrpcConnection:
-    """A resumable stream's own gRPC channel to one server: unary requests (one in flight keeps them
-    in order), each carrying `STREAM_KEY_HEADER: stream key`."""
+    """A stream's own gRPC channel to one server: unary requests, each with `STREAM_KEY_HEADER`."""
 
-    # A channel of its own: no subchannel shared with other clients of this process.
+    # No subchannel shared with other clients of this process.
     CHANNEL_ARGS = (*CHANNEL_ARGS, ("grpc.use_local_subchannel_pool", 1))
 
     def __init__(self, url: str, stream_key: str, model_name: str = MODEL_NAME, credentials: Credentials = PLAINTEXT):
@@ -76,9 +70,8 @@ class GrpcConnection:
 
         try:
             result = self._client.infer(
-                self.model_name, infer_inputs(self._grpc, request.arrays), sequence_id=sequence_id, sequence_start=request.start,
-                sequence_end=request.end, headers=self._headers, client_timeout=timeout_s,
-            )
+                self.model_name, infer_inputs(self._grpc, request.arrays), sequence_id=sequence_id,
+                sequence_start=request.start, sequence_end=request.end, headers=self._headers, client_timeout=timeout_s)
         except InferenceServerException as exc:
             raise request_failure(exc) from None
         return response_pcm(result, f"{self.url}, sequence {sequence_id}, {request.describe()}")
@@ -88,20 +81,9 @@ class GrpcConnection:
 
 
 class Code2WavClient:
-    """Streams of codes decoded by code2wav, from threads: each stream has its own gRPC connection and
-    one request in flight. `urls`: one server (or a proxy), or several to fail over between.
-
-        client = Code2WavClient("127.0.0.1:8001")
-        client.check_ready()                                    # ClientError saying what is wrong
-        with client.stream() as stream:                         # one stream = one Triton sequence
-            pcm = stream.decode(codes[:, 0:1])                  # frame 0: float32 [1920], 24 kHz
-            pcm = stream.decode(codes[:, 1:5])                  # frames 1-4
-            pcm = stream.decode(codes[:, 5:9], end=True)        # frames 5-8, END
-
-    `credentials` (`credentials.Credentials`) adds TLS and the inference key, where the server
-    requires them. `connect(url, stream_key) -> Connection`, `clock` and `sleep` replace the network
-    and time (tests).
-    """
+    """Streams decoded by code2wav from threads (the package's docstring has an example). `urls`: one
+    server (or a proxy), or several to fail over between. `credentials` adds TLS and the inference
+    key; `connect(url, stream_key) -> Connection`, `clock` and `sleep` replace network and time (tests)."""
 
     def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
                  connect: Connect | None = None, clock: Callable[[], float] = time.monotonic,
@@ -124,9 +106,8 @@ class Code2WavClient:
         pass  # every stream closes its own connection
 
     def check_ready(self, timeout_s: float = 10.0) -> None:
-        """Raise ClientError (one line) unless every URL answers and its model is ready: the asyncio
-        client's check, run to completion here (call it where no event loop runs, as every call of
-        this client)."""
+        """Raise ClientError (one line) unless every URL answers and its model is ready (the asyncio
+        client's check; call it where no event loop runs)."""
         from .aio import Code2WavClient as AsyncClient
 
         async def check() -> None:
@@ -137,31 +118,17 @@ class Code2WavClient:
         asyncio.run(check())
 
     def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
-        """A new stream. `sequence_id`: non-zero, default random; `stream_key`: what a proxy routes on,
-        default the sequence id in decimal."""
+        """A new stream; `sequence_id` (non-zero) defaults to random, `stream_key` to it in decimal."""
         return Code2WavStream(self, sequence_id, stream_key)
 
 
 class Code2WavStream(PlannedStream):
-    """One stream of a `Code2WavClient`: `decode(codes [k, F])` sends its next F frames (a delta with
-    `frame_offset`, or as the options say) and returns their PCM, float32 [F * 1920]; every request
-    carries the header STREAM_KEY_HEADER with `stream_key`. Read-only: `sequence_id`, `stream_key`,
-    `url`, `next_frame`, `ended`, `resumes`.
-
-    When a request fails because the server is gone or going (see `request_failure`), the stream goes
-    on in a new sequence with the kept history, as `plan.StreamPlan` says: the answer is the PCM of
-    the failed request's frames, nothing is lost or repeated. Attempts go to the next URL each (with
-    one URL, to the same address: a proxy routes the key to a live replica) until
-    `options.resume_timeout_s` after the failure; then ClientError says why.
-
-    The resumed sequence keeps the sequence id: on a replica that no longer holds it the START opens
-    it, and on one that still does (a lost connection, not a lost server) it resets it (barge-in)
-    instead of leaving a second sequence there to idle out. A decoder fault ends the stream on the
-    server ("... send its next request with the START flag ..."), so it is resumed like a lost
-    server; other failures (an invalid request, a server without `history_frames`) raise ClientError
-    at once. A server that hangs instead of failing stalls the stream for
-    `options.response_timeout_s` before the resume.
-    """
+    """One stream of a `Code2WavClient` (attributes: `PlannedStream`). A request that fails because
+    its server is gone or going (`request_failure`) is resumed on a new sequence, as `plan.StreamPlan`
+    says, on the next URL each attempt (with one URL, where a proxy now routes the key), until
+    `options.resume_timeout_s`; nothing is lost or repeated. The resumed sequence keeps the sequence
+    id: a replica that still holds it (a lost connection) resets it rather than let a second copy
+    idle out. A hung server stalls the stream for `options.response_timeout_s` before the resume."""
 
     def __init__(self, client: Code2WavClient, sequence_id: int | None = None, stream_key: str | None = None):
         self._plan = StreamPlan(client.urls, client.options, sequence_id, stream_key, client._clock)
@@ -175,26 +142,19 @@ class Code2WavStream(PlannedStream):
         self.close()
 
     def close(self) -> None:
-        """Close the connection. A stream closed before its END request is dropped by the server
-        after its idle timeout."""
+        """Close the connection; a stream not ENDed is dropped by the server after its idle timeout."""
         self._drop_connection()
 
     def decode(self, codes: np.ndarray, end: bool = False) -> np.ndarray:
-        """Decode the stream's next frames, codes [k, F] (F >= 1), the last ones with `end`; returns
-        their PCM, float32 [F * 1920]. Resumes on a new sequence if the server holding the stream is
-        lost; raises ClientError when that fails or the failure is not one a resume can fix."""
-        first, stop = self._plan.hand(codes, end)
-        steps, outcome = self._plan.exchange(first, stop, end), None
+        """PCM float32 [F * 1920] of the stream's next frames, codes [k, F] (F >= 1), the last ones with
+        `end`. Raises ClientError when a resume fails or cannot fix the failure."""
+        steps, outcome = self._plan.exchange(*self._plan.hand(codes, end), end), None
         while True:
             try:
                 step = steps.send(outcome)
             except StopIteration as done:
                 return done.value
-            if isinstance(step, Send):
-                outcome = self._send(step)
-            else:
-                self._client._sleep(step)
-                outcome = None
+            outcome = self._send(step) if isinstance(step, Send) else self._client._sleep(step)
 
     def _send(self, step: Send) -> np.ndarray | RequestFailure:
         if self._connection is not None and self._connection.url != step.url:
@@ -214,35 +174,24 @@ class Code2WavStream(PlannedStream):
 
 
 class StreamsFailed(ClientError):
-    """A run of streams that a stream's failure stopped: `received` holds, per stream, the
-    PCM that came back before the run stopped (float32, whole frames; the stream stopped at frame
-    `len(pcm) // 1920`), so that nothing already decoded is lost."""
+    """A run that a stream's failure stopped; `received`: per stream, the PCM that came back before
+    (float32, whole frames: it stopped at frame `len(pcm) // 1920`)."""
 
     def __init__(self, message: str, received: list[np.ndarray]):
         super().__init__(message)
         self.received = received
 
 
-def run_streams(
-    urls: str | Sequence[str],
-    streams_codes: Sequence[np.ndarray],
-    options: StreamOptions = DEFAULT_OPTIONS,
-    sequence_ids: Sequence[int] | None = None,
-    stream_keys: Sequence[str] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    connect: Connect | None = None,
-    credentials: Credentials = PLAINTEXT,
-) -> RunReport:
-    """Decode each [k, F] code array as its own `Code2WavStream` (own connection, own stream key, one
-    request in flight), all concurrently, one thread each.
+def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
+                options: StreamOptions = DEFAULT_OPTIONS, sequence_ids: Sequence[int] | None = None,
+                stream_keys: Sequence[str] | None = None, progress: Callable[[int, int], None] | None = None,
+                connect: Connect | None = None, credentials: Credentials = PLAINTEXT) -> RunReport:
+    """Decode each [k, F] code array as its own `Code2WavStream`, all at once, one thread each.
 
-    Requests: a first one of `options.first_chunk_frames` frames, then `options.chunk_frames` each.
-    Unpaced, each is sent when the previous answer came back. Paced, each is sent when its last frame
-    would exist (frame j at j * 80 ms; the streams' starts spread over one request's period), or when
-    the previous answer came back if that is later; with `catch_up`, each carries every frame that
-    exists by then. stream_keys default to the sequence ids in decimal. The first stream that fails
-    stops the others and StreamsFailed is raised, with its error and the PCM every stream received
-    until then. `credentials`: TLS and the inference key (`credentials.Credentials`)."""
+    Requests hold `options.first_chunk_frames` frames, then `options.chunk_frames`. Unpaced, each goes
+    when the previous answer came back; paced, when its last frame would exist too (frame j at
+    j * 80 ms, the streams' starts spread over one request's period); with `catch_up`, each carries
+    every frame existing by then. The first stream to fail stops the others: StreamsFailed."""
     client = Code2WavClient(urls, options, connect, credentials=credentials)
     codes_list = [validate_codes(c) for c in streams_codes]
     if not codes_list:

@@ -1,7 +1,5 @@
-"""WAV files without dependencies beyond numpy: IEEE float32 (format tag 3) and 16-bit PCM (tag 1).
-
-The stdlib `wave` module writes integer PCM only, so the RIFF header is written here. Reading accepts
-what the encoder may be given: 8/16/24/32-bit PCM and 32/64-bit float, plain or WAVE_FORMAT_EXTENSIBLE.
+"""WAV files with numpy alone (the stdlib `wave` writes integer PCM only): writes IEEE float32 (tag 3)
+and 16-bit PCM (tag 1); reads 8/16/24/32-bit PCM and 32/64-bit float, plain or WAVE_FORMAT_EXTENSIBLE.
 """
 
 from __future__ import annotations
@@ -53,11 +51,8 @@ def pcm_to_int16(pcm: np.ndarray) -> np.ndarray:
 
 
 def write_wav(path: str | Path, pcm: np.ndarray, sample_rate_hz: int, sample_format: str = "float32") -> None:
-    """Write mono float PCM [samples] as a WAV file.
-
-    float32: IEEE float (format tag 3) with the `fact` chunk non-PCM formats require; values as given.
-    int16: 16-bit PCM (format tag 1), values clipped to [-1, 1] and scaled by 32767.
-    """
+    """Write mono float PCM [samples]: float32 as given (with the `fact` chunk non-PCM formats require),
+    or int16 clipped to [-1, 1] and scaled by 32767."""
     if sample_format not in SAMPLE_FORMATS:
         raise ValueError(f"sample_format must be one of {SAMPLE_FORMATS}, got {sample_format!r}")
     pcm = np.asarray(pcm)
@@ -69,12 +64,9 @@ def write_wav(path: str | Path, pcm: np.ndarray, sample_rate_hz: int, sample_for
     else:
         data = pcm_to_int16(pcm).tobytes()
         format_tag, bytes_per_sample = WAVE_FORMAT_PCM, 2
-    channels = 1
-    block_align = channels * bytes_per_sample
-    fmt = struct.pack(
-        "<HHIIHH", format_tag, channels, sample_rate_hz, sample_rate_hz * block_align, block_align,
-        8 * bytes_per_sample,
-    )
+    channels, block_align = 1, bytes_per_sample
+    fmt = struct.pack("<HHIIHH", format_tag, channels, sample_rate_hz, sample_rate_hz * block_align, block_align,
+                      8 * bytes_per_sample)
     chunks = [b"fmt ", struct.pack("<I", len(fmt)), fmt]
     if format_tag != WAVE_FORMAT_PCM:
         chunks += [b"fact", struct.pack("<II", 4, len(pcm))]
