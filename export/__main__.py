@@ -54,11 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rewrite the checked-in native ORT config from the default options")
     add_options(r)
 
-    e = sub.add_parser(
-        "encode", help="turn a WAV file into codes with Mimi's encoder",
-        description="Encode audio into Mimi codes [k, frames] saved as .npy. Mimi takes 24000 Hz: other "
-        "rates are resampled by linear interpolation (no anti-aliasing), with a note.",
-    )
+    e = sub.add_parser("encode", help="turn a WAV file into codes with Mimi's encoder",
+                       description="Encode audio into Mimi codes [k, frames] saved as .npy. Mimi takes 24000 Hz: "
+                       "other rates are resampled by linear interpolation (no anti-aliasing), with a note.")
     e.add_argument("input", type=Path, help="WAV file (PCM 8/16/24/32-bit or float; channels are averaged)")
     e.add_argument("--weights", required=True, help="Mimi weights: transformers folder, moshi .safetensors file or hub id")
     e.add_argument("--out", type=Path, required=True, help=".npy file to write")
@@ -84,15 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build":
             loaded = choose_weights(args.weights, args.random_init, args.seed)
             print(build(options, loaded, args.out or export_dir_for(options), args.force))
-            return 0
-        if args.check_in:
+        elif args.check_in:
             print(check_in_config(options))
-            return 0
-        if args.export_dir is None or args.out is None:
+        elif args.export_dir is None or args.out is None:
             raise ValueError("render needs --export-dir and --out (or --check-in)")
-
-        serving = serving_from_args(args, args.target)
-        print(render_export(args.export_dir, args.out, args.target, serving, args.plan))
+        else:
+            serving = serving_from_args(args, args.target)
+            print(render_export(args.export_dir, args.out, args.target, serving, args.plan))
         return 0
     except (WeightsError, ValueError, FileNotFoundError) as error:
         log(f"error: {error}")

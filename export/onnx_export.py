@@ -1,14 +1,9 @@
-"""ONNX export of the decoder step, with a manifest so a stale export can be detected.
-
-The batch and frame dimensions are the graph's only dynamic ones: every other size is a Python int at
-trace time, and no shape depends on values (no NonZero, no control flow; the caches' ScatterND writes
-a fixed number of slots). Opset 17-20 and
-an IR version the ONNX Runtime inside the NGC 24.10 image reads (1.19: IR <= 10) keep the model
-loadable there.
-"""
+"""ONNX export of the decoder step (dynamic batch and frames only), with a manifest so a stale export
+can be detected. Opset 17-20 and IR <= 10 keep it loadable by the NGC 24.10 image's ONNX Runtime 1.19."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -43,13 +38,8 @@ class ExportOptions:
 
 
 def build_step(model, options: ExportOptions) -> MimiDecoderStep:
-    return MimiDecoderStep(
-        model,
-        num_codebooks=options.num_codebooks,
-        max_frames_per_step=options.max_frames_per_step,
-        window=options.window,
-        kv_cache_dtype=options.kv_cache_dtype,
-    ).eval()
+    return MimiDecoderStep(model, num_codebooks=options.num_codebooks, max_frames_per_step=options.max_frames_per_step,
+                           window=options.window, kv_cache_dtype=options.kv_cache_dtype).eval()
 
 
 def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -> DecoderSpec:
@@ -72,17 +62,8 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
     log(f"exporting ONNX (opset {opset}, 1-{spec.max_frames_per_step} frames per call, window {spec.window}, "
         f"kv cache {spec.kv_cache_dtype}) ...")
     with torch.no_grad():
-        torch.onnx.export(
-            step,
-            args,
-            str(path),
-            input_names=input_names,
-            output_names=output_names,
-            dynamic_axes=dynamic_axes,
-            opset_version=opset,
-            dynamo=False,
-            do_constant_folding=True,
-        )
+        torch.onnx.export(step, args, str(path), input_names=input_names, output_names=output_names,
+                          dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False, do_constant_folding=True)
     log(f"  traced in {time.monotonic() - started:.1f} s; checking ...")
     model = onnx.load(str(path))
     _pin_io_shapes(model, spec)
@@ -115,8 +96,6 @@ def _pin_io_shapes(model, spec: DecoderSpec) -> None:
 
 def exporter_sha256() -> str:
     """Hash of the code that shapes the graph: an export made by other code is stale."""
-    import hashlib
-
     digest = hashlib.sha256()
     for name in ("step.py", "spec.py", "onnx_export.py"):
         digest.update((Path(__file__).parent / name).read_bytes())

@@ -1,8 +1,4 @@
-"""The export pipeline: weights -> model.onnx + manifest -> rendered Triton model repositories.
-
-Used by the `code2wav-export` command line (`export/__main__.py`), by `code2wav-server serve` (which
-prepares a local repository with `prepare_local_repository`), by the benchmarks and by the tests.
-"""
+"""The export pipeline: weights -> model.onnx + manifest -> rendered Triton model repositories."""
 
 from __future__ import annotations
 
@@ -63,23 +59,15 @@ def build(options: ExportOptions, loaded, out_dir: Path, force: bool = False) ->
 def prepare_local_repository(weights: str | None = None, random_init: bool = False, seed: int | None = None,
                              build_root: Path = Path("build"), options: ExportOptions | None = None,
                              target: str = "python-ort", serving=None) -> Path:
-    """Export (when missing or stale) and render a model repository for a local server: code2wav and
-    the python-ort mimi_decoder (or the `null` bench decoder) under `build_root`, with `serving`
-    (render.DecoderServing; default: CPU instances and render's defaults).
-
-    Weights: `weights` (folder, .safetensors file or hub id), else random when `random_init`, else
-    kyutai/mimi from the local hub cache or the hub, else seeded random weights with a loud warning.
-    """
-    from .onnx_export import MODEL_FILE, read_manifest
-    from .render import DecoderServing, render_repository
-    from .spec import DecoderSpec
+    """Export (when missing or stale) and render code2wav + the `target` mimi_decoder under `build_root`
+    for a local server (`serving` default: CPU instances); weights as `choose_weights` with allow_default."""
+    from .render import DecoderServing
 
     options = options or ExportOptions()
     loaded = choose_weights(weights, random_init, seed, allow_default=True)
     export_dir = build(options, loaded, export_dir_for(options, build_root / "export"))
-    spec = DecoderSpec.from_dict(read_manifest(export_dir)["spec"])
     serving = serving or DecoderServing(instance_kind="KIND_CPU")
-    repository = render_repository(spec, export_dir / MODEL_FILE, build_root / "model_repository", target, serving)
+    repository = render_export(export_dir, build_root / "model_repository", target, serving)
     log(f"model repository: {repository} (code2wav + {target} mimi_decoder, weights {loaded.source})")
     return repository
 

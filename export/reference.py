@@ -1,9 +1,6 @@
-"""Independent streaming references for parity: moshi's streaming decoder, and this project's PyTorch
-step module run one frame per call. Used by `code2wav-server verify`, the benchmarks and the tests.
-
-moshi (installed with --no-deps in the test environment: its metadata pins an older torch) is the
-reference Moshi-family systems run; it reads moshi-format checkpoints only. The step module stands in
-for other weight formats; the parity tests hold it equal to moshi's streaming decode.
+"""Streaming references for parity, one frame per call: moshi's streaming decoder (moshi-format
+checkpoints only; installed with --no-deps, its metadata pins an older torch), and this project's
+PyTorch step module for other weight formats (the parity tests hold it equal to moshi's).
 """
 
 from __future__ import annotations
@@ -22,12 +19,10 @@ def moshi_stream_decode(model, codes: np.ndarray) -> np.ndarray:
     servers run it: codes [B, k, F] -> PCM float32 [B, F*1920]."""
     import torch
 
-    chunks = []
     with torch.no_grad(), model.streaming(codes.shape[0]):
         tensor = torch.from_numpy(np.asarray(codes)).long()
-        for frame in range(codes.shape[2]):
-            chunks.append(model.decode(tensor[:, :, frame : frame + 1])[:, 0].numpy())
-    return np.concatenate(chunks, axis=1)
+        return np.concatenate([model.decode(tensor[:, :, frame : frame + 1])[:, 0].numpy()
+                               for frame in range(codes.shape[2])], axis=1)
 
 
 def moshi_reference(checkpoint: str, codes: np.ndarray) -> np.ndarray:
@@ -64,8 +59,7 @@ def reference_decode(weights: str | None, random_init: bool, seed: int | None,
     loaded = choose_weights(weights, random_init, seed, allow_default=True)
     if loaded.kind == "moshi":
         try:
-            pcm = moshi_reference(loaded.source, codes)
-            return pcm, f"moshi streaming decode of {loaded.source}"
+            return moshi_reference(loaded.source, codes), f"moshi streaming decode of {loaded.source}"
         except ImportError:
             note = " (moshi is not installed: using the step module instead)"
     else:

@@ -1,19 +1,7 @@
-"""Render the Triton configs of `mimi_decoder` and `code2wav` from a decoder spec.
-
-Three serving targets and one bench target share one spec:
-  onnxruntime  native ORT backend with implicit state (checked in under model_repository/)
-  tensorrt     the same state block over a TensorRT plan (rendered into a build folder)
-  python-ort   a Python-backend model running the same ONNX with onnxruntime and keeping the state
-               itself (rendered into a build folder; for servers without the native ORT backend):
-               model_repository/mimi_decoder/python_ort/ holds its model files and config template
-  null         (bench only) the decoder's interface returning silence at once, no state: behind
-               code2wav it measures the front's own ceiling (model_repository/mimi_decoder/null/)
-
-code2wav's config is rendered from export/templates/code2wav.pbtxt.tmpl for every target; its rendering
-with the default options is checked in as model_repository/code2wav/config.pbtxt.
-
-Templates are filled with `string.Template.substitute`, which raises on a missing key, and never
-written over a tracked file except the one checked-in native config, on request.
+"""Render the Triton configs of `mimi_decoder` and `code2wav` from a decoder spec, for the targets of
+docs/design.md §4 and `null` (bench only: silence at once, no state, to measure the front's ceiling).
+Templates are filled with `string.Template.substitute` (raises on a missing key) and never written
+over a tracked file except the checked-in native config, on request.
 """
 
 from __future__ import annotations
@@ -32,7 +20,7 @@ TEMPLATES = Path(__file__).parent / "templates"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
-# code2wav's config: the template, and its rendering with the default options, checked in.
+# code2wav's config for every target: the template, and its rendering with the default options.
 CODE2WAV_TEMPLATE = TEMPLATES / "code2wav.pbtxt.tmpl"
 CHECKED_IN_CODE2WAV_CONFIG = CODE2WAV_DIR / "config.pbtxt"
 PYTHON_ORT_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
@@ -43,7 +31,7 @@ COMMON_DIR = REPO_ROOT / "model_repository" / "common"
 TARGETS = ("onnxruntime", "tensorrt", "python-ort", "null")
 PYTHON_TARGETS = ("python-ort", "null")  # Python-backend decoders: no implicit state block
 
-_IDLE_TIMEOUT = re.compile(r"max_sequence_idle_microseconds:\s*(\d+)")
+_IDLE_TIMEOUT = re.compile(r"(max_sequence_idle_microseconds:\s*)(\d+)")
 
 
 def idle_timeout_us(config: Path) -> int:
@@ -51,12 +39,11 @@ def idle_timeout_us(config: Path) -> int:
     found = _IDLE_TIMEOUT.findall(Path(config).read_text())
     if len(found) != 1:
         raise ValueError(f"{config}: max_sequence_idle_microseconds appears {len(found)} times, expected once")
-    return int(found[0])
+    return int(found[0][1])
 
 
-# code2wav's own idle timeout, read from the config template that sets it; the decoder's sits above
-# it. It also bounds a shutdown: Triton counts every live sequence as in flight, and while the server
-# exits no request can reach the decoder to END one, so abandoned streams leave by this timeout.
+# code2wav's own idle timeout, from its template; the decoder's sits above it. It also bounds a shutdown:
+# while the server exits no request can reach the decoder to END a stream, so abandoned ones idle out.
 CODE2WAV_IDLE_TIMEOUT_US = idle_timeout_us(CODE2WAV_TEMPLATE)
 # code2wav's Triton sequence slots per stream it admits (see render_code2wav_config).
 CODE2WAV_SLOTS_PER_STREAM = 2
@@ -76,19 +63,16 @@ class DecoderServing:
     instance_kind: str = "KIND_GPU"
     instance_count: int = 1
     intra_op_threads: int = 0
-    # python-ort only: ONNX Runtime's threads spin while they wait for work. Off by default: spinning
-    # threads take cores from every other process on the host (code2wav, other replicas, the
-    # clients), and a decoder step is long enough that waking its threads costs little.
+    # python-ort only: ONNX Runtime's threads spin while they wait. Off: spinning takes cores from every
+    # other process on the host, and a decoder step is long enough that waking its threads costs little.
     intra_op_spinning: bool = False
     # python-ort only: live streams per instance ("auto": from the memory available at load) and
     # the most rows per session run (bounds ONNX Runtime's scratch; no gain past 8 rows on a CPU).
     max_live_streams: str = "auto"
     max_rows_per_run: int = 8
-    # code2wav's model instances (Python processes). One carries a few thousand requests/s (its
-    # per-request Python and IPC run under one GIL); more spread the streams over more cores.
+    # code2wav's model instances (Python processes): one carries a few thousand requests/s under its GIL.
     front_instances: int = 1
-    # How long code2wav's batcher waits for more streams' requests (its oldest max_queue_delay). A
-    # batch's decoder calls reach the decoder together, so this shapes the decoder's batches.
+    # code2wav's batcher wait; a batch's decoder calls reach the decoder together, shaping its batches.
     front_queue_delay_us: int = 3000
 
     def validate(self) -> None:
@@ -111,32 +95,30 @@ class DecoderServing:
             raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size {self.max_batch_size}")
 
 
+def _dims(shape: tuple[int, ...]) -> str:
+    return ", ".join(map(str, shape))
+
+
 def _tensor_block(kind: str, tensors: tuple[TensorSpec, ...]) -> str:
-    items = [
-        f'  {{ name: "{t.name}" data_type: {TRITON_DTYPES[t.dtype]} dims: [ {", ".join(map(str, t.shape))} ] }}'
-        for t in tensors
-    ]
+    items = (f'  {{ name: "{t.name}" data_type: {TRITON_DTYPES[t.dtype]} dims: [ {_dims(t.shape)} ] }}'
+             for t in tensors)
     return f"{kind} [\n" + ",\n".join(items) + "\n]"
 
 
 def _state_block(spec: DecoderSpec, same_buffer: bool) -> str:
-    """Triton's implicit state, one entry per state tensor of the spec. With `same_buffer` Triton keeps
-    one buffer per state and sequence slot instead of an input and an output buffer (it holds them
-    per slot until a new sequence takes the slot, docs/design.md §5.1): right for a backend that
-    copies its outputs into the state after the run, as the ONNX Runtime backend does."""
-    lines = ["  state ["]
-    for index, state in enumerate(spec.states):
-        dtype = TRITON_DTYPES[state.dtype]
-        dims = ", ".join(map(str, state.shape))
-        lines.append(
+    """Triton's implicit state, one entry per state tensor of the spec. `same_buffer`: one buffer per
+    state and sequence slot instead of two, right for a backend that copies its outputs into the state
+    after the run, as the ONNX Runtime backend does (docs/design.md §5.1)."""
+    entries = []
+    for state in spec.states:
+        dtype, dims = TRITON_DTYPES[state.dtype], _dims(state.shape)
+        entries.append(
             f'    {{\n      input_name: "{state.input}"\n      output_name: "{state.output}"\n'
             f"      data_type: {dtype}\n      dims: [ {dims} ]\n"
             + ("      use_same_buffer_for_input_output: true\n" if same_buffer else "")
             + f'      initial_state {{ data_type: {dtype} dims: [ {dims} ] zero_data: true name: "fresh_stream" }}\n'
-            f"    }}{',' if index < len(spec.states) - 1 else ''}"
-        )
-    lines.append("  ]")
-    return "\n".join(lines)
+            "    }")
+    return "  state [\n" + ",\n".join(entries) + "\n  ]"
 
 
 def _pbtxt_string(value: str) -> str:
@@ -150,52 +132,36 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
     serving = serving or DecoderServing()
     serving.validate()
     spec.validate()
-    common = {
-        "spec_sha256": spec.sha256(),
-        "model_name": serving.model_name,
-        "max_batch_size": serving.max_batch_size,
-        "inputs": _tensor_block("input", (spec.codes,)),
-        "outputs": _tensor_block("output", (spec.pcm,)),
-        "idle_timeout_us": serving.idle_timeout_us,
-        "max_candidate_sequences": serving.max_candidate_sequences,
-        "preferred_batch_sizes": ", ".join(map(str, serving.preferred_batch_sizes)),
-        "max_queue_delay_us": serving.max_queue_delay_us,
-        "instance_count": serving.instance_count,
-    }
+    common = dict(
+        spec_sha256=spec.sha256(), model_name=serving.model_name, max_batch_size=serving.max_batch_size,
+        inputs=_tensor_block("input", (spec.codes,)), outputs=_tensor_block("output", (spec.pcm,)),
+        idle_timeout_us=serving.idle_timeout_us, max_candidate_sequences=serving.max_candidate_sequences,
+        preferred_batch_sizes=_dims(serving.preferred_batch_sizes), max_queue_delay_us=serving.max_queue_delay_us,
+        instance_count=serving.instance_count,
+    )
     if target == "python-ort":
-        state_spec = [
-            {"input": s.input, "output": s.output, "dtype": s.dtype, "shape": list(s.shape)} for s in spec.states
-        ]
-        template = (PYTHON_ORT_DIR / "config.pbtxt.tmpl").read_text()
-        return string.Template(template).substitute(
-            common,
-            intra_op_threads=serving.intra_op_threads,
+        state_spec = [{"input": s.input, "output": s.output, "dtype": s.dtype, "shape": list(s.shape)}
+                      for s in spec.states]
+        return string.Template((PYTHON_ORT_DIR / "config.pbtxt.tmpl").read_text()).substitute(
+            common, intra_op_threads=serving.intra_op_threads,
             intra_op_spinning="on" if serving.intra_op_spinning else "off",
             state_spec_json=_pbtxt_string(json.dumps(state_spec, separators=(",", ":"))),
             value_ranges_json=_pbtxt_string(json.dumps({spec.codes.name: [0, spec.codebook_size]})),
             max_dims_json=_pbtxt_string(json.dumps({spec.codes.name: [spec.num_codebooks, spec.max_frames_per_step]})),
-            max_live_streams=serving.max_live_streams,
-            max_rows_per_run=serving.max_rows_per_run,
+            max_live_streams=serving.max_live_streams, max_rows_per_run=serving.max_rows_per_run,
         )
     if target == "null":
         template = (NULL_DIR / "config.pbtxt.tmpl").read_text()
         return string.Template(template).substitute(common, samples_per_frame=spec.samples_per_frame)
-    if target == "onnxruntime":
-        backend_line = 'backend: "onnxruntime"'
-    else:
-        backend_line = 'backend: "tensorrt"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"'
-    template = (TEMPLATES / "decoder_native.pbtxt.tmpl").read_text()
-    text = string.Template(template).substitute(
-        common,
-        target=target,
-        backend_line=backend_line,
+    backend_line = ('backend: "onnxruntime"' if target == "onnxruntime" else
+                    'backend: "tensorrt"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"')
+    text = string.Template((TEMPLATES / "decoder_native.pbtxt.tmpl").read_text()).substitute(
+        common, target=target, backend_line=backend_line, instance_kind=serving.instance_kind,
         states=_state_block(spec, same_buffer=target == "onnxruntime"),
-        instance_kind=serving.instance_kind,
     ).rstrip() + "\n"
     if target == "onnxruntime":
-        # No memory patterns: ONNX Runtime would plan one block per input shape and take it whole from
-        # its arena every run, and blocks of the many batch shapes fragment the arena, which then ends
-        # larger and grows in more steps (docs/design.md §5.1 gives what patterns cost and buy).
+        # No memory patterns: blocks planned per input shape, taken whole from the arena every run,
+        # fragment it over the many batch shapes (docs/design.md §5.1 gives what patterns cost and buy).
         text += 'parameters { key: "enable_mem_pattern" value: { string_value: "0" } }\n'
     if target == "onnxruntime" and serving.intra_op_threads:
         # ONNX Runtime's threads per decoder instance (0, the default: one per core).
@@ -220,16 +186,13 @@ def set_idle_timeout(repository: Path, idle_timeout_s: float, decoder_model_name
     front_us = round(idle_timeout_s * 1e6)
     if front_us <= 0:
         raise ValueError(f"the idle timeout must be positive, got {idle_timeout_s!r}")
-    pattern = re.compile(r"(max_sequence_idle_microseconds:\s*)\d+")
     for name, value in (("code2wav", front_us), (decoder_model_name, front_us + DECODER_IDLE_MARGIN_US)):
         config = Path(repository) / name / "config.pbtxt"
-        text, count = pattern.subn(lambda match, value=value: f"{match.group(1)}{value}", config.read_text())
+        text, count = _IDLE_TIMEOUT.subn(lambda match, value=value: f"{match.group(1)}{value}", config.read_text())
         if count != 1:
             raise ValueError(f"{config}: max_sequence_idle_microseconds appears {count} times, expected once")
         config.write_text(text)
 
-
-# ---- tritonserver's memory pools for a GPU decoder ------------------------------------------------
 
 SERVER_ARGS_FILE = "tritonserver.args"  # in the repository root; Triton only loads model folders
 MIB = 2**20
@@ -239,14 +202,9 @@ DEFAULT_PINNED_POOL_BYTES = 256 * MIB
 
 @dataclass(frozen=True)
 class MemoryPools:
-    """tritonserver's memory pools for `streams` live sequences of a KIND_GPU decoder with implicit state.
-
-    Triton keeps two buffers per state tensor and live sequence (the input state, and the output
-    state the step writes; they swap after the step), both in its CUDA memory pool, and a batch
-    allocates its rows' new output buffers before the old ones go. Past the pool, state silently
-    falls back to host memory and every step copies it. The pinned pool stages a batch's host-side
-    tensors: a fresh sequence's zero state and the codes and PCM of every row.
-    """
+    """tritonserver's memory pools for `streams` live sequences of a KIND_GPU decoder with implicit state
+    (docs/design.md §5.1): CUDA, two state buffers per sequence plus a batch's new outputs (past it, state
+    falls back to host memory); pinned, a batch's host-side tensors (fresh zero state, codes, PCM)."""
 
     streams: int
     state_bytes: int
@@ -277,31 +235,20 @@ def _round_up_mib(size: int) -> int:
 
 
 def render_code2wav_config(spec: DecoderSpec, serving: DecoderServing | None = None) -> str:
-    """The config.pbtxt text of `code2wav` in front of a decoder of `spec` served with `serving`: the
-    codes and PCM geometry and the most frames per decoder call from the spec, the decoder's model
-    name, the instance count and batcher wait from serving.front_instances and front_queue_delay_us,
-    max_live_streams each instance's share of the decoder's max_candidate_sequences and its own
-    max_candidate_sequences CODE2WAV_SLOTS_PER_STREAM times that."""
+    """The config.pbtxt text of `code2wav` in front of a decoder of `spec` served with `serving`: per
+    instance, max_live_streams is its share of the decoder's max_candidate_sequences (rounded down) and
+    its own max_candidate_sequences CODE2WAV_SLOTS_PER_STREAM times that (docs/design.md §5.1)."""
     serving = serving or DecoderServing()
     serving.validate()
-    # The front refuses a START past the decoder's capacity instead of queueing it behind the others:
-    # for that the START must reach it, so Triton gives code2wav more sequence slots than streams
-    # (a refused START holds its slot until it ENDs or idles out). Caps and slots are per instance:
-    # with several instances each admits its share, rounded down so that together they never pass
-    # the decoder's capacity (Triton fills the lowest free slot of any instance first, so streams
-    # spread evenly over them).
+    # Spare slots let a START past the cap reach the front, which refuses it instead of Triton queueing it.
     per_instance = serving.max_candidate_sequences // serving.front_instances
     # The decoder's geometry, under the names code2wav's parameters share with the spec.
     geometry = {name: getattr(spec, name) for name in ("num_codebooks", "codebook_size", "samples_per_frame",
                                                         "sample_rate_hz")}
     return string.Template(CODE2WAV_TEMPLATE.read_text()).substitute(
-        geometry,
-        decoder_model_name=serving.model_name,
-        decoder_max_frames_per_step=spec.max_frames_per_step,
-        max_live_streams=per_instance,
-        max_candidate_sequences=CODE2WAV_SLOTS_PER_STREAM * per_instance,
-        instance_count=serving.front_instances,
-        max_queue_delay_us=serving.front_queue_delay_us,
+        geometry, decoder_model_name=serving.model_name, decoder_max_frames_per_step=spec.max_frames_per_step,
+        max_live_streams=per_instance, max_candidate_sequences=CODE2WAV_SLOTS_PER_STREAM * per_instance,
+        instance_count=serving.front_instances, max_queue_delay_us=serving.front_queue_delay_us,
     )
 
 
@@ -312,14 +259,9 @@ def _copy_common(version: Path) -> None:
 
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
-    """A complete model repository in `out_dir`: code2wav (its model files copied, its config rendered
-    by `render_code2wav_config`) plus mimi_decoder for `target`, with
-    the files of model_repository/common/ beside each Python model's model.py. For a KIND_GPU
-    decoder with implicit state, also `tritonserver.args`: the memory-pool flags the server needs
-    for that many streams (`MemoryPools`), one per line, which the compose GPU services pass on.
-
-    `out_dir` must not be inside the tracked model_repository/ folder.
-    """
+    """A complete model repository in `out_dir` (not inside the tracked model_repository/): code2wav
+    plus mimi_decoder for `target`, model_repository/common/ beside each Python model's model.py, and
+    for a KIND_GPU decoder with implicit state `tritonserver.args`, the `MemoryPools` flags one per line."""
     out_dir = out_dir.resolve()
     if out_dir == (REPO_ROOT / "model_repository").resolve() or (REPO_ROOT / "model_repository").resolve() in out_dir.parents:
         raise ValueError(f"refusing to render into the tracked model repository: {out_dir}")

@@ -1,7 +1,5 @@
 """The streaming convolutions of Mimi's SEANet decoder, as `MimiDecoderStep` runs them: each conv keeps
-its left context, and each transposed conv its overlap tail, in the step's flat conv state
-(`ConvState` reads the pieces in order and collects their updates). Built from transformers'
-Mimi modules; nothing here has a data-dependent shape.
+its left context, and each transposed conv its overlap tail, in the step's flat conv state.
 """
 
 from __future__ import annotations
@@ -14,21 +12,21 @@ from torch import nn
 MATMUL_CONV_CHANNELS = 512
 
 
-class StreamingConv(nn.Module):
-    """Causal stride-1 conv; its state is the last (kernel - 1) * dilation input samples.
+def frozen(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    """A detached copy of `tensor` in `dtype`, as a parameter without gradient."""
+    return nn.Parameter(tensor.detach().to(dtype).clone(), requires_grad=False)
 
-    Convs of at least MATMUL_CONV_CHANNELS input channels (the first layers of the SEANet, a few
-    samples per frame each) run as one matmul over the whole batch: the kernel taps gathered beside
-    the channels, [B * T, Cin * K] @ [Cin * K, Cout]. A Conv runs one GEMM per stream, each reading
-    the whole weight (15 MB for the first conv) for a couple of output samples."""
+
+class StreamingConv(nn.Module):
+    """Causal stride-1 conv; its state is the last (kernel - 1) * dilation input samples. Convs of
+    >= MATMUL_CONV_CHANNELS inputs run as one matmul over the batch, [B * T, Cin * K] @ [Cin * K, Cout]:
+    a Conv runs one GEMM per stream, each reading the whole weight (15 MB for the first) for a few samples."""
 
     def __init__(self, conv: nn.Conv1d, dtype: torch.dtype):
         super().__init__()
         if conv.stride[0] != 1 or conv.padding[0] != 0:
             raise ValueError("streaming conv expects stride 1 and no built-in padding")
-        self.bias = None
-        if conv.bias is not None:
-            self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
+        self.bias = None if conv.bias is None else frozen(conv.bias, dtype)
         self.dilation = conv.dilation[0]
         self.groups = conv.groups
         self.kernel = conv.kernel_size[0]
@@ -39,7 +37,7 @@ class StreamingConv(nn.Module):
         weight = conv.weight.detach().to(dtype)
         if self.as_matmul:  # [Cout, Cin, K] -> [Cin * K, Cout]
             weight = weight.flatten(1).t()
-        self.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
+        self.weight = frozen(weight.contiguous(), dtype)
 
     def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
         if self.context:
@@ -60,23 +58,16 @@ class StreamingConv(nn.Module):
 
 
 class StreamingConvTranspose(nn.Module):
-    """Causal transposed conv with kernel = 2 * stride (every Mimi transposed conv); its state is
-    the stride-long overlap tail, without bias.
-
-    Input step t writes kernel taps [0, s) to output block t and taps [s, 2s) to block t + 1, so
-    block t = first half of step t + second half of step t - 1 (the state for t = 0). Each half is
-    one matmul over the whole batch, [B * T, Cin] @ [Cin, s * Cout], whose columns are tap-major so
-    that the sum is already [B, T * s, Cout]: one transpose of its last two axes makes it
-    channels-first. ONNX Runtime 1.19's ConvTranspose (what the native backend of the NGC 24.10
-    image runs) computes stream by stream and is several times slower on these inputs.
-    """
+    """Causal transposed conv with kernel = 2 * stride; its state is the overlap tail, without bias.
+    Output block t = taps [0, s) of input step t + taps [s, 2s) of step t - 1 (the state for t = 0),
+    each half one matmul over the whole batch, [B * T, Cin] @ [Cin, s * Cout], tap-major columns so
+    the sum is already [B, T * s, Cout]. Not ConvTranspose: ONNX Runtime 1.19's (the NGC 24.10
+    native backend's) computes stream by stream and is several times slower on these inputs."""
 
     def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
         super().__init__()
         weight = conv.weight.detach().to(dtype)  # [Cin, Cout / groups, 2s]
-        self.bias = None
-        if conv.bias is not None:
-            self.bias = nn.Parameter(conv.bias.detach().to(dtype).clone(), requires_grad=False)
+        self.bias = None if conv.bias is None else frozen(conv.bias, dtype)
         self.stride = conv.stride[0]
         self.groups = conv.groups
         self.in_channels = conv.in_channels
@@ -85,10 +76,10 @@ class StreamingConvTranspose(nn.Module):
             raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
         if self.groups == 1:  # [Cin, Cout, s] -> [Cin, s * Cout], tap-major
             halves = weight.split(self.stride, dim=2)
-            self.first, self.second = (nn.Parameter(h.permute(0, 2, 1).reshape(self.in_channels, -1).contiguous(),
-                                                    requires_grad=False) for h in halves)
+            self.first, self.second = (frozen(h.permute(0, 2, 1).reshape(self.in_channels, -1).contiguous(), dtype)
+                                       for h in halves)
         else:
-            self.weight = nn.Parameter(weight.clone(), requires_grad=False)
+            self.weight = frozen(weight, dtype)
 
     def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
         stride, channels = self.stride, self.channels
@@ -165,9 +156,7 @@ class SEANetBlock(nn.Module):
             [StreamingConv(layer.conv, dtype) if isinstance(layer, MimiConv1d) else plain_layer(layer)
              for layer in block.block]
         )
-        self.shortcut = None
-        if isinstance(block.shortcut, MimiConv1d):
-            self.shortcut = StreamingConv(block.shortcut.conv, dtype)
+        self.shortcut = StreamingConv(block.shortcut.conv, dtype) if isinstance(block.shortcut, MimiConv1d) else None
 
     def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
         residual = x if self.shortcut is None else self.shortcut(x, state)

@@ -1,6 +1,5 @@
-"""The serving flags of a rendered model repository, declared once: `code2wav-export render` and the
-benchmarks' local servers (`python -m benchmarks sweep`) take the same flags and build the same
-`render.DecoderServing` from them."""
+"""The serving flags of a rendered model repository, declared once for `code2wav-export render` and
+`python -m benchmarks sweep`, and the `render.DecoderServing` they build."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The decoder step's tensor spec: the single source of truth for names, dtypes and per-stream shapes.
-
-The same spec drives the ONNX export, the TensorRT optimisation profile and every rendered
-`mimi_decoder` config. Triton pairs input and output states by position in two name-sorted lists,
-so state names carry a two-digit index that sorts identically on both sides.
-
-This module imports only the standard library: the server-side code reads specs from JSON.
+"""The decoder step's tensor spec: the single source of truth for names, dtypes and per-stream shapes,
+driving the ONNX export, the TensorRT profile and every rendered `mimi_decoder` config. Triton pairs
+input and output states by position in two name-sorted lists, so state names carry a two-digit index.
+Standard library only: the server-side code reads specs from JSON.
 """
 
 from __future__ import annotations
@@ -12,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 TRITON_DTYPES = {"int32": "TYPE_INT32", "int64": "TYPE_INT64", "float32": "TYPE_FP32", "float16": "TYPE_FP16"}
@@ -31,10 +29,7 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     def bytes_per_stream(self) -> int:
-        size = {"int32": 4, "int64": 8, "float32": 4, "float16": 2}[self.dtype]
-        for dim in self.shape:
-            size *= dim
-        return size
+        return {"int32": 4, "int64": 8, "float32": 4, "float16": 2}[self.dtype] * math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -102,11 +97,8 @@ class DecoderSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> DecoderSpec:
-        fields = dict(data)
-        fields["states"] = tuple(
-            StateSpec(**{**state, "shape": tuple(state["shape"])}) for state in fields["states"]
-        )
-        return cls(**fields)
+        states = tuple(StateSpec(**{**state, "shape": tuple(state["shape"])}) for state in data["states"])
+        return cls(**{**data, "states": states})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))

@@ -1,40 +1,18 @@
-"""Mimi's decoder as one streaming step with explicit, fixed-shape state.
-
-`MimiDecoderStep` maps `codes [B, k, F] int32` plus the stream state to `pcm [B, 1920*F] float32`
-plus the updated state, for any F in [1, max_frames_per_step]. Every state tensor is batch first with
-a fixed per-stream shape that does not depend on F, so one stream may mix call sizes freely, and an
-all-zero state is a fresh stream. Rows of a batch never interact, so steps of streams of different
-ages batch together. Nothing has a data-dependent shape; the batch and frame dimensions are the only
-dynamic ones.
-
-State (see `export.spec`), per stream:
-  state_*_NN_layer<l>_keys    [H, N, D]  layer l's keys (RoPE applied) of the last N transformer steps
-  state_*_NN_layer<l>_values  [H, N, D]  layer l's values of the same steps
-  state_*_NN_conv             [C]        left context of every causal conv and the overlap tail of every
-                                         transposed conv, flattened and concatenated
-  state_*_NN_position         [1] int32  transformer steps seen so far (2 per frame)
-
-The key/value caches are rings: step p lives in slot p % N, so a call writes its T new steps into T
-slots (one ScatterND, the only copy of the cache a step makes) instead of shifting the whole
-cache. Attention reads the ring as it is: softmax does not care about key order, and the mask is
-computed from the step each slot holds. One tensor per layer and kind means no layer is cut out of a
-packed state and nothing is packed back.
-
-Window semantics. Mimi's transformer attends over a 250-step context. moshi's streaming decoder
-writes both steps of a frame into a 250-entry ring before attending, so the first step of a frame
-sees 249 keys and the second 250; offline decoding gives every step 250. `window="moshi"` reproduces
-the streaming decoder Moshi-family systems run, `window="exact"` reproduces offline decoding.
+"""Mimi's decoder as one streaming step with explicit state, batch first, of a per-stream shape that does
+not depend on the frames per call (all zero: a fresh stream). The key/value caches are rings. Window
+"moshi" equals moshi's streaming decoder, "exact" offline decoding (docs/design.md §3).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .seanet import ConvState, SEANetBlock, StreamingConv, StreamingConvTranspose, plain_layer
+from .seanet import ConvState, SEANetBlock, StreamingConv, StreamingConvTranspose, frozen, plain_layer
 from .spec import DecoderSpec, StateSpec
 
 WINDOWS = ("moshi", "exact")
@@ -42,29 +20,16 @@ KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # Positions are split as hi * ROPE_BLOCK + lo so RoPE angles stay accurate in fp32 for streams of
 # many hours: a plain fp32 `position * inv_freq` loses ~4e-3 rad at 100,000 steps, the split ~1e-4.
 ROPE_BLOCK = 1024
+
+
 class MimiDecoderStep(nn.Module):
-    """One streaming decoder step over F frames (1 <= F <= max_frames_per_step) for a batch of
-    independent streams.
+    """forward(codes [B, k, F] int32, *caches, conv, position [B, 1] int32)
+        -> (pcm [B, 1920 * F] float32, *caches', conv', position'), 1 <= F <= max_frames_per_step."""
 
-    forward(codes [B, k, F] int32, *caches, conv, position [B, 1] int32)
-        -> (pcm [B, 1920 * F] float32, *caches', conv', position')
-    """
-
-    def __init__(
-        self,
-        model,
-        num_codebooks: int = 8,
-        max_frames_per_step: int = 16,
-        window: str = "moshi",
-        kv_cache_dtype: str = "float32",
-        dtype: torch.dtype = torch.float32,
-    ):
+    def __init__(self, model, num_codebooks: int = 8, max_frames_per_step: int = 16, window: str = "moshi",
+                 kv_cache_dtype: str = "float32", dtype: torch.dtype = torch.float32):
         super().__init__()
-        from transformers.models.mimi.modeling_mimi import (
-            MimiConv1d,
-            MimiConvTranspose1d,
-            MimiResnetBlock,
-        )
+        from transformers.models.mimi.modeling_mimi import MimiConv1d, MimiConvTranspose1d, MimiResnetBlock
 
         config = model.config
         if window not in WINDOWS:
@@ -100,35 +65,28 @@ class MimiDecoderStep(nn.Module):
                              f"got {max_frames_per_step}")
 
         decoder = model.decoder
+        constant = functools.partial(self.register_buffer, persistent=False)
         with torch.no_grad():
-            self.register_buffer("codebook_table", self._fold_quantizer(model.quantizer).to(dtype), persistent=False)
-        self.register_buffer(
-            "codebook_offsets",
-            (torch.arange(num_codebooks, dtype=torch.int32) * self.codebook_size).view(1, num_codebooks, 1),
-            persistent=False,
-        )
+            constant("codebook_table", self._fold_quantizer(model.quantizer).to(dtype))
+        constant("codebook_offsets",
+                 (torch.arange(num_codebooks, dtype=torch.int32) * self.codebook_size).view(1, num_codebooks, 1))
         if decoder.upsample is None:
             raise ValueError("expected Mimi's learnt upsampling between frame rate and transformer rate")
         self.upsample = StreamingConvTranspose(decoder.upsample.conv, dtype)
 
-        transformer = decoder.decoder_transformer
         self.layers = nn.ModuleList()
-        for layer in transformer.layers:
+        for layer in decoder.decoder_transformer.layers:
             attn = layer.self_attn
             block = nn.Module()
             block.norm1 = _copy_layer_norm(layer.input_layernorm, dtype)
             block.norm2 = _copy_layer_norm(layer.post_attention_layernorm, dtype)
             # The attention scale 1 / sqrt(head_dim) is folded into the query projection (RoPE is linear).
-            block.qkv = nn.Parameter(
-                torch.cat([attn.q_proj.weight / math.sqrt(config.head_dim), attn.k_proj.weight, attn.v_proj.weight])
-                .detach().to(dtype).clone(),
-                requires_grad=False,
-            )
-            block.out = nn.Parameter(attn.o_proj.weight.detach().to(dtype).clone(), requires_grad=False)
-            block.fc1 = nn.Parameter(layer.mlp.fc1.weight.detach().to(dtype).clone(), requires_grad=False)
-            block.fc2 = nn.Parameter(layer.mlp.fc2.weight.detach().to(dtype).clone(), requires_grad=False)
-            block.scale1 = nn.Parameter(layer.self_attn_layer_scale.scale.detach().to(dtype).clone(), requires_grad=False)
-            block.scale2 = nn.Parameter(layer.mlp_layer_scale.scale.detach().to(dtype).clone(), requires_grad=False)
+            block.qkv = frozen(torch.cat([attn.q_proj.weight / math.sqrt(config.head_dim), attn.k_proj.weight,
+                                          attn.v_proj.weight]), dtype)
+            block.out = frozen(attn.o_proj.weight, dtype)
+            block.fc1, block.fc2 = frozen(layer.mlp.fc1.weight, dtype), frozen(layer.mlp.fc2.weight, dtype)
+            block.scale1 = frozen(layer.self_attn_layer_scale.scale, dtype)
+            block.scale2 = frozen(layer.mlp_layer_scale.scale, dtype)
             self.layers.append(block)
         if config.hidden_act != "gelu" or config.attention_bias:
             raise ValueError("expected Mimi's transformer: gelu MLP without attention bias")
@@ -136,13 +94,11 @@ class MimiDecoderStep(nn.Module):
         rope = config.rope_parameters or {}
         theta = float(rope.get("rope_theta", 10000.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        self.register_buffer("rope_inv_freq", inv_freq.to(dtype), persistent=False)
-        self.register_buffer(
-            "rope_block_angle", torch.remainder(inv_freq * ROPE_BLOCK, 2 * math.pi).to(dtype), persistent=False
-        )
+        constant("rope_inv_freq", inv_freq.to(dtype))
+        constant("rope_block_angle", torch.remainder(inv_freq * ROPE_BLOCK, 2 * math.pi).to(dtype))
         half = self.head_dim // 2
-        self.register_buffer("rope_sign", torch.cat([-torch.ones(half), torch.ones(half)]).to(dtype), persistent=False)
-        self.register_buffer("rope_swap", torch.cat([torch.arange(half, 2 * half), torch.arange(half)]), persistent=False)
+        constant("rope_sign", torch.cat([-torch.ones(half), torch.ones(half)]).to(dtype))
+        constant("rope_swap", torch.cat([torch.arange(half, 2 * half), torch.arange(half)]))
 
         self.seanet = nn.ModuleList()
         for layer in decoder.decoder_seanet.layers:
@@ -157,12 +113,10 @@ class MimiDecoderStep(nn.Module):
 
         # The window of the largest call; a call of T steps uses the first T entries.
         max_steps = self.steps_per_frame * max_frames_per_step
-        self.register_buffer("window_lower", self._window_lower(max_steps), persistent=False)
-        self.register_buffer("attn_allowed", self._window_mask(max_steps), persistent=False)
+        constant("window_lower", self._window_lower(max_steps))
+        constant("attn_allowed", self._window_mask(max_steps))
         self.conv_pieces = self._discover_conv_layout()
         self.conv_state_size = sum(c * n for c, n in self.conv_pieces)
-
-    # ---- construction helpers -------------------------------------------------------------------
 
     def _fold_quantizer(self, quantizer) -> torch.Tensor:
         """One [k * codebook_size, hidden] table: each codebook's entries through its output projection."""
@@ -196,33 +150,23 @@ class MimiDecoderStep(nn.Module):
     def _discover_conv_layout(self) -> list[tuple[int, int]]:
         with torch.no_grad():
             state = ConvState(None, self.dtype)
-            x = torch.zeros(1, self.upsample.channels, 1, dtype=self.dtype)
-            x = self.upsample(x, state)
-            x = torch.zeros(1, x.shape[1], x.shape[2], dtype=self.dtype)
-            self._seanet(x, state)
+            x = self.upsample(torch.zeros(1, self.upsample.channels, 1, dtype=self.dtype), state)
+            self._seanet(torch.zeros_like(x), state)
         return state.pieces
-
-    # ---- spec -----------------------------------------------------------------------------------
 
     def spec(self) -> DecoderSpec:
         cache_shape = (self.num_heads, self.cache_len, self.head_dim)
-        states = []
-        for layer in range(self.num_layers):
-            for kind in ("keys", "values"):
-                states.append((f"layer{layer}_{kind}", self.kv_cache_dtype, cache_shape,
-                               f"transformer layer {layer}'s {kind} of the last steps, a ring"
-                               + (" (RoPE applied)" if kind == "keys" else "")))
+        states = [(f"layer{layer}_{kind}", self.kv_cache_dtype, cache_shape,
+                   f"transformer layer {layer}'s {kind} of the last steps, a ring"
+                   + (" (RoPE applied)" if kind == "keys" else ""))
+                  for layer in range(self.num_layers) for kind in ("keys", "values")]
         states.append(("conv", "float32", (self.conv_state_size,),
                        "conv left contexts and transposed-conv overlap tails, flattened"))
         states.append(("position", "int32", (1,), "transformer steps decoded so far"))
         return DecoderSpec(
-            num_codebooks=self.num_codebooks,
-            codebook_size=self.codebook_size,
-            max_frames_per_step=self.max_frames_per_step,
-            samples_per_frame=self.samples_per_frame,
-            sample_rate_hz=self.sample_rate_hz,
-            window=self.window,
-            kv_cache_dtype=self.kv_cache_dtype,
+            num_codebooks=self.num_codebooks, codebook_size=self.codebook_size,
+            max_frames_per_step=self.max_frames_per_step, samples_per_frame=self.samples_per_frame,
+            sample_rate_hz=self.sample_rate_hz, window=self.window, kv_cache_dtype=self.kv_cache_dtype,
             states=tuple(StateSpec(f"state_in_{index:02d}_{name}", f"state_out_{index:02d}_{name}", dtype, shape, text)
                          for index, (name, dtype, shape, text) in enumerate(states)),
         )
@@ -234,8 +178,6 @@ class MimiDecoderStep(nn.Module):
         caches = [torch.zeros(cache_shape, dtype=cache_dtype) for _ in range(2 * self.num_layers)]
         return (*caches, torch.zeros(batch_size, self.conv_state_size, dtype=self.dtype),
                 torch.zeros(batch_size, 1, dtype=torch.int32))
-
-    # ---- the step -------------------------------------------------------------------------------
 
     def forward(self, codes, *state):
         *caches, conv, position = state

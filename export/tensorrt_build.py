@@ -35,14 +35,8 @@ def profile_shapes(spec: DecoderSpec, max_batch: int, opt_batch: int | None = No
     def dims(tensor, batch: int, frames: int) -> list[int]:
         return [batch, *(frames if size == -1 else size for size in tensor.shape)]
 
-    return {
-        tensor.name: {
-            "min": dims(tensor, 1, 1),
-            "opt": dims(tensor, opt_batch, opt_frames),
-            "max": dims(tensor, max_batch, spec.max_frames_per_step),
-        }
-        for tensor in spec.inputs
-    }
+    return {tensor.name: {"min": dims(tensor, 1, 1), "opt": dims(tensor, opt_batch, opt_frames),
+                          "max": dims(tensor, max_batch, spec.max_frames_per_step)} for tensor in spec.inputs}
 
 
 def trtexec_command(trtexec: str, onnx_path: Path, plan_path: Path, spec: DecoderSpec, max_batch: int,
@@ -52,14 +46,8 @@ def trtexec_command(trtexec: str, onnx_path: Path, plan_path: Path, spec: Decode
     def arg(kind: str) -> str:
         return ",".join(f"{name}:{'x'.join(map(str, dims[kind]))}" for name, dims in shapes.items())
 
-    command = [
-        trtexec,
-        f"--onnx={onnx_path}",
-        f"--saveEngine={plan_path}",
-        f"--minShapes={arg('min')}",
-        f"--optShapes={arg('opt')}",
-        f"--maxShapes={arg('max')}",
-    ]
+    command = [trtexec, f"--onnx={onnx_path}", f"--saveEngine={plan_path}",
+               *(f"--{kind}Shapes={arg(kind)}" for kind in ("min", "opt", "max"))]
     if fp16:
         # Everything fp16 where it is faster, except the RoPE angle computation (Cos/Sin and their inputs).
         command += ["--fp16", "--precisionConstraints=obey", f"--layerPrecisions={_rope_layer_precisions(onnx_path)}"]
@@ -104,20 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     spec = DecoderSpec.from_dict(json.loads(manifest_path.read_text())["spec"])
     plan_path = args.out or args.export_dir / "model.plan"
-    trtexec = args.trtexec or shutil.which("trtexec") or next(
-        (p for p in ("/usr/src/tensorrt/bin/trtexec",) if Path(p).is_file()), None
-    )
+    bundled = Path("/usr/src/tensorrt/bin/trtexec")  # the NGC image's
+    trtexec = args.trtexec or shutil.which("trtexec") or (str(bundled) if bundled.is_file() else None)
     command = trtexec_command(trtexec or "trtexec", onnx_path, plan_path, spec, args.max_batch, args.fp16)
     if args.print_command:
         print(" ".join(command))
         return 0
     if trtexec is None:
-        print(
-            "error: TensorRT is not available here (no trtexec on PATH or in /usr/src/tensorrt/bin). "
-            "Build the plan on the GPU host, e.g. inside the NGC tritonserver image: "
-            "docker compose --profile tensorrt up triton-tensorrt",
-            file=sys.stderr,
-        )
+        print("error: TensorRT is not available here (no trtexec on PATH or in /usr/src/tensorrt/bin). "
+              "Build the plan on the GPU host, e.g. inside the NGC tritonserver image: "
+              "docker compose --profile tensorrt up triton-tensorrt", file=sys.stderr)
         return EXIT_NO_TENSORRT
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     print("running:", " ".join(command), file=sys.stderr, flush=True)

@@ -1,16 +1,7 @@
-"""Mimi weights: transformers-format folders, moshi-format checkpoints, seeded random weights.
-
-Every source ends as a flat state dict in the kyutai/mimi (transformers checkpoint) naming, checked
-name by name and shape by shape against the architecture before it is loaded into a
-`transformers.MimiModel`. safetensors only.
-
-- transformers format: a folder with `config.json` + `model.safetensors` (what kyutai/mimi holds),
-  or a hub id resolved through the local hub cache (or the hub, where one is reachable).
-- moshi format: one `.safetensors` file with moshi's module names (PersonaPlex ships
-  `tokenizer-e351c8d8-checkpoint125.safetensors`), mapped onto transformers' names. moshi fuses
-  q/k/v into one projection and applies RoPE to adjacent pairs, transformers rotates halves, so the
-  q and k rows are permuted per head.
-- random: seeded, non-degenerate weights for development and tests. The audio is noise.
+"""Mimi weights into a `transformers.MimiModel`, safetensors only: a transformers-format folder or hub
+id (kyutai/mimi), a moshi-format file (e.g. PersonaPlex's tokenizer-e351c8d8-checkpoint125.safetensors)
+or seeded random weights. Every source becomes a flat state dict in kyutai/mimi's naming, checked name
+by name and shape by shape against the architecture before it is loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
 # MimiModel module names -> flat checkpoint names (the layout kyutai/mimi's model.safetensors uses).
 _MODULE_TO_FLAT = (
     ("encoder.encoder_seanet.layers.", "encoder.layers."),
@@ -35,6 +27,7 @@ _MODULE_TO_FLAT = (
     ("decoder.decoder_transformer.", "decoder_transformer."),
     ("decoder.upsample.", "upsample."),
 )
+_FLAT_TO_MODULE = tuple((flat, module) for module, flat in _MODULE_TO_FLAT)
 
 
 class WeightsError(ValueError):
@@ -49,31 +42,22 @@ class LoadedMimi:
     sha256: str  # of the weight file(s), or of the random recipe
 
 
-def _flat_name(module_name: str) -> str:
-    for prefix, flat in _MODULE_TO_FLAT:
-        if module_name.startswith(prefix):
-            return flat + module_name[len(prefix) :]
-    return module_name
-
-
-def _module_name(flat_name: str) -> str:
-    for prefix, flat in _MODULE_TO_FLAT:
-        if flat_name.startswith(flat):
-            return prefix + flat_name[len(flat) :]
-    return flat_name
+def _swap_prefix(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    for old, new in prefixes:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
 
 
 def new_model(config=None):
     from transformers import MimiConfig, MimiModel
 
-    model = MimiModel(config or MimiConfig())
-    model.eval()
-    return model
+    return MimiModel(config or MimiConfig()).eval()
 
 
 def flat_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's weights under their checkpoint (flat) names."""
-    return {_flat_name(name): tensor for name, tensor in model.state_dict().items()}
+    return {_swap_prefix(name, _MODULE_TO_FLAT): tensor for name, tensor in model.state_dict().items()}
 
 
 def load_flat_state_dict(model, flat: dict[str, torch.Tensor], source: str) -> None:
@@ -81,21 +65,13 @@ def load_flat_state_dict(model, flat: dict[str, torch.Tensor], source: str) -> N
     expected = flat_state_dict(model)
     missing = sorted(set(expected) - set(flat))
     extra = sorted(set(flat) - set(expected))
-    shapes = sorted(
-        f"{name}: checkpoint {tuple(flat[name].shape)}, model {tuple(expected[name].shape)}"
-        for name in set(expected) & set(flat)
-        if tuple(flat[name].shape) != tuple(expected[name].shape)
-    )
-    problems = []
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {_short(missing)}")
-    if extra:
-        problems.append(f"unexpected tensors ({len(extra)}): {_short(extra)}")
-    if shapes:
-        problems.append(f"mis-shaped tensors ({len(shapes)}): {_short(shapes)}")
+    shapes = sorted(f"{name}: checkpoint {tuple(flat[name].shape)}, model {tuple(expected[name].shape)}"
+                    for name in set(expected) & set(flat) if tuple(flat[name].shape) != tuple(expected[name].shape))
+    problems = [f"{what} tensors ({len(names)}): {_short(names)}"
+                for what, names in (("missing", missing), ("unexpected", extra), ("mis-shaped", shapes)) if names]
     if problems:
         raise WeightsError(f"{source} does not fit the Mimi architecture: " + "; ".join(problems))
-    model.load_state_dict({_module_name(name): tensor for name, tensor in flat.items()}, strict=True)
+    model.load_state_dict({_swap_prefix(name, _FLAT_TO_MODULE): tensor for name, tensor in flat.items()}, strict=True)
 
 
 def _short(names: list[str], limit: int = 8) -> str:
@@ -103,21 +79,17 @@ def _short(names: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-# ---- moshi format ---------------------------------------------------------------------------------
-
+_LAYER = r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\."  # moshi's transformer layers
 _MOSHI_RULES = (
     (r"^(encoder|decoder)\.model\.(\d+)\.(conv\.conv|convtr\.convtr)\.", r"\1.layers.\2.conv."),
     (r"^(encoder|decoder)\.model\.(\d+)\.block\.(\d+)\.conv\.conv\.", r"\1.layers.\2.block.\3.conv."),
     (r"^(encoder|decoder)\.model\.(\d+)\.shortcut\.conv\.conv\.", r"\1.layers.\2.shortcut.conv."),
     (r"^downsample\.conv\.conv\.conv\.", "downsample.conv."),
     (r"^upsample\.convtr\.convtr\.convtr\.", "upsample.conv."),
-    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.self_attn\.out_projs?(\.0)?\.", r"\1_transformer.layers.\2.self_attn.o_proj."),
-    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.norm1\.", r"\1_transformer.layers.\2.input_layernorm."),
-    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.norm2\.", r"\1_transformer.layers.\2.post_attention_layernorm."),
-    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.linear1\.", r"\1_transformer.layers.\2.mlp.fc1."),
-    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.linear2\.", r"\1_transformer.layers.\2.mlp.fc2."),
-    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.layer_scale_1\.", r"\1_transformer.layers.\2.self_attn_layer_scale."),
-    (r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.layer_scale_2\.", r"\1_transformer.layers.\2.mlp_layer_scale."),
+    *((_LAYER + moshi, r"\1_transformer.layers.\2." + mimi) for moshi, mimi in (
+        (r"self_attn\.out_projs?(\.0)?\.", "self_attn.o_proj."), (r"norm1\.", "input_layernorm."),
+        (r"norm2\.", "post_attention_layernorm."), (r"linear1\.", "mlp.fc1."), (r"linear2\.", "mlp.fc2."),
+        (r"layer_scale_1\.", "self_attn_layer_scale."), (r"layer_scale_2\.", "mlp_layer_scale."))),
     (r"^quantizer\.rvq_first\.vq\.layers\.(\d+)\._codebook\.", r"quantizer.semantic_residual_vector_quantizer.layers.\1.codebook."),
     (r"^quantizer\.rvq_rest\.vq\.layers\.(\d+)\._codebook\.", r"quantizer.acoustic_residual_vector_quantizer.layers.\1.codebook."),
     (r"^quantizer\.rvq_first\.", "quantizer.semantic_residual_vector_quantizer."),
@@ -126,9 +98,7 @@ _MOSHI_RULES = (
 _MOSHI_LEAF = {"codebook._initialized": "codebook.initialized", "codebook.embedding_sum": "codebook.embed_sum"}
 # Shipped checkpoints name the fused projections `in_proj_weight` / `out_proj.weight`; moshi's modules
 # call them `in_projs.0.weight` / `out_projs.0.weight` (moshi's loader accepts both, and so do we).
-_MOSHI_QKV = re.compile(
-    r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\.self_attn\.(?:in_projs\.0\.weight|in_proj_weight|in_proj\.weight)$"
-)
+_MOSHI_QKV = re.compile(_LAYER + r"self_attn\.(?:in_projs\.0\.weight|in_proj_weight|in_proj\.weight)$")
 
 
 def _rope_pairs_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -140,24 +110,21 @@ def _rope_pairs_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def to_shipped_moshi_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """moshi module names -> the names of the checkpoints Kyutai ships (and rustymimi reads)."""
-    renamed = {}
-    for name, tensor in state.items():
+    def shipped(name: str) -> str:
         name = re.sub(r"\.self_attn\.in_projs\.0\.weight$", ".self_attn.in_proj_weight", name)
-        name = re.sub(r"\.self_attn\.out_projs\.0\.weight$", ".self_attn.out_proj.weight", name)
-        renamed[name] = tensor
-    return renamed
+        return re.sub(r"\.self_attn\.out_projs\.0\.weight$", ".self_attn.out_proj.weight", name)
+
+    return {shipped(name): tensor for name, tensor in state.items()}
 
 
 def moshi_to_flat(state: dict[str, torch.Tensor], num_heads: int = 8) -> dict[str, torch.Tensor]:
-    """Map a moshi-format Mimi state dict onto transformers' flat checkpoint names.
-
-    A name no rule knows raises WeightsError naming it.
-    """
+    """Map a moshi-format Mimi state dict onto transformers' flat checkpoint names; a name no rule
+    knows raises WeightsError naming it. moshi fuses q/k/v and applies RoPE to adjacent pairs where
+    transformers rotates halves, so the q and k rows are permuted per head."""
     flat: dict[str, torch.Tensor] = {}
     unknown = []
     for name, tensor in state.items():
-        qkv = _MOSHI_QKV.match(name)
-        if qkv:
+        if qkv := _MOSHI_QKV.match(name):
             prefix = f"{qkv.group(1)}_transformer.layers.{qkv.group(2)}.self_attn."
             q, k, v = tensor.chunk(3, dim=0)
             flat[prefix + "q_proj.weight"] = _rope_pairs_to_halves(q, num_heads)
@@ -178,14 +145,9 @@ def moshi_to_flat(state: dict[str, torch.Tensor], num_heads: int = 8) -> dict[st
     return flat
 
 
-# ---- random weights -------------------------------------------------------------------------------
-
 def randomize_(model, seed: int) -> None:
-    """Seeded, non-degenerate random weights in place.
-
-    Default inits are degenerate for parity testing (zero codebooks, LayerScale 0.01, convs whose
-    output is nearly constant): codebooks, layer scales and every conv get real variance here.
-    """
+    """Seeded, non-degenerate random weights in place: default inits are degenerate for parity tests
+    (zero codebooks, LayerScale 0.01, near-constant conv outputs)."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(shape, std):
@@ -220,8 +182,6 @@ def random_model(seed: int, config=None) -> LoadedMimi:
     return LoadedMimi(model, f"random:{seed}", "random", hashlib.sha256(recipe.encode()).hexdigest())
 
 
-# ---- sources --------------------------------------------------------------------------------------
-
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -230,11 +190,15 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _require_safetensors(path: Path) -> None:
+    if path.suffix not in SAFETENSORS_SUFFIXES:
+        raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    if path.suffix not in (".safetensors", ".sft"):
-        raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
+    _require_safetensors(path)
     with _unreadable_as_weights_error(path):
         return load_file(str(path))
 
@@ -257,8 +221,7 @@ def load_transformers_dir(path: Path) -> LoadedMimi:
     for needed in (config_path, weights_path):
         if not needed.is_file():
             raise WeightsError(f"{path} is not a transformers-format Mimi folder: {needed.name} is missing")
-    config = MimiConfig.from_pretrained(str(path))
-    model = new_model(config)
+    model = new_model(MimiConfig.from_pretrained(str(path)))
     load_flat_state_dict(model, _read_safetensors(weights_path), str(weights_path))
     return LoadedMimi(model, str(path), "transformers", file_sha256(weights_path))
 
@@ -282,10 +245,8 @@ def resolve_hub_id(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["config.json", "model.safetensors"]
-    try:
+    with contextlib.suppress(Exception):
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
-    except Exception:
-        pass
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as error:  # offline, unknown repo, no access
@@ -293,31 +254,23 @@ def resolve_hub_id(repo_id: str) -> Path:
 
 
 def load_weights(source: str | os.PathLike | None, seed: int | None = None) -> LoadedMimi:
-    """Load Mimi from a transformers folder, a moshi .safetensors file, a hub id, or random (seed).
-
-    With `source=None` a seed is required; random weights produce noise, and say so loudly.
-    """
+    """Load Mimi from a transformers folder, a moshi .safetensors file, a hub id, or random weights
+    (`source=None` with a seed; they produce noise, and say so loudly). Raises WeightsError."""
     if source is None:
         if seed is None:
             raise WeightsError("no weights given: pass a folder, a .safetensors file, a hub id, or a random seed")
-        print(
-            f"WARNING: Mimi with RANDOM weights (seed {seed}): the audio is noise. "
-            "Use real weights (kyutai/mimi or a moshi-format checkpoint) for speech.",
-            file=sys.stderr,
-        )
+        print(f"WARNING: Mimi with RANDOM weights (seed {seed}): the audio is noise. "
+              "Use real weights (kyutai/mimi or a moshi-format checkpoint) for speech.", file=sys.stderr)
         return random_model(seed)
     path = Path(source)
     if path.is_dir():
         return load_transformers_dir(path)
     if path.is_file():
-        if path.suffix not in (".safetensors", ".sft"):
-            raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
+        _require_safetensors(path)
         if _is_moshi_checkpoint(path):
             return load_moshi_checkpoint(path)
-        raise WeightsError(
-            f"{path}: not a moshi-format Mimi checkpoint; for transformers format pass the folder "
-            "holding config.json and model.safetensors"
-        )
-    if re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", str(source)) and path.suffix not in (".safetensors", ".sft"):
+        raise WeightsError(f"{path}: not a moshi-format Mimi checkpoint; for transformers format pass the folder "
+                           "holding config.json and model.safetensors")
+    if re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", str(source)) and path.suffix not in SAFETENSORS_SUFFIXES:
         return load_transformers_dir(resolve_hub_id(str(source)))
     raise WeightsError(f"{source}: no such file or folder")
