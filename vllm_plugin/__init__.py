@@ -1,9 +1,7 @@
 """vLLM-Omni plugin: PersonaPlex's codec stage (stage 1) decoded by this Triton service.
 
-Installed with the `vllm-omni` extra, it registers `TritonPersonaPlexCode2Wav` (`code2wav.py`) from
-vLLM's `vllm.general_plugins` entry point, which vLLM-Omni loads in every stage worker. A deploy
-overlay selects it for stage 1 (`python -m mimi_code2wav.vllm_plugin overlay` writes one; the
-template is `deploy/vllm-omni/personaplex-triton.yaml`). Everything else of the pipeline is unchanged.
+`register` (vLLM's `vllm.general_plugins` entry point, loaded in every stage worker) registers
+`TritonPersonaPlexCode2Wav`; a deploy overlay (`python -m mimi_code2wav.vllm_plugin overlay`) selects it.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """`TritonPersonaPlexCode2Wav`: vLLM-Omni's PersonaPlex codec stage, decoded by the code2wav service.
 
-A subclass of vLLM-Omni's `PersonaPlexCode2Wav` that loads no Mimi. The generation runner calls
-`forward` with the batch's requests concatenated (`input_ids`, `seq_token_counts`, `request_ids`,
-`runtime_additional_information`) and `on_requests_finished(ids)` when requests end. Here:
-
-- each request id is one stream of the service (`client.aio.Code2WavStream`, stream key = the
-  request id, so a proxy keeps it on one replica); stage 0 sends deltas, which go out with their
-  `frame_offset`, so repeated frames (silence) are decoded like any other;
-- the requests of one `forward` are sent together and awaited together on one event loop in a
-  thread of their own: a step waits for its slowest request, not for the sum;
-- `on_requests_finished` ENDs their streams (without waiting for the answers);
-- a lost server is resumed by replay (the client's rules, docs/design.md §2.4): every frame's PCM
-  comes back once; a request the client cannot bring back raises, after the batch's other requests
-  are answered, which is how vLLM-Omni reports a stage failure (the stage's requests fail with an
-  error) instead of playing silence;
-- warm-up / profiling requests (`meta.personaplex_dummy_profile`) and empty requests return empty
-  audio without a call.
-
-Settings (`PluginSettings`): the stage's `additional_config: {code2wav: {...}}`, else the environment
-(`CODE2WAV_URL`, ...), else the defaults.
+A subclass of vLLM-Omni's `PersonaPlexCode2Wav` that loads no Mimi (docs/design.md §2.5): each request
+id is one stream of the service (stream key = the request id), the requests of one `forward` are sent
+and awaited together, `on_requests_finished` ENDs their streams, and a request the client cannot bring
+back raises once the others are answered. Warm-up / profiling requests (`meta.personaplex_dummy_profile`)
+and empty requests return empty audio without a call. Settings: `PluginSettings`.
 """
 
 from __future__ import annotations

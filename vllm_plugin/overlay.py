@@ -1,10 +1,8 @@
 """The vLLM-Omni deploy overlay that selects `TritonPersonaPlexCode2Wav` for PersonaPlex's stage 1.
 
-vLLM-Omni resolves an overlay's `base_config` relative to the overlay's folder (or as an absolute
-path), so a usable overlay names the installed `vllm_omni/deploy/personaplex.yaml` by its path:
-`python -m mimi_code2wav.vllm_plugin overlay --url HOST:PORT --out personaplex-triton.yaml` writes
-one for this environment. deploy/vllm-omni/personaplex-triton.yaml is the same text with a
-placeholder base path.
+vLLM-Omni resolves an overlay's `base_config` relative to the overlay's folder, so a usable overlay
+names the installed `vllm_omni/deploy/personaplex.yaml` by its absolute path
+(deploy/vllm-omni/personaplex-triton.yaml is the same text with a placeholder base path).
 """
 
 from __future__ import annotations

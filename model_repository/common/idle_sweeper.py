@@ -1,11 +1,7 @@
-"""Idle expiry for the Python models: Triton frees an idle sequence without telling the model, so
-each model expires its own per-stream entries on a background thread (`IdleSweeper`).
+"""Idle expiry for the Python models on a background thread (`IdleSweeper`).
 
-Not a model: Triton never loads this folder. `export/render.py` copies every file of
-model_repository/common/ beside each Python model's `model.py` in a rendered repository (`code2wav/1/`
-and the python-ort or null `mimi_decoder/1/`), and the models import them as siblings. Pure stdlib
-(no `triton_python_backend_utils`, no numpy): unit-tested without a server, and runs on the NGC
-image's Python 3.10.
+`export/render.py` copies model_repository/common/ beside each Python model's `model.py`, which imports
+these files as siblings. Pure stdlib: unit-tested without a server, and runs on the NGC image's Python 3.10.
 """
 
 from __future__ import annotations
@@ -25,17 +21,11 @@ class IdleSweeper:
 
     Triton drops an idle sequence without telling the model, so a model expires its own streams; this
     thread does it when no request comes, so their memory (and the live-streams gauge) does not wait
-    for traffic. The model's execute holds `lock` while it touches its stream table: the sweeper is
-    the only other user (an instance runs one execute at a time).
+    for traffic. The model's execute holds `lock` while it touches its stream table.
     """
 
-    def __init__(
-        self,
-        idle_timeout_s: float,
-        expire: Callable[[], object],
-        name: str,
-        log_error: Callable[[str], None] = lambda message: None,
-    ):
+    def __init__(self, idle_timeout_s: float, expire: Callable[[], object], name: str,
+                 log_error: Callable[[str], None] = lambda message: None):
         self.lock = threading.Lock()
         self.interval_s = sweep_interval_s(idle_timeout_s)
         self._expire = expire
@@ -44,13 +34,8 @@ class IdleSweeper:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @classmethod
-    def started(
-        cls,
-        model_name: str,
-        idle_timeout_s: float,
-        expire: Callable[[], object],
-        log_error: Callable[[str], None],
-    ) -> IdleSweeper:
+    def started(cls, model_name: str, idle_timeout_s: float, expire: Callable[[], object],
+                log_error: Callable[[str], None]) -> IdleSweeper:
         """A model instance's sweeper, already running on a thread named `<model_name>-idle-expiry`."""
         sweeper = cls(idle_timeout_s, expire, name=f"{model_name}-idle-expiry", log_error=log_error)
         sweeper.start()

@@ -2,11 +2,8 @@
 Triton error code) or a config (`ConfigError`, from `read_parameters`'s strict policy: every
 parameter required, none unknown, the idle timeout set).
 
-Not a model: Triton never loads this folder. `export/render.py` copies every file of
-model_repository/common/ beside each Python model's `model.py` in a rendered repository (`code2wav/1/`
-and the python-ort or null `mimi_decoder/1/`), and the models import them as siblings. Pure stdlib
-(no `triton_python_backend_utils`, no numpy): unit-tested without a server, and runs on the NGC
-image's Python 3.10.
+`export/render.py` copies model_repository/common/ beside each Python model's `model.py`, which imports
+these files as siblings. Pure stdlib: unit-tested without a server, and runs on the NGC image's Python 3.10.
 """
 
 from __future__ import annotations
@@ -16,14 +13,7 @@ from typing import Any, Callable, Dict, Mapping, Tuple
 
 # The names of pb_utils.TritonError's codes; model.py turns one into the code with getattr.
 TRITON_ERROR_CODES = (
-    "UNKNOWN",
-    "INTERNAL",
-    "NOT_FOUND",
-    "INVALID_ARG",
-    "UNAVAILABLE",
-    "UNSUPPORTED",
-    "ALREADY_EXISTS",
-    "CANCELLED",
+    "UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS", "CANCELLED",
 )
 
 
@@ -67,8 +57,8 @@ def read_parameters(
     callable raising ValueError). Returns (values by name, idle timeout in seconds).
 
     Every parameter of the schema is required and no other is accepted, so a typo fails the load
-    instead of running on a default; so is a positive `max_sequence_idle_microseconds`, since Triton
-    would silently take 1 s. Raises ConfigError naming the parameter.
+    instead of running on a default; so is a positive `max_sequence_idle_microseconds` (Triton would
+    silently take 1 s). Raises ConfigError naming the parameter.
     """
     parameters = config.get("parameters") or {}
     unknown = sorted(set(parameters) - set(schema))

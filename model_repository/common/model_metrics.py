@@ -2,11 +2,8 @@
 sent as changes so that instances add up (`DeltaMetric`), and a guard that keeps metrics from ever
 failing a request (`GuardedMetrics`).
 
-Not a model: Triton never loads this folder. `export/render.py` copies every file of
-model_repository/common/ beside each Python model's `model.py` in a rendered repository (`code2wav/1/`
-and the python-ort or null `mimi_decoder/1/`), and the models import them as siblings. Pure stdlib
-(no `triton_python_backend_utils`, no numpy): unit-tested without a server, and runs on the NGC
-image's Python 3.10.
+`export/render.py` copies model_repository/common/ beside each Python model's `model.py`, which imports
+these files as siblings. Pure stdlib: unit-tested without a server, and runs on the NGC image's Python 3.10.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ class GuardedMetrics:
     without them), `report(update)` calls `update(metrics)`, and the first failure of either is
     logged through `log_warn` and turns them off. `close()` calls the metrics' own `close()`."""
 
-    def __init__(
-        self, model_name: str, version: str, create: Callable[[Dict[str, str]], Any], log_warn: Callable[[str], None]
-    ):
+    def __init__(self, model_name: str, version: str, create: Callable[[Dict[str, str]], Any],
+                 log_warn: Callable[[str], None]):
         self._model_name = model_name
         self._log_warn = log_warn
         self.metrics = None

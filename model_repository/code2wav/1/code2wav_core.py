@@ -1,25 +1,12 @@
-"""Core of the `code2wav` BLS model: everything that is not Triton plumbing.
+"""Core of the `code2wav` BLS model, the stream table: admission, each stream's requests in turn,
+lifecycle, expiry. Pure numpy + stdlib (unit-tested without a server; Python 3.10 and 3.11); its
+siblings (`code2wav_settings`, `_plan`, `_stream`, `_replay`) are listed in docs/design.md, and the
+request contract is docs/design.md §2.
 
-Pure numpy + stdlib (no `triton_python_backend_utils`), so it is unit-tested without a server and runs
-on the Python 3.10 of the NGC 24.10 image as well as 3.11. It is one of five sibling files, each one
-job; model.py and the tests import each name from the file that defines it:
-
-  code2wav_settings.py  settings from the config, sequence flags, request errors
-  code2wav_plan.py      one request -> a DecodePlan: validation, dedupe, resume, limits, decoder calls
-  code2wav_stream.py    what the table keeps per live stream (its decoded codes, its entry)
-  code2wav_replay.py    the replay lane: replayed history as background work
-  code2wav_core.py      the stream table: admission, each stream's requests in turn, lifecycle, expiry
-
-They import `model_errors` (stdlib only), which `export/render.py` copies beside them from
-model_repository/common/. What a request means (tensors, dedupe, lifecycle, resume) is the request
-contract, docs/design.md §2.
-
-A request is planned (`code2wav_plan.plan_request`), its decoder steps run through an injected async
-`decode_step`, and then committed to the table (`StreamTable.commit`), or the stream is aborted if
-a step failed. A request is validated completely before anything changes: a rejected request leaves
-its stream as it was, unless it carried END (Triton releases the sequence with it, so the stream
-ends and its decoder sequence gets a discarded END step). Idle time runs from the last decoder step,
-so requests that decode nothing cannot keep a stream past the decoder's own idle timeout.
+A request is planned (`plan_request`), its decoder steps run through an injected async `decode_step`,
+then committed (`StreamTable.commit`), or the stream is aborted if a step failed. A rejected request
+leaves its stream as it was, unless it carried END (Triton releases the sequence with it, so the
+stream ends and its decoder sequence gets a discarded END step).
 """
 
 from __future__ import annotations
@@ -63,16 +50,13 @@ class Code2WavStats:
 
 # decode_step(correlation_id, codes int32 [1, k, S], flags) -> PCM with samples_per_frame * S samples
 DecodeStep = Callable[[int, np.ndarray, int], Awaitable[np.ndarray]]
+# finish(result): called with a request's PCM or the exception it failed with.
+Finish = Callable[[Union[np.ndarray, Exception]], None]
 
 
 class StreamTable:
-    """Live streams keyed by correlation id, with their decoded codes, lifecycle and idle expiry.
-
-    One table per model instance, used from one thread: the instance's event loop (model.py runs
-    the idle sweeper's `expire_idle` there too). Triton's sequence batcher routes every request of
-    a sequence to the same instance; `submit` runs the requests of one stream in arrival order and
-    the streams independently, across `execute()` batches (docs/design.md §5).
-    """
+    """Live streams keyed by correlation id, with their decoded codes, lifecycle and idle expiry. One
+    per model instance, used from its event loop only (model.py runs the sweeper's `expire_idle` there)."""
 
     def __init__(self, settings: Code2WavSettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
@@ -88,8 +72,6 @@ class StreamTable:
         self._opening: set = set()
         self._lane = ReplayLane(settings.replay_steps_in_flight)
 
-    # ---- inspection -------------------------------------------------------------------------
-
     def stats(self) -> Code2WavStats:
         return Code2WavStats(
             live_streams=len(self._streams),
@@ -103,24 +85,16 @@ class StreamTable:
         """Count a failed request (model.py counts the failures that happen outside the core)."""
         self._errors[kind] = self._errors.get(kind, 0) + 1
 
-    # ---- lifecycle ----------------------------------------------------------------------------
-
     def expire_idle(self, keep: Iterable[int] = ()) -> List[int]:
-        """Drop the streams idle for longer than the timeout and return their ids.
-
-        Triton frees an idle sequence without telling the model, so the table expires entries
-        itself. Streams in `keep` (those with a request in the current batch: Triton accepted them
-        as live) and streams with a request queued or running are never dropped.
-        """
+        """Drop the streams idle for longer than the timeout (Triton frees them without telling the
+        model) and return their ids; never those in `keep` (a request in the current batch) or with a
+        request queued or running."""
         # A second late: Triton itself refuses a non-START request for a sequence it expired, so
         # this only frees memory, and the grace spares a request queued just before the timeout.
         deadline = self._clock() - self.settings.stream_idle_timeout_s - IDLE_GRACE_S
         keep = set(keep) | set(self._queued)
-        expired = [
-            correlation_id
-            for correlation_id, stream in self._streams.items()
-            if stream.last_active_s < deadline and correlation_id not in keep
-        ]
+        expired = [correlation_id for correlation_id, stream in self._streams.items()
+                   if stream.last_active_s < deadline and correlation_id not in keep]
         for correlation_id in expired:
             del self._streams[correlation_id]
         self._streams_expired += len(expired)
@@ -140,10 +114,8 @@ class StreamTable:
             return
         now_s = self._clock()
         if stream is None:
-            stream = StreamEntry(
-                DecodedCodes(self.settings.num_codebooks, self.settings.codebook_size), now_s, plan.base
-            )
-            self._streams[correlation_id] = stream
+            decoded = DecodedCodes(self.settings.num_codebooks, self.settings.codebook_size)
+            stream = self._streams[correlation_id] = StreamEntry(decoded, now_s, plan.base)
         elif plan.starts_stream:
             # Barge-in: the stream starts over. The decoder resets on the next step's START; until
             # then it still holds the old sequence, so decoder_live is kept.
@@ -164,8 +136,6 @@ class StreamTable:
     def abort(self, plan: DecodePlan) -> None:
         """A decoder step of `plan` failed: the stream ends (the client must START again)."""
         self._streams.pop(plan.correlation_id, None)
-
-    # ---- running requests ---------------------------------------------------------------------
 
     async def run(self, plan: DecodePlan, decode_step: DecodeStep) -> np.ndarray:
         """Run the plan's steps in order through `decode_step`, commit, and return the PCM of the
@@ -236,21 +206,14 @@ class StreamTable:
                 pass
         return True
 
-    def submit(
-        self,
-        request: StreamRequest,
-        decode_step: DecodeStep,
-        finish: Optional[Callable[[Union[np.ndarray, Exception]], None]] = None,
-    ) -> asyncio.Task[Union[np.ndarray, Exception]]:
+    def submit(self, request: StreamRequest, decode_step: DecodeStep,
+               finish: Optional[Finish] = None) -> asyncio.Task[Union[np.ndarray, Exception]]:
         """Queue one request behind the earlier requests of its stream and return the task that runs
         it (call from the event loop). The task's result is the request's PCM or the exception it
         failed with (it never raises). `finish(result)`, if given, is called with it before the
-        stream's next request may start, so whatever it sends goes out in the stream's order.
-
-        Streams run independently: a long request (a resume's replay) holds up the later requests of
-        its own stream only; between its decoder steps the other streams' steps reach the decoder.
-        A START for a new stream is refused here, at once, when the instance already holds (or is
-        opening) `max_live_streams` streams."""
+        stream's next request may start, so whatever it sends goes out in the stream's order. A long
+        request (a resume's replay) holds up only its own stream. A START for a new stream is refused
+        here, at once, when the instance already holds (or is opening) `max_live_streams` streams."""
         correlation_id = request.correlation_id
         loop = asyncio.get_running_loop()
         if (request.flags & FLAG_SEQUENCE_START and not request.flags & FLAG_SEQUENCE_END
@@ -266,12 +229,8 @@ class StreamTable:
         task.add_done_callback(lambda done: self._dequeue(correlation_id, done))
         return task
 
-    def submit_batch(
-        self,
-        requests: Sequence[StreamRequest],
-        decode_step: DecodeStep,
-        finishes: Optional[Sequence[Callable[[Union[np.ndarray, Exception]], None]]] = None,
-    ) -> List[asyncio.Task[Union[np.ndarray, Exception]]]:
+    def submit_batch(self, requests: Sequence[StreamRequest], decode_step: DecodeStep,
+                     finishes: Optional[Sequence[Finish]] = None) -> List[asyncio.Task[Union[np.ndarray, Exception]]]:
         """One `execute()` batch: expire idle streams (never those with a request here or queued),
         then `submit` every request in arrival order (with its `finish`, if given)."""
         self.expire_idle(keep=[request.correlation_id for request in requests])
@@ -305,9 +264,7 @@ class StreamTable:
 
     def _stream_cap_error(self, live: int) -> StreamCapError:
         settings = self.settings
-        return StreamCapError(
-            f"resource exhausted: this code2wav instance already holds {live} live streams, its limit "
-            f"(max_live_streams={settings.max_live_streams}); the new stream was refused and no other "
-            f"stream was affected. Retry later, or END streams that are done (an abandoned stream is "
-            f"freed after {settings.stream_idle_timeout_s:g} s idle)"
-        )
+        return StreamCapError(f"resource exhausted: this code2wav instance already holds {live} live streams, its "
+                              f"limit (max_live_streams={settings.max_live_streams}); the new stream was refused "
+                              "and no other stream was affected. Retry later, or END streams that are done (an "
+                              f"abandoned stream is freed after {settings.stream_idle_timeout_s:g} s idle)")

@@ -1,18 +1,9 @@
 """Planning one code2wav request: what it decodes and in which decoder calls, before anything changes.
 
-Pure numpy. `plan_request` takes one `StreamRequest` of a stream (the request contract:
-docs/design.md §2) through four steps, each a function here, and returns a `DecodePlan`:
-
-1. validation: the sequence id and the tensors (`unflatten_codes`, `check_code_range`,
-   `read_scalar_input`, the `max_request_frames` limit);
-2. dedupe (§2.1): which of the request's frames the stream has already decoded, by `frame_offset`
-   or by `dedupe_mode` (`first_new_frame`);
-3. resume (§2.4): a request with `history_frames` decodes every frame and returns the PCM of the
-   frames after the history; `resume_base` places it in the stream;
-4. limits: the frames it decodes against `max_new_frames_per_request` (`check_decoded_frames`).
-
-Then `decoder_steps` cuts the frames to decode into the decoder calls that carry them. Every check
-raises RequestError with a message naming the value, the limit and the parameter.
+Pure numpy. `plan_request` takes one `StreamRequest` (the request contract: docs/design.md §2) through
+validation, dedupe (§2.1, `first_new_frame`), resume (§2.4, `resume_base`) and limits
+(`check_decoded_frames`), then `decoder_steps` cuts the frames into decoder calls: a `DecodePlan`.
+Every check raises RequestError with a message naming the value, the limit and the parameter.
 """
 
 from __future__ import annotations
@@ -42,12 +33,11 @@ class StreamRequest:
 class DecoderStep:
     """One call into the decoder: `codes` int32 [1, k, S] (C-contiguous), the sequence `flags`
     (FLAG_SEQUENCE_START / _END bits), whether its PCM is thrown away (the END-only step) and whether
-    it holds replayed history only."""
+    it holds replayed history only (it then waits for the instance's replay lane)."""
 
     codes: np.ndarray
     flags: int
     discard_output: bool = False
-    # Replayed history only (a resume): the step waits for the instance's replay lane.
     replay: bool = False
 
     @property
@@ -96,12 +86,9 @@ def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], reque
     ends = bool(request.flags & FLAG_SEQUENCE_END)
     history_frames = read_scalar_input(request.history_frames, "history_frames")
     if entry is None and not starts:
-        raise RequestError(
-            "unknown_stream",
-            f"stream {correlation_id} is not open: send the first request of the sequence with the "
-            f"START flag (a stream ends with END, with a decoder error, or after "
-            f"{settings.stream_idle_timeout_s:g} s idle)",
-        )
+        raise RequestError("unknown_stream", f"stream {correlation_id} is not open: send the first request of the "
+                           "sequence with the START flag (a stream ends with END, with a decoder error, or after "
+                           f"{settings.stream_idle_timeout_s:g} s idle)")
     codes = validated_codes(settings, request.input_ids)
     request_frames = codes.shape[1]
     offset = read_scalar_input(request.frame_offset, "frame_offset")
@@ -132,84 +119,60 @@ def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], reque
         steps += (DecoderStep(zero_step_codes(settings), FLAG_SEQUENCE_END, discard_output=True),)
 
     return DecodePlan(
-        correlation_id=correlation_id,
-        new_codes=to_decode[:, first_new - first_decoded :],
-        steps=steps,
-        starts_stream=starts,
-        ends_stream=ends,
+        correlation_id=correlation_id, new_codes=to_decode[:, first_new - first_decoded :], steps=steps,
+        starts_stream=starts, ends_stream=ends,
         history_codes=None if history_frames is None else to_decode[:, :history_frames],
-        resumes_stream=history_frames is not None and starts,
-        base=base,
-        entry=entry,
+        resumes_stream=history_frames is not None and starts, base=base, entry=entry,
     )
 
 
 # ---- 1. validation --------------------------------------------------------------------------------
-
-
 def check_correlation_id(correlation_id: object) -> None:
     if isinstance(correlation_id, bool) or not isinstance(correlation_id, int) or correlation_id <= 0:
-        raise RequestError(
-            "correlation_id",
-            f"requests need a non-zero integer correlation id (one per stream), got {correlation_id!r}",
-        )
+        raise RequestError("correlation_id",
+                           f"requests need a non-zero integer correlation id (one per stream), got {correlation_id!r}")
 
 
 def validated_codes(settings: Code2WavSettings, input_ids: np.ndarray) -> np.ndarray:
     """`input_ids` -> codes int64 [k, F] within the request-size limit and the codebook."""
     codes = unflatten_codes(input_ids, settings.num_codebooks)
     if codes.shape[1] > settings.max_request_frames:
-        raise RequestError(
-            "limit",
-            f"request holds {codes.shape[1]} frames, more than max_request_frames={settings.max_request_frames}",
-        )
+        raise RequestError("limit", f"request holds {codes.shape[1]} frames, more than "
+                                    f"max_request_frames={settings.max_request_frames}")
     check_code_range(codes, settings.codebook_size)
     return codes
 
 
 def unflatten_codes(input_ids: np.ndarray, num_codebooks: int) -> np.ndarray:
-    """`input_ids` INT64 [1, k*F] (or [k*F]), codebook-major -> codes int64 [k, F] (a view).
-
-    Codebook-major: the F codes of codebook 0 come first, then the F codes of codebook 1, ...
-    Raises RequestError of kind "dtype", "shape" or "length".
-    """
+    """`input_ids` INT64 [1, k*F] (or [k*F]), codebook-major (the F codes of codebook 0 first) -> codes
+    int64 [k, F] (a view). Raises RequestError of kind "dtype", "shape" or "length"."""
     input_ids = np.asarray(input_ids)
     if input_ids.dtype != np.int64:
         raise RequestError("dtype", f"input_ids must be INT64, got {input_ids.dtype}")
     if not (input_ids.ndim == 1 or (input_ids.ndim == 2 and input_ids.shape[0] == 1)):
-        raise RequestError(
-            "shape",
-            f"input_ids must have shape [1, k*F] (one request of flat codes), got {list(input_ids.shape)}",
-        )
+        raise RequestError("shape", f"input_ids must have shape [1, k*F] (one request of flat codes), "
+                                    f"got {list(input_ids.shape)}")
     flat = input_ids.reshape(-1)
     if flat.size % num_codebooks:
-        raise RequestError(
-            "length",
-            f"input_ids holds {flat.size} codes, not a multiple of num_codebooks={num_codebooks}",
-        )
+        raise RequestError("length",
+                           f"input_ids holds {flat.size} codes, not a multiple of num_codebooks={num_codebooks}")
     return flat.reshape(num_codebooks, flat.size // num_codebooks)
 
 
 def check_code_range(codes: np.ndarray, codebook_size: int) -> None:
     """Raise RequestError("code_range") naming the first code of `codes` [k, F] outside
     [0, codebook_size), with its codebook, frame and flat position in input_ids."""
-    if codes.size == 0:
-        return
-    if codes.min() >= 0 and codes.max() < codebook_size:
+    if codes.size == 0 or (codes.min() >= 0 and codes.max() < codebook_size):
         return
     flat = codes.reshape(-1)
     position = int(np.flatnonzero((flat < 0) | (flat >= codebook_size))[0])
     frames = codes.shape[1]
-    raise RequestError(
-        "code_range",
-        f"input_ids[{position}] = {int(flat[position])} (codebook {position // frames}, "
-        f"frame {position % frames}) is outside [0, {codebook_size}) (codebook_size={codebook_size})",
-    )
+    raise RequestError("code_range", f"input_ids[{position}] = {int(flat[position])} (codebook {position // frames}, "
+                       f"frame {position % frames}) is outside [0, {codebook_size}) (codebook_size={codebook_size})")
 
 
 def read_scalar_input(array: Optional[np.ndarray], name: str) -> Optional[int]:
-    """An optional INT64 [1, 1] input (`frame_offset`, `history_frames`) -> int, or None when the
-    request has none."""
+    """An optional INT64 [1, 1] input (`frame_offset`, `history_frames`) -> int, or None when absent."""
     if array is None:
         return None
     array = np.asarray(array)
@@ -226,16 +189,8 @@ def _check_offset_not_negative(offset: int) -> None:
 
 
 # ---- 2. dedupe (docs/design.md §2.1) ----------------------------------------------------------------
-
-
-def first_new_frame(
-    settings: Code2WavSettings,
-    correlation_id: int,
-    codes: np.ndarray,
-    offset: Optional[int],
-    decoded: Optional[DecodedCodes],
-    base: int = 0,
-) -> int:
+def first_new_frame(settings: Code2WavSettings, correlation_id: int, codes: np.ndarray, offset: Optional[int],
+                    decoded: Optional[DecodedCodes], base: int = 0) -> int:
     """Index within the request (codes [k, F]) of its first frame to decode. `decoded` holds the
     frames the stream has decoded from `base` on (None for a stream that starts here)."""
     if offset is not None:
@@ -251,11 +206,9 @@ def first_new_frame(
     if mode == "cumulative":
         if request_frames < held:
             since = f" since frame {base}, where it was resumed on this server" if base else ""
-            raise RequestError(
-                "not_cumulative",
-                f"dedupe_mode=cumulative: the request holds {request_frames} frames but stream "
-                f"{correlation_id} has decoded {held}{since}; a cumulative request starts with all of them",
-            )
+            raise RequestError("not_cumulative", f"dedupe_mode=cumulative: the request holds {request_frames} frames "
+                               f"but stream {correlation_id} has decoded {held}{since}; a cumulative request starts "
+                               "with all of them")
         _check_unchanged(correlation_id, codes[:, :held], decoded, 0, base)
         return held
     # auto: a resend if it starts with every held frame, else a delta
@@ -264,24 +217,17 @@ def first_new_frame(
     return 0
 
 
-def _first_new_at_offset(
-    correlation_id: int, codes: np.ndarray, offset: int, decoded: Optional[DecodedCodes], base: int
-) -> int:
+def _first_new_at_offset(correlation_id: int, codes: np.ndarray, offset: int, decoded: Optional[DecodedCodes],
+                         base: int) -> int:
     next_frame = base + (0 if decoded is None else decoded.frames)
     _check_offset_not_negative(offset)
     if offset < base:
-        raise RequestError(
-            "before_resume",
-            f"frame_offset {offset} is before frame {base}, where stream {correlation_id} was resumed "
-            f"on this server: frames before {base} are not held here and cannot be compared; "
-            f"send frames from {base} on",
-        )
+        raise RequestError("before_resume", f"frame_offset {offset} is before frame {base}, where stream "
+                           f"{correlation_id} was resumed on this server: frames before {base} are not held here "
+                           f"and cannot be compared; send frames from {base} on")
     if offset > next_frame:
-        raise RequestError(
-            "gap",
-            f"frame_offset {offset} leaves a gap: stream {correlation_id} has decoded {next_frame} "
-            f"frames, so frame_offset must be at most {next_frame}",
-        )
+        raise RequestError("gap", f"frame_offset {offset} leaves a gap: stream {correlation_id} has decoded "
+                                  f"{next_frame} frames, so frame_offset must be at most {next_frame}")
     overlap = min(next_frame - offset, codes.shape[1])
     if overlap > 0:
         _check_unchanged(correlation_id, codes[:, :overlap], decoded, offset - base, base)
@@ -293,16 +239,12 @@ def _check_unchanged(correlation_id: int, codes: np.ndarray, decoded: DecodedCod
     into stream indices for the message."""
     mismatch = decoded.first_mismatch(codes, start)
     if mismatch is not None:
-        raise RequestError(
-            "changed_frame",
-            f"frame {base + start + mismatch} differs from the frame stream {correlation_id} already "
-            f"decoded at that index; decoded frames cannot change (START a new sequence instead)",
-        )
+        raise RequestError("changed_frame", f"frame {base + start + mismatch} differs from the frame stream "
+                           f"{correlation_id} already decoded at that index; decoded frames cannot change (START a "
+                           "new sequence instead)")
 
 
 # ---- 3. resume (docs/design.md §2.4) ----------------------------------------------------------------
-
-
 def resume_base(correlation_id: int, history_frames: int, offset: Optional[int], request_frames: int,
                 continuing: Optional[StreamEntry]) -> int:
     """The base (stream index of the first held frame) of a stream after a request with
@@ -310,54 +252,39 @@ def resume_base(correlation_id: int, history_frames: int, offset: Optional[int],
     one; a request without START continues a resume sent in pieces (every frame new), so it must
     start at the stream's next frame and keeps the stream's base."""
     if not 0 <= history_frames <= request_frames:
-        raise RequestError(
-            "history",
-            f"history_frames={history_frames} must lie in [0, {request_frames}]: the request holds {request_frames} "
-            f"frames and its first history_frames of them are the replayed history (stream {correlation_id})",
-        )
+        raise RequestError("history", f"history_frames={history_frames} must lie in [0, {request_frames}]: the "
+                           f"request holds {request_frames} frames and its first history_frames of them are the "
+                           f"replayed history (stream {correlation_id})")
     if continuing is not None:
         if offset != continuing.next_frame:
-            raise RequestError(
-                "history",
-                f"history_frames={history_frames} on a continuing stream needs frame_offset={continuing.next_frame}, "
-                f"the stream's next frame (got {offset}): history is decoded once, after the frames stream "
-                f"{correlation_id} holds",
-            )
+            raise RequestError("history", f"history_frames={history_frames} on a continuing stream needs "
+                               f"frame_offset={continuing.next_frame}, the stream's next frame (got {offset}): history "
+                               f"is decoded once, after the frames stream {correlation_id} holds")
         return continuing.base
     if offset is None:
         if history_frames:
-            raise RequestError(
-                "history",
-                f"history_frames={history_frames} needs frame_offset, the stream index of the request's first "
-                f"frame, to place the history in the stream (stream {correlation_id})",
-            )
+            raise RequestError("history", f"history_frames={history_frames} needs frame_offset, the stream index of "
+                               "the request's first frame, to place the history in the stream "
+                               f"(stream {correlation_id})")
         return 0
     _check_offset_not_negative(offset)
     return offset
 
 
 # ---- 4. limits --------------------------------------------------------------------------------------
-
-
 def check_decoded_frames(settings: Code2WavSettings, history_frames: Optional[int], new_frames: int) -> None:
     """The frames a request decodes, new and replayed history alike (the decoder runs both), within
     `max_new_frames_per_request`."""
     limit = settings.max_new_frames_per_request
     if history_frames and history_frames + new_frames > limit:
-        raise RequestError(
-            "limit",
-            f"request decodes {history_frames + new_frames} frames ({history_frames} history_frames + {new_frames} "
-            f"new), more than max_new_frames_per_request={limit}",
-        )
+        raise RequestError("limit", f"request decodes {history_frames + new_frames} frames ({history_frames} "
+                           f"history_frames + {new_frames} new), more than max_new_frames_per_request={limit}")
     if not history_frames and new_frames > limit:
-        raise RequestError(
-            "limit", f"request has {new_frames} new frames, more than max_new_frames_per_request={limit}"
-        )
+        raise RequestError("limit",
+                           f"request has {new_frames} new frames, more than max_new_frames_per_request={limit}")
 
 
 # ---- decoder calls ----------------------------------------------------------------------------------
-
-
 def decoder_steps(settings: Code2WavSettings, codes: np.ndarray, needs_start: bool, ends: bool,
                   replay: bool = False) -> Tuple[DecoderStep, ...]:
     """Frames [k, N] in as few decoder calls as the decoder takes: one call when N <=

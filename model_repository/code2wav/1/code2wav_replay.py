@@ -21,12 +21,10 @@ class ReplayLane:
     """Decoder steps of replayed history as background work.
 
     Live steps (new frames) go straight to the decoder; `live()` only counts them. A replay step
-    (`replay()`) waits for its turn: at most `steps_in_flight` replay steps at a time while the instance
-    has live traffic, up to REPLAY_STEPS_WHEN_IDLE once no live step has run for LIVE_QUIET_S (an
-    instance whose streams all resume replays at full speed), taken in arrival order; then it waits up
-    to REPLAY_WAIT_FOR_IDLE_S for the live steps in the decoder to finish, so that it fills the gaps
-    between them. However many streams resume at once, a live step finds at most `steps_in_flight`
-    short replay rows beside it in the decoder."""
+    (`replay()`) waits for its turn, in arrival order: at most `steps_in_flight` at a time while the
+    instance has live traffic, up to REPLAY_STEPS_WHEN_IDLE once no live step has run for LIVE_QUIET_S;
+    then it waits up to REPLAY_WAIT_FOR_IDLE_S for the live steps in the decoder to finish, so that it
+    fills the gaps between them: a live step finds at most `steps_in_flight` replay rows beside it."""
 
     def __init__(self, steps_in_flight: int, clock: Callable[[], float] = time.monotonic):
         self.steps_in_flight = steps_in_flight

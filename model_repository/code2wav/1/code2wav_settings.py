@@ -1,8 +1,5 @@
-"""code2wav's settings, sequence flags and request errors: what every other core module shares.
-
-Pure stdlib (no `triton_python_backend_utils`). Settings come from the model config's `parameters`
-and its idle timeout, read once at load (`settings_from_config`); what each parameter means is said
-beside it in code2wav's config.
+"""code2wav's settings (read once at load, `settings_from_config`; each parameter is described in
+code2wav's config), sequence flags and request errors: what every other core module shares. Pure stdlib.
 """
 
 from __future__ import annotations
@@ -20,23 +17,8 @@ DEDUPE_MODES = ("auto", "delta", "cumulative")
 
 # Every kind an error can be counted under (the `kind` label of code2wav_errors_total).
 ERROR_KINDS = (
-    "dtype",
-    "shape",
-    "length",
-    "code_range",
-    "limit",
-    "negative_offset",
-    "gap",
-    "changed_frame",
-    "not_cumulative",
-    "history",
-    "before_resume",
-    "correlation_id",
-    "unknown_stream",
-    "stream_cap",
-    "unavailable",
-    "decoder",
-    "internal",
+    "dtype", "shape", "length", "code_range", "limit", "negative_offset", "gap", "changed_frame", "not_cumulative",
+    "history", "before_resume", "correlation_id", "unknown_stream", "stream_cap", "unavailable", "decoder", "internal",
 )
 
 INT32_MAX = 2**31 - 1
@@ -51,10 +33,8 @@ class RequestError(ModelError):
 
 
 class DecoderError(ModelError):
-    """A decoder step failed; raised by the decoder helper with the decoder's message. Kind and
-    code: `decoder` / INTERNAL, unless the decoder refused a new stream for lack of room
-    (`stream_cap`) or the server is shutting down (`unavailable`), both UNAVAILABLE: the client
-    may retry, here later or on another server."""
+    """A decoder step failed, with the decoder's message. `decoder` / INTERNAL, unless the decoder refused
+    a new stream (`stream_cap`) or the server is shutting down (`unavailable`): UNAVAILABLE (may retry)."""
 
     def __init__(self, message: str, code: str = "INTERNAL", kind: str = "decoder"):
         super().__init__(kind, message, code)
@@ -70,8 +50,7 @@ class StreamCapError(ModelError):
 @dataclasses.dataclass(frozen=True)
 class Code2WavSettings:
     """Everything the core needs from the model config: one field per parameter (same name) and the
-    idle timeout. The defaults are those of the tracked model_repository/code2wav/config.pbtxt, for
-    tests that build a table without a config; tests/test_code2wav_core.py keeps the two equal."""
+    idle timeout. The defaults are those of model_repository/code2wav/config.pbtxt (a test keeps them equal)."""
 
     decoder_model_name: str = "mimi_decoder"
     num_codebooks: int = 8
@@ -98,9 +77,7 @@ class Code2WavSettings:
         if self.codebook_size > INT32_MAX:
             raise ConfigError("codebook_size", f"must be at most {INT32_MAX}, got {self.codebook_size}")
         if self.dedupe_mode not in DEDUPE_MODES:
-            raise ConfigError(
-                "dedupe_mode", f"must be one of {', '.join(DEDUPE_MODES)}, got {self.dedupe_mode!r}"
-            )
+            raise ConfigError("dedupe_mode", f"must be one of {', '.join(DEDUPE_MODES)}, got {self.dedupe_mode!r}")
         if not self.stream_idle_timeout_s > 0:
             raise ConfigError(IDLE_TIMEOUT_FIELD, f"must be positive, got {self.stream_idle_timeout_s!r}")
 
@@ -116,7 +93,6 @@ PARAMETER_TYPES = {
 
 def settings_from_config(config: Mapping) -> Code2WavSettings:
     """Build the settings from the model config (the JSON Triton hands to `initialize`, parsed): its
-    `parameters` (every one of PARAMETER_TYPES required, no other accepted) and its
-    `sequence_batching.max_sequence_idle_microseconds`. Raises ConfigError naming the parameter."""
+    `parameters` (PARAMETER_TYPES, all required) and its idle timeout. Raises ConfigError naming the parameter."""
     values, idle_timeout_s = read_parameters(config, PARAMETER_TYPES)
     return Code2WavSettings(stream_idle_timeout_s=idle_timeout_s, **values)

@@ -9,11 +9,8 @@ import numpy as np
 
 
 class DecodedCodes:
-    """The codes of the frames a stream has decoded, [k, frames], kept compactly.
-
-    int16 when the codebook fits (2048 entries: 16 bytes per frame, ~720 KB per hour of audio),
-    in a buffer grown geometrically so appending is amortised O(new frames).
-    """
+    """The codes of the frames a stream has decoded, [k, frames]: int16 when the codebook fits (2048
+    entries: ~720 KB per hour of audio), in a buffer grown geometrically (appending is amortised O(new))."""
 
     _INITIAL_CAPACITY = 64
 

@@ -1,11 +1,6 @@
 """Triton Python (BLS) model `code2wav`: Mimi codes in, PCM out, one stream per sequence (the request
-contract: docs/design.md §2).
-
-Thin on purpose: tensors -> numpy, `code2wav_core` (the stream table over the request planning of its
-sibling files, each name imported from the file that defines it), the decoder calls, numpy -> responses.
-Everything testable lives in those files and in the files `export/render.py` copies here from
-model_repository/common/: `model_errors` (request and config errors, the parameter policy),
-`idle_sweeper`, `model_metrics`.
+contract: docs/design.md §2). Thin on purpose: tensors -> numpy, `code2wav_core`, the decoder calls,
+numpy -> responses; everything testable lives in the sibling files and model_repository/common/.
 """
 
 import asyncio
@@ -53,12 +48,9 @@ class TritonPythonModel:
         if self._max_batch_size < 1:
             raise pb_utils.TritonModelException(
                 f"model '{self._model_name}': parameter 'max_batch_size' must be > 0 (requests carry a "
-                f"leading batch dimension), got {self._max_batch_size}"
-            )
+                f"leading batch dimension), got {self._max_batch_size}")
         self._pcm_dtype = _output_dtype(config, "model_outputs", self._model_name)
-        self._sample_rate = np.array(
-            [[settings.sample_rate_hz]], dtype=_output_dtype(config, "sr", self._model_name)
-        )
+        self._sample_rate = np.array([[settings.sample_rate_hz]], dtype=_output_dtype(config, "sr", self._model_name))
         self._decoder_model_name = settings.decoder_model_name
         self._table = StreamTable(settings)
         # Each decoder call blocks one of these threads (a BLS request is synchronous). Each stream has
@@ -72,20 +64,15 @@ class TritonPythonModel:
         self._answers = []  # (response sender, result) of finished requests, not yet sent
         self._metrics = model_metrics.GuardedMetrics(self._model_name, args["model_version"], _Metrics,
                                                       pb_utils.Logger.log_warn)
-        self._sweeper = idle_sweeper.IdleSweeper.started(
-            self._model_name, settings.stream_idle_timeout_s, self._expire_idle, pb_utils.Logger.log_error
-        )
-        pb_utils.Logger.log_info(
-            f"model '{self._model_name}': decoder '{settings.decoder_model_name}', "
-            f"dedupe_mode={settings.dedupe_mode}, stream idle timeout {settings.stream_idle_timeout_s:g} s"
-        )
+        self._sweeper = idle_sweeper.IdleSweeper.started(self._model_name, settings.stream_idle_timeout_s,
+                                                         self._expire_idle, pb_utils.Logger.log_error)
+        pb_utils.Logger.log_info(f"model '{self._model_name}': decoder '{settings.decoder_model_name}', dedupe_mode="
+                                 f"{settings.dedupe_mode}, stream idle timeout {settings.stream_idle_timeout_s:g} s")
 
     async def execute(self, requests):
-        # Runs on the stub's event loop, which keeps running between calls: every request becomes a
-        # task of the stream table (each stream's requests in order, the streams independently) and
-        # is answered through its response sender when it finishes; execute returns at once. So the
-        # instance takes its next batch while a long request (a resume's replay) is still decoding,
-        # and live streams never wait behind it.
+        # Every request becomes a task of the stream table on the stub's event loop, answered through
+        # its response sender when it finishes; execute returns at once, so the instance takes its next
+        # batch while a long request (a resume's replay) is still decoding.
         self._loop = asyncio.get_running_loop()
         stream_requests, finishes = [], []
         for request in requests:
@@ -103,12 +90,10 @@ class TritonPythonModel:
     def _response(self, result):
         if isinstance(result, Exception):
             return self._error_response(result)
-        return pb_utils.InferenceResponse(
-            output_tensors=[
-                pb_utils.Tensor("model_outputs", result.astype(self._pcm_dtype, copy=False)),
-                pb_utils.Tensor("sr", self._sample_rate),
-            ]
-        )
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("model_outputs", result.astype(self._pcm_dtype, copy=False)),
+            pb_utils.Tensor("sr", self._sample_rate),
+        ])
 
     def _answer(self, sender, result):
         # Answers that finish together (a decoder batch's steps reach the loop within moments) go out
@@ -170,13 +155,10 @@ class TritonPythonModel:
     def _error_response(self, exc):
         code = model_errors.error_code(exc)
         if code == "INTERNAL":
-            pb_utils.Logger.log_error(
-                f"model '{self._model_name}': "
-                + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            )
-        return pb_utils.InferenceResponse(
-            output_tensors=[], error=pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, code))
-        )
+            pb_utils.Logger.log_error(f"model '{self._model_name}': "
+                                      + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        return pb_utils.InferenceResponse(output_tensors=[],
+                                          error=pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, code)))
 
     def finalize(self):
         self._sweeper.close(pb_utils.Logger.log_warn)
@@ -207,15 +189,17 @@ def _output_dtype(config, name, model_name):
     return pb_utils.triton_string_to_numpy(output["data_type"])
 
 
-# name, description, kind of each custom metric family, in the order _Metrics unpacks them.
+# name, description, kind of each custom metric family, and the Code2WavStats field it reports
+# (errors_by_kind: one series per error kind).
 _METRIC_FAMILIES = (
-    ("code2wav_live_streams", "Streams open in code2wav (started, not ended or expired)", "GAUGE"),
+    ("code2wav_live_streams", "Streams open in code2wav (started, not ended or expired)", "GAUGE", "live_streams"),
     ("code2wav_frames_decoded_total", "Audio frames (80 ms each) decoded by code2wav, replayed history included",
-     "COUNTER"),
+     "COUNTER", "frames_decoded"),
     ("code2wav_resumed_streams_total",
-     "Streams opened by a START with history_frames (resumed after losing their server)", "COUNTER"),
-    ("code2wav_expired_streams_total", "Streams forgotten after the idle timeout without an END", "COUNTER"),
-    ("code2wav_errors_total", "Failed code2wav requests by kind", "COUNTER"),
+     "Streams opened by a START with history_frames (resumed after losing their server)", "COUNTER", "streams_resumed"),
+    ("code2wav_expired_streams_total", "Streams forgotten after the idle timeout without an END", "COUNTER",
+     "streams_expired"),
+    ("code2wav_errors_total", "Failed code2wav requests by kind", "COUNTER", "errors_by_kind"),
 )
 
 
@@ -226,26 +210,20 @@ class _Metrics:
     def __init__(self, labels):
         family = pb_utils.MetricFamily
         # The families must outlive their metrics: a metric of a collected family stops working.
-        self._families = [
-            family(name=name, description=description, kind=getattr(family, kind))
-            for name, description, kind in _METRIC_FAMILIES
-        ]
-        live_family, frames_family, resumed_family, expired_family, self._errors_family = self._families
+        self._families = [family(name=name, description=description, kind=getattr(family, kind))
+                          for name, description, kind, _ in _METRIC_FAMILIES]
+        *value_families, self._errors_family = self._families
         self._labels = labels
-        self._live_streams = model_metrics.DeltaMetric(live_family.Metric(labels=labels))
-        self._frames_decoded = model_metrics.DeltaMetric(frames_family.Metric(labels=labels))
-        self._streams_resumed = model_metrics.DeltaMetric(resumed_family.Metric(labels=labels))
-        self._streams_expired = model_metrics.DeltaMetric(expired_family.Metric(labels=labels))
+        self._values = {field: model_metrics.DeltaMetric(value_family.Metric(labels=labels))
+                        for (*_, field), value_family in zip(_METRIC_FAMILIES, value_families)}
         self._errors = {kind: self._error_metric(kind) for kind in ERROR_KINDS}
 
     def _error_metric(self, kind):
         return model_metrics.DeltaMetric(self._errors_family.Metric(labels={**self._labels, "kind": kind}))
 
     def report(self, stats):
-        self._live_streams.update(stats.live_streams)
-        self._frames_decoded.update(stats.frames_decoded)
-        self._streams_resumed.update(stats.streams_resumed)
-        self._streams_expired.update(stats.streams_expired)
+        for field, delta in self._values.items():
+            delta.update(getattr(stats, field))
         for kind, count in stats.errors_by_kind.items():
             if kind not in self._errors:
                 self._errors[kind] = self._error_metric(kind)
@@ -253,9 +231,9 @@ class _Metrics:
 
     def close(self):
         # This instance's streams leave the shared gauge with it.
-        self._live_streams.withdraw()
+        self._values["live_streams"].withdraw()
         # Metrics go before their families (python_backend custom-metrics contract).
         self._errors.clear()
-        self._live_streams = self._frames_decoded = self._streams_resumed = self._streams_expired = None
+        self._values.clear()
         self._families.clear()
         self._errors_family = None

@@ -1,11 +1,7 @@
 """Triton Python-backend `mimi_decoder` of the `null` bench target: the decoder's exact interface
 (sequence-batched; codes INT32 [1, k, F] -> pcm FP32 [1, samples_per_frame * F]) returning silence at
-once, with no decoding and no state.
-
-Behind code2wav it measures what gRPC, code2wav and the sequence-batcher hop carry by themselves:
-the front's ceiling, which bounds what any decoder behind it can be given (`python -m benchmarks sweep
---decoder null`). It is never served for audio. Like the python-ort target, `export/render.py`
-copies it with model_repository/common/ into a rendered `mimi_decoder/1/`; Triton never loads it from here.
+once, with no state. Behind code2wav it measures the front's own ceiling (`python -m benchmarks sweep
+--decoder null`); never served for audio. `export/render.py` copies it into a rendered `mimi_decoder/1/`.
 """
 
 import json

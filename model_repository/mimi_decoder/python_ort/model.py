@@ -1,22 +1,10 @@
 """Triton Python-backend `mimi_decoder` (the python-ort target): the streaming ONNX step in ONNX Runtime,
 with the per-sequence state kept by the model.
 
-Thin on purpose: what can be tested without a server is pure numpy beside it, in the config
-(`python_ort_config`), the state arrays (`python_ort_memory`) and the validation and batched stepping
-(`python_ort_core`, through which this file reaches all three), and in model_repository/common/
-(`model_errors`, `idle_sweeper`, `model_metrics`). This file reads the config, builds the ONNX Runtime
-session, turns tensors into numpy and back, and publishes the metrics.
-
-Triton never loads this file from the tracked `model_repository/mimi_decoder/python_ort/`: it only
-considers numeric version folders of a model. `export/render.py` copies it and its modules
-(`PYTHON_ORT_FILES`), with model_repository/common/, into a rendered `mimi_decoder/1/` next to
-`model.onnx`, with the config rendered from `config.pbtxt.tmpl`.
-
-Metrics (labels `model`, `version`; instances add up): gauges `mimi_decoder_live_streams` and
-`mimi_decoder_state_buffer_bytes` (free state arrays kept for the next runs); counters
-`mimi_decoder_batches_total` (session runs), `mimi_decoder_batched_requests_total` (rows run),
-`mimi_decoder_expired_streams_total`, `mimi_decoder_refused_streams_total` (STARTs refused at
-`max_live_streams`); histogram `mimi_decoder_batch_size` (rows per run).
+Thin on purpose: it reads the config, builds the ONNX Runtime session, turns tensors into numpy and
+back and publishes the metrics; the rest is pure numpy beside it (`python_ort_config`, `_memory`,
+`_core`) and in model_repository/common/. `export/render.py` copies these files into a rendered
+`mimi_decoder/1/` next to `model.onnx` (Triton never loads them from here).
 """
 
 import dataclasses
@@ -61,8 +49,8 @@ def create_session(path: Path, intra_op_threads: int, instance_kind: str, device
     return ort.InferenceSession(str(path), sess_options=options, providers=providers)
 
 
-# The core's figures, published as changes so the instances add up: (metric name, kind, description,
-# the figure read from the core). Counters grow; gauges leave with their instance.
+# (metric name, kind, description, the figure read from the core), published as changes so the
+# instances add up; gauges leave with their instance.
 _CORE_FIGURES = (
     ("mimi_decoder_live_streams", "GAUGE", "Sequences with decoder state held by the model",
      operator.attrgetter("live_streams")),
@@ -172,14 +160,9 @@ class TritonPythonModel:
         for request in requests:
             tensors = {tensor.name(): tensor for tensor in request.inputs()}
             flags = request.flags()
-            step_requests.append(
-                core.StepRequest(
-                    request.correlation_id(),
-                    bool(flags & self._start_flag),
-                    bool(flags & self._end_flag),
-                    {name: tensors[name].as_numpy() if name in tensors else None for name in self._input_names},
-                )
-            )
+            inputs = {name: tensors[name].as_numpy() if name in tensors else None for name in self._input_names}
+            step_requests.append(core.StepRequest(request.correlation_id(), bool(flags & self._start_flag),
+                                                  bool(flags & self._end_flag), inputs))
         with self._sweeper.lock:
             results = self._core.step(step_requests)
             self._publish_metrics()
@@ -192,11 +175,8 @@ class TritonPythonModel:
                 error = pb_utils.TritonError(str(result), getattr(pb_utils.TritonError, result.code))
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
             else:
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor(name, array) for name, array in result.items()]
-                    )
-                )
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, array) for name, array in result.items()]))
         return responses
 
     def finalize(self):

@@ -1,16 +1,12 @@
 """Configuration of the python-ort `mimi_decoder`: its model config read strictly and checked against the
-ONNX graph (`max_live_streams: auto` is resolved against the host's memory in `python_ort_memory`).
+ONNX graph (`max_live_streams: auto` is resolved in `python_ort_memory`). Pure numpy + stdlib; a wrong
+or missing value raises ValueError (`ConfigError` for a parameter), which `model.py` turns into a
+failed load.
 
-Pure numpy + stdlib, like `python_ort_core` (which builds on the `DecoderConfig` made here); it
-imports `model_errors`, which `export/render.py` copies beside it from model_repository/common/.
-A wrong or missing value raises ValueError (`ConfigError` for a parameter), which `model.py` turns
-into a failed load.
-
-The config (`config.pbtxt`, rendered from `config.pbtxt.tmpl`): `input` / `output` list the
-non-state tensors; `max_batch_size` > 0 (every request carries a leading batch dimension of 1);
-`sequence_batching` has the `oldest` strategy, START/END/CORRID (TYPE_UINT64) control inputs and a
-positive `max_sequence_idle_microseconds`; there is no `state` block. The `parameters` (string values,
-all required, no other accepted: `model_errors.read_parameters`):
+The config: `input` / `output` list the non-state tensors; `max_batch_size` > 0 (every request has a
+leading batch dimension of 1); `sequence_batching` has the `oldest` strategy, START/END/CORRID
+(TYPE_UINT64) control inputs, a positive `max_sequence_idle_microseconds` and no `state` block. The
+`parameters` (string values, all required, no other accepted: `model_errors.read_parameters`):
 
 | key | meaning |
 |---|---|
@@ -23,9 +19,8 @@ all required, no other accepted: `model_errors.read_parameters`):
 | `max_live_streams` | streams this instance holds state for at most, or `auto` (see `auto_stream_cap`); a START beyond it is refused with UNAVAILABLE, live streams unharmed |
 | `max_rows_per_run` | the most rows one session run takes; larger batches run in pieces (bounds the run's scratch memory) |
 
-In `state_spec` dtype is one of float32, float16, int32, int64, and an optional `description` per
-entry is ignored. `value_ranges` and `max_dims` are checked per request (by the core), so a bad row
-fails alone instead of failing the batched run.
+In `state_spec` dtype is one of float32, float16, int32, int64 (an optional `description` per entry is
+ignored). `value_ranges` and `max_dims` are checked per request (by the core), so a bad row fails alone.
 """
 
 from __future__ import annotations
@@ -40,24 +35,11 @@ import numpy as np
 
 from model_errors import ConfigError, read_parameters
 
-STATE_DTYPES = {
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-}
+STATE_DTYPES = {name: np.dtype(name) for name in ("float32", "float16", "int32", "int64")}
 STATE_SPEC_KEYS = {"input", "output", "dtype", "shape"}
-ORT_TYPES = {
-    "tensor(float)": np.dtype(np.float32),
-    "tensor(float16)": np.dtype(np.float16),
-    "tensor(double)": np.dtype(np.float64),
-    "tensor(int8)": np.dtype(np.int8),
-    "tensor(int16)": np.dtype(np.int16),
-    "tensor(int32)": np.dtype(np.int32),
-    "tensor(int64)": np.dtype(np.int64),
-    "tensor(uint8)": np.dtype(np.uint8),
-    "tensor(bool)": np.dtype(np.bool_),
-}
+# ONNX Runtime's type strings -> numpy dtypes ("float", "double": float32, float64; the rest by name).
+ORT_TYPES = {f"tensor({name})": np.dtype({"float": "float32", "double": "float64"}.get(name, name))
+             for name in ("float", "float16", "double", "int8", "int16", "int32", "int64", "uint8", "bool")}
 
 
 @dataclass(frozen=True)
@@ -88,20 +70,14 @@ class DecoderConfig:
     idle_timeout_s: float
     onnx_file: str
     intra_op_threads: int
-    # Input name -> (low, high): its values must lie in [low, high).
-    value_ranges: Mapping[str, tuple[int, int]]
-    # Input name -> the largest dims (no batch) one request may have.
-    max_dims: Mapping[str, tuple[int, ...]]
-    # Live streams this instance holds at most (None: `auto`, resolved at load by `auto_stream_cap`).
-    max_live_streams: int | None = None
-    # The most rows in one session run.
-    max_rows_per_run: int = 8
-    # Instances of the model (instance_group counts, summed): they share the host's memory.
-    instance_count: int = 1
+    value_ranges: Mapping[str, tuple[int, int]]  # input name -> (low, high): its values lie in [low, high)
+    max_dims: Mapping[str, tuple[int, ...]]  # input name -> the largest dims (no batch) of one request
+    max_live_streams: int | None = None  # per instance (None: `auto`, resolved at load by `auto_stream_cap`)
+    max_rows_per_run: int = 8  # the most rows in one session run
+    instance_count: int = 1  # instance_group counts, summed: the instances share the host's memory
     # sequence_batching.oldest.max_candidate_sequences: more live sequences never reach the model.
     max_candidate_sequences: int | None = None
-    # ONNX Runtime's intra-op threads spin while waiting for work.
-    intra_op_spinning: bool = True
+    intra_op_spinning: bool = True  # ONNX Runtime's intra-op threads spin while waiting for work
 
     @property
     def state_bytes_per_stream(self) -> int:
@@ -133,12 +109,9 @@ def parse_state_spec(text: str) -> tuple[StateTensor, ...]:
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ValueError(f"entry {index} must be an object")
-        keys = set(entry) - {"description"}
-        if keys != STATE_SPEC_KEYS:
-            raise ValueError(
-                f"entry {index} must have exactly the keys {sorted(STATE_SPEC_KEYS)} "
-                f"(and optionally 'description'), got {sorted(entry)}"
-            )
+        if set(entry) - {"description"} != STATE_SPEC_KEYS:
+            raise ValueError(f"entry {index} must have exactly the keys {sorted(STATE_SPEC_KEYS)} "
+                             f"(and optionally 'description'), got {sorted(entry)}")
         if entry["dtype"] not in STATE_DTYPES:
             raise ValueError(f"entry {index} dtype {entry['dtype']!r} is not one of {sorted(STATE_DTYPES)}")
         shape = entry["shape"]
@@ -147,9 +120,7 @@ def parse_state_spec(text: str) -> tuple[StateTensor, ...]:
         for key in ("input", "output"):
             if not isinstance(entry[key], str) or not entry[key]:
                 raise ValueError(f"entry {index} {key} must be a non-empty string")
-        states.append(
-            StateTensor(entry["input"], entry["output"], STATE_DTYPES[entry["dtype"]], tuple(shape))
-        )
+        states.append(StateTensor(entry["input"], entry["output"], STATE_DTYPES[entry["dtype"]], tuple(shape)))
     names = [s.input for s in states] + [s.output for s in states]
     if len(set(names)) != len(names):
         raise ValueError(f"reuses a tensor name: {names}")
@@ -161,13 +132,11 @@ def parse_value_ranges(text: str) -> dict[str, tuple[int, int]]:
     ranges = _json(text)
     if not isinstance(ranges, dict):
         raise ValueError(f'must be a JSON object {{"input name": [low, high], ...}}, got {text!r}')
-    parsed = {}
     for name, bounds in ranges.items():
         if not (isinstance(bounds, list) and len(bounds) == 2 and all(map(_is_int, bounds))
                 and bounds[0] < bounds[1]):
             raise ValueError(f"input '{name}': expected [low, high] with integers low < high, got {bounds!r}")
-        parsed[name] = (bounds[0], bounds[1])
-    return parsed
+    return {name: (low, high) for name, (low, high) in ranges.items()}
 
 
 def parse_max_dims(text: str) -> dict[str, tuple[int, ...]]:
@@ -175,12 +144,10 @@ def parse_max_dims(text: str) -> dict[str, tuple[int, ...]]:
     limits = _json(text)
     if not isinstance(limits, dict):
         raise ValueError(f'must be a JSON object {{"input name": [dim, ...], ...}}, got {text!r}')
-    parsed = {}
     for name, dims in limits.items():
         if not (isinstance(dims, list) and dims and all(_is_int(dim) and dim > 0 for dim in dims)):
             raise ValueError(f"input '{name}': expected a list of positive integers, got {dims!r}")
-        parsed[name] = tuple(dims)
-    return parsed
+    return {name: tuple(dims) for name, dims in limits.items()}
 
 
 def _positive_int(text: str) -> int:
@@ -222,36 +189,27 @@ PARAMETER_TYPES = {
 }
 
 
-def parse_model_config(
-    config: Mapping, triton_string_to_numpy: Callable[[str], type]
-) -> DecoderConfig:
+def parse_model_config(config: Mapping, triton_string_to_numpy: Callable[[str], type]) -> DecoderConfig:
     """Read everything the model needs from its config (the JSON Triton hands to initialize).
     Raises ValueError (ConfigError for a parameter) on anything missing, malformed or unsupported."""
     sequence_batching = _sequence_batching(config)
     max_batch_size = int(config.get("max_batch_size", 0))
     if max_batch_size < 1:
-        raise ValueError(
-            f"max_batch_size must be > 0 (requests of different sequences are batched, each with a "
-            f"leading batch dimension of 1), got {max_batch_size}"
-        )
+        raise ValueError(f"max_batch_size must be > 0 (requests of different sequences are batched, each with a "
+                         f"leading batch dimension of 1), got {max_batch_size}")
     values, idle_timeout_s = read_parameters(config, PARAMETER_TYPES)
     if values["intra_op_threads"] < 0:
         raise ConfigError("intra_op_threads", f"must be >= 0 (0: ONNX Runtime's default), got {values['intra_op_threads']}")
+    # Every other parameter is the DecoderConfig field of the same name.
     decoder = DecoderConfig(
         inputs=_io_tensors(config, "input", triton_string_to_numpy),
         outputs=_io_tensors(config, "output", triton_string_to_numpy),
-        states=values["state_spec"],
+        states=values.pop("state_spec"),
         max_batch_size=max_batch_size,
         idle_timeout_s=idle_timeout_s,
-        onnx_file=values["onnx_file"],
-        intra_op_threads=values["intra_op_threads"],
-        intra_op_spinning=values["intra_op_spinning"],
-        value_ranges=values["value_ranges"],
-        max_dims=values["max_dims"],
-        max_live_streams=values["max_live_streams"],
-        max_rows_per_run=values["max_rows_per_run"],
         instance_count=max(1, sum(int(group.get("count", 1)) for group in config.get("instance_group") or [{}])),
         max_candidate_sequences=_max_candidate_sequences(sequence_batching),
+        **values,
     )
     _check_tensor_names(decoder)
     return decoder
@@ -262,21 +220,16 @@ def _sequence_batching(config: Mapping) -> Mapping:
     if sequence_batching is None:
         raise ValueError("this model keeps per-sequence state: the config needs sequence_batching")
     if sequence_batching.get("state"):
-        raise ValueError(
-            "remove sequence_batching.state: the Python backend ignores it; the state is described "
-            "by the state_spec parameter"
-        )
+        raise ValueError("remove sequence_batching.state: the Python backend ignores it; the state is described "
+                         "by the state_spec parameter")
     return sequence_batching
 
 
 def _io_tensors(config: Mapping, section: str, triton_string_to_numpy: Callable[[str], type]) -> tuple[IOTensor, ...]:
     """The config's `input` or `output` list (the non-state tensors); at least one."""
     tensors = tuple(
-        IOTensor(
-            entry["name"],
-            np.dtype(triton_string_to_numpy(entry["data_type"])),
-            tuple(int(dim) for dim in entry.get("dims", [])),
-        )
+        IOTensor(entry["name"], np.dtype(triton_string_to_numpy(entry["data_type"])),
+                 tuple(int(dim) for dim in entry.get("dims", [])))
         for entry in config.get(section, [])
     )
     if not tensors:
@@ -311,11 +264,6 @@ def _max_candidate_sequences(sequence_batching: Mapping) -> int | None:
         return None
 
 
-def _onnx_dims(shape) -> tuple[int | None, ...]:
-    """ONNX Runtime reports a dynamic dimension as a name or None: both become None."""
-    return tuple(dim if isinstance(dim, int) and dim >= 0 else None for dim in shape)
-
-
 def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -> DecoderConfig:
     """Check the config and state spec against the ONNX graph (`session.get_inputs()` /
     `get_outputs()`: objects with `.name`, `.type`, `.shape`). Returns the config with input dims
@@ -327,22 +275,17 @@ def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -
     missing = [name for name in expected_inputs if name not in graph_inputs]
     unfed = [name for name in graph_inputs if name not in expected_inputs]
     if missing or unfed:
-        raise ValueError(
-            f"ONNX inputs {sorted(graph_inputs)} do not match config inputs + state inputs "
-            f"{expected_inputs} (missing from the graph: {missing}, not fed: {unfed})"
-        )
-    expected_outputs = config.output_names
-    missing = [name for name in expected_outputs if name not in graph_outputs]
+        raise ValueError(f"ONNX inputs {sorted(graph_inputs)} do not match config inputs + state inputs "
+                         f"{expected_inputs} (missing from the graph: {missing}, not fed: {unfed})")
+    missing = [name for name in config.output_names if name not in graph_outputs]
     if missing:
         raise ValueError(f"ONNX outputs {sorted(graph_outputs)} lack {missing}")
 
     def check(arg, dtype: np.dtype, dims: tuple[int, ...], what: str) -> tuple[int, ...]:
         return _check_graph_tensor(arg, dtype, dims, what, config.max_batch_size)
 
-    inputs = tuple(
-        IOTensor(t.name, t.dtype, check(graph_inputs[t.name], t.dtype, t.dims, "input"))
-        for t in config.inputs
-    )
+    inputs = tuple(IOTensor(t.name, t.dtype, check(graph_inputs[t.name], t.dtype, t.dims, "input"))
+                   for t in config.inputs)
     for t in config.outputs:
         check(graph_outputs[t.name], t.dtype, t.dims, "output")
     for s in config.states:
@@ -354,25 +297,19 @@ def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -
 def _check_graph_tensor(arg, dtype: np.dtype, dims: tuple[int, ...], what: str, max_batch_size: int) -> tuple[int, ...]:
     """Check one graph tensor against the config's dtype and per-row `dims` (batch first, wide
     enough for `max_batch_size`); returns `dims` with the -1s the graph fixes made fixed."""
-    graph_dtype = ORT_TYPES.get(arg.type)
-    if graph_dtype != dtype:
+    if ORT_TYPES.get(arg.type) != dtype:
         raise ValueError(f"{what} '{arg.name}': ONNX type {arg.type}, expected {dtype}")
-    graph_dims = _onnx_dims(arg.shape)
+    # ONNX Runtime reports a dynamic dimension as a name or None: both become None.
+    graph_dims = tuple(dim if isinstance(dim, int) and dim >= 0 else None for dim in arg.shape)
     if len(graph_dims) != len(dims) + 1:
-        raise ValueError(
-            f"{what} '{arg.name}': ONNX shape {list(arg.shape)} is not [batch] + {list(dims)}"
-        )
+        raise ValueError(f"{what} '{arg.name}': ONNX shape {list(arg.shape)} is not [batch] + {list(dims)}")
     batch = graph_dims[0]
     if batch is not None and batch < max_batch_size:
-        raise ValueError(
-            f"{what} '{arg.name}': ONNX batch dimension is fixed to {batch}, below "
-            f"max_batch_size {max_batch_size}"
-        )
+        raise ValueError(f"{what} '{arg.name}': ONNX batch dimension is fixed to {batch}, below "
+                         f"max_batch_size {max_batch_size}")
     merged = []
     for graph_dim, dim in zip(graph_dims[1:], dims):
         if graph_dim is not None and dim not in (-1, graph_dim):
-            raise ValueError(
-                f"{what} '{arg.name}': ONNX shape {list(arg.shape)} does not match {list(dims)}"
-            )
+            raise ValueError(f"{what} '{arg.name}': ONNX shape {list(arg.shape)} does not match {list(dims)}")
         merged.append(graph_dim if dim == -1 and graph_dim is not None else dim)
     return tuple(merged)

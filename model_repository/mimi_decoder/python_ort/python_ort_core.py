@@ -1,25 +1,13 @@
-"""Core of the python-ort `mimi_decoder`: a streaming ONNX step whose state this model keeps itself.
+"""Core of the python-ort `mimi_decoder`: a streaming ONNX step whose per-sequence state this model keeps
+itself (the Python backend ignores `sequence_batching { state [...] }`). Pure numpy + stdlib.
 
-Pure numpy + stdlib (`model.py` owns the onnxruntime session), unit-tested without a server; its
-config is `python_ort_config`'s, its state arrays `python_ort_memory`'s.
-
-The native ONNX Runtime backend keeps per-sequence state itself (`sequence_batching { state [...] }`);
-the Python backend ignores that block, so this model does the same work by hand:
-
-- per correlation id (a uint64), one row of each state tensor; START (also on a live sequence) sets
-  it to zeros, each step feeds it to the model and keeps the step's output state, END drops it
-  after the step, and a sequence idle longer than `max_sequence_idle_microseconds` is dropped (Triton
-  frees its slot without telling the model, so a background thread expires entries on the same
-  clock);
-- all valid requests of one `execute()` (steps of different sequences, gathered by the `oldest`
-  sequence batcher) run as batched `session.run`s, rows concatenated along the batch dimension, and
-  the outputs are split back per request; rows of one run have equal input shapes (requests with a
-  different number of frames run apart) and are at most `max_rows_per_run`;
+- per correlation id, one row of each state tensor (a row of the arrays its last run wrote,
+  `StateRows`, not a copy); START (also on a live sequence) sets it to zeros, END drops it after the
+  step, and a sequence idle past the idle timeout is dropped (Triton frees it without telling the model);
+- the valid requests of one `execute()` run as batched session runs of equal input shapes, at most
+  `max_rows_per_run` rows each, the outputs split back per request;
 - a request that fails validation gets its own error and changes nothing (but an END still ends its
-  sequence: Triton has already released it); a request without START for a sequence with no state
-  gets an error telling to START the sequence; a START beyond `max_live_streams` is refused.
-
-A stream's state is a row of the arrays its last run wrote (`StateRows`), not a copy.
+  sequence: Triton has already released it); a START beyond `max_live_streams` is refused.
 """
 
 from __future__ import annotations
@@ -67,17 +55,14 @@ def _waves(requests: Sequence[StepRequest]) -> list[list[int]]:
 
 
 class StreamingDecoderCore:
-    """Per-sequence state and batched stepping, independent of Triton.
+    """Per-sequence state and batched stepping, independent of Triton. Not thread-safe.
 
     `run(feeds)` runs one batched step: `feeds` maps every input and state-input name to a
-    `[rows, ...]` array; it returns the outputs in the order of `config.output_names` (config outputs,
-    then state outputs), each `[rows, ...]`; its state outputs must be new arrays (the core keeps
-    them as the streams' state and hands them back to `buffers` once no stream holds them).
-    `release(feeds)`, when given, runs one step whose scratch memory is handed back to the system
-    afterwards (`release_idle_memory`). `buffers` (default: one of its own, sized by
-    `state_buffer_limit`) is where gathered inputs come from and where state arrays go back to;
-    pass the one `run` allocates its state outputs from. Not thread-safe: callers serialise its
-    calls. Request failures are `ModelError`s (kind, message, TritonError code name)."""
+    `[rows, ...]` array; it returns the outputs in the order of `config.output_names`, each
+    `[rows, ...]`, its state outputs new arrays (kept as the streams' state, then given back to
+    `buffers`). `release(feeds)`, when given, runs one step whose scratch memory goes back to the
+    system afterwards. `buffers` (default: its own, of `state_buffer_limit`) should be the one `run`
+    allocates its state outputs from. Request failures are `ModelError`s."""
 
     def __init__(
         self,
@@ -98,11 +83,9 @@ class StreamingDecoderCore:
         self._model_name = model_name
         self._log_error = log_error
         # One shared, read-only zero row per state: what a fresh stream feeds on its first step.
-        self._zero_rows = []
-        for state in config.states:
-            zero = np.zeros((1, *state.shape), dtype=state.dtype)
+        self._zero_rows = [np.zeros((1, *state.shape), dtype=state.dtype) for state in config.states]
+        for zero in self._zero_rows:
             zero.flags.writeable = False
-            self._zero_rows.append(zero)
         self._streams: dict[int, StreamStateRow] = {}
         self.buffers = buffers if buffers is not None else StateBuffers(state_buffer_limit(config))
         # Statistics since creation, read by the metrics publisher.
@@ -124,20 +107,15 @@ class StreamingDecoderCore:
         step), except those in `keep`. Returns how many were dropped."""
         now = self._clock() if now is None else now
         limit = self.config.idle_timeout_s
-        idle = [
-            sid
-            for sid, stream in self._streams.items()
-            if now - stream.last_used > limit and sid not in keep
-        ]
+        idle = [sid for sid, stream in self._streams.items() if now - stream.last_used > limit and sid not in keep]
         for sid in idle:
             self._remove(sid, keep_arrays=False)
         self.expired_total += len(idle)
         return len(idle)
 
     def release_idle_memory(self, idle_s: float = 1.0, now: float | None = None) -> bool:
-        """After `idle_s` without a run, let the kept state arrays go and run one throw-away step of
-        one zero row through `release`, which hands the session's scratch memory back (once per idle
-        period). Returns whether anything was let go."""
+        """After `idle_s` without a run, let the kept state arrays go and run one throw-away zero row
+        through `release` (once per idle period). Returns whether anything was let go."""
         now = self._clock() if now is None else now
         if now - self._last_run_s < idle_s:
             return False
@@ -155,31 +133,22 @@ class StreamingDecoderCore:
 
     def _stream_cap_reached(self, live: int) -> ModelError:
         self.refused_total += 1
-        return ModelError(
-            "stream_cap",
-            f"resource exhausted: model '{self._model_name}' already holds {live} live streams, its "
-            f"limit (max_live_streams={self.config.max_live_streams} per instance); this START was refused "
-            "and no stream was affected. Retry later, or END streams that are done (an abandoned stream "
-            f"is freed after {self.config.idle_timeout_s:g} s idle)",
-            "UNAVAILABLE",
-        )
+        return ModelError("stream_cap", f"resource exhausted: model '{self._model_name}' already holds {live} live "
+                          f"streams, its limit (max_live_streams={self.config.max_live_streams} per instance); this "
+                          "START was refused and no stream was affected. Retry later, or END streams that are done (an "
+                          f"abandoned stream is freed after {self.config.idle_timeout_s:g} s idle)", "UNAVAILABLE")
 
     def _unknown_sequence(self, sequence_id) -> ModelError:
-        return ModelError(
-            "unknown_sequence",
-            f"sequence {sequence_id} has no decoder state in model '{self._model_name}': send its "
-            "first request with the START flag (it was never started, has ended, or was idle for "
-            f"more than {self.config.idle_timeout_s:g} s)"
-        )
+        return ModelError("unknown_sequence", f"sequence {sequence_id} has no decoder state in model "
+                          f"'{self._model_name}': send its first request with the START flag (it was never started, "
+                          f"has ended, or was idle for more than {self.config.idle_timeout_s:g} s)")
 
     def _row_inputs(self, request: StepRequest) -> dict[str, np.ndarray]:
         """Validate one request's inputs; return them as `[1, *dims]` arrays (views, no copy)."""
         sequence_id = request.sequence_id
         if not isinstance(sequence_id, int) or isinstance(sequence_id, bool) or sequence_id <= 0:
-            raise ModelError(
-                "correlation_id",
-                f"this model needs a sequence: send a non-zero uint64 correlation id, got {sequence_id!r}",
-            )
+            raise ModelError("correlation_id",
+                             f"this model needs a sequence: send a non-zero uint64 correlation id, got {sequence_id!r}")
         rows = {}
         for spec in self.config.inputs:
             array = request.inputs.get(spec.name)
@@ -190,33 +159,23 @@ class StreamingDecoderCore:
             if not (array.ndim == len(spec.dims) + 1 and array.shape[0] == 1) or any(
                 want not in (-1, got) for want, got in zip(spec.dims, array.shape[1:])
             ):
-                raise ModelError(
-                    "shape",
-                    f"input '{spec.name}' has shape {list(array.shape)}, expected "
-                    f"{_format_dims((1, *spec.dims))} (one request is one step of one sequence)",
-                )
+                raise ModelError("shape", f"input '{spec.name}' has shape {list(array.shape)}, expected "
+                                 f"{_format_dims((1, *spec.dims))} (one request is one step of one sequence)")
             limit = self.config.max_dims.get(spec.name)
             if limit is not None and any(got > most for got, most in zip(array.shape[1:], limit)):
-                raise ModelError(
-                    "shape",
-                    f"input '{spec.name}' has shape {list(array.shape)}, at most {[1, *limit]} per request "
-                    "(parameter max_dims)",
-                )
+                raise ModelError("shape", f"input '{spec.name}' has shape {list(array.shape)}, at most "
+                                 f"{[1, *limit]} per request (parameter max_dims)")
             bounds = self.config.value_ranges.get(spec.name)
             if bounds is not None and array.size and (array.min() < bounds[0] or array.max() >= bounds[1]):
                 # Checked here so a bad row fails alone instead of failing the batched run.
-                raise ModelError(
-                    "value_range",
-                    f"input '{spec.name}' holds values in [{array.min()}, {array.max()}], outside "
-                    f"[{bounds[0]}, {bounds[1]}) (parameter value_ranges)",
-                )
+                raise ModelError("value_range", f"input '{spec.name}' holds values in [{array.min()}, {array.max()}], "
+                                 f"outside [{bounds[0]}, {bounds[1]}) (parameter value_ranges)")
             rows[spec.name] = array
         return rows
 
     def _admitted_inputs(self, request: StepRequest, admitted: set) -> dict[str, np.ndarray]:
-        """Validate one request (`_row_inputs`) and let its stream in; raises ModelError for a step
-        of a sequence without state or a START beyond max_live_streams. `admitted` holds the new
-        streams this step() has let in so far (their state does not exist yet)."""
+        """Validate one request and let its stream in; raises ModelError for a step of a sequence
+        without state or a START beyond max_live_streams. `admitted`: new streams of this step()."""
         rows = self._row_inputs(request)
         if not request.start and request.sequence_id not in self._streams:
             raise self._unknown_sequence(request.sequence_id)
@@ -230,8 +189,7 @@ class StreamingDecoderCore:
 
     def step(self, requests: Sequence[StepRequest]) -> list[dict[str, np.ndarray] | ModelError]:
         """Run one step for each request; returns, per request, its outputs (`[1, *dims]`) or a
-        ModelError. Requests of one sequence run in order (each later one in a following run); all
-        others run together, grouped by input shapes."""
+        ModelError. Requests of one sequence run in order, each in a following run."""
         results: list[dict[str, np.ndarray] | ModelError | None] = [None] * len(requests)
         self.expire_idle(keep=frozenset(r.sequence_id for r in requests))
         admitted: set = set()
@@ -258,7 +216,6 @@ class StreamingDecoderCore:
     def _run_group(self, requests, members, results) -> None:
         """One session run for `members` ((request index, inputs) pairs of equal input shapes, at
         most max_rows_per_run): each member's result goes into `results`, its new state is kept."""
-        # Previous state of each member: (rows, row), rows None for a fresh or restarted stream.
         previous = [self._previous_state(requests[index]) for index, _ in members]
         order = reuse_order(previous)
         if order is not None:
@@ -293,9 +250,8 @@ class StreamingDecoderCore:
         return (stream.rows, stream.row) if stream is not None else (None, 0)
 
     def _gather_states(self, previous) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """The state feeds of a run from the members' previous states (zeros for a fresh stream):
-        one `[rows, ...]` array per state, gathered into arrays from the buffers (returned second,
-        to give back after the run); a single row is fed as the view it is."""
+        """The run's state feeds, one `[rows, ...]` array per state (zeros for a fresh stream), and the
+        arrays taken from the buffers for them (to give back after the run)."""
         state_feeds, gathered = [], []
         for position, zero in enumerate(self._zero_rows):
             parts = [rows.arrays[position][row : row + 1] if rows is not None else zero for rows, row in previous]
@@ -327,15 +283,10 @@ class StreamingDecoderCore:
         """A failed run ends its members' sequences (their state is unknown now); call it in the
         `except` block, whose traceback goes to the log."""
         for index, _ in members:
-            results[index] = ModelError(
-                "decoder",
-                f"decoder step failed ({type(exc).__name__}: {exc}); the sequence was ended, START it again",
-                "INTERNAL",
-            )
+            results[index] = ModelError("decoder", f"decoder step failed ({type(exc).__name__}: {exc}); the "
+                                        "sequence was ended, START it again", "INTERNAL")
             self._remove(requests[index].sequence_id)
-        self._log_error(
-            f"{self._model_name}: batched step of {len(members)} rows failed:\n{traceback.format_exc()}"
-        )
+        self._log_error(f"{self._model_name}: batched step of {len(members)} rows failed:\n{traceback.format_exc()}")
 
     def _keep_results(self, requests, members, outputs, feeds, results, now: float) -> None:
         """Each member's outputs (`[1, *dims]` views) into `results`; its stream now holds its row
@@ -347,9 +298,7 @@ class StreamingDecoderCore:
         new_rows = StateRows([np.array(out) if id(out) in fed else out for out in outputs[num_outputs:]])
         for row, (index, _) in enumerate(members):
             request = requests[index]
-            results[index] = {
-                spec.name: outputs[k][row : row + 1] for k, spec in enumerate(self.config.outputs)
-            }
+            results[index] = {spec.name: outputs[k][row : row + 1] for k, spec in enumerate(self.config.outputs)}
             if request.end:
                 self._remove(request.sequence_id)
                 continue

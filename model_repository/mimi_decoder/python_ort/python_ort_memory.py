@@ -2,15 +2,10 @@
 stream holds any more for the next runs, `BoundRunner` has ONNX Runtime write a run's output states
 straight into such arrays, and `auto_stream_cap` sizes `max_live_streams: auto` by the memory available.
 
-A live stream costs its state (one row of each state tensor) and nothing else: output states are
-written by the session into arrays this model allocates (IO binding), so ONNX Runtime's arena only
-ever holds one run's scratch, bounded by `max_rows_per_run`, and is handed back to the system once the
-instance has been idle for a while (`StreamingDecoderCore.release_idle_memory`). Free state arrays
-are kept (at most `state_buffer_limit` bytes, let go with the arena when idle) because a fresh array
-of a few MiB costs the kernel a page fault per 4 KiB on its first write.
-
-numpy and the standard library; onnxruntime is imported only inside `arena_release_options`, and
-`model.py` hands the session in.
+A live stream costs its state (one row of each state tensor) and nothing else: ONNX Runtime's arena
+only holds one run's scratch (bounded by `max_rows_per_run`), handed back to the system once the
+instance is idle (`StreamingDecoderCore.release_idle_memory`). numpy and stdlib; onnxruntime is
+imported only inside `arena_release_options`, and `model.py` hands the session in.
 """
 
 from __future__ import annotations
@@ -26,12 +21,10 @@ from python_ort_config import DecoderConfig
 
 
 class StateRows:
-    """The output states of one session run: one `[rows, ...]` array per state tensor. Each stream
-    of that run holds a row index into it, so no copy is made after a run; a later run whose rows are
-    exactly the same streams feeds these arrays back as they are. The price: the arrays live until
-    every stream of that run has stepped again or gone, or until the core's `_release_shared_rows` gives the
-    streams left behind their own rows. `holders` counts the streams that hold a row: at 0 the
-    arrays go back to the core's StateBuffers."""
+    """The output states of one session run: one `[rows, ...]` array per state tensor. Each stream of
+    that run holds a row index into it (no copy; a later run of exactly the same streams feeds them back
+    as they are). `holders` counts the streams that hold a row: at 0 the arrays go back to the core's
+    StateBuffers."""
 
     __slots__ = ("arrays", "holders")
 
@@ -47,37 +40,26 @@ class StreamStateRow:
     __slots__ = ("rows", "row", "last_used")
 
     def __init__(self, rows: StateRows | None, row: int, last_used: float):
-        self.rows = rows
-        self.row = row
-        self.last_used = last_used
+        self.rows, self.row, self.last_used = rows, row, last_used
 
 
 def reuse_order(previous) -> list[int] | None:
     """When the previous states are all the rows of one earlier run (more than one), the order of
     this run's members that matches that run's rows; else None."""
-    count = len(previous)
-    shared = previous[0][0]
-    if (
-        count > 1
-        and shared is not None
-        and all(rows is shared for rows, _ in previous)
-        and shared.arrays[0].shape[0] == count
-        and sorted(row for _, row in previous) == list(range(count))
-    ):
+    count, shared = len(previous), previous[0][0]
+    if (count > 1 and shared is not None and all(rows is shared for rows, _ in previous)
+            and shared.arrays[0].shape[0] == count and sorted(row for _, row in previous) == list(range(count))):
         return sorted(range(count), key=lambda k: previous[k][1])
     return None
 
 
 class StateBuffers:
-    """State arrays no stream holds any more, kept to be handed out again.
+    """State arrays no stream holds any more, kept to be handed out again: a new array of a few MiB is
+    a new mmap, whose every page the kernel zeroes and maps on its first write.
 
-    A new array of a few MiB is a new mmap (the model pins glibc's mmap threshold at 128 KiB so that
-    freed state goes back to the system): the kernel zeroes and maps every page on its first write,
-    for each run's output states and for every gathered input. Reusing arrays that were written
-    before skips that. Runs vary in rows, so arrays are kept in classes of a power of two rows: a
-    run of 5 rows gets the first 5 rows of an 8-row array (a view; `give` takes views back as their
-    whole array). At most `limit_bytes` are kept (the oldest go first); `clear()` lets them all go,
-    which the core does once the instance is idle. Only arrays that `take` made are ever kept.
+    Arrays are kept in classes of a power of two rows: a run of 5 rows gets the first 5 rows of an
+    8-row array (a view; `give` takes views back as their whole array). At most `limit_bytes` are kept
+    (the oldest go first); `clear()` lets them all go. Only arrays that `take` made are ever kept.
     """
 
     def __init__(self, limit_bytes: int):
@@ -127,13 +109,9 @@ class StateBuffers:
 
 class BoundRunner:
     """`run(feeds)` for StreamingDecoderCore over an ONNX Runtime session, through IO binding: the
-    output states are written straight into numpy arrays allocated here (one per state per run),
-    which the core keeps as the streams' state; the other outputs (small) come back as copies. ONNX
-    Runtime's arena then only holds one run's scratch. `allocate(shape, dtype)` makes those arrays
-    (pass the core's `StateBuffers.take` to reuse them). `release(feeds)` runs with the run option
-    that shrinks the arena afterwards (`release_options`, from `arena_release_options`), giving that
-    scratch back to the system.
-    """
+    output states are written straight into arrays from `allocate(shape, dtype)` (pass the core's
+    `StateBuffers.take`), which the core keeps as the streams' state; the other outputs (small) come
+    back as copies. `release(feeds)` runs with `release_options` (`arena_release_options`)."""
 
     def __init__(self, session, config: DecoderConfig, release_options=None,
                  allocate: Callable[[Sequence[int], np.dtype], np.ndarray] = np.empty):
@@ -166,8 +144,7 @@ class BoundRunner:
 
 
 def arena_release_options(instance_kind: str = "CPU", device_id: int = 0):
-    """Run options that shrink the session's memory arena after the run (ONNX Runtime frees the
-    arena regions no tensor uses any more): what `BoundRunner.release` runs with."""
+    """Run options that shrink the session's memory arena after the run: `BoundRunner.release`'s."""
     import onnxruntime as ort
 
     options = ort.RunOptions()
@@ -192,7 +169,6 @@ def fix_mmap_threshold() -> bool:
         return False
 
 
-# --- max_live_streams: auto ----------------------------------------------------------------------
 def state_buffer_limit(config: DecoderConfig) -> int:
     """Bytes of free state arrays an instance keeps for reuse (StateBuffers): four full runs' worth
     (runs of changing groups and sizes free and need arrays of every row class; docs/design.md §5.1)."""
@@ -229,10 +205,9 @@ def available_memory_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/f
 
 
 def auto_stream_cap(config: DecoderConfig, available_bytes: int | None) -> tuple[int, str]:
-    """`max_live_streams: auto` for one instance: AUTO_MEMORY_SHARE of the available memory, split
-    over the instances, less the free state arrays an instance may keep (`state_buffer_limit`), at
-    MEMORY_PER_STREAM_FACTOR x the state per stream; never above max_candidate_sequences. Returns
-    (cap, a sentence saying how it was derived)."""
+    """`max_live_streams: auto` for one instance: AUTO_MEMORY_SHARE of the available memory over the
+    instances, less `state_buffer_limit`, at MEMORY_PER_STREAM_FACTOR x the state per stream; never
+    above max_candidate_sequences. Returns (cap, a sentence saying how it was derived)."""
     per_stream = MEMORY_PER_STREAM_FACTOR * config.state_bytes_per_stream
     candidates = config.max_candidate_sequences
     if available_bytes is None:
