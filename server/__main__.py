@@ -4,8 +4,7 @@
     code2wav-server verify  [--url 127.0.0.1:8001] [--weights PATH | --random-init] [--streams 2] ...
     code2wav-server certs   --out DIR [--host NAME ...]
 
-Argument parsing only: each command is a module (`serve`, `verify`, `security` for `certs`) with `add_arguments(parser)`
-and `run(args) -> exit code`. The benchmarks are `python -m benchmarks` (benchmarks/README.md).
+Each command is a module (`security` for `certs`) with `add_arguments(parser)` and `run(args) -> exit code`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""Triton's native ONNX Runtime backend beside the pip tritonserver's Python backend.
+"""Triton's native ONNX Runtime backend beside the pip tritonserver's Python backend (docs/design.md §4).
 
-The `nvidia-pytriton` wheel's tritonserver ships only the Python backend, so the native `onnxruntime`
-decoder (the one every deployment serves, docs/design.md §4) needs two files the project does not
-carry:
-
-- `libtriton_onnxruntime.so`, Triton's backend built for this server (2.51, CPU), from the folder
-  `ORT_BACKEND` names (default: `shared/triton-onnxruntime-backend` beside this checkout). The NGC
-  image `nvcr.io/nvidia/tritonserver:24.10-py3` carries the same backend. It is never copied into
-  the repository, only into the server's private backend directory under build/.
-- `libonnxruntime.so.1`, ONNX Runtime 1.19.2 (the version Triton 2.51 builds against), taken from
-  PyPI's `onnxruntime==1.19.2` wheel: downloaded once by `pip download` (pinned here by the
-  library's sha256) into this environment's `share/mimi-code2wav/`.
-
-`needs_onnxruntime(repository)` says whether a model repository has a native ORT model;
-`install_onnxruntime_backend(backend_dir)` puts both files into `backend_dir/onnxruntime/`.
-`python -m mimi_code2wav.server.ort_backend` fetches the library ahead of time (`make venv` does).
+The native `onnxruntime` decoder needs two files the wheel and the project do not carry, put into the
+server's private backend directory (never into the repository): `libtriton_onnxruntime.so`, Triton's
+backend built for 2.51 (CPU), from the folder ORT_BACKEND names (the NGC image carries the same), and
+`libonnxruntime.so.1`, ONNX Runtime 1.19.2 (what Triton 2.51 builds against), downloaded once from
+PyPI's wheel (pinned by sha256). `python -m mimi_code2wav.server.ort_backend` fetches the library
+ahead of time (`make venv` does).
 """
 
 from __future__ import annotations
@@ -41,13 +32,10 @@ NGC_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
 _ONNXRUNTIME_BACKEND = re.compile(r'^\s*backend:\s*"onnxruntime"', re.MULTILINE)
 
 
-def default_backend_source() -> Path:
-    """Where the backend is looked for without ORT_BACKEND: shared/ beside this checkout."""
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "triton-onnxruntime-backend"
-
-
 def backend_source() -> Path:
-    return Path(os.environ.get(ORT_BACKEND_ENV) or default_backend_source())
+    """The folder of Triton's ONNX Runtime backend: ORT_BACKEND, else shared/ beside this checkout."""
+    default = Path(__file__).resolve().parent.parent.parent / "shared" / "triton-onnxruntime-backend"
+    return Path(os.environ.get(ORT_BACKEND_ENV) or default)
 
 
 def needs_onnxruntime(repository: Path) -> bool:

@@ -17,7 +17,11 @@ line or error message of this package quotes one.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,12 +71,9 @@ class ServerSecurity:
                      f"--grpc-server-key={Path(self.tls_key).resolve()}"]
             if self.tls_client_ca:
                 args.append(f"--grpc-root-cert={Path(self.tls_client_ca).resolve()}")
-        groups = []
-        if self.admin_key:
-            groups.append((INFERENCE_PROTOCOLS, KEY_HEADER, self.inference_key))
-            groups.append((ADMIN_PROTOCOLS, ADMIN_KEY_HEADER, self.admin_key))
-        elif self.inference_key:
-            groups.append((INFERENCE_PROTOCOLS + ADMIN_PROTOCOLS, KEY_HEADER, self.inference_key))
+        groups = [(INFERENCE_PROTOCOLS, KEY_HEADER, self.inference_key), (ADMIN_PROTOCOLS, ADMIN_KEY_HEADER, self.admin_key)]
+        if not self.admin_key:  # the admin calls take the inference key
+            groups = [(INFERENCE_PROTOCOLS + ADMIN_PROTOCOLS, KEY_HEADER, self.inference_key)]
         for protocols, header, key in groups:
             if key:
                 restriction = f"{','.join(protocols)}:{header}={key}"
@@ -141,10 +142,6 @@ def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.
     """A private CA and what it signs, made with openssl in `folder`: ca.pem/ca.key, server.pem/
     server.key (valid for `hosts`) and client.pem/client.key (for mutual TLS). For trying TLS and for
     tests; a deployment's certificates come from its own CA."""
-    import ipaddress
-    import shutil
-    import subprocess
-
     if shutil.which("openssl") is None:
         raise ServerError("making certificates needs openssl (Debian: apt-get install openssl)")
     folder = Path(folder)
@@ -190,8 +187,6 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     """Make a private CA and its server and client certificates, for trying TLS."""
-    import sys
-
     try:
         folder = make_certificates(args.out, tuple(args.host or ("localhost", "127.0.0.1")), args.days)
     except ServerError as error:

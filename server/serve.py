@@ -28,6 +28,7 @@ from .triton import LOCALHOST, TritonServer
 # The decoder targets a local server renders (tensorrt needs a plan built on a GPU).
 LOCAL_TARGETS = ("python-ort", "onnxruntime", "null")
 
+
 def prepare_repository(args: argparse.Namespace) -> Path:
     """The model repository to serve: `--model-repository` as it is, else the local repository for
     `--decoder` under build/, exported first when missing or stale for the weights (`--weights`,
@@ -69,16 +70,13 @@ def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
     server.launch(foreground.launch_guard)
     print(f"tritonserver starting (pid {server.pid}), log: {server.log_path}", flush=True)
     ready_after_s = server.server.wait_ready(args.ready_timeout)
-    print(
-        f"tritonserver ready in {ready_after_s:.1f} s, serving {repository}\n"
-        f"  gRPC     {server.grpc_url}\n"
-        f"  HTTP     http://{server.http_url}\n"
-        f"  metrics  {server.metrics_url}\n"
-        f"  access   {security.describe()}\n"
-        f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
-        "SIGHUP drains and restarts it; Ctrl-C or SIGTERM drains and stops it.",
-        flush=True,
-    )
+    print(f"tritonserver ready in {ready_after_s:.1f} s, serving {repository}\n"
+          f"  gRPC     {server.grpc_url}\n"
+          f"  HTTP     http://{server.http_url}\n"
+          f"  metrics  {server.metrics_url}\n"
+          f"  access   {security.describe()}\n"
+          f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
+          "SIGHUP drains and restarts it; Ctrl-C or SIGTERM drains and stops it.", flush=True)
     return supervise(server, foreground, restart=args.restart, ready_timeout_s=args.ready_timeout)
 
 
@@ -101,14 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument(
-        "--log-file", type=Path, default=Path("build") / "tritonserver.log",
-        help="server log (default %(default)s)",
-    )
+    parser.add_argument("--log-file", type=Path, default=Path("build") / "tritonserver.log",
+                        help="server log (default %(default)s)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbose log level")
-    parser.add_argument(
-        "--ready-timeout", type=float, default=120.0, help="seconds to wait for readiness"
-    )
+    parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for readiness")
     parser.add_argument("--no-restart", dest="restart", action="store_false",
                         help="exit when tritonserver dies instead of starting it again")
     add_security_arguments(parser)

@@ -1,25 +1,12 @@
-"""The supervisor of `code2wav-server serve`: one tritonserver, restarted when it dies.
+"""The supervisor of `code2wav-server serve`: one tritonserver, restarted when it dies (docs/design.md §5.2).
 
-The command runs in the foreground (`run_in_foreground`): the first SIGINT or SIGTERM stops it once
-and cleanly (`StopSignals`; a second signal, or one that reaches the process group twice, cannot
-interrupt that stop), and a signal that lands while a process is being created waits until the
-process exists (`signals_held`), so the stop always knows every process it has to end.
-
-`supervise` then polls the server (`Supervised`) until the command ends:
-
-- a server that exits is reported with its log tail. With restarts it is started again on the same
-  ports after `RestartBackoff`'s delay, its log kept as <log>.<n>; its streams are lost there and
-  resumable clients resume them (docs/design.md §2.4). Without, the command ends with the server's
-  exit code;
-- stub probes (every STUB_PROBE_EVERY_S): a server whose code2wav or decoder stub died
-  (`processes.dead_stub`: ready, yet every request fails) is killed, so that the restart brings it
-  back whole (without restarts the command ends with it);
-- SIGHUP: the server is drained (SIGTERM: it refuses new streams, live ones get UNAVAILABLE and
-  resume) and started again at once, reading the repository afresh: the operator's restart.
-
-Several servers are the orchestrator's job (docker-compose.yml's `scale` profile, Kubernetes). Inside
-a container the first job here, restarting a tritonserver that died, is docker/triton-watchdog.sh's
-(the orchestrator restarts the container around it): docs/design.md §5.2.
+`run_in_foreground`: the first SIGINT or SIGTERM stops the command once and cleanly (a second signal
+cannot interrupt that stop), and one that lands while a process is being created waits until it exists
+(`Foreground.launch_guard`), so the stop knows every process it has to end. `supervise` then polls the
+server: one that exits is reported and, with restarts, started again on the same ports after
+`RestartBackoff`'s delay (its log kept as <log>.<n>); one whose Python stub died (`processes.dead_stub`)
+is killed so that it comes back whole; SIGHUP drains it and starts it again at once, reading the
+repository afresh.
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 from .processes import ServerError, dead_stub, log_tail
 from .triton import TritonServer
@@ -52,10 +39,9 @@ class StopRequested(Exception):
 
 
 class StopSignals:
-    """SIGINT/SIGTERM handler. While disarmed (a process being created) a signal is only recorded;
-    armed, the first signal interrupts the main thread with StopRequested, once: every later one is
-    only recorded. SIGHUP is counted in `hangups` from the start (the supervisor acts on it once the
-    server serves), so that one arriving while it starts neither kills the command nor is lost."""
+    """SIGINT/SIGTERM handler. Disarmed (a process being created), a signal is only recorded; armed, the
+    first one raises StopRequested in the main thread, once. SIGHUP is counted in `hangups` from the
+    start, so that one arriving while the server starts neither kills the command nor is lost."""
 
     def __init__(self):
         self.armed = False
@@ -89,16 +75,6 @@ class StopSignals:
             raise StopRequested(self.received[0])
 
 
-@contextlib.contextmanager
-def signals_held(stop_signals: StopSignals):
-    """Record, without acting on, SIGINT/SIGTERM while a process is being created; act on exit."""
-    stop_signals.disarm()
-    try:
-        yield
-    finally:
-        stop_signals.arm()
-
-
 @dataclasses.dataclass
 class Foreground:
     """A foreground command's stop: `signals` request it, `stop` ends what the command started (the
@@ -107,15 +83,20 @@ class Foreground:
     signals: StopSignals
     stop: Callable[[], object] | None = None
 
-    def launch_guard(self) -> ContextManager:
-        return signals_held(self.signals)
+    @contextlib.contextmanager
+    def launch_guard(self) -> Iterator[None]:
+        """Record, without acting on, SIGINT/SIGTERM while a process is being created; act on exit."""
+        self.signals.disarm()
+        try:
+            yield
+        finally:
+            self.signals.arm()
 
 
 def run_in_foreground(command: Callable[[Foreground], int], stopping: str, what: str) -> int:
-    """Run `command` to its exit code, or until SIGINT/SIGTERM stops it ("<signal>: <stopping>", exit
-    0); a ServerError is one line "error: ..." and exit 1. Either way `stop` runs at the end, with
-    later signals ignored (it is bounded by its grace periods), and after a stop signal the command
-    says "<what> stopped in N s"."""
+    """Run `command` to its exit code, or until SIGINT/SIGTERM stops it ("<signal>: <stopping>", exit 0);
+    a ServerError is one line "error: ..." and exit 1. Either way `foreground.stop` runs at the end with
+    later signals ignored (its grace periods bound it), then after a stop signal "<what> stopped in N s"."""
     foreground = Foreground(StopSignals())
     try:
         foreground.signals.arm()
@@ -137,14 +118,12 @@ def run_in_foreground(command: Callable[[Foreground], int], stopping: str, what:
 
 
 class RestartBackoff:
-    """When to start a server again after it died: FIRST_RESTART_DELAY_S after a server that had been
-    up for STABLE_AFTER_S, else twice the previous delay, up to MAX_RESTART_DELAY_S."""
+    """When to start a server again after it died (the constants above)."""
 
     def __init__(self, first_s: float = FIRST_RESTART_DELAY_S, max_s: float = MAX_RESTART_DELAY_S,
                  stable_after_s: float = STABLE_AFTER_S):
         self.first_s, self.max_s, self.stable_after_s = first_s, max_s, stable_after_s
-        self.restarts = 0
-        self.delay_s = 0.0
+        self.restarts, self.delay_s = 0, 0.0
 
     def after_exit(self, lived_s: float) -> float:
         """A server died after `lived_s` seconds up: the delay before its restart (counted)."""
@@ -197,9 +176,8 @@ class Supervised:
             self.server.start()
 
     def kill(self, signum: int = signal.SIGKILL, timeout_s: float = 30.0) -> int:
-        """Send `signum` to tritonserver alone, as a crash would end it, and wait until it exits; its
-        Python stubs then exit by themselves (`relaunch` and `stop` clean up after them). Returns the
-        exit code."""
+        """Send `signum` to tritonserver alone, as a crash would end it; returns its exit code once it
+        exited (its Python stubs then exit by themselves; `relaunch` and `stop` clean up after them)."""
         if not self.is_alive():
             raise ServerError(f"{self.label} is not running")
         self.server.process.send_signal(signum)
@@ -225,9 +203,8 @@ class Supervised:
 
 def supervise(server: Supervised, foreground: Foreground, *, restart: bool, ready_timeout_s: float,
               poll_s: float = 0.5, stub_probe_s: float = STUB_PROBE_EVERY_S) -> int:
-    """Watch `server` until the command ends (module docstring); a stop signal is raised out of
-    here, SIGHUPs are `foreground.signals.hangups`. `stub_probe_s` 0: no stub probes. Returns the
-    exit code."""
+    """Watch `server` until the command ends (module docstring); returns the exit code. A stop signal is
+    raised out of here; SIGHUPs are `foreground.signals.hangups`. `stub_probe_s` 0: no stub probes."""
     signals, guard = foreground.signals, foreground.launch_guard
     hangups_seen = 0
     next_probe_at = time.monotonic() + stub_probe_s
@@ -257,15 +234,19 @@ def _dead(server: Supervised, restart: bool, ready_timeout_s: float, guard) -> N
               f"{delay}. Log tail ({server.log_path}):\n{log_tail(server.log_path, lines=15)}",
               file=sys.stderr, flush=True)
         server.next_restart_at = now + server.backoff.delay_s
-    if restart and now >= server.next_restart_at:
-        try:
-            ready_s = server.relaunch(ready_timeout_s, guard)
-        except ServerError as error:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-            server.exit_reported = False  # report, and schedule the next attempt
-            return
+    if restart and now >= server.next_restart_at and (ready_s := _relaunch(server, ready_timeout_s, guard)) is not None:
         print(f"{server.label} restarted (pid {server.pid}, restart {server.restarts}), ready in {ready_s:.1f} s "
               f"on {server.grpc_url}", flush=True)
+
+
+def _relaunch(server: Supervised, ready_timeout_s: float, guard) -> float | None:
+    """`server.relaunch()`; None when it failed (said, and the server is then handled as one that died)."""
+    try:
+        return server.relaunch(ready_timeout_s, guard)
+    except ServerError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        server.exit_reported = False  # report, and schedule the next attempt
+        return None
 
 
 def _probe_stubs(server: Supervised) -> None:
@@ -273,7 +254,7 @@ def _probe_stubs(server: Supervised) -> None:
     (or ends the command) as it would after a crash."""
     if not server.is_alive():
         return
-    error = dead_stub(server.http_url, STUB_PROBE_TIMEOUT_S, server.server.probe_headers)
+    error = dead_stub(server.http_url, STUB_PROBE_TIMEOUT_S, server.server.security.probe_headers())
     if error is None or not server.is_alive():
         return
     print(f"{server.label} (pid {server.pid}) answers ready, but a Python stub is dead ({error.strip()}): "
@@ -290,11 +271,7 @@ def _drain_and_restart(server: Supervised, ready_timeout_s: float, guard) -> Non
         with contextlib.suppress(subprocess.TimeoutExpired):  # relaunch stops what is left of it
             server.kill(signal.SIGTERM, timeout_s=server.server.stop_grace_s)
     drained = describe_exit(server.exit_code())
-    try:
-        ready_s = server.relaunch(ready_timeout_s, guard)
-    except ServerError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        server.exit_reported = False
+    if (ready_s := _relaunch(server, ready_timeout_s, guard)) is None:
         return
     print(f"{server.label} (pid {pid}) drained ({drained}) and restarted in {time.monotonic() - began:.1f} s "
           f"(ready in {ready_s:.1f} s, pid {server.pid}, restart {server.restarts})", flush=True)

@@ -1,22 +1,8 @@
-"""Find and run the `tritonserver` binary that the `nvidia-pytriton` wheel ships, without docker.
-
-The wheel carries a real Triton Inference Server (2.51.0) with only the Python backend. Running it
-directly needs three things the wheel does not arrange by itself:
-
-- the Python backend stub built for this interpreter's version must sit next to `libtriton_python.so`
-  (`prepare_backend_directory` copies both into a private backend directory);
-- `PATH` must start with this environment's `bin`: the stub embeds Python in isolated mode and finds
-  the virtual environment through `python3` on `PATH`;
-- `LD_LIBRARY_PATH` must put this interpreter's own `libpython` first, then the wheel's bundled
-  libraries (`triton_environment`).
-
-A repository with a native `onnxruntime` model also gets Triton's ONNX Runtime backend in the backend
-directory (`ort_backend`: from ORT_BACKEND, with ONNX Runtime 1.19.2's library from PyPI).
-
-`TritonServer` (a `processes.ServerProcess`) starts one server in its own process group, waits for
-`/v2/health/ready` while checking that the process is alive (a stub that cannot start leaves the server
-loading forever), and stops only what it started, including the shared-memory regions its Python stubs
-created.
+"""Find and run the `tritonserver` that the `nvidia-pytriton` wheel ships (2.51.0, only the Python
+backend), without docker. Running it needs what the wheel does not arrange: this interpreter's stub next
+to `libtriton_python.so` (`prepare_backend_directory`), PATH and LD_LIBRARY_PATH set for the stub
+(`triton_environment`), and for a native `onnxruntime` model `ort_backend`. `TritonServer` starts one
+server in its own process group and stops only what it started, its shared memory included.
 """
 
 from __future__ import annotations
@@ -28,16 +14,18 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .ort_backend import install_onnxruntime_backend, needs_onnxruntime
-from .processes import ServerError, ServerProcess, http_ready, log_tail
+from .processes import ServerError, http_ready, log_tail, stop_process_group, with_parent_death_signal
 from .security import OPEN, ServerSecurity
 
 SHM_DIR = Path("/dev/shm")
@@ -46,8 +34,6 @@ SHM_DIR = Path("/dev/shm")
 SHM_PREFIX_BASE = "triton_python_backend_shm_region_"
 STUB_NAME = "triton_python_backend_stub"
 LOCALHOST = "127.0.0.1"
-
-
 # How long a stopping tritonserver waits for its live streams (--exit-timeout-secs): long enough for
 # streams its clients abandoned to idle out (code2wav 10 s, the decoder 12 s, docs/design.md §5.2),
 # short enough to exit inside Kubernetes' default 30 s grace period.
@@ -75,17 +61,11 @@ def find_triton_install() -> TritonInstall:
     try:
         import pytriton
     except ImportError as exc:
-        raise ServerError(
-            "nvidia-pytriton is not installed in this environment: install the 'serve' extra "
-            "(pip install -e '.[serve]')"
-        ) from exc
+        raise ServerError("nvidia-pytriton is not installed in this environment: install the 'serve' extra "
+                          "(pip install -e '.[serve]')") from exc
     root = Path(pytriton.__file__).resolve().parent / "tritonserver"
-    install = TritonInstall(
-        binary=root / "bin" / "tritonserver",
-        backends=root / "backends",
-        stubs=root / "python_backend_stubs",
-        libs=root.parent.parent / "nvidia_pytriton.libs",
-    )
+    install = TritonInstall(binary=root / "bin" / "tritonserver", backends=root / "backends",
+                            stubs=root / "python_backend_stubs", libs=root.parent.parent / "nvidia_pytriton.libs")
     needed = {
         "tritonserver binary": install.binary,
         "Python backend library": install.backends / "python" / "libtriton_python.so",
@@ -121,21 +101,15 @@ def _install_file(source: Path, target: Path, mode: int) -> None:
 
 
 def prepare_backend_directory(install: TritonInstall, root: Path | None = None) -> Path:
-    """Make a backend directory whose `python/` holds the wheel's Python backend and this
-    interpreter's stub side by side, as the backend requires. Idempotent. Returns the directory to
-    pass as `--backend-directory`. The wheel itself is left untouched."""
+    """Make a backend directory whose `python/` holds the wheel's Python backend and this interpreter's
+    stub side by side, as the backend requires (the wheel is left untouched). Idempotent. Returns the
+    directory to pass as `--backend-directory`."""
     root = Path(root) if root is not None else default_backend_root()
-    version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    backend_dir = root / version
+    backend_dir = root / f"py{sys.version_info.major}{sys.version_info.minor}"
     python_dir = backend_dir / "python"
     python_dir.mkdir(parents=True, exist_ok=True)
-    wheel_python = install.backends / "python"
-    _install_file(wheel_python / "libtriton_python.so", python_dir / "libtriton_python.so", 0o755)
-    _install_file(
-        wheel_python / "triton_python_backend_utils.py",
-        python_dir / "triton_python_backend_utils.py",
-        0o644,
-    )
+    for name, mode in (("libtriton_python.so", 0o755), ("triton_python_backend_utils.py", 0o644)):
+        _install_file(install.backends / "python" / name, python_dir / name, mode)
     _install_file(install.stub, python_dir / STUB_NAME, 0o755)
     return backend_dir
 
@@ -143,27 +117,21 @@ def prepare_backend_directory(install: TritonInstall, root: Path | None = None) 
 def _environment_bin() -> Path:
     """The `bin` folder whose `python3` is this interpreter's environment (a venv or not)."""
     candidate = Path(sys.prefix) / "bin"
-    if (candidate / "python3").exists():
-        return candidate
-    return Path(sys.executable).parent
+    return candidate if (candidate / "python3").exists() else Path(sys.executable).parent
 
 
 def triton_environment(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for tritonserver and its Python stubs: this environment's `bin` first on PATH,
-    this interpreter's LIBDIR then the wheel's libraries first on LD_LIBRARY_PATH."""
+    """Environment for tritonserver and its Python stubs: this environment's `bin` first on PATH (the
+    stub embeds Python in isolated mode and finds the venv through `python3` on PATH), this interpreter's
+    LIBDIR (its libpython) then the wheel's libraries first on LD_LIBRARY_PATH."""
     env = dict(os.environ if base is None else base)
-    env["PATH"] = os.pathsep.join(
-        p for p in (str(_environment_bin()), env.get("PATH", "")) if p
-    )
+    env["PATH"] = os.pathsep.join(p for p in (str(_environment_bin()), env.get("PATH", "")) if p)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        p for p in (libdir, str(install.libs), env.get("LD_LIBRARY_PATH", "")) if p
-    )
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(install.libs), env.get("LD_LIBRARY_PATH", "")) if p)
     # The stub must use this environment, whatever the caller's shell points at.
     env.pop("PYTHONHOME", None)
-    # Buffers of 128 KiB and more (a layer's cache of one stream is 248-496 KiB) are mapped and given
-    # back when freed: glibc's default threshold rises with every such free until they stay on the
-    # heap for good.
+    # Buffers of 128 KiB and more (a layer's cache of one stream is 248-496 KiB) are mapped and given back
+    # when freed: glibc's default threshold rises with every such free until they stay on the heap for good.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
     return env
 
@@ -203,10 +171,8 @@ def fetch_metrics(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
         if not line or line.startswith("#"):
             continue
         key, _, value = line.rpartition(" ")
-        try:
+        with contextlib.suppress(ValueError):
             samples[key] = float(value)
-        except ValueError:
-            continue
     return samples
 
 
@@ -215,48 +181,31 @@ def metric_value(samples: dict[str, float], name: str, **labels: str) -> float |
     total = None
     for key, value in samples.items():
         sample_name, _, label_text = key.partition("{")
-        if sample_name != name:
-            continue
-        if any(f'{label}="{expected}"' not in label_text for label, expected in labels.items()):
-            continue
-        total = value if total is None else total + value
+        if sample_name == name and all(f'{label}="{expected}"' in label_text for label, expected in labels.items()):
+            total = value if total is None else total + value
     return total
 
 
-class TritonServer(ServerProcess):
-    """One tritonserver process on loopback ports, started in its own process group.
+class TritonServer:
+    """One tritonserver process leading its own process group, its output in `log_path` (None: a temporary
+    file); ports left as None (or 0) are picked free at `start()`. `grpc_url`, `http_url`: "host:port" as
+    tritonclient takes them; `metrics_url`: "http://host:port/metrics". Use as a context manager, or call
+    `start()` (returns at once), `wait_ready()` (polls readiness while the process lives), `stop()`."""
 
-    Ports left as None (or 0) are picked free at `start()`. Use as a context manager (start, wait for
-    readiness, stop on exit) or call `start()`, `wait_ready()`, `stop()` yourself.
-
-    Addresses, once started: `grpc_url` and `http_url` are "host:port" as tritonclient takes them,
-    `metrics_url` is the full "http://host:port/metrics" to scrape.
-    """
-
-    name = "tritonserver"
+    name = "tritonserver"  # in messages
     ready_timeout_s = 60.0
 
-    def __init__(
-        self,
-        model_repository: Path | str,
-        *,
-        http_port: int | None = None,
-        grpc_port: int | None = None,
-        metrics_port: int | None = None,
-        allow_metrics: bool = True,
-        host: str = LOCALHOST,
-        log_path: Path | str | None = None,
-        log_verbose: int = 0,
-        exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S,
-        python_shm_default_byte_size: int | None = None,
-        backend_root: Path | str | None = None,
-        extra_args: Sequence[str] = (),
-        security: ServerSecurity = OPEN,
-    ):
-        super().__init__(host=host, grpc_port=grpc_port, http_port=http_port, log_path=log_path)
+    def __init__(self, model_repository: Path | str, *, http_port: int | None = None, grpc_port: int | None = None,
+                 metrics_port: int | None = None, allow_metrics: bool = True, host: str = LOCALHOST,
+                 log_path: Path | str | None = None, log_verbose: int = 0, exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S,
+                 python_shm_default_byte_size: int | None = None, backend_root: Path | str | None = None,
+                 extra_args: Sequence[str] = (), security: ServerSecurity = OPEN):
         self.model_repository = Path(model_repository).resolve()
-        self.metrics_port = metrics_port or None
+        self.host = host
+        # 0 means "any free port", as for a socket bind.
+        self.http_port, self.grpc_port, self.metrics_port = http_port or None, grpc_port or None, metrics_port or None
         self.allow_metrics = allow_metrics
+        self.log_path = Path(log_path) if log_path is not None else None
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s
         self.python_shm_default_byte_size = python_shm_default_byte_size
@@ -267,6 +216,13 @@ class TritonServer(ServerProcess):
         # Triton's HTTP endpoint has no TLS: with TLS on gRPC, HTTP and metrics stay on loopback.
         self.http_host = LOCALHOST if security.tls else host
         self.shm_prefix = f"{SHM_PREFIX_BASE}{uuid.uuid4().hex[:12]}_"
+        self.process: subprocess.Popen | None = None
+        self.started_at: float | None = None
+        self.ready_after_s: float | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
@@ -277,48 +233,38 @@ class TritonServer(ServerProcess):
         return f"http://{self.http_host}:{self.metrics_port}/metrics" if self.allow_metrics else None
 
     @property
-    def probe_headers(self) -> dict[str, str]:
-        """The headers of an inference probe (the inference key, where the server requires one)."""
-        return self.security.probe_headers()
-
-    @property
     def stop_grace_s(self) -> float:
         """A stop waits for the live streams up to the exit timeout, then 10 s more for the unload."""
         return self.exit_timeout_s + 10.0
 
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def exit_code(self) -> int | None:
+        """The exit code once the process has exited (negative: killed by that signal), else None."""
+        return self.process.poll() if self.process is not None else None
+
     def command(self, install: TritonInstall, backend_dir: Path) -> list[str]:
         """The tritonserver command line for this server's settings (it holds any keys: never print it)."""
-        cmd = [
-            str(install.binary),
-            f"--model-repository={self.model_repository}",
-            f"--backend-directory={backend_dir}",
-            "--disable-auto-complete-config",
-            f"--http-address={self.http_host}",
-            f"--http-port={self.http_port}",
-            f"--grpc-address={self.host}",
-            f"--grpc-port={self.grpc_port}",
-            f"--exit-timeout-secs={self.exit_timeout_s}",
-            f"--log-verbose={self.log_verbose}",
-            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
-            "--allow-gpu-metrics=false",
-        ]
+        cmd = [str(install.binary), f"--model-repository={self.model_repository}", f"--backend-directory={backend_dir}",
+               "--disable-auto-complete-config", f"--http-address={self.http_host}", f"--http-port={self.http_port}",
+               f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+               f"--exit-timeout-secs={self.exit_timeout_s}", f"--log-verbose={self.log_verbose}",
+               f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}", "--allow-gpu-metrics=false"]
         if self.allow_metrics:
-            cmd += [
-                "--allow-metrics=true",
-                f"--metrics-address={self.http_host}",
-                f"--metrics-port={self.metrics_port}",
-            ]
+            cmd += ["--allow-metrics=true", f"--metrics-address={self.http_host}", f"--metrics-port={self.metrics_port}"]
         else:
             cmd.append("--allow-metrics=false")
         if self.python_shm_default_byte_size is not None:
-            cmd.append(
-                f"--backend-config=python,shm-default-byte-size={self.python_shm_default_byte_size}"
-            )
+            cmd.append(f"--backend-config=python,shm-default-byte-size={self.python_shm_default_byte_size}")
         return cmd + self.security.tritonserver_args() + self.extra_args
 
-    # ServerProcess -------------------------------------------------------------------------
     def _prepare(self) -> tuple[list[str], dict[str, str]]:
-        """Find the wheel's server, prepare the backend directory, pick the free ports, name the log."""
+        """Find the wheel's server, prepare the backend directory, pick the ports, name the log: (command, env)."""
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} is not a directory")
         install = find_triton_install()
@@ -338,19 +284,90 @@ class TritonServer(ServerProcess):
         return self.command(install, backend_dir), triton_environment(install)
 
     def readiness(self) -> str | None:
-        """`/v2/health/ready` answers 200 (a model that fails to load makes the server exit, a Python
-        stub that cannot start leaves its model loading: not ready)."""
+        """None once `/v2/health/ready` answers 200, else what it answered (a model that fails to load
+        makes the server exit, a Python stub that cannot start leaves its model loading: not ready)."""
         return http_ready(f"http://{self.http_url}/v2/health/ready", 1.0)
 
+    def log_report(self) -> str:
+        """The log's name and tail, for an error message."""
+        return f"(log {self.log_path}):\n{log_tail(self.log_path)}"
+
     def exit_cause(self) -> str:
+        """Why the process exited, when its log says (": ..."), else ""."""
         in_use = re.search(r"Socket '([^']+)' already in use", log_tail(self.log_path))
         return f": address {in_use.group(1)} is already in use (choose other ports)" if in_use else ""
 
+    def start(self) -> None:
+        """Launch the process (returns at once; see `wait_ready`). Its output goes to `log_path`."""
+        if self.process is not None:
+            raise ServerError(f"this {type(self).__name__} was already started")
+        command, env = self._prepare()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command, preexec_fn = with_parent_death_signal(command)
+        with open(self.log_path, "wb") as log:
+            self.started_at = time.monotonic()
+            # Own process group: Ctrl-C in a terminal does not reach it, and stop() can end it together
+            # with its children (Python stubs) and nothing else.
+            self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
+
+    def wait_ready(self, timeout_s: float | None = None, poll_s: float = 0.05) -> float:
+        """Poll `readiness()` until it says ready; returns seconds since `start()`. Raises ServerError with
+        the log tail if the process exits first, or if it is not ready within `timeout_s` (default
+        `ready_timeout_s`). Does not stop the server."""
+        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
+        self.ready_after_s = self.wait_until(self.readiness, timeout_s, poll_s)
+        return self.ready_after_s
+
+    def wait_until(self, check: Callable[[], str | None], timeout_s: float, poll_s: float = 0.05,
+                   what: str | None = None) -> float:
+        """Poll `check()` (None: ready, else what it saw) while the process lives, as `wait_ready` does
+        (`what` names what was not ready in the timeout's message; default the server's name)."""
+        if self.process is None:
+            raise ServerError("wait_ready() before start()")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"{self.name} exited with code {code} before it was ready{self.exit_cause()} "
+                                  f"{self.log_report()}")
+            seen = check()
+            if seen is None:
+                return time.monotonic() - self.started_at
+            if time.monotonic() >= deadline:
+                raise ServerError(f"{what or self.name} was not ready after {timeout_s:.0f} s: {seen} {self.log_report()}")
+            time.sleep(poll_s)
+
+    def start_ready(self) -> float:
+        """`start()`, then `wait_ready()` with its defaults."""
+        self.start()
+        return self.wait_ready()
+
+    def __enter__(self):
+        """`start_ready()` (and `stop()` if that fails); `stop()` on exit."""
+        try:
+            self.start_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Block until the process exits by itself; returns its exit code."""
+        if self.process is None:
+            raise ServerError("wait() before start()")
+        return self.process.wait(timeout_s)
+
     def stop(self, grace_s: float | None = None) -> int | None:
-        """SIGTERM the server, SIGKILL its process group after `grace_s` (default: the exit timeout
-        plus 10 s), wait for its stubs to go, remove the shared-memory regions it created.
-        Idempotent; returns the server's exit code (None if never started)."""
-        code = super().stop(grace_s)
+        """SIGTERM the server, SIGKILL its process group after `grace_s` (default `stop_grace_s`), wait
+        for its stubs to go, remove the shared-memory regions it created. Idempotent; returns the
+        server's exit code (None if never started)."""
+        code = None
+        if self.process is not None:
+            code = stop_process_group(self.process, self.stop_grace_s if grace_s is None else grace_s)
         self.remove_shm_regions()
         return code
 
@@ -370,24 +387,16 @@ def _port_taken(server: TritonServer) -> bool:
 
 
 @contextlib.contextmanager
-def running_server(
-    model_repository: Path | str,
-    *,
-    ready_timeout_s: float = 60.0,
-    attempts: int = 3,
-    **kwargs,
-) -> Iterator[TritonServer]:
-    """Start a TritonServer on free loopback ports, wait until it is ready, yield it, stop it.
+def running_server(model_repository: Path | str, *, ready_timeout_s: float = 60.0, attempts: int = 3,
+                   **kwargs) -> Iterator[TritonServer]:
+    """Start a TritonServer (keyword arguments go to it) on free loopback ports, wait until it is ready,
+    yield it, stop it.
 
-    A port picked free can be taken by someone else before the server binds it, and tritonserver 2.51
-    now and then aborts while its backends initialise (docs/design.md §7): then it retries (new ports
-    where they were picked), up to `attempts` times, saying so on stderr. Any other failure raises
-    ServerError with the log tail. Keyword arguments go to TritonServer (fixed ports given there are
-    used as they are).
+    A port picked free can be taken before the server binds it, and tritonserver 2.51 now and then aborts
+    while its backends initialise (docs/design.md §7): then it retries (new ports where they were picked),
+    up to `attempts` times, saying so on stderr. Any other failure raises ServerError with the log tail.
     """
-    ports_fixed = any(
-        kwargs.get(name) is not None for name in ("http_port", "grpc_port", "metrics_port")
-    )
+    ports_fixed = any(kwargs.get(name) is not None for name in ("http_port", "grpc_port", "metrics_port"))
     for attempt in range(1, attempts + 1):
         server = TritonServer(model_repository, **kwargs)
         server.start()

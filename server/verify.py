@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
     if args.streams < 1 or args.frames < 1:
         print("error: --streams and --frames must be >= 1", file=sys.stderr)
         return 2
-
     codes = np.stack([random_codes(args.frames, args.codes_seed + i) for i in range(args.streams)])
     try:
         import torch  # noqa: F401
@@ -99,4 +98,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"{verdict}: server vs reference, tolerances max abs <= {MAX_ABS_ERROR:g}, SNR >= {MIN_SNR_DB:g} dB "
           f"({SAMPLES_PER_FRAME} samples x {args.frames} frames x {args.streams} streams, {NUM_CODEBOOKS} codebooks)")
     return 0 if passed else 1
-
