@@ -237,8 +237,10 @@ _RESUMABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
 # Answers meaning the server no longer holds the stream, whatever their status: a sequence it does not
 # hold (restarted server, expired or ended stream: "... the START flag"), a server exiting, or done
 # unloading its models in a drain ("has no available versions"), or one holding an older copy of a
-# stream that moved on elsewhere and came back behind a proxy ("leaves a gap"; a START replaces it).
-_STREAM_LOST_FRAGMENTS = ("START flag", "the server is shutting down", "has no available versions", "leaves a gap")
+# stream that moved on elsewhere and came back behind a proxy ("leaves a gap", or a resume's next piece
+# meeting that copy: "history is decoded once"; a START replaces it).
+_STREAM_LOST_FRAGMENTS = ("START flag", "the server is shutting down", "has no available versions", "leaves a gap",
+                          "history is decoded once")
 # A lost connection that some gRPC versions report under another status.
 _CONNECTION_LOST_FRAGMENTS = ("socket closed", "connection reset", "connection refused", "stream removed", "broken pipe")
 

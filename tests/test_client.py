@@ -478,6 +478,9 @@ def decode_in_chunks(stream, codes, bounds, before_chunk=None):
                      id="decoder-fault-ended-the-stream"),
         pytest.param("StatusCode.INVALID_ARGUMENT", "frame_offset 420 leaves a gap: stream 7 has decoded 126 frames, "
                      "so frame_offset must be at most 126", True, None, id="stale-copy-of-the-stream"),
+        pytest.param("StatusCode.INVALID_ARGUMENT", "history_frames=16 on a continuing stream needs frame_offset=142, "
+                     "the stream's next frame (got 286): history is decoded once, after the frames stream 7 holds",
+                     True, None, id="resume-piece-meets-a-stale-copy"),
         pytest.param("StatusCode.INVALID_ARGUMENT", "frame 3 differs from the frame stream 7 already decoded", False,
                      "INVALID_ARGUMENT: frame 3 differs from the frame stream 7 already decoded", id="changed-frame"),
         pytest.param("StatusCode.INVALID_ARGUMENT", "unexpected inference input 'history_frames' for model 'code2wav'", False, None,
