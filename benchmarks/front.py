@@ -15,12 +15,13 @@ the null decoder, with as many instances each. On it:
    asyncio driver) through each front: frame latency, Triton's queue and execution times, the CPU
    per request of every process (tritonserver, each model's stub, the load generator).
 3. Live load, sampled: the same again while py-spy samples each front's stubs (`--rate` Hz,
-   `--nonblocking`: the stub is never paused; idle threads are not sampled). A sample is charged to
-   numpy, or to a pb_utils call (the thread pool running a decoder call, or a line of the front whose
+   `--nonblocking`: the stub is never paused; py-spy leaves out idle threads, but a thread blocked
+   in C, waiting for a decoder answer or for its next call, is sampled). A sample is charged to
+   numpy, or to a pb_utils call (a thread running a decoder call, or a line of the front whose
    text calls into the Python backend's C++: tensors, requests, responses, metrics; their IPC with
-   tritonserver included), or to the front's own Python, or to asyncio and the threads. Each share
-   times the measured stub CPU per request is that part's CPU per request; the front's busiest lines
-   are listed with their text.
+   tritonserver included), or to the front's own Python, or to asyncio and the threads (a thread
+   waiting for its next call included). Each share times the measured stub CPU per request is that
+   part's CPU per request; the front's busiest lines are listed with their text.
 
 py-spy needs ptrace rights over the stubs (root, or kernel.yama.ptrace_scope 0); without them the
 sampled part is skipped and the table says why. Client and server share the cores. Writes front.md
@@ -56,8 +57,12 @@ MINIMAL_FRONT = Path(__file__).resolve().parent / "minimal_front" / "model.py"
 # Where a sample's CPU goes, in the order the report lists them.
 PB_UTILS = "pb_utils calls (C++, IPC with tritonserver)"
 PARTS = (PB_UTILS, "front Python", "numpy", "asyncio and threads", "other")
+WORK_PARTS = PARTS[:3]  # the front's own work: its busiest lines are counted from these
 # A line of a front that calls into the Python backend's C++: tensors, requests, responses, metrics.
-PB_UTILS_CALL = re.compile(r"pb_utils\.|\.send\(|\.exec\b|async_exec|\.increment\(|as_numpy\(|get_response_sender")
+# (code2wav's decoder-call threads run nothing but decoder calls: `blocking_call()` is `request.exec`.)
+PB_UTILS_CALL = re.compile(r"pb_utils\.|\.send\(|\.exec\b|async_exec|\.increment\(|as_numpy\(|get_response_sender|blocking_call\(\)")
+# code2wav's decoder-call threads waiting for their next call (the work queue of an executor's threads).
+THREAD_WAIT = re.compile(r"_calls\.get\(\)")
 
 
 # ---- py-spy samples --------------------------------------------------------------------------------
@@ -95,7 +100,8 @@ def sources(model_folder: Path) -> dict[tuple[str, int], str]:
 def sample_part(stack: tuple[str, ...], front_sources: dict[tuple[str, int], str]) -> str:
     """The part of the stub a sample ran in (module docstring): innermost numpy or the thread pool's
     work item (a BLS `exec`) first, else the innermost line of the front's own files (a pb_utils call
-    by its text, else the front's Python), else the innermost asyncio or threading frame."""
+    by its text, a decoder-call thread waiting for work, else the front's Python), else the innermost
+    asyncio or threading frame."""
     function, file_name, _ = _location(stack[-1])
     if "numpy/" in file_name:
         return "numpy"
@@ -105,6 +111,8 @@ def sample_part(stack: tuple[str, ...], front_sources: dict[tuple[str, int], str
         _, file_name, _ = _location(frame)
         text = front_sources.get(_source_key(frame))
         if text is not None:
+            if THREAD_WAIT.search(text):
+                return "asyncio and threads"
             return PB_UTILS if PB_UTILS_CALL.search(text) else "front Python"
         if "asyncio/" in file_name or os.path.basename(file_name) in ("threading.py", "thread.py", "_base.py", "queue.py"):
             return "asyncio and threads"
@@ -113,13 +121,14 @@ def sample_part(stack: tuple[str, ...], front_sources: dict[tuple[str, int], str
 
 def charge(stacks: collections.Counter, front_sources: dict[tuple[str, int], str]) -> tuple[dict, list]:
     """Samples per part, and the busiest innermost lines of the front's own files as (frame, the
-    line's text, samples)."""
+    line's text, samples), from the samples of its work (a thread waiting for its next call is not)."""
     parts = dict.fromkeys(PARTS, 0)
     lines: collections.Counter = collections.Counter()
     for stack, count in stacks.items():
-        parts[sample_part(stack, front_sources)] += count
+        part = sample_part(stack, front_sources)
+        parts[part] += count
         own = next((f for f in reversed(stack) if _source_key(f) in front_sources), None)
-        if own is not None:
+        if own is not None and part in WORK_PARTS:
             lines[own] += count
     busiest = [(frame, front_sources[_source_key(frame)].strip(), count) for frame, count in lines.most_common(10)]
     return parts, busiest

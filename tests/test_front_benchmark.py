@@ -14,7 +14,9 @@ from benchmarks.local_server import LocalServer
 
 SOURCES = {("model.py", 10): "                sender.send(self._response(result), flags=FINAL)",
            ("model.py", 11): "        self._answers.append((sender, result))",
-           ("code2wav_core.py", 5): "        for stream in self._streams:"}
+           ("code2wav_core.py", 5): "        for stream in self._streams:",
+           ("code2wav_calls.py", 49): "        while (call := self._calls.get()) is not None:",
+           ("code2wav_calls.py", 53): "                result = blocking_call()"}
 RAW = "\n".join([
     # The thread pool running a decoder call: a pb_utils call wherever it came from.
     "_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:83);run (concurrent/futures/thread.py:58) 7",
@@ -29,17 +31,22 @@ RAW = "\n".join([
     "run_forever (asyncio/base_events.py:607);_run_once (asyncio/base_events.py:1910) 3",
     "_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:81) 1",
     "<module> (server.py:1);main (other.py:2) 1",
+    # code2wav's decoder-call threads: one waiting for its next call (not the front's work, and not
+    # among its busiest lines), one running a decoder call (a pb_utils call).
+    "_bootstrap (threading.py:1002);_work (code2wav_calls.py:49) 6",
+    "_bootstrap (threading.py:1002);_work (code2wav_calls.py:53) 2",
     "not a sample line",
 ])
 
 
 def test_samples_are_charged_to_the_part_of_the_stub_that_ran_them():
     stacks = front.parse_raw(RAW)
-    assert sum(stacks.values()) == 23
+    assert sum(stacks.values()) == 31
     parts, busiest = front.charge(stacks, SOURCES)
-    assert parts == {front.PB_UTILS: 11, "front Python": 5, "numpy": 2, "asyncio and threads": 4, "other": 1}
+    assert parts == {front.PB_UTILS: 13, "front Python": 5, "numpy": 2, "asyncio and threads": 10, "other": 1}
     assert busiest[0] == ("_send_answers (/srv/repo/code2wav/1/model.py:10)",
                           "sender.send(self._response(result), flags=FINAL)", 4)
+    assert not any("_calls.get()" in text for _, text, _ in busiest)
     # The line texts of a served folder, keyed by file name and line number.
     served = front.sources(front.MINIMAL_FRONT.parent)
     assert any("async_exec()" in text for (name, _), text in served.items() if name == "model.py")

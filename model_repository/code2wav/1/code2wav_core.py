@@ -229,6 +229,10 @@ class StreamTable:
         task.add_done_callback(lambda done: self._dequeue(correlation_id, done))
         return task
 
+    def busy(self, correlation_id: int) -> bool:
+        """Whether the stream has a submitted request not yet finished."""
+        return correlation_id in self._queued
+
     def submit_batch(self, requests: Sequence[StreamRequest], decode_step: DecodeStep,
                      finishes: Optional[Sequence[Finish]] = None) -> List[asyncio.Task[Union[np.ndarray, Exception]]]:
         """One `execute()` batch: expire idle streams (never those with a request here or queued),

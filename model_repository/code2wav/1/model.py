@@ -4,12 +4,10 @@ numpy -> responses; everything testable lives in the sibling files and model_rep
 """
 
 import asyncio
-import functools
 import json
 import os
 import sys
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -23,6 +21,7 @@ if _MODEL_DIR not in sys.path:
 import idle_sweeper  # noqa: E402
 import model_errors  # noqa: E402
 import model_metrics  # noqa: E402
+from code2wav_calls import BlockingCalls  # noqa: E402
 from code2wav_core import StreamTable  # noqa: E402
 from code2wav_plan import StreamRequest  # noqa: E402
 from code2wav_settings import ERROR_KINDS, DecoderError, RequestError, settings_from_config  # noqa: E402
@@ -34,6 +33,8 @@ SERVER_EXITING = "Server not ready"
 DECODER_INPUT_NAME = "codes"
 DECODER_OUTPUT_NAME = "pcm"
 BLS_THREADS_MAX = 256
+# How long execute waits for its live requests before it leaves the rest to their response senders.
+RETURN_WAIT_S = 0.05
 
 
 class TritonPythonModel:
@@ -56,10 +57,7 @@ class TritonPythonModel:
         # Each decoder call blocks one of these threads (a BLS request is synchronous). Each stream has
         # at most one call in flight, so one thread per stream that can be in flight (at least a full
         # decoder batch, at most BLS_THREADS_MAX) lets the decoder batch every live stream.
-        self._bls_threads = ThreadPoolExecutor(
-            max_workers=max(self._max_batch_size, min(settings.max_live_streams, BLS_THREADS_MAX)),
-            thread_name_prefix="code2wav-bls",
-        )
+        self._decoder_calls = BlockingCalls(max(self._max_batch_size, min(settings.max_live_streams, BLS_THREADS_MAX)))
         self._loop = None  # the stub's event loop, known from the first execute
         self._answers = []  # (response sender, result) of finished requests, not yet sent
         self._metrics = model_metrics.GuardedMetrics(self._model_name, args["model_version"], _Metrics,
@@ -70,22 +68,44 @@ class TritonPythonModel:
                                  f"{settings.dedupe_mode}, stream idle timeout {settings.stream_idle_timeout_s:g} s")
 
     async def execute(self, requests):
-        # Every request becomes a task of the stream table on the stub's event loop, answered through
-        # its response sender when it finishes; execute returns at once, so the instance takes its next
-        # batch while a long request (a resume's replay) is still decoding.
+        # Every request becomes a task of the stream table on the stub's event loop. A live request
+        # (its stream's only one in flight, no replay) is awaited here, up to RETURN_WAIT_S, and answered
+        # in the returned list: the backend sends the whole list in one message. Anything else, and
+        # whatever is not done by then, is answered through its response sender when it finishes, so a
+        # long request (a resume's replay) holds up no other stream (docs/design.md §5).
         self._loop = asyncio.get_running_loop()
-        stream_requests, finishes = [], []
-        for request in requests:
-            sender = request.get_response_sender()
+        responses = [None] * len(requests)
+        stream_requests, replies = [], []
+        repeated = _repeated_streams(requests)
+        for position, request in enumerate(requests):
             try:
-                stream_requests.append(_stream_request(request))
+                stream_request = _stream_request(request)
             except Exception as exc:
                 self._table.count_error(exc.kind if isinstance(exc, model_errors.ModelError) else "internal")
-                self._answer(sender, exc)
+                responses[position] = self._error_response(exc)
                 continue
-            finishes.append(functools.partial(self._answer, sender))
-        self._table.submit_batch(stream_requests, self._decode_step, finishes)
-        return None
+            held = stream_request.correlation_id not in repeated and self._is_live(stream_request)
+            stream_requests.append(stream_request)
+            replies.append(_Reply(self, position, request.get_response_sender(), held))
+        tasks = self._table.submit_batch(stream_requests, self._decode_step, [reply.finish for reply in replies])
+        held = [task for task, reply in zip(tasks, replies) if reply.held]
+        if held:
+            await asyncio.wait(held, timeout=RETURN_WAIT_S)
+        for task, reply in zip(tasks, replies):
+            if reply.held and task.done():
+                responses[reply.position] = self._response(task.result())
+            else:
+                reply.held = False  # answered through its sender when it finishes
+        self._report_metrics()  # before the answers: a client that reads the metrics next sees its request
+        return responses
+
+    def _is_live(self, request):
+        """A request execute waits for: one decoder step at most, no replayed history, and its stream's
+        only request in flight."""
+        settings = self._table.settings
+        return (request.history_frames is None
+                and request.input_ids.size <= settings.num_codebooks * settings.decoder_max_frames_per_step
+                and not self._table.busy(request.correlation_id))
 
     def _response(self, result):
         if isinstance(result, Exception):
@@ -126,7 +146,7 @@ class TritonPythonModel:
             correlation_id=correlation_id,
             flags=flags,
         )
-        response = await self._loop.run_in_executor(self._bls_threads, request.exec)
+        response = await self._decoder_calls.call(self._loop, request.exec)
         if response.has_error():
             error = response.error()
             message = error.message()
@@ -163,7 +183,30 @@ class TritonPythonModel:
     def finalize(self):
         self._sweeper.close(pb_utils.Logger.log_warn)
         self._metrics.close()
-        self._bls_threads.shutdown(wait=False)
+        self._decoder_calls.close()
+
+
+class _Reply:
+    """Where a request's answer goes: execute's returned list while `held`, else its response sender."""
+
+    __slots__ = ("model", "position", "sender", "held")
+
+    def __init__(self, model, position, sender, held):
+        self.model, self.position, self.sender, self.held = model, position, sender, held
+
+    def finish(self, result):
+        if not self.held:
+            self.model._answer(self.sender, result)
+
+
+def _repeated_streams(requests):
+    """Correlation ids with more than one request in the batch: their answers keep their order by
+    all going through the senders."""
+    seen, repeated = set(), set()
+    for request in requests:
+        correlation_id = request.correlation_id()
+        (repeated if correlation_id in seen else seen).add(correlation_id)
+    return repeated
 
 
 def _stream_request(request):

@@ -1,0 +1,77 @@
+"""Blocking calls (code2wav's BLS requests to the decoder: `request.exec` blocks its thread) run on
+threads of their own, their results handed to the asyncio event loop in bursts. Pure stdlib (unit-tested
+without a server; Python 3.10 and 3.11); docs/design.md §5 says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from queue import SimpleQueue
+from typing import Any, Callable, List, Optional, Tuple
+
+
+class BlockingCalls:
+    """`call(loop, function)` runs `function()` on one of at most `max_threads` threads (started as
+    calls need them) and returns an asyncio future of its result or exception. Results that arrive
+    while the loop is busy are handed over together: one wake-up of the loop for all of them, not one
+    per call as `run_in_executor` makes. Call `call` from the event loop only."""
+
+    def __init__(self, max_threads: int, thread_name: str = "code2wav-bls"):
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+        self._max_threads = max_threads
+        self._thread_name = thread_name
+        self._threads: List[threading.Thread] = []
+        self._calls: SimpleQueue = SimpleQueue()  # (future, function); None stops a thread
+        self._results: List[Tuple[asyncio.Future, Any, Optional[BaseException]]] = []  # guarded by _lock
+        self._lock = threading.Lock()
+        self._in_flight = 0  # calls whose results are not yet handed over (event loop only)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    @property
+    def threads(self) -> int:
+        """Threads started so far."""
+        return len(self._threads)
+
+    def call(self, loop: asyncio.AbstractEventLoop, function: Callable[[], Any]) -> asyncio.Future:
+        self._loop = loop
+        future = loop.create_future()
+        self._in_flight += 1
+        if self._in_flight > len(self._threads) and len(self._threads) < self._max_threads:
+            thread = threading.Thread(target=self._work, name=f"{self._thread_name}-{len(self._threads)}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        self._calls.put((future, function))
+        return future
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, blocking_call = call
+            result = exception = None
+            try:
+                result = blocking_call()
+            except BaseException as exc:  # handed to the caller's future, as an executor would
+                exception = exc
+            with self._lock:
+                self._results.append((future, result, exception))
+                first = len(self._results) == 1
+            if first:
+                self._loop.call_soon_threadsafe(self._hand_over)
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            results, self._results = self._results, []
+        self._in_flight -= len(results)
+        for future, result, exception in results:
+            if future.cancelled():
+                continue
+            if exception is not None:
+                future.set_exception(exception)
+            else:
+                future.set_result(result)
+
+    def close(self) -> None:
+        """Stop the threads once the calls already queued are done."""
+        for _ in self._threads:
+            self._calls.put(None)
