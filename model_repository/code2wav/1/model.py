@@ -69,24 +69,25 @@ class TritonPythonModel:
 
     async def execute(self, requests):
         # Every request becomes a task of the stream table on the stub's event loop. A live request
-        # (its stream's only one in flight, no replay) is awaited here, up to RETURN_WAIT_S, and answered
-        # in the returned list: the backend sends the whole list in one message. Anything else, and
-        # whatever is not done by then, is answered through its response sender when it finishes, so a
-        # long request (a resume's replay) holds up no other stream (docs/design.md §5).
+        # (`_is_live`) is awaited here, up to RETURN_WAIT_S, and answered in the returned list: the
+        # backend sends the whole list in one message. Anything else, and whatever is not done by then,
+        # is answered through its response sender when it finishes, so a long request (a resume's
+        # replay) holds up no other stream (docs/design.md §5).
         self._loop = asyncio.get_running_loop()
         responses = [None] * len(requests)
-        stream_requests, replies = [], []
-        repeated = _repeated_streams(requests)
+        stream_requests, positions, senders = [], [], []
         for position, request in enumerate(requests):
             try:
-                stream_request = _stream_request(request)
+                stream_requests.append(_stream_request(request))
             except Exception as exc:
                 self._table.count_error(exc.kind if isinstance(exc, model_errors.ModelError) else "internal")
                 responses[position] = self._error_response(exc)
                 continue
-            held = stream_request.correlation_id not in repeated and self._is_live(stream_request)
-            stream_requests.append(stream_request)
-            replies.append(_Reply(self, position, request.get_response_sender(), held))
+            positions.append(position)
+            senders.append(request.get_response_sender())
+        repeated = _repeated_streams(stream_requests)
+        replies = [_Reply(self, position, sender, request.correlation_id not in repeated and self._is_live(request))
+                   for position, sender, request in zip(positions, senders, stream_requests)]
         tasks = self._table.submit_batch(stream_requests, self._decode_step, [reply.finish for reply in replies])
         held = [task for task, reply in zip(tasks, replies) if reply.held]
         if held:
@@ -199,12 +200,12 @@ class _Reply:
             self.model._answer(self.sender, result)
 
 
-def _repeated_streams(requests):
+def _repeated_streams(stream_requests):
     """Correlation ids with more than one request in the batch: their answers keep their order by
     all going through the senders."""
     seen, repeated = set(), set()
-    for request in requests:
-        correlation_id = request.correlation_id()
+    for request in stream_requests:
+        correlation_id = request.correlation_id
         (repeated if correlation_id in seen else seen).add(correlation_id)
     return repeated
 
