@@ -2,8 +2,10 @@
 block their threads, and their results reach the event loop in bursts."""
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -96,10 +98,53 @@ def test_close_stops_every_thread():
     asyncio.run(main())
     threads = list(calls._threads)
     assert len(threads) == 4
-    calls.close()
-    for thread in threads:
-        thread.join(2)
+    assert calls.close() == []  # returns once they have ended
     assert not any(thread.is_alive() for thread in threads)
+
+
+def test_close_names_a_thread_still_blocked_in_its_call():
+    calls = code2wav_calls.BlockingCalls(2)
+    release = threading.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        await calls.call(loop, lambda: None)
+        blocked = calls.call(loop, release.wait)
+        assert calls.close(timeout_s=0.2) == ["code2wav-bls-0"]
+        release.set()
+        assert await blocked is True  # the call still finishes, then its thread ends
+
+    asyncio.run(main())
+    assert calls.close() == []
+
+
+def test_a_finished_call_leaves_nothing_on_its_thread():
+    """A BLS request and its response hold the Python backend's shared memory: an idle thread that
+    kept the last ones would free them when it ends, after the stub has unmapped that memory."""
+    calls = code2wav_calls.BlockingCalls(1)
+
+    class Held:  # stands in for the BLS request (its bound exec is the call) and its response
+        def __init__(self, answer=None):
+            self.answer = answer
+
+        def exec(self):
+            return self.answer
+
+    seen = {}
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        response = Held()
+        request = Held(response)
+        seen["request"], seen["response"] = weakref.ref(request), weakref.ref(response)
+        assert await calls.call(loop, request.exec) is response
+        del request, response
+
+    asyncio.run(main())
+    gc.collect()
+    assert calls.threads == 1 and calls._threads[0].is_alive()  # idle, waiting for the next call
+    assert seen["request"]() is None and seen["response"]() is None
+    calls.close()
 
 
 def test_at_least_one_thread():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from queue import SimpleQueue
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -56,6 +57,10 @@ class BlockingCalls:
             with self._lock:
                 self._results.append((future, result, exception))
                 first = len(self._results) == 1
+            # The thread keeps nothing of a finished call: a BLS request and its response hold the
+            # Python backend's shared memory, and one kept past the stub's teardown (freed when this
+            # thread ends) crashes the stub on a mutex in memory already unmapped.
+            call = future = blocking_call = result = exception = None
             if first:
                 self._loop.call_soon_threadsafe(self._hand_over)
 
@@ -71,7 +76,14 @@ class BlockingCalls:
             else:
                 future.set_result(result)
 
-    def close(self) -> None:
-        """Stop the threads once the calls already queued are done."""
+    def close(self, timeout_s: float = 5.0) -> List[str]:
+        """Stop the threads once the calls already queued are done, and wait up to `timeout_s` for
+        them to end; returns the names of those still running (each blocked in a call)."""
         for _ in self._threads:
             self._calls.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:  # results the event loop will not take any more
+            self._results = []
+        return [thread.name for thread in self._threads if thread.is_alive()]

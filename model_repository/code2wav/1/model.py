@@ -4,6 +4,8 @@ numpy -> responses; everything testable lives in the sibling files and model_rep
 """
 
 import asyncio
+import faulthandler
+import gc
 import json
 import os
 import sys
@@ -39,6 +41,9 @@ RETURN_WAIT_S = 0.05
 
 class TritonPythonModel:
     def initialize(self, args):
+        # A fatal signal in the stub writes every thread's Python stack to stderr (the server's log),
+        # where a dead stub otherwise leaves only a kernel log line.
+        faulthandler.enable(all_threads=True)
         config = json.loads(args["model_config"])
         self._model_name = args.get("model_name", "code2wav")
         try:
@@ -184,7 +189,16 @@ class TritonPythonModel:
     def finalize(self):
         self._sweeper.close(pb_utils.Logger.log_warn)
         self._metrics.close()
-        self._decoder_calls.close()
+        running = self._decoder_calls.close()
+        if running:
+            pb_utils.Logger.log_warn(f"model '{self._model_name}': {len(running)} decoder call(s) still running at "
+                                     "unload")
+        # The Python backend's objects (requests, responses, senders, tensors) live in the stub's shared
+        # memory, which the stub unmaps before the interpreter's last garbage collection: one still in
+        # a reference cycle then (a failed request's traceback holds its request and sender) crashes
+        # the stub as it exits. Collect them now, while that memory is mapped.
+        self._answers = []
+        gc.collect()
 
 
 class _Reply:

@@ -4,6 +4,7 @@ once, with no state. Behind code2wav it measures the front's own ceiling (`pytho
 --decoder null`); never served for audio. `export/render.py` copies it into a rendered `mimi_decoder/1/`.
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ import model_errors  # noqa: E402
 
 class TritonPythonModel:
     def initialize(self, args):
+        faulthandler.enable(all_threads=True)  # a dying stub's stacks go to the server's log
         try:
             values, _ = model_errors.read_parameters(json.loads(args["model_config"]), {"samples_per_frame": int})
         except model_errors.ConfigError as exc:

@@ -8,6 +8,7 @@ back and publishes the metrics; the rest is pure numpy beside it (`python_ort_co
 """
 
 import dataclasses
+import faulthandler
 import json
 import operator
 import os
@@ -107,6 +108,7 @@ class _Metrics:
 
 class TritonPythonModel:
     def initialize(self, args):
+        faulthandler.enable(all_threads=True)  # a dying stub's stacks go to the server's log
         self._name = args["model_name"]
         try:
             config = ort_config.parse_model_config(json.loads(args["model_config"]), pb_utils.triton_string_to_numpy)
