@@ -971,6 +971,33 @@ def test_a_long_request_holds_up_no_other_stream_across_batches():
     asyncio.run(scenario())
 
 
+def test_live_requests_are_one_step_without_history_and_their_streams_only_request_in_flight():
+    """`live` decides which requests execute waits for and answers in its returned list. A request
+    past one decoder step, a replay, a stream's second request in the batch, or one queued behind its
+    stream's unfinished request goes through its sender instead, so no answer overtakes another."""
+
+    async def scenario():
+        table, decoder = make_table(decoder_max_frames_per_step=4), GatedDecoder(gated={9})
+        (slow,) = table.submit_batch([StreamRequest(9, START, flat(make_codes(2, seed=9)))], decoder)
+        await asyncio.sleep(0)
+        batch = [
+            StreamRequest(1, START, flat(make_codes(1, seed=1))),  # one frame of an idle stream
+            StreamRequest(2, START, flat(make_codes(4, seed=2))),  # one whole decoder step
+            StreamRequest(3, START, flat(make_codes(5, seed=3))),  # two decoder steps
+            StreamRequest(4, START, flat(make_codes(3, seed=4)), history_frames=np.array([[2]])),  # a replay
+            StreamRequest(5, START, flat(make_codes(1, seed=5))),  # stream 5 twice in this batch
+            StreamRequest(5, 0, flat(make_codes(1, seed=6)), offset(1)),
+            StreamRequest(9, 0, flat(make_codes(1, seed=7)), offset(2)),  # behind stream 9's unfinished request
+            StreamRequest(6, START, np.zeros(0, np.int64)),  # no frames
+        ]
+        assert table.live(batch) == [True, True, False, False, False, False, False, True]
+        decoder.gate.set()
+        await slow
+        assert table.live(batch[6:7]) == [True]  # stream 9's request finished
+
+    asyncio.run(scenario())
+
+
 def test_a_streams_requests_run_in_order_across_batches_and_finish_before_the_next_starts():
     """The next request of a stream may arrive (in a later batch) while its previous one is still
     decoding: it waits its turn, and the previous request's finish (its response) comes first."""

@@ -12,6 +12,8 @@ import pytest
 from benchmarks import front
 from benchmarks.local_server import LocalServer
 
+from helpers import MODEL_REPOSITORY
+
 SOURCES = {("model.py", 10): "                sender.send(self._response(result), flags=FINAL)",
            ("model.py", 11): "        self._answers.append((sender, result))",
            ("code2wav_core.py", 5): "        for stream in self._streams:",
@@ -50,6 +52,17 @@ def test_samples_are_charged_to_the_part_of_the_stub_that_ran_them():
     # The line texts of a served folder, keyed by file name and line number.
     served = front.sources(front.MINIMAL_FRONT.parent)
     assert any("async_exec()" in text for (name, _), text in served.items() if name == "model.py")
+
+
+def test_code2wav_calls_lines_are_the_ones_the_benchmark_recognises():
+    """The benchmark knows code2wav's decoder-call threads by the text of two lines of
+    code2wav_calls.py: renaming either would move their samples to "front Python" unnoticed."""
+    lines = [text for (name, _), text in front.sources(MODEL_REPOSITORY / "code2wav" / "1").items()
+             if name == "code2wav_calls.py"]
+    waits = [text for text in lines if front.THREAD_WAIT.search(text)]
+    calls = [text for text in lines if "blocking_call()" in text and front.PB_UTILS_CALL.search(text)]
+    assert waits == ["        while (call := self._calls.get()) is not None:"], waits
+    assert calls == ["                result = blocking_call()"], calls
 
 
 @pytest.mark.server

@@ -12,6 +12,7 @@ stream ends and its decoder sequence gets a discarded END step).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -232,6 +233,19 @@ class StreamTable:
     def busy(self, correlation_id: int) -> bool:
         """Whether the stream has a submitted request not yet finished."""
         return correlation_id in self._queued
+
+    def live(self, requests: Sequence[StreamRequest]) -> List[bool]:
+        """Per request of a batch not yet submitted, whether it is live: one decoder step at most, no
+        replayed history, and its stream's only request in flight (none queued before it, no other in
+        the batch). `execute` may wait for a live request and answer it in its returned list; the
+        others are answered through their senders, which keeps each stream's answers in order."""
+        batch_counts = collections.Counter(request.correlation_id for request in requests)
+        most_codes = self.settings.num_codebooks * self.settings.decoder_max_frames_per_step
+        return [request.history_frames is None
+                and request.input_ids.size <= most_codes
+                and batch_counts[request.correlation_id] == 1
+                and not self.busy(request.correlation_id)
+                for request in requests]
 
     def submit_batch(self, requests: Sequence[StreamRequest], decode_step: DecodeStep,
                      finishes: Optional[Sequence[Finish]] = None) -> List[asyncio.Task[Union[np.ndarray, Exception]]]:

@@ -74,7 +74,7 @@ class TritonPythonModel:
 
     async def execute(self, requests):
         # Every request becomes a task of the stream table on the stub's event loop. A live request
-        # (`_is_live`) is awaited here, up to RETURN_WAIT_S, and answered in the returned list: the
+        # (`StreamTable.live`) is awaited here, up to RETURN_WAIT_S, and answered in the returned list: the
         # backend sends the whole list in one message. Anything else, and whatever is not done by then,
         # is answered through its response sender when it finishes, so a long request (a resume's
         # replay) holds up no other stream (docs/design.md §5).
@@ -90,9 +90,8 @@ class TritonPythonModel:
                 continue
             positions.append(position)
             senders.append(request.get_response_sender())
-        repeated = _repeated_streams(stream_requests)
-        replies = [_Reply(self, position, sender, request.correlation_id not in repeated and self._is_live(request))
-                   for position, sender, request in zip(positions, senders, stream_requests)]
+        replies = [_Reply(self, position, sender, live)
+                   for position, sender, live in zip(positions, senders, self._table.live(stream_requests))]
         tasks = self._table.submit_batch(stream_requests, self._decode_step, [reply.finish for reply in replies])
         held = [task for task, reply in zip(tasks, replies) if reply.held]
         if held:
@@ -104,14 +103,6 @@ class TritonPythonModel:
                 reply.held = False  # answered through its sender when it finishes
         self._report_metrics()  # before the answers: a client that reads the metrics next sees its request
         return responses
-
-    def _is_live(self, request):
-        """A request execute waits for: one decoder step at most, no replayed history, and its stream's
-        only request in flight."""
-        settings = self._table.settings
-        return (request.history_frames is None
-                and request.input_ids.size <= settings.num_codebooks * settings.decoder_max_frames_per_step
-                and not self._table.busy(request.correlation_id))
 
     def _response(self, result):
         if isinstance(result, Exception):
@@ -212,16 +203,6 @@ class _Reply:
     def finish(self, result):
         if not self.held:
             self.model._answer(self.sender, result)
-
-
-def _repeated_streams(stream_requests):
-    """Correlation ids with more than one request in the batch: their answers keep their order by
-    all going through the senders."""
-    seen, repeated = set(), set()
-    for request in stream_requests:
-        correlation_id = request.correlation_id
-        (repeated if correlation_id in seen else seen).add(correlation_id)
-    return repeated
 
 
 def _stream_request(request):
