@@ -36,7 +36,7 @@ DECODER_INPUT_NAME = "codes"
 DECODER_OUTPUT_NAME = "pcm"
 BLS_THREADS_MAX = 256
 # How long execute waits for its live requests before it leaves the rest to their response senders.
-RETURN_WAIT_S = 0.05
+RETURN_WAIT_S = 0.02
 
 
 class TritonPythonModel:
