@@ -54,6 +54,8 @@ from .tls import measure as unpaced_requests_per_s
 
 FRONTS = ("code2wav", "minimal_front")
 MINIMAL_FRONT = Path(__file__).resolve().parent / "minimal_front" / "model.py"
+# Beside it as beside every Python model: the stub's fault handler and its collection at unload.
+MODEL_LIFECYCLE = Path(__file__).resolve().parents[1] / "model_repository" / "common" / "model_lifecycle.py"
 # Where a sample's CPU goes, in the order the report lists them.
 PB_UTILS = "pb_utils calls (C++, IPC with tritonserver)"
 PARTS = (PB_UTILS, "front Python", "numpy", "asyncio and threads", "other")
@@ -177,13 +179,14 @@ def py_spy_problem() -> str | None:
 
 def add_minimal_front(repository: Path) -> None:
     """Serve `minimal_front` beside code2wav: code2wav's rendered config (same inputs, batching and
-    instances) under the other name, and its model file."""
+    instances) under the other name, its model file and model_lifecycle.py."""
     folder = repository / "minimal_front"
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "1").mkdir(parents=True)
     config = (repository / "code2wav" / "config.pbtxt").read_text()
     (folder / "config.pbtxt").write_text(config.replace('name: "code2wav"', 'name: "minimal_front"', 1))
     shutil.copy(MINIMAL_FRONT, folder / "1" / "model.py")
+    shutil.copy(MODEL_LIFECYCLE, folder / "1" / MODEL_LIFECYCLE.name)
 
 
 def _live(local: LocalServer, front: str, args, sampler_folder: Path | None) -> dict:

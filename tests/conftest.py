@@ -60,6 +60,11 @@ def triton_server_factory():
                 with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
                     for future in [pool.submit(server.stop) for server in started]:
                         future.result()
+                # Every Python model's stub writes its threads' stacks to the server's log if it dies
+                # (model_lifecycle's fault handler), while serving or as it exits.
+                died = [str(server.log_path) for server in started
+                        if server.log_path.exists() and "Fatal Python error" in server.log_path.read_text(errors="replace")]
+                assert not died, f"a Python stub died; its stacks are in: {died}"
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
 """Unit tests of model_repository/common/, the files the Python models share (no server)."""
 
+import gc
 import json
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -12,6 +14,7 @@ from helpers import MODEL_REPOSITORY, load_model_module, triton_model_config
 idle_sweeper = load_model_module(MODEL_REPOSITORY / "common" / "idle_sweeper.py")
 model_errors = load_model_module(MODEL_REPOSITORY / "common" / "model_errors.py")
 model_metrics = load_model_module(MODEL_REPOSITORY / "common" / "model_metrics.py")
+model_lifecycle = load_model_module(MODEL_REPOSITORY / "common" / "model_lifecycle.py")
 
 # --------------------------------------------------------------------------------------------------
 # idle sweeper
@@ -240,3 +243,35 @@ def test_closing_a_stuck_sweeper_warns():
     release.set()
     assert warnings == ["mimi_decoder-idle-expiry: the idle sweeper did not stop in 0.1 s"]
     assert sweeper.stop(timeout_s=5)
+
+
+class _Held:
+    pass
+
+
+def test_finalize_frees_a_reference_cycle_at_once():
+    """What a failed request's traceback does to its request: a cycle the reference counts never free."""
+    gc.disable()  # no automatic collection may free it first
+    try:
+        held = _Held()
+        held.self = held
+        freed = weakref.ref(held)
+        del held
+        assert freed() is not None
+        assert model_lifecycle.on_finalize() >= 1
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
+def test_initialize_turns_on_the_fault_handler():
+    import faulthandler
+
+    was = faulthandler.is_enabled()
+    try:
+        faulthandler.disable()
+        model_lifecycle.on_initialize()
+        assert faulthandler.is_enabled()
+    finally:
+        if not was:
+            faulthandler.disable()

@@ -2,7 +2,9 @@
 
 Per request: unflatten the codes, one `async_exec` into the same decoder with the request's sequence
 id and flags, one response with its PCM. No stream table, dedupe, replay, stream cap, metrics or
-checks: what code2wav costs beyond this is what its contract costs. Never served to users.
+checks: what code2wav costs beyond this is what its contract costs. Like every Python model it turns on
+the fault handler and collects its garbage at unload (model_lifecycle.py, copied beside it). Never
+served to users.
 """
 
 import asyncio
@@ -11,9 +13,12 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+import model_lifecycle
+
 
 class TritonPythonModel:
     def initialize(self, args):
+        model_lifecycle.on_initialize()
         parameters = {key: value["string_value"] for key, value in json.loads(args["model_config"])["parameters"].items()}
         self._codebooks = int(parameters["num_codebooks"])
         self._decoder = parameters["decoder_model_name"]
@@ -37,3 +42,6 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor("model_outputs", pcm), pb_utils.Tensor("sr", self._sample_rate)]))
         return responses
+
+    def finalize(self):
+        model_lifecycle.on_finalize()

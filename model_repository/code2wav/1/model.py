@@ -4,8 +4,6 @@ numpy -> responses; everything testable lives in the sibling files and model_rep
 """
 
 import asyncio
-import faulthandler
-import gc
 import json
 import os
 import sys
@@ -22,6 +20,7 @@ if _MODEL_DIR not in sys.path:
 
 import idle_sweeper  # noqa: E402
 import model_errors  # noqa: E402
+import model_lifecycle  # noqa: E402
 import model_metrics  # noqa: E402
 from code2wav_calls import BlockingCalls  # noqa: E402
 from code2wav_core import StreamTable  # noqa: E402
@@ -41,9 +40,7 @@ RETURN_WAIT_S = 0.02
 
 class TritonPythonModel:
     def initialize(self, args):
-        # A fatal signal in the stub writes every thread's Python stack to stderr (the server's log),
-        # where a dead stub otherwise leaves only a kernel log line.
-        faulthandler.enable(all_threads=True)
+        model_lifecycle.on_initialize()  # a dying stub's stacks go to the server's log
         config = json.loads(args["model_config"])
         self._model_name = args.get("model_name", "code2wav")
         try:
@@ -182,14 +179,10 @@ class TritonPythonModel:
         self._metrics.close()
         running = self._decoder_calls.close()
         if running:
-            pb_utils.Logger.log_warn(f"model '{self._model_name}': {len(running)} decoder call(s) still running at "
-                                     "unload")
-        # The Python backend's objects (requests, responses, senders, tensors) live in the stub's shared
-        # memory, which the stub unmaps before the interpreter's last garbage collection: one still in
-        # a reference cycle then (a failed request's traceback holds its request and sender) crashes
-        # the stub as it exits. Collect them now, while that memory is mapped.
+            pb_utils.Logger.log_warn(f"model '{self._model_name}': decoder calls still running at unload: "
+                                     f"{', '.join(running)}")
         self._answers = []
-        gc.collect()
+        model_lifecycle.on_finalize()
 
 
 class _Reply:

@@ -4,7 +4,6 @@ once, with no state. Behind code2wav it measures the front's own ceiling (`pytho
 --decoder null`); never served for audio. `export/render.py` copies it into a rendered `mimi_decoder/1/`.
 """
 
-import faulthandler
 import json
 import os
 import sys
@@ -17,11 +16,12 @@ if _MODEL_DIR not in sys.path:
     sys.path.insert(0, _MODEL_DIR)
 
 import model_errors  # noqa: E402
+import model_lifecycle  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        faulthandler.enable(all_threads=True)  # a dying stub's stacks go to the server's log
+        model_lifecycle.on_initialize()  # a dying stub's stacks go to the server's log
         try:
             values, _ = model_errors.read_parameters(json.loads(args["model_config"]), {"samples_per_frame": int})
         except model_errors.ConfigError as exc:
@@ -35,3 +35,6 @@ class TritonPythonModel:
             pcm = np.zeros((1, self._samples_per_frame * frames), np.float32)
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("pcm", pcm)]))
         return responses
+
+    def finalize(self):
+        model_lifecycle.on_finalize()

@@ -8,7 +8,6 @@ back and publishes the metrics; the rest is pure numpy beside it (`python_ort_co
 """
 
 import dataclasses
-import faulthandler
 import json
 import operator
 import os
@@ -25,6 +24,7 @@ if _MODEL_DIR not in sys.path:
 
 import idle_sweeper  # noqa: E402
 import model_errors  # noqa: E402
+import model_lifecycle  # noqa: E402
 import model_metrics  # noqa: E402
 import python_ort_config as ort_config  # noqa: E402
 import python_ort_core as core  # noqa: E402
@@ -108,7 +108,7 @@ class _Metrics:
 
 class TritonPythonModel:
     def initialize(self, args):
-        faulthandler.enable(all_threads=True)  # a dying stub's stacks go to the server's log
+        model_lifecycle.on_initialize()  # a dying stub's stacks go to the server's log
         self._name = args["model_name"]
         try:
             config = ort_config.parse_model_config(json.loads(args["model_config"]), pb_utils.triton_string_to_numpy)
@@ -184,3 +184,4 @@ class TritonPythonModel:
     def finalize(self):
         self._sweeper.close(pb_utils.Logger.log_warn)
         self._metrics.close()
+        model_lifecycle.on_finalize()
