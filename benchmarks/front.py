@@ -45,6 +45,7 @@ from pathlib import Path
 
 from mimi_code2wav.client.credentials import PLAINTEXT
 from mimi_code2wav.client.protocol import FRAME_DURATION_S
+from mimi_code2wav.export.render import COMMON_DIR
 
 from .duplex import PER_FRAME, run_async
 from .local_server import LocalServer, add_server_arguments
@@ -55,7 +56,7 @@ from .tls import measure as unpaced_requests_per_s
 FRONTS = ("code2wav", "minimal_front")
 MINIMAL_FRONT = Path(__file__).resolve().parent / "minimal_front" / "model.py"
 # Beside it as beside every Python model: the stub's fault handler and its collection at unload.
-MODEL_LIFECYCLE = Path(__file__).resolve().parents[1] / "model_repository" / "common" / "model_lifecycle.py"
+MODEL_LIFECYCLE = COMMON_DIR / "model_lifecycle.py"
 # Where a sample's CPU goes, in the order the report lists them.
 PB_UTILS = "pb_utils calls (C++, IPC with tritonserver)"
 PARTS = (PB_UTILS, "front Python", "numpy", "asyncio and threads", "other")

@@ -1,5 +1,6 @@
 """Unit tests of model_repository/common/, the files the Python models share (no server)."""
 
+import faulthandler
 import gc
 import json
 import threading
@@ -265,8 +266,6 @@ def test_finalize_frees_a_reference_cycle_at_once():
 
 
 def test_initialize_turns_on_the_fault_handler():
-    import faulthandler
-
     was = faulthandler.is_enabled()
     try:
         faulthandler.disable()
