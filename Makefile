@@ -73,8 +73,10 @@ bench-duplex: $(STAMP)
 	$(if $(URL),,$(BIN)/python -m benchmarks duplex --decoder null --out-dir bench_results/duplex-null || status=1;) \
 	exit $$status
 
+# The native decoder's memory (Triton's ONNX Runtime backend from ORT_BACKEND; python-ort, the development
+# decoder, leaves its memory to ONNX Runtime's arena): TARGET=python-ort measures that one instead.
 bench-memory: $(STAMP)
-	$(BIN)/python -m benchmarks memory
+	$(BIN)/python -m benchmarks memory --decoder $(or $(TARGET),onnxruntime)
 
 # The compose scale profile on this host's Docker engine (docker-compose.cpu.yml: 3 CPU replicas behind
 # nginx), 12 paced resumable streams, SIGKILL of the busiest replica's tritonserver: what the streams

@@ -50,11 +50,11 @@ import numpy as np
 from mimi_code2wav.client.credentials import PLAINTEXT, Credentials, add_credentials_arguments, credentials_from_args
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, MODEL_NAME, SAMPLES_PER_FRAME, ClientError
 from mimi_code2wav.client.report import percentiles
+from mimi_code2wav.server.processes import ServerError
 
 from .local_server import LocalServer, add_server_arguments, measured_server
 from .profile import settle_gc
-from .provenance import REPO_ROOT, command_line, run_meta, write_run
-from .sweep import parse_counts
+from .provenance import REPO_ROOT, command_line, parse_counts, run_meta, write_run
 
 
 @dataclass(frozen=True)
@@ -145,10 +145,6 @@ class TickResult:
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "meets_budget": self.meets_budget}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> TickResult:
-        return cls(**{k: v for k, v in data.items() if k != "meets_budget"})
 
 
 def summarize(client: str, policy: Policy, logs: Sequence[ConversationLog], start_s: float, budget_ms: float,
@@ -376,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
         credentials = credentials_from_args(args)
         with measured_server(args) as local:
             results = measure(args.url or local.url, args, local, credentials)
-    except ClientError as exc:
+    except (ClientError, ServerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     kind = f"duplex-{args.decoder}" if not args.url else "duplex-url"
@@ -442,7 +438,3 @@ def duplex_markdown(results: dict) -> str:
                          f"{point['latency_ms']['p99']:.0f} | {point['client_cpu_ms_per_request']:.2f} |")
     return "\n".join(lines)
 
-
-def headline_rows(results: dict) -> list[tuple[str, int]]:
-    """(policy, most conversations within the budget) of a run, for the README's headline."""
-    return list(results["most_conversations"].items())

@@ -2,10 +2,10 @@
 
 The README's CPU scale-out as written, `docker compose -f docker-compose.yml -f docker-compose.cpu.yml
 --profile scale up --build triton-proxy`: three replicas behind nginx, on this host's Docker engine
-with the test tooling's stand-in images (tests/docker_env.py: the engine, Compose v2 and the images,
-built once under build/docker; Triton 2.51 as in NGC 24.10). The faults are signals sent from the
-host to the container's tritonserver, so the command runs as root, as the stand-ins' build does. S paced resumable streams through the
-proxy (`client.run_streams`: one request in flight per stream, each request C frames, sent when its
+with the stand-in images (benchmarks/docker_env.py: the engine, Compose v2 and the images, built once
+under build/docker; Triton 2.51 as in NGC 24.10). The faults are signals sent from the host to the
+container's tritonserver, so the command runs as root, as the stand-ins' build does. S paced resumable
+streams through the proxy (`client.run_streams`: one request in flight per stream, each request C frames, sent when its
 last frame exists), and at `--kill-at-s` the tritonserver of the replica holding the most streams gets
 `--signal` (SIGKILL: a crash, which the restart policy brings back; SIGSTOP: a hang, which the
 watchdog kills). Reported, as a table and as JSON in `--out-dir`:
@@ -32,6 +32,7 @@ from mimi_code2wav.client.report import percentiles
 from mimi_code2wav.client.sync import run_streams
 from mimi_code2wav.server.triton import free_ports
 
+from .docker_env import REPLICAS, Compose, DockerUnavailable, docker_environment
 from .provenance import command_line, run_meta, write_run
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
@@ -57,8 +58,6 @@ def _weights_variables(weights: str | None) -> dict[str, str]:
 
 
 def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
-    from tests.docker_env import REPLICAS
-
     frames = int(round(args.seconds / FRAME_DURATION_S))
     codes = [random_codes(frames, seed=args.codes_seed + n) for n in range(args.streams)]
     keys = [f"call-{n}" for n in range(args.streams)]
@@ -147,8 +146,6 @@ def table(record: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tests.docker_env import Compose, DockerUnavailable, docker_environment
-
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:

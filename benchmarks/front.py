@@ -31,6 +31,7 @@ and front.json to the out-dir (`python -m benchmarks record --add` records it).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import functools
 import os
@@ -41,17 +42,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from mimi_code2wav.client.credentials import PLAINTEXT
-from mimi_code2wav.client.protocol import FRAME_DURATION_S
+from mimi_code2wav.client.protocol import FRAME_DURATION_S, StreamOptions, random_codes
 from mimi_code2wav.export.render import COMMON_DIR
 
 from .duplex import PER_FRAME, run_async
 from .local_server import LocalServer, add_server_arguments
 from .profile import PointProfile, group_pids, process_role, settle_gc
 from .provenance import REPO_ROOT, command_line, run_meta, write_run
-from .tls import measure as unpaced_requests_per_s
 
 FRONTS = ("code2wav", "minimal_front")
 MINIMAL_FRONT = Path(__file__).resolve().parent / "minimal_front" / "model.py"
@@ -144,7 +144,8 @@ def py_spy() -> str | None:
 
 
 class Sampler:
-    """py-spy recording each stub of `role` of a server's process group, until `stop()`."""
+    """py-spy recording each stub of `role` of a server's process group, from its return (every py-spy
+    has attached and says it samples) until `stop()`."""
 
     def __init__(self, pgid: int, role: str, rate: int, folder: Path):
         self.pids = [pid for pid in group_pids(pgid) if process_role(pid) == role]
@@ -152,14 +153,23 @@ class Sampler:
         self._processes = [
             subprocess.Popen([py_spy() or "py-spy", "record", "--pid", str(pid), "--nonblocking", "--format",
                               "raw", "--rate", str(rate), "--output", str(output)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for pid, output in zip(self.pids, self.outputs)]
+        self._said = [self._attached(process) for process in self._processes]
+
+    @staticmethod
+    def _attached(process: subprocess.Popen) -> str:
+        """What py-spy said until it began sampling (attaching takes a while on a busy machine) or exited."""
+        said = []
+        while (line := process.stdout.readline()) and not line.startswith("py-spy> Sampling"):
+            said.append(line)
+        return "".join(said)
 
     def stop(self) -> collections.Counter:
         stacks: collections.Counter = collections.Counter()
-        for process, output in zip(self._processes, self.outputs):
+        for process, output, said in zip(self._processes, self.outputs, self._said):
             process.send_signal(signal.SIGINT)  # py-spy writes its file on an interrupt
-            _, errors = process.communicate(timeout=60)
+            errors = said + process.communicate(timeout=60)[0]
             if not output.is_file():
                 raise RuntimeError(f"py-spy wrote no samples: {errors.strip().splitlines()[-1:] or process.returncode}")
             stacks.update(parse_raw(output.read_text()))
@@ -177,6 +187,31 @@ def py_spy_problem() -> str | None:
 
 
 # ---- the runs --------------------------------------------------------------------------------------
+
+def unpaced_requests_per_s(url: str, model_name: str, conversations: int, seconds: float) -> float:
+    """Requests/s of `conversations` 1-frame conversations of `model_name` for `seconds`, each sending
+    its next request when the last is answered."""
+    from mimi_code2wav.client.aio import Code2WavClient
+
+    async def conversation(client, codes, until: float) -> int:
+        answered = 0
+        async with client.stream() as stream:
+            while time.monotonic() < until:
+                await stream.decode(codes[:, answered % codes.shape[1]][:, None])
+                answered += 1
+        return answered
+
+    async def main() -> int:
+        async with Code2WavClient(url, StreamOptions(model_name=model_name)) as client:
+            await client.check_ready()
+            until = time.monotonic() + seconds
+            return sum(await asyncio.gather(*(conversation(client, random_codes(64, seed=i), until)
+                                              for i in range(conversations))))
+
+    began = time.monotonic()
+    count = asyncio.run(main())
+    return count / (time.monotonic() - began)
+
 
 def add_minimal_front(repository: Path) -> None:
     """Serve `minimal_front` beside code2wav: code2wav's rendered config (same inputs, batching and
@@ -209,17 +244,15 @@ def _live(local: LocalServer, front: str, args, sampler_folder: Path | None) -> 
 
 def measure_instances(local: LocalServer, instances: int, args, sampling: str | None) -> dict:
     """Every part of the run for one count of front instances, on `local` (a null repository with
-    that many front instances), started here with the minimal front added and stopped after."""
+    that many front instances), run here with the minimal front added."""
     add_minimal_front(local.repository)
     point: dict = {"instances": instances, "rps": {front: [] for front in FRONTS}}
-    local.start()
-    try:
+    with local.running():
         for front in FRONTS:  # warm-up
-            unpaced_requests_per_s(local.url, PLAINTEXT, args.unpaced, 1.0, model_name=front)
+            unpaced_requests_per_s(local.url, front, args.unpaced, 1.0)
         for round_index in range(args.rounds):
             for front in FRONTS:
-                point["rps"][front].append(unpaced_requests_per_s(local.url, PLAINTEXT, args.unpaced, args.seconds,
-                                                                  model_name=front))
+                point["rps"][front].append(unpaced_requests_per_s(local.url, front, args.unpaced, args.seconds))
             print(f"  {instances} instance(s), round {round_index + 1}: "
                   + ", ".join(f"{front} {point['rps'][front][-1]:.0f} requests/s" for front in FRONTS), flush=True)
         point["ratio"] = statistics.median(c / m for c, m in zip(point["rps"]["code2wav"], point["rps"]["minimal_front"]))
@@ -227,12 +260,10 @@ def measure_instances(local: LocalServer, instances: int, args, sampling: str | 
         if sampling is None:
             with tempfile.TemporaryDirectory(prefix="front-samples-") as folder:
                 point["sampled"] = {front: _live(local, front, args, Path(folder)) for front in FRONTS}
-        for front in FRONTS:
-            live = point["live"][front]["result"]
-            print(f"  {instances} instance(s), {args.conversations} live conversations through {front}: late p99 "
-                  f"{live['late_ms']['p99']:.0f} ms, {live['misses']} misses", flush=True)
-    finally:
-        local.stop()
+    for front in FRONTS:
+        live = point["live"][front]["result"]
+        print(f"  {instances} instance(s), {args.conversations} live conversations through {front}: late p99 "
+              f"{live['late_ms']['p99']:.0f} ms, {live['misses']} misses", flush=True)
     return point
 
 

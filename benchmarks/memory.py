@@ -21,7 +21,6 @@ import argparse
 import sys
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -37,15 +36,8 @@ from .provenance import REPO_ROOT, command_line, run_meta, write_run
 MIB = 2**20
 
 
-@dataclass(frozen=True)
-class ProcessMemory:
-    pid: int
-    role: str  # tritonserver, or the model a Python stub serves
-    rss: int  # bytes
-    pss: int  # bytes
-
-
 def _smaps_rollup(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of process `pid` in bytes."""
     fields = {}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         key, _, rest = line.partition(":")
@@ -55,28 +47,19 @@ def _smaps_rollup(pid: int) -> tuple[int, int]:
     return fields.get("Rss", 0), fields.get("Pss", 0)
 
 
-def group_memory(pgid: int) -> list[ProcessMemory]:
-    """RSS and PSS of every process in process group `pgid` (a server started by TritonServer leads
-    its own group, its Python stubs included)."""
+def snapshot(pgid: int, label: str, live: dict[str, float | None]) -> dict:
+    """RSS and PSS (MiB) of the processes of process group `pgid` (a server started by TritonServer leads
+    its own group, its Python stubs included) in total, and per role (one process of each role)."""
     found = []
     for pid in group_pids(pgid):
         try:
-            rss, pss = _smaps_rollup(pid)
+            found.append((process_role(pid), pid, *_smaps_rollup(pid)))
         except (OSError, ValueError):
             continue  # gone meanwhile
-        found.append(ProcessMemory(pid, process_role(pid), rss, pss))
-    return sorted(found, key=lambda p: p.role)
-
-
-def snapshot(pgid: int, label: str, live: dict[str, float | None]) -> dict:
-    processes = group_memory(pgid)
-    return {
-        "label": label,
-        "live_streams": live,
-        "rss_mib": sum(p.rss for p in processes) / MIB,
-        "pss_mib": sum(p.pss for p in processes) / MIB,
-        "processes": {p.role: {"pid": p.pid, "rss_mib": p.rss / MIB, "pss_mib": p.pss / MIB} for p in processes},
-    }
+    found.sort()
+    return {"label": label, "live_streams": live,
+            "rss_mib": sum(rss for _, _, rss, _ in found) / MIB, "pss_mib": sum(pss for *_, pss in found) / MIB,
+            "processes": {role: {"pid": pid, "rss_mib": rss / MIB, "pss_mib": pss / MIB} for role, pid, rss, pss in found}}
 
 
 def live_streams(metrics_url: str) -> dict[str, float | None]:
@@ -211,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.pipeline import prepare_local_repository
     from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, set_idle_timeout
     from mimi_code2wav.export.spec import DecoderSpec
-    from mimi_code2wav.server.triton import running_server
+    from mimi_code2wav.server.supervise import running_server
 
     if args.bursts < 1 or any("=" not in item for item in args.decoder_parameter):
         raise SystemExit("error: --bursts takes 1 or more; --decoder-parameter takes KEY=VALUE")

@@ -1,15 +1,15 @@
-"""Where a sweep point's time goes on the server: CPU time per process from /proc, Triton's per-model
-statistics from its metrics. `group_pids` and `process_role` read a server's process group from /proc
-(tritonserver and its Python stubs), for this and the memory benchmark."""
+"""Where a benchmark point's time goes on the server: CPU time per process from /proc, Triton's per-model
+statistics from its metrics. `process_role` names the processes of a server's group (tritonserver and
+its Python stubs; `group_pids`, the server package's), for this and the memory benchmark."""
 
 from __future__ import annotations
 
 import gc
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+from mimi_code2wav.server.processes import group_pids
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
 SERVER_ROLES = ("tritonserver", "stub code2wav", "stub mimi_decoder")
@@ -34,18 +34,6 @@ def _stat_fields(pid: int) -> list[str]:
     # The fields after the parenthesised command: state ppid pgrp session tty tpgid flags minflt
     # cminflt majflt cmajflt utime stime ...
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-
-
-def group_pids(pgid: int) -> Iterator[int]:
-    """The live processes of process group `pgid`."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if int(_stat_fields(int(entry.name))[2]) == pgid:
-                yield int(entry.name)
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
 
 
 def group_cpu_seconds(pgid: int) -> dict[str, float]:

@@ -1,8 +1,9 @@
-"""What every benchmark shares: the stamp of its JSON (kind, machine, command, commit, date) and
-timing a call. Standard library and numpy only: `gpu` runs where only torch, numpy and onnx are."""
+"""What every benchmark shares: the stamp of its JSON (kind, machine, command, commit, date), timing a
+call, writing a run. Standard library and numpy only: `gpu` runs where only torch, numpy and onnx are."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -85,6 +86,14 @@ def timed(run, seconds: float, warmup: int = 2, min_calls: int = 5) -> float:
         run()
         samples.append(time.perf_counter() - begin)
     return float(np.median(samples))
+
+
+def parse_counts(text: str) -> list[int]:
+    """`--streams 1,8,32` and the like: comma-separated integers >= 1."""
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("comma-separated integers >= 1")
+    return values
 
 
 def _rounded(value):

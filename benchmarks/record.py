@@ -1,5 +1,6 @@
 """`python -m benchmarks record`: docs/benchmarks.md and the README's headline table, rendered from the
-benchmark JSON kept in docs/benchmarks/ (one file per kind, the latest run of each).
+benchmark JSON kept in docs/benchmarks/ (one file per kind, the latest run of each), followed by
+docs/benchmarks/retired.md as it is: the last rendering of investigations whose commands are gone.
 
     python -m benchmarks record                                      render docs/benchmarks.md and the README block
     python -m benchmarks record --add bench_results/bench.json ...   copy runs in (as docs/benchmarks/<kind>.json), render
@@ -26,14 +27,11 @@ from .front import front_markdown
 from .gpu import gpu_markdown
 from .memory import memory_markdown
 from .provenance import REPO_ROOT, record_json, stamp
-from .python_ort import python_ort_markdown
 from .report import sweep_markdown
-from .resume import resume_markdown
-from .step_profile import step_profile_markdown
-from .tls import tls_markdown
 
 RECORD_DIR = REPO_ROOT / "docs" / "benchmarks"
 RECORD = REPO_ROOT / "docs" / "benchmarks.md"
+RETIRED = "retired.md"  # in the record's folder: sections kept as last rendered, their commands removed
 README = REPO_ROOT / "README.md"
 HEADLINE_BEGIN = "<!-- benchmark-headline:begin -->"
 HEADLINE_END = "<!-- benchmark-headline:end -->"
@@ -67,19 +65,13 @@ def _per_target(kind: str, title: str, render: Callable[[dict], str], command: s
 SECTIONS = (
     *_per_target("duplex", "The duplex tick", duplex_markdown, "python -m benchmarks duplex"),
     Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m benchmarks decoder"),
-    Section("step-profile", "The decoder step's kernel time by op type", step_profile_markdown,
-            "python -m benchmarks step-profile --baseline EXPORT_DIR"),
-    Section("python-ort", "The python-ort decoder's state mechanisms", python_ort_markdown,
-            "python -m benchmarks python-ort --export EXPORT_DIR"),
     Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m benchmarks gpu"),
     *_per_target("triton", "Through Triton", _sweep, "python -m benchmarks sweep"),
     Section("memory", "Server memory against live streams: the python-ort decoder", memory_markdown,
             "python -m benchmarks memory"),
     Section("memory-onnxruntime", "Server memory against live streams: the native onnxruntime decoder",
             memory_markdown, "python -m benchmarks memory --decoder onnxruntime"),
-    Section("resume", "Resume by replay", resume_markdown, "python -m benchmarks resume"),
     Section("failover", "A replica killed under live streams", failover_markdown, "python -m benchmarks failover"),
-    Section("tls", "TLS and the key against plaintext", tls_markdown, "python -m benchmarks tls"),
     Section("front", "The front's cost per request, against the minimal BLS front", front_markdown,
             "python -m benchmarks front"),
 )
@@ -116,8 +108,10 @@ def _runs(directory: Path) -> dict[str, dict]:
 
 
 def render_record(directory: Path = RECORD_DIR) -> str:
-    """docs/benchmarks.md from the runs in `directory`."""
+    """docs/benchmarks.md from the runs in `directory`, then its retired.md (if any) as it is."""
     runs = _runs(directory)
+    retired_path = Path(directory) / RETIRED
+    retired = retired_path.read_text().rstrip("\n") if retired_path.is_file() else ""
     lines = [
         "# Benchmark record",
         "",
@@ -129,6 +123,8 @@ def render_record(directory: Path = RECORD_DIR) -> str:
         "",
     ]
     lines += [f"- [{section.title}](#{_anchor(section.title)})" for section in SECTIONS if section.kind in runs]
+    lines += [f"- [{title}](#{_anchor(title)}) (retired: its command is gone)"
+              for title in re.findall(r"^## (.+)$", retired, re.M)]
     absent = [section for section in SECTIONS if section.kind not in runs]
     if absent:
         lines += ["", "Not recorded yet: " + "; ".join(f"{s.title[0].lower()}{s.title[1:]} (`{s.command}`)" for s in absent) + "."]
@@ -136,6 +132,8 @@ def render_record(directory: Path = RECORD_DIR) -> str:
         if section.kind in runs:
             run = runs[section.kind]
             lines += ["", f"## {section.title}", "", stamp(run["meta"]), "", section.render(run)]
+    if retired:
+        lines += ["", retired]
     return "\n".join(lines) + "\n"
 
 

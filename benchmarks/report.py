@@ -10,18 +10,11 @@ from mimi_code2wav.client.protocol import FRAME_DURATION_S, FRAMES_PER_SECOND
 from .profile import SERVER_ROLES, PointProfile
 from .provenance import stamp
 
-CRASH_MARK = " (†)"
-
 
 def _fmt(value, digits: int = 1) -> str:
     if value is None:
         return "-"
     return f"{value:.{digits}f}"
-
-
-def streams_cell(row: dict) -> str:
-    """A row's stream count, marked when it was measured again after a server crash."""
-    return f"{row['streams']}{CRASH_MARK if row.get('after_server_crash') else ''}"
 
 
 def summarize(results: dict) -> dict:
@@ -50,9 +43,9 @@ def _summary_lines(results: dict) -> list[str]:
         f"- **the load generators (this client, perf_analyzer) share the machine's {meta['cpu_cores']} CPU cores with "
         "the server**: numbers are lower bounds for a dedicated server",
     ]
-    for crash in meta.get("server_crashes", []):
-        lines.append(f"- **the server crashed during the run** and was restarted; the point it crashed in was "
-                     f"measured again (marked in the tables):\n\n```\n{crash}\n```")
+    if "server_exit" in meta:
+        lines.append(f"- **the server exited during the run**; the points after it were not measured:\n\n"
+                     f"```\n{meta['server_exit']}\n```")
     if "p50_16_frames_over_1_frame" in summary:
         lines.append(f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**")
     if "frames_per_s_8_streams_4_frames" in summary:
@@ -109,7 +102,7 @@ def _table_start(table: str, heading: str) -> list[str]:
 def _client_table(rows: list[dict], heading: str) -> list[str]:
     lines = _table_start("client", heading)
     for row in rows:
-        head = f"| {row['chunk_frames']} | {streams_cell(row)}"
+        head = f"| {row['chunk_frames']} | {row['streams']}"
         if "error" in row:
             lines.append(f"{head} | {row['error']} | | | | |")
             continue
@@ -125,7 +118,7 @@ def _client_table(rows: list[dict], heading: str) -> list[str]:
 def _perf_table(rows: list[dict], heading: str) -> list[str]:
     lines = _table_start("perf", heading)
     for row in rows:
-        head = f"| {row['chunk_frames']} | {streams_cell(row)}"
+        head = f"| {row['chunk_frames']} | {row['streams']}"
         needed = _fmt(row["streams"] * FRAMES_PER_SECOND)
         if "error" in row:
             lines.append(f"{head} | {row['error']} | | {needed} | | | | | |")
@@ -149,7 +142,7 @@ def _profile_table(profiled: list[tuple[str, dict]], heading: str) -> list[str]:
         models = [profile.get(model, {}) for model in PointProfile.MODELS]
         model_cells = " | ".join(f"{_fmt(m.get('mean_batch'), 2)} / {_fmt(m.get('execute_ms'), 2)}" for m in models)
         lines.append(
-            f"| {tool} | {row['chunk_frames']} | {streams_cell(row)} "
+            f"| {tool} | {row['chunk_frames']} | {row['streams']} "
             f"| {_fmt(row.get('requests_per_s'))} | {cpu_cell} | {_fmt(profile.get('load_cpu_ms_per_request'), 3)} "
             f"| {_fmt(profile.get('server_cpu_cores_busy'), 2)} | {model_cells} |"
         )
@@ -167,8 +160,6 @@ def sweep_markdown(results: dict, heading: str = "##") -> str:
                 for row in rows if "profile" in row]
     if profiled:
         lines += _profile_table(profiled, heading)
-    if any(row.get("after_server_crash") for row in results["client"] + results["perf"]):
-        lines += [f"{CRASH_MARK} measured again on a restarted server after the server crashed in this point.", ""]
     return "\n".join(lines).rstrip("\n")
 
 

@@ -51,6 +51,7 @@ from .protocol import (
     CHANNEL_ARGS,
     DEFAULT_OPTIONS,
     DEFAULT_URL,
+    HISTORY_FRAMES_INPUT,
     RESTRICTED_FRAGMENT,
     SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
@@ -144,11 +145,16 @@ class Code2WavClient:
                     state = "state unknown"
                 raise ClientError(f"model '{name}' is not ready on Triton at {url} ({state}); see the server log")
             try:  # metadata, unlike health, is behind the inference key where the server requires one
-                await channel.get_model_metadata(name, headers=self._headers, client_timeout=timeout_s)
+                metadata = await channel.get_model_metadata(name, headers=self._headers, as_json=True,
+                                                            client_timeout=timeout_s)
             except InferenceServerException as exc:
                 if RESTRICTED_FRAGMENT in str(exc):
                     raise ClientError(self.credentials.key_refused(url)) from None
                 raise ClientError(f"Triton at {url}: metadata of model '{name}' unavailable: {grpc_reason(exc)}") from None
+            inputs = {tensor.get("name") for tensor in metadata.get("inputs", [])}
+            if self.options.resume and HISTORY_FRAMES_INPUT not in inputs:
+                raise ClientError(f"model '{name}' on Triton at {url} has no '{HISTORY_FRAMES_INPUT}' input, which "
+                                  "resuming a stream needs: serve this version's model repository, or turn resume off")
 
     def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
         """A new conversation; `sequence_id` (non-zero) defaults to random, `stream_key` to it in decimal."""

@@ -1,6 +1,6 @@
 """How a client proves itself to a server that requires it (docs/design.md §5.3): TLS (server CA; for
 mutual TLS, the client's certificate and key) and the inference key, checked by Triton's
-`--grpc-use-ssl[-mutual]` and `--grpc-restricted-protocol` (`server.security` sets them up). A key is
+`--grpc-use-ssl[-mutual]` and `--grpc-restricted-protocol` (set up by the entrypoint script). A key is
 never printed: not in `Credentials`' repr, nor in any message.
 """
 
@@ -30,11 +30,12 @@ def read_secret(path: Path | str, what: str) -> str:
 
 
 def check_key(key: str, where: str) -> None:
-    """A key must be one printable header value: no whitespace or control characters, not empty."""
+    """A key must be one printable header value: no whitespace or control characters, not empty. (What a
+    server accepts as its key is the entrypoint script's rule, server/triton-watchdog.sh.)"""
     if not key:
         raise ClientError(f"{where} is empty")
-    if any(ch.isspace() or not ch.isprintable() or ch in ",:=" for ch in key):
-        raise ClientError(f"{where} holds whitespace, control characters or one of ',:=' (a key is one word)")
+    if any(ch.isspace() or not ch.isprintable() for ch in key):
+        raise ClientError(f"{where} holds whitespace or control characters (a key is one word)")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ request tensors, the answer's checks, which failures a resume can fix, sequence 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -224,38 +225,51 @@ def model_state(index: list[dict], model_name: str) -> str:
 
 
 class RequestFailure(Exception):
-    """A request that got no PCM back, as one line. `resumable`: the server holding the stream is gone
-    or going, or no longer holds the sequence, so the stream can go on in a new sequence."""
+    """A request that got no PCM back, as one line. `resumable`: the stream can go on in a new sequence
+    (the server holding it is gone or going, or no longer holds it, or refused a new stream for now)."""
 
-    def __init__(self, message: str, resumable: bool):
+    def __init__(self, message: str, resumable: bool, kind: str | None = None):
         super().__init__(message)
         self.resumable = resumable
+        self.kind = kind
 
 
-# gRPC statuses of a server that is unreachable, gone mid-request or not answering.
-_RESUMABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
-# Answers meaning the server no longer holds the stream, whatever their status: a sequence it does not
-# hold (restarted server, expired or ended stream: "... the START flag"), a server exiting, or done
-# unloading its models in a drain ("has no available versions"), or one holding an older copy of a
-# stream that moved on elsewhere and came back behind a proxy ("leaves a gap", or a resume's next piece
-# meeting that copy: "history is decoded once"; a START replaces it).
-_STREAM_LOST_FRAGMENTS = ("START flag", "the server is shutting down", "has no available versions", "leaves a gap",
-                          "history is decoded once")
-# A lost connection that some gRPC versions report under another status.
-_CONNECTION_LOST_FRAGMENTS = ("socket closed", "connection reset", "connection refused", "stream removed", "broken pipe")
+# What a client does about each kind of code2wav error (docs/design.md §2, "Errors"): `fail` the stream
+# (the request itself is wrong; resending it fails again), `resume` it on a new sequence with its history
+# (this server no longer holds the stream, or holds an older copy of it), or `retry` later (a new stream
+# was refused for now; a retry is a resume).
+FAIL, RESUME, RETRY = "fail", "resume", "retry"
+ERROR_ACTIONS = {
+    **dict.fromkeys(("dtype", "shape", "length", "code_range", "limit", "negative_offset", "changed_frame",
+                     "not_cumulative", "history", "before_resume", "correlation_id", "internal"), FAIL),
+    **dict.fromkeys(("unknown_stream", "gap", "history_offset", "unavailable", "decoder"), RESUME),
+    "stream_cap": RETRY,
+}
+_KIND_TAG = re.compile(r"\s*\[code2wav\.([a-z_]+)\]")
+
+
+def error_kind(message: str) -> str | None:
+    """The kind of a code2wav error message (`[code2wav.KIND] ...`); None for a message without one."""
+    match = _KIND_TAG.match(message)
+    return match.group(1) if match else None
 
 
 def request_failure(exc: Exception) -> RequestFailure:
     """A tritonclient InferenceServerException (`status()` like "StatusCode.UNAVAILABLE", `message()`)
-    as a RequestFailure, resumable or not."""
+    as a RequestFailure, resumable or not.
+
+    code2wav's own errors are decided by their kind (an unknown kind fails). An error without one did not
+    come from code2wav's checks: Triton or the transport refused or lost a request the client built by
+    the contract (a sequence Triton no longer holds, models unloading in a drain, a server gone, stopping
+    or with a dead stub), so the stream resumes, unless Triton refused the inference key."""
     status = exc.status() if callable(getattr(exc, "status", None)) else None
     message = exc.message() if callable(getattr(exc, "message", None)) else None
     text = " ".join(str(message if message is not None else exc).split())
-    if RESTRICTED_FRAGMENT in text:
+    kind = error_kind(text)
+    if kind is None and RESTRICTED_FRAGMENT in text:
         return RequestFailure(f"the server refused the request: it requires the inference key, and the key was "
                               f"missing or wrong ({text})", resumable=False)
-    resumable = (status in _RESUMABLE_STATUSES or any(fragment in text for fragment in _STREAM_LOST_FRAGMENTS)
-                 or any(fragment in text.lower() for fragment in _CONNECTION_LOST_FRAGMENTS))
+    resumable = ERROR_ACTIONS.get(kind, FAIL) != FAIL if kind is not None else True
     if status == "StatusCode.DEADLINE_EXCEEDED":
         text = f"no answer in time ({text})"
-    return RequestFailure(f"{status.replace('StatusCode.', '')}: {text}" if status else text, resumable)
+    return RequestFailure(f"{status.replace('StatusCode.', '')}: {text}" if status else text, resumable, kind)

@@ -24,7 +24,7 @@ CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
 CODE2WAV_TEMPLATE = TEMPLATES / "code2wav.pbtxt.tmpl"
 CHECKED_IN_CODE2WAV_CONFIG = CODE2WAV_DIR / "config.pbtxt"
 PYTHON_ORT_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
-PYTHON_ORT_FILES = ("model.py", "python_ort_core.py", "python_ort_config.py", "python_ort_memory.py")
+PYTHON_ORT_FILES = ("model.py", "python_ort_core.py", "python_ort_config.py")
 NULL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "null"
 # Shared by the Python models: every file of it is copied beside each model.py (it is no model itself).
 COMMON_DIR = REPO_ROOT / "model_repository" / "common"
@@ -63,13 +63,6 @@ class DecoderServing:
     instance_kind: str = "KIND_GPU"
     instance_count: int = 1
     intra_op_threads: int = 0
-    # python-ort only: ONNX Runtime's threads spin while they wait. Off: spinning takes cores from every
-    # other process on the host, and a decoder step is long enough that waking its threads costs little.
-    intra_op_spinning: bool = False
-    # python-ort only: live streams per instance ("auto": from the memory available at load) and
-    # the most rows per session run (bounds ONNX Runtime's scratch; no gain past 8 rows on a CPU).
-    max_live_streams: str = "auto"
-    max_rows_per_run: int = 8
     # code2wav's model instances (Python processes): one carries a few thousand requests/s under its GIL.
     front_instances: int = 1
     # code2wav's batcher wait; a batch's decoder calls reach the decoder together, shaping its batches.
@@ -81,15 +74,11 @@ class DecoderServing:
         if min(self.max_queue_delay_us, self.front_queue_delay_us) < 0:
             raise ValueError(f"max_queue_delay_us and front_queue_delay_us must be >= 0, got "
                              f"{self.max_queue_delay_us} and {self.front_queue_delay_us}")
-        if min(self.max_batch_size, self.instance_count, self.max_candidate_sequences, self.max_rows_per_run,
-               self.front_instances) < 1:
-            raise ValueError("max_batch_size, instance_count, max_candidate_sequences, max_rows_per_run and "
-                             "front_instances must be >= 1")
+        if min(self.max_batch_size, self.instance_count, self.max_candidate_sequences, self.front_instances) < 1:
+            raise ValueError("max_batch_size, instance_count, max_candidate_sequences and front_instances must be >= 1")
         if self.front_instances > self.max_candidate_sequences:
             raise ValueError(f"front_instances ({self.front_instances}) must not exceed the streams the decoder "
                              f"holds ({self.max_candidate_sequences}): each instance admits at least one")
-        if self.max_live_streams != "auto" and not (self.max_live_streams.isdigit() and int(self.max_live_streams) > 0):
-            raise ValueError(f"max_live_streams must be 'auto' or a positive integer, got {self.max_live_streams!r}")
         too_big = [size for size in self.preferred_batch_sizes if size > self.max_batch_size]
         if too_big:
             raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size {self.max_batch_size}")
@@ -144,11 +133,9 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
                       for s in spec.states]
         return string.Template((PYTHON_ORT_DIR / "config.pbtxt.tmpl").read_text()).substitute(
             common, intra_op_threads=serving.intra_op_threads,
-            intra_op_spinning="on" if serving.intra_op_spinning else "off",
             state_spec_json=_pbtxt_string(json.dumps(state_spec, separators=(",", ":"))),
             value_ranges_json=_pbtxt_string(json.dumps({spec.codes.name: [0, spec.codebook_size]})),
             max_dims_json=_pbtxt_string(json.dumps({spec.codes.name: [spec.num_codebooks, spec.max_frames_per_step]})),
-            max_live_streams=serving.max_live_streams, max_rows_per_run=serving.max_rows_per_run,
         )
     if target == "null":
         template = (NULL_DIR / "config.pbtxt.tmpl").read_text()
@@ -161,7 +148,7 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
     ).rstrip() + "\n"
     if target == "onnxruntime":
         # No memory patterns: blocks planned per input shape, taken whole from the arena every run,
-        # fragment it over the many batch shapes (docs/design.md §5.1 gives what patterns cost and buy).
+        # fragment it over the many batch shapes (docs/design.md §5.1).
         text += 'parameters { key: "enable_mem_pattern" value: { string_value: "0" } }\n'
     if target == "onnxruntime" and serving.intra_op_threads:
         # ONNX Runtime's threads per decoder instance (0, the default: one per core).

@@ -1,10 +1,9 @@
-"""What the launcher of a server process needs: its log's tail, readiness and stub probes, its
-process group's stop, and the parent-death signal (`triton.TritonServer` uses them)."""
+"""What the launcher of a server process needs: its log's tail, readiness, its process group and its
+stop, and the parent-death signal (`triton.TritonServer` uses them)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -46,39 +45,15 @@ def http_ready(url: str, timeout_s: float) -> str | None:
         return str(error)
 
 
-# A Python model whose stub died (a segfault, the OOM killer) still answers ready while every request
-# fails with "Stub process '<instance>' is not healthy": only a request shows it. The probes, on a sequence
-# id no client uses: code2wav's START+END without frames (its stub answers without calling the decoder),
-# and one START+END step of silence for the decoder. docker/triton-watchdog.sh sends the first.
-STUB_PROBE_SEQUENCE_ID = 2**64 - 1
-STUB_PROBES = {
-    "code2wav": {"name": "input_ids", "shape": [1, 0], "datatype": "INT64", "data": []},
-    "mimi_decoder": {"name": "codes", "shape": [1, 8, 1], "datatype": "INT32", "data": [0] * 8},
-}
-DEAD_STUB = "is not healthy"
-
-
-def dead_stub(http_url: str, timeout_s: float, headers: dict[str, str] | None = None) -> str | None:
-    """The server's error when the Python stub of code2wav or of the decoder at `http_url` (host:port)
-    is dead; None when each answered anything else (a result, a refusal while it drains or loads, no
-    such model) or nothing. `headers`: the inference key's, where the server requires it."""
-    for model, probe in STUB_PROBES.items():
-        parameters = {"sequence_id": STUB_PROBE_SEQUENCE_ID, "sequence_start": True, "sequence_end": True}
-        body = json.dumps({"parameters": parameters, "inputs": [probe]}).encode()
-        request = urllib.request.Request(f"http://{http_url}/v2/models/{model}/infer", data=body,
-                                         headers={"Content-Type": "application/json", **(headers or {})})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s):
-                continue
-        except urllib.error.HTTPError as error:
-            text = error.read().decode(errors="replace")
-            if DEAD_STUB in text:
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    text = json.loads(text)["error"]
-                return text
-        except (urllib.error.URLError, ConnectionError, OSError):
-            continue
-    return None
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.append(int(entry.name))
+    return pids
 
 
 def process_group_alive(pgid: int) -> bool:

@@ -1,18 +1,10 @@
 """TLS and the keys of a served tritonserver, with Triton's own mechanisms (docs/design.md §5.3).
 
-- TLS on gRPC: `--grpc-use-ssl` (or `--grpc-use-ssl-mutual` with a client CA) and the server's
-  certificate and key. Triton's HTTP endpoint has no TLS: with TLS on, `serve` keeps HTTP and
-  metrics on loopback, for health probes and scrapes on the host.
-- The inference key guards inference, metadata and model-config calls; the admin key guards
-  model-repository, shared-memory, statistics, trace and logging calls. Both endpoints check them
-  (`--grpc-restricted-protocol`, `--http-restricted-api`). Without an admin key the admin calls take
-  the inference key. Health stays open, so that probes need no secret; metrics cannot be guarded by
-  Triton, so their port stays on loopback or the internal network.
-
-Triton takes a key only on its command line, so whoever can list this host's processes can read it:
-serve it on a host (or container) of its own, or check the key in a proxy in front and give the
-server none. Keys come from files or the environment, never from a rendered repository, and no log
-line or error message of this package quotes one.
+Every server the project starts (`serve`, compose, Kubernetes) runs under the entrypoint script
+(`ENTRYPOINT`), which turns the files of an access folder into tritonserver's flags: server.pem and
+server.key (TLS on gRPC), client-ca.pem (mutual TLS), inference.key, admin.key. `serve` takes its
+options and writes that folder (`write_access_folder`); the rules for each file live in the script.
+No log line or error message of this package quotes a key.
 """
 
 from __future__ import annotations
@@ -22,95 +14,17 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from mimi_code2wav.client.credentials import ADMIN_KEY_HEADER, KEY_ENV, KEY_HEADER, check_key, read_secret
-from mimi_code2wav.client.protocol import ClientError
+from mimi_code2wav.client.credentials import KEY_ENV
 
 from .processes import ServerError
 
 ADMIN_KEY_ENV = "CODE2WAV_ADMIN_KEY"
-INFERENCE_PROTOCOLS = ("inference", "metadata", "model-config")
-ADMIN_PROTOCOLS = ("model-repository", "shared-memory", "statistics", "trace", "logging")
-
-
-@dataclass(frozen=True)
-class ServerSecurity:
-    """What a tritonserver requires of its clients. `tls_cert`/`tls_key`: PEM files of the server's
-    certificate chain and key (TLS on gRPC); `tls_client_ca`: a CA whose client certificates it
-    requires (mutual TLS); `inference_key`, `admin_key`: see the module."""
-
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None
-    inference_key: str | None = field(default=None, repr=False)
-    admin_key: str | None = field(default=None, repr=False)
-
-    @property
-    def tls(self) -> bool:
-        return self.tls_cert is not None
-
-    def validate(self) -> None:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ServerError("TLS needs both the server certificate (--tls-cert) and its key (--tls-key)")
-        if self.tls_client_ca is not None and not self.tls:
-            raise ServerError("mutual TLS (--tls-client-ca) needs TLS: give --tls-cert and --tls-key too")
-        for what, path in (("certificate", self.tls_cert), ("key", self.tls_key), ("client CA", self.tls_client_ca)):
-            if path is not None and not os.access(path, os.R_OK):
-                raise ServerError(f"the TLS {what} file {path} is missing or unreadable")
-        if self.admin_key is not None and self.admin_key == self.inference_key:
-            raise ServerError("the admin key must differ from the inference key")
-
-    def tritonserver_args(self) -> list[str]:
-        """tritonserver's options for these settings (they hold the keys: never print them)."""
-        args = []
-        if self.tls:
-            args += [f"--grpc-use-ssl{'-mutual' if self.tls_client_ca else ''}=true",
-                     f"--grpc-server-cert={Path(self.tls_cert).resolve()}",
-                     f"--grpc-server-key={Path(self.tls_key).resolve()}"]
-            if self.tls_client_ca:
-                args.append(f"--grpc-root-cert={Path(self.tls_client_ca).resolve()}")
-        groups = [(INFERENCE_PROTOCOLS, KEY_HEADER, self.inference_key), (ADMIN_PROTOCOLS, ADMIN_KEY_HEADER, self.admin_key)]
-        if not self.admin_key:  # the admin calls take the inference key
-            groups = [(INFERENCE_PROTOCOLS + ADMIN_PROTOCOLS, KEY_HEADER, self.inference_key)]
-        for protocols, header, key in groups:
-            if key:
-                restriction = f"{','.join(protocols)}:{header}={key}"
-                args += [f"--grpc-restricted-protocol={restriction}", f"--http-restricted-api={restriction}"]
-        return args
-
-    def probe_headers(self) -> dict[str, str]:
-        """HTTP headers of an inference probe (the supervisor's stub probe)."""
-        return {KEY_HEADER: self.inference_key} if self.inference_key else {}
-
-    def describe(self) -> str:
-        """One line for the serve banner, naming no secret."""
-        parts = [("mutual TLS" if self.tls_client_ca else "TLS") + " on gRPC" if self.tls else "plaintext gRPC"]
-        parts.append("inference key required" if self.inference_key else "no inference key")
-        parts.append("admin key required" if self.admin_key else
-                     "admin calls take the inference key" if self.inference_key else "admin calls open")
-        return ", ".join(parts)
-
-
-# No TLS, no key: a server on loopback (frozen: safe as a default argument).
-OPEN = ServerSecurity()
-
-
-def secret(path: str | Path | None, env_name: str, what: str, environ=None) -> str | None:
-    """A key from a file (`path`), else from the environment variable `env_name`, else None.
-    Raises ServerError naming the file or variable, never the key."""
-    environ = os.environ if environ is None else environ
-    try:
-        if path:
-            return read_secret(path, what)
-        value = environ.get(env_name, "").strip()
-        if value:
-            check_key(value, f"the {what} in ${env_name}")
-            return value
-    except ClientError as error:
-        raise ServerError(str(error)) from None
-    return None
+# The entrypoint every server runs under: watches health and the Python stubs, maps the access folder.
+ENTRYPOINT = Path(__file__).with_name("triton-watchdog.sh")
+# The key files that `serve` writes from the environment when no file is given.
+KEYS_FROM_ENV = {"inference.key": KEY_ENV, "admin.key": ADMIN_KEY_ENV}
 
 
 def add_security_arguments(parser) -> None:
@@ -128,14 +42,29 @@ def add_security_arguments(parser) -> None:
                        f"shared-memory, statistics, trace and logging calls (default: ${ADMIN_KEY_ENV})")
 
 
-def security_from_args(args, environ=None) -> ServerSecurity:
-    security = ServerSecurity(
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-        inference_key=secret(args.key_file, KEY_ENV, "inference key", environ),
-        admin_key=secret(args.admin_key_file, ADMIN_KEY_ENV, "admin key", environ),
-    )
-    security.validate()
-    return security
+def write_access_folder(folder: Path, args, environ=None) -> Path:
+    """The access folder of `add_security_arguments`' options in `folder` (emptied first, private):
+    each given file copied under the entrypoint's name, a key from the environment written as its
+    file. Raises ServerError naming a file it cannot read (never a key)."""
+    environ = os.environ if environ is None else environ
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, mode=0o700)
+    sources = {"server.pem": args.tls_cert, "server.key": args.tls_key, "client-ca.pem": args.tls_client_ca,
+               "inference.key": args.key_file, "admin.key": args.admin_key_file}
+    for name, source in sources.items():
+        target = folder / name
+        if source is not None:
+            try:
+                shutil.copyfile(source, target)
+            except OSError as error:
+                raise ServerError(f"cannot read {source} (for {name}): {error.strerror}") from None
+        elif environ.get(KEYS_FROM_ENV.get(name, ""), "").strip():
+            target.write_text(environ[KEYS_FROM_ENV[name]].strip() + "\n")
+        else:
+            continue
+        target.chmod(0o600)
+    return folder
 
 
 def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"), days: int = 30) -> Path:

@@ -3,10 +3,14 @@
 Without --model-repository the repository is prepared first (`export.pipeline.prepare_local_repository`:
 exported when missing or stale, rendered with the `--decoder` target, python-ort by default, under the build folder).
 
-Supervised (`supervise`): a tritonserver that dies (a crash, the OOM killer) is started again on the
-same ports after a short delay that doubles while it keeps dying soon after its start; its streams
-are lost there and resumable clients resume them (docs/design.md §2.4). `--no-restart` exits with the server instead. SIGHUP drains the server and
-starts it again at once on the same ports, reading the repository afresh (new weights, a new config).
+tritonserver runs under the entrypoint script that compose and Kubernetes run (security.ENTRYPOINT),
+with TLS and keys from an access folder that serve writes from its options (<build-dir>/access-<gRPC
+port>): the script kills a hung server or one whose Python stub died. Supervised (`supervise`): a
+server that exits (a crash, the OOM killer, the script's kill) is started again on the same ports
+after a short delay that doubles while it keeps dying soon after its start; its streams are lost there
+and resumable clients resume them (docs/design.md §2.4). `--no-restart` exits with the server instead.
+SIGHUP drains the server and starts it again at once on the same ports, reading the repository afresh
+(new weights, a new config).
 
 Ctrl-C or SIGTERM drains and stops the server: tritonserver refuses new streams at once, answers the
 live streams' requests with UNAVAILABLE (resumable clients move on), lets the abandoned streams idle
@@ -21,7 +25,7 @@ import argparse
 from pathlib import Path
 
 from .processes import ServerError
-from .security import ServerSecurity, add_security_arguments, security_from_args
+from .security import add_security_arguments, write_access_folder
 from .supervise import Foreground, Supervised, run_in_foreground, supervise
 from .triton import LOCALHOST, TritonServer
 
@@ -48,11 +52,19 @@ def prepare_repository(args: argparse.Namespace) -> Path:
         raise ServerError(str(error)) from error
 
 
-def _new_server(args: argparse.Namespace, repository: Path, security: ServerSecurity,
+def _new_server(args: argparse.Namespace, repository: Path, access_dir: Path,
                 ports: tuple | None = None) -> TritonServer:
     http_port, grpc_port, metrics_port = ports or (args.http_port, args.grpc_port, args.metrics_port)
     return TritonServer(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                        host=args.host, log_path=args.log_file, log_verbose=args.log_verbose, security=security)
+                        host=args.host, log_path=args.log_file, log_verbose=args.log_verbose, access_dir=access_dir,
+                        watch=True)
+
+
+def _access_line(server: TritonServer) -> str:
+    """What the entrypoint script said of TLS and the keys (its `access:` line in the server's log)."""
+    marker = "triton-watchdog: access: "
+    lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if line.startswith(marker)]
+    return lines[-1][len(marker):] if lines else "unknown (see the server log)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,19 +74,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
     """Start the server, then supervise it: restarted whenever it dies (or its exit code with --no-restart)."""
-    security = security_from_args(args)
+    access_dir = write_access_folder(Path(args.build_dir) / f"access-{args.grpc_port}", args)
     repository = prepare_repository(args)
-    server = Supervised(_new_server(args, repository, security),
-                        lambda ports: _new_server(args, repository, security, ports), "tritonserver")
+    server = Supervised(_new_server(args, repository, access_dir),
+                        lambda ports: _new_server(args, repository, access_dir, ports), "tritonserver")
     foreground.stop = lambda: server.server.stop()
     server.launch(foreground.launch_guard)
-    print(f"tritonserver starting (pid {server.pid}), log: {server.log_path}", flush=True)
+    print(f"tritonserver starting, log: {server.log_path}", flush=True)
     ready_after_s = server.server.wait_ready(args.ready_timeout)
-    print(f"tritonserver ready in {ready_after_s:.1f} s, serving {repository}\n"
+    print(f"tritonserver ready in {ready_after_s:.1f} s (pid {server.pid}), serving {repository}\n"
           f"  gRPC     {server.grpc_url}\n"
           f"  HTTP     http://{server.http_url}\n"
           f"  metrics  {server.metrics_url}\n"
-          f"  access   {security.describe()}\n"
+          f"  access   {_access_line(server.server)}\n"
           f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
           "SIGHUP drains and restarts it; Ctrl-C or SIGTERM drains and stops it.", flush=True)
     return supervise(server, foreground, restart=args.restart, ready_timeout_s=args.ready_timeout)

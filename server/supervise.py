@@ -1,12 +1,13 @@
-"""The supervisor of `code2wav-server serve`: one tritonserver, restarted when it dies (docs/design.md §5.2).
+"""The project's one restart policy (docs/design.md §5.2): `code2wav-server serve`'s supervisor, and
+`running_server`, the library call that the tests and benchmarks start servers with.
 
 `run_in_foreground`: the first SIGINT or SIGTERM stops the command once and cleanly (a second signal
 cannot interrupt that stop), and one that lands while a process is being created waits until it exists
 (`Foreground.launch_guard`), so the stop knows every process it has to end. `supervise` then polls the
-server: one that exits is reported and, with restarts, started again on the same ports after
-`RestartBackoff`'s delay (its log kept as <log>.<n>); one whose Python stub died (`processes.dead_stub`)
-is killed so that it comes back whole; SIGHUP drains it and starts it again at once, reading the
-repository afresh.
+server, which runs under the entrypoint script (security.ENTRYPOINT: it kills a hung server or one
+whose Python stub died): one that exits is reported and, with restarts, started again on the same
+ports after `RestartBackoff`'s delay (its log kept as <log>.<n>); SIGHUP drains it and starts it again
+at once, reading the repository afresh. Container engines restart their own containers.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
-from .processes import ServerError, dead_stub, log_tail
+from .processes import ServerError, log_tail
 from .triton import TritonServer
 
 # A server that lived at least this long before dying is restarted after FIRST_RESTART_DELAY_S; one
@@ -28,10 +30,6 @@ from .triton import TritonServer
 STABLE_AFTER_S = 60.0
 FIRST_RESTART_DELAY_S = 0.5
 MAX_RESTART_DELAY_S = 60.0
-# How often the running server is asked whether its Python stubs are alive, and how long the answer
-# may take (the Python backend takes seconds to call a stub dead).
-STUB_PROBE_EVERY_S = 5.0
-STUB_PROBE_TIMEOUT_S = 10.0
 
 
 class StopRequested(Exception):
@@ -134,12 +132,14 @@ class RestartBackoff:
 
 
 def describe_exit(code: int | None) -> str:
-    """'exited with code 1', 'was killed by SIGKILL' (a negative Popen return code)."""
-    if code is not None and code < 0:
+    """'exited with code 1', 'was killed by SIGKILL' (a negative Popen return code, or 128 + the signal
+    from the entrypoint's shell)."""
+    signum = -code if code is not None and code < 0 else code - 128 if code is not None and code > 128 else None
+    if signum is not None:
         try:
-            return f"was killed by {signal.Signals(-code).name}"
+            return f"was killed by {signal.Signals(signum).name}"
         except ValueError:
-            return f"was killed by signal {-code}"
+            return f"was killed by signal {signum}"
     return f"exited with code {code}"
 
 
@@ -158,7 +158,7 @@ class Supervised:
     next_restart_at: float = 0.0
 
     # Read from the current server, which each restart replaces.
-    pid = property(lambda self: self.server.pid)
+    pid = property(lambda self: self.server.tritonserver_pid())
     grpc_url = property(lambda self: self.server.grpc_url)
     http_url = property(lambda self: self.server.http_url)
     metrics_url = property(lambda self: self.server.metrics_url)
@@ -175,9 +175,9 @@ class Supervised:
             self.started_at = time.monotonic()
             self.server.start()
 
-    def kill(self, signum: int = signal.SIGKILL, timeout_s: float = 30.0) -> int:
-        """Send `signum` to tritonserver alone, as a crash would end it; returns its exit code once it
-        exited (its Python stubs then exit by themselves; `relaunch` and `stop` clean up after them)."""
+    def kill(self, signum: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Send `signum` to the server's entrypoint (it passes SIGTERM on to tritonserver); returns its
+        exit code once it exited (`relaunch` and `stop` clean up what is left of its group)."""
         if not self.is_alive():
             raise ServerError(f"{self.label} is not running")
         self.server.process.send_signal(signum)
@@ -202,12 +202,11 @@ class Supervised:
 
 
 def supervise(server: Supervised, foreground: Foreground, *, restart: bool, ready_timeout_s: float,
-              poll_s: float = 0.5, stub_probe_s: float = STUB_PROBE_EVERY_S) -> int:
+              poll_s: float = 0.5) -> int:
     """Watch `server` until the command ends (module docstring); returns the exit code. A stop signal is
-    raised out of here; SIGHUPs are `foreground.signals.hangups`. `stub_probe_s` 0: no stub probes."""
+    raised out of here; SIGHUPs are `foreground.signals.hangups`."""
     signals, guard = foreground.signals, foreground.launch_guard
     hangups_seen = 0
-    next_probe_at = time.monotonic() + stub_probe_s
     while True:
         time.sleep(poll_s)
         if signals.hangups != hangups_seen:
@@ -215,9 +214,6 @@ def supervise(server: Supervised, foreground: Foreground, *, restart: bool, read
             print(f"SIGHUP: draining tritonserver (pid {server.pid}) to start it again", flush=True)
             _drain_and_restart(server, ready_timeout_s, guard)
             continue
-        if stub_probe_s > 0 and time.monotonic() >= next_probe_at:
-            _probe_stubs(server)
-            next_probe_at = time.monotonic() + stub_probe_s
         if not server.is_alive():
             _dead(server, restart, ready_timeout_s, guard)
             if not restart:
@@ -249,20 +245,6 @@ def _relaunch(server: Supervised, ready_timeout_s: float, guard) -> float | None
         return None
 
 
-def _probe_stubs(server: Supervised) -> None:
-    """Kill a running server with a dead Python stub: the next poll finds it exited and restarts it
-    (or ends the command) as it would after a crash."""
-    if not server.is_alive():
-        return
-    error = dead_stub(server.http_url, STUB_PROBE_TIMEOUT_S, server.server.security.probe_headers())
-    if error is None or not server.is_alive():
-        return
-    print(f"{server.label} (pid {server.pid}) answers ready, but a Python stub is dead ({error.strip()}): "
-          "killing it (SIGKILL) so that it starts again whole", file=sys.stderr, flush=True)
-    with contextlib.suppress(ServerError, subprocess.TimeoutExpired):
-        server.kill()
-
-
 def _drain_and_restart(server: Supervised, ready_timeout_s: float, guard) -> None:
     """Drained (SIGTERM: its streams resume), started again on the same ports. When it does not come
     back it is reported and restarted (or not) as a server that died."""
@@ -275,3 +257,42 @@ def _drain_and_restart(server: Supervised, ready_timeout_s: float, guard) -> Non
         return
     print(f"{server.label} (pid {pid}) drained ({drained}) and restarted in {time.monotonic() - began:.1f} s "
           f"(ready in {ready_s:.1f} s, pid {server.pid}, restart {server.restarts})", flush=True)
+
+
+def _port_taken(server: TritonServer) -> bool:
+    tail = log_tail(server.log_path, lines=200)
+    return "already in use" in tail or "Address in use" in tail
+
+
+@contextlib.contextmanager
+def running_server(model_repository: Path | str, *, ready_timeout_s: float = 60.0, attempts: int = 3,
+                   **kwargs) -> Iterator[TritonServer]:
+    """Start a TritonServer (keyword arguments go to it) on free loopback ports, wait until it is ready,
+    yield it, stop it.
+
+    A port picked free can be taken before the server binds it, and tritonserver 2.51 now and then aborts
+    while its backends initialise (docs/design.md §7): then it retries (new ports where they were picked),
+    up to `attempts` times, saying so on stderr. Any other failure raises ServerError with the log tail.
+    """
+    ports_fixed = any(kwargs.get(name) is not None for name in ("http_port", "grpc_port", "metrics_port"))
+    for attempt in range(1, attempts + 1):
+        server = TritonServer(model_repository, **kwargs)
+        server.start()
+        try:
+            server.wait_ready(ready_timeout_s)
+        except ServerError as error:
+            server.stop()
+            crashed = describe_exit(server.exit_code()).startswith("was killed")
+            if attempt < attempts and (crashed or (not ports_fixed and _port_taken(server))):
+                print(f"tritonserver did not start (attempt {attempt} of {attempts}), starting it again: "
+                      f"{str(error).splitlines()[0]}", file=sys.stderr, flush=True)
+                continue
+            raise
+        except BaseException:
+            server.stop()
+            raise
+        break
+    try:
+        yield server
+    finally:
+        server.stop()

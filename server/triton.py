@@ -22,11 +22,11 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from .ort_backend import install_onnxruntime_backend, needs_onnxruntime
-from .processes import ServerError, http_ready, log_tail, stop_process_group, with_parent_death_signal
-from .security import OPEN, ServerSecurity
+from .processes import ServerError, group_pids, http_ready, log_tail, stop_process_group, with_parent_death_signal
+from .security import ENTRYPOINT
 
 SHM_DIR = Path("/dev/shm")
 # Every region a Python stub creates is named <prefix><uuid>; each server gets its own prefix so that
@@ -38,7 +38,7 @@ LOCALHOST = "127.0.0.1"
 # streams its clients abandoned to idle out (code2wav 10 s, the decoder 12 s, docs/design.md §5.2),
 # short enough to exit inside Kubernetes' default 30 s grace period.
 DEFAULT_EXIT_TIMEOUT_S = 25
-# glibc's mmap threshold for tritonserver and its stubs (the python-ort stub pins the same with mallopt).
+# glibc's mmap threshold for tritonserver and its stubs: freed buffers this large go back to the system.
 MMAP_THRESHOLD_BYTES = 1 << 17
 
 
@@ -190,7 +190,12 @@ class TritonServer:
     """One tritonserver process leading its own process group, its output in `log_path` (None: a temporary
     file); ports left as None (or 0) are picked free at `start()`. `grpc_url`, `http_url`: "host:port" as
     tritonclient takes them; `metrics_url`: "http://host:port/metrics". Use as a context manager, or call
-    `start()` (returns at once), `wait_ready()` (polls readiness while the process lives), `stop()`."""
+    `start()` (returns at once), `wait_ready()` (polls readiness while the process lives), `stop()`.
+
+    With `access_dir` (TLS and keys, security.write_access_folder) or `watch`, tritonserver runs under
+    the entrypoint script, as compose and Kubernetes run it; then `pid` is the script's. `watch`: the
+    script's health checks and stub probes kill a hung server or one with a dead stub (`watch_env`
+    overrides their WATCHDOG_* settings); without it the script only maps the access folder."""
 
     name = "tritonserver"  # in messages
     ready_timeout_s = 60.0
@@ -199,7 +204,8 @@ class TritonServer:
                  metrics_port: int | None = None, allow_metrics: bool = True, host: str = LOCALHOST,
                  log_path: Path | str | None = None, log_verbose: int = 0, exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S,
                  python_shm_default_byte_size: int | None = None, backend_root: Path | str | None = None,
-                 extra_args: Sequence[str] = (), security: ServerSecurity = OPEN):
+                 extra_args: Sequence[str] = (), access_dir: Path | str | None = None, watch: bool = False,
+                 watch_env: dict[str, str] | None = None):
         self.model_repository = Path(model_repository).resolve()
         self.host = host
         # 0 means "any free port", as for a socket bind.
@@ -211,12 +217,14 @@ class TritonServer:
         self.python_shm_default_byte_size = python_shm_default_byte_size
         self.backend_root = backend_root
         self.extra_args = list(extra_args)
-        security.validate()
-        self.security = security
+        self.access_dir = Path(access_dir).resolve() if access_dir is not None else None
+        self.watch = watch
+        self.watch_env = dict(watch_env or {})
         # Triton's HTTP endpoint has no TLS: with TLS on gRPC, HTTP and metrics stay on loopback.
-        self.http_host = LOCALHOST if security.tls else host
+        self.http_host = LOCALHOST if self.access_dir and (self.access_dir / "server.pem").exists() else host
         self.shm_prefix = f"{SHM_PREFIX_BASE}{uuid.uuid4().hex[:12]}_"
         self.process: subprocess.Popen | None = None
+        self._tritonserver_pid: int | None = None
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
 
@@ -261,7 +269,26 @@ class TritonServer:
             cmd.append("--allow-metrics=false")
         if self.python_shm_default_byte_size is not None:
             cmd.append(f"--backend-config=python,shm-default-byte-size={self.python_shm_default_byte_size}")
-        return cmd + self.security.tritonserver_args() + self.extra_args
+        return cmd + self.extra_args
+
+    def _entrypoint(self, command: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """`command` under the entrypoint script, when this server needs it (the class docstring)."""
+        if self.access_dir is None and not self.watch:
+            return command, env
+        settings = {"WATCHDOG_HTTP": f"http://{self.http_url}",
+                    "WATCHDOG_ACCESS_DIR": str(self.access_dir) if self.access_dir else "",
+                    **({} if self.watch else {"WATCHDOG_CHECKS": "0", "WATCHDOG_PROBE_S": "0"}), **self.watch_env}
+        return ["sh", str(ENTRYPOINT), *command], {**env, **settings}
+
+    def tritonserver_pid(self) -> int | None:
+        """tritonserver's own pid: `pid`, or under the entrypoint script the one in its process group
+        (None until the script has started it; kept once seen)."""
+        if self.process is None or self.access_dir is None and not self.watch:
+            return self.pid
+        if self._tritonserver_pid is None:
+            pids = [pid for pid in group_pids(self.pid) if _program(pid) == "tritonserver"]
+            self._tritonserver_pid = pids[0] if pids else None
+        return self._tritonserver_pid
 
     def _prepare(self) -> tuple[list[str], dict[str, str]]:
         """Find the wheel's server, prepare the backend directory, pick the ports, name the log: (command, env)."""
@@ -281,7 +308,7 @@ class TritonServer:
             handle, name = tempfile.mkstemp(prefix=f"tritonserver-{self.http_port}-", suffix=".log")
             os.close(handle)
             self.log_path = Path(name)
-        return self.command(install, backend_dir), triton_environment(install)
+        return self._entrypoint(self.command(install, backend_dir), triton_environment(install))
 
     def readiness(self) -> str | None:
         """None once `/v2/health/ready` answers 200, else what it answered (a model that fails to load
@@ -381,40 +408,8 @@ class TritonServer:
                 region.unlink()
 
 
-def _port_taken(server: TritonServer) -> bool:
-    tail = log_tail(server.log_path, lines=200)
-    return "already in use" in tail or "Address in use" in tail
-
-
-@contextlib.contextmanager
-def running_server(model_repository: Path | str, *, ready_timeout_s: float = 60.0, attempts: int = 3,
-                   **kwargs) -> Iterator[TritonServer]:
-    """Start a TritonServer (keyword arguments go to it) on free loopback ports, wait until it is ready,
-    yield it, stop it.
-
-    A port picked free can be taken before the server binds it, and tritonserver 2.51 now and then aborts
-    while its backends initialise (docs/design.md §7): then it retries (new ports where they were picked),
-    up to `attempts` times, saying so on stderr. Any other failure raises ServerError with the log tail.
-    """
-    ports_fixed = any(kwargs.get(name) is not None for name in ("http_port", "grpc_port", "metrics_port"))
-    for attempt in range(1, attempts + 1):
-        server = TritonServer(model_repository, **kwargs)
-        server.start()
-        try:
-            server.wait_ready(ready_timeout_s)
-        except ServerError as error:
-            server.stop()
-            crashed = server.process is not None and (server.process.returncode or 0) < 0
-            if attempt < attempts and (crashed or (not ports_fixed and _port_taken(server))):
-                print(f"tritonserver did not start (attempt {attempt} of {attempts}), starting it again: "
-                      f"{str(error).splitlines()[0]}", file=sys.stderr, flush=True)
-                continue
-            raise
-        except BaseException:
-            server.stop()
-            raise
-        break
+def _program(pid: int) -> str:
     try:
-        yield server
-    finally:
-        server.stop()
+        return Path(f"/proc/{pid}/exe").resolve(strict=True).name
+    except OSError:  # exited, or not ours to read
+        return ""

@@ -2,7 +2,7 @@
 
 `triton_server_factory` (session scope) starts a server for a model repository, waits until it is
 ready and stops it at the end of the session; session fixtures for a particular repository build on
-it. Tests that must see a server stop use `server.triton.running_server` directly. When a test fails,
+it. Tests that must see a server stop use `server.supervise.running_server` directly. When a test fails,
 the log tails of the servers running at that moment are attached to its report.
 """
 
@@ -14,10 +14,11 @@ import os
 
 import pytest
 
+from benchmarks.docker_env import DockerUnavailable, docker_environment
 from mimi_code2wav.server.processes import log_tail
-from mimi_code2wav.server.triton import TritonServer, running_server
+from mimi_code2wav.server.supervise import running_server
+from mimi_code2wav.server.triton import TritonServer
 
-from docker_env import DockerUnavailable, docker_environment
 from helpers import REPO_ROOT
 
 # Session-scoped Mimi fixtures (seeded checkpoints, references, exports) shared by every test module.
@@ -69,7 +70,7 @@ def triton_server_factory():
 
 @pytest.fixture(scope="session")
 def docker_env():
-    """The environment for the README's `docker compose` commands here (tests/docker_env.py: a Docker
+    """The environment for the README's `docker compose` commands here (benchmarks/docker_env.py: a Docker
     engine, Compose v2, stand-in images); the engine it started stops with the session. Without one
     the compose tests skip, saying why; in CI (CI=true) they fail."""
     try:

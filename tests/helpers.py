@@ -124,10 +124,16 @@ def decoder_holds(grpc_url: str, sequence_id: int, decoder: str = "mimi_decoder"
     return True
 
 
-def infer_error(client, sequence_id: int, inputs, *expected: str, start=False, end=False) -> str:
+_UNCHECKED = object()
+
+
+def infer_error(client, sequence_id: int, inputs, *expected: str, start=False, end=False, kind=_UNCHECKED) -> str:
     """Send `inputs` (a codes array [k, F] or a list of InferInput) expecting an error whose message
-    contains every `expected` substring; returns the message."""
+    contains every `expected` substring and, where given, carries code2wav's error `kind` (None: an
+    error of Triton's own, without one); returns the message."""
     from tritonclient.utils import InferenceServerException
+
+    from mimi_code2wav.client.protocol import error_kind
 
     if isinstance(inputs, np.ndarray):
         inputs = code2wav_inputs(inputs)
@@ -136,6 +142,8 @@ def infer_error(client, sequence_id: int, inputs, *expected: str, start=False, e
     message = info.value.message()
     for text in expected:
         assert text in message, f"{text!r} not in the error {message!r}"
+    if kind is not _UNCHECKED:
+        assert error_kind(message) == kind, message
     return message
 
 
@@ -176,19 +184,20 @@ def process_exists(pid: int) -> bool:
     return True
 
 
-def stub_pid(group: int, model: str = "code2wav") -> int:
-    """The Python stub of `model`'s one instance among the processes of process group `group` (a
-    tritonserver's, or its watchdog's)."""
-    from benchmarks.profile import group_pids
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # exited meanwhile
+        return ""
 
-    def command_line(pid: int) -> str:
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:  # exited since the group was listed
-            return ""
 
-    pids = [pid for pid in group_pids(group) if f"{model}/1/model.py" in command_line(pid)]
-    assert len(pids) == 1, f"one {model} stub expected in process group {group}, found {pids}"
+def stub_pid(pid: int, model: str = "code2wav") -> int:
+    """The Python stub of `model`'s one instance among the processes of the process group of `pid`
+    (a tritonserver, or the entrypoint script it runs under)."""
+    from mimi_code2wav.server.processes import group_pids
+
+    pids = [stub for stub in group_pids(os.getpgid(pid)) if f"{model}/1/model.py" in command_line(stub)]
+    assert len(pids) == 1, f"one {model} stub expected in the process group of {pid}, found {pids}"
     return pids[0]
 
 
@@ -313,9 +322,25 @@ def stop_cli(cli: subprocess.Popen, output: Path) -> str:
     return output.read_text()
 
 
+def tritonserver_under(pid: int) -> int | None:
+    """The pid of the tritonserver that `pid` or one of its descendants started, if any."""
+    found = subprocess.run(["pgrep", "-x", "tritonserver"], capture_output=True, text=True)
+    for candidate in map(int, found.stdout.split()):
+        ancestors, current = set(), candidate
+        while current > 1 and current not in ancestors:
+            ancestors.add(current)
+            try:
+                current = int(Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
+        if pid in ancestors:
+            return candidate
+    return None
+
+
 def tritonserver_child(cli: subprocess.Popen) -> int | None:
-    pids = subprocess.run(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"], capture_output=True, text=True).stdout.split()
-    return int(pids[0]) if pids else None
+    """The tritonserver that the serve command `cli` runs (under the entrypoint script), if any."""
+    return tritonserver_under(cli.pid)
 
 
 # ---- TLS ---------------------------------------------------------------------------------------------

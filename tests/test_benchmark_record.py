@@ -1,9 +1,11 @@
 """docs/benchmarks.md is generated: it is exactly what the committed runs in docs/benchmarks/ render,
 every run in it is stamped, and the README's headline table is the record's. Also: the serving
-flags are declared once, and the GPU benchmark imports nothing beyond its own needs."""
+flags are declared once, the GPU benchmark imports nothing beyond its own needs, and the benchmarks'
+modules import neither tests/ nor each other in a cycle."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -43,7 +45,8 @@ def test_every_committed_run_is_stamped_and_named_by_its_kind():
 def test_every_table_of_the_record_follows_its_runs_stamp():
     text = record.RECORD.read_text()
     sections = text.split("\n## ")[1:]
-    assert len(sections) == len(list(record.RECORD_DIR.glob("*.json")))
+    retired = (record.RECORD_DIR / record.RETIRED).read_text().count("\n## ") + 1
+    assert len(sections) == len(list(record.RECORD_DIR.glob("*.json"))) + retired
     for section in sections:
         title, _, body = section.partition("\n")
         stamps = re.findall(r"^Machine: .+\. Command: `.+`\. Commit \S+.*, \d{4}-\d\d-\d\d \d\d:\d\d UTC\.$", body, re.M)
@@ -127,28 +130,50 @@ def test_the_gpu_benchmark_imports_only_its_own_needs():
     assert done.stdout.strip() == "[]"
 
 
-def test_the_python_ort_benchmark_takes_out_one_mechanism_per_variant(onnx_fp32):
-    """`python -m benchmarks python-ort` builds the model's core from the config render writes, and
-    each variant really runs without its mechanism: without array reuse every output state is a new
-    array, without feed-back every run gathers its inputs into arrays of their own, without IO binding
-    ONNX Runtime allocates the outputs (none come from the core's arrays)."""
-    from benchmarks.python_ort import Bench
 
-    bench = Bench(onnx_fp32, streams=2, threads=2)
-    assert bench.config.max_live_streams == 2 and bench.config.max_rows_per_run == 8
-    counts = {}
-    for variant in ("as served", "no array reuse", "no feed-back", "no IO binding", "plain"):
-        with bench.variant(variant) as core:
-            name = bench.config.inputs[0].name
-            for step in range(4):
-                core.step([bench.core_module.StepRequest(sid, step == 0, False, {name: bench.codes[step]})
-                           for sid in (1, 2)])
-                if step == 1:
-                    before = (core.buffers.allocated_total, core.buffers.reused_total)
-            counts[variant] = (core.buffers.allocated_total - before[0], core.buffers.reused_total - before[1])
-    # Two warm runs of the same two streams, each with one array per state: as served each run's
-    # output states reuse the arrays the run before last let go, and its inputs are fed back as they are.
-    states = len(bench.config.states)
-    assert counts == {"as served": (0, 2 * states), "no array reuse": (2 * states, 0),
-                      "no feed-back": (0, 2 * 2 * states), "no IO binding": (0, 0), "plain": (0, 0)}, counts
-    assert bench.core_module.reuse_order is not None and bench.ms_per_run("as served", "together", 1, 0) > 0
+def test_the_benchmarks_import_no_tests_and_no_cycle():
+    """benchmarks/ is imported by the tests, never the other way, and its modules form no cycle."""
+    package = REPO_ROOT / "benchmarks"
+    imports = {}
+    for path in package.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                name = "." * node.level + (node.module or "")
+                found |= {name} if node.module else {f".{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        assert not [name for name in found if name.split(".")[0] in ("tests", "helpers", "mimi_fixtures")], path
+        imports[path.stem] = {name.lstrip(".").removeprefix("benchmarks.") for name in found
+                              if name.startswith(".") or name.startswith("benchmarks.")}
+
+    def reaches(start: str, target: str, seen: set) -> bool:
+        return any(module == target or (module not in seen and reaches(module, target, seen | {module}))
+                   for module in imports.get(start, ()))
+
+    assert [module for module in imports if reaches(module, module, set())] == []
+
+
+def test_a_sweep_stops_when_its_local_server_dies(tmp_path):
+    """The sweep does not start a dead server again: the point fails, the log's tail is recorded, no
+    later point runs, and the report says so."""
+    from types import SimpleNamespace
+
+    from benchmarks import report, sweep
+    from benchmarks.profile import PointProfile
+
+    log = tmp_path / "tritonserver.log"
+    log.write_text("Signal (11) received.\n")
+    server = SimpleNamespace(grpc_url="127.0.0.1:1", log_path=log, is_alive=lambda: False, exit_code=lambda: -11)
+    local = SimpleNamespace(server=server, url=server.grpc_url, profile=lambda: PointProfile(None, None))
+    points = sweep.Sweep(sweep.SweepLoad(frames=4, seed=0, point_seconds=1.0), tmp_path, local=local)
+    row = points.measure(sweep.SweepPoint(2, 1), lambda: {"requests": 3})
+    assert row == {"streams": 2, "chunk_frames": 1, "requests": 3, "error": "the server exited during the point"}
+    assert points.failures == 1
+    assert points.server_exit.startswith("tritonserver exited during 2 stream(s), 1 frame(s) per request (code -11)")
+    assert "Signal (11) received." in points.server_exit
+    points.point(sweep.SweepPoint(2, 1), client=False, perf=True)  # perf_analyzer is not run against it
+    assert points.perf == []
+    results = {"meta": {"server": "test", "frames": 4, "cpu_cores": 2, "server_exit": points.server_exit},
+               "summary": {}, "client": [row], "perf": [], "decoder_step_ms": {}}
+    assert "the server exited during the run" in report.sweep_markdown(results)

@@ -34,7 +34,7 @@ ENTRYPOINT = REPO_ROOT / "docker" / "export-entrypoint.sh"
 CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
 PROXY_CONFIG = REPO_ROOT / "docker" / "nginx" / "compose.conf"
-WATCHDOG = REPO_ROOT / "docker" / "triton-watchdog.sh"
+WATCHDOG = REPO_ROOT / "server" / "triton-watchdog.sh"
 KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
 WATCHDOG_IN_CONTAINER = "/opt/code2wav/triton-watchdog.sh"
 ACCESS_IN_CONTAINER = "/run/code2wav-access"
@@ -222,7 +222,7 @@ def test_every_server_runs_under_the_watchdog(services, name):
     the repository's, read-only, and tini is PID 1 (signals passed on, killed servers' stubs reaped)."""
     server = services[name]
     assert command_args(server)[:3] == ["sh", WATCHDOG_IN_CONTAINER, "tritonserver"], command_args(server)
-    assert volume_mounts(server)[WATCHDOG_IN_CONTAINER] == ("./docker/triton-watchdog.sh", True)
+    assert volume_mounts(server)[WATCHDOG_IN_CONTAINER] == ("./server/triton-watchdog.sh", True)
     assert server.get("init") is True, f"{name}: no init process"
     assert server.get("restart") == "unless-stopped", f"{name}: a killed server would stay down"
 
@@ -462,7 +462,7 @@ def test_compose_v1_reads_the_compose_file():
                          ids=["gpu", "with-cpu-overlay"])
 def test_compose_v2_validates_the_files(docker_env, files):
     """`docker compose config -q` of the files as the README combines them, every profile, with the
-    Compose v2 the compose tests use (tests/docker_env.py)."""
+    Compose v2 the compose tests use (benchmarks/docker_env.py)."""
     args = [arg for name in files for arg in ("-f", name)]
     env = {key: value for key, value in docker_env.items() if not key.startswith("COMPOSE_")}
     result = subprocess.run(["docker", "compose", *args, "--profile", "*", "config", "-q"], cwd=REPO_ROOT, env=env,
@@ -746,7 +746,7 @@ def test_kubernetes_manifests_hash_streams_over_the_ready_pods(services):
     volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
     watchdog = mounts[str(Path(WATCHDOG_IN_CONTAINER).parent)]
     assert volumes[watchdog["name"]]["configMap"] == {"name": "code2wav-watchdog"}
-    assert f"--from-file=docker/{WATCHDOG.name}" in (KUBERNETES_DIR / "code2wav-triton.yaml").read_text()
+    assert f"--from-file=server/{WATCHDOG.name}" in (KUBERNETES_DIR / "code2wav-triton.yaml").read_text()
     assert ACCESS_IN_CONTAINER in volume_mounts(services["triton"])
     access = mounts[ACCESS_IN_CONTAINER]
     assert access["readOnly"] and volumes[access["name"]]["secret"] == {"secretName": "code2wav-access", "optional": True}

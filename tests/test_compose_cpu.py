@@ -2,7 +2,7 @@
 
 The command runs as the README writes it, with only variables set: the weights folder and file (a
 moshi-format checkpoint of seeded random weights), free loopback ports, a project name of its own, and
-the stand-in images of tests/docker_env.py (NGC 24.10's tritonserver 2.51 from PyPI, a Debian Python
+the stand-in images of benchmarks/docker_env.py (NGC 24.10's tritonserver 2.51 from PyPI, a Debian Python
 base) where no registry serves the defaults. Where no Docker engine can be had these tests skip, saying
 why; in CI (CI=true) they fail instead.
 """
@@ -17,10 +17,10 @@ import urllib.request
 import numpy as np
 import pytest
 
+from benchmarks.docker_env import Compose
 from mimi_code2wav.client.protocol import MODEL_NAME
 from mimi_code2wav.server.triton import free_ports
 
-from docker_env import Compose
 from helpers import REPO_ROOT, code2wav_inputs, infer, infer_error, send_in_chunks, sequence_ids, wait_until
 from mimi_fixtures import assert_equal_audio, snr_db
 

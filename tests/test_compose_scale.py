@@ -22,12 +22,12 @@ import time
 import numpy as np
 import pytest
 
+from benchmarks.docker_env import REPLICAS, Compose
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME, StreamOptions
 from mimi_code2wav.client.sync import run_streams
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.server.triton import free_ports
 
-from docker_env import REPLICAS, Compose
 from helpers import print_and_record, wait_until
 from mimi_fixtures import assert_equal_audio
 

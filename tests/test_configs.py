@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
@@ -22,6 +23,8 @@ from mimi_code2wav.export.render import (
     render_repository,
 )
 from mimi_code2wav.export.spec import ONNX_ELEM_TYPES, TRITON_DTYPES, DecoderSpec, StateSpec
+
+from helpers import load_model_module
 
 TRITON_TO_ONNX = {TRITON_DTYPES[name]: ONNX_ELEM_TYPES[name] for name in TRITON_DTYPES}
 
@@ -93,6 +96,11 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
             assert inputs[state["input"]] == outputs[state["output"]] == (ONNX_ELEM_TYPES[state["dtype"]], state["shape"])
         assert json.loads(config.parameters["value_ranges"].string_value) == {"codes": [0, spec.codebook_size]}
         assert json.loads(config.parameters["max_dims"].string_value) == {"codes": [8, spec.max_frames_per_step]}
+        # The model reads it as Triton hands it over (strictly: every parameter it knows, no other).
+        ort_config = load_model_module(REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort" / "python_ort_config.py")
+        decoder = ort_config.parse_model_config(json_format.MessageToDict(config, preserving_proto_field_name=True),
+                                                {"TYPE_INT32": np.int32, "TYPE_FP32": np.float32}.__getitem__)
+        assert decoder.max_live_streams == batching.oldest.max_candidate_sequences
         return
 
     # Triton pairs input and output states by position in two name-sorted lists.
@@ -166,7 +174,7 @@ def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
                  "code2wav/1/model_errors.py", "code2wav/1/idle_sweeper.py", "mimi_decoder/config.pbtxt",
                  "mimi_decoder/1/model.py",
                  "mimi_decoder/1/python_ort_core.py", "mimi_decoder/1/python_ort_config.py",
-                 "mimi_decoder/1/python_ort_memory.py", "mimi_decoder/1/model_metrics.py", "mimi_decoder/1/model.onnx"):
+                 "mimi_decoder/1/model_metrics.py", "mimi_decoder/1/model.onnx"):
         assert (out / path).is_file(), path
     with pytest.raises(ValueError, match="needs a plan file"):
         render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "trt", "tensorrt")
@@ -231,6 +239,6 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     assert main(["render", "--target", "null", "--export-dir", str(onnx_fp32), "--out", str(shared),
                  "--max-live-streams", "2", "--front-instances", "3"]) == 2
     assert "front_instances (3) must not exceed the streams the decoder holds (2)" in capsys.readouterr().err
+    # The python-ort decoder holds state for as many streams as it has sequence slots.
     python_ort = parse((cpu / "mimi_decoder" / "config.pbtxt").read_text())
-    assert python_ort.parameters["max_live_streams"].string_value == "auto"
-    assert python_ort.parameters["max_rows_per_run"].string_value == "8"
+    assert python_ort.parameters["max_live_streams"].string_value == "256"

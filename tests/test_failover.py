@@ -53,9 +53,8 @@ AFTER_KILL = 30
 AFTER_RESTART = 20
 CHUNK_FRAMES = 10
 HISTORY_FRAMES = 250
-# The resumed audio against the solo decode. Measured for R = 250 (README, resume table): >= 86.6 dB
-# over the first second after the resume, >= 93.5 dB over ten seconds; the bar leaves room for other
-# codes.
+# The resumed audio against the solo decode after a resume with R = 250 frames of history (the resume
+# record in docs/benchmarks.md); the bar leaves room for other codes.
 RESUMED_MIN_SNR_DB = 75.0
 SERVERS = 3
 STREAM_IDLE_TIMEOUT_S = CODE2WAV_IDLE_TIMEOUT_US / 1e6  # read from code2wav's config.pbtxt

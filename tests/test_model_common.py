@@ -174,50 +174,84 @@ def test_delta_metrics_of_two_instances_add_up_and_withdraw():
     assert shared.value == 2 and first.sent == 0
 
 
-class FakeModelMetrics:
-    def __init__(self, labels):
-        self.labels, self.reports, self.closed = labels, [], False
+class FakeSeries(FakeMetric):
+    def __init__(self, labels, buckets):
+        super().__init__()
+        self.labels, self.buckets, self.observations = labels, buckets, []
 
-    def close(self):
-        self.closed = True
-
-
-def test_guarded_metrics_report_until_the_first_failure_then_stay_off():
-    warnings = []
-    guarded = model_metrics.GuardedMetrics("mimi_decoder", 1, FakeModelMetrics, warnings.append)
-    metrics = guarded.metrics
-    assert metrics.labels == {"model": "mimi_decoder", "version": "1"}
-    guarded.report(lambda m: m.reports.append(1))
-
-    def fail(_):
-        raise RuntimeError("ipc down")
-
-    guarded.report(fail)
-    guarded.report(lambda m: m.reports.append(2))
-    assert metrics.reports == [1] and guarded.metrics is None
-    assert warnings == ["model 'mimi_decoder': custom metrics failed, now off (ipc down)"]
-    guarded.close()  # nothing left to close
-    assert not metrics.closed
+    def observe(self, value):
+        self.observations.append(value)
 
 
-def test_guarded_metrics_without_metrics_support_run_without_them():
-    warnings = []
+def fake_metric_family(made):
+    """A stand-in for pb_utils.MetricFamily that records every family it makes in `made` (name -> family)."""
 
-    def unsupported(labels):
-        raise RuntimeError("metrics disabled")
+    class FakeMetricFamily:
+        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
-    guarded = model_metrics.GuardedMetrics("code2wav", "1", unsupported, warnings.append)
-    guarded.report(lambda m: pytest.fail("no metrics to update"))
-    guarded.close()
-    assert guarded.metrics is None
-    assert warnings == ["model 'code2wav': custom metrics unavailable (metrics disabled)"]
+        def __init__(self, name, description, kind):
+            self.description, self.kind, self.series = description, kind, []
+            made[name] = self
+
+        def Metric(self, labels, buckets=None):  # pb_utils' name
+            self.series.append(FakeSeries(labels, buckets))
+            return self.series[-1]
+
+    return FakeMetricFamily
 
 
-def test_guarded_metrics_close_their_metrics():
-    guarded = model_metrics.GuardedMetrics("code2wav", "1", FakeModelMetrics, pytest.fail)
-    metrics = guarded.metrics
-    guarded.close()
-    assert metrics.closed and guarded.metrics is None
+FAMILIES = (
+    model_metrics.Family("live", "GAUGE", "Live streams", "live"),
+    model_metrics.Family("done_total", "COUNTER", "Frames", "done"),
+    model_metrics.Family("errors_total", "COUNTER", "Errors by kind", "errors", label="kind", label_values=("a", "b")),
+    model_metrics.Family("sizes", "HISTOGRAM", "Batch sizes", "sizes", buckets=(1, 2, 4)),
+)
+
+
+class Stats:
+    def __init__(self, live, done, errors, sizes):
+        self.live, self.done, self.errors, self.sizes = live, done, errors, sizes
+
+
+def test_model_metrics_fill_their_families_from_the_stats_and_withdraw_gauges():
+    made, warnings = {}, []
+    metrics = model_metrics.ModelMetrics(FAMILIES, "decoder", 1, fake_metric_family(made), warnings.append)
+    labels = {"model": "decoder", "version": "1"}
+    assert {name: (family.kind, family.description) for name, family in made.items()} == {
+        "live": ("gauge", "Live streams"), "done_total": ("counter", "Frames"),
+        "errors_total": ("counter", "Errors by kind"), "sizes": ("histogram", "Batch sizes")}
+    # The labelled family's declared series exist from the load, at 0.
+    assert [series.labels for series in made["errors_total"].series] == [{**labels, "kind": "a"}, {**labels, "kind": "b"}]
+    assert made["sizes"].series[0].buckets == [1, 2, 4] and made["live"].series[0].labels == labels
+    sizes = [1, 4]
+    metrics.report(Stats(live=3, done=10, errors={"b": 2, "c": 1}, sizes=sizes))
+    metrics.report(Stats(live=2, done=12, errors={"b": 2, "c": 1}, sizes=sizes))
+    assert (made["live"].series[0].value, made["done_total"].series[0].value) == (2, 12)
+    assert {series.labels["kind"]: series.value for series in made["errors_total"].series} == {"a": 0, "b": 2, "c": 1}
+    assert made["sizes"].series[0].observations == [1, 4] and sizes == []  # observed once, emptied
+    metrics.close()  # this instance's gauges leave their series; counters stay
+    assert (made["live"].series[0].value, made["done_total"].series[0].value) == (0, 12)
+    assert not metrics.on and warnings == []
+
+
+def test_model_metrics_turn_off_at_the_first_failure_and_never_fail_a_request():
+    made, warnings = {}, []
+    metrics = model_metrics.ModelMetrics(FAMILIES, "decoder", "1", fake_metric_family(made), warnings.append)
+    metrics.report(object())  # stats without the fields
+    metrics.report(Stats(live=3, done=10, errors={}, sizes=[]))
+    assert not metrics.on and made["live"].series[0].value == 0
+    assert warnings == ["model 'decoder': custom metrics failed, now off ('object' object has no attribute 'live')"]
+    metrics.close()
+
+    class Unsupported(fake_metric_family({})):  # a server without metrics support
+        def __init__(self, **kwargs):
+            raise RuntimeError("metrics disabled")
+
+    warnings.clear()
+    metrics = model_metrics.ModelMetrics(FAMILIES, "code2wav", "1", Unsupported, warnings.append)
+    metrics.report(Stats(live=3, done=10, errors={}, sizes=[]))
+    metrics.close()
+    assert not metrics.on and warnings == ["model 'code2wav': custom metrics unavailable (metrics disabled)"]
 
 
 def test_a_started_sweeper_is_named_after_its_model_and_closes():

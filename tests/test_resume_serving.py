@@ -89,7 +89,7 @@ def test_a_stream_resumed_with_25_frames_of_history_returns_only_new_frames(grpc
 def _counters(server) -> dict[str, float]:
     samples = fetch_metrics(server.metrics_url)
     counters = {kind: metric_value(samples, "code2wav_errors_total", kind=kind) or 0.0
-                for kind in ("history", "before_resume")}
+                for kind in ("history", "history_offset", "before_resume")}
     counters["resumed"] = metric_value(samples, "code2wav_resumed_streams_total") or 0.0
     return counters
 
@@ -103,18 +103,19 @@ def test_a_resumed_stream_refuses_offsets_before_its_resume_point_and_misplaced_
     assert pcm.size == 4 * SAMPLES_PER_FRAME
     infer_error(grpc_client, sequence_id, code2wav_inputs(codes[:, 19:32], 19),
                 f"frame_offset 19 is before frame 20, where stream {sequence_id} was resumed on this server",
-                "frames before 20 are not held here")
+                "frames before 20 are not held here", kind="before_resume")
     infer_error(grpc_client, sequence_id, code2wav_inputs(codes[:, 29:31], 29, 1),
-                "history_frames=1 on a continuing stream needs frame_offset=30, the stream's next frame (got 29)")
+                "history_frames=1 on a continuing stream needs frame_offset=30, the stream's next frame (got 29)",
+                kind="history_offset")
     infer_error(grpc_client, new_sequence_id(), code2wav_inputs(codes[:, :3], 0, 4),
-                "history_frames=4 must lie in [0, 3]", start=True)
+                "history_frames=4 must lie in [0, 3]", start=True, kind="history")
     infer_error(grpc_client, new_sequence_id(), code2wav_inputs(codes[:, :3], None, 2),
-                "history_frames=2 needs frame_offset", start=True)
+                "history_frames=2 needs frame_offset", start=True, kind="history")
     # The stream is still there: offsets are absolute, an overlap with the decoded frames decodes the rest.
     pcm = infer(grpc_client, sequence_id, codes[:, 28:33], 28, end=True, new_frames=3)
     assert pcm.size == 3 * SAMPLES_PER_FRAME
     after = _counters(code2wav_server)
-    assert {name: after[name] - before[name] for name in after} == {"history": 3, "before_resume": 1, "resumed": 1}
+    assert {name: after[name] - before[name] for name in after} == {"history": 2, "history_offset": 1, "before_resume": 1, "resumed": 1}
 
 
 # ---- the resumable client ----------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code
     in flight. The client resumes on B with 250 frames of history and the lost request's frames as
     new ones: every frame's PCM once, the audio before the failure equal to the solo decode, the
     audio after it within RESUMED_R250_MIN_SNR_DB of the uninterrupted decode."""
-    from mimi_code2wav.server.triton import running_server
+    from mimi_code2wav.server.supervise import running_server
 
     codes = random_codes(FAILOVER_FRAMES, seed=43)
     reference = ort_decode(codes, frames_per_call=16)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from mimi_code2wav.client.aio import Code2WavClient as AsyncClient
 from mimi_code2wav.client.credentials import GRPC_RESTRICTED_PREFIX, KEY_ENV, Credentials
 from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, ClientError, StreamOptions
 from mimi_code2wav.client.sync import Code2WavClient, run_streams
-from mimi_code2wav.server.security import ADMIN_KEY_ENV, ServerSecurity
+from mimi_code2wav.server.security import ADMIN_KEY_ENV
 
 from helpers import (
     REPO_ROOT,
@@ -57,19 +58,28 @@ def pki(tmp_path_factory) -> Path:
     return folder
 
 
+def access_folder(folder: Path, pki: Path, *names: str) -> Path:
+    """An access folder (the entrypoint's TLS and keys) of the pki's files `names`."""
+    folder.mkdir()
+    for name in names:
+        shutil.copy(pki / {"client-ca.pem": "ca.pem"}.get(name, name), folder / name)
+    return folder
+
+
 @pytest.fixture(scope="module")
-def secure_server(pki, served_repository, triton_server_factory):
+def secure_server(pki, served_repository, triton_server_factory, tmp_path_factory):
     """python-ort over TLS, with an inference key and an admin key."""
-    return triton_server_factory(served_repository, security=ServerSecurity(
-        tls_cert=pki / "server.pem", tls_key=pki / "server.key", inference_key=INFERENCE_KEY, admin_key=ADMIN_KEY))
+    access = access_folder(tmp_path_factory.mktemp("secure") / "access", pki, "server.pem", "server.key",
+                           "inference.key", "admin.key")
+    return triton_server_factory(served_repository, access_dir=access)
 
 
 @pytest.fixture(scope="module")
-def mutual_server(pki, repository_for, triton_server_factory):
+def mutual_server(pki, repository_for, triton_server_factory, tmp_path_factory):
     """The null decoder over mutual TLS, with an inference key."""
-    return triton_server_factory(repository_for("null"), security=ServerSecurity(
-        tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem",
-        inference_key=INFERENCE_KEY))
+    access = access_folder(tmp_path_factory.mktemp("mutual") / "access", pki, "server.pem", "server.key",
+                           "client-ca.pem", "inference.key")
+    return triton_server_factory(repository_for("null"), access_dir=access)
 
 
 def _good(pki: Path, **overrides) -> Credentials:
@@ -262,7 +272,7 @@ def test_perf_analyzer_runs_over_tls_with_both_keys(secure_server, pki, tmp_path
 
 def test_serve_with_tls_and_keys_restarts_a_dead_stub_and_a_tls_stream_resumes(pki, repository_for, tmp_path):
     """`serve` with TLS and both keys (from the environment): the banner names no secret and keeps
-    HTTP on loopback; the supervisor's stub probe carries the key, so a dead stub is still found
+    HTTP on loopback; the entrypoint's stub probe carries the key, so a dead stub is still found
     and the server restarted; a resumable TLS stream resumes over it and loses no frame."""
     log = tmp_path / "server.log"
     env = {**os.environ, KEY_ENV: INFERENCE_KEY, ADMIN_KEY_ENV: ADMIN_KEY}
@@ -279,9 +289,9 @@ def test_serve_with_tls_and_keys_restarts_a_dead_stub_and_a_tls_stream_resumes(p
         after = stream.decode(np.zeros((8, 10), np.int64), end=True)
         output = stop_cli(cli, out)
     assert cli.returncode == 0, output
-    assert "answers ready, but a Python stub is dead" in output, output
+    assert "answers, but a Python stub is dead" in Path(f"{log}.1").read_text(), output
     assert before.size + after.size == 20 * SAMPLES_PER_FRAME and len(stream.resumes) == 1, stream.resumes
-    for text in (output, log.read_text()):
+    for text in (output, log.read_text(), Path(f"{log}.1").read_text()):
         assert not any(secret in text for secret in SECRETS), text[-2000:]
 
 

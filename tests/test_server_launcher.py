@@ -21,7 +21,8 @@ import pytest
 
 from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME
 from mimi_code2wav.server.processes import ServerError, process_group_alive
-from mimi_code2wav.server.triton import SHM_DIR, TritonServer, free_ports, port_is_free, running_server
+from mimi_code2wav.server.supervise import running_server
+from mimi_code2wav.server.triton import SHM_DIR, TritonServer, free_ports, port_is_free
 
 from helpers import (
     REPO_ROOT,
@@ -32,6 +33,7 @@ from helpers import (
     stop_cli,
     stub_pid,
     tritonserver_child,
+    tritonserver_under,
     wait_http_ready,
     wait_printed,
     wait_until,
@@ -157,15 +159,17 @@ def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
         http_port, grpc_port, metrics_port = ports
         infer_add_one(f"127.0.0.1:{grpc_port}")
         server_pid = tritonserver_child(cli)
+        group = os.getpgid(server_pid)
         prefix = shm_prefix_of(server_pid)
         assert list(SHM_DIR.glob(f"{prefix}*"))
         output = stop_cli(cli, out)
     assert cli.returncode == 0, output
     assert f"gRPC     127.0.0.1:{grpc_port}" in output
-    assert re.search(r"tritonserver ready in [0-9.]+ s", output)
+    assert re.search(rf"tritonserver ready in [0-9.]+ s \(pid {server_pid}\)", output), output
+    assert "access   plaintext gRPC, no inference key, admin calls open" in output, output
     assert "SIGTERM: draining and stopping tritonserver" in output
     assert not process_exists(server_pid)
-    assert not process_group_alive(server_pid)
+    assert not process_group_alive(group)
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
     assert list(SHM_DIR.glob(f"{prefix}*")) == []
 
@@ -176,6 +180,7 @@ def test_sighup_drains_serve_and_starts_it_again_reading_the_repository_afresh(t
     repository, log = write_model(tmp_path / "repo"), tmp_path / "server.log"
     with serve_cli(repository, log) as (cli, (http_port, grpc_port, _), out):
         first_pid = tritonserver_child(cli)
+        first_group = os.getpgid(first_pid)
         write_model(repository, name="add_two")  # what the next server must load
         cli.send_signal(signal.SIGHUP)
         assert wait_until(lambda: not process_exists(first_pid), 40), f"SIGHUP did not drain the server:\n{out.read_text()}"
@@ -183,16 +188,17 @@ def test_sighup_drains_serve_and_starts_it_again_reading_the_repository_afresh(t
         wait_http_ready(http_port, cli, timeout_s=60, output=out)
         wait_printed(cli, out, ") and restarted in ")
         second_pid = tritonserver_child(cli)
+        second_group = os.getpgid(second_pid)
         infer_add_one(f"127.0.0.1:{grpc_port}")
         infer_add_one(f"127.0.0.1:{grpc_port}", model="add_two")
-        assert not process_group_alive(first_pid), "the drained server left a stub behind"
+        assert not process_group_alive(first_group), "the drained server left a stub behind"
         output = stop_cli(cli, out)
     assert cli.returncode == 0, output
     assert f"SIGHUP: draining tritonserver (pid {first_pid}) to start it again" in output, output
     assert re.search(rf"tritonserver \(pid {first_pid}\) drained \(exited with code 0\) and restarted in [0-9.]+ s "
                      rf"\(ready in [0-9.]+ s, pid {second_pid}, restart 1\)", output), output
     assert "Non-graceful termination" not in Path(f"{log}.1").read_text()
-    assert not process_group_alive(second_pid)
+    assert not process_group_alive(second_group)
 
 
 def test_serve_restarts_a_tritonserver_that_dies_on_the_same_ports(tmp_path):
@@ -201,6 +207,7 @@ def test_serve_restarts_a_tritonserver_that_dies_on_the_same_ports(tmp_path):
     repository, log = write_model(tmp_path / "repo"), tmp_path / "server.log"
     with serve_cli(repository, log) as (cli, (http_port, grpc_port, _), out):
         first_pid = tritonserver_child(cli)
+        first_group = os.getpgid(first_pid)
         os.kill(first_pid, signal.SIGKILL)
         assert wait_until(lambda: tritonserver_child(cli) not in (None, first_pid), 30), \
             f"no new server after the crash:\n{out.read_text()}"
@@ -208,7 +215,7 @@ def test_serve_restarts_a_tritonserver_that_dies_on_the_same_ports(tmp_path):
         wait_printed(cli, out, "tritonserver restarted (pid ")
         second_pid = tritonserver_child(cli)
         infer_add_one(f"127.0.0.1:{grpc_port}")
-        assert not process_group_alive(first_pid), "the dead server left a stub behind"
+        assert not process_group_alive(first_group), "the dead server left a stub behind"
         output = stop_cli(cli, out)
     assert cli.returncode == 0, output
     assert f"tritonserver (pid {first_pid}) was killed by SIGKILL after" in output, output
@@ -291,10 +298,11 @@ def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and server_pid is None:
-            found = subprocess.run(["pgrep", "-P", str(cli.pid), "-x", "tritonserver"], capture_output=True, text=True)
-            server_pid = int(found.stdout.split()[0]) if found.stdout.strip() else None
+            server_pid = tritonserver_under(cli.pid)
             time.sleep(0.1)
         assert server_pid is not None, "tritonserver never started"
+        (entrypoint,) = map(int, subprocess.run(["pgrep", "-P", str(cli.pid)], capture_output=True,
+                                                text=True).stdout.split())
         while time.monotonic() < deadline and prefix is None:
             prefix = shm_prefix_of(server_pid)
             prefix = prefix if _stubs_of(prefix) else None
@@ -304,8 +312,9 @@ def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
             wait_http_ready(http_port, cli, timeout_s=90)
         cli.kill()
         cli.wait()
-        # tritonserver is this process's child now: wait for it to exit (its exit timeout at most).
-        os.waitpid(server_pid, 0)
+        # The entrypoint, which waits for tritonserver, is this process's child now: wait for it to
+        # exit (tritonserver's exit timeout at most).
+        os.waitpid(entrypoint, 0)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and _stubs_of(prefix):
             time.sleep(0.1)
@@ -322,22 +331,6 @@ def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
                 os.waitpid(server_pid, 0)
         for stub in _stubs_of(prefix) if prefix else []:
             os.kill(stub, signal.SIGKILL)
-
-
-def _tritonserver_under(pid: int) -> int | None:
-    """The pid of the tritonserver that `pid` or one of its children started, if any."""
-    found = subprocess.run(["pgrep", "-x", "tritonserver"], capture_output=True, text=True)
-    for candidate in map(int, found.stdout.split()):
-        ancestors, current = set(), candidate
-        while current > 1 and current not in ancestors:
-            ancestors.add(current)
-            try:
-                current = int(Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                break
-        if pid in ancestors:
-            return candidate
-    return None
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
@@ -357,8 +350,9 @@ def test_make_serve_stops_cleanly_when_its_process_group_is_signalled_twice(tmp_
     try:
         wait_http_ready(http_port, make, timeout_s=90)
         infer_add_one(f"127.0.0.1:{grpc_port}")
-        server_pid = _tritonserver_under(make.pid)
+        server_pid = tritonserver_under(make.pid)
         assert server_pid is not None
+        group = os.getpgid(server_pid)
         prefix = shm_prefix_of(server_pid)
         # Back to back, so that the second lands while the first is being handled; then one more later.
         os.killpg(make.pid, signal.SIGINT)
@@ -376,7 +370,7 @@ def test_make_serve_stops_cleanly_when_its_process_group_is_signalled_twice(tmp_
     assert len(re.findall(r"^SIG(INT|TERM): draining and stopping tritonserver$", output, re.M)) == 1, output
     assert re.search(r"tritonserver stopped in [0-9.]+ s", output), output
     assert not re.search(r"\] Error \d", output), output  # make saw the launcher exit non-zero
-    assert not process_exists(server_pid) and not process_group_alive(server_pid)
+    assert not process_exists(server_pid) and not process_group_alive(group)
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
     assert list(SHM_DIR.glob(f"{prefix}*")) == []
 
@@ -396,9 +390,10 @@ def test_signals_during_start_up_give_one_clean_stop(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and server_pid is None and cli.poll() is None:
-            server_pid = _tritonserver_under(cli.pid)
+            server_pid = tritonserver_under(cli.pid)
             time.sleep(0.05)
         assert server_pid is not None, "tritonserver never started"
+        group = os.getpgid(server_pid)
         # A SIGHUP first: while the server starts it is only counted (its drain would come once it serves).
         for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ProcessLookupError):
@@ -411,15 +406,15 @@ def test_signals_during_start_up_give_one_clean_stop(tmp_path):
     assert cli.returncode == 0, output
     assert "Traceback" not in output, output
     assert output.count("stopping tritonserver") == 1, output
-    assert not process_exists(server_pid) and not process_group_alive(server_pid)
+    assert not process_exists(server_pid) and not process_group_alive(group)
     assert all(port_is_free(port) for port in (http_port, grpc_port, metrics_port))
 
 
 @pytest.mark.parametrize("model", ["code2wav", "mimi_decoder"])
 def test_serve_restarts_a_server_whose_python_stub_died(repository_for, tmp_path, model):
     """A Python stub that died (SIGKILL stands in for its segfault) leaves tritonserver ready while
-    every request fails; serve's stub probe finds it, kills the server and starts it again, and a fresh
-    conversation decodes."""
+    every request fails; the entrypoint's stub probe finds it and kills the server, serve starts it
+    again, and a fresh conversation decodes."""
     import tritonclient.grpc as grpcclient
 
     log = tmp_path / "server.log"
@@ -433,6 +428,8 @@ def test_serve_restarts_a_server_whose_python_stub_died(repository_for, tmp_path
         assert pcm.size == 5 * SAMPLES_PER_FRAME
         output = stop_cli(cli, out)
     assert cli.returncode == 0, output
-    assert re.search(rf"tritonserver \(pid {first_pid}\) answers ready, but a Python stub is dead \(.*Stub process "
-                     rf"'{model}_0_0' is not healthy\..*\): killing it \(SIGKILL\)", output), output
+    assert re.search(rf"tritonserver \(pid {first_pid}\) was killed by SIGKILL after", output), output
+    assert re.search(rf"triton-watchdog: tritonserver \(pid {first_pid}\) answers, but a Python stub is dead "
+                     rf"\(.*Stub process '{model}_0_0' is not healthy\..* from {model}\): killing it \(SIGKILL\)",
+                     Path(f"{log}.1").read_text()), output
     assert f"tritonserver (pid {first_pid}) was killed by SIGKILL after" in output, output

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -23,7 +24,8 @@ import pytest
 
 from mimi_code2wav.client.protocol import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME, random_codes
 from mimi_code2wav.export.reference import moshi_stream_decode
-from mimi_code2wav.server.triton import fetch_metrics, metric_value, running_server
+from mimi_code2wav.server.supervise import running_server
+from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
 from helpers import REPO_ROOT, frames_of, make_pki, wait_until
 from mimi_fixtures import assert_equal_audio
@@ -238,14 +240,15 @@ def test_the_stage_reaches_a_server_over_tls_with_the_key(stage, repository_for,
                                                           tmp_path):
     """additional_config.code2wav with tls_ca and key_file: the stage decodes over TLS with the key,
     equal to moshi; a wrong key fails the step, saying so, without naming the key."""
-    from mimi_code2wav.server.security import ServerSecurity
-
     pki = make_pki(tmp_path)
     (pki / "key").write_text("stage-key-51d0b2\n")
     (pki / "wrong").write_text("not-the-key\n")
-    security = ServerSecurity(tls_cert=pki / "server.pem", tls_key=pki / "server.key", inference_key="stage-key-51d0b2")
+    access = tmp_path / "access"
+    access.mkdir()
+    for source, name in (("server.pem", "server.pem"), ("server.key", "server.key"), ("key", "inference.key")):
+        shutil.copy(pki / source, access / name)
     codes = random_codes(11, seed=106)
-    with running_server(repository_for("python-ort"), log_path=tmp_path / "tls.log", security=security) as server:
+    with running_server(repository_for("python-ort"), log_path=tmp_path / "tls.log", access_dir=access) as server:
         config = {"url": f"localhost:{server.grpc_port}", "tls_ca": str(pki / "ca.pem"), "key_file": str(pki / "key")}
         answer = stage("model", config=config, timeout_s=300)
         assert "error" not in answer, answer

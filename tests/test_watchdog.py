@@ -1,4 +1,5 @@
-"""docker/triton-watchdog.sh, which every compose server runs under, around the real tritonserver.
+"""server/triton-watchdog.sh, the entrypoint every server runs under (serve, compose, Kubernetes),
+around the real tritonserver.
 
 A server that stops answering its health checks (SIGSTOP stands in for a hang) is killed and the
 script exits 137, for the container's restart policy; a server still loading is left alone; SIGTERM
@@ -17,7 +18,6 @@ import numpy as np
 import pytest
 from test_server_launcher import infer_add_one, write_model
 
-from benchmarks.profile import group_pids
 from mimi_code2wav.server.processes import process_group_alive
 from mimi_code2wav.server.triton import TritonServer
 
@@ -25,46 +25,31 @@ from helpers import REPO_ROOT, make_pki, process_exists, stub_pid, wait_until
 
 pytestmark = pytest.mark.server
 
-WATCHDOG = REPO_ROOT / "docker" / "triton-watchdog.sh"
+WATCHDOG = REPO_ROOT / "server" / "triton-watchdog.sh"
 INTERVAL_S, TIMEOUT_S, CHECKS = 0.2, 0.5, 3
 PROBE_S, PROBE_TIMEOUT_S = 1, 10
+RESTRICT = ("grpc-restricted-protocol", "http-restricted-api")
 
 
 class WatchedServer(TritonServer):
-    """tritonserver started as docker-compose.yml starts it: as the watchdog's command (`access_dir`:
-    its WATCHDOG_ACCESS_DIR, TLS and keys; `pod_args_file`: through the Kubernetes pod's command, which
-    appends that file's flags as it appends /models/tritonserver.args)."""
+    """tritonserver under the entrypoint with its checks and probes on, as compose starts it, with fast
+    settings; with `pod_args_file`, through the Kubernetes pod's command, which appends that file's
+    flags as it appends /models/tritonserver.args."""
 
-    access_dir: Path | None = None
-    pod_args_file: Path | None = None
+    def __init__(self, *args, pod_args_file: Path | None = None, **kwargs):
+        super().__init__(*args, watch=True, watch_env={
+            "WATCHDOG_INTERVAL_S": str(INTERVAL_S), "WATCHDOG_TIMEOUT_S": str(TIMEOUT_S), "WATCHDOG_CHECKS": str(CHECKS),
+            "WATCHDOG_PROBE_S": str(PROBE_S), "WATCHDOG_PROBE_TIMEOUT_S": str(PROBE_TIMEOUT_S)}, **kwargs)
+        self.pod_args_file = pod_args_file
 
-    def _prepare(self) -> tuple[list[str], dict[str, str]]:
-        command, environment = super()._prepare()
-        if self.access_dir is not None:
-            environment = {**(environment or os.environ), "WATCHDOG_ACCESS_DIR": str(self.access_dir)}
-        environment = {**(environment or os.environ), "WATCHDOG_URL": f"http://{self.host}:{self.http_port}/v2/health/live",
-                       "WATCHDOG_INTERVAL_S": str(INTERVAL_S), "WATCHDOG_TIMEOUT_S": str(TIMEOUT_S),
-                       "WATCHDOG_CHECKS": str(CHECKS), "WATCHDOG_PROBE_S": str(PROBE_S),
-                       "WATCHDOG_PROBE_TIMEOUT_S": str(PROBE_TIMEOUT_S),
-                       "WATCHDOG_PROBE_URL": f"http://{self.host}:{self.http_port}/v2/models/code2wav/infer"}
-        watched = ["sh", str(WATCHDOG), *command]
+    def _entrypoint(self, command: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        watched, env = super()._entrypoint(command, env)
         if self.pod_args_file is None:
-            return watched, environment
+            return watched, env
         start = [arg.replace("$$", "$") for arg in kubernetes_triton()["command"]]
         assert start[:3] == ["/opt/nvidia/nvidia_entrypoint.sh", "sh", "-c"]  # NGC's entrypoint runs its command
         return [*start[1:3], start[3].replace("/models/tritonserver.args", str(self.pod_args_file)), *start[4:],
-                *watched], environment
-
-    def tritonserver_pid(self) -> int:
-        def program(pid: int) -> str:
-            try:
-                return Path(f"/proc/{pid}/exe").resolve(strict=True).name
-            except OSError:  # exited since the group was listed
-                return ""
-
-        pids = [pid for pid in group_pids(self.pid) if program(pid) == "tritonserver"]
-        assert len(pids) == 1, f"one tritonserver expected in the watchdog's group, found {pids}"
-        return pids[0]
+                *watched], env
 
 
 def kubernetes_triton() -> dict:
@@ -141,12 +126,12 @@ def test_tls_and_keys_come_from_the_access_folder_and_the_stub_probe_carries_the
     (access / "inference.key").write_text("watched-inference-key\n")
     (access / "admin.key").write_text(" watched-admin-key \n")
     log = tmp_path / "server.log"
-    server = WatchedServer(repository_for("null"), log_path=log)
-    server.access_dir = access
+    pod_args_file = None
     if start == "kubernetes":
         assert kubernetes_triton()["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
-        server.pod_args_file = tmp_path / "tritonserver.args"
-        server.pod_args_file.write_text("--log-info=true\n")
+        pod_args_file = tmp_path / "tritonserver.args"
+        pod_args_file.write_text("--log-info=true\n")
+    server = WatchedServer(repository_for("null"), log_path=log, access_dir=access, pod_args_file=pod_args_file)
     try:
         server.start_ready()
         url = f"localhost:{server.grpc_port}"
@@ -211,33 +196,56 @@ def test_the_watchdog_refuses_a_missing_command_and_bad_settings():
     result = subprocess.run(["sh", str(WATCHDOG)], capture_output=True, text=True, timeout=10)
     assert result.returncode == 2 and "usage: triton-watchdog.sh COMMAND" in result.stderr
     result = subprocess.run(["sh", str(WATCHDOG), "true"], capture_output=True, text=True, timeout=10,
-                            env={**os.environ, "WATCHDOG_CHECKS": "0"})
-    assert result.returncode == 2 and "WATCHDOG_CHECKS must be a positive integer, got '0'" in result.stderr
+                            env={**os.environ, "WATCHDOG_CHECKS": "-1"})
+    assert result.returncode == 2 and "WATCHDOG_CHECKS must be a whole number, got '-1'" in result.stderr
     # The command's own exit code comes back.
     assert subprocess.run(["sh", str(WATCHDOG), "sh", "-c", "exit 3"], timeout=10).returncode == 3
 
 
-@pytest.mark.parametrize("files", [("tls",), ("tls", "mutual"), ("inference",), ("inference", "admin"), ("admin",),
-                                   ("tls", "mutual", "inference", "admin")])
-def test_the_watchdog_gives_tritonserver_the_flags_serve_gives_it(tmp_path, files):
-    """The access folder's files become the same tritonserver flags as serve's options for the same
-    settings (server/security.py): the same protocol groups, headers and keys."""
-    from mimi_code2wav.server.security import ServerSecurity
+FLAG_CASES = [
+    pytest.param({"server.pem", "server.key"}, ["--grpc-use-ssl=true", "--grpc-server-cert={d}/server.pem",
+                 "--grpc-server-key={d}/server.key"], "TLS on gRPC, no inference key, admin calls open", id="tls"),
+    pytest.param({"server.pem", "server.key", "client-ca.pem"},
+                 ["--grpc-use-ssl-mutual=true", "--grpc-server-cert={d}/server.pem", "--grpc-server-key={d}/server.key",
+                  "--grpc-root-cert={d}/client-ca.pem"], "mutual TLS on gRPC, no inference key, admin calls open",
+                 id="mutual"),
+    pytest.param({"inference.key"}, [f"--{flag}=inference,metadata,model-config,model-repository,shared-memory,"
+                                     "statistics,trace,logging:code2wav-key=K1" for flag in RESTRICT],
+                 "plaintext gRPC, inference key required, admin calls take the inference key", id="inference"),
+    pytest.param({"inference.key", "admin.key"},
+                 [f"--{flag}=inference,metadata,model-config:code2wav-key=K1" for flag in RESTRICT]
+                 + [f"--{flag}=model-repository,shared-memory,statistics,trace,logging:code2wav-admin-key=K2"
+                    for flag in RESTRICT],
+                 "plaintext gRPC, inference key required, admin key required", id="both-keys"),
+    pytest.param({"admin.key"}, [f"--{flag}=model-repository,shared-memory,statistics,trace,logging:"
+                                 "code2wav-admin-key=K2" for flag in RESTRICT],
+                 "plaintext gRPC, no inference key, admin key required", id="admin"),
+]
 
-    access = tmp_path.resolve()
-    for name, text in (("server.pem", "tls"), ("server.key", "tls"), ("client-ca.pem", "mutual")):
-        if text in files:
-            (access / name).write_text(text)
-    keys = {"inference": "flag-inference-key", "admin": "flag-admin-key"}
-    for name in keys.keys() & set(files):
-        (access / f"{name}.key").write_text(keys[name] + "\n")
+
+@pytest.mark.parametrize("files, flags, access", FLAG_CASES)
+def test_the_access_folder_becomes_tritonservers_flags(tmp_path, files, flags, access):
+    """Each file of the access folder turns on what it names, with Triton's flags: the protocol groups,
+    the headers and the keys (the only place they are mapped)."""
+    keys = {"inference.key": "K1", "admin.key": "K2"}
+    for name in files:
+        (tmp_path / name).write_text(f" {keys.get(name, 'pem')} \n")
     done = subprocess.run(["sh", str(WATCHDOG), "echo"], capture_output=True, text=True, timeout=10,
-                          env={**os.environ, "WATCHDOG_ACCESS_DIR": str(access)})
+                          env={**os.environ, "WATCHDOG_ACCESS_DIR": str(tmp_path), "WATCHDOG_CHECKS": "0",
+                               "WATCHDOG_PROBE_S": "0"})
     assert done.returncode == 0, done.stderr
-    tls = "tls" in files
-    security = ServerSecurity(tls_cert=access / "server.pem" if tls else None, tls_key=access / "server.key" if tls else None,
-                              tls_client_ca=access / "client-ca.pem" if "mutual" in files else None,
-                              inference_key=keys["inference"] if "inference" in files else None,
-                              admin_key=keys["admin"] if "admin" in files else None)
-    assert sorted(done.stdout.split()) == sorted(security.tritonserver_args())
-    assert f"triton-watchdog: access: {security.describe()}" in done.stderr
+    assert sorted(done.stdout.split()) == sorted(flag.format(d=tmp_path) for flag in flags)
+    assert f"triton-watchdog: access: {access} (from {tmp_path})" in done.stderr
+
+
+@pytest.mark.parametrize("files, error", [
+    pytest.param({"client-ca.pem": "x"}, "mutual TLS (client-ca.pem) needs TLS", id="mutual-without-tls"),
+    pytest.param({"inference.key": "same", "admin.key": "same"}, "admin.key must differ from inference.key",
+                 id="same-keys"),
+])
+def test_the_access_folder_refuses_what_no_server_can_run(tmp_path, files, error):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    done = subprocess.run(["sh", str(WATCHDOG), "true"], capture_output=True, text=True, timeout=10,
+                          env={**os.environ, "WATCHDOG_ACCESS_DIR": str(tmp_path)})
+    assert done.returncode == 2 and error in done.stderr, done.stderr

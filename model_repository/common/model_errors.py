@@ -35,6 +35,17 @@ def error_code(exc: BaseException) -> str:
     return exc.code if isinstance(exc, ModelError) else "INTERNAL"
 
 
+def error_kind(exc: BaseException) -> str:
+    """The kind a failed request is counted and answered under: a ModelError's own, else `internal`."""
+    return exc.kind if isinstance(exc, ModelError) else "internal"
+
+
+def tagged_message(model_name: str, exc: BaseException) -> str:
+    """The message a failed request is answered with: `[MODEL.KIND] ` and the text for people. The tag
+    is the contract clients act on (docs/design.md §2, "Errors"); the text may change."""
+    return f"[{model_name}.{error_kind(exc)}] {exc}"
+
+
 IDLE_TIMEOUT_FIELD = "sequence_batching.max_sequence_idle_microseconds"
 
 # How a failed parse of the plain types reads; other parsers raise ValueError with their own message.

@@ -2,7 +2,7 @@
 # registry serves images to: Debian forky's nginx (1.30, which has `server ... resolve` in upstreams,
 # 1.27.3 and later) with what the official image carries that the proxy uses: the `nginx` user, busybox
 # wget (the healthcheck's tool; the official image keeps no curl), SIGQUIT as the stop signal.
-# Built by tests/docker_env.py, for the compose tests only.
+# Built by benchmarks/docker_env.py, for the compose tests only.
 ARG BASE
 FROM ${BASE}
 RUN echo 'nginx:x:101:101:nginx:/nonexistent:/usr/sbin/nologin' >> /etc/passwd \

@@ -1,7 +1,7 @@
 # Stand-in for nvcr.io/nvidia/tritonserver:24.10-py3-sdk (the compose `bench` profile's perf service) on
 # a host that no registry serves images to: perf_analyzer 2.51.0 from PyPI's tritonclient wheel, on PATH
 # with python3 and numpy, over the tritonserver stand-in (whose pytriton wheel carries the CUDA runtime
-# and libb64 that perf_analyzer links). Built by tests/docker_env.py, for the compose tests only.
+# and libb64 that perf_analyzer links). Built by benchmarks/docker_env.py, for the compose tests only.
 ARG BASE
 FROM ${BASE}
 # perf_analyzer links libb64.so.0d and libcudart.so.12; the wheel carries both under other names.

@@ -1,6 +1,6 @@
 # Stand-in for nvcr.io/nvidia/tritonserver:24.10-py3 on a host that no registry serves images to: the
 # same server (the PyPI wheel nvidia-pytriton 0.7.0 carries tritonserver 2.51.0, NGC 24.10's) laid out
-# as the NGC image lays it out. Built by tests/docker_env.py, for the compose tests only.
+# as the NGC image lays it out. Built by benchmarks/docker_env.py, for the compose tests only.
 #
 #   /opt/tritonserver/bin/tritonserver         on PATH
 #   /opt/tritonserver/backends/python/         the Python backend and its stub for this Python (3.11)

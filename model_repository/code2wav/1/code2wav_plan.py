@@ -257,7 +257,7 @@ def resume_base(correlation_id: int, history_frames: int, offset: Optional[int],
                            f"replayed history (stream {correlation_id})")
     if continuing is not None:
         if offset != continuing.next_frame:
-            raise RequestError("history", f"history_frames={history_frames} on a continuing stream needs "
+            raise RequestError("history_offset", f"history_frames={history_frames} on a continuing stream needs "
                                f"frame_offset={continuing.next_frame}, the stream's next frame (got {offset}): history "
                                f"is decoded once, after the frames stream {correlation_id} holds")
         return continuing.base

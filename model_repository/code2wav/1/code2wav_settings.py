@@ -18,7 +18,7 @@ DEDUPE_MODES = ("auto", "delta", "cumulative")
 # Every kind an error can be counted under (the `kind` label of code2wav_errors_total).
 ERROR_KINDS = (
     "dtype", "shape", "length", "code_range", "limit", "negative_offset", "gap", "changed_frame", "not_cumulative",
-    "history", "before_resume", "correlation_id", "unknown_stream", "stream_cap", "unavailable", "decoder", "internal",
+    "history", "history_offset", "before_resume", "correlation_id", "unknown_stream", "stream_cap", "unavailable", "decoder", "internal",
 )
 
 INT32_MAX = 2**31 - 1

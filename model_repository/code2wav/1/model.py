@@ -62,8 +62,8 @@ class TritonPythonModel:
         self._decoder_calls = BlockingCalls(max(self._max_batch_size, min(settings.max_live_streams, BLS_THREADS_MAX)))
         self._loop = None  # the stub's event loop, known from the first execute
         self._answers = []  # (response sender, result) of finished requests, not yet sent
-        self._metrics = model_metrics.GuardedMetrics(self._model_name, args["model_version"], _Metrics,
-                                                      pb_utils.Logger.log_warn)
+        self._metrics = model_metrics.ModelMetrics(METRIC_FAMILIES, self._model_name, args["model_version"],
+                                                   pb_utils.MetricFamily, pb_utils.Logger.log_warn)
         self._sweeper = idle_sweeper.IdleSweeper.started(self._model_name, settings.stream_idle_timeout_s,
                                                          self._expire_idle, pb_utils.Logger.log_error)
         pb_utils.Logger.log_info(f"model '{self._model_name}': decoder '{settings.decoder_model_name}', dedupe_mode="
@@ -82,7 +82,7 @@ class TritonPythonModel:
             try:
                 stream_requests.append(_stream_request(request))
             except Exception as exc:
-                self._table.count_error(exc.kind if isinstance(exc, model_errors.ModelError) else "internal")
+                self._table.count_error(model_errors.error_kind(exc))
                 responses[position] = self._error_response(exc)
                 continue
             positions.append(position)
@@ -128,7 +128,7 @@ class TritonPythonModel:
                 pb_utils.Logger.log_warn(f"model '{self._model_name}': a response could not be sent: {exc}")
 
     def _report_metrics(self):
-        self._metrics.report(lambda metrics: metrics.report(self._table.stats()))
+        self._metrics.report(self._table.stats())
 
     async def _decode_step(self, correlation_id, codes, flags):
         """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM FP32
@@ -172,7 +172,8 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"model '{self._model_name}': "
                                       + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         return pb_utils.InferenceResponse(output_tensors=[],
-                                          error=pb_utils.TritonError(str(exc), getattr(pb_utils.TritonError, code)))
+                                          error=pb_utils.TritonError(model_errors.tagged_message("code2wav", exc),
+                                                                     getattr(pb_utils.TritonError, code)))
 
     def finalize(self):
         self._sweeper.close(pb_utils.Logger.log_warn)
@@ -221,51 +222,17 @@ def _output_dtype(config, name, model_name):
     return pb_utils.triton_string_to_numpy(output["data_type"])
 
 
-# name, description, kind of each custom metric family, and the Code2WavStats field it reports
-# (errors_by_kind: one series per error kind).
-_METRIC_FAMILIES = (
-    ("code2wav_live_streams", "Streams open in code2wav (started, not ended or expired)", "GAUGE", "live_streams"),
-    ("code2wav_frames_decoded_total", "Audio frames (80 ms each) decoded by code2wav, replayed history included",
-     "COUNTER", "frames_decoded"),
-    ("code2wav_resumed_streams_total",
-     "Streams opened by a START with history_frames (resumed after losing their server)", "COUNTER", "streams_resumed"),
-    ("code2wav_expired_streams_total", "Streams forgotten after the idle timeout without an END", "COUNTER",
-     "streams_expired"),
-    ("code2wav_errors_total", "Failed code2wav requests by kind", "COUNTER", "errors_by_kind"),
+# The custom metrics, filled from Code2WavStats (model_metrics.Family: name, kind, help, field).
+METRIC_FAMILIES = (
+    model_metrics.Family("code2wav_live_streams", "GAUGE", "Streams open in code2wav (started, not ended or expired)",
+                         "live_streams"),
+    model_metrics.Family("code2wav_frames_decoded_total", "COUNTER",
+                         "Audio frames (80 ms each) decoded by code2wav, replayed history included", "frames_decoded"),
+    model_metrics.Family("code2wav_resumed_streams_total", "COUNTER",
+                         "Streams opened by a START with history_frames (resumed after losing their server)",
+                         "streams_resumed"),
+    model_metrics.Family("code2wav_expired_streams_total", "COUNTER",
+                         "Streams forgotten after the idle timeout without an END", "streams_expired"),
+    model_metrics.Family("code2wav_errors_total", "COUNTER", "Failed code2wav requests by kind", "errors_by_kind",
+                         label="kind", label_values=ERROR_KINDS),
 )
-
-
-class _Metrics:
-    """Custom metrics, labelled {model, version} and sent as changes (model_metrics.DeltaMetric), so
-    that several instances add up in one series."""
-
-    def __init__(self, labels):
-        family = pb_utils.MetricFamily
-        # The families must outlive their metrics: a metric of a collected family stops working.
-        self._families = [family(name=name, description=description, kind=getattr(family, kind))
-                          for name, description, kind, _ in _METRIC_FAMILIES]
-        *value_families, self._errors_family = self._families
-        self._labels = labels
-        self._values = {field: model_metrics.DeltaMetric(value_family.Metric(labels=labels))
-                        for (*_, field), value_family in zip(_METRIC_FAMILIES, value_families)}
-        self._errors = {kind: self._error_metric(kind) for kind in ERROR_KINDS}
-
-    def _error_metric(self, kind):
-        return model_metrics.DeltaMetric(self._errors_family.Metric(labels={**self._labels, "kind": kind}))
-
-    def report(self, stats):
-        for field, delta in self._values.items():
-            delta.update(getattr(stats, field))
-        for kind, count in stats.errors_by_kind.items():
-            if kind not in self._errors:
-                self._errors[kind] = self._error_metric(kind)
-            self._errors[kind].update(count)
-
-    def close(self):
-        # This instance's streams leave the shared gauge with it.
-        self._values["live_streams"].withdraw()
-        # Metrics go before their families (python_backend custom-metrics contract).
-        self._errors.clear()
-        self._values.clear()
-        self._families.clear()
-        self._errors_family = None

@@ -1,41 +1,31 @@
 """Configuration of the python-ort `mimi_decoder`: its model config read strictly and checked against the
-ONNX graph (`max_live_streams: auto` is resolved in `python_ort_memory`). Pure numpy + stdlib; a wrong
-or missing value raises ValueError (`ConfigError` for a parameter), which `model.py` turns into a
-failed load.
+ONNX graph. Pure numpy + stdlib; anything wrong or missing raises ValueError (`ConfigError` naming a
+parameter), which `model.py` turns into a failed load.
 
-The config: `input` / `output` list the non-state tensors; `max_batch_size` > 0 (every request has a
-leading batch dimension of 1); `sequence_batching` has the `oldest` strategy, START/END/CORRID
-(TYPE_UINT64) control inputs, a positive `max_sequence_idle_microseconds` and no `state` block. The
-`parameters` (string values, all required, no other accepted: `model_errors.read_parameters`):
+The config: `input` / `output` list the non-state tensors, `max_batch_size` > 0, `sequence_batching` has
+an idle timeout and no `state` block. The `parameters` (strings, all required, no other accepted):
 
-| key | meaning |
-|---|---|
-| `onnx_file` | ONNX file, relative to the version folder |
-| `intra_op_threads` | ONNX Runtime intra-op threads (0: its default) |
-| `intra_op_spinning` | `on` or `off`: whether those threads spin while waiting for work (ONNX Runtime's default is on; off leaves the cores to other processes, such as other replicas on the host) |
-| `state_spec` | JSON list of `{"input", "output", "dtype", "shape"}`, shape per stream (no batch) |
-| `value_ranges` | JSON object: input name -> `[low, high]`, its values must lie in [low, high) (`{}`: none) |
-| `max_dims` | JSON object: input name -> its largest dims per request (bounds the config's -1 dims; `{}`: none) |
-| `max_live_streams` | streams this instance holds state for at most, or `auto` (see `auto_stream_cap`); a START beyond it is refused with UNAVAILABLE, live streams unharmed |
-| `max_rows_per_run` | the most rows one session run takes; larger batches run in pieces (bounds the run's scratch memory) |
-
-In `state_spec` dtype is one of float32, float16, int32, int64 (an optional `description` per entry is
-ignored). `value_ranges` and `max_dims` are checked per request (by the core), so a bad row fails alone.
+- `onnx_file`: the ONNX file, relative to the version folder;
+- `intra_op_threads`: ONNX Runtime intra-op threads (0: its default);
+- `state_spec`: JSON list of `{"input", "output", "dtype", "shape"}` (dtype float32, float16, int32 or
+  int64; shape per stream; an optional `description` is ignored);
+- `value_ranges`: JSON object, input name -> `[low, high]`: its values must lie in [low, high);
+- `max_dims`: JSON object, input name -> its largest dims per request (bounds the config's -1 dims);
+- `max_live_streams`: the streams this instance holds state for; a START beyond is refused (UNAVAILABLE).
+`value_ranges` and `max_dims` are checked per request by the core, so that a bad row fails alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from model_errors import ConfigError, read_parameters
 
-STATE_DTYPES = {name: np.dtype(name) for name in ("float32", "float16", "int32", "int64")}
+STATE_DTYPES = ("float32", "float16", "int32", "int64")
 STATE_SPEC_KEYS = {"input", "output", "dtype", "shape"}
 # ONNX Runtime's type strings -> numpy dtypes ("float", "double": float32, float64; the rest by name).
 ORT_TYPES = {f"tensor({name})": np.dtype({"float": "float32", "double": "float64"}.get(name, name))
@@ -43,9 +33,7 @@ ORT_TYPES = {f"tensor({name})": np.dtype({"float": "float32", "double": "float64
 
 
 @dataclass(frozen=True)
-class StateTensor:
-    """One state: fed as `input`, returned updated as `output`; `shape` is per stream (no batch)."""
-
+class StateTensor:  # fed as `input`, returned updated as `output`; `shape` is per stream (no batch)
     input: str
     output: str
     dtype: np.dtype
@@ -53,9 +41,7 @@ class StateTensor:
 
 
 @dataclass(frozen=True)
-class IOTensor:
-    """A non-state input or output; `dims` is per request row, -1 for any size."""
-
+class IOTensor:  # a non-state input or output; `dims` is per request row, -1 for any size
     name: str
     dtype: np.dtype
     dims: tuple[int, ...]
@@ -66,22 +52,12 @@ class DecoderConfig:
     inputs: tuple[IOTensor, ...]
     outputs: tuple[IOTensor, ...]
     states: tuple[StateTensor, ...]
-    max_batch_size: int
     idle_timeout_s: float
     onnx_file: str
     intra_op_threads: int
     value_ranges: Mapping[str, tuple[int, int]]  # input name -> (low, high): its values lie in [low, high)
     max_dims: Mapping[str, tuple[int, ...]]  # input name -> the largest dims (no batch) of one request
-    max_live_streams: int | None = None  # per instance (None: `auto`, resolved at load by `auto_stream_cap`)
-    max_rows_per_run: int = 8  # the most rows in one session run
-    instance_count: int = 1  # instance_group counts, summed: the instances share the host's memory
-    # sequence_batching.oldest.max_candidate_sequences: more live sequences never reach the model.
-    max_candidate_sequences: int | None = None
-    intra_op_spinning: bool = True  # ONNX Runtime's intra-op threads spin while waiting for work
-
-    @property
-    def state_bytes_per_stream(self) -> int:
-        return sum(math.prod(s.shape) * s.dtype.itemsize for s in self.states)
+    max_live_streams: int  # per instance
 
     @property
     def output_names(self) -> list[str]:
@@ -101,150 +77,79 @@ def _json(text: str):
 
 
 def parse_state_spec(text: str) -> tuple[StateTensor, ...]:
-    """Parse the `state_spec` parameter strictly; raises ValueError saying what is wrong."""
     entries = _json(text)
     if not isinstance(entries, list) or not entries:
         raise ValueError("must be a non-empty JSON list")
     states = []
     for index, entry in enumerate(entries):
-        if not isinstance(entry, dict):
-            raise ValueError(f"entry {index} must be an object")
-        if set(entry) - {"description"} != STATE_SPEC_KEYS:
+        if not isinstance(entry, dict) or set(entry) - {"description"} != STATE_SPEC_KEYS:
             raise ValueError(f"entry {index} must have exactly the keys {sorted(STATE_SPEC_KEYS)} "
-                             f"(and optionally 'description'), got {sorted(entry)}")
+                             f"(and optionally 'description'), got {entry!r}")
         if entry["dtype"] not in STATE_DTYPES:
-            raise ValueError(f"entry {index} dtype {entry['dtype']!r} is not one of {sorted(STATE_DTYPES)}")
+            raise ValueError(f"entry {index} dtype {entry['dtype']!r} is not one of {list(STATE_DTYPES)}")
         shape = entry["shape"]
         if not isinstance(shape, list) or not all(_is_int(dim) and dim > 0 for dim in shape):
             raise ValueError(f"entry {index} shape must be a list of positive ints, got {shape!r}")
-        for key in ("input", "output"):
-            if not isinstance(entry[key], str) or not entry[key]:
-                raise ValueError(f"entry {index} {key} must be a non-empty string")
-        states.append(StateTensor(entry["input"], entry["output"], STATE_DTYPES[entry["dtype"]], tuple(shape)))
+        states.append(StateTensor(entry["input"], entry["output"], np.dtype(entry["dtype"]), tuple(shape)))
     names = [s.input for s in states] + [s.output for s in states]
     if len(set(names)) != len(names):
         raise ValueError(f"reuses a tensor name: {names}")
     return tuple(states)
 
 
-def parse_value_ranges(text: str) -> dict[str, tuple[int, int]]:
-    """Parse the `value_ranges` parameter: {"input name": [low, high], ...}, values in [low, high)."""
-    ranges = _json(text)
-    if not isinstance(ranges, dict):
-        raise ValueError(f'must be a JSON object {{"input name": [low, high], ...}}, got {text!r}')
-    for name, bounds in ranges.items():
-        if not (isinstance(bounds, list) and len(bounds) == 2 and all(map(_is_int, bounds))
-                and bounds[0] < bounds[1]):
-            raise ValueError(f"input '{name}': expected [low, high] with integers low < high, got {bounds!r}")
-    return {name: (low, high) for name, (low, high) in ranges.items()}
+def _per_input(valid: Callable[[list], Any], expected: str) -> Callable[[str], dict]:
+    """A parser of a JSON object {"input name": a list that `valid` accepts, ...}; lists become tuples."""
+
+    def parse(text: str) -> dict:
+        table = _json(text)
+        if not isinstance(table, dict):
+            raise ValueError(f'must be a JSON object {{"input name": {expected}, ...}}, got {text!r}')
+        for name, value in table.items():
+            if not (isinstance(value, list) and valid(value)):
+                raise ValueError(f"input '{name}': expected {expected}, got {value!r}")
+        return {name: tuple(value) for name, value in table.items()}
+
+    return parse
 
 
-def parse_max_dims(text: str) -> dict[str, tuple[int, ...]]:
-    """Parse the `max_dims` parameter: {"input name": [dim, ...], ...}, positive ints, no batch dim."""
-    limits = _json(text)
-    if not isinstance(limits, dict):
-        raise ValueError(f'must be a JSON object {{"input name": [dim, ...], ...}}, got {text!r}')
-    for name, dims in limits.items():
-        if not (isinstance(dims, list) and dims and all(_is_int(dim) and dim > 0 for dim in dims)):
-            raise ValueError(f"input '{name}': expected a list of positive integers, got {dims!r}")
-    return {name: tuple(dims) for name, dims in limits.items()}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise ValueError(f"must be a positive integer, got {value}")
-    return value
-
-
-def parse_stream_cap(text: str) -> int | None:
-    """Parse `max_live_streams`: a positive integer, or `auto` (None)."""
-    if text == "auto":
-        return None
-    try:
-        return _positive_int(text)
-    except ValueError:
-        raise ValueError(f"must be a positive integer or 'auto', got {text!r}") from None
-
-
-def parse_on_off(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise ValueError(f"must be 'on' or 'off', got {text!r}")
-    return text == "on"
-
-
-# The config's `parameters`: name -> parser of its string value (all required).
+# The config's `parameters`: name -> parser of its string value; each is the DecoderConfig field of its name.
 PARAMETER_TYPES = {
     "onnx_file": str,
     "intra_op_threads": int,
-    "intra_op_spinning": parse_on_off,
     "state_spec": parse_state_spec,
-    "value_ranges": parse_value_ranges,
-    "max_dims": parse_max_dims,
-    "max_live_streams": parse_stream_cap,
-    "max_rows_per_run": _positive_int,
+    "value_ranges": _per_input(lambda b: len(b) == 2 and all(map(_is_int, b)) and b[0] < b[1],
+                               "[low, high] with integers low < high"),
+    "max_dims": _per_input(lambda dims: dims and all(_is_int(dim) and dim > 0 for dim in dims),
+                           "a list of positive integers"),
+    "max_live_streams": int,
 }
 
 
 def parse_model_config(config: Mapping, triton_string_to_numpy: Callable[[str], type]) -> DecoderConfig:
-    """Read everything the model needs from its config (the JSON Triton hands to initialize).
-    Raises ValueError (ConfigError for a parameter) on anything missing, malformed or unsupported."""
-    sequence_batching = _sequence_batching(config)
-    max_batch_size = int(config.get("max_batch_size", 0))
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be > 0 (requests of different sequences are batched, each with a "
-                         f"leading batch dimension of 1), got {max_batch_size}")
-    values, idle_timeout_s = read_parameters(config, PARAMETER_TYPES)
-    if values["intra_op_threads"] < 0:
-        raise ConfigError("intra_op_threads", f"must be >= 0 (0: ONNX Runtime's default), got {values['intra_op_threads']}")
-    # Every other parameter is the DecoderConfig field of the same name.
-    decoder = DecoderConfig(
-        inputs=_io_tensors(config, "input", triton_string_to_numpy),
-        outputs=_io_tensors(config, "output", triton_string_to_numpy),
-        states=values.pop("state_spec"),
-        max_batch_size=max_batch_size,
-        idle_timeout_s=idle_timeout_s,
-        instance_count=max(1, sum(int(group.get("count", 1)) for group in config.get("instance_group") or [{}])),
-        max_candidate_sequences=_max_candidate_sequences(sequence_batching),
-        **values,
-    )
-    _check_tensor_names(decoder)
-    return decoder
-
-
-def _sequence_batching(config: Mapping) -> Mapping:
+    """Read everything the model needs from its config (the JSON Triton hands to initialize)."""
     sequence_batching = config.get("sequence_batching")
     if sequence_batching is None:
         raise ValueError("this model keeps per-sequence state: the config needs sequence_batching")
     if sequence_batching.get("state"):
         raise ValueError("remove sequence_batching.state: the Python backend ignores it; the state is described "
                          "by the state_spec parameter")
-    return sequence_batching
+    if int(config.get("max_batch_size", 0)) < 1:
+        raise ValueError(f"max_batch_size must be > 0 (requests of different sequences are batched, each with a "
+                         f"leading batch dimension of 1), got {config.get('max_batch_size', 0)}")
+    values, idle_timeout_s = read_parameters(config, PARAMETER_TYPES)
+    for name, low in (("intra_op_threads", 0), ("max_live_streams", 1)):
+        if values[name] < low:
+            raise ConfigError(name, f"must be >= {low}, got {values[name]}")
 
+    def tensors(section: str) -> tuple[IOTensor, ...]:
+        found = tuple(IOTensor(entry["name"], np.dtype(triton_string_to_numpy(entry["data_type"])),
+                               tuple(int(dim) for dim in entry.get("dims", []))) for entry in config.get(section, []))
+        if not found:
+            raise ValueError(f"the config lists no {section}")
+        return found
 
-def _io_tensors(config: Mapping, section: str, triton_string_to_numpy: Callable[[str], type]) -> tuple[IOTensor, ...]:
-    """The config's `input` or `output` list (the non-state tensors); at least one."""
-    tensors = tuple(
-        IOTensor(entry["name"], np.dtype(triton_string_to_numpy(entry["data_type"])),
-                 tuple(int(dim) for dim in entry.get("dims", [])))
-        for entry in config.get(section, [])
-    )
-    if not tensors:
-        raise ValueError(f"the config lists no {section}")
-    return tensors
-
-
-def _check_tensor_names(decoder: DecoderConfig) -> None:
-    """State tensors stay out of the config's inputs/outputs; `value_ranges` and `max_dims` name
-    config inputs, and `max_dims` fits each one's dims."""
-    io_names = [t.name for t in decoder.inputs + decoder.outputs]
-    state_names = [s.input for s in decoder.states] + [s.output for s in decoder.states]
-    clash = set(io_names) & set(state_names)
-    if clash:
-        raise ValueError(f"state tensors must not be listed as config inputs/outputs: {sorted(clash)}")
+    decoder = DecoderConfig(inputs=tensors("input"), outputs=tensors("output"), states=values.pop("state_spec"),
+                            idle_timeout_s=idle_timeout_s, **values)
     inputs = {t.name: t for t in decoder.inputs}
     for parameter, names in (("value_ranges", decoder.value_ranges), ("max_dims", decoder.max_dims)):
         unknown = sorted(set(names) - set(inputs))
@@ -254,62 +159,31 @@ def _check_tensor_names(decoder: DecoderConfig) -> None:
         declared = inputs[name].dims
         if len(dims) != len(declared) or any(want not in (-1, limit) for want, limit in zip(declared, dims)):
             raise ConfigError("max_dims", f"input '{name}': {list(dims)} does not fit its dims {list(declared)}")
+    return decoder
 
 
-def _max_candidate_sequences(sequence_batching: Mapping) -> int | None:
-    value = (sequence_batching.get("oldest") or {}).get("max_candidate_sequences")
-    try:
-        return int(value) if value is not None and int(value) > 0 else None
-    except (TypeError, ValueError):
-        return None
-
-
-def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -> DecoderConfig:
-    """Check the config and state spec against the ONNX graph (`session.get_inputs()` /
-    `get_outputs()`: objects with `.name`, `.type`, `.shape`). Returns the config with input dims
-    that the graph fixes (where the config says -1) made fixed, so requests are checked here rather
-    than failing inside ONNX Runtime. Raises ValueError on any mismatch."""
+def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -> None:
+    """Check the config against the ONNX graph (`session.get_inputs()` / `get_outputs()`: objects with
+    `.name`, `.type`, `.shape`): the same tensors (a state listed as a config input or output too fails
+    here), dtypes and ranks, a dynamic batch and the config's fixed dims (a config -1 may meet a fixed
+    graph dim: `max_dims` bounds it)."""
     graph_inputs = {arg.name: arg for arg in session_inputs}
     graph_outputs = {arg.name: arg for arg in session_outputs}
-    expected_inputs = [t.name for t in config.inputs] + [s.input for s in config.states]
-    missing = [name for name in expected_inputs if name not in graph_inputs]
-    unfed = [name for name in graph_inputs if name not in expected_inputs]
-    if missing or unfed:
-        raise ValueError(f"ONNX inputs {sorted(graph_inputs)} do not match config inputs + state inputs "
-                         f"{expected_inputs} (missing from the graph: {missing}, not fed: {unfed})")
-    missing = [name for name in config.output_names if name not in graph_outputs]
-    if missing:
-        raise ValueError(f"ONNX outputs {sorted(graph_outputs)} lack {missing}")
-
-    def check(arg, dtype: np.dtype, dims: tuple[int, ...], what: str) -> tuple[int, ...]:
-        return _check_graph_tensor(arg, dtype, dims, what, config.max_batch_size)
-
-    inputs = tuple(IOTensor(t.name, t.dtype, check(graph_inputs[t.name], t.dtype, t.dims, "input"))
-                   for t in config.inputs)
-    for t in config.outputs:
-        check(graph_outputs[t.name], t.dtype, t.dims, "output")
+    input_names = [t.name for t in config.inputs] + [s.input for s in config.states]
+    for what, graph, names in (("inputs", graph_inputs, input_names), ("outputs", graph_outputs, config.output_names)):
+        if sorted(graph) != sorted(names):
+            raise ValueError(f"ONNX {what} {sorted(graph)} are not the config's {what} and state {what} {names}")
+    checks = [(graph_inputs[t.name], t.dtype, t.dims, "input") for t in config.inputs]
+    checks += [(graph_outputs[t.name], t.dtype, t.dims, "output") for t in config.outputs]
     for s in config.states:
-        check(graph_inputs[s.input], s.dtype, s.shape, "state input")
-        check(graph_outputs[s.output], s.dtype, s.shape, "state output")
-    return dataclasses.replace(config, inputs=inputs)
-
-
-def _check_graph_tensor(arg, dtype: np.dtype, dims: tuple[int, ...], what: str, max_batch_size: int) -> tuple[int, ...]:
-    """Check one graph tensor against the config's dtype and per-row `dims` (batch first, wide
-    enough for `max_batch_size`); returns `dims` with the -1s the graph fixes made fixed."""
-    if ORT_TYPES.get(arg.type) != dtype:
-        raise ValueError(f"{what} '{arg.name}': ONNX type {arg.type}, expected {dtype}")
-    # ONNX Runtime reports a dynamic dimension as a name or None: both become None.
-    graph_dims = tuple(dim if isinstance(dim, int) and dim >= 0 else None for dim in arg.shape)
-    if len(graph_dims) != len(dims) + 1:
-        raise ValueError(f"{what} '{arg.name}': ONNX shape {list(arg.shape)} is not [batch] + {list(dims)}")
-    batch = graph_dims[0]
-    if batch is not None and batch < max_batch_size:
-        raise ValueError(f"{what} '{arg.name}': ONNX batch dimension is fixed to {batch}, below "
-                         f"max_batch_size {max_batch_size}")
-    merged = []
-    for graph_dim, dim in zip(graph_dims[1:], dims):
-        if graph_dim is not None and dim not in (-1, graph_dim):
-            raise ValueError(f"{what} '{arg.name}': ONNX shape {list(arg.shape)} does not match {list(dims)}")
-        merged.append(graph_dim if dim == -1 and graph_dim is not None else dim)
-    return tuple(merged)
+        checks += [(graph_inputs[s.input], s.dtype, s.shape, "state input"),
+                   (graph_outputs[s.output], s.dtype, s.shape, "state output")]
+    for arg, dtype, dims, what in checks:
+        if ORT_TYPES.get(arg.type) != dtype:
+            raise ValueError(f"{what} '{arg.name}': ONNX type {arg.type}, expected {dtype}")
+        # ONNX Runtime reports a dynamic dimension as a name or None.
+        shape = [dim if _is_int(dim) and dim >= 0 else -1 for dim in arg.shape]
+        if len(shape) != len(dims) + 1 or shape[0] != -1 or any(-1 not in (g, d) and g != d
+                                                                for g, d in zip(shape[1:], dims)):
+            raise ValueError(f"{what} '{arg.name}': ONNX shape {list(arg.shape)} is not [batch] + {list(dims)} "
+                             "with a dynamic batch")

