@@ -1,6 +1,6 @@
-"""The asyncio client (`client.aio`) against real tritonservers: many conversations on one client and
-one channel, cancellation, a lost server resumed by replay; compared with moshi's streaming decode
-of the same codes (docs/design.md §2.3 "equal")."""
+"""The asyncio client (`client.aio`): its queueing over a fake server, then against real tritonservers
+many conversations on one client and one channel, cancellation, a lost server resumed by replay;
+compared with moshi's streaming decode of the same codes (docs/design.md §2.3 "equal")."""
 
 from __future__ import annotations
 
@@ -12,29 +12,17 @@ import signal
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from mimi_code2wav.client import protocol
 from mimi_code2wav.client.aio import Code2WavClient
-from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, ClientError, StreamOptions, contract_arrays, infer_inputs
+from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, ClientError, StreamOptions
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
 from mimi_fixtures import assert_equal_audio
 
 # Sequence ids of their own, far from those of the other test modules on the shared server.
 _SEQUENCE_IDS = itertools.count(9_300_001)
-
-
-def ramp(frames: int, first: int = 1, then: int = 5) -> list[tuple[int, int]]:
-    """[start, stop) of the calls of a stream: `first` frames, then `then` frames each."""
-    bounds = [(0, min(first, frames))]
-    while bounds[-1][1] < frames:
-        bounds.append((bounds[-1][1], min(bounds[-1][1] + then, frames)))
-    return bounds
-
-
-def frames_of(pcm: np.ndarray, first: int, stop: int | None = None) -> np.ndarray:
-    return pcm[first * SAMPLES_PER_FRAME : None if stop is None else stop * SAMPLES_PER_FRAME]
 
 
 async def decode_stream(client: Code2WavClient, codes: np.ndarray, calls: list[tuple[int, int]]) -> np.ndarray:
@@ -76,7 +64,7 @@ def test_every_request_carries_its_streams_key_header(monkeypatch):
 
         async def infer(self, model_name, inputs, **kwargs):
             sent.append((self.url, kwargs["sequence_id"], kwargs["headers"]))
-            raise InferenceServerException("refused", status="StatusCode.INVALID_ARGUMENT")
+            raise InferenceServerException("[code2wav.shape] refused", status="StatusCode.INVALID_ARGUMENT")
 
         async def close(self):
             pass
@@ -94,57 +82,40 @@ def test_every_request_carries_its_streams_key_header(monkeypatch):
     assert STREAM_KEY_HEADER == "code2wav-stream"
 
 
-def test_a_stream_holds_at_most_max_pending_calls_behind_its_request_in_flight():
-    async def scenario():
-        client = Code2WavClient("a:1", max_pending_calls=1)
-        answer = asyncio.Event()
-
-        async def infer(stream, step):  # a server that answers when told to
-            await answer.wait()
-            return np.zeros(step.request.new_frames * SAMPLES_PER_FRAME, np.float32)
-
-        client._infer = infer
-        stream = client.stream(sequence_id=5)
-        codes = np.zeros((8, 4), np.int64)
-        in_flight = asyncio.ensure_future(stream.decode(codes[:, :1]))
-        waiting = asyncio.ensure_future(stream.decode(codes[:, 1:2]))
-        await asyncio.sleep(0)
-        with pytest.raises(ClientError, match=r"1 calls already wait .* \(max_pending_calls=1\)"):
-            await stream.decode(codes[:, 2:3])
-        assert stream._plan.handed_frames == 2  # the refused call handed nothing over
-        answer.set()
-        assert [len(pcm) for pcm in await asyncio.gather(in_flight, waiting)] == [SAMPLES_PER_FRAME] * 2
-
-    asyncio.run(scenario())
-
-
-def test_calls_that_wait_behind_a_request_are_sent_together_each_getting_its_own_frames():
+def test_calls_waiting_behind_a_request_go_together_each_getting_its_own_frames_up_to_max_pending_calls():
     """A conversation calling once per frame while its request is out: the calls that piled up go as
-    one request (at most COALESCE_MAX_FRAMES frames), and every call returns exactly its frames' PCM."""
+    one request (at most COALESCE_MAX_FRAMES frames), every call returns exactly its frames' PCM, and a
+    call past max_pending_calls waiting is refused, handing nothing over. (A stream's close ENDs it with a
+    request of no frames: test_many_streams_share_one_client_and_channel_and_equal_moshi.)"""
     from mimi_code2wav.client.aio import COALESCE_MAX_FRAMES
 
     async def scenario():
-        client = Code2WavClient("a:1", max_pending_calls=COALESCE_MAX_FRAMES + 5)
+        frames = 2 + COALESCE_MAX_FRAMES + 3
+        client = Code2WavClient("a:1", max_pending_calls=frames - 1)
         sent, answer = [], asyncio.Event()
 
         async def infer(stream, step):  # a server whose PCM of frame f is all f, answering when told to
             request = step.request
             sent.append((request.first_new_frame, request.new_frames))
             await answer.wait()
-            frames = np.arange(request.first_new_frame, request.first_new_frame + request.new_frames)
-            return np.repeat(frames.astype(np.float32), SAMPLES_PER_FRAME)
+            return np.repeat(np.arange(request.first_new_frame, request.first_new_frame + request.new_frames,
+                                       dtype=np.float32), SAMPLES_PER_FRAME)
 
         client._infer = infer
         stream = client.stream(sequence_id=7)
-        codes = np.zeros((8, 2 + COALESCE_MAX_FRAMES + 3), np.int64)
-        calls = [asyncio.ensure_future(stream.decode(codes[:, f : f + 1])) for f in range(codes.shape[1] - 1)]
-        calls.append(asyncio.ensure_future(stream.decode(codes[:, -1:], end=True)))
+        codes = np.zeros((8, frames + 1), np.int64)
+        calls = [asyncio.ensure_future(stream.decode(codes[:, f : f + 1], end=f == frames - 1)) for f in range(frames)]
         await asyncio.sleep(0)
+        with pytest.raises(ClientError, match=rf"{frames - 1} calls already wait .* \(max_pending_calls={frames - 1}\)"):
+            await stream.decode(codes[:, frames:])
+        assert stream._plan.handed_frames == frames  # the refused call handed nothing over
         answer.set()
         pcm = await asyncio.gather(*calls)
-        assert [p.tolist() for p in pcm] == [[float(f)] * SAMPLES_PER_FRAME for f in range(codes.shape[1])]
+        assert [p.tolist() for p in pcm] == [[float(f)] * SAMPLES_PER_FRAME for f in range(frames)]
+        assert stream.ended and stream.next_frame == frames
+        await stream.close()  # ended: nothing more is sent
+        await client.stream().close()  # a stream that sent nothing sends nothing
         assert sent == [(0, 1), (1, COALESCE_MAX_FRAMES), (1 + COALESCE_MAX_FRAMES, 4)]
-        assert stream.ended and stream.next_frame == codes.shape[1]
 
     asyncio.run(scenario())
 
@@ -182,13 +153,14 @@ def test_check_ready_passes_on_a_ready_server_and_says_what_is_wrong_otherwise(c
 @pytest.mark.server
 def test_many_streams_share_one_client_and_channel_and_equal_moshi(code2wav_server, scenario, moshi_streams):
     """Eight conversations at once (each scenario stream twice), the first frame alone and then
-    5-frame calls, over one client: every stream equal to moshi's decode, all ENDed on the server."""
+    5-frame calls, over one client: every stream equal to moshi's decode, all ENDed on the server by
+    their close (a request of no frames)."""
     names = [*scenario.streams] * 2
 
     async def run():
         async with Code2WavClient(code2wav_server.grpc_url) as client:
-            pcm = await asyncio.gather(*(decode_stream(client, scenario.streams[name], ramp(scenario.streams[name].shape[1]))
-                                         for name in names))
+            codes = [scenario.streams[name] for name in names]
+            pcm = await asyncio.gather(*(decode_stream(client, c, protocol.chunk_bounds(c.shape[1], 5)) for c in codes))
             assert list(client._channels) == [code2wav_server.grpc_url]
         return pcm
 
@@ -247,29 +219,10 @@ def test_a_cancelled_call_leaves_the_stream_consistent(code2wav_server, scenario
     heard = asyncio.run(run())
     for first, pcm in heard.items():
         stop = first + len(pcm) // SAMPLES_PER_FRAME
-        assert_equal_audio(pcm, frames_of(reference, first, stop), what=f"frames [{first}, {stop}) vs moshi")
+        assert_equal_audio(pcm, reference[first * SAMPLES_PER_FRAME : stop * SAMPLES_PER_FRAME],
+                           what=f"frames [{first}, {stop}) vs moshi")
     assert sorted(heard) == [0, 10, 24, 40, 61] and len(heard[61]) == 19 * SAMPLES_PER_FRAME
     assert live_streams(code2wav_server) == 0
-
-
-@pytest.mark.server
-def test_close_ends_the_stream_with_a_request_of_no_frames(code2wav_server, scenario):
-    codes = scenario.streams["B"]
-
-    async def run():
-        async with Code2WavClient(code2wav_server.grpc_url) as client:
-            stream = client.stream(sequence_id=next(_SEQUENCE_IDS))
-            await stream.decode(codes[:, :3])
-            await stream.close()
-            await stream.close()  # once ended, nothing more is sent
-            assert stream.ended
-            await client.stream().close()  # a stream that sent nothing sends nothing
-        return stream.sequence_id
-
-    sequence_id = asyncio.run(run())
-    with grpcclient.InferenceServerClient(code2wav_server.grpc_url) as client:
-        with pytest.raises(InferenceServerException, match="START"):
-            client.infer("code2wav", infer_inputs(grpcclient, contract_arrays(codes[:, 3:4], 3)), sequence_id=sequence_id)
 
 
 @pytest.mark.server
@@ -280,7 +233,7 @@ def test_streams_of_a_lost_server_resume_on_the_next_one(served_repository, code
     its deadline. The conversations send their next requests, and A is killed (SIGKILL) with them in
     flight. Each stream resumes on B with its whole history (fewer frames than R): every frame's PCM
     once, equal to moshi's uninterrupted decode."""
-    from mimi_code2wav.server.triton import running_server
+    from mimi_code2wav.server.supervise import running_server
 
     names = list(scenario.streams)
     with running_server(served_repository, log_path=tmp_path / "server-a.log") as server_a:
@@ -311,7 +264,8 @@ def test_streams_of_a_lost_server_resume_on_the_next_one(served_repository, code
                     with pytest.raises(ClientError, match=r"could not resume .*DEADLINE_EXCEEDED: no answer in time"):
                         await frozen_only.stream().decode(scenario.streams["A"][:, :1])
                 frozen.set()
-                await asyncio.sleep(0.5)
+                while any(stream._plan.handed_frames < 56 for stream in at_frame_40):  # their requests are out
+                    await asyncio.sleep(0.01)
                 os.killpg(server_a.pid, signal.SIGKILL)
                 return await conversations
 

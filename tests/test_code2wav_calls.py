@@ -14,16 +14,12 @@ from helpers import MODEL_REPOSITORY, load_model_module
 code2wav_calls = load_model_module(MODEL_REPOSITORY / "code2wav" / "1" / "code2wav_calls.py")
 
 
-def counting_hand_overs(calls) -> list:
-    """Replace the instance's hand-over with one that counts its runs (the threads schedule it)."""
-    runs, hand_over = [], calls._hand_over
-
-    def counted():
-        runs.append(1)
-        hand_over()
-
-    calls._hand_over = counted
-    return runs
+def wait_until(condition, what, timeout_s=10.0):
+    """Block (the event loop too, where called from it) until `condition()` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
 
 
 def test_each_result_and_exception_reaches_its_own_future():
@@ -47,15 +43,22 @@ def test_each_result_and_exception_reaches_its_own_future():
 
 def test_results_that_arrive_while_the_loop_is_busy_wake_it_once():
     calls = code2wav_calls.BlockingCalls(16)
-    runs = counting_hand_overs(calls)
-    release = threading.Event()
+    runs, hand_over = [], calls._hand_over  # count the hand-overs the threads schedule
+    calls._hand_over = lambda: (runs.append(1), hand_over())
+    release, blocked = threading.Event(), threading.Semaphore(0)
+
+    def blocking(index):
+        blocked.release()
+        release.wait(10)
+        return index
 
     async def main():
         loop = asyncio.get_running_loop()
-        futures = [calls.call(loop, lambda index=index: release.wait(5) and index) for index in range(10)]
-        await asyncio.sleep(0.05)  # every call is blocked in its thread
+        futures = [calls.call(loop, lambda index=index: blocking(index)) for index in range(10)]
+        for _ in range(10):  # every call is blocked in its thread
+            assert blocked.acquire(timeout=10)
         release.set()
-        time.sleep(0.3)  # the loop is busy while all ten results arrive
+        wait_until(lambda: len(calls._results) == 10, "all ten results, the loop busy meanwhile")
         return await asyncio.gather(*futures)
 
     assert asyncio.run(main()) == list(range(10))
@@ -63,59 +66,48 @@ def test_results_that_arrive_while_the_loop_is_busy_wake_it_once():
     calls.close()
 
 
-def test_threads_start_as_calls_need_them_up_to_the_cap():
+def test_threads_start_as_calls_need_them_up_to_the_cap_and_close_stops_them():
+    """close() waits for the threads to end and names those still blocked in a call, whose call still finishes."""
     calls = code2wav_calls.BlockingCalls(3)
-    running, most, lock = [0], [0], threading.Lock()
+    running, most, lock, three_running, release = [0], [0], threading.Lock(), threading.Event(), threading.Event()
 
-    def blocking():
+    def blocking(together):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
-        time.sleep(0.05)
+            if running[0] == 3:
+                three_running.set()
+        if together:  # hold the thread until the cap's three calls run at once
+            three_running.wait(5)
         with lock:
             running[0] -= 1
         return True
 
+    started, blocked_in = threading.Event(), []
+
+    def blocked_call():
+        blocked_in.append(threading.current_thread().name)
+        started.set()
+        return release.wait(10)
+
     async def main():
         loop = asyncio.get_running_loop()
         for _ in range(4):  # one call at a time: one thread is enough
-            assert await calls.call(loop, blocking)
+            assert await calls.call(loop, lambda: blocking(False))
         assert calls.threads == 1
-        return await asyncio.gather(*(calls.call(loop, blocking) for _ in range(10)))
-
-    assert all(asyncio.run(main()))
-    assert calls.threads == 3 and most[0] == 3, (calls.threads, most[0])
-    calls.close()
-
-
-def test_close_stops_every_thread():
-    calls = code2wav_calls.BlockingCalls(4)
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(*(calls.call(loop, lambda: time.sleep(0.02)) for _ in range(4)))
-
-    asyncio.run(main())
-    threads = list(calls._threads)
-    assert len(threads) == 4
-    assert calls.close() == []  # returns once they have ended
-    assert not any(thread.is_alive() for thread in threads)
-
-
-def test_close_names_a_thread_still_blocked_in_its_call():
-    calls = code2wav_calls.BlockingCalls(2)
-    release = threading.Event()
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        await calls.call(loop, lambda: None)
-        blocked = calls.call(loop, release.wait)
-        assert calls.close(timeout_s=0.2) == ["code2wav-bls-0"]
+        assert all(await asyncio.gather(*(calls.call(loop, lambda: blocking(True)) for _ in range(10))))
+        assert calls.threads == 3 and most[0] == 3, (calls.threads, most[0])
+        blocked = calls.call(loop, blocked_call)
+        assert started.wait(10)
+        assert calls.close(timeout_s=0.2) == blocked_in  # the thread blocked in it, by name:
+        assert blocked_in[0] in [f"code2wav-bls-{index}" for index in range(3)]
         release.set()
         assert await blocked is True  # the call still finishes, then its thread ends
 
     asyncio.run(main())
-    assert calls.close() == []
+    threads = list(calls._threads)
+    assert calls.close() == []  # returns once they have ended
+    assert not any(thread.is_alive() for thread in threads)
 
 
 def test_a_finished_call_leaves_nothing_on_its_thread():

@@ -1,12 +1,13 @@
 """code2wav's config: rendered from export/templates/code2wav.pbtxt.tmpl, its default rendering checked
-in as model_repository/code2wav/config.pbtxt (what the compose services and a plain copy serve)."""
+in as model_repository/code2wav/config.pbtxt (what the compose services and a plain copy serve) and
+read by the core as its default settings."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
 from mimi_code2wav.export.onnx_export import ExportOptions
@@ -18,6 +19,10 @@ from mimi_code2wav.export.render import (
     DecoderServing,
     render_code2wav_config,
 )
+
+from helpers import MODEL_REPOSITORY, load_model_module
+
+code2wav_settings = load_model_module(MODEL_REPOSITORY / "code2wav" / "1" / "code2wav_settings.py")
 
 
 def parse(text: str) -> model_config_pb2.ModelConfig:
@@ -53,8 +58,22 @@ def test_the_rendering_follows_the_spec_and_the_serving_options(default_spec):
     assert config.sequence_batching.max_sequence_idle_microseconds == CODE2WAV_IDLE_TIMEOUT_US
 
 
-def test_the_idle_timeout_is_read_from_the_config():
-    """Render takes code2wav's idle timeout from the config that sets it (the decoder's is rendered above it)."""
-    checked_in = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
-    assert checked_in.sequence_batching.max_sequence_idle_microseconds == CODE2WAV_IDLE_TIMEOUT_US
-    assert DecoderServing().idle_timeout_us > CODE2WAV_IDLE_TIMEOUT_US
+def test_the_checked_in_config_gives_the_core_its_default_settings():
+    """What code2wav's initialize reads (the JSON form Triton hands it, uint64 fields as strings) are the
+    core's default settings; the idle timeout is the template's, below the decoder's; the sequence
+    controls and the tensors are those the model reads."""
+    config = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
+    assert set(config.parameters) == set(code2wav_settings.PARAMETER_TYPES)
+    settings = code2wav_settings.settings_from_config(json_format.MessageToDict(config, preserving_proto_field_name=True))
+    assert settings == code2wav_settings.Code2WavSettings()
+    assert settings.stream_idle_timeout_s * 1e6 == CODE2WAV_IDLE_TIMEOUT_US < DecoderServing().idle_timeout_us
+    assert config.max_batch_size > 0 and config.sequence_batching.WhichOneof("strategy_choice") == "oldest"
+    controls = {c.name: c.control[0] for c in config.sequence_batching.control_input}
+    assert set(controls) == {"START", "END", "READY", "CORRID"}
+    assert controls["CORRID"].data_type == model_config_pb2.TYPE_UINT64
+    inputs = {t.name: (t.data_type, list(t.dims), t.optional) for t in config.input}
+    assert inputs["input_ids"][:2] == (model_config_pb2.TYPE_INT64, [-1])
+    assert inputs["frame_offset"][1:] == ([1], True)
+    assert inputs["history_frames"] == (model_config_pb2.TYPE_INT64, [1], True)
+    outputs = {t.name: t.data_type for t in config.output}
+    assert (outputs["model_outputs"], outputs["sr"]) == (model_config_pb2.TYPE_FP32, model_config_pb2.TYPE_INT32)
