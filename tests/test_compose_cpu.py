@@ -2,8 +2,8 @@
 
 The command runs as the README writes it, with only variables set: the weights folder and file (a
 moshi-format checkpoint of seeded random weights), free loopback ports, a project name of its own, and
-the stand-in images of benchmarks/docker_env.py (NGC 24.10's tritonserver 2.51 from PyPI, a Debian Python
-base) where no registry serves the defaults. Where no Docker engine can be had these tests skip, saying
+the stand-in images of benchmarks/docker_env.py (tritonserver 2.51 from PyPI with NGC 25.x's Python 3.12, a
+Debian Python base) where no registry serves the defaults. Where no Docker engine can be had these tests skip, saying
 why; in CI (CI=true) they fail instead.
 """
 
@@ -17,7 +17,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from benchmarks.docker_env import Compose
+from benchmarks.docker_env import Compose, host_cpython
 from mimi_code2wav.client.protocol import MODEL_NAME
 from mimi_code2wav.server.triton import free_ports
 
@@ -66,6 +66,10 @@ def test_the_export_completes_and_the_cpu_server_is_healthy(cpu_deployment):
     assert (export["State"], export["ExitCode"]) == ("exited", 0), export
     server = cpu_deployment.service("triton-cpu")
     assert (server["State"], server["Health"]) == ("running", "healthy"), server
+    # The stand-in runs the Python models on NGC 25.x's Python 3.12 with numpy<2 where this host has one.
+    python = cpu_deployment("exec", "-T", "triton-cpu", "python3", "-c",
+                            "import sys, numpy; print('%d.%d' % sys.version_info[:2], numpy.__version__)").stdout.split()
+    assert python == (["3.12", "1.26.4"] if host_cpython() else ["3.11", "1.26.4"]), python
     logs = cpu_deployment.logs("export")
     assert "/models-cpu: code2wav + mimi_decoder (onnxruntime, KIND_CPU)" in logs, logs[-2000:]
     assert "equals the checked-in" in logs, logs[-2000:]

@@ -40,7 +40,7 @@ from mimi_code2wav.export.render import CODE2WAV_IDLE_TIMEOUT_US
 from mimi_code2wav.server.processes import process_group_alive
 from mimi_code2wav.server.triton import TritonServer, free_ports, port_is_free
 
-from helpers import REPO_ROOT, print_and_record, wait_http_ready
+from helpers import REPO_ROOT, print_and_record, wait_http_ready, wait_printed
 from mimi_fixtures import assert_equal_audio
 
 pytestmark = pytest.mark.server
@@ -278,7 +278,8 @@ def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing
                for n, key in enumerate(keys)}
     try:
         wait_http_ready(http_port, serve, timeout_s=180, output=output)
-        first_pid = int(re.search(r"tritonserver starting \(pid (\d+)\)", output.read_text())[1])
+        wait_printed(serve, output, "tritonserver ready in ")
+        first_pid = int(re.search(r"tritonserver ready in [0-9.]+ s \(pid (\d+)\)", output.read_text())[1])
         lockstep = threading.Barrier(len(keys), timeout=120)
         before = _in_threads({key: (lambda key=key: _decode(clients[key], streams[key], 0, KILL_AT, lockstep=lockstep))
                               for key in keys})

@@ -4,9 +4,11 @@
 # and libb64 that perf_analyzer links). Built by benchmarks/docker_env.py, for the compose tests only.
 ARG BASE
 FROM ${BASE}
-# perf_analyzer links libb64.so.0d and libcudart.so.12; the wheel carries both under other names.
-RUN /opt/python/bin/pip install -q "tritonclient[all]==2.51.0" \
-    && libs=/opt/python/lib/python3.11/site-packages/nvidia_pytriton.libs \
+# perf_analyzer comes with the plain tritonclient wheel (its extras' geventhttpclient has no Python 3.12
+# wheel at 2.51's pin); it links libb64.so.0d and libcudart.so.12, which the pytriton wheel carries under
+# other names.
+RUN /opt/python/bin/pip install -q "tritonclient==2.51.0" \
+    && libs=/opt/tritonserver/libs \
     && mkdir -p /opt/perf-libs \
     && ln -s "$(ls $libs/libb64-*.so.0d | head -n 1)" /opt/perf-libs/libb64.so.0d \
     && ln -s "$(ls $libs/libcudart-*.so.12* | head -n 1)" /opt/perf-libs/libcudart.so.12

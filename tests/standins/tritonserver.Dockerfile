@@ -1,14 +1,17 @@
-# Stand-in for nvcr.io/nvidia/tritonserver:24.10-py3 on a host that no registry serves images to: the
-# same server (the PyPI wheel nvidia-pytriton 0.7.0 carries tritonserver 2.51.0, NGC 24.10's) laid out
-# as the NGC image lays it out. Built by benchmarks/docker_env.py, for the compose tests only.
+# Stand-in for nvcr.io/nvidia/tritonserver on a host that no registry serves images to: the pip
+# tritonserver (the PyPI wheel nvidia-pytriton 0.7.0 carries tritonserver 2.51.0) laid out as the NGC
+# image lays it out, its Python models on Python 3.12 with numpy<2 as on NGC 25.x and later. Built by
+# benchmarks/docker_env.py, for the compose tests only.
 #
 #   /opt/tritonserver/bin/tritonserver         on PATH
-#   /opt/tritonserver/backends/python/         the Python backend and its stub for this Python (3.11)
+#   /opt/tritonserver/backends/python/         the Python backend and its stub for this Python
 #   /opt/tritonserver/backends/onnxruntime/    Triton's ONNX Runtime backend (CPU) + ONNX Runtime 1.19.2
 #   /opt/nvidia/nvidia_entrypoint.sh           runs its arguments
 #   curl, python3 with numpy, libpython        as in the NGC image
 #
-# What differs from NGC's: no CUDA, TensorRT or GPU metrics; Python 3.11 (NGC 24.10 has 3.10).
+# cpython/ in the build context is a CPython 3.12 with its shared library (docker_env copies the host's);
+# where it is empty, Debian's Python 3.11 serves instead. What differs from NGC's: no CUDA, TensorRT or
+# GPU metrics.
 ARG BASE
 FROM ${BASE}
 
@@ -16,23 +19,27 @@ RUN apt-get update -qq \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends curl libpython3.11 >/dev/null \
     && rm -rf /var/lib/apt/lists/*
 
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-RUN python3 -m venv /opt/python \
-    && /opt/python/bin/pip install -q nvidia-pytriton==0.7.0 numpy==1.26.4
+COPY cpython/ /opt/cpython/
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \
+    LD_LIBRARY_PATH=/opt/cpython/lib:/usr/lib/x86_64-linux-gnu:/opt/tritonserver/libs
+RUN set -e; \
+    if [ -x /opt/cpython/bin/python3 ]; then python=/opt/cpython/bin/python3; else python=python3; fi; \
+    "$python" -m venv /opt/python; \
+    /opt/python/bin/pip install -q nvidia-pytriton==0.7.0 numpy==1.26.4
 
 RUN set -e; \
-    wheel=/opt/python/lib/python3.11/site-packages/pytriton/tritonserver; \
+    version=$(/opt/python/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+    wheel=/opt/python/lib/python$version/site-packages/pytriton/tritonserver; \
     mkdir -p /opt/tritonserver/bin /opt/tritonserver/backends/python; \
     ln -s "$wheel/bin/tritonserver" /opt/tritonserver/bin/tritonserver; \
+    ln -s "/opt/python/lib/python$version/site-packages/nvidia_pytriton.libs" /opt/tritonserver/libs; \
     cp "$wheel/backends/python/libtriton_python.so" "$wheel/backends/python/triton_python_backend_utils.py" \
-        "$wheel/python_backend_stubs/3.11/triton_python_backend_stub" /opt/tritonserver/backends/python/
+        "$wheel/python_backend_stubs/$version/triton_python_backend_stub" /opt/tritonserver/backends/python/
 COPY onnxruntime/ /opt/tritonserver/backends/onnxruntime/
 COPY nvidia_entrypoint.sh /opt/nvidia/nvidia_entrypoint.sh
 
-# The stub embeds Python and finds its environment through python3 on PATH; the wheel's server needs
-# libpython and its bundled libraries on the library path.
-ENV PATH=/opt/python/bin:/opt/tritonserver/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu:/opt/python/lib/python3.11/site-packages/nvidia_pytriton.libs
+# The stub embeds Python and finds its environment through python3 on PATH.
+ENV PATH=/opt/python/bin:/opt/tritonserver/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 WORKDIR /opt/tritonserver
 # The server and its libraries load (--help exits 1 after printing the options), and so would the stub.
 RUN tritonserver --help 2>&1 | grep -q -- "--model-repository" \
