@@ -134,7 +134,7 @@ class RestartBackoff:
 def describe_exit(code: int | None) -> str:
     """'exited with code 1', 'was killed by SIGKILL' (a negative Popen return code, or 128 + the signal
     from the entrypoint's shell)."""
-    signum = -code if code is not None and code < 0 else code - 128 if code is not None and code > 128 else None
+    signum = None if code is None or 0 <= code <= 128 else -code if code < 0 else code - 128
     if signum is not None:
         try:
             return f"was killed by {signal.Signals(signum).name}"

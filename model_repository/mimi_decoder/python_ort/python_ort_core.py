@@ -63,8 +63,7 @@ class StreamingDecoderCore:
         self._zeros = tuple(np.zeros((1, *state.shape), state.dtype) for state in config.states)
         # sequence id -> (its state: one `[1, *shape]` row per state tensor, the end of its last step)
         self._streams: dict[int, tuple[tuple[np.ndarray, ...], float]] = {}
-        # Statistics since creation, read by the metrics (model.py's METRIC_FAMILIES).
-        self.runs_total = self.rows_total = self.expired_total = self.refused_total = 0
+        self.runs_total = self.rows_total = self.expired_total = self.refused_total = 0  # read by METRIC_FAMILIES
         self.run_sizes: collections.deque[int] = collections.deque(maxlen=4096)  # emptied by the metrics
 
     @property
@@ -167,12 +166,13 @@ class StreamingDecoderCore:
             self._log_error(f"{self._model_name}: batched step of {count} rows failed:\n{traceback.format_exc()}")
             return
         now, num_outputs = self._clock(), len(self.config.outputs)
+        own = (lambda rows: rows) if count == 1 else np.copy  # a view would keep the whole run's state alive
         for row, (index, request, _) in enumerate(members):
             results[index] = {spec.name: outputs[k][row : row + 1] for k, spec in enumerate(self.config.outputs)}
             if request.end:
                 self._streams.pop(request.sequence_id, None)
             else:
-                self._streams[request.sequence_id] = tuple(out[row : row + 1] for out in outputs[num_outputs:]), now
+                self._streams[request.sequence_id] = tuple(own(out[row : row + 1]) for out in outputs[num_outputs:]), now
         self.runs_total += 1
         self.rows_total += count
         self.run_sizes.append(count)
