@@ -47,10 +47,11 @@ from pathlib import Path
 
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, StreamOptions, random_codes
 from mimi_code2wav.export.render import COMMON_DIR
+from mimi_code2wav.server.processes import group_pids
 
 from .duplex import PER_FRAME, run_async
 from .local_server import LocalServer, add_server_arguments
-from .profile import PointProfile, group_pids, process_role, settle_gc
+from .profile import PointProfile, process_role, settle_gc
 from .provenance import REPO_ROOT, command_line, run_meta, write_run
 
 FRONTS = ("code2wav", "minimal_front")

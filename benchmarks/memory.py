@@ -27,10 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, random_codes
+from mimi_code2wav.server.processes import group_pids
 from mimi_code2wav.server.serve import LOCAL_TARGETS
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
-from .profile import group_pids, process_role
+from .profile import process_role
 from .provenance import REPO_ROOT, command_line, run_meta, write_run
 
 MIB = 2**20

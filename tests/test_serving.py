@@ -866,9 +866,10 @@ def test_two_front_instances_share_the_streams_and_the_bench_profile_counts_ever
     """Two code2wav processes serve 6 concurrent streams (each answered in full: the streams'
     requests stay on their instance), and the bench's point profile charges the CPU time of
     tritonserver and both stubs to the requests Triton counted, with both models' batches."""
-    from benchmarks.profile import PointProfile, group_pids, process_role
+    from benchmarks.profile import PointProfile, process_role
     from benchmarks.sweep import decode_streams
     from mimi_code2wav.client.protocol import random_codes
+    from mimi_code2wav.server.processes import group_pids
 
     server = triton_server_factory(null_repository_two_fronts)
     roles = sorted(process_role(pid) for pid in group_pids(server.pid))
