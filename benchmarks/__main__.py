@@ -1,8 +1,5 @@
-"""`python -m benchmarks COMMAND [options]`, from the repository root with the project installed (`make venv`).
-
-Each command is the module of its name, with `add_arguments(parser)` and `run(args) -> exit code`; only
-the chosen module is imported, so `gpu` runs where only torch, numpy and onnx are installed.
-"""
+"""`python -m benchmarks COMMAND [options]`: each command is the module of its name, with
+`add_arguments(parser)` and `run(args) -> exit code`; only the chosen module is imported."""
 
 from __future__ import annotations
 

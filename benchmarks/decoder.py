@@ -1,21 +1,14 @@
-"""Decoder speed on this machine: moshi PyTorch streaming, the step module (eager PyTorch), ONNX
-Runtime and rustymimi, in one run, against the machine's measured fp32 matmul peak. ONNX Runtime
-runs as the native decoder config has it (no memory patterns), and again with memory patterns on
-(`onnxruntime, mem pattern`) for comparison.
-
-  python -m benchmarks decoder [--weights moshi.safetensors] [--seconds 2] [--out bench_results]
-
-Prints a markdown table and writes `decoder.json` + `decoder.md`. Times are per stream-frame
-(80 ms of audio): `x realtime` = 80 ms / time per frame; `of bound` = the compute bound (FLOPs per
-frame / measured peak at that thread count) / the measured time. Without --weights a seeded random
-moshi-format checkpoint is written and used (speed does not depend on the values).
+"""Decoder speed on this CPU: moshi's streaming decoder, the step module (eager PyTorch), ONNX Runtime
+(as the native config serves it, without memory patterns, and with them) and rustymimi, against the
+measured fp32 matmul peak. Times are per stream-frame (80 ms of audio); `of compute bound` = FLOPs per
+frame / the peak at that thread count / the time. Without --weights, a seeded random moshi-format
+checkpoint (speed does not depend on the values). Writes OUT/decoder.json and decoder.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,7 +16,22 @@ import numpy as np
 
 from mimi_code2wav.client.protocol import FRAME_DURATION_S
 
-from .provenance import command_line, run_meta, timed, write_run
+from .provenance import log, md_row, run_meta, timed, write_run
+
+ORT_DTYPES = {"tensor(int32)": np.int32, "tensor(int64)": np.int64, "tensor(float16)": np.float16,
+              "tensor(float)": np.float32}
+
+
+def ort_step_s(session, batch: int, frames: int, seconds: float, rng) -> float:
+    """Seconds per call of an ONNX Runtime session of the step, `batch` x `frames` codes, its state fed back."""
+    inputs = session.get_inputs()
+    feeds = {arg.name: np.zeros([batch, *arg.shape[1:]], ORT_DTYPES[arg.type]) for arg in inputs[1:]}
+    feeds[inputs[0].name] = rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32)
+
+    def call():
+        feeds.update(zip([arg.name for arg in inputs[1:]], session.run(None, feeds)[1:]))
+
+    return timed(call, seconds)
 
 
 def matmul_peak_gflops(threads: int, seconds: float) -> float:
@@ -31,19 +39,16 @@ def matmul_peak_gflops(threads: int, seconds: float) -> float:
 
     torch.set_num_threads(threads)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    per_call = timed(lambda: torch.mm(a, b), seconds)
-    return 2 * 1024**3 / per_call / 1e9
+    return 2 * 1024**3 / timed(lambda: torch.mm(a, b), seconds) / 1e9
 
 
 def step_flops_per_frame(step) -> float:
     """Multiply-adds x 2 of one frame through the step module (convs, transformer, attention)."""
-    from mimi_code2wav.export.seanet import SEANetBlock, StreamingConv, StreamingConvTranspose
+    from mimi_code2wav.export.step import SEANetBlock, StreamingConv, StreamingConvTranspose
 
-    flops = 0.0
-    steps = step.steps_per_frame
-    hidden, inter = step.hidden_size, step.layers[0].fc1.shape[0]
+    steps, hidden, inter = step.steps_per_frame, step.hidden_size, step.layers[0].fc1.shape[0]
     per_step = 2 * hidden * 3 * hidden + 2 * hidden * hidden + 2 * 2 * hidden * inter
-    flops += step.num_layers * steps * (per_step + 2 * 2 * step.context * hidden)
+    flops = step.num_layers * steps * (per_step + 2 * 2 * step.context * hidden)
 
     def conv(layer, length):
         return 2 * layer.out_channels * (layer.channels // layer.groups) * layer.kernel * length
@@ -64,31 +69,24 @@ def step_flops_per_frame(step) -> float:
     return flops
 
 
-class _Rows:
-    """The measured rows, each against the compute bound at its thread count."""
+class Rows(dict):
+    """The measured rows by (engine, batch, frames per call, threads), each against the compute bound."""
 
     def __init__(self, flops_per_frame: float, peaks_gflops: dict[int, float]):
-        self.flops, self.peaks, self.rows = flops_per_frame, peaks_gflops, []
+        super().__init__()
+        self.flops, self.peaks = flops_per_frame, peaks_gflops
 
     def add(self, engine: str, batch: int, frames: int, threads: int, seconds_per_call: float) -> None:
         ms = seconds_per_call * 1000 / (batch * frames)
         bound_ms = self.flops / (self.peaks[threads] * 1e9) * 1000 if threads in self.peaks else float("nan")
-        self.rows.append({"engine": engine, "batch": batch, "frames_per_call": frames, "threads": threads,
-                          "ms_per_frame": ms, "frames_per_s": 1000 / ms, "x_realtime": FRAME_DURATION_S * 1000 / ms,
-                          "fraction_of_bound": bound_ms / ms})
-        _log(f"  {engine:10s} batch {batch:2d} F {frames} threads {threads}: {ms:7.2f} ms/frame")
-
-    def find(self, engine: str, batch: int, frames: int, threads: int) -> dict | None:
-        return next((r for r in self.rows if (r["engine"], r["batch"], r["frames_per_call"], r["threads"]) ==
-                     (engine, batch, frames, threads)), None)
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+        self[engine, batch, frames, threads] = {
+            "engine": engine, "batch": batch, "frames_per_call": frames, "threads": threads, "ms_per_frame": ms,
+            "frames_per_s": 1000 / ms, "x_realtime": FRAME_DURATION_S * 1000 / ms, "fraction_of_bound": bound_ms / ms}
+        log(f"  {engine:10s} batch {batch:2d} F {frames} threads {threads}: {ms:7.2f} ms/frame")
 
 
 def _random_checkpoint(work: Path) -> Path:
-    """A seeded random moshi-format checkpoint (speed does not depend on the values)."""
+    """A seeded random moshi-format checkpoint."""
     from moshi.models.loaders import get_mimi
     from safetensors.torch import save_file
 
@@ -101,84 +99,74 @@ def _random_checkpoint(work: Path) -> Path:
     return weights
 
 
-def _measure_moshi(rows: _Rows, weights: Path, args, rng) -> None:
+def _measure_moshi(rows: Rows, weights: Path, args, rng) -> None:
     """moshi PyTorch streaming, one frame per call (what Moshi-family servers run)."""
     import torch
     from moshi.models.loaders import get_mimi
 
     moshi = get_mimi(str(weights), device="cpu", num_codebooks=8)
-    for threads in args.threads:
+    for threads, batch in itertools.product(args.threads, args.batches):
         torch.set_num_threads(threads)
-        for batch in args.batches:
-            codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, 1)))
-            with torch.no_grad(), moshi.streaming(batch):
-                rows.add("moshi", batch, 1, threads, timed(lambda: moshi.decode(codes), args.seconds))
+        codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, 1)))
+        with torch.no_grad(), moshi.streaming(batch):
+            rows.add("moshi", batch, 1, threads, timed(lambda: moshi.decode(codes), args.seconds))
 
 
-def _measure_step(rows: _Rows, model, work: Path, args, rng) -> None:
-    """The step module in eager PyTorch and in ONNX Runtime."""
+def _measure_step(rows: Rows, model, work: Path, args, rng) -> None:
+    """The step module in eager PyTorch and in ONNX Runtime, without and with memory patterns."""
     import onnxruntime as ort
     import torch
 
     from mimi_code2wav.export.onnx_export import ExportOptions, build_step, export_onnx
 
     step = build_step(model, ExportOptions(max_frames_per_step=max(args.frames_per_call)))
-    spec = export_onnx(step, work / "model.onnx", log=lambda *_: None)
-    names = [t.name for t in spec.inputs]
+    export_onnx(step, work / "model.onnx", log=lambda *_: None)
     for frames, threads in itertools.product(args.frames_per_call, args.threads):
         torch.set_num_threads(threads)
         sessions = {}
         for engine, pattern in (("onnxruntime", False), ("onnxruntime, mem pattern", True)):
             options = ort.SessionOptions()
-            options.intra_op_num_threads = threads
-            options.inter_op_num_threads = 1
-            options.enable_mem_pattern = pattern
+            options.intra_op_num_threads, options.inter_op_num_threads, options.enable_mem_pattern = threads, 1, pattern
             sessions[engine] = ort.InferenceSession(str(work / "model.onnx"), options, providers=["CPUExecutionProvider"])
         for batch in args.batches:
-            codes = rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32)
+            codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32))
             state = list(step.zero_state(batch))
 
             def eager():
                 nonlocal state
                 with torch.no_grad():
-                    _, *state = step(torch.from_numpy(codes), *state)
+                    _, *state = step(codes, *state)
 
             rows.add("step-eager", batch, frames, threads, timed(eager, args.seconds))
             for engine, session in sessions.items():
-                ort_state = [np.zeros((batch, *s.shape), dtype=s.dtype) for s in spec.states]
-
-                def onnx(session=session):
-                    nonlocal ort_state
-                    _, *ort_state = session.run(None, dict(zip(names, [codes, *ort_state])))
-
-                rows.add(engine, batch, frames, threads, timed(onnx, args.seconds))
+                rows.add(engine, batch, frames, threads, ort_step_s(session, batch, frames, args.seconds, rng))
 
 
-def _measure_rustymimi(rows: _Rows, weights: Path, threads: int, seconds: float, rng) -> None:
+def _measure_rustymimi(rows: Rows, weights: Path, threads: int, seconds: float, rng) -> None:
     """rustymimi (Kyutai's Rust Mimi), batch 1, one frame per call; it picks its own threads."""
     try:
         import rustymimi
     except ImportError as error:
-        _log(f"rustymimi not installed ({error}); skipped")
+        log(f"rustymimi not installed ({error}); skipped")
         return
     tokenizer = rustymimi.Tokenizer(str(weights), num_codebooks=8)
     codes = rng.integers(0, 2048, (1, 8, 1)).astype(np.uint32)
     rows.add("rustymimi", 1, 1, threads, timed(lambda: tokenizer.decode_step(codes), seconds))
 
 
-def _ratios(rows: _Rows, threads: int, batch: int) -> dict[str, float]:
+def _ratios(rows: Rows, threads: int, batch: int) -> dict[str, float]:
     ratios = {}
-    ort1, moshi1, rusty = rows.find("onnxruntime", 1, 1, threads), rows.find("moshi", 1, 1, threads), rows.find("rustymimi", 1, 1, threads)
+    ort1, moshi1, rusty = (rows.get((engine, 1, 1, threads)) for engine in ("onnxruntime", "moshi", "rustymimi"))
     if ort1 and moshi1:
         ratios[f"moshi / onnxruntime, batch 1, {threads} threads"] = moshi1["ms_per_frame"] / ort1["ms_per_frame"]
     if ort1 and rusty:
         ratios["rustymimi / onnxruntime, batch 1"] = rusty["ms_per_frame"] / ort1["ms_per_frame"]
-    for frames in sorted({r["frames_per_call"] for r in rows.rows}):
-        served, pattern = rows.find("onnxruntime", batch, frames, threads), rows.find("onnxruntime, mem pattern", batch, frames, threads)
+    for frames in sorted({r["frames_per_call"] for r in rows.values()}):
+        served, pattern = (rows.get((engine, batch, frames, threads)) for engine in ("onnxruntime", "onnxruntime, mem pattern"))
         if served and pattern:
             ratios[f"onnxruntime with / without memory patterns, batch {batch}, F={frames}"] = \
                 pattern["ms_per_frame"] / served["ms_per_frame"]
-    best = min((r for r in rows.rows if r["engine"] == "onnxruntime" and r["batch"] == batch),
+    best = min((r for r in rows.values() if r["engine"] == "onnxruntime" and r["batch"] == batch),
                key=lambda r: r["ms_per_frame"], default=None)
     if best:
         ratios[f"onnxruntime batch {best['batch']} (F={best['frames_per_call']}, {best['threads']} threads) "
@@ -196,12 +184,10 @@ def decoder_markdown(results: dict) -> str:
         "| engine | batch | frames/call | threads | ms/frame | frames/s | x realtime | of compute bound |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results["rows"]:
-        lines.append(f"| {r['engine']} | {r['batch']} | {r['frames_per_call']} | {r['threads']} | {r['ms_per_frame']:.2f} | "
-                     f"{r['frames_per_s']:.1f} | {r['x_realtime']:.1f} | {r['fraction_of_bound']:.0%} |")
-    lines.append("")
-    lines += [f"- {name}: {value:.2f}x" for name, value in results["ratios"].items()]
-    return "\n".join(lines)
+    lines += [md_row(r["engine"], r["batch"], r["frames_per_call"], r["threads"], f"{r['ms_per_frame']:.2f}",
+                     f"{r['frames_per_s']:.1f}", f"{r['x_realtime']:.1f}", f"{r['fraction_of_bound']:.0%}")
+              for r in results["rows"]]
+    return "\n".join([*lines, "", *(f"- {name}: {value:.2f}x" for name, value in results["ratios"].items())])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -220,21 +206,20 @@ def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.onnx_export import ExportOptions, build_step
     from mimi_code2wav.export.weights import load_weights
 
-    meta = run_meta("decoder", command_line())
+    meta = run_meta("decoder")
     work = Path(tempfile.mkdtemp(prefix="mimi-bench-"))
     weights = args.weights or _random_checkpoint(work)
     loaded = load_weights(weights)
     rng = np.random.default_rng(0)
     peaks = {t: matmul_peak_gflops(t, args.seconds) for t in args.threads}
-    _log("fp32 matmul peak (1024^3 torch.mm): " + ", ".join(f"{t} thread(s) {g:.1f} GFLOP/s" for t, g in peaks.items()))
+    log("fp32 matmul peak (1024^3 torch.mm): " + ", ".join(f"{t} thread(s) {g:.1f} GFLOP/s" for t, g in peaks.items()))
     flops = step_flops_per_frame(build_step(loaded.model, ExportOptions()))
-    _log(f"decoder: {flops / 1e9:.3f} GFLOP per frame")
-    rows = _Rows(flops, peaks)
+    log(f"decoder: {flops / 1e9:.3f} GFLOP per frame")
+    rows = Rows(flops, peaks)
     _measure_moshi(rows, weights, args, rng)
     _measure_step(rows, loaded.model, work, args, rng)
     _measure_rustymimi(rows, weights, max(args.threads), args.seconds, rng)
-    results = {"meta": meta, "matmul_peak_gflops": peaks, "gflop_per_frame": flops / 1e9, "rows": rows.rows,
+    results = {"meta": meta, "matmul_peak_gflops": peaks, "gflop_per_frame": flops / 1e9, "rows": list(rows.values()),
                "ratios": _ratios(rows, max(args.threads), max(args.batches))}
     write_run(args.out, "decoder", results, decoder_markdown(results))
     return 0
-

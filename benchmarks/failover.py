@@ -1,18 +1,11 @@
 """`python -m benchmarks failover`: what live streams feel when a replica dies under them.
 
-The README's CPU scale-out as written, `docker compose -f docker-compose.yml -f docker-compose.cpu.yml
---profile scale up --build triton-proxy`: three replicas behind nginx, on this host's Docker engine
-with the stand-in images (benchmarks/docker_env.py: the engine, Compose v2 and the images, built once
-under build/docker; Triton 2.51 as in NGC 24.10). The faults are signals sent from the host to the
-container's tritonserver, so the command runs as root, as the stand-ins' build does. S paced resumable
-streams through the proxy (`client.run_streams`: one request in flight per stream, each request C frames, sent when its
-last frame exists), and at `--kill-at-s` the tritonserver of the replica holding the most streams gets
-`--signal` (SIGKILL: a crash, which the restart policy brings back; SIGSTOP: a hang, which the
-watchdog kills). Reported, as a table and as JSON in `--out-dir`:
-
-- streams that kept their replica: how many resumed anyway (none should: their server never went),
-  and their request latency (send -> PCM) in the `--window-s` after the fault and over the run;
-- streams that moved: the stall (last answer before the fault -> first answer after the resume).
+The README's CPU scale-out (the compose `scale` profile with docker-compose.cpu.yml: three replicas
+behind nginx) on this host's Docker engine with docker_env's stand-in images, paced resumable streams
+through the proxy, and at `--kill-at-s` `--signal` (KILL: a crash; STOP: a hang) sent from the host,
+so as root, to the tritonserver of the replica holding the most streams. Reported: the latency of the
+streams that kept their replica (none may resume), the stall of those that moved. Writes
+OUT_DIR/failover.json and failover.md.
 """
 
 from __future__ import annotations
@@ -20,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,7 +25,7 @@ from mimi_code2wav.client.sync import run_streams
 from mimi_code2wav.server.triton import free_ports
 
 from .docker_env import REPLICAS, Compose, DockerUnavailable, docker_environment
-from .provenance import command_line, run_meta, write_run
+from .provenance import log, md_row, run_meta, write_run
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.cpu.yml")
@@ -45,21 +37,17 @@ def _percentiles_ms(values_s: list[float]) -> dict[str, float | None]:
 
 
 def _weights_variables(weights: str | None) -> dict[str, str]:
-    """The compose variables for `--weights` (a checkpoint file or a transformers folder); without
-    it, seeded random weights."""
+    """The compose variables for `--weights` (a checkpoint file or a transformers folder), else seeded random weights."""
     if weights is None:
         return {"MIMI_RANDOM_INIT": "1", "MIMI_WEIGHTS_DIR": str(Path("build").resolve())}
     path = Path(weights).resolve()
     if not path.exists():
         raise ClientError(f"--weights {weights}: no such file or folder")
-    if path.is_dir():
-        return {"MIMI_WEIGHTS_DIR": str(path)}
-    return {"MIMI_WEIGHTS_DIR": str(path.parent), "MIMI_WEIGHTS": path.name}
+    return {"MIMI_WEIGHTS_DIR": str(path)} if path.is_dir() else {"MIMI_WEIGHTS_DIR": str(path.parent), "MIMI_WEIGHTS": path.name}
 
 
 def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
-    frames = int(round(args.seconds / FRAME_DURATION_S))
-    codes = [random_codes(frames, seed=args.codes_seed + n) for n in range(args.streams)]
+    codes = [random_codes(int(round(args.seconds / FRAME_DURATION_S)), seed=args.codes_seed + n) for n in range(args.streams)]
     keys = [f"call-{n}" for n in range(args.streams)]
     options = StreamOptions(chunk_frames=args.chunk_frames, first_chunk_frames=args.chunk_frames, paced=True,
                             resume_history_frames=args.history_frames, resume_timeout_s=60.0,
@@ -92,40 +80,33 @@ def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
         raise outcome["error"]
     if streams.is_alive():
         raise ClientError("the streams did not finish within their length plus 180 s")
-    report = outcome["report"]
-
-    kept, moved = [], []
-    for key, result in zip(keys, report.results):
-        (moved if placement.get(key) == victim else kept).append((key, result))
-    window = [latency for _, result in kept
-              for sent, latency in zip(result.chunk_sent_s, result.chunk_latencies_s)
-              if fault_s <= sent + latency and sent <= fault_s + args.window_s]
-    over_run = [latency for _, result in kept for latency in result.chunk_latencies_s]
-    before = [latency for _, result in kept for sent, latency in zip(result.chunk_sent_s, result.chunk_latencies_s)
-              if sent + latency < fault_s]
+    results = outcome["report"].results
+    moved = [result for key, result in zip(keys, results) if placement.get(key) == victim]
+    kept = [result for key, result in zip(keys, results) if placement.get(key) != victim]
+    requests = [(sent, latency) for result in kept for sent, latency in zip(result.chunk_sent_s, result.chunk_latencies_s)]
     return {
-        "meta": run_meta("failover", command_line()),
+        "meta": run_meta("failover"),
         "replicas": len(REPLICAS), "streams": args.streams, "chunk_frames": args.chunk_frames,
         "seconds": args.seconds, "fault": args.signal, "fault_at_s": args.kill_at_s, "window_s": args.window_s,
         "history_frames": args.history_frames, "render_args": args.render_args,
         "moved_streams": len(moved), "kept_streams": len(kept),
-        "kept_streams_resumed": sum(1 for _, result in kept if result.resumes),
-        "kept_after_fault": _percentiles_ms(window),
-        "kept_before_fault": _percentiles_ms(before),
-        "kept_whole_run": _percentiles_ms(over_run),
-        "moved_stall": _percentiles_ms([result.resumes[0].stall_s for _, result in moved if result.resumes]),
-        "moved_resumes": [len(result.resumes) for _, result in moved],
-        "real_time_factor_min": float(min(result.real_time_factor for result in report.results)),
+        "kept_streams_resumed": sum(1 for result in kept if result.resumes),
+        "kept_after_fault": _percentiles_ms([latency for sent, latency in requests
+                                             if fault_s <= sent + latency and sent <= fault_s + args.window_s]),
+        "kept_before_fault": _percentiles_ms([latency for sent, latency in requests if sent + latency < fault_s]),
+        "kept_whole_run": _percentiles_ms([latency for result in kept for latency in result.chunk_latencies_s]),
+        "moved_stall": _percentiles_ms([result.resumes[0].stall_s for result in moved if result.resumes]),
+        "moved_resumes": [len(result.resumes) for result in moved],
+        "real_time_factor_min": float(min(result.real_time_factor for result in results)),
         # Paced streams take their audio's length; a kept stream the fault slowed takes longer.
-        "kept_wall_per_audio_max": float(max(result.wall_s / result.audio_s for _, result in kept)) if kept else None,
+        "kept_wall_per_audio_max": float(max(result.wall_s / result.audio_s for result in kept)) if kept else None,
     }
 
 
 def table(record: dict) -> str:
     """The latency table of a failover run (the caller writes the stamp)."""
     def row(name: str, figures: dict) -> str:
-        cells = [f"{figures[k]:.0f}" if figures[k] is not None else "-" for k in ("p50", "p99", "max")]
-        return f"| {name} | " + " | ".join(cells) + " |"
+        return md_row(name, *(f"{figures[k]:.0f}" if figures[k] is not None else "-" for k in ("p50", "p99", "max")))
 
     return "\n".join([
         f"{record['fault']} of the busiest of {record['replicas']} replicas at {record['fault_at_s']:g} s: "
@@ -150,11 +131,11 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         variables = _weights_variables(args.weights)
+        if args.render_args is not None:
+            variables["RENDER_ARGS"] = args.render_args
         with docker_environment(Path(args.build_dir)) as env:
             http, grpc = free_ports(2)
-            compose = Compose(env, out_dir, COMPOSE_FILES, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc),
-                              **({"RENDER_ARGS": args.render_args} if args.render_args is not None else {}),
-                              **variables)
+            compose = Compose(env, out_dir, COMPOSE_FILES, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc), **variables)
             try:
                 print(f"compose --profile scale up (log: {out_dir / compose.project}.log)", flush=True)
                 compose("--profile", "scale", "up", "--build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S),
@@ -163,11 +144,10 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 compose.down()
     except (DockerUnavailable, ClientError, AssertionError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        log(f"error: {error}")
         return 1
     except PermissionError as error:
-        print(f"error: signalling the container's tritonserver from the host needs root: {error}",
-              file=sys.stderr, flush=True)
+        log(f"error: signalling the container's tritonserver from the host needs root: {error}")
         return 1
     write_run(out_dir, "failover", record, table(record))
     return 0
@@ -186,8 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=40.0, help="audio per stream (default %(default)s)")
     parser.add_argument("--kill-at-s", type=float, default=22.0, help="when the fault comes (default %(default)s)")
     parser.add_argument("--signal", choices=sorted(SIGNALS), default="KILL")
-    parser.add_argument("--window-s", type=float, default=15.0,
-                        help="latency window after the fault (default %(default)s)")
+    parser.add_argument("--window-s", type=float, default=15.0, help="latency window after the fault (default %(default)s)")
     parser.add_argument("--history-frames", type=int, default=250)
     parser.add_argument("--response-timeout-s", type=float, default=5.0,
                         help="a request unanswered this long resumes the stream (default %(default)s)")

@@ -1,31 +1,13 @@
 """`python -m benchmarks front`: what the code2wav front costs per request, and where it goes.
 
-    python -m benchmarks front [--instances 1 2] [--conversations 64] [--seconds 8]
-                               [--unpaced 32] [--rounds 3] [--rate 200] [--out-dir bench_results/front]
-
-The null decoder answers at once, so what is left is the front. For each count of front instances
-(`--instances`), one local server holds code2wav and `minimal_front` (benchmarks/minimal_front: one
-`async_exec` per request and nothing else, the cheapest Python BLS front there is), both in front of
-the null decoder, with as many instances each. On it:
-
-1. Throughput against the minimal front: `--unpaced` conversations of 1-frame requests, each sent
-   when the previous one is answered, for `--seconds`, code2wav and the minimal front in turn (ABAB,
-   `--rounds` rounds); requests/s and the ratio (median of the rounds).
-2. Live load, measured: `--conversations` per-frame conversations ticking every 80 ms (duplex's
-   asyncio driver) through each front: frame latency, Triton's queue and execution times, the CPU
-   per request of every process (tritonserver, each model's stub, the load generator).
-3. Live load, sampled: the same again while py-spy samples each front's stubs (`--rate` Hz,
-   `--nonblocking`: the stub is never paused; py-spy leaves out idle threads, but a thread blocked
-   in C, waiting for a decoder answer or for its next call, is sampled). A sample is charged to
-   numpy, or to a pb_utils call (a thread running a decoder call, or a line of the front whose
-   text calls into the Python backend's C++: tensors, requests, responses, metrics; their IPC with
-   tritonserver included), or to the front's own Python, or to asyncio and the threads (a thread
-   waiting for its next call included). Each share times the measured stub CPU per request is that
-   part's CPU per request; the front's busiest lines are listed with their text.
-
-py-spy needs ptrace rights over the stubs (root, or kernel.yama.ptrace_scope 0); without them the
-sampled part is skipped and the table says why. Client and server share the cores. Writes front.md
-and front.json to the out-dir (`python -m benchmarks record --add` records it).
+The null decoder answers at once, so what is left is the front. Per count of front instances, one local
+server holds code2wav and `minimal_front` (one `async_exec` per request, the cheapest Python BLS front)
+with as many instances each, and measures: requests/s of `--unpaced` conversations of 1-frame requests
+through each front in turn (`--rounds` rounds); `--conversations` live per-frame conversations through
+each (duplex's driver), profiled; and the same again while py-spy (`--rate` Hz) samples each front's
+stubs, charging every sample to numpy, a pb_utils call (the Python backend's C++ and its IPC), the
+front's own Python, or asyncio and the threads. py-spy needs ptrace rights over the stubs (root, or
+kernel.yama.ptrace_scope 0); without them that part is skipped. Writes OUT_DIR/front.md and front.json.
 """
 
 from __future__ import annotations
@@ -33,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import functools
 import os
 import re
 import shutil
@@ -51,29 +32,29 @@ from mimi_code2wav.server.processes import group_pids
 
 from .duplex import PER_FRAME, run_async
 from .local_server import LocalServer, add_server_arguments
-from .profile import PointProfile, process_role, settle_gc
-from .provenance import REPO_ROOT, command_line, run_meta, write_run
+from .profile import process_role
+from .provenance import REPO_ROOT, log, md_row, run_meta, write_run
 
 FRONTS = ("code2wav", "minimal_front")
 MINIMAL_FRONT = Path(__file__).resolve().parent / "minimal_front" / "model.py"
 # Beside it as beside every Python model: the stub's fault handler and its collection at unload.
 MODEL_LIFECYCLE = COMMON_DIR / "model_lifecycle.py"
-# Where a sample's CPU goes, in the order the report lists them.
+# Where a sample's CPU goes, in the order the report lists them; the first three are the front's work.
 PB_UTILS = "pb_utils calls (C++, IPC with tritonserver)"
 PARTS = (PB_UTILS, "front Python", "numpy", "asyncio and threads", "other")
-WORK_PARTS = PARTS[:3]  # the front's own work: its busiest lines are counted from these
 # A line of a front that calls into the Python backend's C++: tensors, requests, responses, metrics.
 # (code2wav's decoder-call threads run nothing but decoder calls: `blocking_call()` is `request.exec`.)
 PB_UTILS_CALL = re.compile(r"pb_utils\.|\.send\(|\.exec\b|async_exec|\.increment\(|as_numpy\(|get_response_sender|blocking_call\(\)")
 # code2wav's decoder-call threads waiting for their next call (the work queue of an executor's threads).
 THREAD_WAIT = re.compile(r"_calls\.get\(\)")
+REQUESTS_PER_S_PER_CONVERSATION = 1 / FRAME_DURATION_S  # per-frame: one request per 80 ms frame
 
 
 # ---- py-spy samples --------------------------------------------------------------------------------
 
 def parse_raw(text: str) -> collections.Counter:
-    """py-spy's raw format (`frame;frame;...;frame COUNT`, outermost first; a frame reads `function
-    (file:line)`) -> Counter of stacks."""
+    """py-spy's raw format (`frame;...;frame COUNT`, outermost first, a frame `function (file:line)`) ->
+    Counter of stacks."""
     stacks: collections.Counter = collections.Counter()
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
@@ -82,17 +63,11 @@ def parse_raw(text: str) -> collections.Counter:
     return stacks
 
 
-def _location(frame: str) -> tuple[str, str, int]:
-    """(function, file, line) of a frame."""
+def _location(frame: str) -> tuple[str, str, tuple[str, int]]:
+    """(function, file, (file name, line)) of a frame: the last is how `sources` keys a line."""
     function, _, location = frame.rpartition(" (")
     file_name, _, line = location.rstrip(")").rpartition(":")
-    return function, file_name, int(line) if line.isdigit() else 0
-
-
-def _source_key(frame: str) -> tuple[str, int]:
-    """(file name, line) of a frame: how `sources` keys a line."""
-    _, file_name, line = _location(frame)
-    return os.path.basename(file_name), line
+    return function, file_name, (os.path.basename(file_name), int(line) if line.isdigit() else 0)
 
 
 def sources(model_folder: Path) -> dict[tuple[str, int], str]:
@@ -102,18 +77,17 @@ def sources(model_folder: Path) -> dict[tuple[str, int], str]:
 
 
 def sample_part(stack: tuple[str, ...], front_sources: dict[tuple[str, int], str]) -> str:
-    """The part of the stub a sample ran in (module docstring): innermost numpy or the thread pool's
-    work item (a BLS `exec`) first, else the innermost line of the front's own files (a pb_utils call
-    by its text, a decoder-call thread waiting for work, else the front's Python), else the innermost
-    asyncio or threading frame."""
+    """The part of the stub a sample ran in: innermost numpy or the thread pool's work item (a BLS
+    `exec`) first, else the innermost line of the front's own files (a pb_utils call by its text, a
+    decoder-call thread waiting for work, else the front's Python), else asyncio or threading."""
     function, file_name, _ = _location(stack[-1])
     if "numpy/" in file_name:
         return "numpy"
     if file_name.endswith("concurrent/futures/thread.py") and function == "run":
         return PB_UTILS  # the pool runs nothing but decoder calls (request.exec, async_exec)
     for frame in reversed(stack):
-        _, file_name, _ = _location(frame)
-        text = front_sources.get(_source_key(frame))
+        _, file_name, key = _location(frame)
+        text = front_sources.get(key)
         if text is not None:
             if THREAD_WAIT.search(text):
                 return "asyncio and threads"
@@ -124,24 +98,33 @@ def sample_part(stack: tuple[str, ...], front_sources: dict[tuple[str, int], str
 
 
 def charge(stacks: collections.Counter, front_sources: dict[tuple[str, int], str]) -> tuple[dict, list]:
-    """Samples per part, and the busiest innermost lines of the front's own files as (frame, the
-    line's text, samples), from the samples of its work (a thread waiting for its next call is not)."""
+    """Samples per part, and the busiest innermost lines of the front's own files as (frame, the line's
+    text, samples), counted from the samples of its work (not a thread waiting for its next call)."""
     parts = dict.fromkeys(PARTS, 0)
     lines: collections.Counter = collections.Counter()
     for stack, count in stacks.items():
         part = sample_part(stack, front_sources)
         parts[part] += count
-        own = next((f for f in reversed(stack) if _source_key(f) in front_sources), None)
-        if own is not None and part in WORK_PARTS:
+        own = next((frame for frame in reversed(stack) if _location(frame)[2] in front_sources), None)
+        if own is not None and part in PARTS[:3]:
             lines[own] += count
-    busiest = [(frame, front_sources[_source_key(frame)].strip(), count) for frame, count in lines.most_common(10)]
-    return parts, busiest
+    return parts, [(frame, front_sources[_location(frame)[2]].strip(), count) for frame, count in lines.most_common(10)]
 
 
 def py_spy() -> str | None:
     """The py-spy of this environment (beside its python), else the one on PATH."""
     beside = Path(sys.executable).with_name("py-spy")
     return str(beside) if beside.is_file() else shutil.which("py-spy")
+
+
+def py_spy_problem() -> str | None:
+    """Why py-spy cannot sample the stubs here, or None."""
+    if py_spy() is None:
+        return "py-spy is not installed (the serve extra pins it: make venv)"
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    if os.geteuid() != 0 and scope.exists() and scope.read_text().strip() != "0":
+        return "py-spy needs ptrace rights over the stubs: run as root, or with kernel.yama.ptrace_scope 0"
+    return None
 
 
 class Sampler:
@@ -175,16 +158,6 @@ class Sampler:
                 raise RuntimeError(f"py-spy wrote no samples: {errors.strip().splitlines()[-1:] or process.returncode}")
             stacks.update(parse_raw(output.read_text()))
         return stacks
-
-
-def py_spy_problem() -> str | None:
-    """Why py-spy cannot sample the stubs here, or None."""
-    if py_spy() is None:
-        return "py-spy is not installed (the serve extra pins it: make venv)"
-    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
-    if os.geteuid() != 0 and scope.exists() and scope.read_text().strip() != "0":
-        return "py-spy needs ptrace rights over the stubs: run as root, or with kernel.yama.ptrace_scope 0"
-    return None
 
 
 # ---- the runs --------------------------------------------------------------------------------------
@@ -229,18 +202,14 @@ def add_minimal_front(repository: Path) -> None:
 def _live(local: LocalServer, front: str, args, sampler_folder: Path | None) -> dict:
     """One live point through `front`: the duplex result and its profile; with `sampler_folder`, the
     samples of the front's stubs instead of the profile."""
-    frames = max(2, round(args.seconds / FRAME_DURATION_S))
-    live = functools.partial(run_async, local.url, args.conversations, frames, PER_FRAME, args.budget_ms, model_name=front)
-    settle_gc()
-    if sampler_folder is None:
-        profile = PointProfile(local.server.pid, local.server.metrics_url, models=(front, "mimi_decoder"))
-        profile.start()
-        result = live()
-        return {"result": result.as_dict(), "profile": profile.finish(result.requests)}
-    sampler = Sampler(local.server.pid, f"stub {front}", args.rate, sampler_folder)
-    result = live()
+    profile = local.profile((front, "mimi_decoder")).start()
+    sampler = Sampler(local.server.pid, f"stub {front}", args.rate, sampler_folder) if sampler_folder else None
+    result = run_async(local.url, args.conversations, max(2, round(args.seconds / FRAME_DURATION_S)), PER_FRAME,
+                       args.budget_ms, model_name=front)
+    if sampler is None:
+        return {"result": result, "profile": profile.finish(result["requests"])}
     parts, busiest = charge(sampler.stop(), sources(local.repository / front / "1"))
-    return {"result": result.as_dict(), "samples": parts, "busiest_lines": busiest, "stubs": len(sampler.pids)}
+    return {"result": result, "samples": parts, "busiest_lines": busiest, "stubs": len(sampler.pids)}
 
 
 def measure_instances(local: LocalServer, instances: int, args, sampling: str | None) -> dict:
@@ -269,8 +238,8 @@ def measure_instances(local: LocalServer, instances: int, args, sampling: str | 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_server_arguments(parser)
-    parser.set_defaults(decoder="null", build_dir=str(REPO_ROOT / "build" / "bench-front"))
+    add_server_arguments(parser, url=False, build_dir="bench-front")
+    parser.set_defaults(decoder="null")
     parser.add_argument("--instances", type=int, nargs="+", default=[1, 2], help="front instance counts (default 1 2)")
     parser.add_argument("--conversations", type=int, default=64, help="live per-frame conversations (default %(default)s)")
     parser.add_argument("--unpaced", type=int, default=32, help="unpaced 1-frame conversations (default %(default)s)")
@@ -282,18 +251,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.url or args.decoder != "null":
-        print("error: the front benchmark runs its own server with the null decoder (no --url, no --decoder)",
-              file=sys.stderr)
+    if args.decoder != "null":
+        log("error: the front benchmark runs its own server with the null decoder (no --decoder)")
         return 2
     sampling = py_spy_problem()
     if sampling:
-        print(f"warning: {sampling}; the CPU breakdown is skipped", file=sys.stderr)
+        log(f"warning: {sampling}; the CPU breakdown is skipped")
     points = []
     for count in args.instances:
         args.front_instances = count
         points.append(measure_instances(LocalServer.prepare(args), count, args, sampling))
-    results = {"meta": run_meta("front", command_line()), "conversations": args.conversations, "unpaced": args.unpaced,
+    results = {"meta": run_meta("front"), "conversations": args.conversations, "unpaced": args.unpaced,
                "seconds": args.seconds, "rounds": args.rounds, "rate": args.rate, "budget_ms": args.budget_ms,
                "sampling": sampling, "points": points}
     write_run(args.out_dir, "front", results, front_markdown(results))
@@ -317,11 +285,9 @@ def breakdown(point: dict, front: str) -> list[tuple[str, float]]:
     for role, label in (("tritonserver", "tritonserver"), (f"stub {front}", "front stub"), ("stub mimi_decoder", "decoder stub")):
         ms = cpu.get(role, 0.0)
         if label == "front stub" and samples and sum(samples.values()):
-            total = sum(samples.values())
-            rows += [(f"CPU: front stub, {part}", ms * count / total) for part, count in samples.items()]
+            rows += [(f"CPU: front stub, {part}", ms * count / sum(samples.values())) for part, count in samples.items()]
         rows.append((f"CPU: {label}", ms))
-    rows.append(("CPU: load generator", profile.get("load_cpu_ms_per_request", 0.0)))
-    return rows
+    return [*rows, ("CPU: load generator", profile.get("load_cpu_ms_per_request", 0.0))]
 
 
 def front_markdown(results: dict) -> str:
@@ -331,9 +297,8 @@ def front_markdown(results: dict) -> str:
              f"measurement, the two fronts in turn for {results['rounds']} rounds.", "",
              "| front instances | code2wav requests/s | minimal front requests/s | code2wav / minimal (median) |",
              "|---:|---:|---:|---:|"]
-    for point in results["points"]:
-        lines.append(f"| {point['instances']} | {statistics.median(point['rps']['code2wav']):.0f} | "
-                     f"{statistics.median(point['rps']['minimal_front']):.0f} | {point['ratio']:.2f} |")
+    lines += [md_row(point["instances"], *(f"{statistics.median(point['rps'][front]):.0f}" for front in FRONTS),
+                     f"{point['ratio']:.2f}") for point in results["points"]]
     lines += ["", f"Live: {results['conversations']} per-frame conversations ticking every 80 ms, "
               f"{results['seconds']:g} s; a miss is a frame more than {results['budget_ms']:g} ms late.", "",
               "| front instances | front | late p50 / p99 ms | misses | server CPU ms / request | cores busy |",
@@ -341,9 +306,9 @@ def front_markdown(results: dict) -> str:
     for point in results["points"]:
         for front, live in point["live"].items():
             result, profile = live["result"], live["profile"]
-            lines.append(f"| {point['instances']} | {front} | {result['late_ms']['p50']:.0f} / {result['late_ms']['p99']:.0f} | "
-                         f"{result['misses']} | {profile.get('server_cpu_ms_per_request_total', float('nan')):.3f} | "
-                         f"{profile.get('server_cpu_cores_busy') or float('nan'):.2f} |")
+            lines.append(md_row(point["instances"], front, f"{result['late_ms']['p50']:.0f} / {result['late_ms']['p99']:.0f}",
+                                result["misses"], f"{profile.get('server_cpu_ms_per_request_total', float('nan')):.3f}",
+                                f"{profile.get('server_cpu_cores_busy') or float('nan'):.2f}"))
     lines += ["", *sizing(results)]
     if results["sampling"]:
         lines += ["", f"CPU by part not measured: {results['sampling']}."]
@@ -352,16 +317,13 @@ def front_markdown(results: dict) -> str:
                   f"{results['rate']} Hz on the stubs:", "", "| | code2wav ms / request | minimal front ms / request |",
                   "|---|---:|---:|"]
         code2wav_rows, minimal_rows = (dict(breakdown(point, front)) for front in FRONTS)
-        for what in dict.fromkeys([*code2wav_rows, *minimal_rows]):
-            lines.append(f"| {what} | {_ms(code2wav_rows.get(what))} | {_ms(minimal_rows.get(what))} |")
+        lines += [md_row(what, *("" if rows.get(what) is None else f"{rows[what]:.3f}" for rows in (code2wav_rows, minimal_rows)))
+                  for what in dict.fromkeys([*code2wav_rows, *minimal_rows])]
         sampled = (point.get("sampled") or {}).get("code2wav")
         if sampled:
             lines += ["", "| code2wav's busiest lines (innermost of its own) | samples |", "|---|---:|"]
-            lines += [f"| `{frame}`: `{text}` | {count} |" for frame, text, count in sampled["busiest_lines"]]
+            lines += [md_row(f"`{frame}`: `{text}`", count) for frame, text, count in sampled["busiest_lines"]]
     return "\n".join(lines)
-
-
-REQUESTS_PER_S_PER_CONVERSATION = 1 / FRAME_DURATION_S  # per-frame: one request per 80 ms frame
 
 
 def sizing(results: dict) -> list[str]:
@@ -376,15 +338,8 @@ def sizing(results: dict) -> list[str]:
         profile = point["live"]["code2wav"]["profile"]
         server_ms = profile.get("server_cpu_ms_per_request_total")
         stub_ms = profile.get("server_cpu_ms_per_request", {}).get("stub code2wav")
-        if not server_ms or not stub_ms:
-            continue
-        per_core = 1000 / server_ms / REQUESTS_PER_S_PER_CONVERSATION
-        stub_per_instance = 1000 / stub_ms / REQUESTS_PER_S_PER_CONVERSATION  # the stubs' CPU per request, any instance
-        lines.append(f"| {point['instances']} | {server_ms:.3f} | {per_core:.0f} | {stub_ms:.3f} | {stub_per_instance:.0f} |")
-    lines += ["", "Cores for N per-frame conversations: N x 12.5 requests/s x the server CPU per request; front "
-              "instances: N over the last column, at least."]
-    return lines
-
-
-def _ms(value: float | None) -> str:
-    return "" if value is None else f"{value:.3f}"
+        if server_ms and stub_ms:  # the stubs' CPU per request, whichever instance served it
+            lines.append(md_row(point["instances"], f"{server_ms:.3f}", f"{1000 / server_ms / REQUESTS_PER_S_PER_CONVERSATION:.0f}",
+                                f"{stub_ms:.3f}", f"{1000 / stub_ms / REQUESTS_PER_S_PER_CONVERSATION:.0f}"))
+    return [*lines, "", "Cores for N per-frame conversations: N x 12.5 requests/s x the server CPU per request; front "
+            "instances: N over the last column, at least."]

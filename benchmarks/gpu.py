@@ -1,14 +1,7 @@
-"""GPU throughput estimate: the step module in PyTorch on CUDA, eager and as a CUDA graph.
-
-  python -m benchmarks gpu [--batches 1 8 64 256] [--frames-per-call 1 2] [--dtype float32|float16]
-                             [--seconds 3] [--out bench_results]
-
-Runs on a machine with a CUDA GPU and PyTorch built with CUDA (no TensorRT or onnxruntime-gpu
-needed): seeded random weights in the real architecture, the same `MimiDecoderStep` that is
-exported to ONNX. A CUDA graph replays one whole step including the state feedback (outputs copied
-into the static state inputs), which is what a TensorRT engine under Triton approaches: kernel
-launch overhead removed. Prints a markdown table (ms per call, ms per stream-frame, frames/s,
-streams at real time = frames/s / 12.5) and writes `gpu.json` + `gpu.md`. Exits 3 without CUDA.
+"""The step module on a CUDA GPU (PyTorch with CUDA; no TensorRT or onnxruntime-gpu), eager and as a CUDA
+graph replaying a whole step with its state feedback, which is what a TensorRT engine under Triton
+approaches: no launch overhead. Seeded random weights in the real architecture. Writes OUT/gpu.json
+and gpu.md; exits 3 without CUDA.
 """
 
 from __future__ import annotations
@@ -20,12 +13,13 @@ from pathlib import Path
 
 from mimi_code2wav.client.protocol import FRAMES_PER_SECOND
 
-from .provenance import command_line, run_meta, write_run
+from .provenance import log, md_row, run_meta, write_run
 
 EXIT_NO_CUDA = 3
 
 
 def _time_cuda(run, seconds: float, warmup: int = 3) -> float:
+    """Mean seconds per call of `run()`, the GPU synchronised every 10 calls."""
     import torch
 
     for _ in range(warmup):
@@ -53,23 +47,22 @@ def measure(step, batch: int, frames: int, seconds: float, device) -> dict[str, 
         with torch.no_grad():
             _, *state = step(codes, *state)
 
-    result = {"eager_s": _time_cuda(eager, seconds)}
+    def step_in_place():  # the graph's step: outputs copied into the static state inputs
+        outputs = step(codes, *static_state)
+        for target, value in zip(static_state, outputs[1:]):
+            target.copy_(value)
 
-    static_state = [s.clone() for s in step.zero_state(batch)]
-    static_state = [s.to(device) for s in static_state]
+    result = {"eager_s": _time_cuda(eager, seconds)}
+    static_state = [s.to(device) for s in step.zero_state(batch)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.no_grad():
         for _ in range(3):  # warm up on a side stream before capture, as CUDA graphs require
-            outputs = step(codes, *static_state)
-            for target, value in zip(static_state, outputs[1:]):
-                target.copy_(value)
+            step_in_place()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
-        outputs = step(codes, *static_state)
-        for target, value in zip(static_state, outputs[1:]):
-            target.copy_(value)
+        step_in_place()
     result["cuda_graph_s"] = _time_cuda(graph.replay, seconds)
     return result
 
@@ -80,9 +73,8 @@ def gpu_markdown(results: dict) -> str:
              "fp32 weights (no TF32).",
              "", "| mode | batch | frames/call | ms/call | ms/frame | frames/s | streams at real time |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results["rows"]:
-        lines.append(f"| {r['mode']} | {r['batch']} | {r['frames_per_call']} | {r['ms_per_call']:.2f} | "
-                     f"{r['ms_per_frame']:.3f} | {r['frames_per_s']:.0f} | {r['streams_at_real_time']:.0f} |")
+    lines += [md_row(r["mode"], r["batch"], r["frames_per_call"], f"{r['ms_per_call']:.2f}", f"{r['ms_per_frame']:.3f}",
+                     f"{r['frames_per_s']:.0f}", f"{r['streams_at_real_time']:.0f}") for r in results["rows"]]
     return "\n".join(lines)
 
 
@@ -106,25 +98,22 @@ def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.weights import random_model
 
     device = torch.device("cuda")
-    loaded = random_model(0)
-    rows = []
-    step = MimiDecoderStep(loaded.model, max_frames_per_step=max(args.frames_per_call),
+    step = MimiDecoderStep(random_model(0).model, max_frames_per_step=max(args.frames_per_call),
                            kv_cache_dtype=args.kv_cache_dtype).eval().to(device)
+    rows = []
     for frames in args.frames_per_call:
         for batch in args.batches:
             timing = measure(step, batch, frames, args.seconds, device)
             for mode in ("eager", "cuda_graph"):
-                per_call = timing[f"{mode}_s"]
-                per_frame_ms = per_call * 1000 / (batch * frames)
-                rows.append({"mode": mode, "batch": batch, "frames_per_call": frames, "ms_per_call": per_call * 1000,
+                per_call_ms = timing[f"{mode}_s"] * 1000
+                per_frame_ms = per_call_ms / (batch * frames)
+                rows.append({"mode": mode, "batch": batch, "frames_per_call": frames, "ms_per_call": per_call_ms,
                              "ms_per_frame": per_frame_ms, "frames_per_s": 1000 / per_frame_ms,
                              "streams_at_real_time": 1000 / per_frame_ms / FRAMES_PER_SECOND})
-                print(f"  {mode:10s} batch {batch:3d} F {frames}: {per_call * 1000:8.2f} ms/call", file=sys.stderr, flush=True)
+                log(f"  {mode:10s} batch {batch:3d} F {frames}: {per_call_ms:8.2f} ms/call")
             torch.cuda.empty_cache()
-
     name = torch.cuda.get_device_name(0)
-    results = {"meta": run_meta("gpu", command_line(), gpu=name),
-               "gpu": name, "torch": torch.__version__, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}
+    results = {"meta": run_meta("gpu", gpu=name), "gpu": name, "torch": torch.__version__,
+               "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}
     write_run(args.out, "gpu", results, gpu_markdown(results))
     return 0
-

@@ -1,22 +1,20 @@
-"""Which server a Triton benchmark measures: a running one (`--url`), else a local one of its own, a
-repository exported and rendered into its build folder and started through the server package's
-`running_server`."""
+"""Which server a Triton benchmark measures: a running one (`--url`), else its own, exported and rendered
+into its build folder and started by the server package's `running_server`."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from mimi_code2wav.client.protocol import ClientError
-from mimi_code2wav.export.serving_flags import add_serving_arguments, serving_from_args
+from mimi_code2wav.export.render import add_serving_arguments, serving_from_args
 from mimi_code2wav.server.serve import LOCAL_TARGETS
 
 from .profile import PointProfile
-from .provenance import REPO_ROOT, shown_path
+from .provenance import REPO_ROOT, log
 
 
 class LocalServer:
@@ -37,14 +35,14 @@ class LocalServer:
             raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
         build_dir = Path(args.build_dir)
         serving = serving_from_args(args, args.decoder)
-        if args.instance_kind is None:
-            serving.instance_kind = "KIND_CPU"  # a local server's decoder runs on the CPU, whatever its target
+        serving.instance_kind = args.instance_kind or "KIND_CPU"  # a local decoder runs on the CPU, whatever its target
         repository = prepare_local_repository(args.weights, args.weights is None, 0, build_dir, target=args.decoder,
                                               serving=serving)
         log_path = build_dir / "tritonserver.log"
+        shown = log_path.resolve().relative_to(REPO_ROOT) if log_path.resolve().is_relative_to(REPO_ROOT) else log_path
         return cls(repository, log_path, f"local tritonserver 2.51 (pytriton wheel), {args.decoder} decoder, "
                    f"{args.front_instances} code2wav instance(s), batcher waits {args.front_queue_delay_us} us "
-                   f"(code2wav) / {args.max_queue_delay_us} us (decoder), log {shown_path(log_path)}")
+                   f"(code2wav) / {args.max_queue_delay_us} us (decoder), log {shown}")
 
     @contextlib.contextmanager
     def running(self) -> Iterator[LocalServer]:
@@ -62,20 +60,22 @@ class LocalServer:
     def url(self) -> str:
         return self.server.grpc_url
 
-    def profile(self) -> PointProfile:
-        return PointProfile(self.server.pid, self.server.metrics_url)
+    def profile(self, models: tuple[str, ...] = PointProfile.MODELS) -> PointProfile:
+        return PointProfile(self.server.pid, self.server.metrics_url, models)
 
 
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+def add_server_arguments(parser: argparse.ArgumentParser, url: bool = True, build_dir: str = "bench") -> None:
     """A running server (`--url`, or $URL as perf.sh reads it), else a local one of its own (`--decoder`,
     `--weights`, `--build-dir` and the serving flags of render)."""
-    parser.add_argument("--url", default=os.environ.get("URL") or None,
-                        help="Triton gRPC address of a running server (default: $URL, else start a local one)")
+    if url:
+        parser.add_argument("--url", default=os.environ.get("URL") or None,
+                            help="Triton gRPC address of a running server (default: $URL, else start a local one)")
     parser.add_argument("--decoder", choices=LOCAL_TARGETS, default="python-ort",
                         help="the local server's decoder: python-ort, onnxruntime (Triton's native backend, from "
                         "$ORT_BACKEND) or null, the front's own ceiling (default %(default)s)")
     parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
-    parser.add_argument("--build-dir", default=str(REPO_ROOT / "build" / "bench"), help="export folder of the local server")
+    parser.add_argument("--build-dir", type=Path, default=REPO_ROOT / "build" / build_dir,
+                        help="export folder of the local server")
     add_serving_arguments(parser)
 
 
@@ -85,6 +85,11 @@ def measured_server(args: argparse.Namespace) -> Iterator[LocalServer | None]:
     if args.url:
         yield None
         return
-    print("starting a local server ...", file=sys.stderr, flush=True)
+    log("starting a local server ...")
     with LocalServer.prepare(args).running() as local:
         yield local
+
+
+def point_profile(local: LocalServer | None) -> PointProfile:
+    """The profile of a point on `local`; of the load generator alone for a running server."""
+    return local.profile() if local is not None else PointProfile(None, None)

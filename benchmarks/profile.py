@@ -1,6 +1,5 @@
-"""Where a benchmark point's time goes on the server: CPU time per process from /proc, Triton's per-model
-statistics from its metrics. `process_role` names the processes of a server's group (tritonserver and
-its Python stubs; `group_pids`, the server package's), for this and the memory benchmark."""
+"""What a benchmark point cost the server: CPU time per process of its group (from /proc), Triton's
+per-model statistics (from its metrics); `process_role` names the processes, for this and `memory`."""
 
 from __future__ import annotations
 
@@ -30,19 +29,13 @@ def process_role(pid: int) -> str:
     return name
 
 
-def _stat_fields(pid: int) -> list[str]:
-    # The fields after the parenthesised command: state ppid pgrp session tty tpgid flags minflt
-    # cminflt majflt cmajflt utime stime ...
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-
-
 def group_cpu_seconds(pgid: int) -> dict[str, float]:
-    """CPU time (user + system, all threads) used so far by each role of process group `pgid`;
-    instances of one model add up."""
+    """CPU time (user + system, all threads) so far of each role of process group `pgid`, instances added up."""
     totals: dict[str, float] = {}
     for pid in group_pids(pgid):
         try:
-            fields = _stat_fields(pid)
+            # After the parenthesised command: state ppid ... (utime and stime are the 12th and 13th).
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
             seconds = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
         except (OSError, ValueError, IndexError):
             continue
@@ -52,26 +45,21 @@ def group_cpu_seconds(pgid: int) -> dict[str, float]:
 
 
 def settle_gc() -> None:
-    """Before a point: collect, then freeze what survives (`gc.freeze`), so that the point's own
-    collections scan only its own objects. The load generator holds torch and the export (loaded to
-    start the local server), whose full collection stops its event loop or threads long enough to
-    show as a stall of every stream at once. A pipeline process that loads models and then calls the
-    client has the same problem and the same remedy (README)."""
+    """Collect, then freeze what survives, so that a point's collections scan only its own objects: a
+    full collection of the load generator's torch and export objects stalls every stream at once."""
     gc.collect()
     gc.freeze()
 
 
 class PointProfile:
-    """What one benchmark point cost the server, as differences over the point: the CPU time of each
-    process of a local server (tritonserver, the code2wav and decoder stubs; from /proc) and of the
-    load generator (this process and perf_analyzer), and Triton's per-model statistics (requests,
-    executions, queue and compute times; from its metrics) of `models`, the front first. Either
-    source may be absent (a remote server): its fields are then missing."""
+    """What one point cost, as differences over it: the CPU time of each process of a local server
+    (process group `pgid`) and of the load generator, and Triton's statistics of `models` (the front
+    first) from `metrics_url`. Either source may be None (a remote server): its fields are then missing."""
 
     MODELS = ("code2wav", "mimi_decoder")
 
     def __init__(self, pgid: int | None, metrics_url: str | None, models: tuple[str, ...] = MODELS):
-        self._pgid, self._metrics_url, self.models = pgid, metrics_url, models  # the front first
+        self._pgid, self._metrics_url, self.models = pgid, metrics_url, models
 
     def _read(self) -> dict:
         times = os.times()
@@ -83,40 +71,34 @@ class PointProfile:
             try:
                 samples = fetch_metrics(self._metrics_url)
             except OSError:
-                samples = None
-            if samples is not None:
-                state["triton"] = {
-                    model: {name: metric_value(samples, f"nv_inference_{name}", model=model) or 0.0
-                            for name in ("request_success", "exec_count", *(f"{t}_duration_us" for t in TRITON_TIMES))}
-                    for model in self.models
-                }
+                return state
+            state["triton"] = {
+                model: {name: metric_value(samples, f"nv_inference_{name}", model=model) or 0.0
+                        for name in ("request_success", "exec_count", *(f"{t}_duration_us" for t in TRITON_TIMES))}
+                for model in self.models}
         return state
 
-    def start(self) -> None:
+    def start(self) -> PointProfile:
+        settle_gc()
         self._before = self._read()
+        return self
 
     def finish(self, requests: int) -> dict:
-        """The profile of the point; `requests` is what the load generator counted (Triton's own
-        count of code2wav requests is used when the metrics are at hand)."""
+        """The point's profile; `requests` is the load generator's count (Triton's, when at hand, wins)."""
         before, after = self._before, self._read()
         wall_s = after["monotonic"] - before["monotonic"]
         profile: dict = {"wall_s": wall_s}
         if "triton" in before and "triton" in after:
             for model in self.models:
-                delta = {name: after["triton"][model][name] - before["triton"][model][name]
-                         for name in after["triton"][model]}
-                executions = delta["exec_count"]
-                profile[model] = {
-                    "requests": delta["request_success"],
-                    "executions": executions,
-                    "mean_batch": delta["request_success"] / executions if executions else None,
-                    # Triton charges every request of a batch the whole execution's compute time,
-                    # so the mean over requests is the mean execution's time.
-                    "execute_ms": (sum(delta[f"compute_{t}_duration_us"] for t in ("input", "infer", "output"))
-                                   / delta["request_success"] / 1e3 if delta["request_success"] else None),
-                    "queue_ms_per_request": (delta["queue_duration_us"] / delta["request_success"] / 1e3
-                                             if delta["request_success"] else None),
-                }
+                delta = {name: value - before["triton"][model][name] for name, value in after["triton"][model].items()}
+                done, executions = delta["request_success"], delta["exec_count"]
+                # Triton charges every request of a batch the whole execution's compute time, so the
+                # mean over requests is the mean execution's time.
+                compute_us = sum(delta[f"compute_{t}_duration_us"] for t in ("input", "infer", "output"))
+                profile[model] = {"requests": done, "executions": executions,
+                                  "mean_batch": done / executions if executions else None,
+                                  "execute_ms": compute_us / done / 1e3 if done else None,
+                                  "queue_ms_per_request": delta["queue_duration_us"] / done / 1e3 if done else None}
             requests = int(profile[self.models[0]]["requests"]) or requests
         profile["requests"] = requests
         if requests:
@@ -128,4 +110,3 @@ class PointProfile:
                 profile["server_cpu_ms_per_request_total"] = sum(per_role.values())
                 profile["server_cpu_cores_busy"] = sum(per_role.values()) * requests / 1e3 / wall_s if wall_s else None
         return profile
-

@@ -1,5 +1,5 @@
-"""What every benchmark shares: the stamp of its JSON (kind, machine, command, commit, date), timing a
-call, writing a run. Standard library and numpy only: `gpu` runs where only torch, numpy and onnx are."""
+"""What every benchmark shares: the stamp of its JSON, timing a call, markdown rows, writing a run.
+Standard library and numpy only: `gpu` runs where only torch, numpy and onnx are."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def cpu_model() -> str:
     """The CPU model from /proc/cpuinfo ('AMD EPYC ...'), else what `platform` knows."""
     with contextlib.suppress(OSError):
@@ -30,50 +34,36 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_description(gpu: str | None = None) -> str:
-    """'2 CPU cores (AMD EPYC ...), no GPU, Linux 6.1...'."""
-    return f"{os.cpu_count()} CPU cores ({cpu_model()}), {gpu or 'no GPU'}, {platform.system()} {platform.release()}"
-
-
 def git_commit() -> str:
     """The short commit of this checkout, marked when tracked files have uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10)
+        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    commit = done.stdout.strip() or "unknown"
-    return commit + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    return (commit or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
-def command_line(argv: list[str] | None = None) -> str:
-    """The command as a user types it: `python -m benchmarks` and the arguments (this process's by default)."""
-    return " ".join(["python -m benchmarks", *([shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])])
-
-
-def shown_path(path: str | Path) -> str:
-    """`path` as a record or a log shows it: relative to the checkout when inside it, else as given
-    (the record refuses machine paths: `record.machine_paths`)."""
-    resolved = Path(path).resolve()
-    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else str(path)
-
-
-def run_meta(kind: str, command: str, gpu: str | None = None) -> dict:
-    """The stamp every benchmark JSON carries under "meta": what ran (`kind`, the record's section;
-    `command`), where (machine, CPU model and cores, GPU), at which commit and when (UTC)."""
+def run_meta(kind: str, gpu: str | None = None, **fields) -> dict:
+    """The stamp every benchmark JSON carries under "meta": its `kind` (the record's section), this
+    process's command, the machine, the commit and the date (UTC); then `fields`."""
     return {
-        "kind": kind, "command": command,
-        "machine": machine_description(gpu), "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "gpu": gpu,
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "kind": kind, "command": " ".join(["python -m benchmarks", *map(shlex.quote, sys.argv[1:])]),
+        "machine": f"{os.cpu_count()} CPU cores ({cpu_model()}), {gpu or 'no GPU'}, {platform.system()} {platform.release()}",
+        "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "gpu": gpu, "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **fields,
     }
 
 
 def stamp(meta: dict) -> str:
     """The line that heads every table of a run: machine, command, commit and date of its "meta"."""
     return f"Machine: {meta['machine']}. Command: `{meta['command']}`. Commit {meta['commit']}, {meta['date']}."
+
+
+def md_row(*cells) -> str:
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
 
 
 def timed(run, seconds: float, warmup: int = 2, min_calls: int = 5) -> float:
@@ -119,12 +109,12 @@ def record_json(run: dict) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-def write_run(out_dir: Path, name: str, results: dict, table: str) -> None:
-    """Print a run's table under its stamp and write it as OUT_DIR/NAME.md, its results as NAME.json."""
-    text = f"{stamp(results['meta'])}\n\n{table}"
+def write_run(out_dir: Path, name: str, results: dict, table: str, title: str = "") -> None:
+    """Print a run's table under its stamp (and `title`) and write it as OUT_DIR/NAME.md, its results as NAME.json."""
+    text = f"{title}{stamp(results['meta'])}\n\n{table}"
     print(text)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.md").write_text(text + "\n")
     (out_dir / f"{name}.json").write_text(record_json(results))
-    print(f"wrote {out_dir / name}.md and .json", file=sys.stderr, flush=True)
+    log(f"wrote {out_dir / name}.md and .json")

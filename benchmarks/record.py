@@ -1,21 +1,14 @@
 """`python -m benchmarks record`: docs/benchmarks.md and the README's headline table, rendered from the
-benchmark JSON kept in docs/benchmarks/ (one file per kind, the latest run of each), followed by
-docs/benchmarks/retired.md as it is: the last rendering of investigations whose commands are gone.
-
-    python -m benchmarks record                                      render docs/benchmarks.md and the README block
-    python -m benchmarks record --add bench_results/bench.json ...   copy runs in (as docs/benchmarks/<kind>.json), render
-    python -m benchmarks record --check                              exit 1 when either is not what the JSON renders
-
-The record is generated, never edited by hand: tests/test_benchmark_record.py renders the committed
-JSON and compares. Every section is one run, stamped with its machine, command, commit and date.
+runs kept in docs/benchmarks/ (one JSON per kind, the latest of each), then docs/benchmarks/retired.md as
+it is. `--add RUN.json` copies runs in first; `--check` writes nothing and exits 1 when either is stale.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +19,8 @@ from .failover import table as failover_markdown
 from .front import front_markdown
 from .gpu import gpu_markdown
 from .memory import memory_markdown
-from .provenance import REPO_ROOT, record_json, stamp
-from .report import sweep_markdown
+from .provenance import REPO_ROOT, log, record_json, stamp
+from .sweep import sweep_markdown
 
 RECORD_DIR = REPO_ROOT / "docs" / "benchmarks"
 RECORD = REPO_ROOT / "docs" / "benchmarks.md"
@@ -46,27 +39,20 @@ class Section:
     command: str  # what produces such a run
 
 
-def _sweep(results: dict) -> str:
-    return sweep_markdown(results, heading="###")
-
-
-# The decoder targets a local server runs, as their kinds and sections name them.
-TARGETS = (("python-ort", "the python-ort decoder", ""),
-           ("onnxruntime", "the native onnxruntime decoder", " --decoder onnxruntime"),
-           ("null", "the null decoder (the front's ceiling)", " --decoder null"))
-
-
 def _per_target(kind: str, title: str, render: Callable[[dict], str], command: str) -> list[Section]:
-    """A benchmark's section for each decoder target, then for a running server (`-url`)."""
-    return [*(Section(f"{kind}-{target}", f"{title}: {what}", render, f"{command}{flag}") for target, what, flag in TARGETS),
-            Section(f"{kind}-url", f"{title}: a running server", render, f"{command} --url HOST:PORT")]
+    """A benchmark's section for each decoder target a local server runs, then for a running server."""
+    targets = (("python-ort", "the python-ort decoder", ""),
+               ("onnxruntime", "the native onnxruntime decoder", " --decoder onnxruntime"),
+               ("null", "the null decoder (the front's ceiling)", " --decoder null"),
+               ("url", "a running server", " --url HOST:PORT"))
+    return [Section(f"{kind}-{target}", f"{title}: {what}", render, f"{command}{flag}") for target, what, flag in targets]
 
 
 SECTIONS = (
     *_per_target("duplex", "The duplex tick", duplex_markdown, "python -m benchmarks duplex"),
     Section("decoder", "The decoder alone on a CPU", decoder_markdown, "python -m benchmarks decoder"),
     Section("gpu", "The decoder alone on a GPU", gpu_markdown, "python -m benchmarks gpu"),
-    *_per_target("triton", "Through Triton", _sweep, "python -m benchmarks sweep"),
+    *_per_target("triton", "Through Triton", functools.partial(sweep_markdown, heading="###"), "python -m benchmarks sweep"),
     Section("memory", "Server memory against live streams: the python-ort decoder", memory_markdown,
             "python -m benchmarks memory"),
     Section("memory-onnxruntime", "Server memory against live streams: the native onnxruntime decoder",
@@ -139,8 +125,7 @@ def render_record(directory: Path = RECORD_DIR) -> str:
 
 def _anchor(title: str) -> str:
     """GitHub's anchor of a heading: lower case, spaces to dashes, punctuation dropped."""
-    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
-    return kept.replace(" ", "-")
+    return "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")
 
 
 def _best_rate(run: dict) -> dict | None:
@@ -153,9 +138,8 @@ def _best_rate(run: dict) -> dict | None:
 
 
 def headline(directory: Path = RECORD_DIR) -> str:
-    """The README's performance table, for the python-ort, the native and the null decoder: the conversations a
-    duplex pipeline can tick within the playout budget per policy (`duplex`), and requests/s through
-    Triton (`sweep`), each run with its machine, command, commit and date."""
+    """The README's performance table per decoder: the conversations a duplex pipeline ticks within the
+    budget per policy (`duplex`) and requests/s through Triton (`sweep`), each run's stamp below."""
     runs = _runs(directory)
     lines = ["| decoder behind Triton | duplex conversations within budget: per-frame / ramp 1+5 / catch-up "
              "| requests/s (streams sending as fast as answered) |", "|---|---:|---:|"]
@@ -173,11 +157,8 @@ def headline(directory: Path = RECORD_DIR) -> str:
         rate = "-" if best is None else (f"{best['requests_per_s']:.0f} ({best['streams']} streams, "
                                          f"{best['chunk_frames']} frame(s) per request)")
         lines.append(f"| {name} | {ticks} | {rate} |")
-        for run in (duplex, sweep):
-            if run is not None:
-                meta = run["meta"]
-                stamps.append(f"- {meta['kind']}: {meta['machine']}; `{meta['command']}`; commit {meta['commit']}, "
-                              f"{meta['date']}")
+        stamps += [f"- {meta['kind']}: {meta['machine']}; `{meta['command']}`; commit {meta['commit']}, {meta['date']}"
+                   for meta in (run["meta"] for run in (duplex, sweep) if run is not None)]
     if not stamps:
         return "No run through Triton is recorded yet: see [docs/benchmarks.md](docs/benchmarks.md)."
     return "\n".join([*lines, "", *stamps])
@@ -195,18 +176,11 @@ def machine_paths(value) -> list[str]:
     """The absolute file paths in a run's strings (its command, the folders it names): a record shows
     none, since they mean nothing on another machine. A path counts when its top folder exists here
     (/tmp, /home, ...) or when it names the checkout."""
-    if isinstance(value, dict):
-        return [found for item in value.values() for found in machine_paths(item)]
-    if isinstance(value, list):
-        return [found for item in value for found in machine_paths(item)]
-    if not isinstance(value, str):
-        return []
-    found = []
-    for word in re.findall(r"(?:^|[\s=`'\"(])(/[^\s`'\")]+)", value):
-        top = Path(*Path(word).parts[:2])
-        if word.startswith(str(REPO_ROOT)) or (len(Path(word).parts) > 2 and top.is_dir()):
-            found.append(word)
-    return found
+    if isinstance(value, (dict, list)):
+        return [found for item in (value.values() if isinstance(value, dict) else value) for found in machine_paths(item)]
+    words = re.findall(r"(?:^|[\s=`'\"(])(/[^\s`'\")]+)", value) if isinstance(value, str) else []
+    return [word for word in words if word.startswith(str(REPO_ROOT))
+            or (len(Path(word).parts) > 2 and Path(*Path(word).parts[:2]).is_dir())]
 
 
 def add_run(path: Path, directory: Path = RECORD_DIR) -> Path:
@@ -237,20 +211,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         for path in args.add:
-            print(f"recorded {path} as {add_run(path).relative_to(REPO_ROOT)}", file=sys.stderr)
+            log(f"recorded {path} as {add_run(path).relative_to(REPO_ROOT)}")
         record, readme = render_record(), with_headline(README.read_text(), headline())
     except RecordError as error:
-        print(f"error: {error}", file=sys.stderr)
+        log(f"error: {error}")
         return 1
     stale = [path for path, text in ((RECORD, record), (README, readme))
              if not path.is_file() or path.read_text() != text]
     if args.check:
         for path in stale:
-            print(f"{path.relative_to(REPO_ROOT)} is not what docs/benchmarks/ renders: run `make record`",
-                  file=sys.stderr)
+            log(f"{path.relative_to(REPO_ROOT)} is not what docs/benchmarks/ renders: run `make record`")
         return 1 if stale else 0
     for path, text in ((RECORD, record), (README, readme)):
         if path in stale:
             path.write_text(text)
-            print(f"wrote {path.relative_to(REPO_ROOT)}", file=sys.stderr)
+            log(f"wrote {path.relative_to(REPO_ROOT)}")
     return 0

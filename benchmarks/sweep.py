@@ -1,26 +1,8 @@
-"""Benchmark code2wav through Triton: streams x request sizes, each stream as fast as it is answered.
+"""Through Triton: streams x request sizes, each stream sending its next request when the last returned.
 
-    python -m benchmarks sweep [--url HOST:PORT] [--decoder python-ort|onnxruntime|null] [--streams 1,8,32]
-                          [--chunk-frames 1,4,16] [--frames 96] [--point-seconds 5] [--out-dir bench_results]
-                          [--no-client] [--no-perf] [the serving flags of `code2wav-export render`]
-
-Without --url (or $URL) it starts a local server from its own build folder (build/bench, seeded random
-weights unless --weights: speed does not depend on the weight values). `--decoder null` (the decoder's
-interface returning silence at once) measures the front's own ceiling: what gRPC, code2wav and the
-sequence-batcher hop carry.
-
-- For every request size F (`--chunk-frames`) and number of streams N, unpaced (each stream sends
-  its next request when the previous one returned): the asyncio client (one channel, one task per
-  stream; a first request of 1 frame, then F frames, with frame_offset) and perf_analyzer
-  (client/perf.sh, `--concurrency-range N`, deltas): requests/s, frames/s, request p50/p99,
-  first-chunk latency, the decoder's mean batch, each point's CPU per request by process.
-- Triton overhead per request: the 1-stream request p50 minus the same ONNX step run directly in
-  ONNX Runtime (batch 1, F frames, in this process) when the export is at hand.
-
-A local server that exits during a point ends the sweep: the point and the server's log tail are
-recorded. Live pacing is `python -m benchmarks duplex`'s. Results go to OUT_DIR: bench.md, bench.json
-(`python -m benchmarks record --add` records it), bench.png and raw/ (perf_analyzer's CSVs and reports).
-The load generators run on the same CPU cores as the server, and the tables say so.
+Per point (N streams of requests of 1, then F frames), the asyncio client and perf_analyzer (client/perf.sh):
+requests/s, frames/s, latency, the decoder's batch, CPU per request by process; and Triton's overhead
+(the 1-stream p50 minus the ONNX step alone). Writes OUT_DIR/bench.md, bench.json, bench.png and raw/.
 """
 
 from __future__ import annotations
@@ -35,55 +17,28 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from mimi_code2wav import client as client_package
 from mimi_code2wav.client.perf_inputs import describe, input_data
-from mimi_code2wav.client.protocol import ClientError, StreamOptions, chunk_bounds, random_codes
+from mimi_code2wav.client.protocol import FRAMES_PER_SECOND, ClientError, StreamOptions, chunk_bounds, random_codes
 from mimi_code2wav.client.report import RunReport, StreamResult
 from mimi_code2wav.server.processes import ServerError, log_tail
 
-from .local_server import LocalServer, add_server_arguments, measured_server
-from .profile import PointProfile, settle_gc
-from .provenance import REPO_ROOT, command_line, parse_counts, record_json, run_meta, timed
-from .report import markdown_report, plot, summarize
+from .decoder import ort_step_s
+from .local_server import LocalServer, add_server_arguments, measured_server, point_profile
+from .profile import SERVER_ROLES, PointProfile
+from .provenance import REPO_ROOT, log, md_row, parse_counts, run_meta, write_run
 
 PERF_SH = Path(client_package.__file__).resolve().parent / "perf.sh"
 
 
-@dataclass(frozen=True)
-class SweepLoad:
-    """What every point sends: streams of `frames` frames of random codes (stream i seeded `seed + i`),
-    each perf_analyzer point lasting about `point_seconds`."""
-
-    frames: int
-    seed: int
-    point_seconds: float
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    """`streams` concurrent streams, `chunk_frames` frames per request after the first."""
-
-    streams: int
-    chunk_frames: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.streams} stream(s), {self.chunk_frames} frame(s) per request"
-
-
-# ---- the asyncio client ----------------------------------------------------------------------------
-
 async def _decode_unpaced(client, codes: np.ndarray, chunk_frames: int) -> StreamResult:
-    """One stream: a first request of 1 frame, then `chunk_frames` each, the next sent when the last
-    returned (the last with END)."""
+    """One stream: 1 frame, then `chunk_frames` per request, each sent when the last returned (END on the last)."""
     bounds = chunk_bounds(codes.shape[1], chunk_frames)
     pcm, latencies_s = [], []
     async with client.stream() as stream:
@@ -107,25 +62,8 @@ def decode_streams(url: str, codes: list[np.ndarray], chunk_frames: int) -> RunR
             return list(await asyncio.gather(*(_decode_unpaced(client, c, chunk_frames) for c in codes)))
 
     results = asyncio.run(main())
-    wall_s = max(r.finished_s for r in results) - min(r.started_s for r in results)
-    return RunReport(results, options, wall_s)
+    return RunReport(results, options, max(r.finished_s for r in results) - min(r.started_s for r in results))
 
-
-def run_client_point(url: str, point: SweepPoint, load: SweepLoad) -> dict:
-    """The point's streams through the asyncio client: latency, real-time factor, throughput."""
-    codes = [random_codes(load.frames, load.seed + i) for i in range(point.streams)]
-    stats = decode_streams(url, codes, point.chunk_frames).summary()
-    return {
-        "first_chunk_ms": stats["first_chunk_latency_ms_mean"], "first_chunk_ms_max": stats["first_chunk_latency_ms_max"],
-        "p50_ms": stats["chunk_latency_ms_p50"], "p90_ms": stats["chunk_latency_ms_p90"],
-        "p99_ms": stats["chunk_latency_ms_p99"], "real_time_factor": stats["real_time_factor"],
-        "real_time_factor_per_stream_min": stats["real_time_factor_per_stream_min"],
-        "frames_per_s": stats["frames_per_s"],
-        "requests_per_s": stats["requests"] / stats["wall_s"], "requests": stats["requests"],
-    }
-
-
-# ---- perf_analyzer ---------------------------------------------------------------------------------
 
 def parse_perf_report(text: str) -> dict:
     """Server and composing-model counts from perf_analyzer's text report."""
@@ -142,72 +80,23 @@ def parse_perf_report(text: str) -> dict:
     return parsed
 
 
-def _run_until_done(command: list[str], env: dict, timeout_s: float, server_alive) -> tuple[int, str, str] | str:
-    """(exit code, stdout, stderr) of perf.sh, or why it was stopped: perf_analyzer waits for a dead
-    server until its timeout, so it is killed as soon as `server_alive()` is false."""
+def _run_until_done(command: list[str], env: dict, timeout_s: float, server_alive, log_path: Path) -> int | str:
+    """perf.sh's exit code, its output written to `log_path`; or why it was stopped: perf_analyzer waits
+    for a dead server until its timeout, so it is killed as soon as `server_alive()` is false."""
     started = time.monotonic()
-    with subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
-        output = []
-        reader = threading.Thread(target=lambda: output.extend(process.communicate()), daemon=True)
-        reader.start()
-        while reader.is_alive() and time.monotonic() - started < timeout_s and server_alive():
-            reader.join(0.5)
-        if reader.is_alive():
-            os.killpg(process.pid, signal.SIGKILL)  # perf.sh execs perf_analyzer in its own group
-            reader.join()
-            return (f"perf_analyzer did not finish in {timeout_s:.0f} s" if server_alive()
-                    else "the server exited during the point")
-    return process.returncode, *output
-
-
-def run_perf_point(url: str, point: SweepPoint, load: SweepLoad, request_rate_estimate: float | None, raw_dir: Path,
-                   server_alive=lambda: True, name_suffix: str = "") -> dict:
-    """One perf_analyzer measurement; returns the row (with 'error' when it failed)."""
-    info = describe(input_data(1, load.frames, point.chunk_frames, load.seed))
-    if request_rate_estimate is None:
-        # No client run sized this point: a short probe does, so that it lasts about point_seconds at
-        # any rate. N streams in a closed loop make N requests per request latency.
-        probe = run_perf_point(url, point, load, 4 * point.streams / load.point_seconds, raw_dir, server_alive,
-                               name_suffix="-probe")
-        if "error" in probe:
-            return probe
-        request_rate_estimate = point.streams / (probe["p50_ms"] / 1e3)
-    flags = ["--concurrency-range", str(point.streams)]
-    count = max(math.ceil(request_rate_estimate * load.point_seconds), 4 * point.streams)
-    name = f"perf-{point.streams}-c{point.chunk_frames}{name_suffix}"
-    csv_path = raw_dir / f"{name}.csv"
-    env = dict(os.environ, URL=url, STREAMS=str(point.streams), FRAMES=str(load.frames),
-               CHUNK_FRAMES=str(point.chunk_frames), SEED=str(load.seed), CSV=str(csv_path),
-               BUILD_DIR=str(raw_dir / "perf-build"), PYTHON=sys.executable)
-    command = [str(PERF_SH), *flags, "--request-count", str(count)]
-    row = {"request_count": count, "command": " ".join(["client/perf.sh", *flags, "--request-count", str(count)])}
-    started = time.monotonic()
-    done = _run_until_done(command, env, max(120.0, 20 * load.point_seconds), server_alive)
-    if isinstance(done, str):
-        return {**row, "error": done}
-    returncode, stdout, stderr = done
-    (raw_dir / f"{name}.txt").write_text(f"$ {' '.join(command)}\n{stdout}\n{stderr}")
-    row["seconds"] = time.monotonic() - started
-    if returncode != 0 or not csv_path.exists():
-        lines = [line for line in (stdout + stderr).splitlines() if line.strip()]
-        error_lines = [line for line in lines if "rror" in line or "ailed" in line]
-        return {**row, "error": f"perf_analyzer exit {returncode}: {(error_lines or lines or ['no output'])[0].strip()}"}
-    record = next(csv.DictReader(csv_path.open()))
-    us = lambda column: float(record[column]) / 1e3  # noqa: E731  (CSV times are microseconds)
-    row.update(
-        requests_per_s=float(record["Inferences/Second"]),
-        frames_per_s=float(record["Inferences/Second"]) * info["mean_frames_per_step"],
-        p50_ms=us("p50 latency"), p90_ms=us("p90 latency"), p99_ms=us("p99 latency"),
-        server_queue_ms=us("Server Queue"),
-        server_compute_ms=us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output"),
-    )
-    return {**row, **parse_perf_report(stdout)}
-
-
-# ---- the ONNX step alone ---------------------------------------------------------------------------
-
-ORT_DTYPES = {"tensor(int32)": np.int32, "tensor(float16)": np.float16, "tensor(float)": np.float32}
+    with log_path.open("w") as output:
+        output.write(f"$ {' '.join(command)}\n")
+        output.flush()
+        with subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=output, stderr=subprocess.STDOUT,
+                              start_new_session=True) as process:
+            while process.poll() is None:
+                if time.monotonic() - started > timeout_s or not server_alive():
+                    os.killpg(process.pid, signal.SIGKILL)  # perf.sh execs perf_analyzer in its own group
+                    process.wait()
+                    return (f"perf_analyzer did not finish in {timeout_s:.0f} s" if server_alive()
+                            else "the server exited during the point")
+                time.sleep(0.5)
+    return process.returncode
 
 
 def decoder_step_ms(onnx_path: Path, frame_counts: list[int], seconds: float = 1.0) -> dict[int, float]:
@@ -215,28 +104,22 @@ def decoder_step_ms(onnx_path: Path, frame_counts: list[int], seconds: float = 1
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    inputs = session.get_inputs()
     rng = np.random.default_rng(0)
-    result = {}
-    for frames in frame_counts:
-        feeds = {arg.name: np.zeros([1, *arg.shape[1:]], ORT_DTYPES[arg.type]) for arg in inputs[1:]}
-        feeds[inputs[0].name] = rng.integers(0, 2048, (1, 8, frames)).astype(np.int32)
-        result[frames] = timed(lambda: session.run(None, feeds), seconds) * 1000  # noqa: B023 (timed here)
-    return result
+    return {frames: ort_step_s(session, 1, frames, seconds, rng) * 1000 for frames in frame_counts}
 
 
-# ---- the sweep -------------------------------------------------------------------------------------
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+def _label(streams: int, chunk_frames: int) -> str:
+    return f"{streams} stream(s), {chunk_frames} frame(s) per request"
 
 
 class Sweep:
-    """The points of one run against one server (`url`, or the `local` server); rows go to `client`
-    and `perf`, failed points are counted in `failures`; `server_exit` says how a local server died."""
+    """The points of one run against one server (`url`, or the `local` server): rows go to `client`
+    and `perf`, failed points are counted in `failures`, `server_exit` says how a local server died.
+    Stream i of every point decodes `frames` random frames of seed `seed + i`."""
 
-    def __init__(self, load: SweepLoad, raw_dir: Path, url: str | None = None, local: LocalServer | None = None):
-        self.load, self.raw_dir, self.local = load, raw_dir, local
+    def __init__(self, raw_dir: Path, frames: int, seed: int, point_seconds: float, url: str | None = None,
+                 local: LocalServer | None = None):
+        self.raw_dir, self.frames, self.seed, self.point_seconds, self.local = raw_dir, frames, seed, point_seconds, local
         self.url = url or local.url
         self.client: list[dict] = []
         self.perf: list[dict] = []
@@ -252,41 +135,72 @@ class Sweep:
 
         Code2WavClient(self.url).check_ready()
         for chunk in chunk_frames:
-            decode_streams(self.url, [random_codes(2 * chunk + 1, self.load.seed)], chunk)
+            decode_streams(self.url, [random_codes(2 * chunk + 1, self.seed)], chunk)
 
-    def measure(self, point: SweepPoint, run: Callable[[], dict]) -> dict:
+    def measure(self, streams: int, chunk_frames: int, run: Callable[[], dict]) -> dict:
         """One point, profiled; a local server that died during it is recorded in `server_exit`."""
-        settle_gc()
-        profile = self.local.profile() if self.local is not None else PointProfile(None, None)
-        profile.start()
+        profile = point_profile(self.local).start()
         try:
             row = run()
         except Exception as exc:  # a dying server also fails the client's requests
             row = {"error": f"{type(exc).__name__}: {exc}"}
         if not self.server_alive():
             server = self.local.server
-            self.server_exit = (f"tritonserver exited during {point.label} (code {server.exit_code()}); the log's "
-                                f"tail:\n{log_tail(server.log_path, 8)}")
+            self.server_exit = (f"tritonserver exited during {_label(streams, chunk_frames)} (code "
+                                f"{server.exit_code()}); the log's tail:\n{log_tail(server.log_path, 8)}")
             row["error"] = "the server exited during the point"
         elif "error" not in row:
             row["profile"] = profile.finish(row.get("requests", 0))
-        row = {"streams": point.streams, "chunk_frames": point.chunk_frames, **row}
+        row = {"streams": streams, "chunk_frames": chunk_frames, **row}
         self.failures += "error" in row
         return row
 
-    def point(self, point: SweepPoint, client: bool, perf: bool) -> None:
-        """The point with the asyncio client, then with perf_analyzer (its length sized by the
-        client's request rate when the client ran)."""
-        request_rate_estimate = None
-        if client:
-            _log(f"client        {point.label} ...")
-            row = self.measure(point, lambda: run_client_point(self.url, point, self.load))
-            request_rate_estimate = row.get("requests_per_s")
-            self.client.append(row)
-        if perf and self.server_exit is None:
-            _log(f"perf_analyzer {point.label} ...")
-            self.perf.append(self.measure(point, lambda: run_perf_point(
-                self.url, point, self.load, request_rate_estimate, self.raw_dir, self.server_alive)))
+    def client_point(self, streams: int, chunk_frames: int) -> dict:
+        """The point's streams through the asyncio client: latency, real-time factor, throughput."""
+        codes = [random_codes(self.frames, self.seed + i) for i in range(streams)]
+        stats = decode_streams(self.url, codes, chunk_frames).summary()
+        return {"first_chunk_ms": stats["first_chunk_latency_ms_mean"], "first_chunk_ms_max": stats["first_chunk_latency_ms_max"],
+                **{f"p{p}_ms": stats[f"chunk_latency_ms_p{p}"] for p in (50, 90, 99)},
+                **{key: stats[key] for key in ("real_time_factor", "real_time_factor_per_stream_min", "frames_per_s")},
+                "requests_per_s": stats["requests"] / stats["wall_s"], "requests": stats["requests"]}
+
+    def perf_point(self, streams: int, chunk_frames: int, requests_per_s: float) -> dict:
+        """One perf_analyzer measurement of about `point_seconds` at the client's request rate."""
+        count = max(math.ceil(requests_per_s * self.point_seconds), 4 * streams)
+        flags = ["--concurrency-range", str(streams), "--request-count", str(count)]
+        name = self.raw_dir / f"perf-{streams}-c{chunk_frames}"
+        csv_path, log_path = name.with_suffix(".csv"), name.with_suffix(".txt")
+        env = dict(os.environ, URL=self.url, STREAMS=str(streams), FRAMES=str(self.frames), CHUNK_FRAMES=str(chunk_frames),
+                   SEED=str(self.seed), CSV=str(csv_path), BUILD_DIR=str(self.raw_dir / "perf-build"), PYTHON=sys.executable)
+        row = {"request_count": count, "command": " ".join(["client/perf.sh", *flags])}
+        started = time.monotonic()
+        done = _run_until_done([str(PERF_SH), *flags], env, max(120.0, 20 * self.point_seconds), self.server_alive, log_path)
+        if isinstance(done, str):
+            return {**row, "error": done}
+        row["seconds"] = time.monotonic() - started
+        output = log_path.read_text()
+        if done != 0 or not csv_path.exists():
+            lines = [line for line in output.splitlines()[1:] if line.strip()]
+            errors = [line for line in lines if "rror" in line or "ailed" in line]
+            return {**row, "error": f"perf_analyzer exit {done}: {(errors or lines or ['no output'])[0].strip()}"}
+        record = next(csv.DictReader(csv_path.open()))
+        us = lambda column: float(record[column]) / 1e3  # noqa: E731  (CSV times are microseconds)
+        frames_per_step = describe(input_data(1, self.frames, chunk_frames, self.seed))["mean_frames_per_step"]
+        row.update(
+            requests_per_s=float(record["Inferences/Second"]), frames_per_s=float(record["Inferences/Second"]) * frames_per_step,
+            p50_ms=us("p50 latency"), p90_ms=us("p90 latency"), p99_ms=us("p99 latency"), server_queue_ms=us("Server Queue"),
+            server_compute_ms=us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output"))
+        return {**row, **parse_perf_report(output)}
+
+    def point(self, streams: int, chunk_frames: int, perf: bool = True) -> None:
+        """The point with the asyncio client, then with perf_analyzer sized by the client's request rate."""
+        log(f"client        {_label(streams, chunk_frames)} ...")
+        row = self.measure(streams, chunk_frames, lambda: self.client_point(streams, chunk_frames))
+        self.client.append(row)
+        if perf and self.server_exit is None and "requests_per_s" in row:
+            log(f"perf_analyzer {_label(streams, chunk_frames)} ...")
+            self.perf.append(self.measure(streams, chunk_frames,
+                                          lambda: self.perf_point(streams, chunk_frames, row["requests_per_s"])))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -299,30 +213,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--point-seconds", type=float, default=5.0, help="approximate seconds per perf_analyzer point")
     parser.add_argument("--onnx", type=Path, help="the served ONNX step, for the overhead column (a local server's is known)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go (default bench_results/)")
-    parser.add_argument("--no-client", action="store_true", help="skip the asyncio-client runs")
     parser.add_argument("--no-perf", action="store_true", help="skip perf_analyzer")
 
 
 def _measure(args: argparse.Namespace, raw_dir: Path, local: LocalServer | None) -> tuple[dict, int]:
     """The sweep's results (without the summary) and its failed points."""
-    sweep = Sweep(SweepLoad(args.frames, args.seed, args.point_seconds), raw_dir, url=args.url, local=local)
+    sweep = Sweep(raw_dir, args.frames, args.seed, args.point_seconds, url=args.url, local=local)
     sweep.warm_up(args.chunk_frames)
-    meta = {**run_meta(f"triton-{args.decoder}" if local else "triton-url", command_line()),
-            "server": local.description if local else f"running server at {args.url}", "url": sweep.url,
-            "decoder": args.decoder if local else None, "front_instances": args.front_instances if local else None,
-            "queue_delay_us": {"code2wav": args.front_queue_delay_us, "mimi_decoder": args.max_queue_delay_us} if local else None,
-            "frames": args.frames, "chunk_frames": args.chunk_frames, "streams": args.streams}
+    meta = run_meta(f"triton-{args.decoder}" if local else "triton-url",
+                    server=local.description if local else f"running server at {args.url}", url=sweep.url,
+                    decoder=args.decoder if local else None, front_instances=args.front_instances if local else None,
+                    queue_delay_us={"code2wav": args.front_queue_delay_us, "mimi_decoder": args.max_queue_delay_us}
+                    if local else None, frames=args.frames, chunk_frames=args.chunk_frames, streams=args.streams)
     results = {"meta": meta, "client": sweep.client, "perf": sweep.perf, "decoder_step_ms": {}}
     onnx_path = args.onnx or (local.onnx_path if local is not None else None)
     if onnx_path is not None:
-        _log("the ONNX step alone, batch 1 ...")
+        log("the ONNX step alone, batch 1 ...")
         results["decoder_step_ms"] = decoder_step_ms(onnx_path, args.chunk_frames)
     elif local is not None and args.decoder == "null":
         results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
     for chunk, streams in itertools.product(args.chunk_frames, args.streams):
-        sweep.point(SweepPoint(streams, chunk), client=not args.no_client, perf=not args.no_perf)
+        sweep.point(streams, chunk, perf=not args.no_perf)
         if sweep.server_exit is not None:
-            _log(sweep.server_exit)
+            log(sweep.server_exit)
             meta["server_exit"] = sweep.server_exit
             break
     return results, sweep.failures
@@ -335,16 +248,175 @@ def run(args: argparse.Namespace) -> int:
         with measured_server(args) as local:
             results, failures = _measure(args, raw_dir, local)
     except (ClientError, ServerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        log(f"error: {exc}")
         return 1
     results["summary"] = summarize(results)
-    (args.out_dir / "bench.json").write_text(record_json(results))
-    report = markdown_report(results)
-    (args.out_dir / "bench.md").write_text(report + "\n")
-    plotted = plot(results, args.out_dir / "bench.png")
-    print(report)
-    print(f"wrote {args.out_dir}/bench.md, bench.json" + (", bench.png" if plotted else " (no plot: matplotlib is not installed)")
-          + " and raw/")
+    write_run(args.out_dir, "bench", results, sweep_markdown(results), title="# code2wav benchmark\n\n")
+    if not plot(results, args.out_dir / "bench.png"):
+        log("no plot: matplotlib is not installed")
     if failures:
-        print(f"{failures} point(s) failed: see the tables and {raw_dir}", file=sys.stderr)
+        log(f"{failures} point(s) failed: see the tables and {raw_dir}")
     return 1 if failures or "server_exit" in results["meta"] else 0
+
+
+# ---- the report: reads only the sweep's JSON, so that the record renders it the same on any machine ----
+
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def summarize(results: dict) -> dict:
+    """The headline numbers: 16- vs 1-frame latency, frames/s of 8 streams, Triton's overhead."""
+    summary = {}
+    solo = {r["chunk_frames"]: r for r in results["client"] if r["streams"] == 1 and "error" not in r}
+    if 1 in solo and 16 in solo:
+        summary["p50_16_frames_over_1_frame"] = solo[16]["p50_ms"] / solo[1]["p50_ms"]
+    for row in results["client"]:
+        if row["streams"] == 8 and row["chunk_frames"] == 4 and "error" not in row:
+            summary["frames_per_s_8_streams_4_frames"] = row["frames_per_s"]
+    step_ms = results.get("decoder_step_ms", {})
+    summary["triton_overhead_ms_p50"] = {chunk: solo[chunk]["p50_ms"] - step_ms[chunk] for chunk in solo if chunk in step_ms}
+    return summary
+
+
+def _summary_lines(results: dict) -> list[str]:
+    meta, summary = results["meta"], results["summary"]
+    lines = [
+        f"- server: {meta['server']}",
+        f"- streams of {meta['frames']} frames ({meta['frames'] / FRAMES_PER_SECOND:.2f} s), each sending its next "
+        "request when the last returned: requests of 1 then F frames (the client sends frame_offset, perf_analyzer "
+        "deltas); live pacing is the duplex benchmark's",
+        f"- **the load generators (this client, perf_analyzer) share the machine's {meta['cpu_cores']} CPU cores with "
+        "the server**: numbers are lower bounds for a dedicated server",
+    ]
+    if "server_exit" in meta:
+        lines.append(f"- **the server exited during the run**; the points after it were not measured:\n\n"
+                     f"```\n{meta['server_exit']}\n```")
+    if "p50_16_frames_over_1_frame" in summary:
+        lines.append(f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**")
+    if "frames_per_s_8_streams_4_frames" in summary:
+        lines.append(f"- 8 streams, 4-frame requests: **{summary['frames_per_s_8_streams_4_frames']:.1f} frames/s**")
+    # JSON keys are strings: the frame counts are read back as numbers to sort them.
+    step_ms = {int(chunk): ms for chunk, ms in results.get("decoder_step_ms", {}).items()}
+    for chunk, overhead in sorted((int(c), ms) for c, ms in summary.get("triton_overhead_ms_p50", {}).items()):
+        lines.append(f"- Triton overhead per {chunk}-frame request (1-stream p50 minus the ONNX step alone, "
+                     f"{step_ms[chunk]:.1f} ms): {overhead:.1f} ms")
+    return lines
+
+
+# Each table of the sweep: title, what it shows, header row, alignment row.
+TABLES = {
+    "client": (
+        "The asyncio client (mimi_code2wav.client.aio)",
+        "One channel, one task per stream; each stream sends its next request when the previous one "
+        "returned. RTF = audio seconds of all streams / wall seconds.",
+        "| frames / request | streams | first chunk ms (mean / max) | request p50 / p90 / p99 ms | RTF total "
+        "| RTF slowest stream | frames/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ),
+    "perf": (
+        "perf_analyzer 2.51 (gRPC streaming, sequences)",
+        "`--concurrency-range N`: N sequences, each sending its next step when the last returned. "
+        "frames/s = requests/s x mean frames per request of the input data. Latency is perf_analyzer's "
+        "client-side request latency; queue and compute are code2wav's server-side averages; the decoder "
+        "columns are `mimi_decoder` (composing model): mean batch size and compute per batched step.",
+        "| frames / request | streams | requests/s | frames/s | real time needs frames/s | p50 / p90 / p99 ms "
+        "| code2wav queue ms | code2wav compute ms | decoder batch | decoder compute ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ),
+    "profile": (
+        "Where the time goes (server side)",
+        "Per point, as differences over it: CPU time per request of each server process (from "
+        "/proc: tritonserver, the code2wav stub(s), the decoder stub(s)) and of the load generator; server "
+        "cores busy = the server's CPU time / wall time; and Triton's own statistics per model: mean batch "
+        "and time per execution (one execution is one batch; a code2wav execution includes waiting for its "
+        "decoder calls).",
+        "| load generator | frames / request | streams | requests/s | server CPU ms / request: tritonserver / "
+        "code2wav / decoder = total | load generator CPU ms / request | server cores busy | code2wav batch / "
+        "execution ms | decoder batch / execution ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ),
+}
+
+
+def _latencies(row: dict) -> str:
+    return f"{_fmt(row['p50_ms'])} / {_fmt(row['p90_ms'])} / {_fmt(row['p99_ms'])}"
+
+
+def _client_row(row: dict) -> str:
+    if "error" in row:
+        return md_row(row["chunk_frames"], row["streams"], row["error"]) + " | | | |"
+    return md_row(row["chunk_frames"], row["streams"], f"{_fmt(row['first_chunk_ms'])} / {_fmt(row['first_chunk_ms_max'])}",
+                  _latencies(row), _fmt(row["real_time_factor"], 2), _fmt(row["real_time_factor_per_stream_min"], 2),
+                  _fmt(row["frames_per_s"]))
+
+
+def _perf_row(row: dict) -> str:
+    needed = _fmt(row["streams"] * FRAMES_PER_SECOND)
+    if "error" in row:
+        return md_row(row["chunk_frames"], row["streams"], row["error"]) + f" | {needed} | | | | | |"
+    return md_row(row["chunk_frames"], row["streams"], _fmt(row["requests_per_s"], 2), _fmt(row["frames_per_s"]), needed,
+                  _latencies(row), _fmt(row["server_queue_ms"]), _fmt(row["server_compute_ms"]),
+                  _fmt(row.get("decoder_mean_batch"), 2), _fmt(row.get("decoder_compute_infer_ms")))
+
+
+def _profile_row(tool: str, row: dict) -> str:
+    profile = row["profile"]
+    cpu = profile.get("server_cpu_ms_per_request", {})
+    cpu_cell = (" / ".join(_fmt(cpu.get(role), 3) for role in SERVER_ROLES)
+                + f" = {_fmt(profile.get('server_cpu_ms_per_request_total'), 3)}") if cpu else "-"
+    models = [profile.get(model, {}) for model in PointProfile.MODELS]
+    return md_row(tool, row["chunk_frames"], row["streams"], _fmt(row.get("requests_per_s")), cpu_cell,
+                  _fmt(profile.get("load_cpu_ms_per_request"), 3), _fmt(profile.get("server_cpu_cores_busy"), 2),
+                  *(f"{_fmt(m.get('mean_batch'), 2)} / {_fmt(m.get('execute_ms'), 2)}" for m in models))
+
+
+def sweep_markdown(results: dict, heading: str = "##") -> str:
+    """The sweep's summary and tables, its tables under `heading` (the caller writes the stamp)."""
+    profiled = [(tool, row) for tool, rows in (("client", results["client"]), ("perf_analyzer", results["perf"]))
+                for row in rows if "profile" in row]
+    tables = {"client": [_client_row(row) for row in results["client"]],
+              "perf": [_perf_row(row) for row in results["perf"]],
+              "profile": [_profile_row(tool, row) for tool, row in profiled]}
+    lines = [*_summary_lines(results), ""]
+    for name, rows in tables.items():
+        if rows:
+            title, note, header, align = TABLES[name]
+            lines += [f"{heading} {title}", "", note, "", header, align, *rows, ""]
+    return "\n".join(lines).rstrip("\n")
+
+
+def plot(results: dict, path: Path) -> bool:
+    """Latency and throughput against streams; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    groups = {}
+    for source, rows, marker in (("client", results["client"], "o"), ("perf_analyzer", results["perf"], "s")):
+        for row in rows:
+            if "error" not in row:
+                groups.setdefault((source, row["chunk_frames"], marker), []).append(row)
+    for index, ((source, chunk, marker), points) in enumerate(groups.items()):
+        for ax, key, label in zip(axes, ("p50_ms", "frames_per_s"), (f"{source} {chunk} fr/req p50", f"{source} {chunk} fr/req")):
+            ax.plot([r["streams"] for r in points], [r[key] for r in points], marker=marker, color=f"C{index % 10}", label=label)
+    all_streams = sorted({r["streams"] for r in results["client"] + results["perf"]})
+    if all_streams:
+        axes[1].plot(all_streams, [s * FRAMES_PER_SECOND for s in all_streams], ":", color="gray",
+                     label="real time (12.5 frames/s per stream)")
+    axes[0].set(xlabel="concurrent streams", ylabel="request latency (ms, log scale)", title="Latency per request", yscale="log")
+    axes[1].set(xlabel="concurrent streams", ylabel="decoded frames / s", title="Throughput")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        if all_streams:
+            ax.set_xticks(all_streams)
+    figure.suptitle(f"code2wav on {results['meta']['machine']} (load generator on the same cores)", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True

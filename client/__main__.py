@@ -1,93 +1,214 @@
 """Command line of the code2wav client (`code2wav-client`, or `python -m mimi_code2wav.client`).
 
-Argument parsing only (`code2wav-client decode --help`); the command is `client.decode`. Never PyTorch.
+`decode` streams codes through a running server (`sync.run_streams`), prints a summary and writes WAV.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
-from .credentials import add_credentials_arguments
-from .decode import PROGRESS_MIN_FRAMES, decode_command
+import numpy as np
+
+from .credentials import add_credentials_arguments, credentials_from_args
 from .protocol import (
-    CODEBOOK_SIZE,
     DEFAULT_CHUNK_FRAMES,
     DEFAULT_RESUME_HISTORY_FRAMES,
     DEFAULT_RESUME_TIMEOUT_S,
     DEFAULT_URL,
-    FIRST_CHUNK_FRAMES,
+    FRAME_DURATION_S,
     MODEL_NAME,
     MODES,
-    NUM_CODEBOOKS,
+    SAMPLE_RATE_HZ,
+    SAMPLES_PER_FRAME,
     STREAM_KEY_HEADER,
     ClientError,
+    StreamOptions,
+    random_codes,
+    validate_codes,
 )
-from .wav import SAMPLE_FORMATS
+from .report import RunReport
+from .sync import Code2WavClient, StreamsFailed, run_streams
+from .wav import SAMPLE_FORMATS, write_wav
+
+PROGRESS_MIN_FRAMES = 250  # the default progress bar: on a terminal, for streams of 20 s or more
+
+
+def progress_bar(width: int = 30, stream=sys.stderr):
+    """progress(done, total): one line on stderr, redrawn at most every 0.1 s, `[####....]  52%  130/250 frames`."""
+    last_drawn_s = 0.0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last_drawn_s
+        if done < total and time.monotonic() - last_drawn_s < 0.1:
+            return
+        last_drawn_s, filled = time.monotonic(), int(width * done / total)
+        stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {100 * done / total:4.0f}%  {done}/{total} frames"
+                     + ("\n" if done >= total else ""))
+        stream.flush()
+
+    return progress
+
+
+def summary_table(report: RunReport, url: str, servers: list[str] | None) -> str:
+    """The run's statistics as an aligned two-column table (`servers`: those of a resumable run)."""
+    stats, options = report.summary(), report.options
+    offsets = "with frame_offset" if options.send_frame_offset else "without frame_offset"
+    pacing = "paced at 80 ms/frame" if options.paced else "unpaced (one request in flight per stream)"
+    if options.catch_up:
+        pacing += ", catching up (one request in flight, every frame produced since the last)"
+    rows = [
+        ("server", f"{url} model '{options.model_name}'"),
+        ("streams", f"{stats['streams']} x {stats['frames_per_stream']} frames ({stats['audio_s'] / stats['streams']:.2f} s audio each)"),
+        ("requests", f"{stats['requests']}: {options.mode} {offsets}, chunks of {options.first_chunk_frames} then {options.chunk_frames} frames"),
+        ("pacing", pacing),
+        ("first-chunk latency", f"{stats['first_chunk_latency_ms_mean']:.1f} ms (max over streams {stats['first_chunk_latency_ms_max']:.1f} ms)"),
+        *((f"chunk latency p{point}", f"{stats[f'chunk_latency_ms_p{point}']:.1f} ms") for point in (50, 90, 99)),
+        ("wall time", f"{stats['wall_s']:.2f} s"),
+        ("real-time factor", f"{stats['real_time_factor']:.2f} (audio s / wall s, all streams; slowest stream {stats['real_time_factor_per_stream_min']:.2f})"),
+        ("throughput", f"{stats['frames_per_s']:.1f} frames/s"),
+    ]
+    if servers:
+        rows.append(("resume", f"{stats['resumes']} resume(s); {options.resume_history_frames} frames of history, "
+                               f"header {STREAM_KEY_HEADER}, servers {', '.join(servers)}"))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def output_paths(out: Path, streams: int) -> list[Path]:
+    """out.wav for one stream; out_0.wav, out_1.wav, ... for several."""
+    return [out] if streams == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix or '.wav'}") for i in range(streams)]
+
+
+def load_codes(args: argparse.Namespace) -> np.ndarray:
+    if args.codes is None:
+        if args.frames is None:
+            raise ClientError("--random needs --frames N (N >= 1)")
+        return random_codes(args.frames, args.seed)
+    try:
+        return validate_codes(np.load(args.codes, allow_pickle=False))
+    except ValueError:  # numpy says "pickled data" for any file that is not .npy / .npz
+        raise ClientError(f"cannot read codes from {args.codes}: not a .npy file of integer codes [8, frames] "
+                          "(np.save writes one)") from None
+    except OSError as exc:
+        raise ClientError(f"cannot read codes from {args.codes}: {exc}") from None
+
+
+def write_outputs(args: argparse.Namespace, pcms: list[np.ndarray], frames: int | None = None) -> list[Path]:
+    """Each stream's WAV; `frames` (a failed run's length) also says where each stream stopped."""
+    paths = output_paths(args.out, len(pcms))
+    for index, (path, pcm) in enumerate(zip(paths, pcms)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_wav(path, pcm, SAMPLE_RATE_HZ, args.wav_format)
+        if frames is not None:
+            stopped = pcm.size // SAMPLES_PER_FRAME
+            print(f"stream {index} stopped at frame {stopped} of {frames}: wrote the {stopped * FRAME_DURATION_S:.2f} "
+                  f"s received to {path}", file=sys.stderr)
+    return paths
+
+
+def check_writable(paths: list[Path]) -> None:
+    """Fail before streaming (not after, losing the audio) when an output file cannot be written."""
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            existed = path.exists()
+            with open(path, "ab"):
+                pass
+            if not existed:
+                path.unlink()
+        except OSError as exc:
+            raise ClientError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def decode_command(args: argparse.Namespace) -> int:
+    codes = load_codes(args)
+    if args.out is not None:
+        check_writable(output_paths(args.out, args.streams))
+    resume = bool(args.resume or args.resume_history_frames is not None or args.resume_timeout is not None
+                  or args.stream_key is not None or args.failover_url)  # any resume option turns it on
+    options = StreamOptions(
+        chunk_frames=args.chunk_frames, mode=args.mode, send_frame_offset=not args.no_offsets,
+        paced=args.paced or args.catch_up, catch_up=args.catch_up, model_name=args.model,
+        response_timeout_s=args.timeout, resume=resume,
+        resume_history_frames=(DEFAULT_RESUME_HISTORY_FRAMES if args.resume_history_frames is None
+                               else args.resume_history_frames),
+        resume_timeout_s=DEFAULT_RESUME_TIMEOUT_S if args.resume_timeout is None else args.resume_timeout)
+    show_progress = args.progress if args.progress is not None else (sys.stderr.isatty() and codes.shape[1] >= PROGRESS_MIN_FRAMES)
+    servers = [args.url, *args.failover_url]
+    keys = None if args.stream_key is None else (
+        [args.stream_key] if args.streams == 1 else [f"{args.stream_key}-{index}" for index in range(args.streams)])
+    credentials = credentials_from_args(args)
+    Code2WavClient(args.url, options, credentials=credentials).check_ready()  # failover servers may be down now
+    try:
+        report = run_streams(servers, [codes] * args.streams, options, stream_keys=keys,
+                             progress=progress_bar() if show_progress else None, credentials=credentials)
+    except StreamsFailed as failure:
+        if args.out is not None:
+            write_outputs(args, failure.received, codes.shape[1])
+        raise
+    for index, result in enumerate(report.results):
+        for resumed in result.resumes:
+            print(f"stream {index} (key {result.stream_key}): {resumed.describe()}", file=sys.stderr)
+    print(summary_table(report, args.url, servers if options.resume else None))
+    if args.out is not None:
+        paths = write_outputs(args, [result.pcm for result in report.results])
+        where = paths[0] if len(paths) == 1 else f"{paths[0]} ... {paths[-1]}"
+        print(f"wrote {where} ({SAMPLE_RATE_HZ} Hz mono {args.wav_format})")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="code2wav-client", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-
-    decode = commands.add_parser(
-        "decode", help="stream codes through code2wav and write a WAV file",
-        description="Stream codes [8, F] through a running code2wav server as one Triton sequence per "
-        "stream, print latency and real-time-factor statistics, and write 24 kHz mono WAV.")
+    decode = commands.add_parser("decode", help="stream codes through code2wav and write a WAV file", description=
+                                 "Stream codes [8, F] through code2wav, one Triton sequence per stream, print latency "
+                                 "and real-time-factor statistics, and write 24 kHz mono WAV.")
     decode.add_argument("--url", default=DEFAULT_URL, help="Triton gRPC address host:port (default %(default)s)")
     decode.add_argument("--model", default=MODEL_NAME, help="model name (default %(default)s)")
     source = decode.add_mutually_exclusive_group(required=True)
-    source.add_argument("--codes", type=Path, help=f".npy file of integer codes [{NUM_CODEBOOKS}, frames] in [0, {CODEBOOK_SIZE})")
+    source.add_argument("--codes", type=Path, help=".npy file of integer codes [8, frames] in [0, 2048)")
     source.add_argument("--random", action="store_true", help="seeded random codes (the audio is noise)")
     decode.add_argument("--frames", type=int, help="frames of random codes (80 ms each)")
     decode.add_argument("--seed", type=int, default=0, help="seed of the random codes (default %(default)s)")
-    decode.add_argument("--out", type=Path, help="WAV file to write; with --streams N > 1, OUT_0.wav ... "
-                        "OUT_{N-1}.wav; omit it to only report statistics")
+    decode.add_argument("--out", type=Path, help="WAV file to write (--streams N > 1: OUT_0.wav ... OUT_{N-1}.wav)")
     decode.add_argument("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES,
-                        help=f"frames per request after the first, which holds {FIRST_CHUNK_FRAMES} "
-                        "(default %(default)s)")
-    decode.add_argument("--mode", choices=MODES, default="delta", help="delta: each request holds only its new "
-                        "frames; cumulative: the whole stream so far (O(n^2) bytes)")
-    decode.add_argument("--no-offsets", action="store_true", help="omit frame_offset: the server reads each request by its dedupe_mode (delta by default; "
-                        "--mode cumulative then needs dedupe_mode=cumulative)")
+                        help="frames per request after the first, which holds 1 (default %(default)s)")
+    decode.add_argument("--mode", choices=MODES, default="delta", help="delta: each request holds its new frames; "
+                        "cumulative: the whole stream so far")
+    decode.add_argument("--no-offsets", action="store_true",
+                        help="omit frame_offset (the server's dedupe_mode reads each request)")
     decode.add_argument("--streams", type=int, default=1, help="concurrent streams, each its own sequence, all decoding the same codes")
     pacing = decode.add_mutually_exclusive_group()
-    pacing.add_argument("--paced", dest="paced", action="store_true", default=False,
-                        help="send each chunk when its frames would exist (one frame per 80 ms), as a live "
-                        "pipeline does, or when the previous response arrives if that is later (one request in "
-                        "flight per stream); concurrent streams start spread over one chunk period")
-    pacing.add_argument("--unpaced", dest="paced", action="store_false",
-                        help="send each stream's next chunk as soon as its previous response arrives (default)")
+    pacing.add_argument("--paced", dest="paced", action="store_true", default=False, help="send each chunk once its "
+                        "frames would exist (a frame per 80 ms) and the previous answer came back")
+    pacing.add_argument("--unpaced", dest="paced", action="store_false", help="send each chunk once the previous "
+                        "answer came back (default)")
     decode.add_argument("--catch-up", action="store_true",
-                        help="with --paced: each request carries every frame produced since the last, so a stream "
-                        "the server runs behind catches up in bigger requests")
+                        help="paced, each request with every frame produced since the last")
     decode.add_argument("--wav-format", choices=SAMPLE_FORMATS, default="float32",
-                        help="float32: IEEE float WAV, samples exactly as decoded (default); int16: 16-bit PCM, "
-                        "samples clipped to [-1, 1] then scaled by 32767")
+                        help="float32: as decoded (default); int16: clipped to [-1, 1]")
     decode.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any one response (default %(default)s)")
     progress = decode.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None,
-                          help=f"always draw a progress bar on stderr (default: on a terminal, for streams of >= {PROGRESS_MIN_FRAMES} frames)")
+                          help=f"draw a progress bar on stderr (default: on a terminal, for >= {PROGRESS_MIN_FRAMES} frames)")
     progress.add_argument("--no-progress", dest="progress", action="store_false", help="never draw one")
     resume = decode.add_argument_group(
-        "resume by replay", f"Every request carries the gRPC header {STREAM_KEY_HEADER}: KEY (for a proxy that routes "
-        "a stream to one replica). When the server holding a stream is lost, the stream goes on in a new sequence (on "
-        "the next --failover-url, or where the proxy now routes the key) that re-sends its last frames as history; "
-        "each resume is reported on stderr. Any of these options turns it on.")
+        "resume by replay", "A stream whose server is lost goes on in a new sequence (on the next --failover-url, or "
+        "where a proxy routes its key) that re-sends its last frames as history; any of these options turns it on.")
     resume.add_argument("--resume", action="store_true", help="resume streams whose server is lost")
     resume.add_argument("--resume-history-frames", type=int, metavar="R",
-                        help=f"frames replayed to rebuild the decoder state (default {DEFAULT_RESUME_HISTORY_FRAMES}: "
-                        "20 s, >= 86 dB SNR after the resume)")
+                        help=f"frames replayed (default {DEFAULT_RESUME_HISTORY_FRAMES})")
     resume.add_argument("--resume-timeout", type=float, metavar="S",
-                        help=f"seconds to keep trying to resume before giving up (default {DEFAULT_RESUME_TIMEOUT_S:g})")
-    resume.add_argument("--stream-key", metavar="KEY",
-                        help="the stream key header's value (default: the sequence id; with --streams N: KEY-0 ... KEY-{N-1})")
+                        help=f"seconds to keep trying (default {DEFAULT_RESUME_TIMEOUT_S:g})")
+    resume.add_argument("--stream-key", metavar="KEY", help=f"the {STREAM_KEY_HEADER} header's value (default: the "
+                        "sequence id; --streams N: KEY-0 ... KEY-{N-1})")
     resume.add_argument("--failover-url", action="append", default=[], metavar="HOST:PORT",
-                        help="another server to resume on (repeatable; tried in turn after --url)")
+                        help="another server to resume on (repeatable)")
     add_credentials_arguments(decode)
     decode.set_defaults(handler=decode_command)
-
     return parser
 
 

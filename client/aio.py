@@ -1,39 +1,10 @@
-"""The asyncio client: many live conversations on one event loop, over one gRPC channel per server.
+"""The asyncio client: many live conversations on one event loop, over one gRPC channel per server
+(README.md has an example). The rules are the thread client's (`plan.StreamPlan`); besides:
 
-    import asyncio
-    import numpy as np
-    from mimi_code2wav.client.aio import Code2WavClient
-
-    async def conversation(client, codes):                 # codes: int [8, frames], e.g. from a talker
-        async with client.stream() as stream:              # one conversation = one stream; END on exit
-            pcm = [await stream.decode(codes[:, :1])]      # the first frame alone, then 5 per call
-            for first in range(1, codes.shape[1], 5):
-                pcm.append(await stream.decode(codes[:, first : first + 5]))
-        return np.concatenate(pcm)                         # float32 [frames * 1920], 24 kHz
-
-    async def main():
-        rng = np.random.default_rng(0)
-        async with Code2WavClient("127.0.0.1:8001") as client:  # one channel per server, shared by its streams
-            await client.check_ready()                          # ClientError saying what is wrong, if anything
-            audio = await asyncio.gather(*(conversation(client, rng.integers(0, 2048, (8, 26))) for _ in range(4)))
-        assert [pcm.shape for pcm in audio] == [(26 * 1920,)] * 4
-
-    asyncio.run(main())
-
-`Code2WavClient(urls)` holds one `tritonclient.grpc.aio` channel per URL, shared by its streams;
-`client.stream()` is one Triton sequence whose `await decode(codes [8, F])` (F >= 1) returns the PCM
-of its frames and whose `await close()` ENDs it. Every request carries the header `code2wav-stream:
-<stream key>` (a proxy keeps a stream on one replica); `credentials` adds TLS and the inference key.
-The rules are the thread client's (`plan.StreamPlan`):
-
-- a lost server (`protocol.request_failure`) is resumed by replaying the last
-  `options.resume_history_frames` frames on the next URL, for up to `options.resume_timeout_s`;
-  each resume is listed in `stream.resumes`; `options.response_timeout_s` is each request's deadline;
-- one request in flight per stream: calls wait in call order, at most `max_pending_calls` (more
-  raise ClientError, handing nothing over); those waiting go as one request of up to
-  `COALESCE_MAX_FRAMES` frames, so a conversation that falls behind catches up in one request;
-- a cancelled `decode` (`asyncio.wait_for`, barge-in) leaves its frames owed: the next call sends
-  them again, at their offsets, before its own.
+- one request in flight per stream: calls wait in call order, at most `max_pending_calls` (more raise
+  ClientError, handing nothing over); those waiting go as one request of up to `COALESCE_MAX_FRAMES`
+  frames, so a conversation that falls behind catches up in one request;
+- a cancelled `decode` (`asyncio.wait_for`, barge-in) leaves its frames owed to the next call.
 """
 
 from __future__ import annotations
@@ -46,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from .credentials import PLAINTEXT, Credentials
-from .plan import PlannedStream, Send, StreamPlan
+from .plan import PlannedClient, PlannedRequest, PlannedStream
 from .protocol import (
     CHANNEL_ARGS,
     DEFAULT_OPTIONS,
@@ -67,8 +38,7 @@ from .protocol import (
 )
 
 DEFAULT_MAX_PENDING_CALLS = 16
-# Frames that waiting calls are merged into, at most (a single longer call goes as it is): 4 s.
-COALESCE_MAX_FRAMES = 50
+COALESCE_MAX_FRAMES = 50  # frames that waiting calls are merged into, at most (4 s); a longer call goes alone
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,31 +50,20 @@ class _Call:
     end: bool
     answer: asyncio.Future
 
-    @property
-    def frames(self) -> int:
-        return self.stop - self.first
 
-
-class Code2WavClient:
-    """Streams decoded by code2wav from one event loop, over one channel per server. `urls`: one
-    server (or a proxy), or several to fail over between. `options`: `model_name`, `response_timeout_s`
-    and `resume_*` apply; requests always carry `frame_offset`. An async context manager (or `await
-    close()`); channels open on first use, in the running loop."""
+class Code2WavClient(PlannedClient):
+    """Streams decoded by code2wav from one event loop. `options`: `model_name`, `response_timeout_s` and
+    `resume_*` apply; requests always carry `frame_offset`. Channels open on first use, in the running
+    loop; `await close()` (or `async with`) closes them."""
 
     def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
                  max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS, credentials: Credentials = PLAINTEXT):
-        options.validate()
-        credentials.validate()
+        super().__init__(urls, options, credentials)
         if not options.send_frame_offset:
             raise ClientError("the asyncio client sends frame_offset with every request (send_frame_offset=True)")
         if max_pending_calls < 0:
             raise ClientError(f"max_pending_calls must be >= 0, got {max_pending_calls}")
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
-        if not self.urls:
-            raise ClientError("the client needs at least one server URL")
-        self.options = options
         self.max_pending_calls = max_pending_calls
-        self.credentials = credentials
         self._headers = credentials.headers()
         self._channels: dict = {}
 
@@ -121,8 +80,8 @@ class Code2WavClient:
             await channel.close()
 
     async def check_ready(self, timeout_s: float = 10.0) -> None:
-        """Raise ClientError (one line) unless every URL answers, takes this client's TLS and key, and
-        its model is ready."""
+        """Raise ClientError (one line) unless every URL answers, takes this client's TLS and key, and its
+        model is ready, with the `history_frames` input a resume needs."""
         from tritonclient.utils import InferenceServerException
 
         name = self.options.model_name
@@ -168,27 +127,25 @@ class Code2WavClient:
                 url, channel_args=list(CHANNEL_ARGS), creds=self.credentials.channel_credentials())
         return self._channels[url]
 
-    async def _infer(self, stream: Code2WavStream, step: Send) -> np.ndarray | RequestFailure:
+    async def _infer(self, stream: Code2WavStream, request: PlannedRequest) -> np.ndarray | RequestFailure:
         import tritonclient.grpc.aio as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        request = step.request
         try:
-            result = await self._channel(step.url).infer(
+            result = await self._channel(stream.url).infer(
                 self.options.model_name, infer_inputs(grpcclient, request.arrays), sequence_id=stream.sequence_id,
                 sequence_start=request.start, sequence_end=request.end, client_timeout=self.options.response_timeout_s,
                 headers={**self._headers, STREAM_KEY_HEADER: stream.stream_key})
         except InferenceServerException as exc:
             return request_failure(exc)
-        return response_pcm(result, f"{step.url}, sequence {stream.sequence_id}, {request.describe()}")
+        return response_pcm(result, f"{stream.url}, sequence {stream.sequence_id}, {request.describe()}")
 
 
 class Code2WavStream(PlannedStream):
-    """One conversation of a `Code2WavClient` (see the module's docstring and `PlannedStream`)."""
+    """One conversation of a `Code2WavClient`: `await decode(codes)`, then `await close()` ENDs it."""
 
     def __init__(self, client: Code2WavClient, sequence_id: int | None, stream_key: str | None):
-        self._plan = StreamPlan(client.urls, client.options, sequence_id, stream_key, time.monotonic)
-        self._client = client
+        super().__init__(client, sequence_id, stream_key, time.monotonic)
         self._turn = asyncio.Lock()  # held by the call whose request is in flight; FIFO: calls stay in order
         self._pending_calls = 0
         self._queue: list[_Call] = []  # calls not answered yet, in call order
@@ -203,9 +160,10 @@ class Code2WavStream(PlannedStream):
     async def decode(self, codes: np.ndarray, end: bool = False) -> np.ndarray:
         """PCM float32 [F * 1920] of the stream's next frames, codes [8, F] (F >= 1), the last ones with
         `end`. Raises ClientError when the stream cannot go on."""
-        if self._pending_calls > self.max_pending_calls:
+        limit = self._client.max_pending_calls
+        if self._pending_calls > limit:
             raise ClientError(f"stream {self.stream_key}: {self._pending_calls - 1} calls already wait behind "
-                              f"the request in flight (max_pending_calls={self.max_pending_calls})")
+                              f"the request in flight (max_pending_calls={limit})")
         call = _Call(*self._plan.hand(codes, end), end, asyncio.get_running_loop().create_future())
         self._queue.append(call)
         self._pending_calls += 1
@@ -229,19 +187,15 @@ class Code2WavStream(PlannedStream):
                 handed = self._plan.handed_frames
                 await self._exchange(handed, handed, True)
 
-    @property
-    def max_pending_calls(self) -> int:
-        return self._client.max_pending_calls
-
     async def _send_queued(self) -> None:
         """One request for the queued calls, up to COALESCE_MAX_FRAMES frames (at least the first call);
         each call gets its own frames' PCM (or the request's ClientError) and leaves the queue."""
         batch, frames = [], 0
         for call in self._queue:
-            if batch and frames + call.frames > COALESCE_MAX_FRAMES:
+            if batch and frames + call.stop - call.first > COALESCE_MAX_FRAMES:
                 break
             batch.append(call)
-            frames += call.frames
+            frames += call.stop - call.first
         first = batch[0].first
         try:
             pcm = await self._exchange(first, batch[-1].stop, batch[-1].end)
@@ -261,7 +215,8 @@ class Code2WavStream(PlannedStream):
         steps = self._plan.exchange(first, stop, end)
         step = next(steps)
         while True:
-            outcome = await (self._client._infer(self, step) if isinstance(step, Send) else asyncio.sleep(step))
+            sending = isinstance(step, PlannedRequest)
+            outcome = await (self._client._infer(self, step) if sending else asyncio.sleep(step))
             try:
                 step = steps.send(outcome)
             except StopIteration as done:

@@ -1,7 +1,5 @@
-"""How a client proves itself to a server that requires it (docs/design.md §5.3): TLS (server CA; for
-mutual TLS, the client's certificate and key) and the inference key, checked by Triton's
-`--grpc-use-ssl[-mutual]` and `--grpc-restricted-protocol` (set up by the entrypoint script). A key is
-never printed: not in `Credentials`' repr, nor in any message.
+"""How a client proves itself to a server that requires it (docs/design.md §5.3): TLS (server CA; for mutual
+TLS, the client's certificate and key) and the inference key. A key is never printed, nor put in a repr.
 """
 
 from __future__ import annotations
@@ -12,37 +10,26 @@ from pathlib import Path
 
 from .protocol import ClientError
 
-# Header names: Triton's HTTP endpoint checks them as they are, gRPC as GRPC_RESTRICTED_PREFIX + name.
+# Triton's HTTP endpoint checks the header as named, gRPC as GRPC_RESTRICTED_PREFIX + name.
 KEY_HEADER = "code2wav-key"
-ADMIN_KEY_HEADER = "code2wav-admin-key"
 GRPC_RESTRICTED_PREFIX = "triton-grpc-protocol-"
 KEY_ENV = "CODE2WAV_KEY"
 
 
-def read_secret(path: Path | str, what: str) -> str:
-    """A key kept in a file, stripped. Raises ClientError naming the file, never its content."""
-    try:
-        text = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ClientError(f"cannot read the {what} file {path}: {exc.strerror or exc.__class__.__name__}") from None
-    check_key(text, f"the {what} in {path}")
-    return text
-
-
-def check_key(key: str, where: str) -> None:
-    """A key must be one printable header value: no whitespace or control characters, not empty. (What a
-    server accepts as its key is the entrypoint script's rule, server/triton-watchdog.sh.)"""
+def check_key(key: str, where: str) -> str:
+    """A key is one printable header value: not empty, no whitespace or control characters."""
     if not key:
         raise ClientError(f"{where} is empty")
     if any(ch.isspace() or not ch.isprintable() for ch in key):
         raise ClientError(f"{where} holds whitespace or control characters (a key is one word)")
+    return key
 
 
 @dataclass(frozen=True)
 class Credentials:
-    """A client's TLS settings and inference key; the default is plaintext without a key. `tls`: trust
-    the system's CAs unless `tls_ca` names a PEM of the server's CA(s) (which implies TLS); `tls_cert`,
-    `tls_key`: PEM chain and key for mutual TLS; `key`: sent with every call (restricted protocol)."""
+    """TLS settings and the inference key; the default is plaintext without a key. `tls`: trust the system's
+    CAs unless `tls_ca` names a PEM of the server's CA(s) (which implies TLS); `tls_cert`, `tls_key`: PEM chain
+    and key for mutual TLS; `key`: sent with every call (restricted protocol)."""
 
     tls: bool = False
     tls_ca: str | None = None
@@ -60,13 +47,16 @@ class Credentials:
                      environ: dict | None = None) -> Credentials:
         """Checked Credentials from a command line or settings: the key from `key_file`, else $CODE2WAV_KEY."""
         environ = os.environ if environ is None else environ
+        key = None
         if key_file:
-            key = read_secret(key_file, "key")
+            try:
+                text = Path(key_file).read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror or exc.__class__.__name__
+                raise ClientError(f"cannot read the key file {key_file}: {reason}") from None
+            key = check_key(text, f"the key in {key_file}")
         elif environ.get(KEY_ENV):
-            key = environ[KEY_ENV].strip()
-            check_key(key, f"the key in ${KEY_ENV}")
-        else:
-            key = None
+            key = check_key(environ[KEY_ENV].strip(), f"the key in ${KEY_ENV}")
         credentials = cls(tls=tls, tls_ca=tls_ca or None, tls_cert=tls_cert or None, tls_key=tls_key or None, key=key)
         credentials.validate()
         return credentials
@@ -96,7 +86,6 @@ class Credentials:
         return {GRPC_RESTRICTED_PREFIX + KEY_HEADER: self.key} if self.key else {}
 
     def key_refused(self, url: str) -> str:
-        """What to say when `url` refused a call for its key."""
         if self.key is None:
             return (f"Triton at {url} requires the inference key (header {KEY_HEADER}), and none was given: "
                     f"give it with --key-file or ${KEY_ENV}")
@@ -113,7 +102,7 @@ class Credentials:
             return "the TLS handshake failed"
         if "http1.x server" in reason and not self.uses_tls:  # a proxy's TLS port (nginx: HTTP 400)
             return "the server answered in HTTP/1: it expects TLS (give --tls-ca, or --tls), or this is its HTTP port"
-        if "Socket closed" in reason or "socket closed" in reason:
+        if "socket closed" in reason.lower():
             if self.uses_tls:
                 return ("the server closed the TLS connection: it requires a client certificate (mutual TLS: "
                         "--tls-cert and --tls-key) from a CA it trusts")
@@ -121,8 +110,7 @@ class Credentials:
         return None
 
 
-# No TLS, no key: what a client uses unless given credentials (frozen: safe as a default argument).
-PLAINTEXT = Credentials()
+PLAINTEXT = Credentials()  # frozen: safe as a default argument
 
 
 def add_credentials_arguments(parser) -> None:

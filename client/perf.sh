@@ -1,25 +1,18 @@
 #!/usr/bin/env bash
-# perf_analyzer (2.51.0) against code2wav: gRPC streaming, one sequence per stream, steps from
-# generated input data (client/perf_inputs.py: deltas without frame_offset), decoder stats reported
-# through --bls-composing-models. Extra arguments go to perf_analyzer and choose the load, e.g.
+# perf_analyzer (2.51.0) against code2wav over gRPC streaming: one sequence per stream, steps from
+# client/perf_inputs.py, decoder stats through --bls-composing-models. Extra arguments go to perf_analyzer
+# and choose the load, e.g. `--concurrency-range 4` (4 streams, unpaced) or `--request-rate-range 12.5
+# --num-of-sequences 4 --serial-sequences` (paced).
 #
-#   client/perf.sh --concurrency-range 4                                   # 4 streams, unpaced
-#   client/perf.sh --request-rate-range 12.5 --num-of-sequences 4 --serial-sequences   # paced load
-#
-# Variables (defaults): URL (127.0.0.1:8001), MODEL (code2wav; mimi_decoder loads the decoder itself
-# with its own input layout), STREAMS (8: sequences in the input data), FRAMES (64 per sequence),
-# CHUNK_FRAMES (4), SCHEDULE (empty; e.g. 1,3,1,16,2: frames per step in turn, instead of
-# CHUNK_FRAMES), SEED (0), SEQUENCE_ID_RANGE (1000000:2000000),
-# MEASUREMENT_INTERVAL_MS (4000), STABILITY_PERCENTAGE (10) and MAX_TRIALS (10): perf_analyzer's
-# -s and -r, which a noisy host may need raised; CSV (build/perf/perf.csv), PYTHON (.venv/bin/python),
+# Variables (defaults): URL (127.0.0.1:8001), MODEL (code2wav; mimi_decoder: the decoder alone, its own
+# inputs), STREAMS (8 sequences), FRAMES (64 per sequence), CHUNK_FRAMES (4), SCHEDULE (e.g. 1,3,1,16,2:
+# frames per step in turn), SEED (0), SEQUENCE_ID_RANGE (1000000:2000000), MEASUREMENT_INTERVAL_MS (4000),
+# STABILITY_PERCENTAGE (10), MAX_TRIALS (10), CSV (BUILD_DIR/perf.csv), PYTHON (.venv/bin/python),
 # PERF_ANALYZER (next to PYTHON), BUILD_DIR (build/perf).
-#
-# A server with TLS or keys (docs/design.md §5.3): TLS_CA (a PEM file: TLS, trusting that CA),
-# TLS_CERT and TLS_KEY (mutual TLS), KEY_FILE (else $CODE2WAV_KEY) and ADMIN_KEY_FILE (else
-# $CODE2WAV_ADMIN_KEY): perf_analyzer reads the model's statistics, an admin call. ACCESS_DIR (the
-# compose perf service's /run/code2wav-access) supplies what is not set from the files in it: ca.pem,
-# client.pem + client.key, inference.key and admin.key. perf_analyzer takes the keys as -H arguments,
-# which anyone who can list this host's processes can read.
+# TLS and keys (docs/design.md §5.3): TLS_CA, TLS_CERT + TLS_KEY (mutual TLS), KEY_FILE (else
+# $CODE2WAV_KEY), ADMIN_KEY_FILE (else $CODE2WAV_ADMIN_KEY: the model's statistics are an admin call);
+# ACCESS_DIR supplies those not set from its ca.pem, client.pem + client.key, inference.key, admin.key.
+# perf_analyzer takes the keys as -H arguments, which anyone who can list this host's processes can read.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -30,10 +23,6 @@ FRAMES=${FRAMES:-64}
 CHUNK_FRAMES=${CHUNK_FRAMES:-4}
 SCHEDULE=${SCHEDULE:-}
 SEED=${SEED:-0}
-SEQUENCE_ID_RANGE=${SEQUENCE_ID_RANGE:-1000000:2000000}
-MEASUREMENT_INTERVAL_MS=${MEASUREMENT_INTERVAL_MS:-4000}
-STABILITY_PERCENTAGE=${STABILITY_PERCENTAGE:-10}
-MAX_TRIALS=${MAX_TRIALS:-10}
 BUILD_DIR=${BUILD_DIR:-$ROOT/build/perf}
 CSV=${CSV:-$BUILD_DIR/perf.csv}
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
@@ -42,13 +31,12 @@ INPUT_DATA=$BUILD_DIR/inputs-$MODEL-s$STREAMS-f$FRAMES-c$CHUNK_FRAMES-sched${SCH
 
 # perf_analyzer links libb64.so.0d and libcudart.so.12; the pytriton wheel carries both, renamed.
 LIB_DIR=$BUILD_DIR/lib
-mkdir -p "$LIB_DIR"
+mkdir -p "$LIB_DIR" "$(dirname "$CSV")"
 WHEEL_LIBS=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia_pytriton.libs
 for pair in "libb64.so.0d:libb64-*.so.0d" "libcudart.so.12:libcudart-*.so.12*"; do
-  name=${pair%%:*}
   # shellcheck disable=SC2086  # the pattern must glob
   found=$(ls $WHEEL_LIBS/${pair#*:} 2>/dev/null | head -n 1 || true)
-  if [ -n "$found" ]; then ln -sfn "$found" "$LIB_DIR/$name"; fi
+  if [ -n "$found" ]; then ln -sfn "$found" "$LIB_DIR/${pair%%:*}"; fi
 done
 export LD_LIBRARY_PATH=$LIB_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
@@ -57,12 +45,10 @@ cd "$ROOT"
 SEQUENCE_LENGTH=$("$PYTHON" -m client.perf_inputs --out "$INPUT_DATA" --model "$MODEL" --streams "$STREAMS" \
   --frames "$FRAMES" --chunk-frames "$CHUNK_FRAMES" ${SCHEDULE:+--schedule "$SCHEDULE"} --seed "$SEED" \
   | "$PYTHON" -c 'import json, sys; print(json.load(sys.stdin)["steps_per_sequence"])')
-mkdir -p "$(dirname "$CSV")"
 # code2wav's statistics include its composing model; the decoder alone has none.
 COMPOSING=()
 if [ "$MODEL" = code2wav ]; then COMPOSING=(--bls-composing-models=mimi_decoder); fi
 
-# TLS and keys.
 if [ -n "${ACCESS_DIR:-}" ]; then
   if [ -z "${TLS_CA:-}" ] && [ -f "$ACCESS_DIR/ca.pem" ]; then TLS_CA=$ACCESS_DIR/ca.pem; fi
   if [ -z "${TLS_CERT:-}" ] && [ -f "$ACCESS_DIR/client.pem" ] && [ -f "$ACCESS_DIR/client.key" ]; then
@@ -84,12 +70,8 @@ ADMIN_KEY=$(read_key "${ADMIN_KEY_FILE:-}" CODE2WAV_ADMIN_KEY)
 if [ -n "$KEY" ]; then ACCESS+=(-H "triton-grpc-protocol-code2wav-key:$KEY"); fi
 if [ -n "$ADMIN_KEY" ]; then ACCESS+=(-H "triton-grpc-protocol-code2wav-admin-key:$ADMIN_KEY"); fi
 
-exec "$PERF_ANALYZER" -m "$MODEL" -u "$URL" -i grpc --streaming \
-  "${ACCESS[@]}" \
-  --input-data "$INPUT_DATA" \
+exec "$PERF_ANALYZER" -m "$MODEL" -u "$URL" -i grpc --streaming "${ACCESS[@]}" --input-data "$INPUT_DATA" \
   --sequence-length "$SEQUENCE_LENGTH" --sequence-length-variation 0 \
-  --sequence-id-range "$SEQUENCE_ID_RANGE" \
-  "${COMPOSING[@]}" \
-  --measurement-interval "$MEASUREMENT_INTERVAL_MS" \
-  --stability-percentage "$STABILITY_PERCENTAGE" --max-trials "$MAX_TRIALS" \
-  -f "$CSV" "$@"
+  --sequence-id-range "${SEQUENCE_ID_RANGE:-1000000:2000000}" "${COMPOSING[@]}" \
+  --measurement-interval "${MEASUREMENT_INTERVAL_MS:-4000}" \
+  --stability-percentage "${STABILITY_PERCENTAGE:-10}" --max-trials "${MAX_TRIALS:-10}" -f "$CSV" "$@"

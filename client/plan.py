@@ -1,17 +1,6 @@
-"""What one resumable stream sends next, and how it resumes after a lost server (docs/design.md §2.4).
-
-`StreamPlan` is a stream's side of the contract without I/O: the frames handed to it, the last R
-whose audio came back (`HistoryBuffer`), the sequence's base and URL. Its generator `exchange` yields
-what to do (`Send` a request, or wait so many seconds), is sent the outcome (PCM or `RequestFailure`)
-and returns the call's PCM; `sync` and `aio` drive it with their own I/O, so both follow its rules:
-
-- frames go as deltas with `frame_offset` (or as the options say), START first, END last;
-- a failure a resume can fix (`protocol.request_failure`, unless `options.resume` is False) STARTs
-  the sequence again on the next URL with `frame_offset` o = max(0, n - R), `history_frames` n - o
-  (the kept frames [o, n) in pieces of `resume_piece_frames`), then the unanswered frames from n.
-  Attempts: at once, then after 0.1, 0.2, 0.4 ... 2 s, until `resume_timeout_s`;
-- frames of a call abandoned before its answer stay owed: the next request carries them again at
-  their offsets, and only the PCM of the calling frames is returned.
+"""What a stream sends next, and how it resumes after a lost server (docs/design.md §2.4), without I/O:
+`StreamPlan.exchange` yields what to do (send a request, or wait so many seconds), is sent the outcome
+(PCM or `RequestFailure`) and returns the call's PCM; `sync` and `aio` drive it with their own I/O.
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ from .protocol import (
 
 @dataclass(frozen=True)
 class PlannedRequest:
-    """One request: its tensors (batch dimension included), and its answer's frames of stream PCM,
+    """One request: its tensors (batch dimension included); its answer holds the PCM of stream frames
     [first_new_frame, first_new_frame + new_frames)."""
 
     arrays: dict[str, np.ndarray]
@@ -54,10 +43,7 @@ class PlannedRequest:
 
     @property
     def answer_frames(self) -> int | tuple[int, int]:
-        """Frames of PCM the answer holds: exactly `new_frames`, or a range after an abandoned call."""
-        if self.maybe_decoded:
-            return self.new_frames - self.maybe_decoded, self.new_frames
-        return self.new_frames
+        return (self.new_frames - self.maybe_decoded, self.new_frames) if self.maybe_decoded else self.new_frames
 
 
 @dataclass(frozen=True)
@@ -77,66 +63,28 @@ class Resume:
                 f"of history replayed): {self.error}")
 
 
-class HistoryBuffer:
-    """Codes kept for a resume, [k, frames] int64 from stream frame `first_frame`: the last
-    `history_frames` answered frames, and every frame from `keep_from` on (for cumulative requests)."""
-
-    def __init__(self, history_frames: int, num_codebooks: int = NUM_CODEBOOKS):
-        self.history_frames = history_frames
-        self._codes = np.zeros((num_codebooks, 0), np.int64)
-        self.first_frame = 0
-
-    @property
-    def next_frame(self) -> int:
-        """Frames appended so far: the stream index of the next frame."""
-        return self.first_frame + self._codes.shape[1]
-
-    def frames(self, first: int) -> np.ndarray:
-        """Codes of stream frames [first, next_frame), [k, next_frame - first]."""
-        if not self.first_frame <= first <= self.next_frame:
-            raise ValueError(f"frame {first} is not kept (kept: [{self.first_frame}, {self.next_frame}))")
-        return self._codes[:, first - self.first_frame :]
-
-    def append(self, codes: np.ndarray, keep_from: int | None = None) -> None:
-        """Append frames [k, n], then drop those before the last `history_frames` and `keep_from`."""
-        self._codes = np.concatenate([self._codes, np.asarray(codes, np.int64)], axis=1)
-        first = max(self.next_frame - self.history_frames, 0)
-        if keep_from is not None:
-            first = min(first, keep_from)
-        first = max(first, self.first_frame)
-        self._codes = self._codes[:, first - self.first_frame :].copy()
-        self.first_frame = first
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send `request` to `url`; the outcome sent back is `model_outputs` or a RequestFailure."""
-
-    request: PlannedRequest
-    url: str
-
-
-# What `exchange` asks its driver for: a request to send, or a wait in seconds (0: none).
-Step = Generator["Send | float", "np.ndarray | RequestFailure | None", np.ndarray]
+# What `exchange` asks its driver for: a request to send to the plan's `url` (the outcome sent back is
+# `model_outputs` or a RequestFailure), or a wait in seconds (0: none).
+Step = Generator["PlannedRequest | float", "np.ndarray | RequestFailure | None", np.ndarray]
 
 
 class StreamPlan:
-    """One stream's requests and resumes, without I/O (see the module's docstring)."""
+    """One stream's requests: deltas with `frame_offset` (or as the options say), START first, END last. A
+    resumable failure (unless `options.resume` is False) STARTs a new sequence on the next URL, the last
+    `resume_history_frames` frames as history, then the unanswered ones; attempts at once, then after 0.1,
+    0.2, 0.4 ... 2 s, until `resume_timeout_s`. Frames of an abandoned call stay owed to the next request."""
 
-    def __init__(self, urls: str | Sequence[str], options: StreamOptions, sequence_id: int | None,
-                 stream_key: str | None, clock: Callable[[], float]):
-        options.validate()
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
-        if not self.urls:
-            raise ClientError("a resumable stream needs at least one server URL")
-        self.options = options
+    def __init__(self, urls: list[str], options: StreamOptions, sequence_id: int | None, stream_key: str | None,
+                 clock: Callable[[], float]):
+        self.urls, self.options, self._clock = urls, options, clock
         self.sequence_id = draw_sequence_ids(1, None if sequence_id is None else [sequence_id])[0]
         self.stream_key = str(self.sequence_id) if stream_key is None else stream_key
         if not self.stream_key:
             raise ClientError("the stream key must not be empty")
-        self._clock = clock
         self._url_index = 0
-        self._kept = HistoryBuffer(options.resume_history_frames)
+        # Codes kept for a resume: the last `resume_history_frames` answered frames (and, for cumulative
+        # requests, every frame from the sequence's base on), from stream frame `_kept_from`.
+        self._kept, self._kept_from = np.zeros((NUM_CODEBOOKS, 0), np.int64), 0
         self._owed = np.zeros((NUM_CODEBOOKS, 0), np.int64)  # handed frames whose audio has not come back
         self._owed_end = False  # the last call handed asked for END
         self._base = 0  # stream index of the current sequence's first frame
@@ -147,13 +95,12 @@ class StreamPlan:
 
     @property
     def url(self) -> str:
-        """The server the stream's requests go to now."""
         return self.urls[self._url_index]
 
     @property
     def next_frame(self) -> int:
         """Frames whose PCM came back: the stream index of the next frame to send."""
-        return self._kept.next_frame
+        return self._kept_from + self._kept.shape[1]
 
     @property
     def handed_frames(self) -> int:
@@ -167,8 +114,7 @@ class StreamPlan:
                     or (self._needs_start and self.handed_frames == self.next_frame))
 
     def hand(self, codes: np.ndarray, end: bool) -> tuple[int, int]:
-        """Take the next frames, codes [k, F] (F >= 1), owed until their audio comes back; returns
-        their stream indices [first, stop)."""
+        """Take codes [k, F] (F >= 1), owed until their audio comes back; returns their frames [first, stop)."""
         codes = validate_codes(codes)
         if self.ended or self._owed_end:
             raise ClientError(f"stream {self.stream_key}: decode() after the request that ended it")
@@ -177,16 +123,15 @@ class StreamPlan:
         return first, first + codes.shape[1]
 
     def exchange(self, first: int, stop: int, end: bool) -> Step:
-        """The PCM of handed frames [first, stop), float32 [(stop - first) * 1920], from a request (or
-        resume) carrying every owed frame before `stop`, END with `end`. Nothing changes before the
-        answer: an abandoned generator leaves the frames owed. Raises ClientError if not resumable
-        or resuming timed out."""
+        """The PCM of handed frames [first, stop), float32 [(stop - first) * 1920], from a request (or resume)
+        carrying every owed frame before `stop`, END with `end`. Nothing changes before the answer: an
+        abandoned generator leaves the frames owed. Raises ClientError if not resumable or out of time."""
         if self._last_answer_s is None:
             self._last_answer_s = self._clock()
         new = self._owed[:, : stop - self.next_frame]
         own_frames = stop - first
-        requests = (self._resume_requests(new, end) if self._needs_start and self.next_frame
-                    else [self._request(new, end, new.shape[1] - own_frames)])
+        requests = (self.resume_requests(new, end) if self._needs_start and self.next_frame
+                    else [self.request(new, end, new.shape[1] - own_frames)])
         outcome = yield from self._send_all(requests)
         if isinstance(outcome, RequestFailure):
             self._needs_start = True
@@ -195,36 +140,30 @@ class StreamPlan:
             outcome, requests = yield from self._resume(new, end, outcome)
         if requests[0].start:
             self._base = requests[0].first_new_frame - requests[0].history_frames
-        self._kept.append(new, self._base if self.options.mode == "cumulative" else None)
+        self._kept = np.concatenate([self._kept, new], axis=1)
+        keep_from = max(self.next_frame - self.options.resume_history_frames, 0)
+        keep_from = max(min(keep_from, self._base) if self.options.mode == "cumulative" else keep_from, self._kept_from)
+        self._kept, self._kept_from = self._kept[:, keep_from - self._kept_from :].copy(), keep_from
         self._owed = self._owed[:, new.shape[1] :]
-        self._needs_start = False
-        self.ended = end
-        self._last_answer_s = self._clock()
+        self._needs_start, self.ended, self._last_answer_s = False, end, self._clock()
         return outcome[outcome.size - own_frames * SAMPLES_PER_FRAME :]
 
-    def request(self, codes: np.ndarray, end: bool) -> PlannedRequest:
-        """The request for the owed frames and then `codes` [k, F] on the current sequence."""
-        return self._request(np.concatenate([self._owed, codes], axis=1), end, 0)
-
-    def resume_requests(self, codes: np.ndarray, end: bool) -> list[PlannedRequest]:
-        """A new sequence: the kept history in pieces of `options.resume_piece_frames` (a START, then
-        history alone), the last piece with the owed frames and `codes` [k, F]. Short pieces keep a
-        resume within the server's idle timeout however long the replay lane waits (design §2.4)."""
-        return self._resume_requests(np.concatenate([self._owed, codes], axis=1), end)
-
-    def _request(self, new: np.ndarray, end: bool, maybe_decoded: int) -> PlannedRequest:
+    def request(self, new: np.ndarray, end: bool, maybe_decoded: int = 0) -> PlannedRequest:
+        """The request for frames `new` [k, F] from `next_frame` on the current sequence."""
         first = self.next_frame
         if self.options.mode == "cumulative":
-            sent_from, sent = self._base, np.concatenate([self._kept.frames(self._base), new], axis=1)
+            sent_from, sent = self._base, np.concatenate([self._kept[:, self._base - self._kept_from :], new], axis=1)
         else:
             sent_from, sent = first, new
         arrays = contract_arrays(sent, sent_from if self.options.send_frame_offset else None)
         return PlannedRequest(arrays, self._needs_start, end, first, new.shape[1],
                               maybe_decoded=0 if self._needs_start else maybe_decoded)
 
-    def _resume_requests(self, new: np.ndarray, end: bool) -> list[PlannedRequest]:
-        history_from = max(self._kept.first_frame, self.next_frame - self.options.resume_history_frames, 0)
-        history = self._kept.frames(history_from)
+    def resume_requests(self, new: np.ndarray, end: bool) -> list[PlannedRequest]:
+        """A new sequence: the kept history in pieces of `resume_piece_frames` (START first), the last piece
+        with frames `new`. Short pieces keep a resume within the server's idle timeout (design §2.4)."""
+        history_from = max(self._kept_from, self.next_frame - self.options.resume_history_frames, 0)
+        history = self._kept[:, history_from - self._kept_from :]
         piece = self.options.resume_piece_frames
         last = max(history.shape[1] - 1, 0) // piece * piece  # the last piece, which carries the new frames
         requests = []
@@ -242,7 +181,7 @@ class StreamPlan:
     def _send_all(self, requests: list[PlannedRequest]) -> Step:
         """Send `requests` in order; returns the last one's PCM, or the RequestFailure that stopped them."""
         for request in requests:
-            outcome = yield Send(request, self.url)
+            outcome = yield request
             if isinstance(outcome, RequestFailure):
                 return outcome
             pcm = checked_pcm(outcome, request.answer_frames, self._where(request))
@@ -263,13 +202,12 @@ class StreamPlan:
             yield wait_s
             self._url_index = (self._url_index + 1) % len(self.urls)
             attempts += 1
-            requests = self._resume_requests(new, end)
+            requests = self.resume_requests(new, end)
             outcome = yield from self._send_all(requests)
             if isinstance(outcome, RequestFailure):
                 if not outcome.resumable:
-                    raise ClientError(
-                        f"stream {self.stream_key} (sequence {self.sequence_id}): resuming at frame "
-                        f"{self.next_frame} on {self.url} failed: {outcome}")
+                    raise ClientError(f"stream {self.stream_key} (sequence {self.sequence_id}): resuming at frame "
+                                      f"{self.next_frame} on {self.url} failed: {outcome}")
                 last = outcome
                 continue
             self.resumes.append(Resume(
@@ -278,11 +216,26 @@ class StreamPlan:
             return outcome, requests
 
 
-class PlannedStream:
-    """What both clients' streams show of their `StreamPlan` (`_plan`), read-only; `stream_key` is the
-    `code2wav-stream` header's value, `next_frame` the frames whose PCM came back."""
+class PlannedClient:
+    """What both clients check first: one or more URLs (to fail over between), options and credentials."""
 
-    _plan: StreamPlan
+    def __init__(self, urls: str | Sequence[str], options: StreamOptions, credentials):
+        options.validate()
+        credentials.validate()
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ClientError("the client needs at least one server URL")
+        self.options, self.credentials = options, credentials
+
+
+class PlannedStream:
+    """What both clients' streams show of their `StreamPlan`; `stream_key` is the `code2wav-stream` header's
+    value, `next_frame` the frames whose PCM came back."""
+
+    def __init__(self, client: PlannedClient, sequence_id: int | None, stream_key: str | None,
+                 clock: Callable[[], float]):
+        self._plan = StreamPlan(client.urls, client.options, sequence_id, stream_key, clock)
+        self._client = client
 
     sequence_id = property(lambda self: self._plan.sequence_id)
     stream_key = property(lambda self: self._plan.stream_key)

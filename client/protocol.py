@@ -1,9 +1,9 @@
-"""The request contract of `code2wav` as this package's clients speak it (docs/design.md §2), no I/O:
-request tensors, the answer's checks, which failures a resume can fix, sequence ids, stream options.
-"""
+"""The request contract of `code2wav` as the clients speak it (docs/design.md §2), without I/O: request
+tensors, answer checks, what a client does about each error, sequence ids, stream options."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass
@@ -17,29 +17,24 @@ NUM_CODEBOOKS = 8
 CODEBOOK_SIZE = 2048
 SAMPLE_RATE_HZ = 24000
 SAMPLES_PER_FRAME = 1920
-FRAME_DURATION_S = SAMPLES_PER_FRAME / SAMPLE_RATE_HZ  # 80 ms: one frame every 80 ms
+FRAME_DURATION_S = SAMPLES_PER_FRAME / SAMPLE_RATE_HZ  # 80 ms
 FRAMES_PER_SECOND = 1 / FRAME_DURATION_S  # 12.5: what one live stream needs decoded per second
 DEFAULT_CHUNK_FRAMES = 4
 FIRST_CHUNK_FRAMES = 1
 MODES = ("delta", "cumulative")
-PCM_OUTPUT = "model_outputs"
-SAMPLE_RATE_OUTPUT = "sr"
 HISTORY_FRAMES_INPUT = "history_frames"
 # gRPC metadata of every request, valued the stream key: a proxy hashing it (nginx: `hash
 # $http_code2wav_stream consistent`) sends a whole stream to one replica.
 STREAM_KEY_HEADER = "code2wav-stream"
-# Frames replayed when a stream resumes: 250 frames (20 s) rebuild the decoder state to >= 86 dB SNR
-# in the first second after the resume (`python -m benchmarks resume`).
+# 250 frames (20 s) of history rebuild the decoder state to >= 86 dB SNR in the first second after a
+# resume (`python -m benchmarks resume`).
 DEFAULT_RESUME_HISTORY_FRAMES = 250
 DEFAULT_RESUME_TIMEOUT_S = 30.0
-# History frames per resume request: short requests, each answered within moments even while many
-# streams share the server's replay lane (docs/design.md §2.4).
+# History frames per resume request: each answered within moments even while many streams share the
+# server's replay lane (docs/design.md §2.4).
 DEFAULT_RESUME_PIECE_FRAMES = 16
-# Waits between resume attempts (none before the first), doubling up to the cap.
-RESUME_BACKOFF_FIRST_S = 0.1
-RESUME_BACKOFF_MAX_S = 2.0
-# gRPC channel options of the clients: no message size limit, and reconnects within a second after a
-# failure instead of gRPC's default backoff of up to two minutes.
+RESUME_BACKOFF_FIRST_S, RESUME_BACKOFF_MAX_S = 0.1, 2.0  # waits between resume attempts, doubling
+# No message size limit, and reconnects within a second instead of gRPC's backoff of up to two minutes.
 CHANNEL_ARGS = (
     ("grpc.max_send_message_length", 2**31 - 1),
     ("grpc.max_receive_message_length", 2**31 - 1),
@@ -47,10 +42,9 @@ CHANNEL_ARGS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-# What Triton answers a call of a restricted protocol without the right key header (missing and
-# wrong alike; gRPC status UNAVAILABLE, which alone would read as a lost server).
+# Triton's answer to a restricted-protocol call without the right key (UNAVAILABLE, which alone would
+# read as a lost server).
 RESTRICTED_FRAGMENT = "is restricted, expecting header"
-# Sequence ids are drawn at random below this bound so that clients sharing a server do not collide.
 _SEQUENCE_ID_LIMIT = 1 << 62
 
 
@@ -65,8 +59,8 @@ class StreamOptions:
     mode: str = "delta"  # delta: each request holds its new frames; cumulative: the stream so far
     send_frame_offset: bool = True
     paced: bool = False
-    # Paced only: each request carries every frame produced since the last (chunk_frames sizes only the
-    # first), so a live client the server runs behind catches up instead of queueing.
+    # Paced only: each request carries every frame produced since the last, so a live client the server
+    # runs behind catches up instead of queueing.
     catch_up: bool = False
     model_name: str = MODEL_NAME
     response_timeout_s: float = 60.0  # a request without an answer for this long fails (and is resumed)
@@ -91,61 +85,51 @@ class StreamOptions:
                               f"resume {self.resume_timeout_s:g} s")
 
 
-# The options a client uses unless given others (frozen: shared safely as a default argument).
-DEFAULT_OPTIONS = StreamOptions()
+DEFAULT_OPTIONS = StreamOptions()  # frozen: safe as a default argument
 
 
-def chunk_bounds(total_frames: int, chunk_frames: int, first_chunk_frames: int = FIRST_CHUNK_FRAMES) -> list[tuple[int, int]]:
-    """[start, stop) frame ranges of the requests for a stream of `total_frames` frames: the first
-    holds `first_chunk_frames`, the others `chunk_frames` (the last one the remainder)."""
-    if total_frames < 1:
-        raise ValueError(f"a stream needs at least one frame, got {total_frames}")
-    if chunk_frames < 1 or first_chunk_frames < 1:
-        raise ValueError(f"chunk sizes must be >= 1, got first {first_chunk_frames}, then {chunk_frames}")
-    bounds = [(0, min(first_chunk_frames, total_frames))]
+def chunk_bounds(total_frames: int, chunk_frames: int, first_chunk_frames: int = FIRST_CHUNK_FRAMES,
+                 schedule: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """[start, stop) frame ranges of a stream's requests: `first_chunk_frames`, then `chunk_frames` each (or
+    the `schedule` sizes in turn); the last one the remainder."""
+    sizes = list(schedule) if schedule else [first_chunk_frames, chunk_frames]
+    if total_frames < 1 or min(sizes) < 1:
+        raise ValueError(f"a stream needs frames, and chunks of >= 1 frame: got {total_frames} frames, chunks {sizes}")
+    turns = itertools.cycle(sizes) if schedule else itertools.chain(sizes[:1], itertools.repeat(sizes[1]))
+    bounds = [(0, min(next(turns), total_frames))]
     while bounds[-1][1] < total_frames:
-        start = bounds[-1][1]
-        bounds.append((start, min(start + chunk_frames, total_frames)))
+        bounds.append((bounds[-1][1], min(bounds[-1][1] + next(turns), total_frames)))
     return bounds
 
 
-def validate_codes(codes: np.ndarray, num_codebooks: int = NUM_CODEBOOKS, codebook_size: int = CODEBOOK_SIZE) -> np.ndarray:
+def validate_codes(codes: np.ndarray) -> np.ndarray:
     """Codes as int64 [k, F]; a leading batch dimension of 1 is dropped. Raises ClientError."""
     codes = np.asarray(codes)
     if codes.ndim == 3 and codes.shape[0] == 1:
         codes = codes[0]
-    if codes.ndim != 2 or codes.shape[0] != num_codebooks or codes.shape[1] < 1:
-        raise ClientError(f"codes must have shape [{num_codebooks}, frames] with frames >= 1, got {list(codes.shape)}")
+    if codes.ndim != 2 or codes.shape[0] != NUM_CODEBOOKS or codes.shape[1] < 1:
+        raise ClientError(f"codes must have shape [{NUM_CODEBOOKS}, frames] with frames >= 1, got {list(codes.shape)}")
     if not np.issubdtype(codes.dtype, np.integer):
         raise ClientError(f"codes must be integers, got dtype {codes.dtype}")
-    if codes.min() < 0 or codes.max() >= codebook_size:
-        raise ClientError(f"codes must lie in [0, {codebook_size}), got [{codes.min()}, {codes.max()}]")
+    if codes.min() < 0 or codes.max() >= CODEBOOK_SIZE:
+        raise ClientError(f"codes must lie in [0, {CODEBOOK_SIZE}), got [{codes.min()}, {codes.max()}]")
     return codes.astype(np.int64)
 
 
-def random_codes(frames: int, seed: int, num_codebooks: int = NUM_CODEBOOKS, codebook_size: int = CODEBOOK_SIZE) -> np.ndarray:
+def random_codes(frames: int, seed: int) -> np.ndarray:
     """Seeded uniform codes, int64 [k, frames]."""
-    return np.random.default_rng(seed).integers(0, codebook_size, (num_codebooks, frames), dtype=np.int64)
+    return np.random.default_rng(seed).integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, frames), dtype=np.int64)
 
 
 def contract_arrays(codes: np.ndarray, frame_offset: int | None = None,
                     history_frames: int | None = None) -> dict[str, np.ndarray]:
-    """Request tensors for codes [k, F]: `input_ids` INT64 [1, k*F] (codebook-major), and the optional
-    scalars `frame_offset` and `history_frames` as INT64 [1, 1]."""
+    """Request tensors for codes [k, F]: `input_ids` INT64 [1, k*F] (codebook-major), the optional scalars
+    `frame_offset` and `history_frames` INT64 [1, 1]."""
     arrays = {"input_ids": np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1)}
-    if frame_offset is not None:
-        arrays["frame_offset"] = np.array([[frame_offset]], np.int64)
-    if history_frames is not None:
-        arrays[HISTORY_FRAMES_INPUT] = np.array([[history_frames]], np.int64)
+    for name, value in (("frame_offset", frame_offset), (HISTORY_FRAMES_INPUT, history_frames)):
+        if value is not None:
+            arrays[name] = np.array([[value]], np.int64)
     return arrays
-
-
-def request_arrays(codes: np.ndarray, start: int, stop: int, mode: str, send_frame_offset: bool) -> dict[str, np.ndarray]:
-    """The request tensors (batch dimension included) for frames [start, stop) of a stream."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    first = start if mode == "delta" else 0
-    return contract_arrays(codes[:, first:stop], first if send_frame_offset else None)
 
 
 def infer_inputs(grpc_module, arrays: dict[str, np.ndarray]) -> list:
@@ -159,18 +143,16 @@ def infer_inputs(grpc_module, arrays: dict[str, np.ndarray]) -> list:
 
 
 def response_pcm(result, where: str) -> np.ndarray:
-    """The PCM of an answer (a tritonclient InferResult), `model_outputs` as sent (empty when absent),
-    after checking that the answer's sample rate is SAMPLE_RATE_HZ. Raises ClientError naming `where`."""
-    sample_rate = result.as_numpy(SAMPLE_RATE_OUTPUT)
+    """`model_outputs` of a tritonclient InferResult (empty when absent), once its `sr` is checked."""
+    sample_rate = result.as_numpy("sr")
     if sample_rate is not None and int(sample_rate.reshape(-1)[0]) != SAMPLE_RATE_HZ:
         raise ClientError(f"{where}: server reports sample rate {int(sample_rate.reshape(-1)[0])}, expected {SAMPLE_RATE_HZ}")
-    pcm = result.as_numpy(PCM_OUTPUT)
+    pcm = result.as_numpy("model_outputs")
     return np.zeros(0, np.float32) if pcm is None else pcm
 
 
 def checked_pcm(pcm: np.ndarray, expected_frames: int | tuple[int, int], where: str) -> np.ndarray:
-    """`pcm` as float32 [N * 1920], checked to hold whole frames, N = `expected_frames` (or in the
-    [least, most] range given). Raises ClientError naming `where`."""
+    """`pcm` as float32 [N * 1920], N = `expected_frames` (or within the [least, most] given)."""
     least, most = (expected_frames, expected_frames) if isinstance(expected_frames, int) else expected_frames
     pcm = np.asarray(pcm).reshape(-1)
     if pcm.size % SAMPLES_PER_FRAME or not least * SAMPLES_PER_FRAME <= pcm.size <= most * SAMPLES_PER_FRAME:
@@ -180,9 +162,8 @@ def checked_pcm(pcm: np.ndarray, expected_frames: int | tuple[int, int], where: 
 
 
 def draw_sequence_ids(count: int, given: Sequence[int] | None = None) -> list[int]:
-    """`count` distinct non-zero sequence ids: the given ones (checked) or consecutive ones from a
-    random start (clients sharing a server must not reuse each other's live ids: a START on a live
-    id resets that stream)."""
+    """`count` distinct non-zero sequence ids: the given ones, checked, or consecutive ones from a random
+    start (a START on another client's live id would reset that stream)."""
     if given is None:
         base = int.from_bytes(os.urandom(8), "little") % (_SEQUENCE_ID_LIMIT - count) + 1
         return [base + i for i in range(count)]
@@ -195,7 +176,7 @@ def draw_sequence_ids(count: int, given: Sequence[int] | None = None) -> list[in
 def grpc_reason(exc: Exception) -> str:
     """The useful part of a gRPC error, one line."""
     text = " ".join(str(exc).split())
-    if "Connection refused" in text or "connection refused" in text:
+    if "connection refused" in text.lower():
         return "connection refused"
     if "Deadline Exceeded" in text or "DEADLINE_EXCEEDED" in text:
         return "no answer in time"
@@ -203,8 +184,7 @@ def grpc_reason(exc: Exception) -> str:
 
 
 def unreachable(url: str, exc: Exception, tls_hint: str | None = None) -> ClientError:
-    """The error for a server that did not answer a liveness check, with what to try (`tls_hint`:
-    what the failure says about TLS, `Credentials.connection_hint`)."""
+    """The error for a server that failed a liveness check, with what to try."""
     if tls_hint:
         return ClientError(f"cannot connect to Triton (gRPC) at {url}: {tls_hint} ({grpc_reason(exc)})")
     hint = "is the server running?"
@@ -225,19 +205,16 @@ def model_state(index: list[dict], model_name: str) -> str:
 
 
 class RequestFailure(Exception):
-    """A request that got no PCM back, as one line. `resumable`: the stream can go on in a new sequence
-    (the server holding it is gone or going, or no longer holds it, or refused a new stream for now)."""
+    """A request that got no PCM back, as one line; `resumable`: the stream can go on in a new sequence."""
 
     def __init__(self, message: str, resumable: bool, kind: str | None = None):
         super().__init__(message)
-        self.resumable = resumable
-        self.kind = kind
+        self.resumable, self.kind = resumable, kind
 
 
 # What a client does about each kind of code2wav error (docs/design.md §2, "Errors"): `fail` the stream
-# (the request itself is wrong; resending it fails again), `resume` it on a new sequence with its history
-# (this server no longer holds the stream, or holds an older copy of it), or `retry` later (a new stream
-# was refused for now; a retry is a resume).
+# (resending the request fails again), `resume` it on a new sequence with its history (this server no
+# longer holds the stream, or an older copy of it), or `retry` later (a refused new stream; a resume).
 FAIL, RESUME, RETRY = "fail", "resume", "retry"
 ERROR_ACTIONS = {
     **dict.fromkeys(("dtype", "shape", "length", "code_range", "limit", "negative_offset", "changed_frame",
@@ -255,13 +232,9 @@ def error_kind(message: str) -> str | None:
 
 
 def request_failure(exc: Exception) -> RequestFailure:
-    """A tritonclient InferenceServerException (`status()` like "StatusCode.UNAVAILABLE", `message()`)
-    as a RequestFailure, resumable or not.
-
-    code2wav's own errors are decided by their kind (an unknown kind fails). An error without one did not
-    come from code2wav's checks: Triton or the transport refused or lost a request the client built by
-    the contract (a sequence Triton no longer holds, models unloading in a drain, a server gone, stopping
-    or with a dead stub), so the stream resumes, unless Triton refused the inference key."""
+    """A tritonclient InferenceServerException as a RequestFailure. code2wav's errors are decided by their
+    kind (an unknown kind fails); an untagged one is Triton or the transport refusing or losing a request
+    built by the contract, which a resume fixes, unless Triton refused the inference key."""
     status = exc.status() if callable(getattr(exc, "status", None)) else None
     message = exc.message() if callable(getattr(exc, "message", None)) else None
     text = " ".join(str(message if message is not None else exc).split())

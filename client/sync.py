@@ -1,26 +1,22 @@
-"""The thread client: `Code2WavClient` and its streams (`Code2WavStream`), each one Triton sequence
-over a gRPC connection of its own that drives `plan.StreamPlan`, one request in flight, and survives
-the loss of its server (resume by replay, docs/design.md §2.4); `run_streams` decodes several streams
-at once, one thread each (the CLI). The asyncio client (`aio`) has the same API with `await`.
-"""
+"""The thread client: each `Code2WavStream` is one Triton sequence over a gRPC connection of its own,
+driving `plan.StreamPlan` with one request in flight; `run_streams` decodes several, a thread each."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .credentials import PLAINTEXT, Credentials
-from .plan import PlannedRequest, PlannedStream, Send, StreamPlan
+from .plan import PlannedClient, PlannedRequest, PlannedStream
 from .protocol import (
     CHANNEL_ARGS,
     DEFAULT_OPTIONS,
     DEFAULT_URL,
     FRAME_DURATION_S,
-    MODEL_NAME,
     STREAM_KEY_HEADER,
     ClientError,
     RequestFailure,
@@ -35,35 +31,18 @@ from .protocol import (
 from .report import RunReport, StreamResult
 
 
-class Connection(Protocol):
-    """A stream's connection to one server (`GrpcConnection`, or a test's fake)."""
-
-    url: str
-
-    def infer(self, sequence_id: int, request: PlannedRequest, timeout_s: float) -> np.ndarray:
-        """Send one request; return `model_outputs` (float32) or raise RequestFailure."""
-
-    def close(self) -> None: ...
-
-
-Connect = Callable[[str, str], Connection]
-
-
 class GrpcConnection:
-    """A stream's own gRPC channel to one server: unary requests, each with `STREAM_KEY_HEADER`."""
+    """A stream's own gRPC channel to one server (no subchannel shared with other clients of this
+    process): `infer` returns `model_outputs` or raises RequestFailure. Tests connect to fakes instead."""
 
-    # No subchannel shared with other clients of this process.
-    CHANNEL_ARGS = (*CHANNEL_ARGS, ("grpc.use_local_subchannel_pool", 1))
-
-    def __init__(self, url: str, stream_key: str, model_name: str = MODEL_NAME, credentials: Credentials = PLAINTEXT):
+    def __init__(self, url: str, stream_key: str, options: StreamOptions, credentials: Credentials):
         import tritonclient.grpc as grpcclient
 
-        self.url = url
-        self.model_name = model_name
-        self._grpc = grpcclient
+        self.url, self.model_name, self._grpc = url, options.model_name, grpcclient
         self._headers = {**credentials.headers(), STREAM_KEY_HEADER: stream_key}
-        self._client = grpcclient.InferenceServerClient(url, channel_args=list(self.CHANNEL_ARGS),
-                                                        creds=credentials.channel_credentials())
+        self._client = grpcclient.InferenceServerClient(
+            url, channel_args=[*CHANNEL_ARGS, ("grpc.use_local_subchannel_pool", 1)],
+            creds=credentials.channel_credentials())
 
     def infer(self, sequence_id: int, request: PlannedRequest, timeout_s: float) -> np.ndarray:
         from tritonclient.utils import InferenceServerException
@@ -80,23 +59,17 @@ class GrpcConnection:
         self._client.close()
 
 
-class Code2WavClient:
-    """Streams decoded by code2wav from threads (the package's docstring has an example). `urls`: one
-    server (or a proxy), or several to fail over between. `credentials` adds TLS and the inference
-    key; `connect(url, stream_key) -> Connection`, `clock` and `sleep` replace network and time (tests)."""
+Connect = Callable[[str, str], GrpcConnection]  # (url, stream key) -> a connection
+
+
+class Code2WavClient(PlannedClient):
+    """Streams decoded by code2wav from threads. `connect`, `clock` and `sleep` replace network and time."""
 
     def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
                  connect: Connect | None = None, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, credentials: Credentials = PLAINTEXT):
-        options.validate()
-        credentials.validate()
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
-        if not self.urls:
-            raise ClientError("the client needs at least one server URL")
-        self.options = options
-        self.credentials = credentials
-        self._connect = connect if connect is not None else (
-            lambda url, key: GrpcConnection(url, key, options.model_name, credentials))
+        super().__init__(urls, options, credentials)
+        self._connect = connect or (lambda url, key: GrpcConnection(url, key, options, credentials))
         self._clock, self._sleep = clock, sleep
 
     def __enter__(self) -> Code2WavClient:
@@ -106,8 +79,7 @@ class Code2WavClient:
         pass  # every stream closes its own connection
 
     def check_ready(self, timeout_s: float = 10.0) -> None:
-        """Raise ClientError (one line) unless every URL answers and its model is ready (the asyncio
-        client's check; call it where no event loop runs)."""
+        """The asyncio client's `check_ready`, for where no event loop runs."""
         from .aio import Code2WavClient as AsyncClient
 
         async def check() -> None:
@@ -123,17 +95,12 @@ class Code2WavClient:
 
 
 class Code2WavStream(PlannedStream):
-    """One stream of a `Code2WavClient` (attributes: `PlannedStream`). A request that fails because
-    its server is gone or going (`request_failure`) is resumed on a new sequence, as `plan.StreamPlan`
-    says, on the next URL each attempt (with one URL, where a proxy now routes the key), until
-    `options.resume_timeout_s`; nothing is lost or repeated. The resumed sequence keeps the sequence
-    id: a replica that still holds it (a lost connection) resets it rather than let a second copy
-    idle out. A hung server stalls the stream for `options.response_timeout_s` before the resume."""
+    """One stream of a `Code2WavClient`. A resumed sequence keeps the sequence id: a replica that still
+    holds it (a lost connection) resets it rather than let a second copy idle out."""
 
     def __init__(self, client: Code2WavClient, sequence_id: int | None = None, stream_key: str | None = None):
-        self._plan = StreamPlan(client.urls, client.options, sequence_id, stream_key, client._clock)
-        self._client = client
-        self._connection: Connection | None = None
+        super().__init__(client, sequence_id, stream_key, client._clock)
+        self._connection: GrpcConnection | None = None
 
     def __enter__(self) -> Code2WavStream:
         return self
@@ -142,8 +109,11 @@ class Code2WavStream(PlannedStream):
         self.close()
 
     def close(self) -> None:
-        """Close the connection; a stream not ENDed is dropped by the server after its idle timeout."""
-        self._drop_connection()
+        """Close the connection (a later request opens another); a stream not ENDed is dropped by the server
+        after its idle timeout."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
 
     def decode(self, codes: np.ndarray, end: bool = False) -> np.ndarray:
         """PCM float32 [F * 1920] of the stream's next frames, codes [k, F] (F >= 1), the last ones with
@@ -154,28 +124,22 @@ class Code2WavStream(PlannedStream):
                 step = steps.send(outcome)
             except StopIteration as done:
                 return done.value
-            outcome = self._send(step) if isinstance(step, Send) else self._client._sleep(step)
+            outcome = self._send(step) if isinstance(step, PlannedRequest) else self._client._sleep(step)
 
-    def _send(self, step: Send) -> np.ndarray | RequestFailure:
-        if self._connection is not None and self._connection.url != step.url:
-            self._drop_connection()
+    def _send(self, request: PlannedRequest) -> np.ndarray | RequestFailure:
+        if self._connection is not None and self._connection.url != self.url:
+            self.close()
         if self._connection is None:
-            self._connection = self._client._connect(step.url, self.stream_key)
+            self._connection = self._client._connect(self.url, self.stream_key)
         try:
-            return self._connection.infer(self.sequence_id, step.request, self._client.options.response_timeout_s)
+            return self._connection.infer(self.sequence_id, request, self._client.options.response_timeout_s)
         except RequestFailure as failure:
-            self._drop_connection()
+            self.close()
             return failure
-
-    def _drop_connection(self) -> None:
-        if self._connection is not None:
-            connection, self._connection = self._connection, None
-            connection.close()
 
 
 class StreamsFailed(ClientError):
-    """A run that a stream's failure stopped; `received`: per stream, the PCM that came back before
-    (float32, whole frames: it stopped at frame `len(pcm) // 1920`)."""
+    """A run that a stream's failure stopped; `received`: per stream, the PCM (whole frames) that came back."""
 
     def __init__(self, message: str, received: list[np.ndarray]):
         super().__init__(message)
@@ -186,12 +150,11 @@ def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
                 options: StreamOptions = DEFAULT_OPTIONS, sequence_ids: Sequence[int] | None = None,
                 stream_keys: Sequence[str] | None = None, progress: Callable[[int, int], None] | None = None,
                 connect: Connect | None = None, credentials: Credentials = PLAINTEXT) -> RunReport:
-    """Decode each [k, F] code array as its own `Code2WavStream`, all at once, one thread each.
-
-    Requests hold `options.first_chunk_frames` frames, then `options.chunk_frames`. Unpaced, each goes
-    when the previous answer came back; paced, when its last frame would exist too (frame j at
-    j * 80 ms, the streams' starts spread over one request's period); with `catch_up`, each carries
-    every frame existing by then. The first stream to fail stops the others: StreamsFailed."""
+    """Decode each [k, F] code array as its own `Code2WavStream`, all at once, one thread each. Requests
+    hold `options.first_chunk_frames` frames, then `options.chunk_frames`; unpaced, each goes when the
+    previous answer came back; paced, when its last frame would exist too (frame j at j * 80 ms, the
+    streams' starts spread over one request's period); with `catch_up`, each carries every frame existing
+    by then. The first stream to fail stops the others: StreamsFailed."""
     client = Code2WavClient(urls, options, connect, credentials=credentials)
     codes_list = [validate_codes(c) for c in streams_codes]
     if not codes_list:
@@ -200,25 +163,20 @@ def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
     stream_keys = [str(sid) for sid in sequence_ids] if stream_keys is None else list(stream_keys)
     if len(stream_keys) != len(codes_list) or len(set(stream_keys)) != len(stream_keys):
         raise ClientError("stream keys must be distinct, one per stream")
-    period_s = options.chunk_frames * FRAME_DURATION_S
-    frames_total = sum(c.shape[1] for c in codes_list)
     results: list[StreamResult | None] = [None] * len(codes_list)
     received: list[list[np.ndarray]] = [[] for _ in codes_list]
     failures: list[BaseException] = []
-    stop = threading.Event()
-    lock = threading.Lock()
-    frames_done = 0
-    run_start_s = time.perf_counter()
+    stop, lock = threading.Event(), threading.Lock()
+    frames_done, frames_total, run_start_s = 0, sum(c.shape[1] for c in codes_list), time.perf_counter()
 
     def run_one(index: int) -> None:
         nonlocal frames_done
-        codes = codes_list[index]
-        total = codes.shape[1]
+        codes, pcm, sizes, latencies_s, sent_times_s = codes_list[index], received[index], [], [], []
+        total, first = codes.shape[1], 0
         bounds = chunk_bounds(total, options.chunk_frames, options.first_chunk_frames)
+        period_s = options.chunk_frames * FRAME_DURATION_S  # a request's: paced streams start spread over it
         start_s = run_start_s + (index * period_s / len(codes_list) if options.paced else 0.0)
-        pcm, sizes, latencies_s, sent_times_s = received[index], [], [], []
         with client.stream(stream_keys[index], sequence_ids[index]) as stream:
-            first = 0
             while first < total:
                 stop_frame = bounds[len(sizes)][1] if not options.catch_up else min(
                     total, first + (options.first_chunk_frames if first == 0 else 1))
@@ -231,10 +189,9 @@ def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
                         stop_frame = min(total, max(stop_frame, produced))
                 if stop.is_set():
                     return
-                sent_s = time.perf_counter()
+                sent_times_s.append(time.perf_counter())
                 pcm.append(stream.decode(codes[:, first:stop_frame], end=stop_frame == total))
-                latencies_s.append(time.perf_counter() - sent_s)
-                sent_times_s.append(sent_s)
+                latencies_s.append(time.perf_counter() - sent_times_s[-1])
                 sizes.append(stop_frame - first)
                 with lock:
                     frames_done += stop_frame - first
@@ -244,8 +201,7 @@ def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
             results[index] = StreamResult(
                 sequence_id=stream.sequence_id, frames=total, pcm=np.concatenate(pcm), chunk_frames=sizes,
                 chunk_latencies_s=latencies_s, started_s=sent_times_s[0], finished_s=time.perf_counter(),
-                resumes=list(stream.resumes), stream_key=stream.stream_key, chunk_sent_s=sent_times_s,
-            )
+                resumes=list(stream.resumes), stream_key=stream.stream_key, chunk_sent_s=sent_times_s)
 
     def guarded(index: int) -> None:
         try:

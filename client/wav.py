@@ -33,51 +33,40 @@ class WavData:
 
     def to_float32_mono(self) -> np.ndarray:
         """Samples as float32 in [-1, 1], channels averaged: [frames]."""
-        samples = self.samples
-        if self.sample_format.startswith("float"):
-            scaled = samples.astype(np.float32)
-        elif self.sample_format == "int8":
-            scaled = (samples.astype(np.float32) - 128.0) / 128.0
-        else:
-            bits = int(self.sample_format[3:])
-            scaled = samples.astype(np.float32) / float(2 ** (bits - 1))
+        scaled = self.samples.astype(np.float32)
+        if self.sample_format == "int8":
+            scaled = (scaled - 128.0) / 128.0
+        elif self.sample_format.startswith("int"):
+            scaled /= float(2 ** (int(self.sample_format[3:]) - 1))
         return scaled.mean(axis=1, dtype=np.float32) if scaled.shape[1] > 1 else scaled[:, 0]
 
 
-def pcm_to_int16(pcm: np.ndarray) -> np.ndarray:
-    """float PCM -> int16, clipped to [-1, 1] first (values outside would wrap around)."""
-    clipped = np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0)
-    return np.round(clipped * INT16_FULL_SCALE).astype("<i2")
-
-
 def write_wav(path: str | Path, pcm: np.ndarray, sample_rate_hz: int, sample_format: str = "float32") -> None:
-    """Write mono float PCM [samples]: float32 as given (with the `fact` chunk non-PCM formats require),
-    or int16 clipped to [-1, 1] and scaled by 32767."""
+    """Write mono float PCM [samples]: float32 as given (with the `fact` chunk non-PCM formats require), or
+    int16 clipped to [-1, 1] and scaled by 32767 (values outside would wrap around)."""
     if sample_format not in SAMPLE_FORMATS:
         raise ValueError(f"sample_format must be one of {SAMPLE_FORMATS}, got {sample_format!r}")
     pcm = np.asarray(pcm)
     if pcm.ndim != 1:
         raise ValueError(f"pcm must be 1-D (mono), got shape {pcm.shape}")
     if sample_format == "float32":
-        data = np.ascontiguousarray(pcm, dtype="<f4").tobytes()
-        format_tag, bytes_per_sample = WAVE_FORMAT_IEEE_FLOAT, 4
+        data, format_tag, sample_bytes = np.ascontiguousarray(pcm, dtype="<f4").tobytes(), WAVE_FORMAT_IEEE_FLOAT, 4
     else:
-        data = pcm_to_int16(pcm).tobytes()
-        format_tag, bytes_per_sample = WAVE_FORMAT_PCM, 2
-    channels, block_align = 1, bytes_per_sample
-    fmt = struct.pack("<HHIIHH", format_tag, channels, sample_rate_hz, sample_rate_hz * block_align, block_align,
-                      8 * bytes_per_sample)
+        int16 = np.round(np.clip(pcm.astype(np.float32), -1.0, 1.0) * INT16_FULL_SCALE).astype("<i2")
+        data, format_tag, sample_bytes = int16.tobytes(), WAVE_FORMAT_PCM, 2
+    fmt = struct.pack("<HHIIHH", format_tag, 1, sample_rate_hz, sample_rate_hz * sample_bytes, sample_bytes,
+                      8 * sample_bytes)
     chunks = [b"fmt ", struct.pack("<I", len(fmt)), fmt]
     if format_tag != WAVE_FORMAT_PCM:
         chunks += [b"fact", struct.pack("<II", 4, len(pcm))]
-    chunks += [b"data", struct.pack("<I", len(data)), data]
-    if len(data) % 2:
-        chunks.append(b"\0")  # RIFF chunks are word-aligned
+    chunks += [b"data", struct.pack("<I", len(data)), data, b"\0" * (len(data) % 2)]  # RIFF chunks are word-aligned
     body = b"WAVE" + b"".join(chunks)
     Path(path).write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
 
 
-def _chunks(blob: bytes, path) -> dict[bytes, bytes]:
+def read_wav(path: str | Path) -> WavData:
+    """Read a WAV file: integer PCM (8/16/24/32-bit) or IEEE float (32/64-bit), any channel count."""
+    blob = Path(path).read_bytes()
     if len(blob) < 12 or blob[:4] != b"RIFF" or blob[8:12] != b"WAVE":
         raise WavError(f"{path}: not a RIFF/WAVE file")
     chunks, position = {}, 12
@@ -85,13 +74,6 @@ def _chunks(blob: bytes, path) -> dict[bytes, bytes]:
         chunk_id, size = blob[position : position + 4], struct.unpack("<I", blob[position + 4 : position + 8])[0]
         chunks.setdefault(chunk_id, blob[position + 8 : position + 8 + size])
         position += 8 + size + (size % 2)
-    return chunks
-
-
-def read_wav(path: str | Path) -> WavData:
-    """Read a WAV file: integer PCM (8/16/24/32-bit) or IEEE float (32/64-bit), any channel count."""
-    blob = Path(path).read_bytes()
-    chunks = _chunks(blob, path)
     if b"fmt " not in chunks or b"data" not in chunks:
         raise WavError(f"{path}: no fmt or data chunk")
     fmt = chunks[b"fmt "]
@@ -104,14 +86,11 @@ def read_wav(path: str | Path) -> WavData:
         format_tag = struct.unpack("<H", fmt[24:26])[0]  # first two bytes of the sub-format GUID
     if channels < 1 or block_align != channels * (bits // 8):
         raise WavError(f"{path}: inconsistent fmt chunk ({channels} channels, {bits} bits, block {block_align})")
-    data = chunks[b"data"]
-    data = data[: len(data) - len(data) % block_align]
+    data = chunks[b"data"][: len(chunks[b"data"]) - len(chunks[b"data"]) % block_align]
     if format_tag == WAVE_FORMAT_IEEE_FLOAT and bits in (32, 64):
-        sample_format = f"float{bits}"
-        samples = np.frombuffer(data, dtype=f"<f{bits // 8}")
+        sample_format, samples = f"float{bits}", np.frombuffer(data, dtype=f"<f{bits // 8}")
     elif format_tag == WAVE_FORMAT_PCM and bits in (8, 16, 32):
-        sample_format = f"int{bits}"
-        samples = np.frombuffer(data, dtype={8: "u1", 16: "<i2", 32: "<i4"}[bits])
+        sample_format, samples = f"int{bits}", np.frombuffer(data, dtype={8: "u1", 16: "<i2", 32: "<i4"}[bits])
     elif format_tag == WAVE_FORMAT_PCM and bits == 24:
         sample_format = "int24"
         triplets = np.frombuffer(data, dtype=np.uint8).reshape(-1, 3).astype(np.int32)

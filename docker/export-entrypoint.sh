@@ -1,49 +1,36 @@
 #!/bin/sh
-# One-shot jobs of docker-compose.yml. Runs from the root of the project tree it sits in: /app in
-# the export image, the read-only checkout mounted at /workspace in the NGC tritonserver image.
+# One-shot jobs of docker-compose.yml, run from the root of the project tree this file sits in (/app
+# in the export image, the read-only checkout at /workspace in the NGC tritonserver image):
 #
-#   export           (export image) Export model.onnx from the mounted weights into $EXPORT_DIR,
-#                    skipped when the export there matches the weights and options; render the
-#                    native ONNX Runtime repository (code2wav + mimi_decoder) with KIND_GPU
-#                    instances into $MODELS_DIR and with KIND_CPU instances into $MODELS_CPU_DIR;
-#                    write the trtexec command lines the TensorRT profile runs.
-#   tensorrt-plan    (NGC tritonserver image, GPU) Build the TensorRT plan with the image's own
-#                    trtexec, i.e. the TensorRT that will deserialize it. Skipped when the plan in
-#                    $EXPORT_DIR/tensorrt was built from the same export, command and GPU model.
+#   export           (export image) Export model.onnx from the mounted weights into $EXPORT_DIR (skipped
+#                    when the export there matches the weights and options); render the native ONNX
+#                    Runtime repository with KIND_GPU instances into $MODELS_DIR and with KIND_CPU ones
+#                    into $MODELS_CPU_DIR; write the trtexec command lines of the TensorRT profile.
+#   tensorrt-plan    (NGC tritonserver image, GPU) Build the TensorRT plan with the image's own trtexec,
+#                    the TensorRT that will deserialize it; skipped when the plan in $EXPORT_DIR/tensorrt
+#                    was built from the same export, command and GPU model.
 #   tensorrt-render  (export image) Render the TensorRT repository around that plan into $MODELS_DIR.
 #
-# Nothing is installed or downloaded here: every dependency is in the image.
-#
-# Environment (defaults in brackets):
-#   MIMI_WEIGHTS       file or folder inside $WEIGHTS_ROOT: a transformers folder (config.json +
-#                      model.safetensors) or a moshi-format .safetensors file [the folder itself]
-#   MIMI_RANDOM_INIT   1: seeded random weights instead (the audio is noise; smoke tests) [0]
-#   MIMI_RANDOM_SEED   seed for MIMI_RANDOM_INIT [0]
-#   EXPORT_ARGS        extra flags for `code2wav-export build`, e.g. "--kv-cache-dtype float16" []
-#   RENDER_ARGS        extra flags for `code2wav-export render`, e.g. "--instance-count 2" []
-#   MAX_BATCH_SIZE     the decoder config's max_batch_size, and the TensorRT profile's max batch [64]
-#   TENSORRT_FP16      1: the fp16 plan (RoPE angles kept in fp32) instead of the fp32 one [0]
-#   TENSORRT_REBUILD   1: rebuild the plan even when it is up to date [0]
-#   WEIGHTS_ROOT [/weights]  EXPORT_DIR [/export]  MODELS_DIR [/models]  MODELS_CPU_DIR [/models-cpu]
-#   PYTHON [python]  TRTEXEC [/usr/src/tensorrt/bin/trtexec, where the NGC image has it]
+# Nothing is installed or downloaded here.
 set -eu
 
 cd "$(dirname "$0")/.."
 
+# Environment, with its defaults:
 WEIGHTS_ROOT=${WEIGHTS_ROOT:-/weights}
+MIMI_WEIGHTS=${MIMI_WEIGHTS:-}                  # in $WEIGHTS_ROOT (empty: itself): transformers folder or moshi file
+MIMI_RANDOM_INIT=${MIMI_RANDOM_INIT:-0}         # 1: seeded random weights instead (noise; smoke tests)
+MIMI_RANDOM_SEED=${MIMI_RANDOM_SEED:-0}
+EXPORT_ARGS=${EXPORT_ARGS:-}                    # extra flags for `code2wav-export build`, e.g. "--kv-cache-dtype float16"
+RENDER_ARGS=${RENDER_ARGS:-}                    # extra flags for `code2wav-export render`, e.g. "--instance-count 2"
+MAX_BATCH_SIZE=${MAX_BATCH_SIZE:-64}            # the decoder's max_batch_size and the TensorRT profile's max batch
+TENSORRT_FP16=${TENSORRT_FP16:-0}               # 1: the fp16 plan (RoPE angles kept in fp32)
+TENSORRT_REBUILD=${TENSORRT_REBUILD:-0}         # 1: rebuild the plan even when it is up to date
 EXPORT_DIR=${EXPORT_DIR:-/export}
 MODELS_DIR=${MODELS_DIR:-/models}
 MODELS_CPU_DIR=${MODELS_CPU_DIR:-/models-cpu}
-MIMI_WEIGHTS=${MIMI_WEIGHTS:-}
-MIMI_RANDOM_INIT=${MIMI_RANDOM_INIT:-0}
-MIMI_RANDOM_SEED=${MIMI_RANDOM_SEED:-0}
-EXPORT_ARGS=${EXPORT_ARGS:-}
-RENDER_ARGS=${RENDER_ARGS:-}
-MAX_BATCH_SIZE=${MAX_BATCH_SIZE:-64}
-TENSORRT_FP16=${TENSORRT_FP16:-0}
-TENSORRT_REBUILD=${TENSORRT_REBUILD:-0}
 PYTHON=${PYTHON:-python}
-TRTEXEC=${TRTEXEC:-/usr/src/tensorrt/bin/trtexec}
+TRTEXEC=${TRTEXEC:-/usr/src/tensorrt/bin/trtexec}  # where the NGC image has it
 TENSORRT_DIR=$EXPORT_DIR/tensorrt
 
 log() { printf 'export-entrypoint: %s\n' "$*" >&2; }
@@ -81,24 +68,14 @@ render() {  # target, repository folder, instance kind, extra arguments...
     log "$out: code2wav + mimi_decoder ($target, $kind)"
 }
 
-# One argument per line, so that no shell ever re-splits the command (layer names, paths).
-write_trtexec_args() {
-    "$PYTHON" - "$EXPORT_DIR" "$TENSORRT_DIR" "$TRTEXEC" "$MAX_BATCH_SIZE" <<'PYTHON'
-import json
-import sys
-from pathlib import Path
-
-from mimi_code2wav.export.spec import DecoderSpec
-from mimi_code2wav.export.tensorrt_build import trtexec_command
-
-export_dir, out_dir, trtexec, max_batch = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-spec = DecoderSpec.from_dict(json.loads((export_dir / "manifest.json").read_text())["spec"])
-out_dir.mkdir(parents=True, exist_ok=True)
-for precision in ("fp32", "fp16"):
-    command = trtexec_command(trtexec, export_dir / "model.onnx", out_dir / f"model-{precision}.plan", spec,
-                              max_batch, fp16=precision == "fp16")
-    (out_dir / f"trtexec-{precision}.args").write_text("".join(f"{arg}\n" for arg in command))
-PYTHON
+write_trtexec_args() {  # one argument per line, so that no shell ever re-splits them (layer names, paths)
+    mkdir -p "$TENSORRT_DIR"
+    for variant in fp32 fp16; do
+        if [ "$variant" = fp16 ]; then set -- --fp16; else set --; fi
+        "$PYTHON" -m mimi_code2wav.export.tensorrt_build --export-dir "$EXPORT_DIR" --trtexec "$TRTEXEC" \
+            --out "$TENSORRT_DIR/model-$variant.plan" --max-batch "$MAX_BATCH_SIZE" --print-command "$@" \
+            >"$TENSORRT_DIR/trtexec-$variant.args"
+    done
     log "$TENSORRT_DIR: trtexec command lines for the tensorrt profile"
 }
 

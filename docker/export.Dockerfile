@@ -1,20 +1,16 @@
-# The export image: PyTorch (CPU) + transformers + ONNX, and the project (mimi_code2wav) installed as a
-# package, its model sources included as package data.
-# It turns mounted Mimi weights into model.onnx and renders the Triton model repositories
-# (docker/export-entrypoint.sh). Every dependency is installed here, at build time, pinned by
-# pyproject.toml's `export` extra and requirements/constraints.txt; the container installs nothing.
-#
-#   docker compose build export
-#
-# Build context: the repository root. docker/export.Dockerfile.dockerignore keeps the context small.
+# The export image (`docker compose build export`): PyTorch (CPU), transformers, ONNX and the project
+# installed as a package, its model sources as package data. It turns mounted Mimi weights into
+# model.onnx and renders the Triton model repositories (docker/export-entrypoint.sh). Every dependency
+# is installed here at build time, pinned by pyproject.toml's `export` extra and
+# requirements/constraints.txt. Build context: the repository root, kept small by
+# docker/export.Dockerfile.dockerignore.
 
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE}
 
-# Equal to the torch pin of pyproject.toml's `export` extra (the build fails otherwise). The CPU
-# wheel comes from PyTorch's CPU index: PyPI's Linux wheel of the same version is the CUDA build.
-# TORCH_FIND_LINKS, a folder inside the base image holding that wheel, installs it from there
-# instead (no index is asked).
+# Equal to the torch pin of pyproject.toml's `export` extra (the build fails otherwise). The CPU wheel
+# comes from PyTorch's CPU index (PyPI's Linux wheel is the CUDA build), or from TORCH_FIND_LINKS, a
+# folder inside the base image holding it (no index is asked).
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_FIND_LINKS=

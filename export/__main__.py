@@ -3,10 +3,8 @@
   code2wav-export build  [--weights SRC | --random-init --seed N] [--max-frames-per-step 16] [--window moshi|exact]
                          [--kv-cache-dtype float32|float16] [--opset 17] [--out DIR] [--force]
   code2wav-export render --target onnxruntime|tensorrt|python-ort|null --export-dir DIR --out DIR [--max-live-streams 1024]
-  code2wav-export render --check-in      (rewrites model_repository/mimi_decoder/config.pbtxt)
+  code2wav-export render --check-in      (rewrites model_repository/mimi_decoder/config.pbtxt, default options)
   code2wav-export encode --weights SRC in.wav --out codes.npy
-
-Argument parsing only: the work is in `pipeline` (build, render) and `encode`.
 """
 
 from __future__ import annotations
@@ -15,10 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import pipeline
 from .onnx_export import OPSETS, ExportOptions
-from .pipeline import DEFAULT_EXPORT_DIR, build, check_in_config, choose_weights, export_dir_for, log, render_export
-from .render import TARGETS
-from .serving_flags import add_serving_arguments, serving_from_args
+from .render import TARGETS, add_serving_arguments, serving_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,22 +23,19 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add_options(p):
-        p.add_argument("--num-codebooks", type=int, default=8)
-        p.add_argument("--max-frames-per-step", type=int, default=16,
-                       help="the most frames one decoder call takes (any 1..N per call, one state)")
-        p.add_argument("--window", choices=("moshi", "exact"), default="moshi",
-                       help="moshi: equal to moshi's streaming decoder; exact: equal to offline decoding")
-        p.add_argument("--kv-cache-dtype", choices=("float32", "float16"), default="float32")
-        p.add_argument("--opset", type=int, choices=OPSETS, default=17)
-
     b = sub.add_parser("build", help="export model.onnx and its manifest")
     b.add_argument("--weights", help="transformers folder, moshi .safetensors file, or hub id (e.g. kyutai/mimi)")
     b.add_argument("--random-init", action="store_true", help="seeded random weights: the audio is noise")
     b.add_argument("--seed", type=int, default=None)
-    b.add_argument("--out", type=Path, help=f"output folder (default {DEFAULT_EXPORT_DIR}/<options>)")
+    b.add_argument("--out", type=Path, help=f"output folder (default {pipeline.DEFAULT_EXPORT_DIR}/<options>)")
     b.add_argument("--force", action="store_true", help="export even if the manifest matches")
-    add_options(b)
+    b.add_argument("--num-codebooks", type=int, default=8)
+    b.add_argument("--max-frames-per-step", type=int, default=16,
+                   help="the most frames one decoder call takes (any 1..N per call, one state)")
+    b.add_argument("--window", choices=("moshi", "exact"), default="moshi",
+                   help="moshi: equal to moshi's streaming decoder; exact: equal to offline decoding")
+    b.add_argument("--kv-cache-dtype", choices=("float32", "float16"), default="float32")
+    b.add_argument("--opset", type=int, choices=OPSETS, default=17)
 
     r = sub.add_parser("render", help="render mimi_decoder config(s) / a model repository")
     r.add_argument("--target", choices=TARGETS, default="python-ort",
@@ -52,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_serving_arguments(r)
     r.add_argument("--check-in", action="store_true",
                    help="rewrite the checked-in native ORT config from the default options")
-    add_options(r)
 
     e = sub.add_parser("encode", help="turn a WAV file into codes with Mimi's encoder",
                        description="Encode audio into Mimi codes [k, frames] saved as .npy. Mimi takes 24000 Hz: "
@@ -66,32 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .weights import WeightsError
-
     try:
         if args.command == "encode":
-            from .encode import EncodeError, encode_file
-
-            try:
-                encode_file(args.input, args.weights, args.out, args.num_codebooks)
-            except EncodeError as error:
-                log(f"error: {error}")
-                return 1
+            pipeline.encode_file(args.input, args.weights, args.out, args.num_codebooks)
             return 0
-        options = ExportOptions(args.num_codebooks, args.max_frames_per_step, args.window, args.kv_cache_dtype, args.opset)
         if args.command == "build":
-            loaded = choose_weights(args.weights, args.random_init, args.seed)
-            print(build(options, loaded, args.out or export_dir_for(options), args.force))
+            options = ExportOptions(args.num_codebooks, args.max_frames_per_step, args.window, args.kv_cache_dtype,
+                                    args.opset)
+            loaded = pipeline.choose_weights(args.weights, args.random_init, args.seed)
+            print(pipeline.build(options, loaded, args.out or pipeline.export_dir_for(options), args.force))
         elif args.check_in:
-            print(check_in_config(options))
+            print(pipeline.check_in_config())
         elif args.export_dir is None or args.out is None:
             raise ValueError("render needs --export-dir and --out (or --check-in)")
         else:
             serving = serving_from_args(args, args.target)
-            print(render_export(args.export_dir, args.out, args.target, serving, args.plan))
+            print(pipeline.render_export(args.export_dir, args.out, args.target, serving, args.plan))
         return 0
-    except (WeightsError, ValueError, FileNotFoundError) as error:
-        log(f"error: {error}")
+    except (ValueError, FileNotFoundError) as error:  # WeightsError is a ValueError
+        pipeline.log(f"error: {error}")
         return 2
 
 

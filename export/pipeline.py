@@ -1,11 +1,21 @@
-"""The export pipeline: weights -> model.onnx + manifest -> rendered Triton model repositories."""
+"""The export side's jobs: weights -> model.onnx + manifest -> rendered Triton model repositories, and
+speech -> codes with Mimi's encoder (`code2wav-export encode`)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from .onnx_export import ExportOptions
+import numpy as np
+import torch
+
+from mimi_code2wav.client.protocol import SAMPLE_RATE_HZ
+from mimi_code2wav.client.wav import WavError, read_wav
+
+from .onnx_export import MODEL_FILE, ExportOptions, build_step, export_onnx, read_manifest, stale_reason, write_manifest
+from .render import CHECKED_IN_CONFIG, DecoderServing, render_config, render_repository
+from .spec import DecoderSpec
+from .weights import WeightsError, load_weights, new_model
 
 DEFAULT_EXPORT_DIR = Path("build") / "export"
 DEFAULT_HUB_ID = "kyutai/mimi"
@@ -21,8 +31,6 @@ def export_dir_for(options: ExportOptions, root: Path = DEFAULT_EXPORT_DIR) -> P
 
 def choose_weights(weights: str | None, random_init: bool, seed: int | None, allow_default: bool = False):
     """Weights from --weights / --random-init; with allow_default, kyutai/mimi or random seed 0 as fallback."""
-    from .weights import WeightsError, load_weights
-
     if random_init:
         return load_weights(None, seed=0 if seed is None else seed)
     if weights:
@@ -38,8 +46,6 @@ def choose_weights(weights: str | None, random_init: bool, seed: int | None, all
 
 def build(options: ExportOptions, loaded, out_dir: Path, force: bool = False) -> Path:
     """Export model.onnx + manifest.json into out_dir unless an up-to-date export is there."""
-    from .onnx_export import MODEL_FILE, build_step, export_onnx, stale_reason, write_manifest
-
     options.validate()
     reason = stale_reason(out_dir, options, loaded.sha256)
     if reason is None and not force:
@@ -61,8 +67,6 @@ def prepare_local_repository(weights: str | None = None, random_init: bool = Fal
                              target: str = "python-ort", serving=None) -> Path:
     """Export (when missing or stale) and render code2wav + the `target` mimi_decoder under `build_root`
     for a local server (`serving` default: CPU instances); weights as `choose_weights` with allow_default."""
-    from .render import DecoderServing
-
     options = options or ExportOptions()
     loaded = choose_weights(weights, random_init, seed, allow_default=True)
     export_dir = build(options, loaded, export_dir_for(options, build_root / "export"))
@@ -74,18 +78,11 @@ def prepare_local_repository(weights: str | None = None, random_init: bool = Fal
 
 def spec_for_options(options: ExportOptions):
     """The spec an export with these options has; it depends on the architecture, not the weights."""
-    from .onnx_export import build_step
-    from .weights import new_model
-
     return build_step(new_model(), options).spec()
 
 
 def render_export(export_dir: Path, out_dir: Path, target: str, serving, plan_path: Path | None = None) -> Path:
     """Render a complete model repository (code2wav + mimi_decoder for `target`) around an export."""
-    from .onnx_export import MODEL_FILE, read_manifest
-    from .render import render_repository
-    from .spec import DecoderSpec
-
     manifest = read_manifest(export_dir)
     if manifest is None:
         raise FileNotFoundError(f"{export_dir} holds no export (run `code2wav-export build` first)")
@@ -93,9 +90,42 @@ def render_export(export_dir: Path, out_dir: Path, target: str, serving, plan_pa
     return render_repository(spec, export_dir / MODEL_FILE, out_dir, target, serving, plan_path)
 
 
-def check_in_config(options: ExportOptions) -> Path:
-    """Rewrite the checked-in native ORT config (model_repository/mimi_decoder/config.pbtxt)."""
-    from .render import CHECKED_IN_CONFIG, render_config
-
-    CHECKED_IN_CONFIG.write_text(render_config(spec_for_options(options), "onnxruntime"))
+def check_in_config() -> Path:
+    """Rewrite the checked-in native ORT config (model_repository/mimi_decoder/config.pbtxt) from the
+    default options."""
+    CHECKED_IN_CONFIG.write_text(render_config(spec_for_options(ExportOptions()), "onnxruntime"))
     return CHECKED_IN_CONFIG
+
+
+def resample_linear(audio: np.ndarray, from_hz: int, to_hz: int) -> np.ndarray:
+    """Linear-interpolation resampling (no anti-aliasing filter: fine for speech near 24 kHz)."""
+    if from_hz == to_hz:
+        return audio
+    duration_s = len(audio) / from_hz
+    target_times = np.arange(int(round(duration_s * to_hz))) / to_hz
+    return np.interp(target_times, np.arange(len(audio)) / from_hz, audio).astype(np.float32)
+
+
+def encode_file(input_path: Path, weights: str, out_path: Path, num_codebooks: int = 8) -> np.ndarray:
+    """Encode a WAV file (any PCM/float format, channels averaged, resampled to 24 kHz) into codes
+    int64 [num_codebooks, frames] and save them to `out_path` (.npy). Raises ValueError (WeightsError
+    for the weights) saying what cannot be used."""
+    try:
+        wav = read_wav(input_path)
+    except (OSError, WavError) as exc:
+        raise ValueError(f"cannot read {input_path}: {exc}") from None
+    audio = wav.to_float32_mono()
+    if wav.channels > 1:
+        log(f"note: {input_path} has {wav.channels} channels; encoding their average")
+    if wav.sample_rate_hz != SAMPLE_RATE_HZ:
+        log(f"note: resampling {wav.sample_rate_hz} Hz -> {SAMPLE_RATE_HZ} Hz by linear interpolation")
+        audio = resample_linear(audio, wav.sample_rate_hz, SAMPLE_RATE_HZ)
+    model = load_weights(weights).model.eval()
+    with torch.no_grad():
+        codes = model.encode(torch.from_numpy(audio).view(1, 1, -1), num_quantizers=num_codebooks).audio_codes
+    codes = codes[0].numpy().astype(np.int64)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(out_path, codes)
+    print(f"wrote {out_path}: codes {list(codes.shape)} ({codes.shape[1]} frames, "
+          f"{len(audio) / SAMPLE_RATE_HZ:.2f} s of audio)")
+    return codes

@@ -32,13 +32,13 @@ def moshi_reference(checkpoint: str, codes: np.ndarray) -> np.ndarray:
     return moshi_stream_decode(get_mimi(checkpoint, device="cpu", num_codebooks=codes.shape[1]), codes)
 
 
-def step_reference(model, codes: np.ndarray) -> np.ndarray:
-    """The PyTorch streaming step (moshi window), one frame per call: [B, k, F] -> [B, F*1920]."""
+def step_reference(model, codes: np.ndarray, window: str = "moshi") -> np.ndarray:
+    """The PyTorch streaming step, one frame per call: [B, k, F] -> [B, F*1920]."""
     import torch
 
     from .step import MimiDecoderStep
 
-    step = MimiDecoderStep(model, num_codebooks=codes.shape[1], window="moshi").eval()
+    step = MimiDecoderStep(model, num_codebooks=codes.shape[1], max_frames_per_step=1, window=window).eval()
     state = step.zero_state(codes.shape[0])
     chunks = []
     with torch.no_grad():

@@ -1,27 +1,26 @@
-"""Render the Triton configs of `mimi_decoder` and `code2wav` from a decoder spec, for the targets of
-docs/design.md §4 and `null` (bench only: silence at once, no state, to measure the front's ceiling).
-Templates are filled with `string.Template.substitute` (raises on a missing key) and never written
-over a tracked file except the checked-in native config, on request.
+"""Render model repositories around an export: `mimi_decoder`'s config written from the decoder spec,
+for the targets of docs/design.md §4 and `null` (bench only: silence at once, no state, the front's
+ceiling), and `code2wav`'s, the tracked model_repository/code2wav/config.pbtxt with the spec's and the
+serving options' values set in it (each field found exactly once, else an error). Nothing is written
+over a tracked file except the checked-in native config, on request (`render --check-in`). The serving
+flags are declared here once, for `code2wav-export render` and `python -m benchmarks sweep`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import shutil
-import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .spec import TRITON_DTYPES, DecoderSpec, TensorSpec
 
-TEMPLATES = Path(__file__).parent / "templates"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
 CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
-# code2wav's config for every target: the template, and its rendering with the default options.
-CODE2WAV_TEMPLATE = TEMPLATES / "code2wav.pbtxt.tmpl"
 CHECKED_IN_CODE2WAV_CONFIG = CODE2WAV_DIR / "config.pbtxt"
 PYTHON_ORT_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
 PYTHON_ORT_FILES = ("model.py", "python_ort_core.py", "python_ort_config.py")
@@ -30,21 +29,36 @@ NULL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "null"
 COMMON_DIR = REPO_ROOT / "model_repository" / "common"
 TARGETS = ("onnxruntime", "tensorrt", "python-ort", "null")
 PYTHON_TARGETS = ("python-ort", "null")  # Python-backend decoders: no implicit state block
+SERVER_ARGS_FILE = "tritonserver.args"  # in the repository root; Triton only loads model folders
+MIB = 2**20
+DEFAULT_PINNED_POOL_BYTES = 256 * MIB  # Triton's own default; the rendered size never goes below it
 
-_IDLE_TIMEOUT = re.compile(r"(max_sequence_idle_microseconds:\s*)(\d+)")
 
-
-def idle_timeout_us(config: Path) -> int:
-    """The `max_sequence_idle_microseconds` of a model config (config.pbtxt), which sets it once."""
-    found = _IDLE_TIMEOUT.findall(Path(config).read_text())
+def _field(text: str, name: str, where: object) -> re.Match:
+    """The one `name: 123` field of a config (`parameter:KEY`: that parameter's string value) outside
+    comments; groups: the text before the value, the value, the text after it."""
+    if name.startswith("parameter:"):
+        pattern = rf'^([^#\n]*key: "{name.removeprefix("parameter:")}"\s+value: \{{ string_value: ")([^"\n]*)(")'
+    else:
+        pattern = rf"^([^#\n]*\b{name}:\s*)(\d+)()"
+    found = list(re.finditer(pattern, text, flags=re.M))
     if len(found) != 1:
-        raise ValueError(f"{config}: max_sequence_idle_microseconds appears {len(found)} times, expected once")
-    return int(found[0][1])
+        raise ValueError(f"{where}: {name} appears {len(found)} times, expected once")
+    return found[0]
 
 
-# code2wav's own idle timeout, from its template; the decoder's sits above it. It also bounds a shutdown:
-# while the server exits no request can reach the decoder to END a stream, so abandoned ones idle out.
-CODE2WAV_IDLE_TIMEOUT_US = idle_timeout_us(CODE2WAV_TEMPLATE)
+def set_fields(text: str, values: dict[str, object], where: object) -> str:
+    """`text` (a config.pbtxt) with each field of `values` (see `_field`) set."""
+    for name, value in values.items():
+        match = _field(text, name, where)
+        text = text[: match.start()] + f"{match[1]}{value}{match[3]}" + text[match.end() :]
+    return text
+
+
+# code2wav's own idle timeout; the decoder's sits above it. It also bounds a shutdown: while the
+# server exits no request can reach the decoder to END a stream, so abandoned ones idle out.
+CODE2WAV_IDLE_TIMEOUT_US = int(_field(CHECKED_IN_CODE2WAV_CONFIG.read_text(), "max_sequence_idle_microseconds",
+                                      CHECKED_IN_CODE2WAV_CONFIG)[2])
 # code2wav's Triton sequence slots per stream it admits (see render_code2wav_config).
 CODE2WAV_SLOTS_PER_STREAM = 2
 DECODER_IDLE_MARGIN_US = 2_000_000
@@ -84,14 +98,60 @@ class DecoderServing:
             raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size {self.max_batch_size}")
 
 
-def _dims(shape: tuple[int, ...]) -> str:
+def _int_at_least(text: str, minimum: int) -> int:
+    if not text.strip().isdigit() or int(text) < minimum:
+        raise argparse.ArgumentTypeError(f"an integer >= {minimum}, got {text!r}")
+    return int(text)
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+# The serving flags besides --instance-kind: (flag, the DecoderServing field it sets, parser, help).
+SERVING_FLAGS = (
+    ("--instance-count", "instance_count", positive_int, "decoder instances"),
+    ("--max-batch-size", "max_batch_size", positive_int, "the decoder's largest batch"),
+    ("--max-queue-delay-us", "max_queue_delay_us", non_negative_int,
+     "the decoder's batcher wait for more streams' steps; 0 suits a GPU"),
+    ("--max-live-streams", "max_candidate_sequences", positive_int,
+     "live streams the decoder holds, shared out as code2wav's max_live_streams; sizes the GPU memory pools"),
+    ("--front-instances", "front_instances", positive_int, "code2wav instances (processes); more use more cores"),
+    ("--intra-op-threads", "intra_op_threads", non_negative_int,
+     "ONNX Runtime threads per decoder instance; 0: one per core"),
+    ("--front-queue-delay-us", "front_queue_delay_us", non_negative_int,
+     "code2wav's batcher wait for more streams' requests"),
+)
+
+
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """The decoder's and code2wav's serving knobs (instances, batching, stream capacity)."""
+    group = parser.add_argument_group("serving (the rendered configs)")
+    group.add_argument("--instance-kind", choices=("KIND_GPU", "KIND_CPU"),
+                       help="the decoder's instances (default: KIND_CPU for the Python decoders, else KIND_GPU)")
+    for flag, name, parse, text in SERVING_FLAGS:
+        group.add_argument(flag, type=parse, default=getattr(DecoderServing, name), help=f"{text} (default %(default)s)")
+
+
+def serving_from_args(args: argparse.Namespace, target: str) -> DecoderServing:
+    """The `DecoderServing` the flags of `add_serving_arguments` ask for, for a decoder `target`."""
+    return DecoderServing(
+        instance_kind=args.instance_kind or ("KIND_CPU" if target in PYTHON_TARGETS else "KIND_GPU"),
+        preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],
+        **{name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in SERVING_FLAGS},
+    )
+
+
+def _dims(shape) -> str:
     return ", ".join(map(str, shape))
 
 
-def _tensor_block(kind: str, tensors: tuple[TensorSpec, ...]) -> str:
-    items = (f'  {{ name: "{t.name}" data_type: {TRITON_DTYPES[t.dtype]} dims: [ {_dims(t.shape)} ] }}'
-             for t in tensors)
-    return f"{kind} [\n" + ",\n".join(items) + "\n]"
+def _tensor_block(kind: str, tensor: TensorSpec) -> str:
+    return f'{kind} [\n  {{ name: "{tensor.name}" data_type: {TRITON_DTYPES[tensor.dtype]} dims: [ {_dims(tensor.shape)} ] }}\n]'
 
 
 def _state_block(spec: DecoderSpec, same_buffer: bool) -> str:
@@ -100,18 +160,36 @@ def _state_block(spec: DecoderSpec, same_buffer: bool) -> str:
     after the run, as the ONNX Runtime backend does (docs/design.md §5.1)."""
     entries = []
     for state in spec.states:
-        dtype, dims = TRITON_DTYPES[state.dtype], _dims(state.shape)
-        entries.append(
-            f'    {{\n      input_name: "{state.input}"\n      output_name: "{state.output}"\n'
-            f"      data_type: {dtype}\n      dims: [ {dims} ]\n"
-            + ("      use_same_buffer_for_input_output: true\n" if same_buffer else "")
-            + f'      initial_state {{ data_type: {dtype} dims: [ {dims} ] zero_data: true name: "fresh_stream" }}\n'
-            "    }")
+        typed = f"data_type: {TRITON_DTYPES[state.dtype]} dims: [ {_dims(state.shape)} ]"
+        entries.append(f'    {{ input_name: "{state.input}" output_name: "{state.output}"\n      {typed}'
+                       + (" use_same_buffer_for_input_output: true" if same_buffer else "")
+                       + f'\n      initial_state {{ {typed} zero_data: true name: "fresh_stream" }} }}')
     return "  state [\n" + ",\n".join(entries) + "\n  ]"
 
 
-def _pbtxt_string(value: str) -> str:
-    return json.dumps(value)  # a JSON string literal is a valid protobuf text-format string
+# The Python decoders get the sequence controls as inputs; the native ones keep the state instead.
+_CONTROL_INPUTS = """  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "END" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]"""
+_TARGET_NOTES = {
+    "onnxruntime": "Triton keeps the state (implicit state, docs/design.md §4). With the default options this is\n"
+                   "# model_repository/mimi_decoder/config.pbtxt (`render --check-in`; tests/test_configs.py checks it).",
+    "tensorrt": "Triton keeps the state (implicit state, docs/design.md §4).",
+    "python-ort": "No `state` block: the Python backend would copy the initial state into every\n"
+                  "# request; model.py keeps the state itself.",
+    "null": "A bench target: the decoder's interface, silence at once, no decoding and no state.",
+}
+_BACKENDS = {"onnxruntime": 'backend: "onnxruntime"', "python-ort": 'backend: "python"', "null": 'backend: "python"',
+             "tensorrt": 'backend: "tensorrt"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"'}
+
+
+def _parameters(comment: str, values: dict[str, object]) -> str:
+    # A JSON string literal is a valid protobuf text-format string.
+    items = ",\n".join(f'  {{ key: "{key}" value: {{ string_value: {json.dumps(str(value))} }} }}'
+                       for key, value in values.items())
+    return f"# {comment}\nparameters [\n{items}\n]\n"
 
 
 def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None = None) -> str:
@@ -121,50 +199,44 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
     serving = serving or DecoderServing()
     serving.validate()
     spec.validate()
-    common = dict(
-        spec_sha256=spec.sha256(), model_name=serving.model_name, max_batch_size=serving.max_batch_size,
-        inputs=_tensor_block("input", (spec.codes,)), outputs=_tensor_block("output", (spec.pcm,)),
-        idle_timeout_us=serving.idle_timeout_us, max_candidate_sequences=serving.max_candidate_sequences,
-        preferred_batch_sizes=_dims(serving.preferred_batch_sizes), max_queue_delay_us=serving.max_queue_delay_us,
-        instance_count=serving.instance_count,
-    )
+    python = target in PYTHON_TARGETS
+    text = f"""# Rendered by `code2wav-export render` (export/render.py) from the export's spec: do not edit by hand.
+# Target: {target}. Spec sha256: {spec.sha256()}
+# {_TARGET_NOTES[target]}
+name: "{serving.model_name}"
+{_BACKENDS[target]}
+max_batch_size: {serving.max_batch_size}
+{_tensor_block("input", spec.codes)}
+{_tensor_block("output", spec.pcm)}
+sequence_batching {{
+  # Above code2wav's idle timeout, so the BLS always forgets a stream first.
+  max_sequence_idle_microseconds: {serving.idle_timeout_us}
+  oldest {{
+    max_candidate_sequences: {serving.max_candidate_sequences}
+    preferred_batch_size: [ {_dims(serving.preferred_batch_sizes)} ]
+    max_queue_delay_microseconds: {serving.max_queue_delay_us}
+  }}
+{_CONTROL_INPUTS if python else _state_block(spec, same_buffer=target == "onnxruntime")}
+}}
+instance_group [ {{ kind: {"KIND_CPU" if python else serving.instance_kind} count: {serving.instance_count} }} ]
+"""
     if target == "python-ort":
-        state_spec = [{"input": s.input, "output": s.output, "dtype": s.dtype, "shape": list(s.shape)}
-                      for s in spec.states]
-        return string.Template((PYTHON_ORT_DIR / "config.pbtxt.tmpl").read_text()).substitute(
-            common, intra_op_threads=serving.intra_op_threads,
-            state_spec_json=_pbtxt_string(json.dumps(state_spec, separators=(",", ":"))),
-            value_ranges_json=_pbtxt_string(json.dumps({spec.codes.name: [0, spec.codebook_size]})),
-            max_dims_json=_pbtxt_string(json.dumps({spec.codes.name: [spec.num_codebooks, spec.max_frames_per_step]})),
-        )
-    if target == "null":
-        template = (NULL_DIR / "config.pbtxt.tmpl").read_text()
-        return string.Template(template).substitute(common, samples_per_frame=spec.samples_per_frame)
-    backend_line = ('backend: "onnxruntime"' if target == "onnxruntime" else
-                    'backend: "tensorrt"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"')
-    text = string.Template((TEMPLATES / "decoder_native.pbtxt.tmpl").read_text()).substitute(
-        common, target=target, backend_line=backend_line, instance_kind=serving.instance_kind,
-        states=_state_block(spec, same_buffer=target == "onnxruntime"),
-    ).rstrip() + "\n"
-    if target == "onnxruntime":
-        # No memory patterns: blocks planned per input shape, taken whole from the arena every run,
-        # fragment it over the many batch shapes (docs/design.md §5.1).
-        text += 'parameters { key: "enable_mem_pattern" value: { string_value: "0" } }\n'
-    if target == "onnxruntime" and serving.intra_op_threads:
-        # ONNX Runtime's threads per decoder instance (0, the default: one per core).
-        text += (f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{serving.intra_op_threads}" }} '
-                 "}\n")
+        states = [{"input": s.input, "output": s.output, "dtype": s.dtype, "shape": list(s.shape)} for s in spec.states]
+        text += _parameters(
+            "All required, no other accepted (python_ort_config.py); max_live_streams is max_candidate_sequences.",
+            {"onnx_file": "model.onnx", "intra_op_threads": serving.intra_op_threads,
+             "state_spec": json.dumps(states, separators=(",", ":")),
+             "value_ranges": json.dumps({spec.codes.name: [0, spec.codebook_size]}),
+             "max_dims": json.dumps({spec.codes.name: [spec.num_codebooks, spec.max_frames_per_step]}),
+             "max_live_streams": serving.max_candidate_sequences})
+    elif target == "null":
+        text += _parameters("All required; an unknown one fails the load.", {"samples_per_frame": spec.samples_per_frame})
+    elif target == "onnxruntime":
+        threads = {"intra_op_thread_count": serving.intra_op_threads} if serving.intra_op_threads else {}
+        text += _parameters("ONNX Runtime: no memory patterns (they fragment the arena over the batch shapes, "
+                            "docs/design.md §5.1)" + ("; threads per instance" if threads else "") + ".",
+                            {"enable_mem_pattern": 0, **threads})
     return text
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists() or target.is_symlink():
-        target.unlink()
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
 
 
 def set_idle_timeout(repository: Path, idle_timeout_s: float, decoder_model_name: str = "mimi_decoder") -> None:
@@ -175,50 +247,22 @@ def set_idle_timeout(repository: Path, idle_timeout_s: float, decoder_model_name
         raise ValueError(f"the idle timeout must be positive, got {idle_timeout_s!r}")
     for name, value in (("code2wav", front_us), (decoder_model_name, front_us + DECODER_IDLE_MARGIN_US)):
         config = Path(repository) / name / "config.pbtxt"
-        text, count = _IDLE_TIMEOUT.subn(lambda match, value=value: f"{match.group(1)}{value}", config.read_text())
-        if count != 1:
-            raise ValueError(f"{config}: max_sequence_idle_microseconds appears {count} times, expected once")
-        config.write_text(text)
+        config.write_text(set_fields(config.read_text(), {"max_sequence_idle_microseconds": value}, config))
 
 
-SERVER_ARGS_FILE = "tritonserver.args"  # in the repository root; Triton only loads model folders
-MIB = 2**20
-# Triton's own pinned-pool default; the rendered size never goes below it.
-DEFAULT_PINNED_POOL_BYTES = 256 * MIB
-
-
-@dataclass(frozen=True)
-class MemoryPools:
-    """tritonserver's memory pools for `streams` live sequences of a KIND_GPU decoder with implicit state
+def memory_pool_args(spec: DecoderSpec, streams: int, max_batch_size: int) -> list[str]:
+    """tritonserver's pool flags for `streams` live sequences of a KIND_GPU decoder with implicit state
     (docs/design.md §5.1): CUDA, two state buffers per sequence plus a batch's new outputs (past it, state
     falls back to host memory); pinned, a batch's host-side tensors (fresh zero state, codes, PCM)."""
+    state = spec.state_bytes_per_stream()
+    io_per_row = 4 * spec.max_frames_per_step * (spec.num_codebooks + spec.samples_per_frame)  # int32, fp32
 
-    streams: int
-    state_bytes: int
-    max_batch_size: int
-    io_bytes_per_row: int
+    def round_up_mib(size: int) -> int:
+        return -(-size // MIB) * MIB
 
-    @classmethod
-    def for_spec(cls, spec: DecoderSpec, streams: int, max_batch_size: int) -> MemoryPools:
-        # Codes int32 and PCM float32 of a full step (max_frames_per_step frames).
-        io = 4 * spec.max_frames_per_step * (spec.num_codebooks + spec.samples_per_frame)
-        return cls(streams, spec.state_bytes_per_stream(), max_batch_size, io)
-
-    @property
-    def cuda_pool_bytes(self) -> int:
-        return _round_up_mib((2 * self.streams + self.max_batch_size) * self.state_bytes)
-
-    @property
-    def pinned_pool_bytes(self) -> int:
-        return max(DEFAULT_PINNED_POOL_BYTES, _round_up_mib(self.max_batch_size * (self.state_bytes + self.io_bytes_per_row)))
-
-    def server_args(self, gpu: int = 0) -> list[str]:
-        return [f"--cuda-memory-pool-byte-size={gpu}:{self.cuda_pool_bytes}",
-                f"--pinned-memory-pool-byte-size={self.pinned_pool_bytes}"]
-
-
-def _round_up_mib(size: int) -> int:
-    return -(-size // MIB) * MIB
+    pinned = max(DEFAULT_PINNED_POOL_BYTES, round_up_mib(max_batch_size * (state + io_per_row)))
+    return [f"--cuda-memory-pool-byte-size=0:{round_up_mib((2 * streams + max_batch_size) * state)}",
+            f"--pinned-memory-pool-byte-size={pinned}"]
 
 
 def render_code2wav_config(spec: DecoderSpec, serving: DecoderServing | None = None) -> str:
@@ -229,60 +273,67 @@ def render_code2wav_config(spec: DecoderSpec, serving: DecoderServing | None = N
     serving.validate()
     # Spare slots let a START past the cap reach the front, which refuses it instead of Triton queueing it.
     per_instance = serving.max_candidate_sequences // serving.front_instances
-    # The decoder's geometry, under the names code2wav's parameters share with the spec.
-    geometry = {name: getattr(spec, name) for name in ("num_codebooks", "codebook_size", "samples_per_frame",
-                                                        "sample_rate_hz")}
-    return string.Template(CODE2WAV_TEMPLATE.read_text()).substitute(
-        geometry, decoder_model_name=serving.model_name, decoder_max_frames_per_step=spec.max_frames_per_step,
-        max_live_streams=per_instance, max_candidate_sequences=CODE2WAV_SLOTS_PER_STREAM * per_instance,
-        instance_count=serving.front_instances, max_queue_delay_us=serving.front_queue_delay_us,
-    )
+    geometry = {f"parameter:{name}": getattr(spec, name)
+                for name in ("num_codebooks", "codebook_size", "samples_per_frame", "sample_rate_hz")}
+    return set_fields(CHECKED_IN_CODE2WAV_CONFIG.read_text(), {
+        **geometry, "parameter:decoder_model_name": serving.model_name,
+        "parameter:decoder_max_frames_per_step": spec.max_frames_per_step, "parameter:max_live_streams": per_instance,
+        "max_candidate_sequences": CODE2WAV_SLOTS_PER_STREAM * per_instance,
+        "max_queue_delay_microseconds": serving.front_queue_delay_us, "count": serving.front_instances,
+    }, CHECKED_IN_CODE2WAV_CONFIG)
 
 
-def _copy_common(version: Path) -> None:
-    for source in sorted(COMMON_DIR.glob("*.py")):
-        shutil.copy2(source, version / source.name)
+def _link_or_copy(source: Path, target: Path) -> None:
+    if target.exists() or target.is_symlink():
+        target.unlink()
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _copy_py(source_dir: Path, names, version: Path) -> None:
+    for name in names:
+        shutil.copy2(source_dir / name, version / name)
 
 
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
     """A complete model repository in `out_dir` (not inside the tracked model_repository/): code2wav
     plus mimi_decoder for `target`, model_repository/common/ beside each Python model's model.py, and
-    for a KIND_GPU decoder with implicit state `tritonserver.args`, the `MemoryPools` flags one per line."""
-    out_dir = out_dir.resolve()
-    if out_dir == (REPO_ROOT / "model_repository").resolve() or (REPO_ROOT / "model_repository").resolve() in out_dir.parents:
+    for a KIND_GPU decoder with implicit state `tritonserver.args`, `memory_pool_args` one per line."""
+    out_dir, tracked = out_dir.resolve(), (REPO_ROOT / "model_repository").resolve()
+    if out_dir == tracked or tracked in out_dir.parents:
         raise ValueError(f"refusing to render into the tracked model repository: {out_dir}")
     serving = serving or DecoderServing(instance_kind="KIND_CPU" if target in PYTHON_TARGETS else "KIND_GPU")
     serving.validate()
-    code2wav = out_dir / "code2wav"
-    if code2wav.exists():
-        shutil.rmtree(code2wav)
+    if target == "tensorrt" and plan_path is None:
+        raise ValueError("the tensorrt target needs a plan file (export/tensorrt_build.py builds one)")
+    common = sorted(path.name for path in COMMON_DIR.glob("*.py"))
+    code2wav, decoder = out_dir / "code2wav", out_dir / serving.model_name
+    for folder in (code2wav, decoder):
+        if folder.exists():
+            shutil.rmtree(folder)
     shutil.copytree(CODE2WAV_DIR / "1", code2wav / "1", ignore=shutil.ignore_patterns("__pycache__"))
-    _copy_common(code2wav / "1")
+    _copy_py(COMMON_DIR, common, code2wav / "1")
     (code2wav / "config.pbtxt").write_text(render_code2wav_config(spec, serving))
-    decoder = out_dir / serving.model_name
     version = decoder / "1"
-    if decoder.exists():
-        shutil.rmtree(decoder)
     version.mkdir(parents=True)
     (decoder / "config.pbtxt").write_text(render_config(spec, target, serving))
     if target == "tensorrt":
-        if plan_path is None:
-            raise ValueError("the tensorrt target needs a plan file (export/tensorrt_build.py builds one)")
         _link_or_copy(plan_path, version / "model.plan")
     elif target != "null":
         _link_or_copy(onnx_path, version / "model.onnx")
     if target == "python-ort":
-        for name in PYTHON_ORT_FILES:
-            shutil.copy2(PYTHON_ORT_DIR / name, version / name)
+        _copy_py(PYTHON_ORT_DIR, PYTHON_ORT_FILES, version)
     elif target == "null":
-        shutil.copy2(NULL_DIR / "model.py", version / "model.py")
+        _copy_py(NULL_DIR, ("model.py",), version)
     if target in PYTHON_TARGETS:
-        _copy_common(version)
+        _copy_py(COMMON_DIR, common, version)
     args_file = out_dir / SERVER_ARGS_FILE
     if serving.instance_kind == "KIND_GPU" and target not in PYTHON_TARGETS:
-        pools = MemoryPools.for_spec(spec, serving.max_candidate_sequences, serving.max_batch_size)
-        args_file.write_text("".join(f"{arg}\n" for arg in pools.server_args()))
+        pools = memory_pool_args(spec, serving.max_candidate_sequences, serving.max_batch_size)
+        args_file.write_text("".join(f"{arg}\n" for arg in pools))
     elif args_file.exists():
         args_file.unlink()
     return out_dir

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 TRITON_DTYPES = {"int32": "TYPE_INT32", "int64": "TYPE_INT64", "float32": "TYPE_FP32", "float16": "TYPE_FP16"}
 ONNX_ELEM_TYPES = {"int32": 6, "int64": 7, "float32": 1, "float16": 10}
-
-CODES = "codes"
-PCM = "pcm"
+DTYPE_BYTES = {"int32": 4, "int64": 8, "float32": 4, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -28,9 +26,6 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
 
-    def bytes_per_stream(self) -> int:
-        return {"int32": 4, "int64": 8, "float32": 4, "float16": 2}[self.dtype] * math.prod(self.shape)
-
 
 @dataclass(frozen=True)
 class StateSpec:
@@ -40,13 +35,6 @@ class StateSpec:
     output: str
     dtype: str
     shape: tuple[int, ...]
-    description: str = ""
-
-    def as_input(self) -> TensorSpec:
-        return TensorSpec(self.input, self.dtype, self.shape)
-
-    def as_output(self) -> TensorSpec:
-        return TensorSpec(self.output, self.dtype, self.shape)
 
 
 @dataclass(frozen=True)
@@ -64,22 +52,22 @@ class DecoderSpec:
 
     @property
     def codes(self) -> TensorSpec:
-        return TensorSpec(CODES, "int32", (self.num_codebooks, -1))
+        return TensorSpec("codes", "int32", (self.num_codebooks, -1))
 
     @property
     def pcm(self) -> TensorSpec:
-        return TensorSpec(PCM, "float32", (-1,))
+        return TensorSpec("pcm", "float32", (-1,))
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
-        return (self.codes, *(s.as_input() for s in self.states))
+        return (self.codes, *(TensorSpec(s.input, s.dtype, s.shape) for s in self.states))
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
-        return (self.pcm, *(s.as_output() for s in self.states))
+        return (self.pcm, *(TensorSpec(s.output, s.dtype, s.shape) for s in self.states))
 
     def state_bytes_per_stream(self) -> int:
-        return sum(s.as_input().bytes_per_stream() for s in self.states)
+        return sum(DTYPE_BYTES[s.dtype] * math.prod(s.shape) for s in self.states)
 
     def validate(self) -> None:
         """Raise ValueError if Triton would pair the states wrongly or a name is reused."""

@@ -1,10 +1,12 @@
 """Mimi's decoder as one streaming step with explicit state, batch first, of a per-stream shape that does
-not depend on the frames per call (all zero: a fresh stream). The key/value caches are rings. Window
-"moshi" equals moshi's streaming decoder, "exact" offline decoding (docs/design.md §3).
+not depend on the frames per call (all zero: a fresh stream). The key/value caches are rings; the SEANet
+convolutions keep their left contexts and overlap tails in one flat conv state. Window "moshi" equals
+moshi's streaming decoder, "exact" offline decoding (docs/design.md §3).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -12,14 +14,176 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .seanet import ConvState, SEANetBlock, StreamingConv, StreamingConvTranspose, frozen, plain_layer
 from .spec import DecoderSpec, StateSpec
 
 WINDOWS = ("moshi", "exact")
 KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # Positions are split as hi * ROPE_BLOCK + lo so RoPE angles stay accurate in fp32 for streams of
-# many hours: a plain fp32 `position * inv_freq` loses ~4e-3 rad at 100,000 steps, the split ~1e-4.
+# many hours (a plain fp32 `position * inv_freq` drifts as the position grows).
 ROPE_BLOCK = 1024
+# Stride-1 convs with at least this many input channels run as one matmul over the batch.
+MATMUL_CONV_CHANNELS = 512
+
+
+def frozen(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    """A detached copy of `tensor` in `dtype`, as a parameter without gradient."""
+    return nn.Parameter(tensor.detach().to(dtype).clone(), requires_grad=False)
+
+
+class StreamingConv(nn.Module):
+    """Causal stride-1 conv; its state is the last (kernel - 1) * dilation input samples. Convs of
+    >= MATMUL_CONV_CHANNELS inputs run as one matmul over the batch, [B * T, Cin * K] @ [Cin * K, Cout]:
+    a Conv runs one GEMM per stream, each reading the whole weight for a few samples."""
+
+    def __init__(self, conv: nn.Conv1d, dtype: torch.dtype):
+        super().__init__()
+        if conv.stride[0] != 1 or conv.padding[0] != 0:
+            raise ValueError("streaming conv expects stride 1 and no built-in padding")
+        self.bias = None if conv.bias is None else frozen(conv.bias, dtype)
+        self.dilation = conv.dilation[0]
+        self.groups = conv.groups
+        self.kernel = conv.kernel_size[0]
+        self.context = (self.kernel - 1) * self.dilation
+        self.channels = conv.in_channels
+        self.out_channels = conv.out_channels
+        self.as_matmul = self.groups == 1 and self.channels >= MATMUL_CONV_CHANNELS
+        weight = conv.weight.detach().to(dtype)
+        if self.as_matmul:  # [Cout, Cin, K] -> [Cin * K, Cout]
+            weight = weight.flatten(1).t()
+        self.weight = frozen(weight.contiguous(), dtype)
+
+    def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
+        if self.context:
+            x = torch.cat([state.take(self.channels, self.context), x], dim=2)
+            state.put(x[:, :, -self.context :])
+        if not self.as_matmul:
+            return F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
+        steps = x.shape[2] - self.context
+        if self.kernel == 1:
+            rows = x.transpose(1, 2).reshape(-1, self.channels)
+        else:
+            taps = [x[:, :, j * self.dilation : j * self.dilation + steps] for j in range(self.kernel)]
+            rows = torch.stack(taps, dim=3).transpose(1, 2).reshape(-1, self.channels * self.kernel)
+        y = torch.matmul(rows, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(x.shape[0], steps, self.out_channels).transpose(1, 2)
+
+
+class StreamingConvTranspose(nn.Module):
+    """Causal transposed conv with kernel = 2 * stride; its state is the overlap tail, without bias.
+    Output block t = taps [0, s) of input step t + taps [s, 2s) of step t - 1 (the state for t = 0),
+    each half one matmul over the whole batch, [B * T, Cin] @ [Cin, s * Cout], tap-major columns so
+    the sum is already [B, T * s, Cout]. Not ConvTranspose: ONNX Runtime 1.19's (the NGC 24.10
+    native backend's) computes stream by stream."""
+
+    def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
+        super().__init__()
+        weight = conv.weight.detach().to(dtype)  # [Cin, Cout / groups, 2s]
+        self.bias = None if conv.bias is None else frozen(conv.bias, dtype)
+        self.stride = conv.stride[0]
+        self.groups = conv.groups
+        self.in_channels = conv.in_channels
+        self.channels = conv.out_channels
+        if conv.kernel_size[0] != 2 * self.stride or self.groups not in (1, self.channels):
+            raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
+        if self.groups == 1:  # [Cin, Cout, s] -> [Cin, s * Cout], tap-major
+            halves = weight.split(self.stride, dim=2)
+            self.first, self.second = (frozen(h.permute(0, 2, 1).reshape(self.in_channels, -1).contiguous(), dtype)
+                                       for h in halves)
+        else:
+            self.weight = frozen(weight, dtype)
+
+    def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
+        stride, channels = self.stride, self.channels
+        if self.groups == 1:
+            # Contiguous rows, so that the whole batch is one GEMM that reads each weight once.
+            rows = x.transpose(1, 2).reshape(-1, self.in_channels)
+            first = torch.matmul(rows, self.first).view(x.shape[0], x.shape[2], stride * channels)
+            second = torch.matmul(rows, self.second).view(x.shape[0], x.shape[2], stride * channels)
+            previous = torch.cat([state.take(1, stride * channels), second[:, :-1]], dim=1)  # [B, T, s * Cout]
+            state.put(second[:, -1:])
+            y = (first + previous).view(x.shape[0], -1, channels)  # [B, T * s, Cout]
+            if self.bias is not None:
+                y = y + self.bias
+            return y.transpose(1, 2)
+        # Depthwise (the upsampling, one step per frame): [B, T, C, 1] * [C, 2s], the same halves.
+        cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
+        first, second = cols.split(stride, dim=-1)
+        previous = torch.cat([state.take(channels, stride)[:, None], second[:, :-1]], dim=1)  # [B, T, C, s]
+        state.put(second[:, -1])
+        y = (first + previous).permute(0, 2, 1, 3).flatten(2)
+        if self.bias is not None:
+            y = y + self.bias[None, :, None]
+        return y
+
+
+class ConvState:
+    """Reads conv state pieces from the flat state tensor in order and collects their updates."""
+
+    def __init__(self, flat: torch.Tensor | None, dtype: torch.dtype = torch.float32):
+        self.flat = flat
+        self.dtype = dtype
+        self.offset = 0
+        self.updates: list[torch.Tensor] = []
+        self.pieces: list[tuple[int, int]] = []
+
+    def take(self, channels: int, length: int) -> torch.Tensor:
+        size = channels * length
+        self.pieces.append((channels, length))
+        if self.flat is None:  # layout discovery
+            return torch.zeros(1, channels, length, dtype=self.dtype)
+        piece = self.flat[:, self.offset : self.offset + size].reshape(-1, channels, length)
+        self.offset += size
+        return piece
+
+    def put(self, piece: torch.Tensor) -> None:
+        self.updates.append(piece.flatten(1))
+
+
+class Elu(nn.Module):
+    """ELU as relu(x) + alpha * (exp(min(x, 0)) - 1): the same values (within an ulp), run by ONNX
+    Runtime's vectorised Relu / Min / Exp kernels, which are faster on a CPU than its Elu kernel."""
+
+    def __init__(self, alpha: float):
+        super().__init__()
+        self.alpha = float(alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        negative = torch.exp(torch.clamp(x, max=0.0)) - 1.0
+        return torch.relu(x) + (negative if self.alpha == 1.0 else self.alpha * negative)
+
+
+def streaming_layer(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The streaming form of a layer of Mimi's SEANet decoder (ELU as `Elu`, others as they are)."""
+    from transformers.models.mimi.modeling_mimi import MimiConv1d, MimiConvTranspose1d, MimiResnetBlock
+
+    if isinstance(layer, MimiConv1d):
+        return StreamingConv(layer.conv, dtype)
+    if isinstance(layer, MimiConvTranspose1d):
+        return StreamingConvTranspose(layer.conv, dtype)
+    if isinstance(layer, MimiResnetBlock):
+        return SEANetBlock(layer, dtype)
+    return Elu(layer.alpha) if isinstance(layer, nn.ELU) else layer
+
+
+def run_layer(layer: nn.Module, x: torch.Tensor, state: ConvState) -> torch.Tensor:
+    return layer(x, state) if isinstance(layer, (StreamingConv, StreamingConvTranspose, SEANetBlock)) else layer(x)
+
+
+class SEANetBlock(nn.Module):
+    """Residual block: ELU, conv k3, ELU, conv k1, plus identity (or 1x1 conv) shortcut."""
+
+    def __init__(self, block, dtype: torch.dtype):
+        super().__init__()
+        self.layers = nn.ModuleList(streaming_layer(layer, dtype) for layer in block.block)
+        self.shortcut = streaming_layer(block.shortcut, dtype)
+
+    def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
+        residual = run_layer(self.shortcut, x, state)
+        for layer in self.layers:
+            x = run_layer(layer, x, state)
+        return residual + x
 
 
 class MimiDecoderStep(nn.Module):
@@ -29,8 +193,6 @@ class MimiDecoderStep(nn.Module):
     def __init__(self, model, num_codebooks: int = 8, max_frames_per_step: int = 16, window: str = "moshi",
                  kv_cache_dtype: str = "float32", dtype: torch.dtype = torch.float32):
         super().__init__()
-        from transformers.models.mimi.modeling_mimi import MimiConv1d, MimiConvTranspose1d, MimiResnetBlock
-
         config = model.config
         if window not in WINDOWS:
             raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
@@ -78,8 +240,8 @@ class MimiDecoderStep(nn.Module):
         for layer in decoder.decoder_transformer.layers:
             attn = layer.self_attn
             block = nn.Module()
-            block.norm1 = _copy_layer_norm(layer.input_layernorm, dtype)
-            block.norm2 = _copy_layer_norm(layer.post_attention_layernorm, dtype)
+            block.norm1 = copy.deepcopy(layer.input_layernorm).to(dtype).requires_grad_(False)
+            block.norm2 = copy.deepcopy(layer.post_attention_layernorm).to(dtype).requires_grad_(False)
             # The attention scale 1 / sqrt(head_dim) is folded into the query projection (RoPE is linear).
             block.qkv = frozen(torch.cat([attn.q_proj.weight / math.sqrt(config.head_dim), attn.k_proj.weight,
                                           attn.v_proj.weight]), dtype)
@@ -100,16 +262,7 @@ class MimiDecoderStep(nn.Module):
         constant("rope_sign", torch.cat([-torch.ones(half), torch.ones(half)]).to(dtype))
         constant("rope_swap", torch.cat([torch.arange(half, 2 * half), torch.arange(half)]))
 
-        self.seanet = nn.ModuleList()
-        for layer in decoder.decoder_seanet.layers:
-            if isinstance(layer, MimiConv1d):
-                self.seanet.append(StreamingConv(layer.conv, dtype))
-            elif isinstance(layer, MimiConvTranspose1d):
-                self.seanet.append(StreamingConvTranspose(layer.conv, dtype))
-            elif isinstance(layer, MimiResnetBlock):
-                self.seanet.append(SEANetBlock(layer, dtype))
-            else:
-                self.seanet.append(plain_layer(layer))
+        self.seanet = nn.ModuleList(streaming_layer(layer, dtype) for layer in decoder.decoder_seanet.layers)
 
         # The window of the largest call; a call of T steps uses the first T entries.
         max_steps = self.steps_per_frame * max_frames_per_step
@@ -156,19 +309,15 @@ class MimiDecoderStep(nn.Module):
 
     def spec(self) -> DecoderSpec:
         cache_shape = (self.num_heads, self.cache_len, self.head_dim)
-        states = [(f"layer{layer}_{kind}", self.kv_cache_dtype, cache_shape,
-                   f"transformer layer {layer}'s {kind} of the last steps, a ring"
-                   + (" (RoPE applied)" if kind == "keys" else ""))
+        states = [(f"layer{layer}_{kind}", self.kv_cache_dtype, cache_shape)
                   for layer in range(self.num_layers) for kind in ("keys", "values")]
-        states.append(("conv", "float32", (self.conv_state_size,),
-                       "conv left contexts and transposed-conv overlap tails, flattened"))
-        states.append(("position", "int32", (1,), "transformer steps decoded so far"))
+        states += [("conv", "float32", (self.conv_state_size,)), ("position", "int32", (1,))]
         return DecoderSpec(
             num_codebooks=self.num_codebooks, codebook_size=self.codebook_size,
             max_frames_per_step=self.max_frames_per_step, samples_per_frame=self.samples_per_frame,
             sample_rate_hz=self.sample_rate_hz, window=self.window, kv_cache_dtype=self.kv_cache_dtype,
-            states=tuple(StateSpec(f"state_in_{index:02d}_{name}", f"state_out_{index:02d}_{name}", dtype, shape, text)
-                         for index, (name, dtype, shape, text) in enumerate(states)),
+            states=tuple(StateSpec(f"state_in_{index:02d}_{name}", f"state_out_{index:02d}_{name}", dtype, shape)
+                         for index, (name, dtype, shape) in enumerate(states)),
         )
 
     def zero_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
@@ -192,7 +341,7 @@ class MimiDecoderStep(nn.Module):
 
     def _seanet(self, x, state: ConvState):
         for layer in self.seanet:
-            x = layer(x, state) if isinstance(layer, (StreamingConv, StreamingConvTranspose, SEANetBlock)) else layer(x)
+            x = run_layer(layer, x, state)
         return x
 
     def _rope(self, position, steps):
@@ -268,11 +417,3 @@ class _WriteSlots(torch.autograd.Function):
     def symbolic(g, cache, index, new):
         return g.op("ScatterND", cache, index, new)
 
-
-def _copy_layer_norm(norm: nn.LayerNorm, dtype: torch.dtype) -> nn.LayerNorm:
-    copy = nn.LayerNorm(norm.normalized_shape, eps=norm.eps, dtype=dtype)
-    with torch.no_grad():
-        copy.weight.copy_(norm.weight)
-        copy.bias.copy_(norm.bias)
-    copy.requires_grad_(False)
-    return copy

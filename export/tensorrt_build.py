@@ -1,15 +1,10 @@
 """Build a TensorRT plan from an exported decoder step (run on the GPU host, e.g. in the NGC image).
 
-  python -m mimi_code2wav.export.tensorrt_build --export-dir build/export/<variant> [--fp16] [--max-batch 64]
-                                   [--out model_repository/mimi_decoder/1/model.plan] [--trtexec PATH]
-
-One optimisation profile over batch 1..max covers every input (codes and each state), so the plan
-serves any batch the Triton config allows (`max_batch_size` <= --max-batch). With --fp16 the layers
-that compute RoPE angles stay in fp32 (a half-precision angle at large positions is off by radians).
-
-Untested here: TensorRT does not install on CPU-only machines. What can be checked without it is
-checked by tests/test_export.py (every op is one TensorRT's ONNX parser supports, static shapes apart
-from batch, a profile that names every input). Without trtexec or the tensorrt module this exits 3.
+One optimisation profile over batch 1..max and frames 1..max_frames_per_step covers every input, so the
+plan serves any batch the Triton config allows (`max_batch_size` <= --max-batch). With --fp16 the
+layers that compute RoPE angles stay in fp32 (a half-precision angle at large positions is off by
+radians). TensorRT does not install on CPU-only machines: tests/test_export.py checks what it can
+without it (ops TensorRT's ONNX parser supports, the profile); without trtexec this exits 3.
 """
 
 from __future__ import annotations
@@ -26,16 +21,15 @@ from .spec import DecoderSpec
 EXIT_NO_TENSORRT = 3
 
 
-def profile_shapes(spec: DecoderSpec, max_batch: int, opt_batch: int | None = None,
-                   opt_frames: int = 1) -> dict[str, dict[str, list[int]]]:
+def profile_shapes(spec: DecoderSpec, max_batch: int) -> dict[str, dict[str, list[int]]]:
     """min/opt/max shapes of every input for one optimisation profile over (batch, frames): batch
     1..max_batch, frames 1..max_frames_per_step (the -1 dim of codes); opt at live streams' 1 frame."""
-    opt_batch = opt_batch or max(1, min(max_batch, 16))
+    opt_batch = max(1, min(max_batch, 16))
 
     def dims(tensor, batch: int, frames: int) -> list[int]:
         return [batch, *(frames if size == -1 else size for size in tensor.shape)]
 
-    return {tensor.name: {"min": dims(tensor, 1, 1), "opt": dims(tensor, opt_batch, opt_frames),
+    return {tensor.name: {"min": dims(tensor, 1, 1), "opt": dims(tensor, opt_batch, 1),
                           "max": dims(tensor, max_batch, spec.max_frames_per_step)} for tensor in spec.inputs}
 
 
@@ -82,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=64, help="must be >= the config's max_batch_size")
     parser.add_argument("--fp16", action="store_true")
     parser.add_argument("--trtexec", default=None, help="trtexec binary (default: from PATH)")
-    parser.add_argument("--print-command", action="store_true", help="print the trtexec command and exit")
+    parser.add_argument("--print-command", action="store_true",
+                        help="print the trtexec command, one argument per line (no shell re-splits it), and exit")
     args = parser.parse_args(argv)
 
     manifest_path = args.export_dir / "manifest.json"
@@ -96,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     trtexec = args.trtexec or shutil.which("trtexec") or (str(bundled) if bundled.is_file() else None)
     command = trtexec_command(trtexec or "trtexec", onnx_path, plan_path, spec, args.max_batch, args.fp16)
     if args.print_command:
-        print(" ".join(command))
+        print("\n".join(command))
         return 0
     if trtexec is None:
         print("error: TensorRT is not available here (no trtexec on PATH or in /usr/src/tensorrt/bin). "

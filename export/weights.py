@@ -55,14 +55,9 @@ def new_model(config=None):
     return MimiModel(config or MimiConfig()).eval()
 
 
-def flat_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under their checkpoint (flat) names."""
-    return {_swap_prefix(name, _MODULE_TO_FLAT): tensor for name, tensor in model.state_dict().items()}
-
-
 def load_flat_state_dict(model, flat: dict[str, torch.Tensor], source: str) -> None:
     """Load checkpoint-named tensors; a missing, extra or mis-shaped tensor raises WeightsError naming it."""
-    expected = flat_state_dict(model)
+    expected = {_swap_prefix(name, _MODULE_TO_FLAT): tensor for name, tensor in model.state_dict().items()}
     missing = sorted(set(expected) - set(flat))
     extra = sorted(set(flat) - set(expected))
     shapes = sorted(f"{name}: checkpoint {tuple(flat[name].shape)}, model {tuple(expected[name].shape)}"
@@ -190,15 +185,9 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _require_safetensors(path: Path) -> None:
-    if path.suffix not in SAFETENSORS_SUFFIXES:
-        raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
-
-
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    _require_safetensors(path)
     with _unreadable_as_weights_error(path):
         return load_file(str(path))
 
@@ -226,8 +215,8 @@ def load_transformers_dir(path: Path) -> LoadedMimi:
     return LoadedMimi(model, str(path), "transformers", file_sha256(weights_path))
 
 
-def load_moshi_checkpoint(path: Path, config=None) -> LoadedMimi:
-    model = new_model(config)
+def load_moshi_checkpoint(path: Path) -> LoadedMimi:
+    model = new_model()
     flat = moshi_to_flat(_read_safetensors(path), model.config.num_attention_heads)
     load_flat_state_dict(model, flat, str(path))
     return LoadedMimi(model, str(path), "moshi", file_sha256(path))
@@ -266,7 +255,8 @@ def load_weights(source: str | os.PathLike | None, seed: int | None = None) -> L
     if path.is_dir():
         return load_transformers_dir(path)
     if path.is_file():
-        _require_safetensors(path)
+        if path.suffix not in SAFETENSORS_SUFFIXES:
+            raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
         if _is_moshi_checkpoint(path):
             return load_moshi_checkpoint(path)
         raise WeightsError(f"{path}: not a moshi-format Mimi checkpoint; for transformers format pass the folder "

@@ -1,9 +1,5 @@
 """Command line of the server side (`code2wav-server`, or `python -m mimi_code2wav.server`).
 
-    code2wav-server serve   [--model-repository DIR] [--weights PATH | --random-init] [--http-port 8000] ...
-    code2wav-server verify  [--url 127.0.0.1:8001] [--weights PATH | --random-init] [--streams 2] ...
-    code2wav-server certs   --out DIR [--host NAME ...]
-
 Each command is a module (`security` for `certs`) with `add_arguments(parser)` and `run(args) -> exit code`.
 """
 

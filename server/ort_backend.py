@@ -1,11 +1,7 @@
-"""Triton's native ONNX Runtime backend beside the pip tritonserver's Python backend (docs/design.md §4).
-
-The native `onnxruntime` decoder needs two files the wheel and the project do not carry, put into the
-server's private backend directory (never into the repository): `libtriton_onnxruntime.so`, Triton's
-backend built for 2.51 (CPU), from the folder ORT_BACKEND names (the NGC image carries the same), and
-`libonnxruntime.so.1`, ONNX Runtime 1.19.2 (what Triton 2.51 builds against), downloaded once from
-PyPI's wheel (pinned by sha256). `python -m mimi_code2wav.server.ort_backend` fetches the library
-ahead of time (`make venv` does).
+"""Triton's native ONNX Runtime backend beside the pip tritonserver's Python backend (docs/design.md §4),
+in the server's private backend directory: `libtriton_onnxruntime.so` (built for 2.51, CPU) from the folder
+ORT_BACKEND names, and ONNX Runtime 1.19.2's library (what 2.51 builds against) from PyPI's wheel, pinned
+by sha256 (`python -m mimi_code2wav.server.ort_backend` fetches it ahead of time, as `make venv` does).
 """
 
 from __future__ import annotations
@@ -13,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,7 +25,6 @@ ORT_VERSION = "1.19.2"
 # The library inside the cp311 manylinux_2_28 x86-64 wheel of onnxruntime 1.19.2.
 ORT_LIBRARY_MEMBER = f"onnxruntime/capi/libonnxruntime.so.{ORT_VERSION}"
 ORT_LIBRARY_SHA256 = "4ff01702cba83d4162e87752deb6f09a8bb9297185880e2b54067ef3ffb334f1"
-NGC_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
 _ONNXRUNTIME_BACKEND = re.compile(r'^\s*backend:\s*"onnxruntime"', re.MULTILINE)
 
 
@@ -43,23 +39,17 @@ def needs_onnxruntime(repository: Path) -> bool:
     return any(_ONNXRUNTIME_BACKEND.search(config.read_text()) for config in Path(repository).glob("*/config.pbtxt"))
 
 
-def library_cache() -> Path:
-    """This environment's copy of ONNX Runtime's library (a venv's, or the interpreter's prefix)."""
-    return Path(sys.prefix) / "share" / "mimi-code2wav" / f"onnxruntime-{ORT_VERSION}" / ORT_LIBRARY
-
-
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()  # a library of tens of MB
 
 
-def fetch_onnxruntime_library(quiet: bool = False) -> Path:
-    """ONNX Runtime 1.19.2's shared library, downloaded from PyPI once and checked by its sha256."""
-    target = library_cache()
+def fetch_onnxruntime_library() -> Path:
+    """ONNX Runtime 1.19.2's shared library in this environment, downloaded from PyPI once, sha256-checked."""
+    target = Path(sys.prefix) / "share" / "mimi-code2wav" / f"onnxruntime-{ORT_VERSION}" / ORT_LIBRARY
     if target.is_file() and _sha256(target) == ORT_LIBRARY_SHA256:
         return target
-    if not quiet:
-        print(f"fetching ONNX Runtime {ORT_VERSION}'s library for the native backend (pip download, 13 MB) ...",
-              file=sys.stderr, flush=True)
+    print(f"fetching ONNX Runtime {ORT_VERSION}'s library for the native backend (pip download, 13 MB) ...",
+          file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="onnxruntime-wheel-") as folder:
         command = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
                    "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
@@ -68,12 +58,11 @@ def fetch_onnxruntime_library(quiet: bool = False) -> Path:
         wheels = list(Path(folder).glob("onnxruntime-*.whl"))
         if done.returncode != 0 or not wheels:
             raise ServerError(f"could not download onnxruntime=={ORT_VERSION} for the native backend: "
-                              f"{(done.stderr or done.stdout).strip().splitlines()[-1:] or 'no wheel'}")
+                              f"{((done.stderr or done.stdout).strip().splitlines() or ['no wheel'])[-1]}")
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.{os.getpid()}")
         with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(ORT_LIBRARY_MEMBER) as member, open(partial, "wb") as out:
-            while block := member.read(1 << 20):
-                out.write(block)
+            shutil.copyfileobj(member, out)
     if _sha256(partial) != ORT_LIBRARY_SHA256:
         partial.unlink()
         raise ServerError(f"{ORT_LIBRARY_MEMBER} of the downloaded onnxruntime=={ORT_VERSION} wheel does not have "
@@ -84,16 +73,14 @@ def fetch_onnxruntime_library(quiet: bool = False) -> Path:
 
 
 def install_onnxruntime_backend(backend_dir: Path, install_file) -> Path:
-    """`backend_dir/onnxruntime/` with the backend and ONNX Runtime's library; `install_file(source,
-    target, mode)` copies a file atomically unless an identical one is there. Refuses in one line,
-    naming what is missing, when the backend is not where ORT_BACKEND points."""
+    """`backend_dir/onnxruntime/` with the backend and ONNX Runtime's library, each put there by
+    `install_file(source, target, mode)`; refuses in one line when ORT_BACKEND holds no backend."""
     source = backend_source() / BACKEND_LIBRARY
     if not source.is_file():
-        raise ServerError(
-            f"the onnxruntime decoder needs Triton's ONNX Runtime backend, and {source} does not exist: set "
-            f"{ORT_BACKEND_ENV}=<folder holding {BACKEND_LIBRARY}> (built for tritonserver 2.51), or serve the "
-            f"repository in the NGC image {NGC_IMAGE}, which carries it"
-        )
+        raise ServerError(f"the onnxruntime decoder needs Triton's ONNX Runtime backend, and {source} does not "
+                          f"exist: set {ORT_BACKEND_ENV}=<folder holding {BACKEND_LIBRARY}> (built for tritonserver "
+                          "2.51), or serve the repository in the NGC image nvcr.io/nvidia/tritonserver:24.10-py3, "
+                          "which carries it")
     folder = Path(backend_dir) / "onnxruntime"
     folder.mkdir(parents=True, exist_ok=True)
     install_file(source, folder / BACKEND_LIBRARY, 0o755)

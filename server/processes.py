@@ -1,5 +1,4 @@
-"""What the launcher of a server process needs: its log's tail, readiness, its process group and its
-stop, and the parent-death signal (`triton.TritonServer` uses them)."""
+"""A server process's log tail, readiness, process group, stop and parent-death signal."""
 
 from __future__ import annotations
 
@@ -14,23 +13,20 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
 
-# Log lines that make a tail useful: the option tables Triton prints at start-up are not.
-_TABLE_LINE_PREFIXES = ("|", "+-")
-
 
 class ServerError(RuntimeError):
     """The server could not be found, prepared, started, or did not become ready."""
 
 
 def log_tail(path: Path | str | None, lines: int = 40) -> str:
-    """The last `lines` meaningful lines of a server log (start-up option tables left out)."""
+    """The last `lines` meaningful lines of a server log (Triton's start-up option tables left out)."""
     if path is None:
         return "(no log)"
     try:
         text = Path(path).read_text(errors="replace")
     except OSError as exc:
         return f"(log {path} unreadable: {exc})"
-    kept = [line for line in text.splitlines() if line.strip() and not line.startswith(_TABLE_LINE_PREFIXES)]
+    kept = [line for line in text.splitlines() if line.strip() and not line.startswith(("|", "+-"))]
     return "\n".join(kept[-lines:]) if kept else "(log is empty)"
 
 
@@ -41,7 +37,7 @@ def http_ready(url: str, timeout_s: float) -> str | None:
             return None if response.status == 200 else f"HTTP {response.status}"
     except urllib.error.HTTPError as error:
         return f"HTTP {error.code}"
-    except (urllib.error.URLError, ConnectionError, OSError) as error:
+    except OSError as error:  # URLError and ConnectionError among them
         return str(error)
 
 
@@ -62,14 +58,13 @@ def process_group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float) -> int | None:
-    """SIGTERM `process` (the leader of its own process group), SIGKILL the group if it has not exited
-    after `grace_s`, then wait until the rest of the group (Python stubs) is gone too, killing it after
-    5 s. Idempotent; returns the leader's exit code."""
+    """SIGTERM `process` (leading its own process group), SIGKILL the group after `grace_s`, then wait
+    for the rest of the group (Python stubs) to go, killing it after 5 s. Idempotent; the leader's code."""
     def kill_group() -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -97,13 +92,10 @@ def stop_process_group(process: subprocess.Popen, grace_s: float) -> int | None:
 
 def with_parent_death_signal(command: Sequence[str]) -> tuple[list[str], Callable[[], None] | None]:
     """`command` (and a preexec_fn) such that Linux SIGTERMs the child when this process dies
-    (PR_SET_PDEATHSIG), so a launcher killed without stop() takes its server along.
-
-    `setpriv --pdeathsig TERM --` execs the command with no Python code in the forked child: a
-    preexec_fn runs Python's at-fork hooks there, which in a process with threads can crash it before
-    exec (seen: a SIGSEGV, the server dying at once with an empty log). It is only the fallback."""
-    setpriv = shutil.which("setpriv") or next((path for path in ("/usr/bin/setpriv", "/bin/setpriv")
-                                                if os.access(path, os.X_OK)), None)
+    (PR_SET_PDEATHSIG), so a launcher killed without stop() takes its server along."""
+    # setpriv execs the command with no Python code in the forked child; a preexec_fn runs Python's
+    # at-fork hooks there, which in a process with threads can crash it before exec (seen: a SIGSEGV).
+    setpriv = shutil.which("setpriv", path=f"{os.environ.get('PATH', '')}{os.pathsep}/usr/bin{os.pathsep}/bin")
     if setpriv is not None:
         return [setpriv, "--pdeathsig", "TERM", "--", *command], None
     try:
@@ -112,5 +104,5 @@ def with_parent_death_signal(command: Sequence[str]) -> tuple[list[str], Callabl
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux/glibc
         return list(command), None
-    set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
-    return list(command), lambda: prctl(set_pdeathsig, sigterm, 0, 0, 0)
+    pr_set_pdeathsig = 1
+    return list(command), lambda: prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)

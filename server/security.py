@@ -1,10 +1,6 @@
-"""TLS and the keys of a served tritonserver, with Triton's own mechanisms (docs/design.md §5.3).
-
-Every server the project starts (`serve`, compose, Kubernetes) runs under the entrypoint script
-(`ENTRYPOINT`), which turns the files of an access folder into tritonserver's flags: server.pem and
-server.key (TLS on gRPC), client-ca.pem (mutual TLS), inference.key, admin.key. `serve` takes its
-options and writes that folder (`write_access_folder`); the rules for each file live in the script.
-No log line or error message of this package quotes a key.
+"""`code2wav-server certs`, and the access folder of TLS and keys (docs/design.md §5.3) that `serve`
+writes from its options; the entrypoint script (`ENTRYPOINT`) alone maps the folder to tritonserver's
+flags and holds the rules for each file. No log line or error message of this package quotes a key.
 """
 
 from __future__ import annotations
@@ -23,8 +19,6 @@ from .processes import ServerError
 ADMIN_KEY_ENV = "CODE2WAV_ADMIN_KEY"
 # The entrypoint every server runs under: watches health and the Python stubs, maps the access folder.
 ENTRYPOINT = Path(__file__).with_name("triton-watchdog.sh")
-# The key files that `serve` writes from the environment when no file is given.
-KEYS_FROM_ENV = {"inference.key": KEY_ENV, "admin.key": ADMIN_KEY_ENV}
 
 
 def add_security_arguments(parser) -> None:
@@ -42,25 +36,24 @@ def add_security_arguments(parser) -> None:
                        f"shared-memory, statistics, trace and logging calls (default: ${ADMIN_KEY_ENV})")
 
 
-def write_access_folder(folder: Path, args, environ=None) -> Path:
-    """The access folder of `add_security_arguments`' options in `folder` (emptied first, private):
-    each given file copied under the entrypoint's name, a key from the environment written as its
-    file. Raises ServerError naming a file it cannot read (never a key)."""
-    environ = os.environ if environ is None else environ
+def write_access_folder(folder: Path, args, environ=os.environ) -> Path:
+    """`folder` (emptied first, private) with each file of `add_security_arguments`' options under the
+    entrypoint's name, a key from the environment written as its file. Errors name a file, never a key."""
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, mode=0o700)
-    sources = {"server.pem": args.tls_cert, "server.key": args.tls_key, "client-ca.pem": args.tls_client_ca,
-               "inference.key": args.key_file, "admin.key": args.admin_key_file}
-    for name, source in sources.items():
+    sources = {"server.pem": (args.tls_cert, None), "server.key": (args.tls_key, None),
+               "client-ca.pem": (args.tls_client_ca, None), "inference.key": (args.key_file, KEY_ENV),
+               "admin.key": (args.admin_key_file, ADMIN_KEY_ENV)}
+    for name, (source, env_name) in sources.items():
         target = folder / name
         if source is not None:
             try:
                 shutil.copyfile(source, target)
             except OSError as error:
                 raise ServerError(f"cannot read {source} (for {name}): {error.strerror}") from None
-        elif environ.get(KEYS_FROM_ENV.get(name, ""), "").strip():
-            target.write_text(environ[KEYS_FROM_ENV[name]].strip() + "\n")
+        elif env_name and environ.get(env_name, "").strip():
+            target.write_text(environ[env_name].strip() + "\n")
         else:
             continue
         target.chmod(0o600)
@@ -68,9 +61,8 @@ def write_access_folder(folder: Path, args, environ=None) -> Path:
 
 
 def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"), days: int = 30) -> Path:
-    """A private CA and what it signs, made with openssl in `folder`: ca.pem/ca.key, server.pem/
-    server.key (valid for `hosts`) and client.pem/client.key (for mutual TLS). For trying TLS and for
-    tests; a deployment's certificates come from its own CA."""
+    """A private CA and what it signs, made with openssl in `folder`: ca.pem/.key, server.pem/.key (valid
+    for `hosts`), client.pem/.key (for mutual TLS). For trying TLS and for tests."""
     if shutil.which("openssl") is None:
         raise ServerError("making certificates needs openssl (Debian: apt-get install openssl)")
     folder = Path(folder)
@@ -84,15 +76,15 @@ def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.
     def new_key(name: str) -> list[str]:
         return ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key"]
 
-    openssl("req", "-x509", *new_key("ca"), "-out", "ca.pem", "-days", str(days), "-subj", "/CN=code2wav private CA")
-    names = []
-    for host in hosts:
+    def is_ip(host: str) -> bool:
         try:
-            ipaddress.ip_address(host)
-            names.append(f"IP:{host}")
+            return bool(ipaddress.ip_address(host))
         except ValueError:
-            names.append(f"DNS:{host}")
-    (folder / "server.ext").write_text(f"subjectAltName={','.join(names)}\n")
+            return False
+
+    openssl("req", "-x509", *new_key("ca"), "-out", "ca.pem", "-days", str(days), "-subj", "/CN=code2wav private CA")
+    names = ",".join(f"IP:{host}" if is_ip(host) else f"DNS:{host}" for host in hosts)
+    (folder / "server.ext").write_text(f"subjectAltName={names}\n")
     for name, subject, extensions in (("server", hosts[0], ["-extfile", "server.ext"]), ("client", "code2wav client", [])):
         openssl("req", *new_key(name), "-out", f"{name}.csr", "-subj", f"/CN={subject}")
         openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
@@ -104,18 +96,14 @@ def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.
     return folder
 
 
-# `code2wav-server certs` ------------------------------------------------------------------------
-
 def add_arguments(parser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder to write ca.pem, server.pem/.key, client.pem/.key")
-    parser.add_argument("--host", action="append", metavar="NAME",
-                        help="a name or address the server certificate is valid for (repeatable; default "
-                        "localhost and 127.0.0.1)")
+    parser.add_argument("--host", action="append", metavar="NAME", help="a name or address the server certificate "
+                        "is valid for (repeatable; default localhost and 127.0.0.1)")
     parser.add_argument("--days", type=int, default=30, help="validity (default %(default)s days)")
 
 
 def run(args) -> int:
-    """Make a private CA and its server and client certificates, for trying TLS."""
     try:
         folder = make_certificates(args.out, tuple(args.host or ("localhost", "127.0.0.1")), args.days)
     except ServerError as error:

@@ -1,22 +1,12 @@
-"""`code2wav-server serve`: run the local tritonserver in the foreground until Ctrl-C or SIGTERM.
+"""`code2wav-server serve`: the local tritonserver in the foreground, supervised (docs/design.md §5.2).
 
-Without --model-repository the repository is prepared first (`export.pipeline.prepare_local_repository`:
-exported when missing or stale, rendered with the `--decoder` target, python-ort by default, under the build folder).
-
-tritonserver runs under the entrypoint script that compose and Kubernetes run (security.ENTRYPOINT),
-with TLS and keys from an access folder that serve writes from its options (<build-dir>/access-<gRPC
-port>): the script kills a hung server or one whose Python stub died. Supervised (`supervise`): a
-server that exits (a crash, the OOM killer, the script's kill) is started again on the same ports
-after a short delay that doubles while it keeps dying soon after its start; its streams are lost there
-and resumable clients resume them (docs/design.md §2.4). `--no-restart` exits with the server instead.
-SIGHUP drains the server and starts it again at once on the same ports, reading the repository afresh
-(new weights, a new config).
-
-Ctrl-C or SIGTERM drains and stops the server: tritonserver refuses new streams at once, answers the
-live streams' requests with UNAVAILABLE (resumable clients move on), lets the abandoned streams idle
-out and unloads both models within its exit timeout (DEFAULT_EXIT_TIMEOUT_S, inside Kubernetes' 30 s
-grace period); then its Python stubs and shared memory are gone and the command exits 0
-(docs/design.md §5.2).
+Without --model-repository the repository for --decoder is exported (when missing or stale for the
+weights) and rendered under the build folder. tritonserver runs under the entrypoint script that compose
+and Kubernetes run, with TLS and keys from the options below: it kills a hung server or one whose Python
+stub died. A server that exits is started again on the same ports after a delay that doubles while it
+keeps dying soon after its start (its streams resume on resumable clients); --no-restart exits with it.
+SIGHUP drains it and starts it again at once, reading the repository afresh (new weights, a new config).
+Ctrl-C or SIGTERM drains and stops it within its exit timeout (25 s), then exits 0.
 """
 
 from __future__ import annotations
@@ -26,7 +16,7 @@ from pathlib import Path
 
 from .processes import ServerError
 from .security import add_security_arguments, write_access_folder
-from .supervise import Foreground, Supervised, run_in_foreground, supervise
+from .supervise import Foreground, Supervisor, run_in_foreground
 from .triton import LOCALHOST, TritonServer
 
 # The decoder targets a local server renders (tensorrt needs a plan built on a GPU).
@@ -34,14 +24,9 @@ LOCAL_TARGETS = ("python-ort", "onnxruntime", "null")
 
 
 def prepare_repository(args: argparse.Namespace) -> Path:
-    """The model repository to serve: `--model-repository` as it is, else the local repository for
-    `--decoder` under build/, exported first when missing or stale for the weights (`--weights`,
-    `--random-init`, else kyutai/mimi when available, else seeded random weights)."""
+    """`--model-repository` as it is, else the local repository for `--decoder` under the build folder."""
     if args.model_repository is not None:
-        repository = Path(args.model_repository)
-        if not repository.is_dir():
-            raise ServerError(f"model repository {repository} is not a directory")
-        return repository
+        return Path(args.model_repository)
     from mimi_code2wav.export.pipeline import prepare_local_repository
     from mimi_code2wav.export.weights import WeightsError
 
@@ -52,49 +37,36 @@ def prepare_repository(args: argparse.Namespace) -> Path:
         raise ServerError(str(error)) from error
 
 
-def _new_server(args: argparse.Namespace, repository: Path, access_dir: Path,
-                ports: tuple | None = None) -> TritonServer:
-    http_port, grpc_port, metrics_port = ports or (args.http_port, args.grpc_port, args.metrics_port)
-    return TritonServer(repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                        host=args.host, log_path=args.log_file, log_verbose=args.log_verbose, access_dir=access_dir,
-                        watch=True)
-
-
-def _access_line(server: TritonServer) -> str:
-    """What the entrypoint script said of TLS and the keys (its `access:` line in the server's log)."""
-    marker = "triton-watchdog: access: "
-    lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if line.startswith(marker)]
-    return lines[-1][len(marker):] if lines else "unknown (see the server log)"
-
-
 def run(args: argparse.Namespace) -> int:
-    return run_in_foreground(lambda foreground: _serve(args, foreground), "draining and stopping tritonserver",
-                             "tritonserver")
+    return run_in_foreground(lambda foreground: _serve(args, foreground))
 
 
 def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
-    """Start the server, then supervise it: restarted whenever it dies (or its exit code with --no-restart)."""
     access_dir = write_access_folder(Path(args.build_dir) / f"access-{args.grpc_port}", args)
     repository = prepare_repository(args)
-    server = Supervised(_new_server(args, repository, access_dir),
-                        lambda ports: _new_server(args, repository, access_dir, ports), "tritonserver")
-    foreground.stop = lambda: server.server.stop()
-    server.launch(foreground.launch_guard)
+    server = TritonServer(repository, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, host=args.host, log_path=args.log_file,
+                          log_verbose=args.log_verbose, access_dir=access_dir, watch=True)
+    supervisor = Supervisor(server, foreground, args.restart, args.ready_timeout)
+    foreground.stop = lambda: supervisor.server.stop()
+    supervisor.launch()
     print(f"tritonserver starting, log: {server.log_path}", flush=True)
-    ready_after_s = server.server.wait_ready(args.ready_timeout)
-    print(f"tritonserver ready in {ready_after_s:.1f} s (pid {server.pid}), serving {repository}\n"
+    ready_after_s = server.wait_ready(args.ready_timeout)
+    # What the entrypoint script said of TLS and the keys.
+    marker = "triton-watchdog: access: "
+    access = [line for line in server.log_path.read_text(errors="replace").splitlines() if line.startswith(marker)]
+    print(f"tritonserver ready in {ready_after_s:.1f} s (pid {server.tritonserver_pid()}), serving {repository}\n"
           f"  gRPC     {server.grpc_url}\n"
           f"  HTTP     http://{server.http_url}\n"
           f"  metrics  {server.metrics_url}\n"
-          f"  access   {_access_line(server.server)}\n"
+          f"  access   {access[-1][len(marker):] if access else 'unknown (see the server log)'}\n"
           f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
           "SIGHUP drains and restarts it; Ctrl-C or SIGTERM drains and stops it.", flush=True)
-    return supervise(server, foreground, restart=args.restart, ready_timeout_s=args.ready_timeout)
+    return supervisor.run()
 
 
-def add_repository_arguments(parser: argparse.ArgumentParser, served_by: str = "to serve") -> None:
-    """What `prepare_repository` reads: a repository as it is, or the weights to export one from."""
-    parser.add_argument("--model-repository", type=Path, help=f"model repository {served_by}")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-repository", type=Path, help="model repository to serve")
     parser.add_argument("--weights", help="Mimi weights: transformers folder, moshi .safetensors file or hub id "
                         "(default: kyutai/mimi when available, else seeded random weights)")
     parser.add_argument("--random-init", action="store_true", help="serve seeded random weights (noise)")
@@ -103,10 +75,6 @@ def add_repository_arguments(parser: argparse.ArgumentParser, served_by: str = "
     parser.add_argument("--decoder", choices=LOCAL_TARGETS, default="python-ort",
                         help="the decoder target to render: python-ort (any machine), onnxruntime (Triton's native "
                         "backend, from $ORT_BACKEND), null (silence: the front's ceiling) (default %(default)s)")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_repository_arguments(parser)
     parser.add_argument("--host", default=LOCALHOST, help="address to bind (default %(default)s)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)

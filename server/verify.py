@@ -1,20 +1,12 @@
 """Check a RUNNING code2wav server against a streaming reference decode of the same weights.
 
-    code2wav-server verify [--url 127.0.0.1:8001] [--weights PATH | --random-init [--seed N]]
-                           [--streams 2] [--frames 150] [--chunk-frames 4] [--codes-seed 0]
-
-Seeded codes are streamed through the server (one sequence per stream, concurrently) and decoded by
-the reference in PyTorch, one frame per call:
-- a moshi-format .safetensors file: moshi's own streaming decoder (`moshi.models.loaders.get_mimi`,
-  inside `mimi.streaming(B)`), the reference Moshi-family systems run;
-- a transformers folder, a hub id or random weights: no moshi loader reads those, so the reference is
-  this project's PyTorch streaming step (`export/step.py` `MimiDecoderStep`, moshi window), which the
-  parity tests hold equal to moshi's streaming decode.
-Each stream passes with max abs error <= 1e-4 and SNR >= 100 dB (the README's tolerances). Exit code 0 on PASS,
-1 on FAIL or error. The server must be serving the same weights (`make serve MIMI_WEIGHTS=...` with
-the same file): it does not report which weights it serves, so a mismatch shows as FAIL.
-
-Needs the export extra (PyTorch, transformers), and moshi for moshi-format checkpoints.
+Seeded codes are streamed through the server (one sequence per stream, concurrently) and decoded by the
+reference in PyTorch, one frame per call: moshi's own streaming decoder for a moshi-format .safetensors
+file; for a transformers folder, a hub id or random weights (no moshi loader reads those), this
+project's streaming step (`export/step.py`), which the parity tests hold equal to moshi's. Each stream
+passes with max abs error <= 1e-4 and SNR >= 100 dB; exit code 0 on PASS, 1 on FAIL or error. The
+server does not say which weights it serves: other weights show as FAIL. Needs the export extra
+(PyTorch, transformers), and moshi for moshi-format checkpoints.
 """
 
 from __future__ import annotations
@@ -82,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
     print("note: the server must be serving these same weights; it does not say which it serves, "
           "so different weights show as FAIL")
     passed = True
-    for index, result in enumerate(report.results):
-        expected = reference[index]
+    for index, (result, expected) in enumerate(zip(report.results, reference)):
         if result.pcm.shape != expected.shape:
             print(f"  stream {index}: FAIL: {result.pcm.size} samples, reference {expected.size}")
             passed = False

@@ -94,8 +94,7 @@ def test_calls_waiting_behind_a_request_go_together_each_getting_its_own_frames_
         client = Code2WavClient("a:1", max_pending_calls=frames - 1)
         sent, answer = [], asyncio.Event()
 
-        async def infer(stream, step):  # a server whose PCM of frame f is all f, answering when told to
-            request = step.request
+        async def infer(stream, request):  # a server whose PCM of frame f is all f, answering when told to
             sent.append((request.first_new_frame, request.new_frames))
             await answer.wait()
             return np.repeat(np.arange(request.first_new_frame, request.first_new_frame + request.new_frames,
@@ -121,19 +120,6 @@ def test_calls_waiting_behind_a_request_go_together_each_getting_its_own_frames_
 
 
 # ---- against a real server --------------------------------------------------------------------------
-
-@pytest.mark.server
-def test_the_modules_example_runs(code2wav_server):
-    """The example at the top of client/aio.py (the README's) runs as written, against the test server."""
-    import textwrap
-
-    from mimi_code2wav.client import aio
-
-    example = textwrap.dedent(aio.__doc__.split("\n`Code2WavClient(urls)`")[0].split("\n", 1)[1])
-    assert "asyncio.run(main())" in example
-    exec(compile(example.replace("127.0.0.1:8001", code2wav_server.grpc_url), "client/aio.py example", "exec"), {})
-    assert live_streams(code2wav_server) == 0
-
 
 @pytest.mark.server
 def test_check_ready_passes_on_a_ready_server_and_says_what_is_wrong_otherwise(code2wav_server):
@@ -181,10 +167,10 @@ def test_a_cancelled_call_leaves_the_stream_consistent(code2wav_server, scenario
         async with Code2WavClient(code2wav_server.grpc_url) as client:
             infer, abandon = client._infer, set()
 
-            async def infer_then_maybe_abandon(stream, step):
-                outcome = await infer(stream, step)
-                if step.request.first_new_frame in abandon:  # decoded; the caller is cancelled now
-                    abandon.discard(step.request.first_new_frame)
+            async def infer_then_maybe_abandon(stream, request):
+                outcome = await infer(stream, request)
+                if request.first_new_frame in abandon:  # decoded; the caller is cancelled now
+                    abandon.discard(request.first_new_frame)
                     asyncio.current_task().cancel()
                     await asyncio.sleep(0)
                 return outcome

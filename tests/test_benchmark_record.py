@@ -56,33 +56,25 @@ def test_every_table_of_the_record_follows_its_runs_stamp():
 
 
 def test_add_copies_a_committed_runs_in_and_rejects_unstamped_dirty_or_machine_bound_ones(tmp_path):
-    source = next(iter(sorted(record.RECORD_DIR.glob("*.json"))))
-    run = json.loads(source.read_text())
+    run = json.loads(next(iter(sorted(record.RECORD_DIR.glob("*.json")))).read_text())
     fresh = tmp_path / "bench_results" / "run.json"
     fresh.parent.mkdir()
-    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "commit": "0000000"}}))
-    target = record.add_run(fresh, tmp_path / "record")
-    assert target == tmp_path / "record" / f"{run['meta']['kind']}.json"
+
+    def add(extra: dict | None = None, **meta):  # a meta value None removes that field
+        meta = {key: value for key, value in {**run["meta"], "commit": "0000000", **meta}.items() if value is not None}
+        fresh.write_text(json.dumps({**run, **(extra or {}), "meta": meta}))
+        return record.add_run(fresh, tmp_path / "record")
+
+    assert add() == tmp_path / "record" / f"{run['meta']['kind']}.json"
     assert "Commit 0000000," in record.render_record(tmp_path / "record")
-
-    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "commit": "0000000 (with uncommitted changes)"}}))
-    with pytest.raises(record.RecordError, match="uncommitted changes"):
-        record.add_run(fresh, tmp_path / "record")
-    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "commit": "0000000",
-                                                 "command": "python -m benchmarks memory --out-dir /tmp/x"}}))
-    with pytest.raises(record.RecordError, match="names machine paths \\(/tmp/x\\)"):
-        record.add_run(fresh, tmp_path / "record")
-    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "commit": "0000000"}, "export": "/tmp/mimi-export-1"}))
-    with pytest.raises(record.RecordError, match="names machine paths \\(/tmp/mimi-export-1\\)"):
-        record.add_run(fresh, tmp_path / "record")
-
-    del run["meta"]["command"]
-    fresh.write_text(json.dumps(run))
-    with pytest.raises(record.RecordError, match="lacks command"):
-        record.add_run(fresh, tmp_path / "record")
-    fresh.write_text(json.dumps({**run, "meta": {**run["meta"], "command": "x", "kind": "nonsense"}}))
-    with pytest.raises(record.RecordError, match="unknown kind 'nonsense'"):
-        record.add_run(fresh, tmp_path / "record")
+    for extra, meta, error in [(None, {"commit": "0000000 (with uncommitted changes)"}, "uncommitted changes"),
+                               (None, {"command": "python -m benchmarks memory --out-dir /tmp/x"},
+                                "names machine paths \\(/tmp/x\\)"),
+                               ({"export": "/tmp/mimi-export-1"}, {}, "names machine paths \\(/tmp/mimi-export-1\\)"),
+                               (None, {"command": None}, "lacks command"),
+                               (None, {"kind": "nonsense"}, "unknown kind 'nonsense'")]:
+        with pytest.raises(record.RecordError, match=error):
+            add(extra, **meta)
 
 
 def test_the_headline_block_replaces_only_what_lies_between_its_markers():
@@ -100,7 +92,7 @@ def test_a_stamp_names_machine_command_commit_and_date():
 
 
 def test_render_and_bench_take_the_same_serving_flags():
-    """One declaration (export.serving_flags) for `code2wav-export render` and `python -m benchmarks sweep`."""
+    """One declaration (export.render) for `code2wav-export render` and `python -m benchmarks sweep`."""
     from benchmarks.__main__ import command_parser
     from mimi_code2wav.export.__main__ import build_parser as export_parser
 
@@ -154,26 +146,27 @@ def test_the_benchmarks_import_no_tests_and_no_cycle():
     assert [module for module in imports if reaches(module, module, set())] == []
 
 
-def test_a_sweep_stops_when_its_local_server_dies(tmp_path):
-    """The sweep does not start a dead server again: the point fails, the log's tail is recorded, no
-    later point runs, and the report says so."""
+def test_a_sweep_stops_when_its_local_server_dies(tmp_path, monkeypatch):
+    """The sweep does not start a dead server again: the point fails, the log's tail is recorded,
+    perf_analyzer is not run against it, and the report says so."""
     from types import SimpleNamespace
 
-    from benchmarks import report, sweep
+    from benchmarks import sweep
     from benchmarks.profile import PointProfile
 
     log = tmp_path / "tritonserver.log"
     log.write_text("Signal (11) received.\n")
     server = SimpleNamespace(grpc_url="127.0.0.1:1", log_path=log, is_alive=lambda: False, exit_code=lambda: -11)
     local = SimpleNamespace(server=server, url=server.grpc_url, profile=lambda: PointProfile(None, None))
-    points = sweep.Sweep(sweep.SweepLoad(frames=4, seed=0, point_seconds=1.0), tmp_path, local=local)
-    row = points.measure(sweep.SweepPoint(2, 1), lambda: {"requests": 3})
-    assert row == {"streams": 2, "chunk_frames": 1, "requests": 3, "error": "the server exited during the point"}
-    assert points.failures == 1
+    points = sweep.Sweep(tmp_path, frames=4, seed=0, point_seconds=1.0, local=local)
+    monkeypatch.setattr(points, "client_point", lambda *_: {"requests": 3, "requests_per_s": 10.0})
+    monkeypatch.setattr(points, "perf_point", lambda *_: pytest.fail("perf_analyzer ran against a dead server"))
+    points.point(2, 1)
+    assert points.client == [{"streams": 2, "chunk_frames": 1, "requests": 3, "requests_per_s": 10.0,
+                              "error": "the server exited during the point"}]
+    assert points.perf == [] and points.failures == 1
     assert points.server_exit.startswith("tritonserver exited during 2 stream(s), 1 frame(s) per request (code -11)")
     assert "Signal (11) received." in points.server_exit
-    points.point(sweep.SweepPoint(2, 1), client=False, perf=True)  # perf_analyzer is not run against it
-    assert points.perf == []
     results = {"meta": {"server": "test", "frames": 4, "cpu_cores": 2, "server_exit": points.server_exit},
-               "summary": {}, "client": [row], "perf": [], "decoder_step_ms": {}}
-    assert "the server exited during the run" in report.sweep_markdown(results)
+               "summary": {}, "client": points.client, "perf": [], "decoder_step_ms": {}}
+    assert "the server exited during the run" in sweep.sweep_markdown(results)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from mimi_code2wav.client import ClientError, Code2WavClient, StreamOptions, protocol, run_streams
-from mimi_code2wav.client.plan import HistoryBuffer
 from mimi_code2wav.client.protocol import (
     CODEBOOK_SIZE,
     NUM_CODEBOOKS,
@@ -27,7 +26,6 @@ from mimi_code2wav.client.protocol import (
     STREAM_KEY_HEADER,
     chunk_bounds,
     random_codes,
-    request_arrays,
     request_failure,
     validate_codes,
 )
@@ -52,14 +50,19 @@ def test_chunk_bounds_first_chunk_is_one_frame(total, chunk, expected):
     assert chunk_bounds(total, chunk) == expected
 
 
-def test_request_arrays_delta_and_cumulative():
-    codes = np.arange(8 * 6, dtype=np.int64).reshape(8, 6)
-    delta = request_arrays(codes, 2, 5, "delta", send_frame_offset=True)
-    assert delta["input_ids"].shape == (1, 8 * 3) and delta["frame_offset"].tolist() == [[2]]
-    assert delta["input_ids"][0, :3].tolist() == [2, 3, 4]  # codebook-major: all frames of codebook 0 first
-    cumulative = request_arrays(codes, 2, 5, "cumulative", send_frame_offset=True)
-    assert cumulative["input_ids"].shape == (1, 8 * 5) and cumulative["frame_offset"].tolist() == [[0]]
-    assert set(request_arrays(codes, 2, 5, "delta", send_frame_offset=False)) == {"input_ids"}
+@pytest.mark.parametrize("mode, send_frame_offset, sent_from", [
+    ("delta", True, 2), ("cumulative", True, 0), ("delta", False, 2)])
+def test_a_request_holds_its_new_frames_or_the_stream_so_far(mode, send_frame_offset, sent_from):
+    codes = frame_codes(5)
+    options = StreamOptions(mode=mode, send_frame_offset=send_frame_offset)
+    stream = Code2WavClient("a:1", options, connect=FakeNetwork("a:1")).stream()
+    stream.decode(codes[:, :2])
+    request = stream._plan.request(codes[:, 2:5], end=True)
+    assert (request.start, request.end, request.first_new_frame, request.new_frames) == (False, True, 2, 3)
+    # codebook-major: all frames of codebook 0 first
+    np.testing.assert_array_equal(request.arrays["input_ids"], codes[:, sent_from:].reshape(1, -1))
+    scalars = {name: array.tolist() for name, array in request.arrays.items() if name != "input_ids"}
+    assert scalars == ({"frame_offset": [[sent_from]]} if send_frame_offset else {})
 
 
 @pytest.mark.parametrize("codes, message", [
@@ -433,23 +436,6 @@ def test_the_client_knows_every_kind_the_server_answers_with():
     assert set(protocol.ERROR_ACTIONS) == set(settings.ERROR_KINDS)
 
 
-def test_history_buffer_keeps_the_last_frames_and_the_frames_asked_for():
-    buffer = HistoryBuffer(history_frames=4)
-    codes = frame_codes(12)
-    buffer.append(codes[:, :3])
-    assert (buffer.first_frame, buffer.next_frame) == (0, 3)
-    buffer.append(codes[:, 3:10])
-    assert (buffer.first_frame, buffer.next_frame) == (6, 10)
-    np.testing.assert_array_equal(buffer.frames(7), codes[:, 7:10])
-    buffer.append(codes[:, 10:11], keep_from=6)  # cumulative requests resend from frame 6
-    assert buffer.first_frame == 6
-    with pytest.raises(ValueError, match=re.escape("frame 5 is not kept (kept: [6, 11))")):
-        buffer.frames(5)
-    empty = HistoryBuffer(history_frames=0)
-    empty.append(codes[:, :5])
-    assert (empty.first_frame, empty.next_frame) == (5, 5) and empty.frames(5).shape == (8, 0)
-
-
 def test_resume_request_replays_the_last_R_frames_then_the_unanswered_ones():
     network, codes = FakeNetwork("a:1"), frame_codes(14)
 
@@ -472,9 +458,6 @@ def test_resume_request_replays_the_last_R_frames_then_the_unanswered_ones():
         (request,) = stream(history_frames, sequence_id, (0, 3))._plan.resume_requests(codes[:, 3:5], end=end)
         assert (request.arrays["frame_offset"].tolist(), request.history_frames, request.end) == (
             [[frame_offset]], replayed, end)
-    # Plain requests are deltas with frame_offset and never carry history_frames.
-    plain = long._plan.request(codes[:, 10:12], end=True)
-    assert set(plain.arrays) == {"input_ids", "frame_offset"} and plain.arrays["frame_offset"].tolist() == [[10]]
 
 
 def test_a_long_history_is_resumed_in_pieces_each_continuing_the_last():
@@ -562,7 +545,7 @@ def first_server_gone(network, stream):
 
 
 def kept_frame_changed(network, stream):
-    stream._plan._kept._codes[2, 1] += 1  # the client's copy of frame 1 no longer matches what it sent
+    stream._plan._kept[2, 1] += 1  # the client's copy of frame 1 no longer matches what it sent
 
 
 @pytest.mark.parametrize("options, fault, message, slept_s", [
@@ -700,7 +683,6 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
     """Every server gone for good: the run stops with StreamsFailed holding each stream's PCM up to
     where it stopped, and `decode --out` writes those WAVs and says where each stream stopped."""
     from mimi_code2wav.client import __main__ as cli
-    from mimi_code2wav.client import decode as decode_module
     from mimi_code2wav.client.sync import StreamsFailed
 
     network = FakeNetwork("a:1")
@@ -722,8 +704,8 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
         raise StreamsFailed("stream 1 could not resume", [np.ones(3 * SAMPLES_PER_FRAME, np.float32) * 0.5,
                                                            np.zeros(0, np.float32)])
 
-    monkeypatch.setattr(decode_module, "Code2WavClient", ReadyClient)
-    monkeypatch.setattr(decode_module, "run_streams", failing_run)
+    monkeypatch.setattr(cli, "Code2WavClient", ReadyClient)
+    monkeypatch.setattr(cli, "run_streams", failing_run)
     code = cli.main(["decode", "--url", "a:1", "--resume", "--random", "--frames", "10", "--streams", "2",
                      "--no-progress", "--out", str(tmp_path / "call.wav")])
     err = capsys.readouterr().err
@@ -735,7 +717,6 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
 
 def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys):
     from mimi_code2wav.client import __main__ as cli
-    from mimi_code2wav.client import decode as decode_module
     from mimi_code2wav.client.plan import Resume
     from mimi_code2wav.client.report import RunReport, StreamResult
 
@@ -754,8 +735,8 @@ def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys):
                                          url="b:2", history_frames=2))
         return RunReport(results, options, 1.0)
 
-    monkeypatch.setattr(decode_module, "Code2WavClient", CheckedClient)
-    monkeypatch.setattr(decode_module, "run_streams", fake_run)
+    monkeypatch.setattr(cli, "Code2WavClient", CheckedClient)
+    monkeypatch.setattr(cli, "run_streams", fake_run)
     code = cli.main(["decode", "--url", "a:1", "--failover-url", "b:2", "--random", "--frames", "3", "--streams", "2",
                      "--stream-key", "call", "--resume-history-frames", "25", "--no-progress"])
     out, err = capsys.readouterr()

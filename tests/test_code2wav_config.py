@@ -1,6 +1,5 @@
-"""code2wav's config: rendered from export/templates/code2wav.pbtxt.tmpl, its default rendering checked
-in as model_repository/code2wav/config.pbtxt (what the compose services and a plain copy serve) and
-read by the core as its default settings."""
+"""code2wav's config: model_repository/code2wav/config.pbtxt, served as it is (the compose services, a
+plain copy) and, with the decoder's values set in it, rendered; read by the core as its default settings."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from mimi_code2wav.export.render import (
     CODE2WAV_SLOTS_PER_STREAM,
     DecoderServing,
     render_code2wav_config,
+    set_fields,
 )
 
 from helpers import MODEL_REPOSITORY, load_model_module
@@ -36,8 +36,17 @@ def default_spec():
 
 def test_checked_in_config_equals_the_default_rendering(default_spec):
     assert CHECKED_IN_CODE2WAV_CONFIG.read_text() == render_code2wav_config(default_spec), (
-        "model_repository/code2wav/config.pbtxt is stale: edit export/templates/code2wav.pbtxt.tmpl and write "
-        "render_code2wav_config(spec_for_options(ExportOptions())) over it")
+        "model_repository/code2wav/config.pbtxt disagrees with the default export and render options")
+
+
+def test_render_sets_each_field_where_it_is_set_once():
+    """Strict: a field is set only outside comments, and one that is not there exactly once is an error."""
+    text = 'count: 1\n# count: 3\n{ key: "dedupe_mode"\n  value: { string_value: "delta" } }\n'
+    assert set_fields(text, {"count": 5, "parameter:dedupe_mode": "auto"}, "x") == text.replace("1", "5").replace("delta", "auto")
+    with pytest.raises(ValueError, match="x: parameter:max_live_streams appears 0 times, expected once"):
+        set_fields(text, {"parameter:max_live_streams": 1}, "x")
+    with pytest.raises(ValueError, match="count appears 2 times"):
+        set_fields(text + "count: 2\n", {"count": 5}, "x")
 
 
 def test_the_rendering_follows_the_spec_and_the_serving_options(default_spec):
@@ -60,7 +69,7 @@ def test_the_rendering_follows_the_spec_and_the_serving_options(default_spec):
 
 def test_the_checked_in_config_gives_the_core_its_default_settings():
     """What code2wav's initialize reads (the JSON form Triton hands it, uint64 fields as strings) are the
-    core's default settings; the idle timeout is the template's, below the decoder's; the sequence
+    core's default settings; the idle timeout is the one render reads, below the decoder's; the sequence
     controls and the tensors are those the model reads."""
     config = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
     assert set(config.parameters) == set(code2wav_settings.PARAMETER_TYPES)

@@ -149,201 +149,6 @@ def flag_value(args: list[str], flag: str) -> str | None:
 
 # ---- the compose file ------------------------------------------------------------------------------
 
-def test_services_and_profiles(compose, services):
-    # A top-level `name:` is rejected by docker-compose 1.29 (Debian's); profiles decide what starts.
-    assert "name" not in compose
-    assert {name: service.get("profiles") for name, service in services.items()} == PROFILES
-
-
-@pytest.mark.parametrize("name", sorted(PROFILES))
-def test_images_pinned(services, name):
-    image = services[name]["image"]
-    repository, _, tag = image.rpartition(":")
-    assert repository and "/" not in tag, f"{name}: image {image!r} has no explicit tag"
-    assert tag != "latest", f"{name}: image {image!r} floats"
-
-
-def test_the_tested_ngc_release_is_one_variable_away():
-    """The default images are the newest release; TRITON_IMAGE / TRITON_SDK_IMAGE select the release
-    whose tritonserver the client pins and the local server (and so the tests) run."""
-    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    client_pins = [req for req in pyproject["project"]["optional-dependencies"]["client"] if req.startswith("tritonclient")]
-    assert client_pins, "pyproject's client extra pins no tritonclient"
-    client_version = client_pins[0].split("==")[1]
-    release = TESTED_TRITON_IMAGE.rsplit(":", 1)[1].split("-")[0]
-    assert NGC_TRITON_VERSIONS[release] == client_version
-    assert SDK_IMAGE.startswith(TRITON_IMAGE) and TESTED_SDK_IMAGE.startswith(TESTED_TRITON_IMAGE)
-    tested = interpolate(yaml.safe_load(COMPOSE_FILE.read_text()),
-                         {"TRITON_IMAGE": TESTED_TRITON_IMAGE, "TRITON_SDK_IMAGE": TESTED_SDK_IMAGE})["services"]
-    for name in (*SERVERS, "tensorrt-plan", *REPLICAS):
-        assert tested[name]["image"] == TESTED_TRITON_IMAGE, name
-    assert tested["perf"]["image"] == TESTED_SDK_IMAGE
-    header = COMPOSE_FILE.read_text().split("\n\n")[0]
-    assert "26.11" in header and "2.75.0" in header and "24.10" in header and "2.51.0" in header
-
-
-def test_server_and_bench_images(services):
-    for name in (*SERVERS, "tensorrt-plan"):
-        assert services[name]["image"] == TRITON_IMAGE, name
-    assert services["perf"]["image"] == SDK_IMAGE
-
-
-def test_published_ports_are_loopback_only(services):
-    published = 0
-    for name, service in services.items():
-        for port in service.get("ports", []):
-            if isinstance(port, dict):
-                host_ip = port.get("host_ip")
-            else:
-                parts = str(port).split(":")
-                host_ip = parts[0] if len(parts) == 3 else None
-            assert host_ip == "127.0.0.1", f"{name}: port {port!r} listens beyond loopback"
-            published += 1
-    assert published >= 3 * len(SERVERS)
-
-
-@pytest.mark.parametrize("name", SERVERS)
-def test_server_ports_and_healthcheck(services, name):
-    server = services[name]
-    container_ports = {int(str(port).rsplit(":", 1)[1]) for port in server["ports"]}
-    assert container_ports == {8000, 8001, 8002}
-    args = command_args(server)
-    for flag, port in (("--http-port", "8000"), ("--grpc-port", "8001"), ("--metrics-port", "8002")):
-        assert flag_value(args, flag) in (None, port), f"{name}: {flag} moved away from the published port"
-    test = server["healthcheck"]["test"]
-    assert test[0] == "CMD" and test[1] == "curl" and "-fsS" in test, test
-    assert test[-1] == "http://localhost:8000/v2/health/ready", test
-    assert server["healthcheck"].get("start_period"), "a server loading models needs a start period"
-
-
-@pytest.mark.parametrize("name", (*SERVERS, *REPLICAS))
-def test_every_server_runs_under_the_watchdog(services, name):
-    """tritonserver is the watchdog's command (tests/test_watchdog.py runs the script), the script is
-    the repository's, read-only, and tini is PID 1 (signals passed on, killed servers' stubs reaped)."""
-    server = services[name]
-    assert command_args(server)[:3] == ["sh", WATCHDOG_IN_CONTAINER, "tritonserver"], command_args(server)
-    assert volume_mounts(server)[WATCHDOG_IN_CONTAINER] == ("./server/triton-watchdog.sh", True)
-    assert server.get("init") is True, f"{name}: no init process"
-    assert server.get("restart") == "unless-stopped", f"{name}: a killed server would stay down"
-
-
-@pytest.mark.parametrize("name", SERVERS)
-def test_server_shutdown_and_shared_memory(services, name):
-    server = services[name]
-    grace = server.get("stop_grace_period")
-    assert grace, f"{name}: no stop_grace_period (Docker's 10 s cuts in-flight streams)"
-    grace_s = int(re.fullmatch(r"(\d+)s", grace).group(1))
-    exit_timeout_s = int(flag_value(command_args(server), "--exit-timeout-secs") or 30)
-    assert grace_s > exit_timeout_s, f"{name}: Docker kills tritonserver before it drains ({grace} <= {exit_timeout_s}s)"
-    # The Python backend (code2wav) fails to grow its pool in Docker's default 64 MB /dev/shm.
-    assert re.fullmatch(r"\d+(gb|g)", str(server.get("shm_size", "")).lower()), f"{name}: shm_size too small or unset"
-
-
-@pytest.mark.parametrize("name", sorted(PROFILES))
-def test_gpu_reservation_only_where_a_gpu_is_needed(services, name):
-    devices = services[name].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-    if name in GPU_SERVICES:
-        assert len(devices) == 1, f"{name}: no GPU reservation"
-        assert devices[0]["driver"] == "nvidia" and devices[0]["count"] == 1 and "gpu" in devices[0]["capabilities"]
-    else:
-        assert not devices, f"{name} must start on a host without a GPU"
-
-
-def test_cpu_profile_needs_no_gpu(services):
-    """`--profile cpu up triton-cpu` starts triton-cpu and its dependencies: none may need a GPU."""
-    pending, needed = ["triton-cpu"], set()
-    while pending:
-        name = pending.pop()
-        needed.add(name)
-        pending += [dep for dep in services[name].get("depends_on", {}) if dep not in needed]
-    assert needed == {"triton-cpu", "export"}
-    assert not needed & set(GPU_SERVICES)
-
-
-@pytest.mark.parametrize("name", sorted(COMPLETION_DEPENDENCIES))
-def test_depends_on_successful_completion(services, name):
-    depends_on = services[name]["depends_on"]
-    assert isinstance(depends_on, dict), f"{name}: short depends_on waits only for the start"
-    dependency = COMPLETION_DEPENDENCIES[name]
-    assert depends_on == {dependency: {"condition": "service_completed_successfully"}}
-
-
-@pytest.mark.parametrize(("server", "writer", "variable"), REPOSITORY_WRITERS)
-def test_servers_serve_the_repository_their_writer_renders(services, server, writer, variable):
-    """The volume the writer renders into (at its $variable) is the one the server serves at /models."""
-    writer_env = services[writer]["environment"]
-    writer_mounts = volume_mounts(services[writer])
-    written_to = writer_env[variable]
-    assert written_to in writer_mounts, f"{writer}: {variable}={written_to} is not a mounted volume"
-    volume, read_only = writer_mounts[written_to]
-    assert not read_only, f"{writer} cannot write {written_to}"
-    server_mounts = volume_mounts(services[server])
-    repository = flag_value(command_args(services[server]), "--model-repository")
-    assert repository == "/models"
-    assert server_mounts[repository] == (volume, True), f"{server} serves {server_mounts.get(repository)}, {writer} writes {volume}"
-
-
-def test_repository_volumes_are_named_volumes(compose, services):
-    for server, _writer, _variable in REPOSITORY_WRITERS:
-        volume = volume_mounts(services[server])["/models"][0]
-        assert volume in compose["volumes"], f"{volume} is a bind mount: the export would write into the host tree"
-
-
-def test_checked_in_config_loads_model_onnx():
-    """The native ORT backend loads `model.onnx` unless the config names another file; the export
-    writes <repository>/mimi_decoder/1/model.onnx (checked by the entrypoint tests below)."""
-    config = CHECKED_IN_CONFIG.read_text()
-    assert re.search(r'^name: "mimi_decoder"$', config, re.M)
-    assert re.search(r'^backend: "onnxruntime"$', config, re.M)
-    assert "default_model_filename" not in config
-
-
-def test_tensorrt_jobs_share_the_export_paths(services):
-    """trtexec's command lines carry absolute paths: every job must see the export where it was written."""
-    export_dir = services["export"]["environment"]["EXPORT_DIR"]
-    export_volume = volume_mounts(services["export"])[export_dir][0]
-    for name in ("tensorrt-plan", "tensorrt-render"):
-        env = services[name]["environment"]
-        assert env["EXPORT_DIR"] == export_dir and env["MAX_BATCH_SIZE"] == services["export"]["environment"]["MAX_BATCH_SIZE"]
-        assert volume_mounts(services[name])[export_dir][0] == export_volume, name
-    assert volume_mounts(services["tensorrt-plan"])[export_dir][1] is False, "tensorrt-plan writes the plan"
-    # tensorrt-plan runs the entrypoint from the checkout mounted into the NGC image.
-    plan_args = command_args(services["tensorrt-plan"])
-    workspace = services["tensorrt-plan"]["working_dir"]
-    assert volume_mounts(services["tensorrt-plan"])[workspace] == (".", True)
-    script = Path(plan_args[1])
-    assert plan_args[0] == "sh" and script.is_relative_to(workspace) and plan_args[2] == "tensorrt-plan"
-    assert (REPO_ROOT / script.relative_to(workspace)).is_file()
-
-
-def test_weights_mounted_read_only_and_only_into_the_export(services):
-    export = services["export"]
-    weights_root = export["environment"]["WEIGHTS_ROOT"]
-    source, read_only = volume_mounts(export)[weights_root]
-    assert read_only, "the weights must be mounted read-only"
-    assert source == "./weights", "MIMI_WEIGHTS_DIR (default ./weights) names the host folder"
-    assert "${MIMI_WEIGHTS_DIR:-./weights}:" in COMPOSE_FILE.read_text()
-    for name, service in services.items():
-        if name != "export":
-            assert weights_root not in volume_mounts(service), f"{name} has no use for the weights"
-
-
-@pytest.mark.parametrize("name", sorted(PROFILES))
-def test_nothing_installs_at_container_start(services, name):
-    service = services[name]
-    for key in ("command", "entrypoint"):
-        value = service.get(key)
-        text = value if isinstance(value, str) else " ".join(value or [])
-        assert not INSTALL_AT_START.search(text), f"{name}: {key} installs or downloads at start: {text}"
-
-
-def test_entrypoint_script_installs_nothing():
-    code = "\n".join(line for line in ENTRYPOINT.read_text().splitlines() if not line.lstrip().startswith("#"))
-    assert not INSTALL_AT_START.search(code)
-
-
-# ---- the `scale` profile: replicas behind nginx ------------------------------------------------------
-
 def dependency_closure(services: dict, name: str) -> set[str]:
     """`name` and every service `docker compose up name` starts with it."""
     pending, needed = [name], set()
@@ -354,23 +159,128 @@ def dependency_closure(services: dict, name: str) -> set[str]:
     return needed
 
 
-@pytest.mark.parametrize("name", REPLICAS)
-def test_replicas_are_the_gpu_server_without_published_ports(services, name):
-    """Each replica runs exactly what `triton` runs, reachable only through the proxy."""
-    replica, triton = services[name], services["triton"]
-    assert not replica.get("ports"), f"{name} publishes ports: clients must go through {PROXY}"
-    for key in ("image", "entrypoint", "command", "volumes", "healthcheck", "shm_size", "ulimits",
-                "stop_grace_period", "restart", "deploy"):
-        assert replica[key] == triton[key], f"{name}: {key} differs from the triton service's"
-    assert "networks" not in replica, f"{name} must not answer to another service's name"
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_every_service(compose, services, name):
+    """Its profile, a pinned image, a GPU only where one is needed, waits for its writer's success,
+    installs nothing at start, and publishes ports on loopback only."""
+    assert "name" not in compose, "a top-level `name:` is rejected by docker-compose 1.29 (Debian's)"
+    service = services[name]
+    assert service.get("profiles") == PROFILES[name]
+    repository, _, tag = service["image"].rpartition(":")
+    assert repository and "/" not in tag and tag != "latest", f"{name}: image {service['image']!r} floats"
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    if name in GPU_SERVICES:
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
+    else:
+        assert not devices, f"{name} must start on a host without a GPU"
+    if name in COMPLETION_DEPENDENCIES:
+        condition = {"condition": "service_completed_successfully"}
+        assert service["depends_on"] == {COMPLETION_DEPENDENCIES[name]: condition}, name
+    for key in ("command", "entrypoint"):
+        value = service.get(key)
+        text = value if isinstance(value, str) else " ".join(value or [])
+        assert not INSTALL_AT_START.search(text), f"{name}: {key} installs or downloads at start: {text}"
+    for port in service.get("ports", []):
+        assert str(port).count(":") == 2 and str(port).startswith("127.0.0.1:"), f"{name}: {port!r} beyond loopback"
 
 
-def test_scale_profile_starts_the_proxy_replicas_and_export_only(services):
-    """`--profile scale up triton-proxy` must not start `triton`, which publishes the same host ports."""
+def test_images_and_the_tested_ngc_release_one_variable_away(services):
+    """The default images are the newest release; TRITON_IMAGE / TRITON_SDK_IMAGE select the release
+    whose tritonserver the client pins and the local server (and so the tests) run."""
+    for name in (*SERVERS, "tensorrt-plan", *REPLICAS):
+        assert services[name]["image"] == TRITON_IMAGE, name
+    assert services["perf"]["image"] == SDK_IMAGE
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    (client_pin,) = [req for req in pyproject["project"]["optional-dependencies"]["client"] if req.startswith("tritonclient")]
+    release = TESTED_TRITON_IMAGE.rsplit(":", 1)[1].split("-")[0]
+    assert NGC_TRITON_VERSIONS[release] == client_pin.split("==")[1]
+    assert SDK_IMAGE.startswith(TRITON_IMAGE) and TESTED_SDK_IMAGE.startswith(TESTED_TRITON_IMAGE)
+    tested = interpolate(yaml.safe_load(COMPOSE_FILE.read_text()),
+                         {"TRITON_IMAGE": TESTED_TRITON_IMAGE, "TRITON_SDK_IMAGE": TESTED_SDK_IMAGE})["services"]
+    for name in (*SERVERS, "tensorrt-plan", *REPLICAS):
+        assert tested[name]["image"] == TESTED_TRITON_IMAGE, name
+    assert tested["perf"]["image"] == TESTED_SDK_IMAGE
+    header = COMPOSE_FILE.read_text().split("\n\n")[0]
+    assert all(version in header for version in ("26.11", "2.75.0", "24.10", "2.51.0"))
+
+
+@pytest.mark.parametrize(("name", "writer", "variable"), REPOSITORY_WRITERS)
+def test_every_server(compose, services, name, writer, variable):
+    """Runs under the watchdog with tini as PID 1 and restarts; drains before Docker kills it; serves,
+    read-only, the named volume its writer renders into (at the writer's $variable)."""
+    server = services[name]
+    args = command_args(server)
+    assert args[:3] == ["sh", WATCHDOG_IN_CONTAINER, "tritonserver"], args
+    mounts = volume_mounts(server)
+    assert mounts[WATCHDOG_IN_CONTAINER] == ("./server/triton-watchdog.sh", True)
+    assert server.get("init") is True and server.get("restart") == "unless-stopped", name
+    grace_s = int(re.fullmatch(r"(\d+)s", server["stop_grace_period"]).group(1))
+    assert grace_s > int(flag_value(args, "--exit-timeout-secs") or 30), f"{name}: Docker kills tritonserver before it drains"
+    # The Python backend fails to grow its pool in Docker's default 64 MB /dev/shm.
+    assert re.fullmatch(r"\d+(gb|g)", str(server.get("shm_size", "")).lower()), f"{name}: shm_size too small or unset"
+    test = server["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "curl"] and "-fsS" in test and test[-1] == "http://localhost:8000/v2/health/ready"
+    assert server["healthcheck"].get("start_period"), "a server loading models needs a start period"
+    for flag in ("--http-port", "--grpc-port", "--metrics-port"):
+        assert flag_value(args, flag) is None, f"{name}: {flag} moved away from the published port"
+    if name in REPLICAS:
+        assert not server.get("ports") and "networks" not in server, f"{name}: clients must go through {PROXY}"
+    else:
+        assert {int(str(port).rsplit(":", 1)[1]) for port in server["ports"]} == {8000, 8001, 8002}
+    written_to = services[writer]["environment"][variable]
+    volume, read_only = volume_mounts(services[writer])[written_to]
+    assert not read_only, f"{writer} cannot write {written_to}"
+    assert flag_value(args, "--model-repository") == "/models" and mounts["/models"] == (volume, True)
+    assert volume in compose["volumes"], f"{volume} is a bind mount: the export would write into the host tree"
+
+
+def test_profiles_start_what_they_need(services):
+    """`--profile cpu up triton-cpu` needs no GPU; `--profile scale up triton-proxy` must not start
+    `triton`, which publishes the same host ports; each replica runs what `triton` runs."""
+    assert dependency_closure(services, "triton-cpu") == {"triton-cpu", "export"}
     assert dependency_closure(services, PROXY) == {PROXY, "export", *REPLICAS}
-    depends_on = services[PROXY]["depends_on"]
-    assert depends_on == {replica: {"condition": "service_healthy"} for replica in REPLICAS}
+    assert services[PROXY]["depends_on"] == {replica: {"condition": "service_healthy"} for replica in REPLICAS}
+    for replica in REPLICAS:
+        for key in ("image", "entrypoint", "command", "volumes", "healthcheck", "shm_size", "ulimits",
+                    "stop_grace_period", "restart", "deploy"):
+            assert services[replica][key] == services["triton"][key], f"{replica}: {key} differs from triton's"
 
+
+def test_checked_in_config_loads_model_onnx():
+    """The native ORT backend loads `model.onnx` unless the config names another file; the export
+    writes <repository>/mimi_decoder/1/model.onnx (checked by the entrypoint tests below)."""
+    config = CHECKED_IN_CONFIG.read_text()
+    assert re.search(r'^name: "mimi_decoder"$', config, re.M) and re.search(r'^backend: "onnxruntime"$', config, re.M)
+    assert "default_model_filename" not in config
+
+
+def test_export_paths_and_weights(services):
+    """trtexec's command lines carry absolute paths: every job sees the export where it was written.
+    The weights are mounted read-only into the export alone."""
+    export = services["export"]
+    export_dir = export["environment"]["EXPORT_DIR"]
+    export_volume = volume_mounts(export)[export_dir][0]
+    for name in ("tensorrt-plan", "tensorrt-render"):
+        env = services[name]["environment"]
+        assert env["EXPORT_DIR"] == export_dir and env["MAX_BATCH_SIZE"] == export["environment"]["MAX_BATCH_SIZE"]
+        assert volume_mounts(services[name])[export_dir][0] == export_volume, name
+    assert volume_mounts(services["tensorrt-plan"])[export_dir][1] is False, "tensorrt-plan writes the plan"
+    # tensorrt-plan runs the entrypoint from the checkout mounted into the NGC image.
+    plan_args = command_args(services["tensorrt-plan"])
+    workspace = services["tensorrt-plan"]["working_dir"]
+    assert volume_mounts(services["tensorrt-plan"])[workspace] == (".", True)
+    script = Path(plan_args[1])
+    assert plan_args[0] == "sh" and script.is_relative_to(workspace) and plan_args[2] == "tensorrt-plan"
+    assert (REPO_ROOT / script.relative_to(workspace)).is_file()
+    weights_root = export["environment"]["WEIGHTS_ROOT"]
+    assert volume_mounts(export)[weights_root] == ("./weights", True)
+    assert "${MIMI_WEIGHTS_DIR:-./weights}:" in COMPOSE_FILE.read_text()
+    assert [name for name, service in services.items() if weights_root in volume_mounts(service)] == ["export"]
+    code = "\n".join(line for line in ENTRYPOINT.read_text().splitlines() if not line.lstrip().startswith("#"))
+    assert not INSTALL_AT_START.search(code)
+
+
+# ---- the `scale` profile: replicas behind nginx ------------------------------------------------------
 
 def test_proxy_service(services):
     proxy = services[PROXY]

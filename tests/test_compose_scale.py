@@ -3,17 +3,15 @@ docker-compose.cpu.yml --profile scale up --build triton-proxy`: three replicas 
 stream kept on one by its key, and the faults compose itself handles (the restart policy, the
 watchdog). Variables as in test_compose_cpu.py; skipped, saying why, without Docker (failed in CI).
 
-Tests in order, on one deployment, each under paced streams through the proxy: the busiest replica's
-tritonserver SIGKILLed (a crash: the watchdog exits with it and the restart policy starts the container
-again; `docker kill` would not do, as Docker restarts no container it was told to stop), then one hung
-(its tritonserver SIGSTOPped, which its watchdog finds), then chaos: replicas killed, hung and drained
-at seeded random moments. Six streams: what two cores carry in real time through three CPU replicas
-with room for the moved streams' replays.
+Two tests on one deployment. Chaos, under six paced resumable streams through the proxy: the busiest
+replica's tritonserver SIGKILLed (a crash: the watchdog exits with it and the restart policy starts the
+container again; `docker kill` would not do, as Docker restarts no container it was told to stop), one
+SIGSTOPped (hung, which its watchdog finds and kills) and one container drained, at seeded random
+moments. Then TLS and keys through the proxy.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -35,14 +33,10 @@ UP_TIMEOUT_S = 1500
 pytestmark = [pytest.mark.server, pytest.mark.compose, pytest.mark.timeout(UP_TIMEOUT_S + 600)]
 
 FILES = ("docker-compose.yml", "docker-compose.cpu.yml")
-STREAMS = 6
+STREAMS = 3
 CHUNK_FRAMES = 4
-FRAMES = 250  # 20 s of audio per stream
-FAULT_AT_S = 8.0
+FRAMES = 60
 HISTORY_FRAMES = 250
-RESUMED_MIN_SNR_DB = 70.0
-# Untouched streams keep real time: wall time at most 1.1 times their audio.
-MIN_REAL_TIME_FACTOR = 1 / 1.1
 EXIT_TIMEOUT_S = 25  # the replicas' --exit-timeout-secs (docker-compose.yml)
 
 
@@ -75,63 +69,6 @@ def solo(ort_decode, streams):
     return {key: pcm[i] for i, key in enumerate(streams)}
 
 
-def run_with_fault(compose: Compose, streams: dict, signum: int) -> tuple:
-    """The streams, paced, through the proxy; at FAULT_AT_S the tritonserver of the replica holding the
-    most gets `signum`. Returns (report, the service, the keys it held, its restart count before)."""
-    keys = list(streams)
-    options = StreamOptions(chunk_frames=CHUNK_FRAMES, first_chunk_frames=CHUNK_FRAMES, paced=True,
-                            resume_history_frames=HISTORY_FRAMES, resume_timeout_s=90.0, response_timeout_s=5.0)
-    outcome = {}
-
-    def decode_all() -> None:
-        try:
-            outcome["report"] = run_streams(compose.grpc_url, [streams[key] for key in keys], options,
-                                            sequence_ids=[2000 + n for n in range(len(keys))], stream_keys=keys)
-        except BaseException as error:  # raised below
-            outcome["error"] = error
-
-    started = time.time()
-    thread = threading.Thread(target=decode_all, daemon=True)
-    thread.start()
-    time.sleep(FAULT_AT_S)
-    served = compose.placement(started)
-    assert all(len(served.get(key, ())) == 1 for key in keys), served
-    holders = {service: [key for key in keys if served[key] == {service}] for service in REPLICAS}
-    victim = max(REPLICAS, key=lambda service: len(holders[service]))
-    assert len(holders[victim]) < STREAMS, f"every stream hashed to one replica: {holders}"
-    restarts_before = compose.inspect(victim)["RestartCount"]
-    os.kill(compose.tritonserver_pid(victim), signum)
-    thread.join(FRAMES * 0.08 + 240)
-    assert not thread.is_alive(), "the streams did not finish"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["report"], victim, holders[victim], restarts_before
-
-
-def check_streams(report, streams: dict, solo: dict, moved: list[str]) -> tuple[list[float], float]:
-    """Every stream complete; the moved ones resumed (once, or twice when their replica came back before
-    they ended), exact before and >= 70 dB after; the others never resumed, exact and in real time. Returns the moved streams' stalls and the kept streams'
-    slowest real-time factor."""
-    stalls, kept_rtf = [], []
-    for key, result in zip(streams, report.results):
-        assert result.pcm.shape == (FRAMES * SAMPLES_PER_FRAME,), key
-        resumes = [resume for resume in result.resumes if resume.frame > 0]
-        if key not in moved:
-            assert not resumes, (key, [r.describe() for r in resumes])
-            assert_equal_audio(result.pcm, solo[key], what=f"{key} (its replica stayed)")
-            kept_rtf.append(result.real_time_factor)
-            continue
-        # Once where it moved; once more where the restarted replica takes its key back (its hash
-        # leads there again) before the stream ends.
-        assert 1 <= len(resumes) <= 2, (key, [r.describe() for r in resumes])
-        cut = resumes[0].frame * SAMPLES_PER_FRAME
-        assert_equal_audio(result.pcm[:cut], solo[key][:cut], what=f"{key} before its resume")
-        assert snr_db(result.pcm[cut:], solo[key][cut:]) >= RESUMED_MIN_SNR_DB, key
-        stalls.append(resumes[0].stall_s)
-    assert min(kept_rtf) >= MIN_REAL_TIME_FACTOR, kept_rtf
-    return stalls, min(kept_rtf)
-
-
 def restarted(compose: Compose, service: str, restarts_before: int, timeout_s: float = 120) -> bool:
     """The restart policy brought `service` back, healthy."""
     def back() -> bool:
@@ -141,29 +78,6 @@ def restarted(compose: Compose, service: str, restarts_before: int, timeout_s: f
     return wait_until(back, timeout_s, poll_s=1.0)
 
 
-def test_a_crashed_replicas_streams_resume_elsewhere_and_the_others_keep_real_time(
-        scale, streams, solo, record_property):
-    report, victim, moved, restarts_before = run_with_fault(scale, streams, signal.SIGKILL)
-    stalls, kept_rtf = check_streams(report, streams, solo, moved)
-    assert restarted(scale, victim, restarts_before), f"{victim} did not come back:\n{scale.logs(victim)[-3000:]}"
-    summary = (f"SIGKILL of {victim}'s tritonserver holding {len(moved)} of {STREAMS} paced streams at {FAULT_AT_S:g} s: "
-               f"{STREAMS}/{STREAMS} complete, stall until resumed {max(stalls) * 1e3:.0f} ms max; kept streams "
-               f"never resumed, slowest at {kept_rtf:.2f}x real time; {victim} restarted by its policy")
-    print_and_record(record_property, "compose_failover", summary)
-
-
-def test_a_hung_replica_is_killed_by_its_watchdog_and_its_streams_move(scale, streams, solo, record_property):
-    report, victim, moved, restarts_before = run_with_fault(scale, streams, signal.SIGSTOP)
-    stalls, kept_rtf = check_streams(report, streams, solo, moved)
-    logs = scale.logs(victim)
-    assert "answered no health check" in logs and "hung; killing it (SIGKILL)" in logs, logs[-3000:]
-    assert restarted(scale, victim, restarts_before), f"{victim} did not come back:\n{logs[-3000:]}"
-    summary = (f"SIGSTOP of {victim}'s tritonserver holding {len(moved)} of {STREAMS} paced streams: the watchdog "
-               f"killed it, its streams resumed within {max(stalls):.1f} s, the others kept {kept_rtf:.2f}x real "
-               "time, and the restart policy brought it back")
-    print_and_record(record_property, "compose_hang", summary)
-
-
 CHAOS_STREAMS = 6
 CHAOS_FRAMES = 500  # 40 s of audio per stream, paced in real time
 CHAOS_WINDOW_MIN_SNR_DB = 70.0
@@ -171,8 +85,9 @@ CHAOS_WINDOW_MIN_SNR_DB = 70.0
 
 def test_chaos_every_frame_once_through_kills_hangs_and_drains(scale, ort_decode, record_property):
     """6 paced resumable streams (4-frame requests, a 3 s response deadline) through the proxy while
-    a replica's tritonserver is SIGKILLed, one SIGSTOPped for 6 s (then continued) and one container
-    SIGTERMed (drained), at seeded random moments, the restart policy bringing back the killed and the drained one: every
+    a replica's tritonserver is SIGKILLed, one SIGSTOPped and one container
+    SIGTERMed (drained), at seeded random moments: the hung one's watchdog kills it, and the restart policy
+    brings back all three. Every
     stream completes with every frame's PCM exactly once, exact up to its first resume and >= 70 dB in
     every second after it; the drained server exits 0; every replica ends healthy."""
     rng = np.random.default_rng(17)
@@ -216,10 +131,9 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(scale, ort_decode
     hung = busiest(exclude=(killed,))
     pid = scale.tritonserver_pid(hung)
     os.kill(pid, signal.SIGSTOP)
-    faults.append(f"SIGSTOP {hung} at {time.time() - started:.1f} s for 6 s")
-    time.sleep(6)
-    with contextlib.suppress(ProcessLookupError):  # its watchdog may have killed it by now
-        os.kill(pid, signal.SIGCONT)
+    # Stopped until its watchdog finds it answering no health check and kills it.
+    assert wait_until(lambda: "hung; killing it (SIGKILL)" in scale.logs(hung), 60, poll_s=1.0), scale.logs(hung)[-3000:]
+    faults.append(f"SIGSTOP {hung} at {time.time() - started:.1f} s, killed by its watchdog")
     at(rng.uniform(27, 30))
     drained = busiest(exclude=(hung,))
     # Docker's stop signal, to the container's first process (the watchdog, which ends its checks and
@@ -251,7 +165,8 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(scale, ort_decode
     assert code == 0 and at - drained_at < EXIT_TIMEOUT_S, \
         f"{drained} exited {code} {at - drained_at:.1f} s after SIGTERM:\n{scale.logs(drained)[-3000:]}"
     faults[-1] += f" (exited 0 after {at - drained_at:.1f} s)"
-    for service in {killed, drained}:
+    assert "answered no health check" in scale.logs(hung)
+    for service in {killed, hung, drained}:
         assert restarted(scale, service, restarts_before[service]), \
             f"{service} did not come back:\n{scale.logs(service)[-3000:]}"
     assert wait_until(lambda: all(scale.healthy(service) for service in REPLICAS), 120, poll_s=1.0), \
@@ -287,12 +202,12 @@ def test_tls_and_keys_through_the_proxy(scale, streams, solo, tmp_path):
     with pytest.raises(ClientError, match="requires the inference key .*, and none was given"):
         Code2WavClient(url, credentials=Credentials(tls_ca=str(access / "ca.pem"))).check_ready(timeout_s=10)
 
-    keys = list(streams)[:3]
+    keys = list(streams)
     started = time.time()
-    report = run_streams(url, [streams[key][:, :60] for key in keys], StreamOptions(chunk_frames=CHUNK_FRAMES),
+    report = run_streams(url, [streams[key] for key in keys], StreamOptions(chunk_frames=CHUNK_FRAMES),
                          stream_keys=keys, credentials=credentials)
     for key, result in zip(keys, report.results):
-        assert_equal_audio(result.pcm, solo[key][: 60 * SAMPLES_PER_FRAME], what=f"{key} through the TLS proxy")
+        assert_equal_audio(result.pcm, solo[key], what=f"{key} through the TLS proxy")
     served = scale.placement(started)
     assert all(len(served.get(key, ())) == 1 for key in keys), served
     for service in ("triton-proxy", *REPLICAS):

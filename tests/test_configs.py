@@ -13,8 +13,9 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
-from mimi_code2wav.export.onnx_export import ExportOptions, read_manifest
+from mimi_code2wav.export.onnx_export import ExportOptions
 from mimi_code2wav.export.render import (
+    CHECKED_IN_CODE2WAV_CONFIG,
     CHECKED_IN_CONFIG,
     REPO_ROOT,
     TARGETS,
@@ -24,7 +25,7 @@ from mimi_code2wav.export.render import (
 )
 from mimi_code2wav.export.spec import ONNX_ELEM_TYPES, TRITON_DTYPES, DecoderSpec, StateSpec
 
-from helpers import load_model_module
+from helpers import export_spec, load_model_module
 
 TRITON_TO_ONNX = {TRITON_DTYPES[name]: ONNX_ELEM_TYPES[name] for name in TRITON_DTYPES}
 
@@ -39,7 +40,7 @@ def dtype_name(value: int) -> str:
 
 @pytest.fixture(scope="module")
 def spec(onnx_fp32) -> DecoderSpec:
-    return DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    return export_spec(onnx_fp32)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
             assert list(tensor.dims) == dims, tensor.name
     assert [t.name for t in config.input] == ["codes"] and [t.name for t in config.output] == ["pcm"]
     batching = config.sequence_batching
-    code2wav = parse((REPO_ROOT / "model_repository" / "code2wav" / "config.pbtxt").read_text())
+    code2wav = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
     assert batching.HasField("oldest")
     assert batching.max_sequence_idle_microseconds > code2wav.sequence_batching.max_sequence_idle_microseconds
 
@@ -116,12 +117,6 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
         assert state.initial_state[0].zero_data and list(state.initial_state[0].dims) == dims
     kind = config.instance_group[0].kind
     assert model_config_pb2.ModelInstanceGroup.Kind.Name(kind) == "KIND_GPU"
-
-
-def test_decoder_idle_timeout_is_above_code2wavs():
-    code2wav = parse((REPO_ROOT / "model_repository" / "code2wav" / "config.pbtxt").read_text())
-    decoder = parse(CHECKED_IN_CONFIG.read_text())
-    assert decoder.sequence_batching.max_sequence_idle_microseconds > code2wav.sequence_batching.max_sequence_idle_microseconds
 
 
 def test_serving_knobs_render(spec):
@@ -169,7 +164,9 @@ def test_render_repository_never_writes_into_the_tracked_repository(spec, onnx_f
 
 
 def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
-    out = render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "repo", "python-ort")
+    """The model files of both models; code2wav sends at most the frames per call its export takes."""
+    smaller = DecoderSpec.from_dict({**spec.to_dict(), "max_frames_per_step": 4})
+    out = render_repository(smaller, onnx_fp32 / "model.onnx", tmp_path / "repo", "python-ort")
     for path in ("code2wav/config.pbtxt", "code2wav/1/model.py", "code2wav/1/code2wav_core.py",
                  "code2wav/1/model_errors.py", "code2wav/1/idle_sweeper.py", "mimi_decoder/config.pbtxt",
                  "mimi_decoder/1/model.py",
@@ -179,16 +176,6 @@ def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
     with pytest.raises(ValueError, match="needs a plan file"):
         render_repository(spec, onnx_fp32 / "model.onnx", tmp_path / "trt", "tensorrt")
     assert Path(out / "mimi_decoder/1/model.onnx").stat().st_size == (onnx_fp32 / "model.onnx").stat().st_size
-
-
-def test_code2wav_sends_at_most_what_the_export_takes(spec, onnx_fp32, tmp_path):
-    """The tracked code2wav config matches the default export; a rendered one, the export it is rendered with."""
-    from mimi_code2wav.export.onnx_export import ExportOptions
-
-    tracked = parse((REPO_ROOT / "model_repository" / "code2wav" / "config.pbtxt").read_text())
-    assert tracked.parameters["decoder_max_frames_per_step"].string_value == str(ExportOptions().max_frames_per_step)
-    smaller = DecoderSpec.from_dict({**spec.to_dict(), "max_frames_per_step": 4})
-    out = render_repository(smaller, onnx_fp32 / "model.onnx", tmp_path / "repo", "python-ort")
     rendered = parse((out / "code2wav" / "config.pbtxt").read_text())
     assert rendered.parameters["decoder_max_frames_per_step"].string_value == "4"
 
@@ -199,7 +186,7 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     the pool flags for N streams; a CPU one carries none."""
     from mimi_code2wav.export.__main__ import main
 
-    tracked = parse((REPO_ROOT / "model_repository" / "code2wav" / "config.pbtxt").read_text())
+    tracked = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
     assert tracked.parameters["max_live_streams"].string_value == "1024"
     assert tracked.sequence_batching.oldest.max_candidate_sequences == 2048
     assert parse(CHECKED_IN_CONFIG.read_text()).sequence_batching.oldest.max_candidate_sequences == 1024

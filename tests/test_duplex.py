@@ -41,7 +41,7 @@ def test_due_time_is_the_tick_of_the_chunks_last_frame():
     assert CATCH_UP.due_s(4, 10, start) == pytest.approx(start + 4 * FRAME_S)
     assert [p.label for p in (PER_FRAME, RAMP, CATCH_UP)] == ["per-frame", "ramp 1+5", "catch-up"]
     with pytest.raises(ValueError, match="chunk sizes must be >= 1"):
-        Policy("broken", chunk_frames=0)
+        Policy(chunk_frames=0)
 
 
 def test_summary_counts_late_and_missing_frames_as_misses():
@@ -51,31 +51,35 @@ def test_summary_counts_late_and_missing_frames_as_misses():
     late.arrival_s[:3] = start + np.arange(3) * FRAME_S + np.array([0.01, 0.2, 0.01])  # frame 3 never came
     on_time.requests, late.requests = 4, 3
     result = duplex.summarize("asyncio", PER_FRAME, [on_time, late], start, budget_ms=80, cpu_s=0.07, wall_s=1.0)
-    assert result.misses == 2 and result.requests == 7 and not result.meets_budget
-    assert result.latency_ms["max"] == pytest.approx(200, abs=1e-6)
-    assert result.client_cpu_ms_per_request == pytest.approx(10)
+    assert result["misses"] == 2 and result["requests"] == 7 and not result["meets_budget"]
+    assert result["latency_ms"]["max"] == pytest.approx(200, abs=1e-6)
+    assert result["client_cpu_ms_per_request"] == pytest.approx(10)
 
 
 @pytest.mark.server
 @pytest.mark.parametrize("drive", [duplex.run_async, duplex.run_threads], ids=["asyncio", "threads"])
 def test_a_short_duplex_run_gets_every_frame_back(code2wav_server, drive):
     result = drive(code2wav_server.grpc_url, conversations=3, frames=12, policy=RAMP, budget_ms=10_000)
-    assert result.failed is None and result.conversations == 3 and result.frames == 12
+    assert result["failed"] is None and result["conversations"] == 3 and result["frames"] == 12
     # Ramp 1+5 over 12 frames: requests of 1, 5, 5 and 1 frames per conversation, every frame answered.
-    assert result.requests == 3 * 4 and result.misses == 0
-    assert 0 < result.latency_ms["p50"] <= result.latency_ms["p99"] <= result.latency_ms["max"]
-    assert result.client_cpu_ms_per_request > 0
+    assert result["requests"] == 3 * 4 and result["misses"] == 0
+    assert 0 < result["latency_ms"]["p50"] <= result["latency_ms"]["p99"] <= result["latency_ms"]["max"]
+    assert result["client_cpu_ms_per_request"] > 0
+
+
+def _duplex_command(url: str, out, *args: str) -> dict:
+    from benchmarks.__main__ import main
+
+    assert main(["duplex", "--url", url, "--conversations", "2,3", *args, "--out-dir", str(out)]) == 0
+    return json.loads((out / "duplex.json").read_text())
 
 
 @pytest.mark.server
 def test_the_duplex_command_writes_its_record(code2wav_server, tmp_path):
     from benchmarks import record
-    from benchmarks.__main__ import main
 
-    out = tmp_path / "duplex"
-    assert main(["duplex", "--url", code2wav_server.grpc_url, "--conversations", "2,3", "--policies", "per-frame,catch-up",
-                 "--seconds", "0.8", "--budget-ms", "10000", "--compare-at", "2", "--out-dir", str(out)]) == 0
-    results = json.loads((out / "duplex.json").read_text())
+    results = _duplex_command(code2wav_server.grpc_url, tmp_path / "duplex", "--policies", "per-frame,catch-up",
+                              "--seconds", "0.8", "--budget-ms", "10000", "--compare-at", "2")
     assert results["meta"]["kind"] == "duplex-url" and results["frames"] == 10
     assert [(p["policy"], p["conversations"]) for p in results["points"]] == [
         ("per-frame", 2), ("per-frame", 3), ("catch-up", 2), ("catch-up", 3)]
@@ -83,23 +87,16 @@ def test_the_duplex_command_writes_its_record(code2wav_server, tmp_path):
     assert [p["client"] for p in results["compared"]] == ["asyncio", "threads"]
     # The record renders it under its own section (as if run from a committed tree, as the record wants).
     results["meta"].update(commit="0000000", command="python -m benchmarks duplex --url HOST:PORT")
-    (out / "duplex.json").write_text(json.dumps(results))
-    records = tmp_path / "records"
-    record.add_run(out / "duplex.json", records)
-    assert "## The duplex tick: a running server" in record.render_record(records)
+    (tmp_path / "run.json").write_text(json.dumps(results))
+    record.add_run(tmp_path / "run.json", tmp_path / "records")
+    assert "## The duplex tick: a running server" in record.render_record(tmp_path / "records")
 
 
 @pytest.mark.server
 def test_the_sweep_stops_at_the_first_miss_unless_told_to_keep_going(code2wav_server, tmp_path):
-    from benchmarks.__main__ import main
-
-    counts = []
-    for keep_going in (False, True):
-        out = tmp_path / f"keep-going-{keep_going}"
-        assert main(["duplex", "--url", code2wav_server.grpc_url, "--conversations", "2,3", "--policies", "catch-up",
-                     "--seconds", "0.4", "--budget-ms", "0", "--compare-at", "0", "--out-dir", str(out)]
-                    + (["--keep-going"] if keep_going else [])) == 0
-        results = json.loads((out / "duplex.json").read_text())
-        counts.append([p["conversations"] for p in results["points"]])
+    for keep_going, counts in ((False, [2]), (True, [2, 3])):
+        results = _duplex_command(code2wav_server.grpc_url, tmp_path / f"keep-going-{keep_going}", "--policies",
+                                  "catch-up", "--seconds", "0.4", "--budget-ms", "0", "--compare-at", "0",
+                                  *(["--keep-going"] if keep_going else []))
+        assert [p["conversations"] for p in results["points"]] == counts
         assert results["most_conversations"] == {"catch-up": 0}  # no frame is 0 ms late
-    assert counts == [[2], [2, 3]]

@@ -21,7 +21,7 @@ import pytest
 
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, export_spec
 from mimi_fixtures import (
     CALLS,
     MAX_FRAMES_PER_CALL,
@@ -126,10 +126,7 @@ def test_exact_window_equals_transformers_offline_decode(mimi, scenario, step_pc
 
 @pytest.mark.parametrize("schedule", [pytest.param(1, id="F1"), pytest.param(MIXED_CALLS, id="mixed")])
 def test_onnx_runtime_equals_step_module(onnx_fp32, scenario, step_pcm, moshi_streams, schedule):
-    from mimi_code2wav.export.onnx_export import read_manifest
-    from mimi_code2wav.export.spec import DecoderSpec
-
-    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    spec = export_spec(onnx_fp32)
     assert spec.max_frames_per_step == MAX_FRAMES_PER_CALL
     pcm = run_scenario(ort_step_fn(ort_session(onnx_fp32)), spec_zero_state(spec), scenario, schedule)
     reference = step_pcm(1)
@@ -149,10 +146,7 @@ FP16_MAX_ABS = 5e-4
 
 
 def test_onnx_runtime_fp16_kv_cache_within_measured_bound(onnx_fp16, scenario, moshi_streams):
-    from mimi_code2wav.export.onnx_export import read_manifest
-    from mimi_code2wav.export.spec import DecoderSpec
-
-    spec = DecoderSpec.from_dict(read_manifest(onnx_fp16)["spec"])
+    spec = export_spec(onnx_fp16)
     assert spec.kv_cache_dtype == "float16" and spec.states[0].dtype == "float16"
     pcm = run_scenario(ort_step_fn(ort_session(onnx_fp16)), spec_zero_state(spec), scenario, 1)
     for name in STREAMS:
@@ -228,18 +222,12 @@ def test_max_frames_per_step_must_fit_the_cache(tiny_mimi):
 
 
 def test_tiny_exact_window_equals_offline(tiny_mimi):
-    from mimi_code2wav.export.step import MimiDecoderStep
+    from mimi_code2wav.export.reference import step_reference
 
-    step = MimiDecoderStep(tiny_mimi, max_frames_per_step=9, window="exact").eval()
-    codes = np.random.default_rng(3).integers(0, 64, (1, 8, 60)).astype(np.int32)  # window 20: fills at 10 frames
-    state = step.zero_state(1)
-    chunks = []
+    codes = np.random.default_rng(3).integers(0, 64, (1, 8, 60))  # window 20: fills at 10 frames
     with torch.no_grad():
-        for frame in range(codes.shape[2]):
-            pcm, *state = step(torch.from_numpy(codes[:, :, frame : frame + 1]), *state)
-            chunks.append(pcm.numpy())
-        offline = tiny_mimi.decode(torch.from_numpy(codes).long()).audio_values[0, 0].numpy()
-    assert_equal_audio(np.concatenate(chunks, axis=1)[0], offline, what="tiny exact vs offline")
+        offline = tiny_mimi.decode(torch.from_numpy(codes)).audio_values[0, 0].numpy()
+    assert_equal_audio(step_reference(tiny_mimi, codes, "exact")[0], offline, what="tiny exact vs offline")
 
 
 # ---- graph structure ------------------------------------------------------------------------------
@@ -286,11 +274,9 @@ def test_every_op_is_supported_by_tensorrt_onnx_parser(onnx_fp32, onnx_fp16):
 
 
 def test_tensorrt_profile_covers_every_input(onnx_fp32):
-    from mimi_code2wav.export.onnx_export import read_manifest
-    from mimi_code2wav.export.spec import DecoderSpec
     from mimi_code2wav.export.tensorrt_build import profile_shapes, trtexec_command
 
-    spec = DecoderSpec.from_dict(read_manifest(onnx_fp32)["spec"])
+    spec = export_spec(onnx_fp32)
     inputs = {i.name for i in _graph(onnx_fp32).graph.input}
     shapes = profile_shapes(spec, max_batch=64)
     assert set(shapes) == inputs

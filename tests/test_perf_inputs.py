@@ -21,6 +21,26 @@ from helpers import REPO_ROOT, perf_analyzer_problem
 PERF_SH = REPO_ROOT / "client" / "perf.sh"
 
 
+@pytest.fixture
+def perf_sh():
+    """run(csv_path, args, **variables): client/perf.sh ARGS, its CSV at csv_path; a skip without perf_analyzer."""
+    problem = perf_analyzer_problem()
+    if problem:
+        pytest.skip(problem)
+
+    def run(csv_path, args: list[str], **env: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, BUILD_DIR=str(csv_path.parent / "perf"), CSV=str(csv_path), PYTHON=sys.executable, **env)
+        return subprocess.run([str(PERF_SH), *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=180)
+
+    return run
+
+
+def assert_one_row(csv_path) -> None:
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+
+
 def test_one_inner_list_per_stream_one_step_per_chunk():
     document = input_data(streams=3, frames=9, chunk_frames=4, seed=7)
     assert len(document["data"]) == 3
@@ -49,23 +69,14 @@ def test_steps_are_codebook_major_deltas():
         pytest.param(["--request-rate-range", "10", "--num-of-sequences", "2", "--serial-sequences"], id="request-rate"),
     ],
 )
-def test_perf_analyzer_accepts_the_inputs(code2wav_server, tmp_path, load):
-    problem = perf_analyzer_problem()
-    if problem:
-        pytest.skip(problem)
-    csv_path = tmp_path / "perf.csv"
-    env = dict(
-        os.environ, URL=code2wav_server.grpc_url, STREAMS="2", FRAMES="9", CHUNK_FRAMES="4",
-        BUILD_DIR=str(tmp_path / "perf"), CSV=str(csv_path), PYTHON=sys.executable,
-    )
+def test_perf_analyzer_accepts_the_inputs(perf_sh, code2wav_server, tmp_path, load):
     # One measurement of a fixed request count: short, and no stability search to fail on busy cores.
     # (perf_analyzer 2.51 requires the count to be at least the request rate.)
-    done = subprocess.run([str(PERF_SH), *load, "--request-count", "12"], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=180)
+    done = perf_sh(tmp_path / "perf.csv", [*load, "--request-count", "12"], URL=code2wav_server.grpc_url,
+                       STREAMS="2", FRAMES="9", CHUNK_FRAMES="4")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "mimi_decoder" in done.stdout  # the composing model's statistics are reported
-    rows = list(csv.DictReader(csv_path.open()))
-    assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+    assert_one_row(tmp_path / "perf.csv")
 
 
 def test_decoder_steps_follow_the_schedule():
@@ -82,7 +93,7 @@ MIXED_SCHEDULE = "1,3,1,16,2,5,8,4"
 
 @pytest.mark.server
 @pytest.mark.parametrize("model", ["mimi_decoder", "code2wav"])
-def test_variable_frame_counts_survive_sustained_load(served_repository, tmp_path, model):
+def test_variable_frame_counts_survive_sustained_load(perf_sh, served_repository, tmp_path, model):
     """32 concurrent sequences, steps of 1-16 frames in turn, straight to the decoder (clients can
     reach it on the same port) and through code2wav: every request succeeds and the server stays up.
 
@@ -92,26 +103,18 @@ def test_variable_frame_counts_survive_sustained_load(served_repository, tmp_pat
     if the second crashes too or if any request fails while the server is up."""
     from mimi_code2wav.server.supervise import running_server
 
-    problem = perf_analyzer_problem()
-    if problem:
-        pytest.skip(problem)
     for attempt in (1, 2):
         csv_path = tmp_path / f"perf-{attempt}.csv"
         with running_server(served_repository, log_path=tmp_path / f"server-{attempt}.log") as server:
-            env = dict(
-                os.environ, URL=server.grpc_url, MODEL=model, STREAMS="32", FRAMES="40", SCHEDULE=MIXED_SCHEDULE,
-                BUILD_DIR=str(tmp_path / "perf"), CSV=str(csv_path), PYTHON=sys.executable,
-            )
             try:
-                done = subprocess.run([str(PERF_SH), "--concurrency-range", "32", "--request-count", "480"], env=env,
-                                      cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+                done = perf_sh(csv_path, ["--concurrency-range", "32", "--request-count", "480"], URL=server.grpc_url,
+                                   MODEL=model, STREAMS="32", FRAMES="40", SCHEDULE=MIXED_SCHEDULE)
             except subprocess.TimeoutExpired:
                 done = None  # perf_analyzer waits forever for the answers of a server that died
             if server.is_alive():
                 assert done is not None, "perf_analyzer hung against a live server"
                 assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-                rows = list(csv.DictReader(csv_path.open()))
-                assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
+                assert_one_row(csv_path)
                 return
             crash = log_tail(server.log_path, 8)
         assert "Signal (11) received" in crash, f"tritonserver exited under load, not by the known crash:\n{crash}"
@@ -120,10 +123,7 @@ def test_variable_frame_counts_survive_sustained_load(served_repository, tmp_pat
 
 
 @pytest.mark.server
-def test_bench_one_point_writes_tables_json_and_plot(code2wav_server, onnx_fp32, tmp_path):
-    problem = perf_analyzer_problem()
-    if problem:
-        pytest.skip(problem)
+def test_bench_one_point_writes_tables_json_and_plot(perf_sh, code2wav_server, onnx_fp32, tmp_path):
     from benchmarks.__main__ import main
 
     out = tmp_path / "bench"

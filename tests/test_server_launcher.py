@@ -21,7 +21,7 @@ import pytest
 
 from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME
 from mimi_code2wav.server.processes import ServerError, process_group_alive
-from mimi_code2wav.server.supervise import running_server
+from mimi_code2wav.server.supervise import describe_exit, restart_delay_s, running_server
 from mimi_code2wav.server.triton import SHM_DIR, TritonServer, free_ports, port_is_free
 
 from helpers import (
@@ -89,6 +89,13 @@ def infer_add_one(grpc_url: str, model: str = "add_one") -> np.ndarray:
     return y
 
 
+def serve_unready(repository: Path, tmp_path: Path, ports: list[int], **popen) -> subprocess.Popen:
+    """`code2wav-server serve` of `repository` on `ports` (HTTP, gRPC, metrics), not waited for."""
+    flags = [arg for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), ports) for arg in (flag, str(port))]
+    return subprocess.Popen([sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
+                             *flags, "--log-file", str(tmp_path / "server.log")], cwd=REPO_ROOT, **popen)
+
+
 def test_serves_grpc_then_stops_leaving_nothing(tmp_path):
     repository = write_model(tmp_path / "repo")
     with running_server(repository, log_path=tmp_path / "server.log") as server:
@@ -110,10 +117,8 @@ def test_serves_grpc_then_stops_leaving_nothing(tmp_path):
     assert server.shm_regions() == []
 
 
-def test_model_failing_to_load_fails_wait_ready_fast_with_log_tail(tmp_path):
-    repository = write_model(
-        tmp_path / "repo", initialize='raise RuntimeError("initialize failed on purpose")'
-    )
+def test_model_failing_to_load_fails_wait_ready_fast_with_log_tail(tmp_path, capfd):
+    repository = write_model(tmp_path / "repo", initialize='raise RuntimeError("initialize failed on purpose")')
     server = TritonServer(repository, log_path=tmp_path / "server.log")
     started = time.monotonic()
     server.start()
@@ -123,11 +128,14 @@ def test_model_failing_to_load_fails_wait_ready_fast_with_log_tail(tmp_path):
     finally:
         server.stop()
     assert time.monotonic() - started < 30
-    message = str(failure.value)
-    assert "exited with code" in message
-    assert "initialize failed on purpose" in message
+    assert "exited with code" in str(failure.value) and "initialize failed on purpose" in str(failure.value)
     assert not process_group_alive(server.pid)
     assert server.shm_regions() == []
+    # running_server raises the same at once: a model that fails to load is no reason to start again.
+    with pytest.raises(ServerError, match="initialize failed on purpose"):
+        with running_server(repository):
+            pass
+    assert "starting it again" not in capfd.readouterr().err
 
 
 def test_model_stuck_loading_times_out_and_stop_cleans_up(tmp_path):
@@ -143,15 +151,6 @@ def test_model_stuck_loading_times_out_and_stop_cleans_up(tmp_path):
         server.stop(grace_s=5)
     assert not process_group_alive(server.pid)
     assert server.shm_regions() == []
-
-
-def test_running_server_error_carries_log_tail(tmp_path):
-    repository = write_model(
-        tmp_path / "repo", initialize='raise ValueError("bad parameter on purpose")'
-    )
-    with pytest.raises(ServerError, match="bad parameter on purpose"):
-        with running_server(repository, ready_timeout_s=60):
-            pass
 
 
 def test_serve_command_runs_in_foreground_and_stops_on_sigterm(tmp_path):
@@ -224,6 +223,23 @@ def test_serve_restarts_a_tritonserver_that_dies_on_the_same_ports(tmp_path):
     assert Path(f"{log}.1").is_file()
 
 
+@pytest.mark.parametrize("previous_s, lived_s, delay_s", [
+    pytest.param(0.0, 1.0, 0.5, id="first-death"),
+    pytest.param(0.5, 59.0, 1.0, id="died-again-soon"),
+    pytest.param(16.0, 5.0, 32.0, id="keeps-dying"),
+    pytest.param(32.0, 5.0, 60.0, id="at-most-a-minute"),
+    pytest.param(60.0, 60.0, 0.5, id="was-up-a-minute"),
+])
+def test_restart_backoff(previous_s, lived_s, delay_s):
+    assert restart_delay_s(previous_s, lived_s) == delay_s
+
+
+@pytest.mark.parametrize("code, says", [(1, "exited with code 1"), (-9, "was killed by SIGKILL"),
+                                        (137, "was killed by SIGKILL"), (128 + 99, "was killed by signal 99")])
+def test_describe_exit(code, says):
+    assert describe_exit(code) == says
+
+
 def test_serve_command_with_missing_weights_explains(tmp_path):
     """Without --model-repository, serve builds the repository from the weights; weights that do not
     exist stop it before any server starts, with one line naming them."""
@@ -289,12 +305,8 @@ def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     pr_set_child_subreaper = 36
     libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0)
-    cli = subprocess.Popen(
-        [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-         "--log-file", str(tmp_path / "server.log")],
-        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    cli = serve_unready(repository, tmp_path, [http_port, grpc_port, metrics_port], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and server_pid is None:
@@ -380,12 +392,8 @@ def test_signals_during_start_up_give_one_clean_stop(tmp_path):
     no traceback, no server left (its model sleeps in initialize, so the signals land mid-start)."""
     repository = write_model(tmp_path / "repo", initialize="import time\ntime.sleep(3)")
     http_port, grpc_port, metrics_port = free_ports(3)
-    cli = subprocess.Popen(
-        [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-         "--log-file", str(tmp_path / "server.log")],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+    cli = serve_unready(repository, tmp_path, [http_port, grpc_port, metrics_port], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
     server_pid = None
     try:
         deadline = time.monotonic() + 60

@@ -86,13 +86,13 @@ def _timing(model, command: dict) -> dict:
             await asyncio.gather(*(c.close() for c in conversations))
         return seconds
 
-    return {"plugin": plugin, "direct": model._loop.run(direct())}
+    return {"plugin": plugin, "direct": model._run(direct())}
 
 
 def _overlay(command: dict) -> dict:
     from vllm_omni.config.stage_config import load_deploy_config
 
-    from mimi_code2wav.vllm_plugin.overlay import installed_base_config, render_overlay
+    from mimi_code2wav.vllm_plugin import installed_base_config, render_overlay
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as handle:
         handle.write(render_overlay(command["url"], installed_base_config()))

@@ -1,7 +1,7 @@
 """python -m mimi_code2wav.vllm_plugin overlay [--url HOST:PORT] [--out FILE]
 
-Writes the vLLM-Omni deploy overlay that sends PersonaPlex's codec stage to the code2wav service,
-its base_config the installed vllm_omni/deploy/personaplex.yaml (stdout without --out).
+Writes the vLLM-Omni deploy overlay that sends PersonaPlex's codec stage to the code2wav service, its
+base_config the installed vllm_omni/deploy/personaplex.yaml (stdout without --out).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .overlay import installed_base_config, render_overlay
+from . import installed_base_config, render_overlay
 
 
 def main(argv: list[str] | None = None) -> int:

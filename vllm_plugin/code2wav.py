@@ -1,10 +1,9 @@
 """`TritonPersonaPlexCode2Wav`: vLLM-Omni's PersonaPlex codec stage, decoded by the code2wav service.
 
-A subclass of vLLM-Omni's `PersonaPlexCode2Wav` that loads no Mimi (docs/design.md §2.5): each request
-id is one stream of the service (stream key = the request id), the requests of one `forward` are sent
-and awaited together, `on_requests_finished` ENDs their streams, and a request the client cannot bring
-back raises once the others are answered. Warm-up / profiling requests (`meta.personaplex_dummy_profile`)
-and empty requests return empty audio without a call. Settings: `PluginSettings`.
+A subclass of vLLM-Omni's `PersonaPlexCode2Wav` that loads no Mimi (docs/design.md §2.5): each request id
+is one stream (stream key = the request id), the requests of one `forward` are sent and awaited together,
+`on_requests_finished` ENDs their streams, and a request the client cannot bring back raises once the
+others are answered. Warm-up requests (`meta.personaplex_dummy_profile`) are answered empty, without a call.
 """
 
 from __future__ import annotations
@@ -45,16 +44,14 @@ logger = init_logger(__name__)
 
 CONFIG_KEY = "code2wav"  # additional_config: {code2wav: {url: ..., ...}}
 ENV_PREFIX = "CODE2WAV_"
+_BOOLEANS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off", ""), False)}
 
 
 @dataclasses.dataclass(frozen=True)
 class PluginSettings:
-    """How the stage reaches the service. `url`: one server or proxy, or several (comma-separated)
-    to fail over between; `response_timeout_s`: a request's deadline before the stream resumes
-    elsewhere; `resume_timeout_s`: how long a stream keeps trying to resume before the stage fails;
-    `resume_history_frames`: the frames re-sent as history on a resume. `tls` (TLS with the system's
-    CAs), `tls_ca`, `tls_cert`, `tls_key` and `key_file`: as the client's `Credentials`; the key comes
-    from `key_file`, else from CODE2WAV_KEY (never from the config itself)."""
+    """How the stage reaches the service. `url`: one server or proxy, or several (comma-separated) to fail
+    over between; the timeouts and `resume_history_frames` are the client's `StreamOptions`; `tls`, `tls_ca`,
+    `tls_cert`, `tls_key`, `key_file` its `Credentials` (the key from `key_file`, else CODE2WAV_KEY)."""
 
     url: str = DEFAULT_URL
     model: str = MODEL_NAME
@@ -69,8 +66,8 @@ class PluginSettings:
 
     @classmethod
     def from_sources(cls, stage_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> PluginSettings:
-        """Each field from the stage config, else from CODE2WAV_<FIELD> in the environment, else the
-        default. Unknown config keys and unparsable values are errors naming them."""
+        """Each field from the stage config, else from CODE2WAV_<FIELD> in the environment, else the default.
+        Unknown config keys and unparsable values are errors naming them."""
         stage_config = dict(stage_config or {})
         fields = {field.name: field for field in dataclasses.fields(cls)}
         unknown = sorted(set(stage_config) - set(fields))
@@ -87,59 +84,32 @@ class PluginSettings:
             parse = {"str": str, "float": float, "int": int, "bool": _boolean}[field.type]
             try:
                 values[name] = parse(raw)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, KeyError):
                 raise ValueError(f"{source}: not a {field.type}: {raw!r}") from None
-        settings = cls(**values)
-        settings.stream_options()  # validates
-        settings.credentials(environ)
-        return settings
-
-    def credentials(self, environ: Mapping[str, str]) -> Credentials:
-        """TLS and the inference key; ValueError naming what is wrong (never the key)."""
-        try:
-            return Credentials.from_options(self.tls, self.tls_ca, self.tls_cert, self.tls_key, self.key_file,
-                                            environ=dict(environ))
-        except ClientError as error:
-            raise ValueError(f"additional_config.{CONFIG_KEY}: {error}") from None
+        return cls(**values)
 
     @property
     def urls(self) -> list[str]:
         return [url.strip() for url in self.url.split(",") if url.strip()]
 
-    def stream_options(self) -> StreamOptions:
+    def client(self, environ: Mapping[str, str]) -> Code2WavClient:
+        """The asyncio client these settings describe (no connection yet); ValueError naming what is wrong
+        (never the key)."""
+        if not self.urls:
+            raise ValueError(f"additional_config.{CONFIG_KEY}.url: no server URL in {self.url!r}")
         options = StreamOptions(model_name=self.model, response_timeout_s=self.response_timeout_s,
                                 resume_timeout_s=self.resume_timeout_s,
                                 resume_history_frames=self.resume_history_frames)
-        options.validate()
-        if not self.urls:
-            raise ValueError(f"additional_config.{CONFIG_KEY}.url: no server URL in {self.url!r}")
-        return options
+        try:
+            credentials = Credentials.from_options(self.tls, self.tls_ca, self.tls_cert, self.tls_key, self.key_file,
+                                                   environ=dict(environ))
+            return Code2WavClient(self.urls, options, credentials=credentials)
+        except ClientError as error:
+            raise ValueError(f"additional_config.{CONFIG_KEY}: {error}") from None
 
 
 def _boolean(raw) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(raw)
-
-
-class _LoopThread:
-    """An asyncio event loop in a daemon thread: the runner's thread hands it coroutines and waits."""
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def submit(self, coroutine) -> None:
-        asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+    return raw if isinstance(raw, bool) else _BOOLEANS[str(raw).strip().lower()]  # KeyError: not a bool
 
 
 class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
@@ -150,9 +120,8 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
         # applies here, so only the attributes the runner and the inherited helpers read are set.
         nn.Module.__init__(self)
         self.vllm_config = vllm_config
-        model_config = vllm_config.model_config
-        self.model_path = getattr(model_config, "model", None)
-        self.config = getattr(model_config, "hf_config", None)
+        self.model_path = getattr(vllm_config.model_config, "model", None)
+        self.config = getattr(vllm_config.model_config, "hf_config", None)
         self.have_multimodal_outputs = True
         self.has_preprocess = False
         self.has_postprocess = False
@@ -168,18 +137,22 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
                              f"samples per frame at {SAMPLE_RATE_HZ} Hz; this model's Mimi config asks for "
                              f"{self._num_codebooks}, {self._samples_per_frame} and {self._output_sample_rate}")
         self.mimi = None
-        self.settings = PluginSettings.from_sources(
-            (vllm_config.additional_config or {}).get(CONFIG_KEY), os.environ)
-        self._loop = _LoopThread("code2wav-client")
-        self._client = Code2WavClient(self.settings.urls, self.settings.stream_options(),
-                                      credentials=self.settings.credentials(os.environ))
+        self.settings = PluginSettings.from_sources((vllm_config.additional_config or {}).get(CONFIG_KEY), os.environ)
+        self._client = self.settings.client(os.environ)
         self._streams: dict[str, Code2WavStream] = {}
+        # The client's event loop, in a thread of its own: `forward` hands it coroutines and waits.
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="code2wav-client", daemon=True).start()
         logger.info("PersonaPlex code2wav stage decoded by the code2wav service at %s (model %s)",
                     ", ".join(self.settings.urls), self.settings.model)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Nothing to load: the service holds Mimi. The stage's checkpoint iterator is left unread."""
         return set()
+
+    def _run(self, coroutine):
+        """Run `coroutine` on the client's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     @torch.no_grad()
     def forward(
@@ -196,8 +169,7 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
         empty = torch.zeros((0,), dtype=torch.float32)
         if input_ids is None or input_ids.numel() == 0:
             return OmniOutput(text_hidden_states=None, multimodal_outputs={"model_outputs": [empty], "sr": [sr]})
-        ids = input_ids.reshape(-1).to(dtype=torch.long)
-        segments = self._split_request_ids(ids, kwargs.get("seq_token_counts"))
+        segments = self._split_request_ids(input_ids.reshape(-1).to(dtype=torch.long), kwargs.get("seq_token_counts"))
         request_ids = self._resolve_request_ids(len(segments), kwargs.get("request_ids"),
                                                 runtime_additional_information)
         infos = runtime_additional_information or []
@@ -213,18 +185,16 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
                     logger.warning("request %s: %d codes are not a multiple of %d codebooks; skipped",
                                    request_ids[index], flat.numel(), self._num_codebooks)
                 continue
-            codes = flat.reshape(self._num_codebooks, -1).cpu().numpy()
-            work.append((index, request_ids[index], codes))
+            work.append((index, request_ids[index], flat.reshape(self._num_codebooks, -1).cpu().numpy()))
         audio = [empty] * len(segments)
         if work:
-            for (index, _, _), pcm in zip(work, self._loop.run(self._decode_all(work))):
+            for (index, _, _), pcm in zip(work, self._run(self._decode_all(work))):
                 audio[index] = torch.from_numpy(np.array(pcm, dtype=np.float32))  # its own, writable
         return OmniOutput(text_hidden_states=None,
                           multimodal_outputs={"model_outputs": audio, "sr": [sr] * len(segments)})
 
     async def _decode_all(self, work: list[tuple[int, str | None, np.ndarray]]) -> list[np.ndarray]:
-        """Every request's frames sent at once; raises (naming each) if any request failed, once all
-        are answered."""
+        """Every request's frames sent at once; once all are answered, raises naming each that failed."""
         results = await asyncio.gather(*(self._decode(request_id, codes) for _, request_id, codes in work),
                                        return_exceptions=True)
         failures = [f"request {request_id}: {result}" for (_, request_id, _), result in zip(work, results)
@@ -251,7 +221,7 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
         streams = [self._streams.pop(str(request_id), None) for request_id in finished_req_ids]
         streams = [stream for stream in streams if stream is not None]
         if streams:
-            self._loop.submit(self._close(streams))
+            asyncio.run_coroutine_threadsafe(self._close(streams), self._loop)
 
     async def _close(self, streams: list[Code2WavStream]) -> None:
         for stream, outcome in zip(streams, await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)):

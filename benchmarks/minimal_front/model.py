@@ -1,10 +1,7 @@
 """`minimal_front`: the cheapest Python BLS front there is, the yardstick of `python -m benchmarks front`.
 
-Per request: unflatten the codes, one `async_exec` into the same decoder with the request's sequence
-id and flags, one response with its PCM. No stream table, dedupe, replay, stream cap, metrics or
-checks: what code2wav costs beyond this is what its contract costs. Like every Python model it turns on
-the fault handler and collects its garbage at unload (model_lifecycle.py, copied beside it). Never
-served to users.
+Per request one `async_exec` into the decoder with the request's sequence id and flags, and one response:
+no stream table, dedupe, replay, cap, metrics or checks, so what code2wav costs beyond it is its contract's.
 """
 
 import asyncio
