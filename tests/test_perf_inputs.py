@@ -41,7 +41,7 @@ def assert_one_row(csv_path) -> None:
     assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
 
 
-def test_one_inner_list_per_stream_one_step_per_chunk():
+def test_one_inner_list_per_stream_of_codebook_major_delta_steps_per_chunk_or_schedule():
     document = input_data(streams=3, frames=9, chunk_frames=4, seed=7)
     assert len(document["data"]) == 3
     for sequence in document["data"]:
@@ -52,13 +52,17 @@ def test_one_inner_list_per_stream_one_step_per_chunk():
     assert document["data"][0] != document["data"][1]
     assert describe(document) == {"sequences": 3, "steps_per_sequence": 3, "frames_per_sequence": 9,
                                   "mean_frames_per_step": 3.0}
-
-
-def test_steps_are_codebook_major_deltas():
+    # The steps are codebook-major deltas.
     codes = np.arange(8 * 5).reshape(8, 5)
     steps = sequence_steps(codes, chunk_frames=2)
     rebuilt = np.concatenate([np.array(s["input_ids"]["content"]).reshape(8, -1) for s in steps], axis=1)
     np.testing.assert_array_equal(rebuilt, codes)
+    # For the decoder itself: steps of [8, F] codes following the schedule.
+    document = input_data(streams=2, frames=10, schedule=(1, 3, 16), model="mimi_decoder")
+    for sequence in document["data"]:
+        assert [step["codes"]["shape"] for step in sequence] == [[8, 1], [8, 3], [8, 6]]
+        assert all(len(step["codes"]["content"]) == 8 * step["codes"]["shape"][1] for step in sequence)
+    assert describe(document)["steps_per_sequence"] == 3 and describe(document)["frames_per_sequence"] == 10
 
 
 @pytest.mark.server
@@ -79,14 +83,6 @@ def test_perf_analyzer_accepts_the_inputs(perf_sh, code2wav_server, tmp_path, lo
     assert_one_row(tmp_path / "perf.csv")
 
 
-def test_decoder_steps_follow_the_schedule():
-    document = input_data(streams=2, frames=10, schedule=(1, 3, 16), model="mimi_decoder")
-    for sequence in document["data"]:
-        assert [step["codes"]["shape"] for step in sequence] == [[8, 1], [8, 3], [8, 6]]
-        assert all(len(step["codes"]["content"]) == 8 * step["codes"]["shape"][1] for step in sequence)
-    assert describe(document)["steps_per_sequence"] == 3 and describe(document)["frames_per_sequence"] == 10
-
-
 # Steps of every size from 1 to 16 frames, in turn.
 MIXED_SCHEDULE = "1,3,1,16,2,5,8,4"
 
@@ -94,13 +90,10 @@ MIXED_SCHEDULE = "1,3,1,16,2,5,8,4"
 @pytest.mark.server
 @pytest.mark.parametrize("model", ["mimi_decoder", "code2wav"])
 def test_variable_frame_counts_survive_sustained_load(perf_sh, served_repository, tmp_path, model):
-    """32 concurrent sequences, steps of 1-16 frames in turn, straight to the decoder (clients can
-    reach it on the same port) and through code2wav: every request succeeds and the server stays up.
-
-    Each run gets a server of its own. tritonserver 2.51 itself crashes now and then under such load
-    (SIGSEGV in its sequence batcher, docs/design.md §7; 1 of 17 runs so far): a run whose server
-    crashed is repeated once on a fresh server, with a warning naming the crash, and the test fails
-    if the second crashes too or if any request fails while the server is up."""
+    """32 concurrent sequences, steps of 1-16 frames in turn, to the decoder and through code2wav, each
+    run on a server of its own: every request succeeds while the server is up. tritonserver 2.51 itself
+    crashes now and then under such load (SIGSEGV in its sequence batcher, docs/design.md §7): a crashed
+    run is repeated once on a fresh server, with a warning; a second crash fails the test."""
     from mimi_code2wav.server.supervise import running_server
 
     for attempt in (1, 2):

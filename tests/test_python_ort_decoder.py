@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ import pytest
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS
 from mimi_code2wav.export.render import PYTHON_ORT_FILES
 
-from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, triton_model_config
+from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, triton_model_config, wait_until
 
 MODEL_DIR = MODEL_REPOSITORY / "mimi_decoder" / "python_ort"
 COMMON_FILES = sorted((MODEL_REPOSITORY / "common").glob("*.py"))
@@ -39,47 +39,35 @@ ort_core = load_model_module(MODEL_DIR / "python_ort_core.py")
 ort_config = load_model_module(MODEL_DIR / "python_ort_config.py")
 
 
-def build_step_onnx(path: Path) -> Path:
-    import onnx
-    from onnx import TensorProto, helper
+STEP_ONNX = f"""
+<ir_version: 8, opset_import: ["" : 17]>
+tiny_step (int32[batch, {NUM_CODEBOOKS}, 1] codes, float[batch, {ACC}] state_in_00_acc, int64[batch, 1] state_in_01_count)
+    => (float[batch, {PCM}] pcm, float[batch, {ACC}] state_out_00_acc, int64[batch, 1] state_out_01_count)
+    <int64[2] sum_axes = {{1, 2}}, int64[1] squeeze_axes = {{2}}, int64[1] one = {{1}}> {{
+    codes_f = Cast<to = 1>(codes)
+    sum3 = ReduceSum<keepdims = 1>(codes_f, sum_axes)
+    code_sum = Squeeze(sum3, squeeze_axes)
+    state_out_00_acc = Add(state_in_00_acc, code_sum)
+    state_out_01_count = Add(state_in_01_count, one)
+    count_f = Cast<to = 1>(state_out_01_count)
+    pcm = Concat<axis = 1>(state_out_00_acc, count_f, code_sum)
+}}
+"""
 
-    batch = "batch"
-    graph = helper.make_graph(
-        nodes=[
-            helper.make_node("Cast", ["codes"], ["codes_f"], to=TensorProto.FLOAT),
-            helper.make_node("ReduceSum", ["codes_f", "sum_axes"], ["sum3"], keepdims=1),
-            helper.make_node("Squeeze", ["sum3", "squeeze_axes"], ["code_sum"]),
-            helper.make_node("Add", ["state_in_00_acc", "code_sum"], ["state_out_00_acc"]),
-            helper.make_node("Add", ["state_in_01_count", "one"], ["state_out_01_count"]),
-            helper.make_node("Cast", ["state_out_01_count"], ["count_f"], to=TensorProto.FLOAT),
-            helper.make_node("Concat", ["state_out_00_acc", "count_f", "code_sum"], ["pcm"], axis=1),
-        ],
-        name="tiny_step",
-        inputs=[
-            helper.make_tensor_value_info("codes", TensorProto.INT32, [batch, NUM_CODEBOOKS, 1]),
-            helper.make_tensor_value_info("state_in_00_acc", TensorProto.FLOAT, [batch, ACC]),
-            helper.make_tensor_value_info("state_in_01_count", TensorProto.INT64, [batch, 1]),
-        ],
-        outputs=[
-            helper.make_tensor_value_info("pcm", TensorProto.FLOAT, [batch, PCM]),
-            helper.make_tensor_value_info("state_out_00_acc", TensorProto.FLOAT, [batch, ACC]),
-            helper.make_tensor_value_info("state_out_01_count", TensorProto.INT64, [batch, 1]),
-        ],
-        initializer=[
-            helper.make_tensor("sum_axes", TensorProto.INT64, [2], [1, 2]),
-            helper.make_tensor("squeeze_axes", TensorProto.INT64, [1], [2]),
-            helper.make_tensor("one", TensorProto.INT64, [1], [1]),
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
+
+def build_step_onnx(path: Path) -> Path:
+    """The tiny step model (ONNX text format; `to = 1` casts to float) saved at `path`."""
+    import onnx
+    import onnx.parser
+
+    model = onnx.parser.parse_model(STEP_ONNX)
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return path
 
 
 class Reference:
-    """Expected outputs of one sequence of the tiny model."""
+    """Expected outputs of one sequence of the tiny model, from its START on."""
 
     def __init__(self):
         self.acc = 0.0
@@ -92,8 +80,18 @@ class Reference:
         return np.array([[self.acc] * ACC + [self.count, code_sum]], dtype=np.float32)
 
 
-def codes_for(seed: int) -> np.ndarray:
+def codes_for(seed) -> np.ndarray:
+    """One frame of codes [1, k, 1] drawn from `seed` (codes given instead pass as they are)."""
+    if not isinstance(seed, int):
+        return seed
     return np.random.default_rng(seed).integers(0, CODEBOOK_SIZE, size=(1, NUM_CODEBOOKS, 1), dtype=np.int32)
+
+
+def check_pcm(references: dict, sequence_id, codes, start: bool, pcm) -> None:
+    """`pcm` is what the sequence's Reference expects after `codes` (a START resets the Reference)."""
+    if start:
+        references[sequence_id] = Reference()
+    np.testing.assert_array_equal(pcm, references[sequence_id].step(codes))
 
 
 # --- the config and the core, without a server ------------------------------------------------------
@@ -150,7 +148,16 @@ def make_core(session, clock=None, run_wrapper=None, config=None):
 
 
 def request(sequence_id, codes, start=False, end=False):
-    return ort_core.StepRequest(sequence_id, start, end, {"codes": codes})
+    """A step of `codes` (or codes_for(seed))."""
+    return ort_core.StepRequest(sequence_id, start, end, {"codes": codes_for(codes)})
+
+
+def step_all(core, references: dict, batch: list) -> list:
+    """core.step(batch), each result checked against its sequence's Reference."""
+    results = core.step(batch)
+    for req, result in zip(batch, results):
+        check_pcm(references, req.sequence_id, req.inputs["codes"], req.start, result["pcm"])
+    return results
 
 
 def has_stream(core, sequence_id):
@@ -168,44 +175,41 @@ def test_parse_model_config_reads_parameters_and_timeout():
     assert config.value_ranges == {"codes": (0, 2048)} and config.max_dims == {"codes": (8, 1)}
 
 
-def without(key):
-    return {k: v for k, v in config_with().items() if k != key}
+def bad(name: str, config: dict, message: str):
+    return pytest.param(config, message, id=name)
 
 
 # Each fails the load with its message; a parameter's names it ("parameter '<name>': ..."). None: left out.
 BAD_CONFIGS = [
-    pytest.param(config_with(state_spec=None), "parameter 'state_spec': missing from the model config's parameters",
-                 id="no-state-spec"),
-    pytest.param(config_with(max_live_streams=None), "parameter 'max_live_streams': missing", id="no-cap"),
-    pytest.param(config_with(codebook_size="2048"), "parameter 'codebook_size': unknown parameter (known: onnx_file, "
-                 "intra_op_threads, state_spec, value_ranges, max_dims, max_live_streams)", id="unknown"),
-    pytest.param(config_with(max_rows_per_run="8"), "parameter 'max_rows_per_run': unknown parameter", id="removed"),
-    pytest.param(config_with(max_live_streams="0"), "parameter 'max_live_streams': must be >= 1, got 0", id="cap-0"),
-    pytest.param(config_with(max_live_streams="auto"), "parameter 'max_live_streams': not an integer: 'auto'",
-                 id="cap-auto"),
-    pytest.param(config_with(intra_op_threads="-1"), "parameter 'intra_op_threads': must be >= 0, got -1", id="threads"),
-    pytest.param(config_with(max_dims='{"codes": [8, 0]}'),
-                 "parameter 'max_dims': input 'codes': expected a list of positive integers, got [8, 0]", id="dims-0"),
-    pytest.param(config_with(max_dims='{"codes": [7, 1]}'),
-                 "parameter 'max_dims': input 'codes': [7, 1] does not fit its dims [8, -1]", id="dims-fit"),
-    pytest.param(config_with(max_dims='{"tokens": [4]}'), "parameter 'max_dims': ['tokens'] are not config inputs",
-                 id="dims-input"),
-    pytest.param(config_with(value_ranges='{"codes": [5, 5]}'), "parameter 'value_ranges': input 'codes': "
-                 "expected [low, high] with integers low < high, got [5, 5]", id="empty-range"),
-    pytest.param(config_with(value_ranges="[0, 2048]"), "parameter 'value_ranges': must be a JSON object", id="range-list"),
-    pytest.param(config_with(state_spec='[{"input": "a"}]'), "parameter 'state_spec': entry 0 must have exactly the keys",
-                 id="state-keys"),
-    pytest.param(config_with(state_spec=json.dumps([{**STATE_SPEC[0], "dtype": "float64"}])),
-                 "parameter 'state_spec': entry 0 dtype 'float64' is not one of", id="state-dtype"),
-    pytest.param(config_with(state_spec=json.dumps([STATE_SPEC[0], STATE_SPEC[0]])),
-                 "parameter 'state_spec': reuses a tensor name", id="state-twice"),
-    pytest.param(config_with(state_spec="[{"), "parameter 'state_spec': not valid JSON", id="state-json"),
-    pytest.param(without("sequence_batching"), "needs sequence_batching", id="no-sequence-batching"),
-    pytest.param({**config_with(), "sequence_batching": {}},
-                 "parameter 'sequence_batching.max_sequence_idle_microseconds': missing: set it explicitly", id="no-idle"),
-    pytest.param({**config_with(), "sequence_batching": {"state": [{"input_name": "a"}]}},
-                 "remove sequence_batching.state", id="state-block"),
-    pytest.param({**config_with(), "max_batch_size": 0}, "max_batch_size must be > 0", id="no-batching"),
+    bad("no-state-spec", config_with(state_spec=None), "parameter 'state_spec': missing from the model config's parameters"),
+    bad("no-cap", config_with(max_live_streams=None), "parameter 'max_live_streams': missing"),
+    bad("unknown", config_with(codebook_size="2048"), "parameter 'codebook_size': unknown parameter (known: onnx_file, "
+        "intra_op_threads, state_spec, value_ranges, max_dims, max_live_streams)"),
+    bad("removed", config_with(max_rows_per_run="8"), "parameter 'max_rows_per_run': unknown parameter"),
+    bad("cap-0", config_with(max_live_streams="0"), "parameter 'max_live_streams': must be >= 1, got 0"),
+    bad("cap-auto", config_with(max_live_streams="auto"), "parameter 'max_live_streams': not an integer: 'auto'"),
+    bad("threads", config_with(intra_op_threads="-1"), "parameter 'intra_op_threads': must be >= 0, got -1"),
+    bad("dims-0", config_with(max_dims='{"codes": [8, 0]}'),
+        "parameter 'max_dims': input 'codes': expected a list of positive integers, got [8, 0]"),
+    bad("dims-fit", config_with(max_dims='{"codes": [7, 1]}'),
+        "parameter 'max_dims': input 'codes': [7, 1] does not fit its dims [8, -1]"),
+    bad("dims-input", config_with(max_dims='{"tokens": [4]}'), "parameter 'max_dims': ['tokens'] are not config inputs"),
+    bad("empty-range", config_with(value_ranges='{"codes": [5, 5]}'),
+        "parameter 'value_ranges': input 'codes': expected [low, high] with integers low < high, got [5, 5]"),
+    bad("range-list", config_with(value_ranges="[0, 2048]"), "parameter 'value_ranges': must be a JSON object"),
+    bad("state-keys", config_with(state_spec='[{"input": "a"}]'), "parameter 'state_spec': entry 0 must have exactly the keys"),
+    bad("state-dtype", config_with(state_spec=json.dumps([{**STATE_SPEC[0], "dtype": "float64"}])),
+        "parameter 'state_spec': entry 0 dtype 'float64' is not one of"),
+    bad("state-twice", config_with(state_spec=json.dumps([STATE_SPEC[0], STATE_SPEC[0]])),
+        "parameter 'state_spec': reuses a tensor name"),
+    bad("state-json", config_with(state_spec="[{"), "parameter 'state_spec': not valid JSON"),
+    bad("no-sequence-batching", {k: v for k, v in config_with().items() if k != "sequence_batching"},
+        "needs sequence_batching"),
+    bad("no-idle", {**config_with(), "sequence_batching": {}},
+        "parameter 'sequence_batching.max_sequence_idle_microseconds': missing: set it explicitly"),
+    bad("state-block", {**config_with(), "sequence_batching": {"state": [{"input_name": "a"}]}},
+        "remove sequence_batching.state"),
+    bad("no-batching", {**config_with(), "max_batch_size": 0}, "max_batch_size must be > 0"),
 ]
 
 
@@ -233,43 +237,21 @@ def test_a_config_that_does_not_fit_the_onnx_graph_fails_the_load(onnx_session, 
     assert message in str(failure.value)
 
 
-def test_core_carries_resets_and_ends(onnx_session):
-    core, _ = make_core(onnx_session)
-    reference = Reference()
-    for step in range(3):
-        (result,) = core.step([request(7, codes_for(step), start=step == 0)])
-        np.testing.assert_array_equal(result["pcm"], reference.step(codes_for(step)))
-    # START on a live sequence resets it.
-    reference = Reference()
-    (result,) = core.step([request(7, codes_for(10), start=True)])
-    np.testing.assert_array_equal(result["pcm"], reference.step(codes_for(10)))
-    # END decodes its step, then drops the state.
-    (result,) = core.step([request(7, codes_for(11), end=True)])
-    np.testing.assert_array_equal(result["pcm"], reference.step(codes_for(11)))
-    assert core.live_streams == 0
-    (error,) = core.step([request(7, codes_for(12))])
-    assert (error.kind, error.code) == ("unknown_sequence", "INVALID_ARG")
-    assert "sequence 7 has no decoder state in model 'decoder': send its first request with the START flag" in str(error)
-
-
-def test_core_batches_streams_and_runs_a_sequence_s_steps_in_order(onnx_session):
+def test_core_batches_streams_runs_a_sequence_s_steps_in_order_and_ends(onnx_session):
     core, calls = make_core(onnx_session)
-    references = {sid: Reference() for sid in (1, 2, 3)}
+    references = {}
     for step in range(4):
-        batch = [request(sid, codes_for(100 * sid + step), start=step == 0) for sid in (3, 1, 2)]
-        for req, result in zip(batch, core.step(batch)):
-            np.testing.assert_array_equal(result["pcm"], references[req.sequence_id].step(req.inputs["codes"]))
+        step_all(core, references, [request(sid, 100 * sid + step, start=step == 0) for sid in (3, 1, 2)])
     assert [call["codes"] for call in calls] == [(3, 8, 1)] * 4
     assert (core.runs_total, core.rows_total, list(core.run_sizes)) == (4, 12, [3] * 4)
-    # Two steps of one sequence in one batch: two runs, in order.
+    # Two steps of one sequence in one batch: two runs, in order; END decodes its step, then drops the state.
     calls.clear()
-    results = core.step([request(5, codes_for(1), start=True), request(6, codes_for(9), start=True),
-                         request(5, codes_for(2), end=True)])
-    reference = Reference()
-    np.testing.assert_array_equal(results[0]["pcm"], reference.step(codes_for(1)))
-    np.testing.assert_array_equal(results[2]["pcm"], reference.step(codes_for(2)))
+    step_all(core, references, [request(5, 1, start=True), request(6, 9, start=True), request(5, 2, end=True)])
     assert [call["codes"][0] for call in calls] == [2, 1]
-    assert not has_stream(core, 5) and has_stream(core, 6)
+    assert not has_stream(core, 5) and has_stream(core, 6) and core.live_streams == 4
+    (error,) = core.step([request(5, 3)])
+    assert (error.kind, error.code) == ("unknown_sequence", "INVALID_ARG")
+    assert "sequence 5 has no decoder state in model 'decoder': send its first request with the START flag" in str(error)
 
 
 def test_streams_stepping_in_changing_groups_never_mix(onnx_session):
@@ -280,14 +262,11 @@ def test_streams_stepping_in_changing_groups_never_mix(onnx_session):
     rng = np.random.default_rng(7)
     references: dict[int, Reference] = {}
     for step in range(200):
-        batch = []
-        for sid in (int(sid) for sid in rng.permutation(np.arange(1, 9))[: rng.integers(1, 9)]):
-            start = sid not in references or rng.random() < 0.05
-            if start:
-                references[sid] = Reference()
-            batch.append(request(sid, codes_for(1000 * step + sid), start=start, end=rng.random() < 0.05))
-        for req, result in zip(batch, core.step(batch)):
-            np.testing.assert_array_equal(result["pcm"], references[req.sequence_id].step(req.inputs["codes"]))
+        sids = [int(sid) for sid in rng.permutation(np.arange(1, 9))[: rng.integers(1, 9)]]
+        batch = [request(sid, 1000 * step + sid, start=sid not in references or rng.random() < 0.05,
+                         end=rng.random() < 0.05) for sid in sids]
+        step_all(core, references, batch)
+        for req in batch:
             if req.end:
                 del references[req.sequence_id]
         if step % 50 == 49:  # every stream idles past the timeout
@@ -309,15 +288,12 @@ BAD_CODES = [
 @pytest.mark.parametrize("codes, kind, message", BAD_CODES)
 def test_a_bad_request_fails_alone_and_changes_nothing(onnx_session, codes, kind, message):
     core, calls = make_core(onnx_session)
-    references = {1: Reference(), 2: Reference()}
-    core.step([request(sid, codes_for(sid), start=True) for sid in references])
-    for sid, reference in references.items():
-        reference.step(codes_for(sid))
-    error, other = core.step([request(1, codes), request(2, codes_for(3))])
+    references = {}
+    step_all(core, references, [request(sid, sid, start=True) for sid in (1, 2)])
+    error, other = core.step([request(1, codes), request(2, 3)])
     assert (error.kind, error.code) == (kind, "INVALID_ARG") and message in str(error)
-    np.testing.assert_array_equal(other["pcm"], references[2].step(codes_for(3)))
-    (result,) = core.step([request(1, codes_for(4))])  # stream 1 untouched
-    np.testing.assert_array_equal(result["pcm"], references[1].step(codes_for(4)))
+    check_pcm(references, 2, codes_for(3), False, other["pcm"])
+    step_all(core, references, [request(1, 4)])  # stream 1 untouched
     # A rejected START on a new sequence creates nothing; a rejected END still ends its sequence.
     (error,) = core.step([request(9, codes, start=True)])
     assert error.kind == kind and not has_stream(core, 9)
@@ -329,7 +305,7 @@ def test_a_bad_request_fails_alone_and_changes_nothing(onnx_session, codes, kind
 @pytest.mark.parametrize("sequence_id", [0, "stream-1", None])
 def test_core_needs_a_uint64_correlation_id(onnx_session, sequence_id):
     core, calls = make_core(onnx_session)
-    (error,) = core.step([request(sequence_id, codes_for(1), start=True)])
+    (error,) = core.step([request(sequence_id, 1, start=True)])
     assert (error.kind, error.code) == ("correlation_id", "INVALID_ARG")
     assert f"send a non-zero uint64 correlation id, got {sequence_id!r}" in str(error)
     assert calls == [] and core.live_streams == 0
@@ -353,17 +329,17 @@ def test_steps_of_different_frame_counts_run_apart():
 def test_core_expires_idle_streams(onnx_session):
     clock = FakeClock()
     core, _ = make_core(onnx_session, clock=clock)
-    core.step([request(1, codes_for(1), start=True), request(2, codes_for(2), start=True)])
+    core.step([request(1, 1, start=True), request(2, 2, start=True)])
     clock.now += 1.5
-    core.step([request(2, codes_for(3))])
+    core.step([request(2, 3)])
     clock.now += 1.0  # sequence 1 idle 2.5 s > 2 s, sequence 2 idle 1.0 s
     assert core.expire_idle() == 1
     assert not has_stream(core, 1) and has_stream(core, 2)
-    (error,) = core.step([request(1, codes_for(4))])
+    (error,) = core.step([request(1, 4)])
     assert "idle for more than 2 s" in str(error)
     # A stream whose request is in the batch is not expired before it runs, however late it is.
     clock.now += 10.0
-    (result,) = core.step([request(2, codes_for(5))])
+    (result,) = core.step([request(2, 5)])
     assert isinstance(result, dict) and core.expired_total == 1
 
 
@@ -377,9 +353,9 @@ def test_core_step_failure_ends_the_batch_sequences(onnx_session):
     logged = []
     core, _ = make_core(onnx_session, run_wrapper=wrapper)
     core._log_error = logged.append
-    core.step([request(1, codes_for(1), start=True), request(2, codes_for(2), start=True)])
+    core.step([request(1, 1, start=True), request(2, 2, start=True)])
     fail = True
-    first, second = core.step([request(1, codes_for(3)), request(2, codes_for(4))])
+    first, second = core.step([request(1, 3), request(2, 4)])
     assert (first.kind, first.code) == (second.kind, second.code) == ("decoder", "INTERNAL")
     assert "decoder step failed (RuntimeError: boom); the sequence was ended, START it again" in str(first)
     assert core.live_streams == 0 and "batched step of 2 rows failed" in logged[0] and "boom" in logged[0]
@@ -387,27 +363,20 @@ def test_core_step_failure_ends_the_batch_sequences(onnx_session):
 
 def test_core_refuses_starts_past_the_cap_and_harms_no_live_stream(onnx_session):
     core, calls = make_core(onnx_session, config=parse(config_with(max_live_streams="2")))
-    references = {1: Reference(), 2: Reference()}
-    results = core.step([request(sid, codes_for(sid), start=True) for sid in (1, 2, 3)])
-    for sid in (1, 2):
-        np.testing.assert_array_equal(results[sid - 1]["pcm"], references[sid].step(codes_for(sid)))
-    refused = results[2]
+    references = {}
+    *results, refused = core.step([request(sid, sid, start=True) for sid in (1, 2, 3)])
+    for sid, result in zip((1, 2), results):
+        check_pcm(references, sid, codes_for(sid), True, result["pcm"])
     assert (refused.kind, refused.code) == ("stream_cap", "UNAVAILABLE")
     assert ("resource exhausted: model 'decoder' already holds 2 live streams, its limit "
             "(max_live_streams=2 per instance); this START was refused and no stream was affected") in str(refused)
     assert not has_stream(core, 3) and core.refused_total == 1 and calls[0]["codes"][0] == 2
     # The live streams go on; a START on a live stream (a restart) takes no new room, nor does START+END.
-    for sid in (1, 2):
-        (result,) = core.step([request(sid, codes_for(10 + sid))])
-        np.testing.assert_array_equal(result["pcm"], references[sid].step(codes_for(10 + sid)))
-    references[1] = Reference()
-    (result,) = core.step([request(1, codes_for(20), start=True)])
-    np.testing.assert_array_equal(result["pcm"], references[1].step(codes_for(20)))
-    (result,) = core.step([request(4, codes_for(4), start=True, end=True)])
-    np.testing.assert_array_equal(result["pcm"], Reference().step(codes_for(4)))
+    for batch in ([request(1, 11)], [request(2, 12)], [request(1, 20, start=True)], [request(4, 4, start=True, end=True)]):
+        step_all(core, references, batch)
     # Once a stream ends there is room again.
-    core.step([request(2, codes_for(21), end=True)])
-    (result,) = core.step([request(3, codes_for(22), start=True)])
+    core.step([request(2, 21, end=True)])
+    (result,) = core.step([request(3, 22, start=True)])
     assert isinstance(result, dict) and core.live_streams == 2 and core.refused_total == 1
 
 
@@ -433,24 +402,19 @@ sequence_batching {{
   ]
 }}
 instance_group [ {{ kind: KIND_CPU count: 1 }} ]
-parameters {{ key: "state_spec" value: {{ string_value: '{state_spec}' }} }}
-parameters {{ key: "onnx_file" value: {{ string_value: "model.onnx" }} }}
-parameters {{ key: "intra_op_threads" value: {{ string_value: "1" }} }}
-parameters {{ key: "value_ranges" value: {{ string_value: '{{"codes": [0, 2048]}}' }} }}
-parameters {{ key: "max_dims" value: {{ string_value: '{{"codes": [8, 1]}}' }} }}
-parameters {{ key: "max_live_streams" value: {{ string_value: "{max_live_streams}" }} }}
 """
 
 
 def write_repository(repository: Path, state_spec=STATE_SPEC, max_live_streams: int = 64) -> Path:
-    """A repository serving the tiny model as `decoder`, laid out as render lays out python-ort."""
+    """A repository serving the tiny model as `decoder` with PARAMETERS, laid out as render lays out python-ort."""
     version_dir = repository / "decoder" / "1"
     version_dir.mkdir(parents=True)
     build_step_onnx(version_dir / "model.onnx")
     for source in (*(MODEL_DIR / name for name in PYTHON_ORT_FILES), *COMMON_FILES):
         shutil.copyfile(source, version_dir / source.name)
-    (repository / "decoder" / "config.pbtxt").write_text(DECODER_CONFIG.format(
-        pcm=PCM, idle_us=IDLE_TIMEOUT_US, state_spec=json.dumps(state_spec), max_live_streams=max_live_streams))
+    parameters = {**PARAMETERS, "state_spec": json.dumps(state_spec), "max_live_streams": str(max_live_streams)}
+    (repository / "decoder" / "config.pbtxt").write_text(DECODER_CONFIG.format(pcm=PCM, idle_us=IDLE_TIMEOUT_US) + "".join(
+        f"parameters {{ key: \"{key}\" value: {{ string_value: '{value}' }} }}\n" for key, value in parameters.items()))
     return repository
 
 
@@ -461,17 +425,24 @@ def decoder_server(tmp_path_factory, triton_server_factory):
 
 
 class Client:
+    """Steps of the served `decoder`; `check` compares each answer with its sequence's Reference."""
+
     def __init__(self, url: str):
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
         self.client = grpcclient.InferenceServerClient(url)
+        self.references = {}
 
     def step(self, sequence_id, codes, start=False, end=False) -> np.ndarray:
+        codes = codes_for(codes)
         tensor = self._grpc.InferInput("codes", list(codes.shape), "INT32")
         tensor.set_data_from_numpy(codes)
         result = self.client.infer("decoder", [tensor], sequence_id=sequence_id, sequence_start=start, sequence_end=end)
         return result.as_numpy("pcm")
+
+    def check(self, sequence_id, seed: int, start=False, end=False) -> None:
+        check_pcm(self.references, sequence_id, codes_for(seed), start, self.step(sequence_id, seed, start, end))
 
     def close(self):
         self.client.close()
@@ -484,12 +455,12 @@ def client(decoder_server):
     c.close()
 
 
-def server_error(call):
-    """The InferenceServerException that `call()` raises."""
+def server_error(call, *args, **kwargs):
+    """The InferenceServerException that `call(*args, **kwargs)` raises."""
     from tritonclient.utils import InferenceServerException
 
     with pytest.raises(InferenceServerException) as failure:
-        call()
+        call(*args, **kwargs)
     return failure.value
 
 
@@ -501,43 +472,38 @@ def metric(server, name, **labels) -> float | None:
 
 @pytest.mark.server
 def test_served_state_carries_resets_ends_and_interleaves(client):
-    references = {11: Reference(), 12: Reference()}
     for n, sid in enumerate([11, 12, 12, 11, 11, 12]):
-        codes = codes_for(sid * 10 + n)
-        np.testing.assert_array_equal(client.step(sid, codes, start=n < 2), references[sid].step(codes))
-    references[11] = Reference()
-    np.testing.assert_array_equal(client.step(11, codes_for(5), start=True), references[11].step(codes_for(5)))
-    for sid in references:
-        np.testing.assert_array_equal(client.step(sid, codes_for(6), end=True), references[sid].step(codes_for(6)))
-        assert "START" in server_error(lambda sid=sid: client.step(sid, codes_for(7))).message()
+        client.check(sid, sid * 10 + n, start=n < 2)
+    client.check(11, 5, start=True)
+    for sid in (11, 12):
+        client.check(sid, 6, end=True)
+        assert "START" in server_error(client.step, sid, 7).message()
     # START and END in one request; a sequence never started (Triton answers that one itself).
-    np.testing.assert_array_equal(client.step(13, codes_for(1), start=True, end=True), Reference().step(codes_for(1)))
-    assert "START" in server_error(lambda: client.step(987654, codes_for(1))).message()
+    client.check(13, 1, start=True, end=True)
+    assert "START" in server_error(client.step, 987654, 1).message()
 
 
 @pytest.mark.server
 def test_served_bad_request_fails_alone(client):
-    reference, other = Reference(), Reference()
-    np.testing.assert_array_equal(client.step(31, codes_for(1), start=True), reference.step(codes_for(1)))
-    np.testing.assert_array_equal(client.step(32, codes_for(2), start=True), other.step(codes_for(2)))
+    client.check(31, 1, start=True)
+    client.check(32, 2, start=True)
     # Rejected by the model (its max_dims and value range), the stream untouched.
     two_frames = np.zeros((1, NUM_CODEBOOKS, 2), dtype=np.int32)
     too_big = np.full((1, NUM_CODEBOOKS, 1), CODEBOOK_SIZE, dtype=np.int32)
     for codes, message in ((two_frames, "input 'codes' has shape [1, 8, 2], at most [1, 8, 1] per request"),
                            (too_big, "input 'codes' holds values in [2048, 2048], outside [0, 2048)")):
-        error = server_error(lambda codes=codes: client.step(31, codes))
+        error = server_error(client.step, 31, codes)
         assert error.status() == "StatusCode.INVALID_ARGUMENT" and message in error.message()
     # Shapes that contradict the config: rejected by Triton before the model.
-    assert "shape" in server_error(lambda: client.step(31, np.zeros((1, NUM_CODEBOOKS - 1, 1), np.int32))).message()
-    assert "batch-size 1" in server_error(lambda: client.step(31, np.concatenate([codes_for(3), codes_for(4)]))).message()
-    np.testing.assert_array_equal(client.step(32, codes_for(5)), other.step(codes_for(5)))
-    np.testing.assert_array_equal(client.step(31, codes_for(6), end=True), reference.step(codes_for(6)))
-    np.testing.assert_array_equal(client.step(32, codes_for(7), end=True), other.step(codes_for(7)))
+    assert "shape" in server_error(client.step, 31, np.zeros((1, NUM_CODEBOOKS - 1, 1), np.int32)).message()
+    assert "batch-size 1" in server_error(client.step, 31, np.concatenate([codes_for(3), codes_for(4)])).message()
+    client.check(32, 5)
+    client.check(31, 6, end=True)
+    client.check(32, 7, end=True)
     # A START the model rejects leaves no state, though Triton holds the sequence: the model's own error answers.
-    assert "at most [1, 8, 1]" in server_error(lambda: client.step(33, two_frames, start=True)).message()
-    assert "sequence 33 has no decoder state in model 'decoder'" in server_error(
-        lambda: client.step(33, codes_for(1))).message()
-    client.step(33, codes_for(1), start=True, end=True)
+    assert "at most [1, 8, 1]" in server_error(client.step, 33, two_frames, start=True).message()
+    assert "sequence 33 has no decoder state in model 'decoder'" in server_error(client.step, 33, 1).message()
+    client.step(33, 1, start=True, end=True)
 
 
 @pytest.mark.server
@@ -545,29 +511,19 @@ def test_served_concurrent_sequences_are_batched(decoder_server):
     before_runs = metric(decoder_server, "mimi_decoder_batches_total") or 0.0
     before_rows = metric(decoder_server, "mimi_decoder_batched_requests_total") or 0.0
     sequences, steps = list(range(41, 49)), 12
-    failures = []
-    barrier = threading.Barrier(len(sequences))
+    barrier = threading.Barrier(len(sequences), timeout=120)
 
     def stream(sid):
         c = Client(decoder_server.grpc_url)
         try:
-            reference = Reference()
             barrier.wait()
             for step in range(steps):
-                codes = codes_for(sid * 100 + step)
-                np.testing.assert_array_equal(c.step(sid, codes, start=step == 0, end=step == steps - 1),
-                                              reference.step(codes))
-        except Exception as exc:  # reported below, with the sequence
-            failures.append((sid, exc))
+                c.check(sid, sid * 100 + step, start=step == 0, end=step == steps - 1)
         finally:
             c.close()
 
-    threads = [threading.Thread(target=stream, args=(sid,)) for sid in sequences]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not failures, failures
+    with ThreadPoolExecutor(len(sequences)) as pool:
+        list(pool.map(stream, sequences))  # raises a sequence's failure
     runs = metric(decoder_server, "mimi_decoder_batches_total") - before_runs
     rows = metric(decoder_server, "mimi_decoder_batched_requests_total") - before_rows
     assert rows == len(sequences) * steps
@@ -579,17 +535,14 @@ def test_served_concurrent_sequences_are_batched(decoder_server):
 
 @pytest.mark.server
 def test_served_idle_sequences_expire(decoder_server, client):
-    client.step(51, codes_for(1), start=True)
-    client.step(52, codes_for(2), start=True)
+    client.step(51, 1, start=True)
+    client.step(52, 2, start=True)
     assert metric(decoder_server, "mimi_decoder_live_streams") >= 2
     expired_before = metric(decoder_server, "mimi_decoder_expired_streams_total") or 0.0
-    deadline = time.monotonic() + IDLE_TIMEOUT_US / 1e6 + 5
-    while time.monotonic() < deadline and metric(decoder_server, "mimi_decoder_live_streams") != 0:
-        time.sleep(0.2)
-    assert metric(decoder_server, "mimi_decoder_live_streams") == 0
+    assert wait_until(lambda: metric(decoder_server, "mimi_decoder_live_streams") == 0, IDLE_TIMEOUT_US / 1e6 + 5, 0.2)
     assert metric(decoder_server, "mimi_decoder_expired_streams_total") >= expired_before + 2
-    assert "START" in server_error(lambda: client.step(51, codes_for(3))).message()
-    np.testing.assert_array_equal(client.step(51, codes_for(4), start=True, end=True), Reference().step(codes_for(4)))
+    assert "START" in server_error(client.step, 51, 3).message()
+    client.check(51, 4, start=True, end=True)
 
 
 @pytest.mark.server
@@ -611,14 +564,13 @@ def test_served_start_past_the_cap_is_refused_with_unavailable(tmp_path, triton_
     server = triton_server_factory(write_repository(tmp_path / "repo", max_live_streams=2))
     client = Client(server.grpc_url)
     try:
-        references = {81: Reference(), 82: Reference()}
-        for sid in references:
-            np.testing.assert_array_equal(client.step(sid, codes_for(sid), start=True), references[sid].step(codes_for(sid)))
-        refused = server_error(lambda: client.step(83, codes_for(83), start=True))
+        for sid in (81, 82):
+            client.check(sid, sid, start=True)
+        refused = server_error(client.step, 83, 83, start=True)
         assert refused.status() == "StatusCode.UNAVAILABLE"
         assert "resource exhausted: model 'decoder' already holds 2 live streams" in refused.message()
-        for sid in references:
-            np.testing.assert_array_equal(client.step(sid, codes_for(sid + 1), end=True), references[sid].step(codes_for(sid + 1)))
+        for sid in (81, 82):
+            client.check(sid, sid + 1, end=True)
         assert metric(server, "mimi_decoder_refused_streams_total") == 1
     finally:
         client.close()
