@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist; tests/conftest.py groups the tests).
+TEST_WORKERS ?= 2
 
 # Local server settings (see README "Quick start").
 HTTP_PORT ?= 8000
@@ -49,7 +51,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test: $(STAMP) $(VLLM_STAMP)
-	VLLM_OMNI_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest $(PYTEST_ARGS)
+	VLLM_OMNI_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 export: $(STAMP)
 	$(BIN)/code2wav-export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)

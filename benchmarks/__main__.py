@@ -7,6 +7,9 @@ import argparse
 import importlib
 import sys
 
+from mimi_code2wav.client.protocol import ClientError
+from mimi_code2wav.server.processes import ServerError
+
 COMMANDS = {
     "sweep": "streams x request sizes through Triton: the streaming client and perf_analyzer",
     "duplex": "conversations ticking together every 80 ms: each frame's latency to its PCM, per policy",
@@ -38,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr if unknown else sys.stdout)
         return 0 if argv and not unknown else 2
     args = command_parser(argv[0]).parse_args(argv[1:])
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except (ClientError, ServerError) as exc:  # a server or a request that failed: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

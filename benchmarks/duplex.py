@@ -23,13 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from mimi_code2wav.client.credentials import PLAINTEXT, Credentials, add_credentials_arguments, credentials_from_args
-from mimi_code2wav.client.protocol import FRAME_DURATION_S, MODEL_NAME, SAMPLES_PER_FRAME, ClientError, StreamOptions
+from mimi_code2wav.client.protocol import FRAME_DURATION_S, MODEL_NAME, SAMPLES_PER_FRAME, StreamOptions
 from mimi_code2wav.client.report import percentiles
-from mimi_code2wav.server.processes import ServerError
 
-from .local_server import LocalServer, add_server_arguments, measured_server, point_profile
+from .local_server import add_server_arguments, measured_server, point_profile, server_meta
 from .profile import settle_gc
-from .provenance import REPO_ROOT, log, md_row, parse_counts, run_meta, write_run
+from .provenance import REPO_ROOT, log, md_row, parse_counts, write_run
 
 
 @dataclass(frozen=True)
@@ -216,12 +215,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where results go (default bench_results/duplex/)")
 
 
-def _print_row(result: dict) -> None:
+def _logged(result: dict) -> dict:
     latency = result["latency_ms"]
     log(f"  {result['client']:8} {result['policy']:10} {result['conversations']:4} conversations: frame latency "
         f"p50/p99/max {latency['p50']:.0f}/{latency['p99']:.0f}/{latency['max']:.0f} ms, late p99 "
         f"{result['late_ms']['p99']:.0f} ms, {result['misses']} misses, {result['client_cpu_ms_per_request']:.2f} ms "
         "client CPU/request" + (f" FAILED: {result['failed']}" if result["failed"] else ""))
+    return result
 
 
 # Unmeasured: the first requests of a server pay one-off costs (sequence slots, state rows, the
@@ -229,50 +229,37 @@ def _print_row(result: dict) -> None:
 WARM_UP_FRAMES = 6
 
 
-def measure(url: str, args: argparse.Namespace, local: LocalServer | None, credentials: Credentials = PLAINTEXT) -> dict:
+def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.client.sync import Code2WavClient
 
-    Code2WavClient(url, credentials=credentials).check_ready()  # a bad credential stops here, in one line
+    credentials = credentials_from_args(args)
     frames = max(2, round(args.seconds / FRAME_DURATION_S))
     client = {"budget_ms": args.budget_ms, "timeout_s": args.timeout_s, "credentials": credentials}
-    warm_up = run_async(url, max(args.conversations), WARM_UP_FRAMES, PER_FRAME, **client)
-    log(f"  warm-up ({warm_up['conversations']} conversations, {WARM_UP_FRAMES} frames each, not measured)"
-        + (f" FAILED: {warm_up['failed']}" if warm_up["failed"] else ""))
-    points, most = [], {}
-    for policy in args.policies:
-        most[policy.label] = 0
-        for count in args.conversations:
-            profile = point_profile(local).start()
-            result = run_async(url, count, frames, policy, **client)
-            _print_row(result)
-            points.append({**result, "profile": profile.finish(result["requests"])})
-            if result["meets_budget"] and all(p["meets_budget"] for p in points if p["policy"] == policy.label):
-                most[policy.label] = count
-            elif not args.keep_going:
-                break
-    compared = []
-    for drive in (run_async, run_threads) if args.compare_at else ():
-        settle_gc()
-        compared.append(drive(url, args.compare_at, frames, PER_FRAME, **client))
-        _print_row(compared[-1])
-    return {"points": points, "most_conversations": most, "compared": compared, "frames": frames,
-            "warm_up": {"conversations": warm_up["conversations"], "frames": WARM_UP_FRAMES}}
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        credentials = credentials_from_args(args)
-        with measured_server(args) as local:
-            results = measure(args.url or local.url, args, local, credentials)
-    except (ClientError, ServerError) as exc:
-        log(f"error: {exc}")
-        return 1
-    meta = run_meta(f"duplex-{args.decoder}" if not args.url else "duplex-url", budget_ms=args.budget_ms,
-                    decoder=None if args.url else args.decoder,
-                    server=local.description if local is not None else f"running server at {args.url}")
-    results = {"meta": meta, **results}
+    points, most, compared = [], {}, []
+    with measured_server(args) as local:
+        url = args.url or local.url
+        Code2WavClient(url, credentials=credentials).check_ready()  # a bad credential stops here, in one line
+        warm_up = run_async(url, max(args.conversations), WARM_UP_FRAMES, PER_FRAME, **client)
+        log(f"  warm-up ({warm_up['conversations']} conversations, {WARM_UP_FRAMES} frames each, not measured)"
+            + (f" FAILED: {warm_up['failed']}" if warm_up["failed"] else ""))
+        for policy in args.policies:
+            most[policy.label] = 0
+            for count in args.conversations:
+                profile = point_profile(local).start()
+                result = _logged(run_async(url, count, frames, policy, **client))
+                points.append({**result, "profile": profile.finish(result["requests"])})
+                if result["meets_budget"] and all(p["meets_budget"] for p in points if p["policy"] == policy.label):
+                    most[policy.label] = count
+                elif not args.keep_going:
+                    break
+        for drive in (run_async, run_threads) if args.compare_at else ():
+            settle_gc()
+            compared.append(_logged(drive(url, args.compare_at, frames, PER_FRAME, **client)))
+    results = {"meta": server_meta("duplex", args, local, budget_ms=args.budget_ms), "points": points,
+               "most_conversations": most, "compared": compared, "frames": frames,
+               "warm_up": {"conversations": warm_up["conversations"], "frames": WARM_UP_FRAMES}}
     write_run(args.out_dir, "duplex", results, duplex_markdown(results))
-    return 1 if any(point["failed"] for point in results["points"] + results["compared"]) else 0
+    return 1 if any(point["failed"] for point in points + compared) else 0
 
 
 # ---- the report ------------------------------------------------------------------------------------

@@ -32,10 +32,6 @@ COMPOSE_FILES = ("docker-compose.yml", "docker-compose.cpu.yml")
 UP_TIMEOUT_S = 1500
 
 
-def _percentiles_ms(values_s: list[float]) -> dict[str, float | None]:
-    return percentiles(np.asarray(values_s) * 1e3)
-
-
 def _weights_variables(weights: str | None) -> dict[str, str]:
     """The compose variables for `--weights` (a checkpoint file or a transformers folder), else seeded random weights."""
     if weights is None:
@@ -44,6 +40,10 @@ def _weights_variables(weights: str | None) -> dict[str, str]:
     if not path.exists():
         raise ClientError(f"--weights {weights}: no such file or folder")
     return {"MIMI_WEIGHTS_DIR": str(path)} if path.is_dir() else {"MIMI_WEIGHTS_DIR": str(path.parent), "MIMI_WEIGHTS": path.name}
+
+
+def _percentiles_ms(values_s: list[float]) -> dict[str, float | None]:
+    return percentiles(np.asarray(values_s) * 1e3)
 
 
 def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
@@ -129,10 +129,10 @@ def table(record: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    variables = _weights_variables(args.weights)
+    if args.render_args is not None:
+        variables["RENDER_ARGS"] = args.render_args
     try:
-        variables = _weights_variables(args.weights)
-        if args.render_args is not None:
-            variables["RENDER_ARGS"] = args.render_args
         with docker_environment(Path(args.build_dir)) as env:
             http, grpc = free_ports(2)
             compose = Compose(env, out_dir, COMPOSE_FILES, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc), **variables)
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 record = measure(args, compose, f"127.0.0.1:{grpc}")
             finally:
                 compose.down()
-    except (DockerUnavailable, ClientError, AssertionError) as error:
+    except (DockerUnavailable, AssertionError) as error:
         log(f"error: {error}")
         return 1
     except PermissionError as error:

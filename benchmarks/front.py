@@ -139,15 +139,12 @@ class Sampler:
                               "raw", "--rate", str(rate), "--output", str(output)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for pid, output in zip(self.pids, self.outputs)]
-        self._said = [self._attached(process) for process in self._processes]
-
-    @staticmethod
-    def _attached(process: subprocess.Popen) -> str:
-        """What py-spy said until it began sampling (attaching takes a while on a busy machine) or exited."""
-        said = []
-        while (line := process.stdout.readline()) and not line.startswith("py-spy> Sampling"):
-            said.append(line)
-        return "".join(said)
+        self._said = []  # what each py-spy said until it began sampling (attaching takes a while) or exited
+        for process in self._processes:
+            said = []
+            while (line := process.stdout.readline()) and not line.startswith("py-spy> Sampling"):
+                said.append(line)
+            self._said.append("".join(said))
 
     def stop(self) -> collections.Counter:
         stacks: collections.Counter = collections.Counter()
@@ -227,13 +224,13 @@ def measure_instances(local: LocalServer, instances: int, args, sampling: str | 
                   + ", ".join(f"{front} {point['rps'][front][-1]:.0f} requests/s" for front in FRONTS), flush=True)
         point["ratio"] = statistics.median(c / m for c, m in zip(point["rps"]["code2wav"], point["rps"]["minimal_front"]))
         point["live"] = {front: _live(local, front, args, None) for front in FRONTS}
+        for front in FRONTS:
+            live = point["live"][front]["result"]
+            print(f"  {instances} instance(s), {args.conversations} live conversations through {front}: late p99 "
+                  f"{live['late_ms']['p99']:.0f} ms, {live['misses']} misses", flush=True)
         if sampling is None:
             with tempfile.TemporaryDirectory(prefix="front-samples-") as folder:
                 point["sampled"] = {front: _live(local, front, args, Path(folder)) for front in FRONTS}
-    for front in FRONTS:
-        live = point["live"][front]["result"]
-        print(f"  {instances} instance(s), {args.conversations} live conversations through {front}: late p99 "
-              f"{live['late_ms']['p99']:.0f} ms, {live['misses']} misses", flush=True)
     return point
 
 

@@ -14,7 +14,7 @@ from mimi_code2wav.export.render import add_serving_arguments, serving_from_args
 from mimi_code2wav.server.serve import LOCAL_TARGETS
 
 from .profile import PointProfile
-from .provenance import REPO_ROOT, log
+from .provenance import REPO_ROOT, log, run_meta
 
 
 class LocalServer:
@@ -33,12 +33,11 @@ class LocalServer:
             from mimi_code2wav.export.pipeline import prepare_local_repository
         except ImportError as exc:
             raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
-        build_dir = Path(args.build_dir)
         serving = serving_from_args(args, args.decoder)
         serving.instance_kind = args.instance_kind or "KIND_CPU"  # a local decoder runs on the CPU, whatever its target
-        repository = prepare_local_repository(args.weights, args.weights is None, 0, build_dir, target=args.decoder,
-                                              serving=serving)
-        log_path = build_dir / "tritonserver.log"
+        repository = prepare_local_repository(args.weights, args.weights is None, 0, Path(args.build_dir),
+                                              target=args.decoder, serving=serving)
+        log_path = Path(args.build_dir) / "tritonserver.log"
         shown = log_path.resolve().relative_to(REPO_ROOT) if log_path.resolve().is_relative_to(REPO_ROOT) else log_path
         return cls(repository, log_path, f"local tritonserver 2.51 (pytriton wheel), {args.decoder} decoder, "
                    f"{args.front_instances} code2wav instance(s), batcher waits {args.front_queue_delay_us} us "
@@ -88,6 +87,13 @@ def measured_server(args: argparse.Namespace) -> Iterator[LocalServer | None]:
     log("starting a local server ...")
     with LocalServer.prepare(args).running() as local:
         yield local
+
+
+def server_meta(benchmark: str, args: argparse.Namespace, local: LocalServer | None, **fields) -> dict:
+    """The stamp of a run on `local`, else on the running server at `--url`: kind BENCHMARK-DECODER or
+    BENCHMARK-url, the server described."""
+    return run_meta(f"{benchmark}-{args.decoder}" if local else f"{benchmark}-url", decoder=args.decoder if local else None,
+                    server=local.description if local else f"running server at {args.url}", **fields)
 
 
 def point_profile(local: LocalServer | None) -> PointProfile:

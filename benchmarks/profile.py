@@ -23,8 +23,7 @@ def process_role(pid: int) -> str:
     except OSError:
         return "?"
     name = Path(argv[0].decode(errors="replace")).name
-    if name == "triton_python_backend_stub" and len(argv) > 1:
-        # argv[1] is .../<model>/<version>/model.py
+    if name == "triton_python_backend_stub" and len(argv) > 1:  # argv[1] is .../<model>/<version>/model.py
         return f"stub {Path(argv[1].decode(errors='replace')).parent.parent.name}"
     return name
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mimi_code2wav.client.protocol import ClientError
+
 from .decoder import decoder_markdown
 from .duplex import duplex_markdown
 from .failover import table as failover_markdown
@@ -64,8 +66,8 @@ SECTIONS = (
 KINDS = {section.kind: section for section in SECTIONS}
 
 
-class RecordError(ValueError):
-    pass
+class RecordError(ClientError):
+    """A run the record cannot take, or a README without the headline block."""
 
 
 def read_run(path: Path) -> dict:
@@ -86,10 +88,9 @@ def read_run(path: Path) -> dict:
 def _runs(directory: Path) -> dict[str, dict]:
     runs = {}
     for path in sorted(Path(directory).glob("*.json")):
-        run = read_run(path)
+        run = runs[path.stem] = read_run(path)
         if path.stem != run["meta"]["kind"]:
             raise RecordError(f"{path}: holds a run of kind {run['meta']['kind']!r}; name it {run['meta']['kind']}.json")
-        runs[path.stem] = run
     return runs
 
 
@@ -195,7 +196,7 @@ def add_run(path: Path, directory: Path = RECORD_DIR) -> Path:
     if absolute:
         raise RecordError(f"{path}: it names machine paths ({', '.join(absolute)}): run it again with "
                           "paths inside the checkout, relative")
-    target = Path(directory) / f"{run['meta']['kind']}.json"
+    target = Path(directory) / f"{meta['kind']}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(record_json(run))
     return target
@@ -209,21 +210,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        for path in args.add:
-            log(f"recorded {path} as {add_run(path).relative_to(REPO_ROOT)}")
-        record, readme = render_record(), with_headline(README.read_text(), headline())
-    except RecordError as error:
-        log(f"error: {error}")
-        return 1
-    stale = [path for path, text in ((RECORD, record), (README, readme))
-             if not path.is_file() or path.read_text() != text]
-    if args.check:
-        for path in stale:
+    for path in args.add:
+        log(f"recorded {path} as {add_run(path).relative_to(REPO_ROOT)}")
+    rendered = {RECORD: render_record(), README: with_headline(README.read_text(), headline())}
+    stale = {path: text for path, text in rendered.items() if not path.is_file() or path.read_text() != text}
+    for path, text in stale.items():
+        if args.check:
             log(f"{path.relative_to(REPO_ROOT)} is not what docs/benchmarks/ renders: run `make record`")
-        return 1 if stale else 0
-    for path, text in ((RECORD, record), (README, readme)):
-        if path in stale:
+        else:
             path.write_text(text)
             log(f"wrote {path.relative_to(REPO_ROOT)}")
-    return 0
+    return 1 if args.check and stale else 0

@@ -18,21 +18,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from mimi_code2wav import client as client_package
 from mimi_code2wav.client.perf_inputs import describe, input_data
-from mimi_code2wav.client.protocol import FRAMES_PER_SECOND, ClientError, StreamOptions, chunk_bounds, random_codes
+from mimi_code2wav.client.protocol import FRAMES_PER_SECOND, StreamOptions, chunk_bounds, random_codes
 from mimi_code2wav.client.report import RunReport, StreamResult
-from mimi_code2wav.server.processes import ServerError, log_tail
+from mimi_code2wav.server.processes import log_tail
 
 from .decoder import ort_step_s
-from .local_server import LocalServer, add_server_arguments, measured_server, point_profile
+from .local_server import LocalServer, add_server_arguments, measured_server, point_profile, server_meta
 from .profile import SERVER_ROLES, PointProfile
-from .provenance import REPO_ROOT, log, md_row, parse_counts, run_meta, write_run
+from .provenance import REPO_ROOT, log, md_row, parse_counts, write_run
 
 PERF_SH = Path(client_package.__file__).resolve().parent / "perf.sh"
 
@@ -81,8 +80,8 @@ def parse_perf_report(text: str) -> dict:
 
 
 def _run_until_done(command: list[str], env: dict, timeout_s: float, server_alive, log_path: Path) -> int | str:
-    """perf.sh's exit code, its output written to `log_path`; or why it was stopped: perf_analyzer waits
-    for a dead server until its timeout, so it is killed as soon as `server_alive()` is false."""
+    """perf.sh's exit code, its output in `log_path`; or why it was stopped: perf_analyzer waits for a
+    dead server until its timeout, so it is killed as soon as `server_alive()` is false."""
     started = time.monotonic()
     with log_path.open("w") as output:
         output.write(f"$ {' '.join(command)}\n")
@@ -129,19 +128,11 @@ class Sweep:
     def server_alive(self) -> bool:
         return self.local is None or self.local.server.is_alive()
 
-    def warm_up(self, chunk_frames: list[int]) -> None:
-        """The first requests of a fresh server pay one-off set-up costs: they are not measured."""
-        from mimi_code2wav.client.sync import Code2WavClient
-
-        Code2WavClient(self.url).check_ready()
-        for chunk in chunk_frames:
-            decode_streams(self.url, [random_codes(2 * chunk + 1, self.seed)], chunk)
-
-    def measure(self, streams: int, chunk_frames: int, run: Callable[[], dict]) -> dict:
+    def measure(self, streams: int, chunk_frames: int, run) -> dict:
         """One point, profiled; a local server that died during it is recorded in `server_exit`."""
         profile = point_profile(self.local).start()
         try:
-            row = run()
+            row = run(streams, chunk_frames)
         except Exception as exc:  # a dying server also fails the client's requests
             row = {"error": f"{type(exc).__name__}: {exc}"}
         if not self.server_alive():
@@ -195,12 +186,12 @@ class Sweep:
     def point(self, streams: int, chunk_frames: int, perf: bool = True) -> None:
         """The point with the asyncio client, then with perf_analyzer sized by the client's request rate."""
         log(f"client        {_label(streams, chunk_frames)} ...")
-        row = self.measure(streams, chunk_frames, lambda: self.client_point(streams, chunk_frames))
+        row = self.measure(streams, chunk_frames, self.client_point)
         self.client.append(row)
         if perf and self.server_exit is None and "requests_per_s" in row:
             log(f"perf_analyzer {_label(streams, chunk_frames)} ...")
             self.perf.append(self.measure(streams, chunk_frames,
-                                          lambda: self.perf_point(streams, chunk_frames, row["requests_per_s"])))
+                                          lambda *point: self.perf_point(*point, row["requests_per_s"])))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,47 +207,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-perf", action="store_true", help="skip perf_analyzer")
 
 
-def _measure(args: argparse.Namespace, raw_dir: Path, local: LocalServer | None) -> tuple[dict, int]:
-    """The sweep's results (without the summary) and its failed points."""
-    sweep = Sweep(raw_dir, args.frames, args.seed, args.point_seconds, url=args.url, local=local)
-    sweep.warm_up(args.chunk_frames)
-    meta = run_meta(f"triton-{args.decoder}" if local else "triton-url",
-                    server=local.description if local else f"running server at {args.url}", url=sweep.url,
-                    decoder=args.decoder if local else None, front_instances=args.front_instances if local else None,
-                    queue_delay_us={"code2wav": args.front_queue_delay_us, "mimi_decoder": args.max_queue_delay_us}
-                    if local else None, frames=args.frames, chunk_frames=args.chunk_frames, streams=args.streams)
-    results = {"meta": meta, "client": sweep.client, "perf": sweep.perf, "decoder_step_ms": {}}
-    onnx_path = args.onnx or (local.onnx_path if local is not None else None)
-    if onnx_path is not None:
-        log("the ONNX step alone, batch 1 ...")
-        results["decoder_step_ms"] = decoder_step_ms(onnx_path, args.chunk_frames)
-    elif local is not None and args.decoder == "null":
-        results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
-    for chunk, streams in itertools.product(args.chunk_frames, args.streams):
-        sweep.point(streams, chunk, perf=not args.no_perf)
-        if sweep.server_exit is not None:
-            log(sweep.server_exit)
-            meta["server_exit"] = sweep.server_exit
-            break
-    return results, sweep.failures
-
-
 def run(args: argparse.Namespace) -> int:
     raw_dir = args.out_dir / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        with measured_server(args) as local:
-            results, failures = _measure(args, raw_dir, local)
-    except (ClientError, ServerError) as exc:
-        log(f"error: {exc}")
-        return 1
+    from mimi_code2wav.client.sync import Code2WavClient
+
+    with measured_server(args) as local:
+        sweep = Sweep(raw_dir, args.frames, args.seed, args.point_seconds, url=args.url, local=local)
+        Code2WavClient(sweep.url).check_ready()
+        for chunk in args.chunk_frames:  # a fresh server's first requests pay one-off set-up costs: not measured
+            decode_streams(sweep.url, [random_codes(2 * chunk + 1, args.seed)], chunk)
+        meta = server_meta("triton", args, local, url=sweep.url, front_instances=args.front_instances if local else None,
+                           queue_delay_us={"code2wav": args.front_queue_delay_us, "mimi_decoder": args.max_queue_delay_us}
+                           if local else None, frames=args.frames, chunk_frames=args.chunk_frames, streams=args.streams)
+        results = {"meta": meta, "client": sweep.client, "perf": sweep.perf, "decoder_step_ms": {}}
+        onnx_path = args.onnx or (local.onnx_path if local is not None else None)
+        if onnx_path is not None:
+            log("the ONNX step alone, batch 1 ...")
+            results["decoder_step_ms"] = decoder_step_ms(onnx_path, args.chunk_frames)
+        elif local is not None and args.decoder == "null":
+            results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
+        for chunk, streams in itertools.product(args.chunk_frames, args.streams):
+            sweep.point(streams, chunk, perf=not args.no_perf)
+            if sweep.server_exit is not None:
+                log(sweep.server_exit)
+                meta["server_exit"] = sweep.server_exit
+                break
     results["summary"] = summarize(results)
     write_run(args.out_dir, "bench", results, sweep_markdown(results), title="# code2wav benchmark\n\n")
     if not plot(results, args.out_dir / "bench.png"):
         log("no plot: matplotlib is not installed")
-    if failures:
-        log(f"{failures} point(s) failed: see the tables and {raw_dir}")
-    return 1 if failures or "server_exit" in results["meta"] else 0
+    if sweep.failures:
+        log(f"{sweep.failures} point(s) failed: see the tables and {raw_dir}")
+    return 1 if sweep.failures or "server_exit" in meta else 0
 
 
 # ---- the report: reads only the sweep's JSON, so that the record renders it the same on any machine ----
@@ -398,23 +381,21 @@ def plot(results: dict, path: Path) -> bool:
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     groups = {}
     for source, rows, marker in (("client", results["client"], "o"), ("perf_analyzer", results["perf"], "s")):
-        for row in rows:
-            if "error" not in row:
-                groups.setdefault((source, row["chunk_frames"], marker), []).append(row)
+        for row in (row for row in rows if "error" not in row):
+            groups.setdefault((source, row["chunk_frames"], marker), []).append(row)
     for index, ((source, chunk, marker), points) in enumerate(groups.items()):
-        for ax, key, label in zip(axes, ("p50_ms", "frames_per_s"), (f"{source} {chunk} fr/req p50", f"{source} {chunk} fr/req")):
-            ax.plot([r["streams"] for r in points], [r[key] for r in points], marker=marker, color=f"C{index % 10}", label=label)
+        for ax, key, suffix in zip(axes, ("p50_ms", "frames_per_s"), (" p50", "")):
+            ax.plot([r["streams"] for r in points], [r[key] for r in points], marker=marker, color=f"C{index % 10}",
+                    label=f"{source} {chunk} fr/req{suffix}")
     all_streams = sorted({r["streams"] for r in results["client"] + results["perf"]})
-    if all_streams:
-        axes[1].plot(all_streams, [s * FRAMES_PER_SECOND for s in all_streams], ":", color="gray",
-                     label="real time (12.5 frames/s per stream)")
+    axes[1].plot(all_streams, [s * FRAMES_PER_SECOND for s in all_streams], ":", color="gray",
+                 label="real time (12.5 frames/s per stream)")
     axes[0].set(xlabel="concurrent streams", ylabel="request latency (ms, log scale)", title="Latency per request", yscale="log")
     axes[1].set(xlabel="concurrent streams", ylabel="decoded frames / s", title="Throughput")
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-        if all_streams:
-            ax.set_xticks(all_streams)
+        ax.set_xticks(all_streams)
     figure.suptitle(f"code2wav on {results['meta']['machine']} (load generator on the same cores)", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -115,8 +115,7 @@ def check_writable(paths: list[Path]) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             existed = path.exists()
-            with open(path, "ab"):
-                pass
+            open(path, "ab").close()
             if not existed:
                 path.unlink()
         except OSError as exc:

@@ -25,15 +25,11 @@ from .protocol import (
     HISTORY_FRAMES_INPUT,
     RESTRICTED_FRAGMENT,
     SAMPLES_PER_FRAME,
-    STREAM_KEY_HEADER,
     ClientError,
-    RequestFailure,
     StreamOptions,
     grpc_reason,
-    infer_inputs,
     model_state,
     request_failure,
-    response_pcm,
     unreachable,
 )
 
@@ -49,96 +45,6 @@ class _Call:
     stop: int
     end: bool
     answer: asyncio.Future
-
-
-class Code2WavClient(PlannedClient):
-    """Streams decoded by code2wav from one event loop. `options`: `model_name`, `response_timeout_s` and
-    `resume_*` apply; requests always carry `frame_offset`. Channels open on first use, in the running
-    loop; `await close()` (or `async with`) closes them."""
-
-    def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
-                 max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS, credentials: Credentials = PLAINTEXT):
-        super().__init__(urls, options, credentials)
-        if not options.send_frame_offset:
-            raise ClientError("the asyncio client sends frame_offset with every request (send_frame_offset=True)")
-        if max_pending_calls < 0:
-            raise ClientError(f"max_pending_calls must be >= 0, got {max_pending_calls}")
-        self.max_pending_calls = max_pending_calls
-        self._headers = credentials.headers()
-        self._channels: dict = {}
-
-    async def __aenter__(self) -> Code2WavClient:
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        """Close the channels. Streams not ENDed are dropped by the server after its idle timeout."""
-        channels, self._channels = self._channels, {}
-        for channel in channels.values():
-            await channel.close()
-
-    async def check_ready(self, timeout_s: float = 10.0) -> None:
-        """Raise ClientError (one line) unless every URL answers, takes this client's TLS and key, and its
-        model is ready, with the `history_frames` input a resume needs."""
-        from tritonclient.utils import InferenceServerException
-
-        name = self.options.model_name
-        for url in self.urls:
-            channel = self._channel(url)
-            try:
-                live = await channel.is_server_live(client_timeout=timeout_s)
-            except InferenceServerException as exc:
-                raise unreachable(url, exc, self.credentials.connection_hint(str(exc))) from None
-            if not live:
-                raise ClientError(f"Triton at {url} answers but is not live")
-            try:
-                ready = await channel.is_model_ready(name, client_timeout=timeout_s)
-            except InferenceServerException as exc:
-                raise ClientError(f"Triton at {url}: readiness of model '{name}' unknown: {grpc_reason(exc)}") from None
-            if not ready:
-                try:
-                    state = model_state((await channel.get_model_repository_index(as_json=True)).get("models", []), name)
-                except Exception:  # the index only decorates the message
-                    state = "state unknown"
-                raise ClientError(f"model '{name}' is not ready on Triton at {url} ({state}); see the server log")
-            try:  # metadata, unlike health, is behind the inference key where the server requires one
-                metadata = await channel.get_model_metadata(name, headers=self._headers, as_json=True,
-                                                            client_timeout=timeout_s)
-            except InferenceServerException as exc:
-                if RESTRICTED_FRAGMENT in str(exc):
-                    raise ClientError(self.credentials.key_refused(url)) from None
-                raise ClientError(f"Triton at {url}: metadata of model '{name}' unavailable: {grpc_reason(exc)}") from None
-            inputs = {tensor.get("name") for tensor in metadata.get("inputs", [])}
-            if self.options.resume and HISTORY_FRAMES_INPUT not in inputs:
-                raise ClientError(f"model '{name}' on Triton at {url} has no '{HISTORY_FRAMES_INPUT}' input, which "
-                                  "resuming a stream needs: serve this version's model repository, or turn resume off")
-
-    def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
-        """A new conversation; `sequence_id` (non-zero) defaults to random, `stream_key` to it in decimal."""
-        return Code2WavStream(self, sequence_id, stream_key)
-
-    def _channel(self, url: str):
-        if url not in self._channels:
-            import tritonclient.grpc.aio as grpcclient
-
-            self._channels[url] = grpcclient.InferenceServerClient(
-                url, channel_args=list(CHANNEL_ARGS), creds=self.credentials.channel_credentials())
-        return self._channels[url]
-
-    async def _infer(self, stream: Code2WavStream, request: PlannedRequest) -> np.ndarray | RequestFailure:
-        import tritonclient.grpc.aio as grpcclient
-        from tritonclient.utils import InferenceServerException
-
-        try:
-            result = await self._channel(stream.url).infer(
-                self.options.model_name, infer_inputs(grpcclient, request.arrays), sequence_id=stream.sequence_id,
-                sequence_start=request.start, sequence_end=request.end, client_timeout=self.options.response_timeout_s,
-                headers={**self._headers, STREAM_KEY_HEADER: stream.stream_key})
-        except InferenceServerException as exc:
-            return request_failure(exc)
-        return response_pcm(result, f"{stream.url}, sequence {stream.sequence_id}, {request.describe()}")
 
 
 class Code2WavStream(PlannedStream):
@@ -212,12 +118,94 @@ class Code2WavStream(PlannedStream):
 
     async def _exchange(self, first: int, stop: int, end: bool) -> np.ndarray:
         """Drive `StreamPlan.exchange`; a cancelled call abandons it, leaving its frames owed."""
-        steps = self._plan.exchange(first, stop, end)
-        step = next(steps)
+        steps, outcome = self._plan.exchange(first, stop, end), None
         while True:
-            sending = isinstance(step, PlannedRequest)
-            outcome = await (self._client._infer(self, step) if sending else asyncio.sleep(step))
             try:
                 step = steps.send(outcome)
             except StopIteration as done:
                 return done.value
+            outcome = await (self._client._infer(self, step) if isinstance(step, PlannedRequest) else asyncio.sleep(step))
+
+
+class Code2WavClient(PlannedClient):
+    """Streams decoded by code2wav from one event loop. `options`: `model_name`, `response_timeout_s` and
+    `resume_*` apply; requests always carry `frame_offset`. Channels open on first use, in the running
+    loop; `await close()` (or `async with`) closes them."""
+
+    stream_type = Code2WavStream
+
+    def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
+                 max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS, credentials: Credentials = PLAINTEXT):
+        super().__init__(urls, options, credentials)
+        if not options.send_frame_offset:
+            raise ClientError("the asyncio client sends frame_offset with every request (send_frame_offset=True)")
+        if max_pending_calls < 0:
+            raise ClientError(f"max_pending_calls must be >= 0, got {max_pending_calls}")
+        self.max_pending_calls = max_pending_calls
+        self._channels: dict = {}
+
+    async def __aenter__(self) -> Code2WavClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channels. Streams not ENDed are dropped by the server after its idle timeout."""
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+    async def check_ready(self, timeout_s: float = 10.0) -> None:
+        """Raise ClientError (one line) unless every URL answers, takes this client's TLS and key, and its
+        model is ready, with the `history_frames` input a resume needs."""
+        from tritonclient.utils import InferenceServerException
+
+        name = self.options.model_name
+        for url in self.urls:
+            channel = self._channel(url)
+            try:
+                live = await channel.is_server_live(client_timeout=timeout_s)
+            except InferenceServerException as exc:
+                raise unreachable(url, exc, self.credentials.connection_hint(str(exc))) from None
+            if not live:
+                raise ClientError(f"Triton at {url} answers but is not live")
+            try:
+                ready = await channel.is_model_ready(name, client_timeout=timeout_s)
+            except InferenceServerException as exc:
+                raise ClientError(f"Triton at {url}: readiness of model '{name}' unknown: {grpc_reason(exc)}") from None
+            if not ready:
+                try:
+                    state = model_state((await channel.get_model_repository_index(as_json=True)).get("models", []), name)
+                except Exception:  # the index only decorates the message
+                    state = "state unknown"
+                raise ClientError(f"model '{name}' is not ready on Triton at {url} ({state}); see the server log")
+            try:  # metadata, unlike health, is behind the inference key where the server requires one
+                metadata = await channel.get_model_metadata(name, headers=self.credentials.headers(), as_json=True,
+                                                            client_timeout=timeout_s)
+            except InferenceServerException as exc:
+                if RESTRICTED_FRAGMENT in str(exc):
+                    raise ClientError(self.credentials.key_refused(url)) from None
+                raise ClientError(f"Triton at {url}: metadata of model '{name}' unavailable: {grpc_reason(exc)}") from None
+            inputs = {tensor.get("name") for tensor in metadata.get("inputs", [])}
+            if self.options.resume and HISTORY_FRAMES_INPUT not in inputs:
+                raise ClientError(f"model '{name}' on Triton at {url} has no '{HISTORY_FRAMES_INPUT}' input, which "
+                                  "resuming a stream needs: serve this version's model repository, or turn resume off")
+
+    def _channel(self, url: str):
+        if url not in self._channels:
+            import tritonclient.grpc.aio as grpcclient
+
+            self._channels[url] = grpcclient.InferenceServerClient(
+                url, channel_args=list(CHANNEL_ARGS), creds=self.credentials.channel_credentials())
+        return self._channels[url]
+
+    async def _infer(self, stream: Code2WavStream, request: PlannedRequest):
+        """The InferResult, or the RequestFailure."""
+        import tritonclient.grpc.aio as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            return await self._channel(stream.url).infer(**stream._infer_args(grpcclient, request))
+        except InferenceServerException as exc:
+            return request_failure(exc)

@@ -1,6 +1,6 @@
 """What a stream sends next, and how it resumes after a lost server (docs/design.md §2.4), without I/O:
 `StreamPlan.exchange` yields what to do (send a request, or wait so many seconds), is sent the outcome
-(PCM or `RequestFailure`) and returns the call's PCM; `sync` and `aio` drive it with their own I/O.
+(the InferResult or `RequestFailure`) and returns the call's PCM; `sync` and `aio` drive it with their own I/O.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from .protocol import (
     RESUME_BACKOFF_FIRST_S,
     RESUME_BACKOFF_MAX_S,
     SAMPLES_PER_FRAME,
+    STREAM_KEY_HEADER,
     ClientError,
     RequestFailure,
     StreamOptions,
-    checked_pcm,
+    answer_pcm,
     contract_arrays,
     draw_sequence_ids,
+    infer_inputs,
     validate_codes,
 )
 
@@ -41,10 +43,6 @@ class PlannedRequest:
     def describe(self) -> str:
         return f"frames [{self.first_new_frame}, {self.first_new_frame + self.new_frames})"
 
-    @property
-    def answer_frames(self) -> int | tuple[int, int]:
-        return (self.new_frames - self.maybe_decoded, self.new_frames) if self.maybe_decoded else self.new_frames
-
 
 @dataclass(frozen=True)
 class Resume:
@@ -64,8 +62,8 @@ class Resume:
 
 
 # What `exchange` asks its driver for: a request to send to the plan's `url` (the outcome sent back is
-# `model_outputs` or a RequestFailure), or a wait in seconds (0: none).
-Step = Generator["PlannedRequest | float", "np.ndarray | RequestFailure | None", np.ndarray]
+# the InferResult or a RequestFailure), or a wait in seconds (0: none).
+Step = Generator["PlannedRequest | float", "object | RequestFailure | None", np.ndarray]
 
 
 class StreamPlan:
@@ -179,12 +177,14 @@ class StreamPlan:
         return f"stream {self.stream_key} (sequence {self.sequence_id}), {request.describe()} on {self.url}"
 
     def _send_all(self, requests: list[PlannedRequest]) -> Step:
-        """Send `requests` in order; returns the last one's PCM, or the RequestFailure that stopped them."""
+        """Send `requests` in order; returns the last one's PCM, or the RequestFailure that stopped them.
+        An abandoned call's leading frames come back only if the server had not decoded them yet."""
         for request in requests:
             outcome = yield request
             if isinstance(outcome, RequestFailure):
                 return outcome
-            pcm = checked_pcm(outcome, request.answer_frames, self._where(request))
+            pcm = answer_pcm(outcome, request.new_frames - request.maybe_decoded, request.new_frames,
+                             self._where(request))
         return pcm
 
     def _resume(self, new: np.ndarray, end: bool, failure: RequestFailure) -> Step:
@@ -219,6 +219,8 @@ class StreamPlan:
 class PlannedClient:
     """What both clients check first: one or more URLs (to fail over between), options and credentials."""
 
+    stream_type: type  # each client's stream class, which `stream` makes
+
     def __init__(self, urls: str | Sequence[str], options: StreamOptions, credentials):
         options.validate()
         credentials.validate()
@@ -226,6 +228,10 @@ class PlannedClient:
         if not self.urls:
             raise ClientError("the client needs at least one server URL")
         self.options, self.credentials = options, credentials
+
+    def stream(self, stream_key: str | None = None, sequence_id: int | None = None):
+        """A new stream; `sequence_id` (non-zero) defaults to random, `stream_key` to it in decimal."""
+        return self.stream_type(self, sequence_id, stream_key)
 
 
 class PlannedStream:
@@ -243,3 +249,11 @@ class PlannedStream:
     next_frame = property(lambda self: self._plan.next_frame)
     ended = property(lambda self: self._plan.ended)
     resumes = property(lambda self: self._plan.resumes)
+
+    def _infer_args(self, grpc_module, request: PlannedRequest) -> dict:
+        """tritonclient `infer`'s arguments: the request on this stream's sequence, with its headers."""
+        options = self._client.options
+        return dict(model_name=options.model_name, inputs=infer_inputs(grpc_module, request.arrays),
+                    sequence_id=self.sequence_id, sequence_start=request.start, sequence_end=request.end,
+                    headers={**self._client.credentials.headers(), STREAM_KEY_HEADER: self.stream_key},
+                    client_timeout=options.response_timeout_s)

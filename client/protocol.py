@@ -134,29 +134,21 @@ def contract_arrays(codes: np.ndarray, frame_offset: int | None = None,
 
 def infer_inputs(grpc_module, arrays: dict[str, np.ndarray]) -> list:
     """The request tensors as `InferInput`s of `grpc_module` (tritonclient.grpc or tritonclient.grpc.aio)."""
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpc_module.InferInput(name, list(array.shape), "INT64")
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    return [grpc_module.InferInput(name, list(array.shape), "INT64").set_data_from_numpy(array)
+            for name, array in arrays.items()]
 
 
-def response_pcm(result, where: str) -> np.ndarray:
-    """`model_outputs` of a tritonclient InferResult (empty when absent), once its `sr` is checked."""
+def answer_pcm(result, least_frames: int, most_frames: int, where: str) -> np.ndarray:
+    """`model_outputs` of a tritonclient InferResult as float32 [N * 1920], N in [least_frames, most_frames],
+    once its `sr` is checked."""
     sample_rate = result.as_numpy("sr")
     if sample_rate is not None and int(sample_rate.reshape(-1)[0]) != SAMPLE_RATE_HZ:
         raise ClientError(f"{where}: server reports sample rate {int(sample_rate.reshape(-1)[0])}, expected {SAMPLE_RATE_HZ}")
     pcm = result.as_numpy("model_outputs")
-    return np.zeros(0, np.float32) if pcm is None else pcm
-
-
-def checked_pcm(pcm: np.ndarray, expected_frames: int | tuple[int, int], where: str) -> np.ndarray:
-    """`pcm` as float32 [N * 1920], N = `expected_frames` (or within the [least, most] given)."""
-    least, most = (expected_frames, expected_frames) if isinstance(expected_frames, int) else expected_frames
-    pcm = np.asarray(pcm).reshape(-1)
-    if pcm.size % SAMPLES_PER_FRAME or not least * SAMPLES_PER_FRAME <= pcm.size <= most * SAMPLES_PER_FRAME:
-        wanted = least * SAMPLES_PER_FRAME if least == most else f"{least * SAMPLES_PER_FRAME}-{most * SAMPLES_PER_FRAME}"
+    pcm = np.zeros(0, np.float32) if pcm is None else pcm.reshape(-1)
+    least, most = least_frames * SAMPLES_PER_FRAME, most_frames * SAMPLES_PER_FRAME
+    if pcm.size % SAMPLES_PER_FRAME or not least <= pcm.size <= most:
+        wanted = least if least == most else f"{least}-{most}"
         raise ClientError(f"{where}: expected {wanted} samples, got {pcm.size}")
     return pcm.astype(np.float32, copy=False)
 
@@ -171,6 +163,15 @@ def draw_sequence_ids(count: int, given: Sequence[int] | None = None) -> list[in
     if len(given) != count or len(set(given)) != count or 0 in given:
         raise ClientError("sequence ids must be distinct, non-zero, one per stream")
     return given
+
+
+def model_state(index: list[dict], model_name: str) -> str:
+    """A model's state in the server's repository index ("state UNAVAILABLE: reason")."""
+    for model in index:
+        if model.get("name") == model_name:
+            reason = model.get("reason")
+            return f"state {model.get('state', 'UNKNOWN')}" + (f": {reason}" if reason else "")
+    return "not in the model repository"
 
 
 def grpc_reason(exc: Exception) -> str:
@@ -193,15 +194,6 @@ def unreachable(url: str, exc: Exception, tls_hint: str | None = None) -> Client
     elif ":" not in url:
         hint = "give the gRPC address as host:port (the gRPC port, 8001 by default)"
     return ClientError(f"cannot reach Triton (gRPC) at {url}: {grpc_reason(exc)}; {hint}")
-
-
-def model_state(index: list[dict], model_name: str) -> str:
-    """A model's state in the server's repository index ("state UNAVAILABLE: reason")."""
-    for model in index:
-        if model.get("name") == model_name:
-            reason = model.get("reason")
-            return f"state {model.get('state', 'UNKNOWN')}" + (f": {reason}" if reason else "")
-    return "not in the model repository"
 
 
 class RequestFailure(Exception):
@@ -235,9 +227,8 @@ def request_failure(exc: Exception) -> RequestFailure:
     """A tritonclient InferenceServerException as a RequestFailure. code2wav's errors are decided by their
     kind (an unknown kind fails); an untagged one is Triton or the transport refusing or losing a request
     built by the contract, which a resume fixes, unless Triton refused the inference key."""
-    status = exc.status() if callable(getattr(exc, "status", None)) else None
-    message = exc.message() if callable(getattr(exc, "message", None)) else None
-    text = " ".join(str(message if message is not None else exc).split())
+    status, message = exc.status(), exc.message()
+    text = " ".join(str(exc if message is None else message).split())
     kind = error_kind(text)
     if kind is None and RESTRICTED_FRAGMENT in text:
         return RequestFailure(f"the server refused the request: it requires the inference key, and the key was "

@@ -17,15 +17,12 @@ from .protocol import (
     DEFAULT_OPTIONS,
     DEFAULT_URL,
     FRAME_DURATION_S,
-    STREAM_KEY_HEADER,
     ClientError,
     RequestFailure,
     StreamOptions,
     chunk_bounds,
     draw_sequence_ids,
-    infer_inputs,
     request_failure,
-    response_pcm,
     validate_codes,
 )
 from .report import RunReport, StreamResult
@@ -33,65 +30,27 @@ from .report import RunReport, StreamResult
 
 class GrpcConnection:
     """A stream's own gRPC channel to one server (no subchannel shared with other clients of this
-    process): `infer` returns `model_outputs` or raises RequestFailure. Tests connect to fakes instead."""
+    process): `infer` returns the InferResult or raises RequestFailure. Tests connect to fakes instead."""
 
-    def __init__(self, url: str, stream_key: str, options: StreamOptions, credentials: Credentials):
+    def __init__(self, url: str, credentials: Credentials):
         import tritonclient.grpc as grpcclient
 
-        self.url, self.model_name, self._grpc = url, options.model_name, grpcclient
-        self._headers = {**credentials.headers(), STREAM_KEY_HEADER: stream_key}
+        self.url, self._grpc = url, grpcclient
         self._client = grpcclient.InferenceServerClient(
             url, channel_args=[*CHANNEL_ARGS, ("grpc.use_local_subchannel_pool", 1)],
             creds=credentials.channel_credentials())
+        self.close = self._client.close
 
-    def infer(self, sequence_id: int, request: PlannedRequest, timeout_s: float) -> np.ndarray:
+    def infer(self, stream: Code2WavStream, request: PlannedRequest):
         from tritonclient.utils import InferenceServerException
 
         try:
-            result = self._client.infer(
-                self.model_name, infer_inputs(self._grpc, request.arrays), sequence_id=sequence_id,
-                sequence_start=request.start, sequence_end=request.end, headers=self._headers, client_timeout=timeout_s)
+            return self._client.infer(**stream._infer_args(self._grpc, request))
         except InferenceServerException as exc:
             raise request_failure(exc) from None
-        return response_pcm(result, f"{self.url}, sequence {sequence_id}, {request.describe()}")
-
-    def close(self) -> None:
-        self._client.close()
 
 
 Connect = Callable[[str, str], GrpcConnection]  # (url, stream key) -> a connection
-
-
-class Code2WavClient(PlannedClient):
-    """Streams decoded by code2wav from threads. `connect`, `clock` and `sleep` replace network and time."""
-
-    def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
-                 connect: Connect | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, credentials: Credentials = PLAINTEXT):
-        super().__init__(urls, options, credentials)
-        self._connect = connect or (lambda url, key: GrpcConnection(url, key, options, credentials))
-        self._clock, self._sleep = clock, sleep
-
-    def __enter__(self) -> Code2WavClient:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        pass  # every stream closes its own connection
-
-    def check_ready(self, timeout_s: float = 10.0) -> None:
-        """The asyncio client's `check_ready`, for where no event loop runs."""
-        from .aio import Code2WavClient as AsyncClient
-
-        async def check() -> None:
-            async with AsyncClient(self.urls, StreamOptions(model_name=self.options.model_name),
-                                   credentials=self.credentials) as client:
-                await client.check_ready(timeout_s)
-
-        asyncio.run(check())
-
-    def stream(self, stream_key: str | None = None, sequence_id: int | None = None) -> Code2WavStream:
-        """A new stream; `sequence_id` (non-zero) defaults to random, `stream_key` to it in decimal."""
-        return Code2WavStream(self, sequence_id, stream_key)
 
 
 class Code2WavStream(PlannedStream):
@@ -126,16 +85,46 @@ class Code2WavStream(PlannedStream):
                 return done.value
             outcome = self._send(step) if isinstance(step, PlannedRequest) else self._client._sleep(step)
 
-    def _send(self, request: PlannedRequest) -> np.ndarray | RequestFailure:
+    def _send(self, request: PlannedRequest):
         if self._connection is not None and self._connection.url != self.url:
             self.close()
         if self._connection is None:
             self._connection = self._client._connect(self.url, self.stream_key)
         try:
-            return self._connection.infer(self.sequence_id, request, self._client.options.response_timeout_s)
+            return self._connection.infer(self, request)
         except RequestFailure as failure:
             self.close()
             return failure
+
+
+class Code2WavClient(PlannedClient):
+    """Streams decoded by code2wav from threads. `connect`, `clock` and `sleep` replace network and time."""
+
+    stream_type = Code2WavStream
+
+    def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
+                 connect: Connect | None = None, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep, credentials: Credentials = PLAINTEXT):
+        super().__init__(urls, options, credentials)
+        self._connect = connect or (lambda url, key: GrpcConnection(url, credentials))
+        self._clock, self._sleep = clock, sleep
+
+    def __enter__(self) -> Code2WavClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass  # every stream closes its own connection
+
+    def check_ready(self, timeout_s: float = 10.0) -> None:
+        """The asyncio client's `check_ready`, for where no event loop runs."""
+        from .aio import Code2WavClient as AsyncClient
+
+        async def check() -> None:
+            async with AsyncClient(self.urls, StreamOptions(model_name=self.options.model_name),
+                                   credentials=self.credentials) as client:
+                await client.check_ready(timeout_s)
+
+        asyncio.run(check())
 
 
 class StreamsFailed(ClientError):

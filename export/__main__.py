@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "encode":
             pipeline.encode_file(args.input, args.weights, args.out, args.num_codebooks)
-            return 0
-        if args.command == "build":
+        elif args.command == "build":
             options = ExportOptions(args.num_codebooks, args.max_frames_per_step, args.window, args.kv_cache_dtype,
                                     args.opset)
             loaded = pipeline.choose_weights(args.weights, args.random_init, args.seed)

@@ -102,12 +102,12 @@ def exporter_sha256() -> str:
     return digest.hexdigest()
 
 
-def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weights_source: str,
-                   weights_kind: str, weights_sha256: str) -> Path:
+def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weights) -> Path:
+    """manifest.json beside the export: what it was made from (`weights`: a `LoadedMimi`) and its spec."""
     import onnx
 
     manifest = {
-        "weights": {"source": weights_source, "kind": weights_kind, "sha256": weights_sha256},
+        "weights": {"source": weights.source, "kind": weights.kind, "sha256": weights.sha256},
         "options": asdict(options),
         "spec": spec.to_dict(),
         "spec_sha256": spec.sha256(),
@@ -121,12 +121,10 @@ def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weig
 
 
 def read_manifest(folder: Path) -> dict | None:
-    path = folder / MANIFEST_FILE
-    if not path.is_file() or not (folder / MODEL_FILE).is_file():
-        return None
+    """The manifest of the export in `folder`; None where there is none (or no model.onnx beside it)."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
+        return json.loads((folder / MANIFEST_FILE).read_text()) if (folder / MODEL_FILE).is_file() else None
+    except (OSError, json.JSONDecodeError):
         return None
 
 
@@ -141,7 +139,6 @@ def stale_reason(folder: Path, options: ExportOptions, weights_sha256: str) -> s
         return "the export code changed"
     if manifest["options"] != asdict(options):
         return f"the options changed ({manifest['options']} -> {asdict(options)})"
-    spec = DecoderSpec.from_dict(manifest["spec"])
-    if spec.sha256() != manifest["spec_sha256"]:
+    if DecoderSpec.from_dict(manifest["spec"]).sha256() != manifest["spec_sha256"]:
         return "the manifest's spec does not match its hash"
     return None

@@ -54,7 +54,7 @@ def build(options: ExportOptions, loaded, out_dir: Path, force: bool = False) ->
     log(f"exporting to {out_dir}: {reason or 'forced'}")
     step = build_step(loaded.model, options)
     spec = export_onnx(step, out_dir / MODEL_FILE, opset=options.opset, log=log)
-    write_manifest(out_dir, spec, options, loaded.source, loaded.kind, loaded.sha256)
+    write_manifest(out_dir, spec, options, loaded)
     state_bytes = spec.state_bytes_per_stream()
     log(f"state per stream: {state_bytes / 2**20:.2f} MiB ({state_bytes} bytes) in {len(spec.states)} tensors")
     for state in spec.states:

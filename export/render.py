@@ -98,18 +98,17 @@ class DecoderServing:
             raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size {self.max_batch_size}")
 
 
-def _int_at_least(text: str, minimum: int) -> int:
-    if not text.strip().isdigit() or int(text) < minimum:
-        raise argparse.ArgumentTypeError(f"an integer >= {minimum}, got {text!r}")
-    return int(text)
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= minimum."""
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"an integer >= {minimum}, got {text!r}")
+        return int(text)
+
+    return parse
 
 
-def positive_int(text: str) -> int:
-    return _int_at_least(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    return _int_at_least(text, 0)
+positive_int, non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
 # The serving flags besides --instance-kind: (flag, the DecoderServing field it sets, parser, help).
@@ -284,8 +283,6 @@ def render_code2wav_config(spec: DecoderSpec, serving: DecoderServing | None = N
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
-    if target.exists() or target.is_symlink():
-        target.unlink()
     try:
         os.link(source, target)
     except OSError:
@@ -312,8 +309,7 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     common = sorted(path.name for path in COMMON_DIR.glob("*.py"))
     code2wav, decoder = out_dir / "code2wav", out_dir / serving.model_name
     for folder in (code2wav, decoder):
-        if folder.exists():
-            shutil.rmtree(folder)
+        shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(CODE2WAV_DIR / "1", code2wav / "1", ignore=shutil.ignore_patterns("__pycache__"))
     _copy_py(COMMON_DIR, common, code2wav / "1")
     (code2wav / "config.pbtxt").write_text(render_code2wav_config(spec, serving))
@@ -324,11 +320,9 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
         _link_or_copy(plan_path, version / "model.plan")
     elif target != "null":
         _link_or_copy(onnx_path, version / "model.onnx")
-    if target == "python-ort":
-        _copy_py(PYTHON_ORT_DIR, PYTHON_ORT_FILES, version)
-    elif target == "null":
-        _copy_py(NULL_DIR, ("model.py",), version)
     if target in PYTHON_TARGETS:
+        model_dir, files = (PYTHON_ORT_DIR, PYTHON_ORT_FILES) if target == "python-ort" else (NULL_DIR, ("model.py",))
+        _copy_py(model_dir, files, version)
         _copy_py(COMMON_DIR, common, version)
     args_file = out_dir / SERVER_ARGS_FILE
     if serving.instance_kind == "KIND_GPU" and target not in PYTHON_TARGETS:

@@ -40,17 +40,12 @@ class StreamingConv(nn.Module):
         if conv.stride[0] != 1 or conv.padding[0] != 0:
             raise ValueError("streaming conv expects stride 1 and no built-in padding")
         self.bias = None if conv.bias is None else frozen(conv.bias, dtype)
-        self.dilation = conv.dilation[0]
-        self.groups = conv.groups
-        self.kernel = conv.kernel_size[0]
+        self.dilation, self.groups, self.kernel = conv.dilation[0], conv.groups, conv.kernel_size[0]
+        self.channels, self.out_channels = conv.in_channels, conv.out_channels
         self.context = (self.kernel - 1) * self.dilation
-        self.channels = conv.in_channels
-        self.out_channels = conv.out_channels
         self.as_matmul = self.groups == 1 and self.channels >= MATMUL_CONV_CHANNELS
-        weight = conv.weight.detach().to(dtype)
-        if self.as_matmul:  # [Cout, Cin, K] -> [Cin * K, Cout]
-            weight = weight.flatten(1).t()
-        self.weight = frozen(weight.contiguous(), dtype)
+        weight = conv.weight.detach()  # [Cout, Cin, K], as a matmul [Cin * K, Cout]
+        self.weight = frozen((weight.flatten(1).t() if self.as_matmul else weight).contiguous(), dtype)
 
     def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
         if self.context:
@@ -79,61 +74,49 @@ class StreamingConvTranspose(nn.Module):
 
     def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
         super().__init__()
-        weight = conv.weight.detach().to(dtype)  # [Cin, Cout / groups, 2s]
         self.bias = None if conv.bias is None else frozen(conv.bias, dtype)
-        self.stride = conv.stride[0]
-        self.groups = conv.groups
-        self.in_channels = conv.in_channels
-        self.channels = conv.out_channels
+        self.stride, self.groups = conv.stride[0], conv.groups
+        self.in_channels, self.channels = conv.in_channels, conv.out_channels
         if conv.kernel_size[0] != 2 * self.stride or self.groups not in (1, self.channels):
             raise ValueError("streaming transposed conv expects kernel = 2 * stride, plain or depthwise")
+        weight = conv.weight.detach()  # [Cin, Cout / groups, 2s]
         if self.groups == 1:  # [Cin, Cout, s] -> [Cin, s * Cout], tap-major
-            halves = weight.split(self.stride, dim=2)
-            self.first, self.second = (frozen(h.permute(0, 2, 1).reshape(self.in_channels, -1).contiguous(), dtype)
-                                       for h in halves)
+            self.first, self.second = (frozen(half.permute(0, 2, 1).reshape(self.in_channels, -1).contiguous(), dtype)
+                                       for half in weight.split(self.stride, dim=2))
         else:
             self.weight = frozen(weight, dtype)
+        # The overlap tail of one stream: [1, s * Cout] (plain) or [1, C, s] (depthwise).
+        self.tail = (1, self.stride * self.channels) if self.groups == 1 else (1, self.channels, self.stride)
 
     def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
-        stride, channels = self.stride, self.channels
+        batch, steps = x.shape[0], x.shape[2]
         if self.groups == 1:
             # Contiguous rows, so that the whole batch is one GEMM that reads each weight once.
             rows = x.transpose(1, 2).reshape(-1, self.in_channels)
-            first = torch.matmul(rows, self.first).view(x.shape[0], x.shape[2], stride * channels)
-            second = torch.matmul(rows, self.second).view(x.shape[0], x.shape[2], stride * channels)
-            previous = torch.cat([state.take(1, stride * channels), second[:, :-1]], dim=1)  # [B, T, s * Cout]
-            state.put(second[:, -1:])
-            y = (first + previous).view(x.shape[0], -1, channels)  # [B, T * s, Cout]
-            if self.bias is not None:
-                y = y + self.bias
-            return y.transpose(1, 2)
-        # Depthwise (the upsampling, one step per frame): [B, T, C, 1] * [C, 2s], the same halves.
-        cols = x.transpose(1, 2)[..., None] * self.weight[:, 0]
-        first, second = cols.split(stride, dim=-1)
-        previous = torch.cat([state.take(channels, stride)[:, None], second[:, :-1]], dim=1)  # [B, T, C, s]
-        state.put(second[:, -1])
-        y = (first + previous).permute(0, 2, 1, 3).flatten(2)
-        if self.bias is not None:
-            y = y + self.bias[None, :, None]
-        return y
+            first, second = (torch.matmul(rows, half).view(batch, steps, -1) for half in (self.first, self.second))
+        else:
+            # Depthwise (the upsampling, one step per frame): [B, T, C, 1] * [C, 2s], the same halves.
+            first, second = (x.transpose(1, 2)[..., None] * self.weight[:, 0]).split(self.stride, dim=-1)
+        previous = torch.cat([state.take(*self.tail), second[:, :-1]], dim=1)  # [B, T, s * Cout] or [B, T, C, s]
+        state.put(second[:, -1:])
+        y = first + previous
+        y = y.view(batch, -1, self.channels).transpose(1, 2) if self.groups == 1 else y.permute(0, 2, 1, 3).flatten(2)
+        return y if self.bias is None else y + self.bias[:, None]
 
 
 class ConvState:
-    """Reads conv state pieces from the flat state tensor in order and collects their updates."""
+    """Reads conv state pieces of the given per-stream shapes from the flat state tensor in order (zeros
+    for one stream without one: layout discovery) and collects their updates."""
 
     def __init__(self, flat: torch.Tensor | None, dtype: torch.dtype = torch.float32):
-        self.flat = flat
-        self.dtype = dtype
-        self.offset = 0
+        self.flat, self.dtype, self.offset = flat, dtype, 0
         self.updates: list[torch.Tensor] = []
-        self.pieces: list[tuple[int, int]] = []
 
-    def take(self, channels: int, length: int) -> torch.Tensor:
-        size = channels * length
-        self.pieces.append((channels, length))
-        if self.flat is None:  # layout discovery
-            return torch.zeros(1, channels, length, dtype=self.dtype)
-        piece = self.flat[:, self.offset : self.offset + size].reshape(-1, channels, length)
+    def take(self, *shape: int) -> torch.Tensor:
+        if self.flat is None:
+            return torch.zeros(1, *shape, dtype=self.dtype)
+        size = math.prod(shape)
+        piece = self.flat[:, self.offset : self.offset + size].reshape(-1, *shape)
         self.offset += size
         return piece
 
@@ -167,8 +150,10 @@ def streaming_layer(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
     return Elu(layer.alpha) if isinstance(layer, nn.ELU) else layer
 
 
-def run_layer(layer: nn.Module, x: torch.Tensor, state: ConvState) -> torch.Tensor:
-    return layer(x, state) if isinstance(layer, (StreamingConv, StreamingConvTranspose, SEANetBlock)) else layer(x)
+def run_layers(layers, x: torch.Tensor, state: ConvState) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, state) if isinstance(layer, (StreamingConv, StreamingConvTranspose, SEANetBlock)) else layer(x)
+    return x
 
 
 class SEANetBlock(nn.Module):
@@ -180,10 +165,7 @@ class SEANetBlock(nn.Module):
         self.shortcut = streaming_layer(block.shortcut, dtype)
 
     def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
-        residual = run_layer(self.shortcut, x, state)
-        for layer in self.layers:
-            x = run_layer(layer, x, state)
-        return residual + x
+        return run_layers([self.shortcut], x, state) + run_layers(self.layers, x, state)
 
 
 class MimiDecoderStep(nn.Module):
@@ -202,20 +184,13 @@ class MimiDecoderStep(nn.Module):
             raise ValueError(f"num_codebooks must be in [1, {config.num_quantizers}], got {num_codebooks}")
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be float32 or float64 (RoPE angles need >= fp32), got {dtype}")
-        self.num_codebooks = num_codebooks
-        self.codebook_size = config.codebook_size
-        self.max_frames_per_step = max_frames_per_step
-        self.window = window
-        self.kv_cache_dtype = kv_cache_dtype
-        self.dtype = dtype
-        self.sample_rate_hz = config.sampling_rate
+        self.num_codebooks, self.max_frames_per_step, self.window = num_codebooks, max_frames_per_step, window
+        self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype
+        self.codebook_size, self.sample_rate_hz = config.codebook_size, config.sampling_rate
         self.samples_per_frame = int(math.prod(config.upsampling_ratios)) * config.latent_stride
-        self.steps_per_frame = config.latent_stride
-        self.num_layers = config.num_hidden_layers
-        self.hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.head_dim
-        self.context = config.sliding_window
+        self.steps_per_frame, self.context = config.latent_stride, config.sliding_window
+        self.num_layers, self.hidden_size = config.num_hidden_layers, config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         if config.num_key_value_heads != config.num_attention_heads:
             raise ValueError("grouped-query attention is not part of the Mimi architecture")
         # Past keys a step needs: offline decoding sees `context` keys including its own; moshi's ring
@@ -247,8 +222,8 @@ class MimiDecoderStep(nn.Module):
                                           attn.v_proj.weight]), dtype)
             block.out = frozen(attn.o_proj.weight, dtype)
             block.fc1, block.fc2 = frozen(layer.mlp.fc1.weight, dtype), frozen(layer.mlp.fc2.weight, dtype)
-            block.scale1 = frozen(layer.self_attn_layer_scale.scale, dtype)
-            block.scale2 = frozen(layer.mlp_layer_scale.scale, dtype)
+            block.scale1, block.scale2 = (frozen(scale.scale, dtype)
+                                          for scale in (layer.self_attn_layer_scale, layer.mlp_layer_scale))
             self.layers.append(block)
         if config.hidden_act != "gelu" or config.attention_bias:
             raise ValueError("expected Mimi's transformer: gelu MLP without attention bias")
@@ -264,12 +239,19 @@ class MimiDecoderStep(nn.Module):
 
         self.seanet = nn.ModuleList(streaming_layer(layer, dtype) for layer in decoder.decoder_seanet.layers)
 
-        # The window of the largest call; a call of T steps uses the first T entries.
-        max_steps = self.steps_per_frame * max_frames_per_step
-        constant("window_lower", self._window_lower(max_steps))
-        constant("attn_allowed", self._window_mask(max_steps))
-        self.conv_pieces = self._discover_conv_layout()
-        self.conv_state_size = sum(c * n for c, n in self.conv_pieces)
+        # The window of the largest call; a call of T steps uses the first T entries. window_lower[t]: the
+        # oldest key new step t may attend, as an offset from the call's first step; attn_allowed[t, j]:
+        # new step t may attend new step j of the same call.
+        t = torch.arange(self.steps_per_frame * max_frames_per_step)
+        lower = t - (self.context - 1)
+        if window == "moshi":  # the ring holds the last `context` steps up to the end of the step's frame
+            lower = lower + (self.steps_per_frame - 1 - t % self.steps_per_frame)
+        constant("window_lower", lower.to(torch.int32))
+        constant("attn_allowed", (t[None] <= t[:, None]) & (t[None] >= lower[:, None]))
+        with torch.no_grad():  # the conv state's size, from a dry run of one step
+            state = ConvState(None, dtype)
+            run_layers(self.seanet, self.upsample(torch.zeros(1, self.upsample.channels, 1, dtype=dtype), state), state)
+        self.conv_state_size = sum(update.shape[1] for update in state.updates)
 
     def _fold_quantizer(self, quantizer) -> torch.Tensor:
         """One [k * codebook_size, hidden] table: each codebook's entries through its output projection."""
@@ -285,27 +267,6 @@ class MimiDecoderStep(nn.Module):
                 embed = embed @ rvq.output_proj.weight.double()[:, :, 0].T
             tables.append(embed)
         return torch.cat(tables)
-
-    def _window_lower(self, steps: int) -> torch.Tensor:
-        """lower[t]: the oldest key new step t may attend, as an offset from the call's first step."""
-        t = torch.arange(steps)
-        lower = t - (self.context - 1)
-        if self.window == "moshi":
-            # The ring holds the last `context` steps up to the end of the step's frame.
-            lower = lower + (self.steps_per_frame - 1 - t % self.steps_per_frame)
-        return lower.to(torch.int32)
-
-    def _window_mask(self, steps: int) -> torch.Tensor:
-        """allowed[t, j]: new step t may attend new step j of the same call."""
-        j = torch.arange(steps).view(1, -1)
-        return (j <= torch.arange(steps).view(-1, 1)) & (j >= self._window_lower(steps).view(-1, 1))
-
-    def _discover_conv_layout(self) -> list[tuple[int, int]]:
-        with torch.no_grad():
-            state = ConvState(None, self.dtype)
-            x = self.upsample(torch.zeros(1, self.upsample.channels, 1, dtype=self.dtype), state)
-            self._seanet(torch.zeros_like(x), state)
-        return state.pieces
 
     def spec(self) -> DecoderSpec:
         cache_shape = (self.num_heads, self.cache_len, self.head_dim)
@@ -335,14 +296,9 @@ class MimiDecoderStep(nn.Module):
         latent = self.codebook_table[codes + self.codebook_offsets].sum(dim=1).transpose(1, 2)
         x = self.upsample(latent, conv_state)
         x, caches = self._transformer(x.transpose(1, 2), caches, position)
-        pcm = self._seanet(x.transpose(1, 2), conv_state)
+        pcm = run_layers(self.seanet, x.transpose(1, 2), conv_state)
         new_conv = torch.cat(conv_state.updates, dim=1)
         return (pcm.flatten(1).float(), *caches, new_conv, position + codes.shape[2] * self.steps_per_frame)
-
-    def _seanet(self, x, state: ConvState):
-        for layer in self.seanet:
-            x = run_layer(layer, x, state)
-        return x
 
     def _rope(self, position, steps):
         """cos, sin [B, 1, T, head_dim] for positions position + [0, T); sin carries the sign of the

@@ -105,11 +105,9 @@ def _rope_pairs_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def to_shipped_moshi_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """moshi module names -> the names of the checkpoints Kyutai ships (and rustymimi reads)."""
-    def shipped(name: str) -> str:
-        name = re.sub(r"\.self_attn\.in_projs\.0\.weight$", ".self_attn.in_proj_weight", name)
-        return re.sub(r"\.self_attn\.out_projs\.0\.weight$", ".self_attn.out_proj.weight", name)
-
-    return {shipped(name): tensor for name, tensor in state.items()}
+    shipped = {"in": "in_proj_weight", "out": "out_proj.weight"}
+    return {re.sub(r"\.self_attn\.(in|out)_projs\.0\.weight$", lambda m: f".self_attn.{shipped[m[1]]}", name): tensor
+            for name, tensor in state.items()}
 
 
 def moshi_to_flat(state: dict[str, torch.Tensor], num_heads: int = 8) -> dict[str, torch.Tensor]:
@@ -122,9 +120,8 @@ def moshi_to_flat(state: dict[str, torch.Tensor], num_heads: int = 8) -> dict[st
         if qkv := _MOSHI_QKV.match(name):
             prefix = f"{qkv.group(1)}_transformer.layers.{qkv.group(2)}.self_attn."
             q, k, v = tensor.chunk(3, dim=0)
-            flat[prefix + "q_proj.weight"] = _rope_pairs_to_halves(q, num_heads)
-            flat[prefix + "k_proj.weight"] = _rope_pairs_to_halves(k, num_heads)
-            flat[prefix + "v_proj.weight"] = v
+            flat |= {prefix + "q_proj.weight": _rope_pairs_to_halves(q, num_heads),
+                     prefix + "k_proj.weight": _rope_pairs_to_halves(k, num_heads), prefix + "v_proj.weight": v}
             continue
         for pattern, replacement in _MOSHI_RULES:
             mapped, count = re.subn(pattern, replacement, name)
@@ -186,19 +183,12 @@ def file_sha256(path: Path) -> str:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a truncated or corrupt one is one error naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    with _unreadable_as_weights_error(path):
-        return load_file(str(path))
-
-
-@contextlib.contextmanager
-def _unreadable_as_weights_error(path: Path):
-    """A truncated or corrupt safetensors file: one error naming it, not the library's traceback."""
-    from safetensors import SafetensorError
-
     try:
-        yield
+        return load_file(str(path))
     except (SafetensorError, OSError) as error:
         raise WeightsError(f"{path}: not a readable safetensors file ({error})") from error
 
@@ -213,20 +203,6 @@ def load_transformers_dir(path: Path) -> LoadedMimi:
     model = new_model(MimiConfig.from_pretrained(str(path)))
     load_flat_state_dict(model, _read_safetensors(weights_path), str(weights_path))
     return LoadedMimi(model, str(path), "transformers", file_sha256(weights_path))
-
-
-def load_moshi_checkpoint(path: Path) -> LoadedMimi:
-    model = new_model()
-    flat = moshi_to_flat(_read_safetensors(path), model.config.num_attention_heads)
-    load_flat_state_dict(model, flat, str(path))
-    return LoadedMimi(model, str(path), "moshi", file_sha256(path))
-
-
-def _is_moshi_checkpoint(path: Path) -> bool:
-    from safetensors import safe_open
-
-    with _unreadable_as_weights_error(path), safe_open(str(path), "pt") as handle:
-        return any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in handle.keys())  # safe_open is not iterable
 
 
 def resolve_hub_id(repo_id: str) -> Path:
@@ -257,10 +233,13 @@ def load_weights(source: str | os.PathLike | None, seed: int | None = None) -> L
     if path.is_file():
         if path.suffix not in SAFETENSORS_SUFFIXES:
             raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
-        if _is_moshi_checkpoint(path):
-            return load_moshi_checkpoint(path)
-        raise WeightsError(f"{path}: not a moshi-format Mimi checkpoint; for transformers format pass the folder "
-                           "holding config.json and model.safetensors")
+        tensors = _read_safetensors(path)
+        if not any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in tensors):
+            raise WeightsError(f"{path}: not a moshi-format Mimi checkpoint; for transformers format pass the "
+                               "folder holding config.json and model.safetensors")
+        model = new_model()
+        load_flat_state_dict(model, moshi_to_flat(tensors, model.config.num_attention_heads), str(path))
+        return LoadedMimi(model, str(path), "moshi", file_sha256(path))
     if re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", str(source)) and path.suffix not in SAFETENSORS_SUFFIXES:
         return load_transformers_dir(resolve_hub_id(str(source)))
     raise WeightsError(f"{source}: no such file or folder")

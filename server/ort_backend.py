@@ -16,7 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .processes import ServerError
+from .processes import ServerError, report
 
 ORT_BACKEND_ENV = "ORT_BACKEND"
 BACKEND_LIBRARY = "libtriton_onnxruntime.so"
@@ -92,8 +92,7 @@ def main() -> int:
     try:
         print(fetch_onnxruntime_library())
     except ServerError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return report(error)
     return 0
 
 

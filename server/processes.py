@@ -1,4 +1,4 @@
-"""A server process's log tail, readiness, process group, stop and parent-death signal."""
+"""A server process's log tail, process group, stop and parent-death signal."""
 
 from __future__ import annotations
 
@@ -7,15 +7,20 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
 
 
 class ServerError(RuntimeError):
     """The server could not be found, prepared, started, or did not become ready."""
+
+
+def report(error: Exception | str) -> int:
+    """`error` as the one line "error: ..." on stderr; the exit code 1 of a command that failed."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    return 1
 
 
 def log_tail(path: Path | str | None, lines: int = 40) -> str:
@@ -28,17 +33,6 @@ def log_tail(path: Path | str | None, lines: int = 40) -> str:
         return f"(log {path} unreadable: {exc})"
     kept = [line for line in text.splitlines() if line.strip() and not line.startswith(("|", "+-"))]
     return "\n".join(kept[-lines:]) if kept else "(log is empty)"
-
-
-def http_ready(url: str, timeout_s: float) -> str | None:
-    """None when GET `url` answers 200, else what it answered ("HTTP 503", the connection error)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return None if response.status == 200 else f"HTTP {response.status}"
-    except urllib.error.HTTPError as error:
-        return f"HTTP {error.code}"
-    except OSError as error:  # URLError and ConnectionError among them
-        return str(error)
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -65,28 +59,23 @@ def process_group_alive(pgid: int) -> bool:
 def stop_process_group(process: subprocess.Popen, grace_s: float) -> int | None:
     """SIGTERM `process` (leading its own process group), SIGKILL the group after `grace_s`, then wait
     for the rest of the group (Python stubs) to go, killing it after 5 s. Idempotent; the leader's code."""
-    def kill_group() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-
-    def wait_group(timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while process_group_alive(process.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)
         try:
             process.wait(grace_s)
         except subprocess.TimeoutExpired:
-            kill_group()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     # The rest of the group notices its leader is gone and exits; give it a moment, then make sure.
-    wait_group(5.0)
-    if process_group_alive(process.pid):
-        kill_group()
-        wait_group(5.0)
+    for kill_first in (False, True):
+        if kill_first and process_group_alive(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while process_group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
     return process.returncode
 
 

@@ -5,16 +5,16 @@ flags and holds the rules for each file. No log line or error message of this pa
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from mimi_code2wav.client.credentials import KEY_ENV
 
-from .processes import ServerError
+from .processes import ServerError, report
 
 ADMIN_KEY_ENV = "CODE2WAV_ADMIN_KEY"
 # The entrypoint every server runs under: watches health and the Python stubs, maps the access folder.
@@ -42,8 +42,8 @@ def write_access_folder(folder: Path, args, environ=os.environ) -> Path:
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, mode=0o700)
-    sources = {"server.pem": (args.tls_cert, None), "server.key": (args.tls_key, None),
-               "client-ca.pem": (args.tls_client_ca, None), "inference.key": (args.key_file, KEY_ENV),
+    sources = {"server.pem": (args.tls_cert, ""), "server.key": (args.tls_key, ""),
+               "client-ca.pem": (args.tls_client_ca, ""), "inference.key": (args.key_file, KEY_ENV),
                "admin.key": (args.admin_key_file, ADMIN_KEY_ENV)}
     for name, (source, env_name) in sources.items():
         target = folder / name
@@ -52,11 +52,10 @@ def write_access_folder(folder: Path, args, environ=os.environ) -> Path:
                 shutil.copyfile(source, target)
             except OSError as error:
                 raise ServerError(f"cannot read {source} (for {name}): {error.strerror}") from None
-        elif env_name and environ.get(env_name, "").strip():
+        elif environ.get(env_name, "").strip():
             target.write_text(environ[env_name].strip() + "\n")
-        else:
-            continue
-        target.chmod(0o600)
+        if target.exists():
+            target.chmod(0o600)
     return folder
 
 
@@ -76,14 +75,13 @@ def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.
     def new_key(name: str) -> list[str]:
         return ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key"]
 
-    def is_ip(host: str) -> bool:
-        try:
-            return bool(ipaddress.ip_address(host))
-        except ValueError:
-            return False
+    def alt_name(host: str) -> str:
+        with contextlib.suppress(ValueError):
+            return f"IP:{ipaddress.ip_address(host)}"
+        return f"DNS:{host}"
 
     openssl("req", "-x509", *new_key("ca"), "-out", "ca.pem", "-days", str(days), "-subj", "/CN=code2wav private CA")
-    names = ",".join(f"IP:{host}" if is_ip(host) else f"DNS:{host}" for host in hosts)
+    names = ",".join(map(alt_name, hosts))
     (folder / "server.ext").write_text(f"subjectAltName={names}\n")
     for name, subject, extensions in (("server", hosts[0], ["-extfile", "server.ext"]), ("client", "code2wav client", [])):
         openssl("req", *new_key(name), "-out", f"{name}.csr", "-subj", f"/CN={subject}")
@@ -107,8 +105,7 @@ def run(args) -> int:
     try:
         folder = make_certificates(args.out, tuple(args.host or ("localhost", "127.0.0.1")), args.days)
     except ServerError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return report(error)
     print(f"wrote a private CA and certificates to {folder}: ca.pem (what clients trust), server.pem + server.key "
           "(--tls-cert, --tls-key), client.pem + client.key (mutual TLS: --tls-cert, --tls-key on the client); "
           "ca.key signs more and belongs nowhere near a server")

@@ -23,27 +23,22 @@ from .triton import LOCALHOST, TritonServer
 LOCAL_TARGETS = ("python-ort", "onnxruntime", "null")
 
 
-def prepare_repository(args: argparse.Namespace) -> Path:
-    """`--model-repository` as it is, else the local repository for `--decoder` under the build folder."""
-    if args.model_repository is not None:
-        return Path(args.model_repository)
-    from mimi_code2wav.export.pipeline import prepare_local_repository
-    from mimi_code2wav.export.weights import WeightsError
-
-    try:
-        return prepare_local_repository(args.weights, args.random_init, args.seed, Path(args.build_dir),
-                                        target=args.decoder)
-    except WeightsError as error:
-        raise ServerError(str(error)) from error
-
-
 def run(args: argparse.Namespace) -> int:
     return run_in_foreground(lambda foreground: _serve(args, foreground))
 
 
 def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
     access_dir = write_access_folder(Path(args.build_dir) / f"access-{args.grpc_port}", args)
-    repository = prepare_repository(args)
+    repository = args.model_repository
+    if repository is None:
+        from mimi_code2wav.export.pipeline import prepare_local_repository
+        from mimi_code2wav.export.weights import WeightsError
+
+        try:
+            repository = prepare_local_repository(args.weights, args.random_init, args.seed, Path(args.build_dir),
+                                                  target=args.decoder)
+        except WeightsError as error:
+            raise ServerError(str(error)) from error
     server = TritonServer(repository, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, host=args.host, log_path=args.log_file,
                           log_verbose=args.log_verbose, access_dir=access_dir, watch=True)

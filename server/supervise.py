@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .processes import ServerError, log_tail
+from .processes import ServerError, log_tail, report
 from .triton import TritonServer
 
 # A server that lived at least STABLE_AFTER_S before dying is restarted after FIRST_RESTART_DELAY_S; one
@@ -29,7 +29,7 @@ class StopRequested(Exception):
 
 class Foreground:
     """A foreground command's signals. Armed, the first SIGINT or SIGTERM raises StopRequested in the
-    main thread, once; disarmed (`launch_guard`: a process being created) it is only recorded, so that
+    main thread, once; disarmed (while a process is being created) it is only recorded, so that
     the stop knows every process it has to end. SIGHUPs are counted in `hangups`, never lost. `stop`
     ends what the command started (the command sets it as soon as it has created that)."""
 
@@ -57,14 +57,6 @@ class Foreground:
             self.stopping, self.armed = True, False
             raise StopRequested(self.received[0])
 
-    @contextlib.contextmanager
-    def launch_guard(self) -> Iterator[None]:
-        self.armed = False
-        try:
-            yield
-        finally:
-            self.arm()
-
 
 def run_in_foreground(command: Callable[[Foreground], int]) -> int:
     """Run `command` to its exit code, or until SIGINT/SIGTERM drains and stops tritonserver (exit 0); a
@@ -78,8 +70,7 @@ def run_in_foreground(command: Callable[[Foreground], int]) -> int:
         print(f"{stop}: draining and stopping tritonserver", flush=True)
         return 0
     except ServerError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        return report(exc)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)
@@ -125,8 +116,11 @@ class Supervisor:
     next_restart_at: float | None = None  # set once the dead server is reported
 
     def launch(self) -> None:
-        with self.foreground.launch_guard():
+        self.foreground.armed = False
+        try:
             self.server.start()
+        finally:
+            self.foreground.arm()
 
     def run(self, poll_s: float = 0.5) -> int:
         """Until the command ends: its exit code without `restart` (a stop signal is raised out of here)."""
@@ -137,29 +131,23 @@ class Supervisor:
                 hangups_seen = self.foreground.hangups
                 self._drain_and_restart()
             elif not self.server.is_alive():
-                if not self.restart:
+                if self.next_restart_at is None:
                     self._report_exit()
+                if not self.restart:
                     return self.server.exit_code() or 1
-                self._restart_dead()
+                if time.monotonic() >= self.next_restart_at and (ready_s := self._relaunch()) is not None:
+                    print(f"tritonserver restarted (pid {self.server.tritonserver_pid()}, restart {self.restarts}), "
+                          f"ready in {ready_s:.1f} s on {self.server.grpc_url}", flush=True)
 
     def _report_exit(self) -> None:
-        now, server = time.monotonic(), self.server
-        lived_s = now - server.started_at
-        delay = ""
+        server, lived_s = self.server, time.monotonic() - self.server.started_at
         if self.restart:
             self.delay_s = restart_delay_s(self.delay_s, lived_s)
-            delay = f"; restart in {self.delay_s:.1f} s on the same ports"
-        self.next_restart_at = now + self.delay_s
+        self.next_restart_at = time.monotonic() + self.delay_s
+        delay = f"; restart in {self.delay_s:.1f} s on the same ports" if self.restart else ""
         print(f"tritonserver (pid {server.tritonserver_pid()}) {describe_exit(server.exit_code())} after "
               f"{lived_s:.0f} s{delay}. Log tail ({server.log_path}):\n{log_tail(server.log_path, lines=15)}",
               file=sys.stderr, flush=True)
-
-    def _restart_dead(self) -> None:
-        if self.next_restart_at is None:
-            self._report_exit()
-        if time.monotonic() >= self.next_restart_at and (ready_s := self._relaunch()) is not None:
-            print(f"tritonserver restarted (pid {self.server.tritonserver_pid()}, restart {self.restarts}), ready "
-                  f"in {ready_s:.1f} s on {self.server.grpc_url}", flush=True)
 
     def _drain_and_restart(self) -> None:
         """SIGTERM (its streams resume elsewhere), then started again on the same ports; one that does

@@ -13,14 +13,11 @@
 # each given WATCHDOG_PROBE_TIMEOUT_S (10: calling a stub dead takes Triton seconds).
 # Both ask WATCHDOG_HTTP (http://127.0.0.1:8000).
 #
-# The files of WATCHDOG_ACCESS_DIR (/run/code2wav-access; set empty: none) turn on what they name:
-#   server.pem + server.key   TLS on gRPC (the certificate must name the host clients dial)
-#   client-ca.pem             mutual TLS: clients need a certificate signed by this CA
-#   inference.key             the inference key (inference, metadata, model-config calls)
-#   admin.key                 the admin key (model-repository, shared-memory, statistics, trace, logging
-#                             calls); without it those calls take the inference key
-# Triton takes keys only on its command line, readable by whoever lists the processes; the probe passes
-# the inference key to curl on its standard input.
+# The files of WATCHDOG_ACCESS_DIR (/run/code2wav-access; set empty: none) turn on what they name
+# (docker/access/README.md): server.pem + server.key TLS on gRPC, client-ca.pem mutual TLS,
+# inference.key the inference key, admin.key the admin key (without it admin calls take the inference
+# key). Triton takes keys only on its command line, readable by whoever lists the processes; the probe
+# passes the inference key to curl on its standard input.
 
 set -u
 
@@ -39,7 +36,6 @@ DECODER_PROBE="{$PROBE_SEQUENCE,\"inputs\":[{\"name\":\"codes\",\"shape\":[1,8,1
 access_dir=${WATCHDOG_ACCESS_DIR-/run/code2wav-access}
 INFERENCE_PROTOCOLS=inference,metadata,model-config
 ADMIN_PROTOCOLS=model-repository,shared-memory,statistics,trace,logging
-CURL_TIMED_OUT=28
 
 die() {
     echo "triton-watchdog: $*" >&2
@@ -53,26 +49,26 @@ fi
 case $checks in '' | *[!0-9]*) die "WATCHDOG_CHECKS must be a whole number, got '$checks'" ;; esac
 case $probe_s in '' | *[!0-9]*) die "WATCHDOG_PROBE_S must be a whole number of seconds, got '$probe_s'" ;; esac
 
-# A key file's one word (surrounding whitespace dropped); exits naming the file when it is not one.
+[ -n "$access_dir" ] || access_dir=/nonexistent/code2wav-access
+has() { [ -f "$access_dir/$1" ]; }
+
+# The one word of key file $1 (surrounding whitespace dropped; nothing when there is no such file);
+# exits naming the file when it holds anything else.
 read_key() {
-    key=$(sed -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' "$1") || exit 2
+    has "$1" || return 0
+    key=$(sed -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' "$access_dir/$1") || exit 2
     case $key in
-        '' | *[[:space:],:=]*) die "$1 must hold one key: not empty, without whitespace, ',', ':' or '='" ;;
+        '' | *[[:space:],:=]*) die "$access_dir/$1 must hold one key: not empty, without whitespace, ',', ':' or '='" ;;
     esac
     printf '%s' "$key"
 }
 
-[ -n "$access_dir" ] || access_dir=/nonexistent/code2wav-access
 access="plaintext gRPC"
-if [ -f "$access_dir/client-ca.pem" ] && [ ! -f "$access_dir/server.pem" ]; then
-    die "mutual TLS (client-ca.pem) needs TLS: server.pem and server.key in $access_dir"
-fi
-if [ -f "$access_dir/server.pem" ] || [ -f "$access_dir/server.key" ]; then
-    if [ ! -f "$access_dir/server.pem" ] || [ ! -f "$access_dir/server.key" ]; then
-        die "TLS needs both server.pem and server.key in $access_dir"
-    fi
+has client-ca.pem && ! has server.pem && die "mutual TLS (client-ca.pem) needs TLS: server.pem and server.key in $access_dir"
+if has server.pem || has server.key; then
+    has server.pem && has server.key || die "TLS needs both server.pem and server.key in $access_dir"
     set -- "$@" "--grpc-server-cert=$access_dir/server.pem" "--grpc-server-key=$access_dir/server.key"
-    if [ -f "$access_dir/client-ca.pem" ]; then
+    if has client-ca.pem; then
         set -- "$@" --grpc-use-ssl-mutual=true "--grpc-root-cert=$access_dir/client-ca.pem"
         access="mutual TLS on gRPC"
     else
@@ -80,15 +76,13 @@ if [ -f "$access_dir/server.pem" ] || [ -f "$access_dir/server.key" ]; then
         access="TLS on gRPC"
     fi
 fi
-inference_key=
-admin_key=
-if [ -f "$access_dir/inference.key" ]; then inference_key=$(read_key "$access_dir/inference.key") || exit 2; fi
-if [ -f "$access_dir/admin.key" ]; then admin_key=$(read_key "$access_dir/admin.key") || exit 2; fi
+inference_key=$(read_key inference.key) || exit 2
+admin_key=$(read_key admin.key) || exit 2
 inference_protocols=$INFERENCE_PROTOCOLS,$ADMIN_PROTOCOLS
 if [ -n "$admin_key" ]; then
     [ "$admin_key" != "$inference_key" ] || die "admin.key must differ from inference.key"
-    set -- "$@" "--grpc-restricted-protocol=$ADMIN_PROTOCOLS:code2wav-admin-key=$admin_key" \
-        "--http-restricted-api=$ADMIN_PROTOCOLS:code2wav-admin-key=$admin_key"
+    restricted="$ADMIN_PROTOCOLS:code2wav-admin-key=$admin_key"
+    set -- "$@" "--grpc-restricted-protocol=$restricted" "--http-restricted-api=$restricted"
     inference_protocols=$INFERENCE_PROTOCOLS
     admin="admin key required"
 elif [ -n "$inference_key" ]; then
@@ -97,8 +91,8 @@ else
     admin="admin calls open"
 fi
 if [ -n "$inference_key" ]; then
-    set -- "$@" "--grpc-restricted-protocol=$inference_protocols:code2wav-key=$inference_key" \
-        "--http-restricted-api=$inference_protocols:code2wav-key=$inference_key"
+    restricted="$inference_protocols:code2wav-key=$inference_key"
+    set -- "$@" "--grpc-restricted-protocol=$restricted" "--http-restricted-api=$restricted"
     access="$access, inference key required, $admin"
 else
     access="$access, no inference key, $admin"
@@ -138,7 +132,8 @@ server=$!
         fi
         [ "$checks" -gt 0 ] || continue
         curl -sS -o /dev/null -m "$timeout" "$url" 2>/dev/null
-        if [ $? -eq $CURL_TIMED_OUT ]; then unanswered=$((unanswered + 1)); else unanswered=0; fi
+        # 28: curl's "operation timed out".
+        if [ $? -eq 28 ]; then unanswered=$((unanswered + 1)); else unanswered=0; fi
         if [ "$unanswered" -ge "$checks" ]; then
             echo "triton-watchdog: tritonserver (pid $server) answered no health check ($url) within" \
                  "$timeout s, $checks times in a row: hung; killing it (SIGKILL) so that its streams move" \

@@ -16,26 +16,21 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 
 from .ort_backend import install_onnxruntime_backend, needs_onnxruntime
-from .processes import ServerError, group_pids, http_ready, log_tail, stop_process_group, with_parent_death_signal
+from .processes import ServerError, group_pids, log_tail, stop_process_group, with_parent_death_signal
 from .security import ENTRYPOINT
 
 SHM_DIR = Path("/dev/shm")
-# Every region a Python stub creates is named <prefix><uuid>; each server gets its own prefix so that
-# stop() removes exactly the regions of the server it stopped.
-SHM_PREFIX_BASE = "triton_python_backend_shm_region_"
-STUB_NAME = "triton_python_backend_stub"
 LOCALHOST = "127.0.0.1"
 # How long a stopping tritonserver waits for its live streams (--exit-timeout-secs): long enough for
 # streams its clients abandoned to idle out (code2wav 10 s, the decoder 12 s, docs/design.md §5.2),
 # short enough to exit inside Kubernetes' default 30 s grace period.
 DEFAULT_EXIT_TIMEOUT_S = 25
-# glibc's mmap threshold for tritonserver and its stubs: freed buffers this large go back to the system.
-MMAP_THRESHOLD_BYTES = 1 << 17
 
 
 def _install_file(source: Path, target: Path, mode: int) -> None:
@@ -62,11 +57,9 @@ def prepare_triton() -> tuple[Path, Path, dict[str, str]]:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     binary, python_backend = root / "bin" / "tritonserver", root / "backends" / "python"
     libs = root.parent.parent / "nvidia_pytriton.libs"
-    stub = root / "python_backend_stubs" / version / STUB_NAME
-    needed = {"tritonserver binary": binary, "Python backend library": python_backend / "libtriton_python.so",
-              "Python backend utilities": python_backend / "triton_python_backend_utils.py",
-              f"Python {version} backend stub": stub, "bundled libraries": libs}
-    missing = [f"{what} ({path})" for what, path in needed.items() if not path.exists()]
+    backend_files = {python_backend / "libtriton_python.so": 0o755, python_backend / "triton_python_backend_utils.py": 0o644,
+                     root / "python_backend_stubs" / version / "triton_python_backend_stub": 0o755}
+    missing = [str(path) for path in (binary, libs, *backend_files) if not path.exists()]
     if missing:
         raise ServerError("the pytriton wheel lacks: " + "; ".join(missing))
     # A checkout's build folder, else (an installed package) the user's cache folder.
@@ -75,8 +68,7 @@ def prepare_triton() -> tuple[Path, Path, dict[str, str]]:
     backend_root = checkout / "build" if (checkout / "pyproject.toml").is_file() else cache
     backend_dir = backend_root / "triton-backends" / f"py{version.replace('.', '')}"
     (backend_dir / "python").mkdir(parents=True, exist_ok=True)
-    for source, mode in ((python_backend / "libtriton_python.so", 0o755),
-                         (python_backend / "triton_python_backend_utils.py", 0o644), (stub, 0o755)):
+    for source, mode in backend_files.items():
         _install_file(source, backend_dir / "python" / source.name, mode)
 
     env = dict(os.environ)
@@ -89,7 +81,7 @@ def prepare_triton() -> tuple[Path, Path, dict[str, str]]:
     env.pop("PYTHONHOME", None)  # the stub must use this environment, whatever the caller's shell says
     # Buffers of 128 KiB and more (a layer's cache of one stream is 248-496 KiB) are mapped and given back
     # when freed: glibc's default threshold rises with every such free until they stay on the heap for good.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
     return binary, backend_dir, env
 
 
@@ -160,7 +152,8 @@ class TritonServer:
         self.access_dir = Path(self.access_dir).resolve() if self.access_dir is not None else None
         # Triton's HTTP endpoint has no TLS: with TLS on gRPC, HTTP and metrics stay on loopback.
         self.http_host = LOCALHOST if self.access_dir and (self.access_dir / "server.pem").exists() else self.host
-        self.shm_prefix = f"{SHM_PREFIX_BASE}{uuid.uuid4().hex[:12]}_"
+        # Every region a Python stub creates is named <prefix><uuid>: stop() removes exactly this server's.
+        self.shm_prefix = f"triton_python_backend_shm_region_{uuid.uuid4().hex[:12]}_"
         self.process: subprocess.Popen | None = None
         self._tritonserver_pid: int | None = None
         self.started_at = self.ready_after_s = None
@@ -243,7 +236,7 @@ class TritonServer:
         if self.process is None:
             raise ServerError("wait_ready() before start()")
         deadline = time.monotonic() + timeout_s
-        while (seen := http_ready(f"http://{self.http_url}/v2/health/ready", 1.0)) is not None:
+        while (seen := _http_ready(f"http://{self.http_url}/v2/health/ready")) is not None:
             code = self.process.poll()
             if code is None and time.monotonic() < deadline:
                 time.sleep(poll_s)
@@ -278,3 +271,14 @@ def _program(pid: int) -> str:
         return Path(f"/proc/{pid}/exe").resolve(strict=True).name
     except OSError:  # exited, or not ours to read
         return ""
+
+
+def _http_ready(url: str) -> str | None:
+    """None when GET `url` answers 200, else what it answered ("HTTP 503", the connection error)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return None if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as error:
+        return f"HTTP {error.code}"
+    except OSError as error:  # URLError and ConnectionError among them
+        return str(error)

@@ -27,6 +27,8 @@ from mimi_code2wav.client.protocol import (
 )
 from mimi_code2wav.client.sync import Code2WavClient, run_streams
 
+from .processes import report
+
 MAX_ABS_ERROR = 1e-4
 MIN_SNR_DB = 100.0
 # 150 frames (12 s) fills the decoder's 250-step attention window (125 frames) and goes past it.
@@ -53,9 +55,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("error: verify needs PyTorch and transformers for the reference: pip install -e '.[export]'",
-              file=sys.stderr)
-        return 1
+        return report("verify needs PyTorch and transformers for the reference: pip install -e '.[export]'")
     from mimi_code2wav.export.reference import reference_decode, snr_db
     from mimi_code2wav.export.weights import WeightsError
 
@@ -66,15 +66,14 @@ def run(args: argparse.Namespace) -> int:
         Code2WavClient(args.url, options).check_ready()
         print(f"server {args.url}: streaming {args.streams} x {args.frames} frames of seeded codes "
               f"(chunks of 1 then {args.chunk_frames} frames, with frame_offset)", flush=True)
-        report = run_streams(args.url, list(codes), options)
+        streamed = run_streams(args.url, list(codes), options)
     except (ClientError, WeightsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return report(exc)
     print(f"reference: {what}")
     print("note: the server must be serving these same weights; it does not say which it serves, "
           "so different weights show as FAIL")
     passed = True
-    for index, (result, expected) in enumerate(zip(report.results, reference)):
+    for index, (result, expected) in enumerate(zip(streamed.results, reference)):
         if result.pcm.shape != expected.shape:
             print(f"  stream {index}: FAIL: {result.pcm.size} samples, reference {expected.size}")
             passed = False

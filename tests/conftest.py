@@ -91,3 +91,23 @@ def pytest_runtest_makereport(item, call):
             report.sections.append(
                 (f"tritonserver log tail ({server.log_path})", log_tail(server.log_path, lines=60))
             )
+
+
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). Each module is one group,
+# so its module fixtures (servers) start once; every test that uses Docker is in one group, as they share
+# one engine, the stand-in images and ./bench_results. The longest groups are queued first, so that
+# neither worker is left with one of them at the end.
+LONGEST_FIRST = ("docker", "test_serving", "test_failover", "test_readme", "test_export", "test_perf_inputs",
+                 "test_server_launcher", "test_aio_client", "test_vllm_omni", "test_security")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = "docker" if "docker_env" in item.fixturenames else item.module.__name__.rpartition(".")[2]
+        item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_GROUP] = group
+    rank = {group: n for n, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.stash[_GROUP], len(rank)))  # stable: file order otherwise
+
+
+_GROUP = pytest.StashKey[str]()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,41 +172,59 @@ def scenario():
     return make_scenario()
 
 
-@pytest.fixture(scope="session")
-def moshi_streams(moshi_checkpoint, scenario):
-    """moshi's streaming decode (one frame per call inside mimi.streaming) of each scenario stream."""
-    model = moshi_checkpoint[1]
-    names = list(scenario.streams)
-    # Shorter streams are padded at the end: streaming is causal, so padding cannot change earlier audio.
-    padded = np.stack([np.pad(scenario.streams[n], ((0, 0), (0, CALLS - scenario.streams[n].shape[1]))) for n in names])
-    pcm = moshi_stream_decode(model, padded)
-    return {n: pcm[i, : scenario.streams[n].shape[1] * SAMPLES_PER_FRAME] for i, n in enumerate(names)}
+def built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+    """The folder `build(folder)` filled, built once for the whole run: under pytest-xdist the first
+    worker to ask builds it in the run's shared temporary folder and the others wait and reuse it."""
+    if worker_id == "master":
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    from filelock import FileLock
 
-
-@pytest.fixture(scope="session")
-def export_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("exports")
-
-
-def _export(mimi, root: Path, **options):
-    from mimi_code2wav.export.onnx_export import ExportOptions
-    from mimi_code2wav.export.pipeline import build
-
-    opts = ExportOptions(**options)
-    folder = root / f"f{opts.max_frames_per_step}-{opts.window}-{opts.kv_cache_dtype}"
-    build(opts, mimi, folder)
+    folder = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
     return folder
 
 
 @pytest.fixture(scope="session")
-def onnx_fp32(mimi, export_root):
-    """The serving export (1-16 frames per call, moshi window, fp32 KV cache) of the real architecture."""
-    return _export(mimi, export_root)
+def moshi_streams(request, tmp_path_factory, worker_id, scenario):
+    """moshi's streaming decode (one frame per call inside mimi.streaming) of each scenario stream."""
+    names = list(scenario.streams)
+
+    def decode(folder: Path) -> None:
+        # Shorter streams are padded at the end: streaming is causal, so padding cannot change earlier audio.
+        padded = np.stack([np.pad(scenario.streams[n], ((0, 0), (0, CALLS - scenario.streams[n].shape[1])))
+                           for n in names])
+        np.save(folder / "pcm.npy", moshi_stream_decode(request.getfixturevalue("moshi_checkpoint")[1], padded))
+
+    pcm = np.load(built_once(tmp_path_factory, worker_id, "moshi-streams", decode) / "pcm.npy")
+    return {n: pcm[i, : scenario.streams[n].shape[1] * SAMPLES_PER_FRAME] for i, n in enumerate(names)}
+
+
+def _export(request, tmp_path_factory, worker_id: str, **options) -> Path:
+    from mimi_code2wav.export.onnx_export import ExportOptions
+    from mimi_code2wav.export.pipeline import build
+
+    opts = ExportOptions(**options)
+    name = f"export-f{opts.max_frames_per_step}-{opts.window}-{opts.kv_cache_dtype}"
+    return built_once(tmp_path_factory, worker_id, name,
+                      lambda folder: build(opts, request.getfixturevalue("mimi"), folder))
 
 
 @pytest.fixture(scope="session")
-def onnx_fp16(mimi, export_root):
-    return _export(mimi, export_root, kv_cache_dtype="float16")
+def onnx_fp32(request, tmp_path_factory, worker_id):
+    """The serving export (1-16 frames per call, moshi window, fp32 KV cache) of the real architecture."""
+    return _export(request, tmp_path_factory, worker_id)
+
+
+@pytest.fixture(scope="session")
+def onnx_fp16(request, tmp_path_factory, worker_id):
+    return _export(request, tmp_path_factory, worker_id, kv_cache_dtype="float16")
 
 
 def ort_session(folder: Path, threads: int = 2):

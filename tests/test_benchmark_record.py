@@ -14,22 +14,22 @@ import sys
 import pytest
 
 from benchmarks import record
-from benchmarks.provenance import REPO_ROOT, stamp
+from benchmarks.provenance import REPO_ROOT
 
 
-def test_the_record_is_what_the_committed_runs_render():
+def test_the_record_and_the_readme_headline_are_what_the_committed_runs_render():
     assert record.RECORD.read_text() == record.render_record(record.RECORD_DIR), (
         "docs/benchmarks.md is not what docs/benchmarks/*.json render: run `make record`, never edit it by hand")
-
-
-def test_the_readme_headline_is_the_records():
     readme = record.README.read_text()
-    block = re.search(re.escape(record.HEADLINE_BEGIN) + r"\n(.*?)\n" + re.escape(record.HEADLINE_END), readme, re.S)
-    assert block, "README.md has no benchmark-headline block"
-    assert block.group(1) == record.headline(record.RECORD_DIR), "the README's headline is stale: run `make record`"
+    assert record.with_headline(readme, record.headline(record.RECORD_DIR)) == readme, "stale headline: `make record`"
+    # The headline block replaces only what lies between its markers.
+    readme = f"# A\n\n## Performance\n\n{record.HEADLINE_BEGIN}\nold\n{record.HEADLINE_END}\n\nrest\n"
+    assert record.with_headline(readme, "new") == readme.replace("\nold\n", "\nnew\n")
+    with pytest.raises(record.RecordError, match="no <!-- benchmark-headline:begin -->"):
+        record.with_headline("# no markers\n", "new")
 
 
-def test_every_committed_run_is_stamped_and_named_by_its_kind():
+def test_every_committed_run_is_stamped_named_by_its_kind_and_its_stamp_heads_its_section():
     runs = sorted(record.RECORD_DIR.glob("*.json"))
     assert {path.stem for path in runs} >= {"triton-python-ort", "triton-null"}, "the headline's runs are missing"
     for path in runs:
@@ -40,15 +40,11 @@ def test_every_committed_run_is_stamped_and_named_by_its_kind():
         assert "uncommitted" not in meta["commit"] and not record.machine_paths(run), path
         assert all(meta[field] not in (None, "") for field in record.META_FIELDS), path
         assert isinstance(meta["cpu_cores"], int) and meta["cpu_model"] in meta["machine"]
-
-
-def test_every_table_of_the_record_follows_its_runs_stamp():
-    text = record.RECORD.read_text()
-    sections = text.split("\n## ")[1:]
-    retired = (record.RECORD_DIR / record.RETIRED).read_text().count("\n## ") + 1
-    assert len(sections) == len(list(record.RECORD_DIR.glob("*.json"))) + retired
+    sections = record.RECORD.read_text().split("\n## ")[1:]
+    assert len(sections) == len(runs) + (record.RECORD_DIR / record.RETIRED).read_text().count("\n## ") + 1
     for section in sections:
         title, _, body = section.partition("\n")
+        # The stamp names the machine, the command, the commit and the date, before any table.
         stamps = re.findall(r"^Machine: .+\. Command: `.+`\. Commit \S+.*, \d{4}-\d\d-\d\d \d\d:\d\d UTC\.$", body, re.M)
         assert len(stamps) == 1, f"section {title!r} has {len(stamps)} stamps"
         first_table = body.find("\n|")
@@ -77,33 +73,17 @@ def test_add_copies_a_committed_runs_in_and_rejects_unstamped_dirty_or_machine_b
             add(extra, **meta)
 
 
-def test_the_headline_block_replaces_only_what_lies_between_its_markers():
-    readme = f"# A\n\n## Performance\n\n{record.HEADLINE_BEGIN}\nold\n{record.HEADLINE_END}\n\nrest\n"
-    assert record.with_headline(readme, "new") == readme.replace("\nold\n", "\nnew\n")
-    with pytest.raises(record.RecordError):
-        record.with_headline("# no markers\n", "new")
-
-
-def test_a_stamp_names_machine_command_commit_and_date():
-    meta = {"machine": "2 CPU cores (X), no GPU, Linux 6", "command": "python -m benchmarks sweep", "commit": "abc1234",
-            "date": "2026-01-02 03:04 UTC"}
-    assert stamp(meta) == ("Machine: 2 CPU cores (X), no GPU, Linux 6. Command: `python -m benchmarks sweep`. "
-                           "Commit abc1234, 2026-01-02 03:04 UTC.")
-
-
 def test_render_and_bench_take_the_same_serving_flags():
     """One declaration (export.render) for `code2wav-export render` and `python -m benchmarks sweep`."""
     from benchmarks.__main__ import command_parser
     from mimi_code2wav.export.__main__ import build_parser as export_parser
 
-    def serving_group(parser):
+    def serving(parser):
         group = next(g for g in parser._action_groups if g.title.startswith("serving"))
         return {(a.dest, a.default, a.type) for a in group._group_actions}
 
-    def subcommand(parser, name):
-        return next(a for a in parser._actions if a.dest == "command").choices[name]
-
-    assert serving_group(subcommand(export_parser(), "render")) == serving_group(command_parser("sweep"))
+    render = next(a for a in export_parser()._actions if a.dest == "command").choices["render"]
+    assert serving(render) == serving(command_parser("sweep"))
     args = command_parser("sweep").parse_args(["--front-instances", "2", "--max-queue-delay-us", "0"])
     assert (args.front_instances, args.max_queue_delay_us) == (2, 0)
     with pytest.raises(SystemExit):
@@ -122,22 +102,16 @@ def test_the_gpu_benchmark_imports_only_its_own_needs():
     assert done.stdout.strip() == "[]"
 
 
-
 def test_the_benchmarks_import_no_tests_and_no_cycle():
     """benchmarks/ is imported by the tests, never the other way, and its modules form no cycle."""
-    package = REPO_ROOT / "benchmarks"
     imports = {}
-    for path in package.glob("*.py"):
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                name = "." * node.level + (node.module or "")
-                found |= {name} if node.module else {f".{alias.name}" for alias in node.names}
-            elif isinstance(node, ast.Import):
-                found |= {alias.name for alias in node.names}
+    for path in (REPO_ROOT / "benchmarks").glob("*.py"):
+        nodes = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.Import, ast.ImportFrom))]
+        found = {"." * getattr(node, "level", 0) + (getattr(node, "module", None) or alias.name)
+                 for node in nodes for alias in node.names}
         assert not [name for name in found if name.split(".")[0] in ("tests", "helpers", "mimi_fixtures")], path
         imports[path.stem] = {name.lstrip(".").removeprefix("benchmarks.") for name in found
-                              if name.startswith(".") or name.startswith("benchmarks.")}
+                              if name.startswith((".", "benchmarks."))}
 
     def reaches(start: str, target: str, seen: set) -> bool:
         return any(module == target or (module not in seen and reaches(module, target, seen | {module}))

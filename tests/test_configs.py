@@ -111,12 +111,9 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
     assert set(pairs) | {"codes"} == set(inputs) and set(pairs.values()) | {"pcm"} == set(outputs)
     for state in batching.state:
         elem, dims = inputs[state.input_name]
-        assert outputs[state.output_name] == (elem, dims)
-        assert TRITON_TO_ONNX[dtype_name(state.data_type)] == elem
-        assert list(state.dims) == dims
+        assert outputs[state.output_name] == (elem, dims) == (TRITON_TO_ONNX[dtype_name(state.data_type)], list(state.dims))
         assert state.initial_state[0].zero_data and list(state.initial_state[0].dims) == dims
-    kind = config.instance_group[0].kind
-    assert model_config_pb2.ModelInstanceGroup.Kind.Name(kind) == "KIND_GPU"
+    assert model_config_pb2.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_GPU"
 
 
 def test_serving_knobs_render(spec):
@@ -139,8 +136,7 @@ def test_native_state_shares_one_buffer_and_threads_render_only_when_set(spec):
     assert "intra_op_thread_count" not in native
     plan = render_config(spec, "tensorrt")
     assert "use_same_buffer_for_input_output" not in plan and "parameters" not in plan
-    threaded = render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU", intra_op_threads=1))
-    config = text_format.Parse(threaded, model_config_pb2.ModelConfig())
+    config = parse(render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU", intra_op_threads=1)))
     assert config.parameters["intra_op_thread_count"].string_value == "1"
     assert config.parameters["enable_mem_pattern"].string_value == "0"
     assert all(state.use_same_buffer_for_input_output for state in config.sequence_batching.state)
@@ -158,19 +154,16 @@ def test_spec_refuses_names_that_sort_differently():
     assert DecoderSpec.from_dict(json.loads(good.to_json())) == good
 
 
-def test_render_repository_never_writes_into_the_tracked_repository(spec, onnx_fp32):
+def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
+    """The model files of both models; code2wav sends at most the frames per call its export takes.
+    Never into the tracked repository; tensorrt only with a plan."""
     with pytest.raises(ValueError, match="refusing to render into the tracked model repository"):
         render_repository(spec, onnx_fp32 / "model.onnx", REPO_ROOT / "model_repository", "python-ort")
-
-
-def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
-    """The model files of both models; code2wav sends at most the frames per call its export takes."""
     smaller = DecoderSpec.from_dict({**spec.to_dict(), "max_frames_per_step": 4})
     out = render_repository(smaller, onnx_fp32 / "model.onnx", tmp_path / "repo", "python-ort")
     for path in ("code2wav/config.pbtxt", "code2wav/1/model.py", "code2wav/1/code2wav_core.py",
                  "code2wav/1/model_errors.py", "code2wav/1/idle_sweeper.py", "mimi_decoder/config.pbtxt",
-                 "mimi_decoder/1/model.py",
-                 "mimi_decoder/1/python_ort_core.py", "mimi_decoder/1/python_ort_config.py",
+                 "mimi_decoder/1/model.py", "mimi_decoder/1/python_ort_core.py", "mimi_decoder/1/python_ort_config.py",
                  "mimi_decoder/1/model_metrics.py", "mimi_decoder/1/model.onnx"):
         assert (out / path).is_file(), path
     with pytest.raises(ValueError, match="needs a plan file"):
@@ -191,16 +184,16 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     assert tracked.sequence_batching.oldest.max_candidate_sequences == 2048
     assert parse(CHECKED_IN_CONFIG.read_text()).sequence_batching.oldest.max_candidate_sequences == 1024
 
+    def render(target: str, out: Path, *flags: str) -> tuple[model_config_pb2.ModelConfig, ...]:
+        assert main(["render", "--target", target, "--export-dir", str(onnx_fp32), "--out", str(out), *flags]) == 0
+        return tuple(parse((out / model / "config.pbtxt").read_text()) for model in ("code2wav", "mimi_decoder"))
+
     gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
-    assert main(["render", "--target", "onnxruntime", "--export-dir", str(onnx_fp32), "--out", str(gpu),
-                 "--max-live-streams", "256"]) == 0
-    assert main(["render", "--target", "python-ort", "--export-dir", str(onnx_fp32), "--out", str(cpu),
-                 "--max-live-streams", "256", "--max-queue-delay-us", "0"]) == 0
-    assert parse((cpu / "mimi_decoder" / "config.pbtxt").read_text()).sequence_batching.oldest.max_queue_delay_microseconds == 0
-    assert parse((gpu / "mimi_decoder" / "config.pbtxt").read_text()).sequence_batching.oldest.max_queue_delay_microseconds == 2000
-    for repository in (gpu, cpu):
-        code2wav = parse((repository / "code2wav" / "config.pbtxt").read_text())
-        decoder = parse((repository / "mimi_decoder" / "config.pbtxt").read_text())
+    gpu_configs = render("onnxruntime", gpu, "--max-live-streams", "256")
+    cpu_configs = render("python-ort", cpu, "--max-live-streams", "256", "--max-queue-delay-us", "0")
+    assert cpu_configs[1].sequence_batching.oldest.max_queue_delay_microseconds == 0
+    assert gpu_configs[1].sequence_batching.oldest.max_queue_delay_microseconds == 2000
+    for code2wav, decoder in (gpu_configs, cpu_configs):
         assert code2wav.parameters["max_live_streams"].string_value == "256"
         assert code2wav.sequence_batching.oldest.max_candidate_sequences == 512
         assert decoder.sequence_batching.oldest.max_candidate_sequences == 256
@@ -216,9 +209,7 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     shared = tmp_path / "shared"
     assert code2wav.sequence_batching.oldest.max_queue_delay_microseconds == 3000  # as checked in
     assert tracked.sequence_batching.oldest.max_queue_delay_microseconds == 3000
-    assert main(["render", "--target", "null", "--export-dir", str(onnx_fp32), "--out", str(shared),
-                 "--max-live-streams", "255", "--front-instances", "2", "--front-queue-delay-us", "0"]) == 0
-    code2wav = parse((shared / "code2wav" / "config.pbtxt").read_text())
+    code2wav = render("null", shared, "--max-live-streams", "255", "--front-instances", "2", "--front-queue-delay-us", "0")[0]
     assert code2wav.instance_group[0].count == 2
     assert code2wav.sequence_batching.oldest.max_queue_delay_microseconds == 0
     assert code2wav.parameters["max_live_streams"].string_value == "127"  # 2 x 127 <= 255
@@ -227,5 +218,4 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
                  "--max-live-streams", "2", "--front-instances", "3"]) == 2
     assert "front_instances (3) must not exceed the streams the decoder holds (2)" in capsys.readouterr().err
     # The python-ort decoder holds state for as many streams as it has sequence slots.
-    python_ort = parse((cpu / "mimi_decoder" / "config.pbtxt").read_text())
-    assert python_ort.parameters["max_live_streams"].string_value == "256"
+    assert cpu_configs[1].parameters["max_live_streams"].string_value == "256"

@@ -19,26 +19,23 @@ SOURCES = {("model.py", 10): "                sender.send(self._response(result)
            ("code2wav_core.py", 5): "        for stream in self._streams:",
            ("code2wav_calls.py", 49): "        while (call := self._calls.get()) is not None:",
            ("code2wav_calls.py", 53): "                result = blocking_call()"}
-RAW = "\n".join([
-    # The thread pool running a decoder call: a pb_utils call wherever it came from.
-    "_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:83);run (concurrent/futures/thread.py:58) 7",
-    # A line of the front calling into pb_utils, and one of its own Python.
-    "_run_once (asyncio/base_events.py:1922);_send_answers (/srv/repo/code2wav/1/model.py:10) 4",
-    "_run_once (asyncio/base_events.py:1922);_answer (model.py:11) 2",
-    # The stream table's Python under a stdlib helper: the innermost line of the front's own files.
-    "_run (asyncio/events.py:80);process (code2wav_core.py:5);helper (contextlib.py:334) 3",
-    # numpy, innermost.
-    "_stream_request (model.py:11);copy (numpy/core/numeric.py:100) 2",
-    # The event loop itself, the pool waiting for work, and nothing of the front's.
-    "run_forever (asyncio/base_events.py:607);_run_once (asyncio/base_events.py:1910) 3",
-    "_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:81) 1",
-    "<module> (server.py:1);main (other.py:2) 1",
-    # code2wav's decoder-call threads: one waiting for its next call (not the front's work, and not
-    # among its busiest lines), one running a decoder call (a pb_utils call).
-    "_bootstrap (threading.py:1002);_work (code2wav_calls.py:49) 6",
-    "_bootstrap (threading.py:1002);_work (code2wav_calls.py:53) 2",
-    "not a sample line",
-])
+# In turn: the thread pool running a decoder call (a pb_utils call wherever it came from); a line of the
+# front calling into pb_utils, one of its own Python, and its stream table's Python under a stdlib helper
+# (the innermost line of its own files counts); numpy, innermost; the event loop, the pool waiting for
+# work, nothing of the front's; code2wav's decoder-call threads waiting for their next call (not the
+# front's work, not among its busiest lines) and running a decoder call (a pb_utils call).
+RAW = """\
+_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:83);run (concurrent/futures/thread.py:58) 7
+_run_once (asyncio/base_events.py:1922);_send_answers (/srv/repo/code2wav/1/model.py:10) 4
+_run_once (asyncio/base_events.py:1922);_answer (model.py:11) 2
+_run (asyncio/events.py:80);process (code2wav_core.py:5);helper (contextlib.py:334) 3
+_stream_request (model.py:11);copy (numpy/core/numeric.py:100) 2
+run_forever (asyncio/base_events.py:607);_run_once (asyncio/base_events.py:1910) 3
+_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:81) 1
+<module> (server.py:1);main (other.py:2) 1
+_bootstrap (threading.py:1002);_work (code2wav_calls.py:49) 6
+_bootstrap (threading.py:1002);_work (code2wav_calls.py:53) 2
+not a sample line"""
 
 
 def test_samples_are_charged_to_the_part_of_the_stub_that_ran_them():
@@ -92,7 +89,5 @@ def test_a_short_run_compares_the_fronts_and_splits_the_stubs_cpu(repository_for
     rows = dict(front.breakdown(point, "code2wav"))
     split = sum(ms for what, ms in rows.items() if what.startswith("CPU: front stub, "))
     assert split == pytest.approx(rows["CPU: front stub"]) and rows["CPU: front stub"] > 0
-    results = {"meta": {}, "conversations": 4, "unpaced": 4, "seconds": 1.5, "rounds": 1, "rate": 1000,
-               "budget_ms": 80.0, "sampling": None, "points": [point]}
-    table = front.front_markdown(results)
+    table = front.front_markdown({**vars(args), "meta": {}, "sampling": None, "points": [point]})
     assert f"| CPU: front stub, {front.PB_UTILS} |" in table and "| 1 | code2wav |" in table

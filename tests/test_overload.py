@@ -1,11 +1,7 @@
-"""An overload of the front: `code2wav-server serve` of the null decoder (the front alone, answering
-at once) under more live conversations than two cores carry, as a talker pipeline would send them.
-
-192 conversations tick together every 80 ms, one request in flight each, each request carrying every
-frame produced since the conversation's last answer; then rounds of 32, 64 and 96. The overload may
-end in slow answers or clear refusals, never in a dead stub: no Python stub dies, serve restarts
-nothing, every answer holds the audio of exactly the frames it was sent, and a fresh conversation
-decodes afterwards.
+"""An overload of the front: `code2wav-server serve` of the null decoder under more live conversations than two
+cores carry, paced as a talker sends them (192 ticking every 80 ms, one request in flight each, carrying every frame
+since the last answer; then 32, 64 and 96). It may end in slow answers or clear refusals, never in a dead stub: each
+answer holds exactly the frames sent, serve restarts nothing, and a fresh conversation decodes afterwards.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ from helpers import serve_cli, stop_cli
 pytestmark = pytest.mark.server
 
 TICKS = 40
-ROUNDS = (192, 32, 64, 96)
 
 
 async def _conversation(client: Code2WavClient, index: int, errors: list[str], answers: list[int]) -> None:
@@ -45,37 +40,33 @@ async def _conversation(client: Code2WavClient, index: int, errors: list[str], a
         errors.append(" ".join(str(error).split())[:300])
 
 
-def _round(url: str, conversations: int) -> tuple[list[str], list[int], float]:
-    errors: list[str] = []
-    answers: list[int] = []
+def _round(url: str, conversations: int) -> tuple[list[str], list[int]]:
+    errors, answers = [], []
 
     async def main() -> None:
         async with Code2WavClient(url, StreamOptions(response_timeout_s=30.0, resume=False)) as client:
             await asyncio.gather(*(_conversation(client, i, errors, answers) for i in range(conversations)))
 
-    began = time.perf_counter()
     asyncio.run(main())
-    return errors, answers, time.perf_counter() - began
+    return errors, answers
 
 
 def test_an_overload_ends_in_answers_or_refusals_never_a_dead_stub(repository_for, tmp_path):
     log = tmp_path / "server.log"
     with serve_cli(repository_for("null"), log) as (cli, (_, grpc_port, _), out):
         url = f"127.0.0.1:{grpc_port}"
-        refusals = []
-        for conversations in ROUNDS:
-            errors, answers, wall_s = _round(url, conversations)
-            print(f"{conversations} conversations: {len(answers)} answers ({sum(answers)} frames) in {wall_s:.1f} s, "
+        for conversations in (192, 32, 64, 96):
+            errors, answers = _round(url, conversations)
+            print(f"{conversations} conversations: {len(answers)} answers ({sum(answers)} frames), "
                   f"{len(errors)} errors {sorted(set(errors))[:3]}")
-            assert not any("is not healthy" in error for error in errors), errors
-            refusals += errors
-        fresh_errors, fresh, _ = _round(url, 1)
+            # Refusals are allowed under overload, but each must say what happened.
+            assert all(error.strip() and "is not healthy" not in error for error in errors), errors
+        fresh_errors, fresh = _round(url, 1)
         assert not fresh_errors and sum(fresh) == TICKS, fresh_errors
         output = stop_cli(cli, out)
     assert cli.returncode == 0, output
     assert "Python stub is dead" not in output and "tritonserver restarted" not in output, output
     text = log.read_text()
-    assert "Stub process" not in text and "Signal (11)" not in text, text[-3000:]
-    assert "Fatal Python error" not in text, text[-3000:]  # code2wav's stub died, its exit included
-    # Refusals are allowed under overload, but each must say what happened.
-    assert all(error.strip() for error in refusals)
+    # A stub that crashed, or code2wav's stub's stacks written as it died (the exit included).
+    for fault in ("Stub process", "Signal (11)", "Fatal Python error"):
+        assert fault not in text, text[-3000:]

@@ -1,7 +1,6 @@
 """server/triton-watchdog.sh, the entrypoint every server runs under (serve, compose, Kubernetes),
 around the real tritonserver: a hung server (SIGSTOP) or one with a dead Python stub is killed and the
-script exits 137; a loading server is left alone; SIGTERM drains it and the script exits 0; the access
-folder becomes tritonserver's flags.
+script exits 137; a loading server is left alone; the access folder becomes tritonserver's flags.
 """
 
 from __future__ import annotations
@@ -18,15 +17,16 @@ import pytest
 from test_server_launcher import infer_add_one, write_model
 
 from mimi_code2wav.server.processes import process_group_alive
-from mimi_code2wav.server.triton import TritonServer
+from mimi_code2wav.server.triton import TritonServer, fetch_metrics, metric_value
 
 from helpers import REPO_ROOT, make_pki, process_exists, stub_pid, wait_until
 
 pytestmark = pytest.mark.server
 
 WATCHDOG = REPO_ROOT / "server" / "triton-watchdog.sh"
-INTERVAL_S, TIMEOUT_S, CHECKS = 0.2, 0.5, 3
-PROBE_S, PROBE_TIMEOUT_S = 1, 10
+# A health check every 0.2 s, a hang after 3 unanswered within 0.5 s; a stub probe every second.
+FAST = {"WATCHDOG_INTERVAL_S": "0.2", "WATCHDOG_TIMEOUT_S": "0.5", "WATCHDOG_CHECKS": "3", "WATCHDOG_PROBE_S": "1",
+        "WATCHDOG_PROBE_TIMEOUT_S": "10"}
 RESTRICT = ("grpc-restricted-protocol", "http-restricted-api")
 
 
@@ -48,9 +48,8 @@ class PodServer(TritonServer):
 def watched(repository: Path, log: Path, pod_args_file: Path | None = None, **kwargs):
     """A ready tritonserver under the entrypoint with its checks and probes on, as compose starts it,
     with fast settings; stopped on the way out, leaving no process."""
-    server = (PodServer if pod_args_file else TritonServer)(repository, log_path=log, watch=True, watch_env={
-        "WATCHDOG_INTERVAL_S": str(INTERVAL_S), "WATCHDOG_TIMEOUT_S": str(TIMEOUT_S), "WATCHDOG_CHECKS": str(CHECKS),
-        "WATCHDOG_PROBE_S": str(PROBE_S), "WATCHDOG_PROBE_TIMEOUT_S": str(PROBE_TIMEOUT_S)}, **kwargs)
+    server = (PodServer if pod_args_file else TritonServer)(repository, log_path=log, watch=True, watch_env=FAST,
+                                                            **kwargs)
     server.pod_args_file = pod_args_file
     try:
         server.start()
@@ -58,14 +57,13 @@ def watched(repository: Path, log: Path, pod_args_file: Path | None = None, **kw
         yield server
     finally:
         server.stop(grace_s=5)
-    assert wait_until(lambda: not process_group_alive(server.pid), 5.0), "the watchdog left a process behind"
+    assert wait_until(lambda: not process_group_alive(server.pid), 30), "the watchdog left a process behind"
 
 
-def watchdog(access_dir: Path | None, *command: str, **env: str) -> subprocess.CompletedProcess:
+def watchdog(access_dir: Path, *command: str, **env: str) -> subprocess.CompletedProcess:
     """The script run here on `command`, with `access_dir` as its access folder."""
-    access = {} if access_dir is None else {"WATCHDOG_ACCESS_DIR": str(access_dir)}
-    return subprocess.run(["sh", str(WATCHDOG), *command], capture_output=True, text=True, timeout=10,
-                          env={**os.environ, **access, **env})
+    return subprocess.run(["sh", str(WATCHDOG), *command], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "WATCHDOG_ACCESS_DIR": str(access_dir), **env})
 
 
 def kubernetes_triton() -> dict:
@@ -78,18 +76,25 @@ def kubernetes_triton() -> dict:
     return triton
 
 
-def test_a_hung_server_is_killed_and_the_watchdog_exits_137(tmp_path):
+def probe_count(server: TritonServer) -> float:
+    """The decoder's successful requests: the watchdog's probes, and the test's own."""
+    return metric_value(fetch_metrics(server.metrics_url), "nv_inference_request_success", model="mimi_decoder") or 0
+
+
+def test_a_loading_server_is_left_alone_and_a_hung_one_killed_and_the_watchdog_exits_137(tmp_path):
+    """The model takes 3 s to load: the endpoints are not up (refused connections) for longer than the
+    watchdog's 3 checks of 0.5 s, which must not count as a hang; a server that stops answering does.
+    (SIGTERM drains it and the script exits 0: serve's SIGHUP in test_server_launcher.)"""
     log = tmp_path / "server.log"
-    with watched(write_model(tmp_path / "repo"), log) as server:
+    with watched(write_model(tmp_path / "repo", initialize="import time\ntime.sleep(3)"), log) as server:
         infer_add_one(server.grpc_url)
         triton = server.tritonserver_pid()
-        time.sleep(4 * INTERVAL_S)
-        assert server.is_alive(), f"a healthy server was killed:\n{log.read_text()[-2000:]}"
+        time.sleep(0.8)  # four health checks
+        assert server.is_alive() and "triton-watchdog: tritonserver" not in log.read_text(), log.read_text()[-2000:]
         os.kill(triton, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        # CHECKS unanswered checks in a row, each up to TIMEOUT_S after an INTERVAL_S pause.
-        bound_s = CHECKS * (INTERVAL_S + TIMEOUT_S) + 5.0
-        assert wait_until(lambda: not server.is_alive(), bound_s), f"still running {bound_s:.0f} s after the hang"
+        # 3 unanswered checks in a row, each up to 0.5 s after a 0.2 s pause: about 2 s.
+        assert wait_until(lambda: not server.is_alive(), 60), "still running 60 s after the hang"
         print(f"hang found and the server killed {time.monotonic() - stopped_at:.1f} s after SIGSTOP")
         assert server.exit_code() == 128 + signal.SIGKILL
         assert not process_exists(triton)
@@ -98,7 +103,7 @@ def test_a_hung_server_is_killed_and_the_watchdog_exits_137(tmp_path):
     assert "3 times in a row: hung; killing it (SIGKILL)" in text
 
 
-@pytest.mark.parametrize("start", ["compose", "kubernetes", "plaintext"])
+@pytest.mark.parametrize("start", ["compose", "kubernetes"])
 def test_a_dead_stub_gets_the_server_killed_and_tls_and_keys_come_from_the_access_folder(repository_for, tmp_path,
                                                                                          start):
     """A code2wav stub that died (SIGKILL stands in for its segfault) leaves the server answering ready
@@ -106,71 +111,44 @@ def test_a_dead_stub_gets_the_server_killed_and_tls_and_keys_come_from_the_acces
     (the pod's liveness probe asks only /v2/health/live). With the files of WATCHDOG_ACCESS_DIR (as
     compose mounts CODE2WAV_ACCESS_DIR, and the Kubernetes pods the Secret code2wav-access), TLS and both
     keys are on: a client with the CA and the key decodes, one without is refused, the probe carries the
-    key, and no key shows in the log."""
+    key, and no key shows in the log. (Without an access folder: serve's restarts in test_server_launcher.)"""
     from mimi_code2wav.client.credentials import Credentials
     from mimi_code2wav.client.protocol import ClientError
     from mimi_code2wav.client.sync import Code2WavClient, run_streams
 
-    log, access, pod_args_file = tmp_path / "server.log", None, None
-    if start != "plaintext":
-        access = make_pki(tmp_path / "access")
-        (access / "inference.key").write_text("watched-inference-key\n")
-        (access / "admin.key").write_text(" watched-admin-key \n")
+    log, access, pod_args_file = tmp_path / "server.log", make_pki(tmp_path / "access"), None
+    (access / "inference.key").write_text("watched-inference-key\n")
+    (access / "admin.key").write_text(" watched-admin-key \n")
     if start == "kubernetes":
         assert kubernetes_triton()["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
         pod_args_file = tmp_path / "tritonserver.args"
         pod_args_file.write_text("--log-info=true\n")
     with watched(repository_for("null"), log, pod_args_file, access_dir=access) as server:
-        if access is not None:
-            url = f"localhost:{server.grpc_port}"
-            good = Credentials(tls_ca=str(access / "ca.pem"), key="watched-inference-key")
-            assert run_streams(url, [np.zeros((8, 4), np.int64)], credentials=good).results[0].pcm.size == 4 * 1920
-            with pytest.raises(ClientError, match="requires the inference key"):
-                Code2WavClient(url, credentials=Credentials(tls_ca=str(access / "ca.pem"))).check_ready(timeout_s=5)
-            with pytest.raises(ClientError, match="it expects TLS"):
-                Code2WavClient(url).check_ready(timeout_s=5)
-        if start == "kubernetes":  # the pod's command appended the rendered flags
-            assert "--log-info=true" in Path(f"/proc/{server.tritonserver_pid()}/cmdline").read_text().split("\0")
-        time.sleep(3 * PROBE_S)
-        assert server.is_alive(), f"a healthy server was killed (a probe without its key?):\n{log.read_text()[-2000:]}"
+        url = f"localhost:{server.grpc_port}"
+        good = Credentials(tls_ca=str(access / "ca.pem"), key="watched-inference-key")
+        assert run_streams(url, [np.zeros((8, 4), np.int64)], credentials=good).results[0].pcm.size == 4 * 1920
+        with pytest.raises(ClientError, match="requires the inference key"):
+            Code2WavClient(url, credentials=Credentials(tls_ca=str(access / "ca.pem"))).check_ready(timeout_s=5)
+        with pytest.raises(ClientError, match="it expects TLS"):
+            Code2WavClient(url).check_ready(timeout_s=5)
         triton = server.tritonserver_pid()
+        if start == "kubernetes":  # the pod's command appended the rendered flags
+            assert "--log-info=true" in Path(f"/proc/{triton}/cmdline").read_text().split("\0")
+        # Two probes reach the decoder, with the key, and leave the server alone.
+        probes = probe_count(server)
+        assert wait_until(lambda: probe_count(server) >= probes + 2, 60, poll_s=0.5), "no probe reached the decoder"
+        assert server.is_alive(), f"a healthy server was killed:\n{log.read_text()[-2000:]}"
         os.kill(stub_pid(server.pid), signal.SIGKILL)
         killed_at = time.monotonic()
-        assert wait_until(lambda: not server.is_alive(), 2 * (PROBE_S + PROBE_TIMEOUT_S)), "the dead stub went unnoticed"
+        assert wait_until(lambda: not server.is_alive(), 90), "the dead stub went unnoticed"
         print(f"dead stub found and the server killed {time.monotonic() - killed_at:.1f} s after the stub's death")
         assert server.exit_code() == 128 + signal.SIGKILL
     text = log.read_text()
     assert f"triton-watchdog: tritonserver (pid {triton}) answers, but a Python stub is dead" in text, text[-2000:]
     assert "Stub process 'code2wav_0_0' is not healthy" in text, text[-2000:]
-    if access is not None:
-        assert (f"triton-watchdog: access: TLS on gRPC, inference key required, admin key required (from {access})"
-                in text), text[:2000]
-        assert "watched-inference-key" not in text and "watched-admin-key" not in text
-
-
-def test_a_loading_server_is_left_alone_and_sigterm_drains_it(tmp_path):
-    # The model takes 3 s to load: the endpoints are not up (refused connections) for longer than the
-    # watchdog's CHECKS x TIMEOUT_S, which must not count as a hang.
-    log = tmp_path / "server.log"
-    with watched(write_model(tmp_path / "repo", initialize="import time\ntime.sleep(3)"), log) as server:
-        infer_add_one(server.grpc_url)
-        triton = server.tritonserver_pid()
-        os.kill(server.pid, signal.SIGTERM)
-        assert server.process.wait(30) == 0, f"the watchdog should exit with tritonserver's code:\n{log.read_text()[-2000:]}"
-        assert not process_exists(triton)
-    assert "triton-watchdog: tritonserver" not in log.read_text()
-    assert "Non-graceful termination" not in log.read_text()
-
-
-def test_the_watchdog_refuses_a_missing_command_and_bad_settings():
-    result = watchdog(None)
-    assert result.returncode == 2 and "usage: triton-watchdog.sh COMMAND" in result.stderr
-    result = watchdog(None, "true", WATCHDOG_CHECKS="-1")
-    assert result.returncode == 2 and "WATCHDOG_CHECKS must be a whole number, got '-1'" in result.stderr
-    result = watchdog(None, "true", WATCHDOG_PROBE_S="x")
-    assert result.returncode == 2 and "WATCHDOG_PROBE_S must be a whole number of seconds, got 'x'" in result.stderr
-    # The command's own exit code comes back.
-    assert watchdog(None, "sh", "-c", "exit 3").returncode == 3
+    assert (f"triton-watchdog: access: TLS on gRPC, inference key required, admin key required (from {access})"
+            in text), text[:2000]
+    assert "watched-inference-key" not in text and "watched-admin-key" not in text
 
 
 FLAG_CASES = [
@@ -201,13 +179,16 @@ def test_the_access_folder_becomes_tritonservers_flags(tmp_path, files, flags, a
     keys = {"inference.key": "K1", "admin.key": "K2"}
     for name in files:
         (tmp_path / name).write_text(f" {keys.get(name, 'pem')} \n")
-    done = watchdog(tmp_path, "echo", WATCHDOG_CHECKS="0", WATCHDOG_PROBE_S="0")
-    assert done.returncode == 0, done.stderr
+    done = watchdog(tmp_path, "sh", "-c", 'echo "$@"; exit 3', "sh", WATCHDOG_CHECKS="0", WATCHDOG_PROBE_S="0")
+    assert done.returncode == 3, done.stderr  # the command's own exit code comes back
     assert sorted(done.stdout.split()) == sorted(flag.format(d=tmp_path) for flag in flags)
     assert f"triton-watchdog: access: {access} (from {tmp_path})" in done.stderr
 
 
 @pytest.mark.parametrize("files, error", [
+    pytest.param({}, "usage: triton-watchdog.sh COMMAND", id="no-command"),
+    pytest.param({"WATCHDOG_CHECKS": "-1"}, "WATCHDOG_CHECKS must be a whole number, got '-1'", id="checks"),
+    pytest.param({"WATCHDOG_PROBE_S": "x"}, "WATCHDOG_PROBE_S must be a whole number of seconds, got 'x'", id="probe"),
     pytest.param({"client-ca.pem": "x"}, "mutual TLS (client-ca.pem) needs TLS", id="mutual-without-tls"),
     pytest.param({"server.pem": "x"}, "TLS needs both server.pem and server.key in {d}", id="half-a-certificate"),
     pytest.param({"inference.key": "two words"}, "inference.key must hold one key", id="two-words"),
@@ -217,9 +198,13 @@ def test_the_access_folder_becomes_tritonservers_flags(tmp_path, files, flags, a
     pytest.param({"inference.key": "same", "admin.key": "same"}, "admin.key must differ from inference.key",
                  id="same-keys"),
 ])
-def test_the_access_folder_refuses_what_no_server_can_run(tmp_path, files, error):
+def test_the_watchdog_refuses_bad_settings_and_what_no_server_can_run(tmp_path, files, error):
+    """Settings (WATCHDOG_*) and the access folder's files it cannot run with: exit code 2, saying why,
+    quoting no key."""
     for name, text in files.items():
-        (tmp_path / name).write_text(text + "\n")
-    done = watchdog(tmp_path, "true")
+        if not name.startswith("WATCHDOG_"):
+            (tmp_path / name).write_text(text + "\n")
+    settings = {name: text for name, text in files.items() if name.startswith("WATCHDOG_")}
+    done = watchdog(tmp_path, *([] if "usage" in error else ["true"]), **settings)
     assert done.returncode == 2 and error.format(d=tmp_path) in done.stderr, done.stderr
     assert "a:b" not in done.stderr, "a key was quoted"

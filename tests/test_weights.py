@@ -19,31 +19,22 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from mimi_code2wav.export.weights import WeightsError, load_weights, new_model, randomize_  # noqa: E402
 
 
-def test_moshi_loads_the_checkpoint_and_both_decode_alike(moshi_checkpoint, mimi):
-    """The test checkpoint is one moshi itself loads; through our mapping it decodes the same audio."""
-    from moshi.models.loaders import get_mimi
-
-    path, _ = moshi_checkpoint
-    moshi_model = get_mimi(str(path), device="cpu", num_codebooks=NUM_CODEBOOKS)  # moshi's own loader, strict
-    codes = torch.from_numpy(np.random.default_rng(0).integers(0, CODEBOOK_SIZE, (1, NUM_CODEBOOKS, 20)))
-    with torch.no_grad():
-        reference = moshi_model.decode(codes)[0, 0].numpy()
-        ours = mimi.model.decode(codes).audio_values[0, 0].numpy()
-    assert mimi.kind == "moshi" and len(mimi.sha256) == 64
-    assert_equal_audio(ours, reference, what="transformers MimiModel (mapped) vs moshi, offline decode")
-
-
-def test_moshi_mapping_covers_the_encoder(moshi_checkpoint, mimi):
-    """Encoder weights map too (WAV -> codes uses them): both encoders pick the same codes."""
+def test_moshi_loads_the_checkpoint_and_both_decode_and_encode_alike(moshi_checkpoint, mimi):
+    """The test checkpoint is one moshi itself loads (its own loader, strict); through our mapping it
+    decodes the same audio, and the encoder weights map too (WAV -> codes): both pick the same codes."""
     from moshi.models.loaders import get_mimi
 
     moshi_model = get_mimi(str(moshi_checkpoint[0]), device="cpu", num_codebooks=NUM_CODEBOOKS)
+    codes = torch.from_numpy(np.random.default_rng(0).integers(0, CODEBOOK_SIZE, (1, NUM_CODEBOOKS, 20)))
     audio = torch.from_numpy(np.random.default_rng(1).standard_normal((1, 1, SAMPLE_RATE_HZ)).astype(np.float32) * 0.1)
     with torch.no_grad():
-        reference = moshi_model.encode(audio).numpy()
-        ours = mimi.model.encode(audio, num_quantizers=NUM_CODEBOOKS).audio_codes.numpy()
-    assert ours.shape == reference.shape == (1, NUM_CODEBOOKS, 13)
-    assert (ours == reference).mean() > 0.95, (ours == reference).mean()
+        reference, ours = moshi_model.decode(codes)[0, 0].numpy(), mimi.model.decode(codes).audio_values[0, 0].numpy()
+        moshi_codes = moshi_model.encode(audio).numpy()
+        our_codes = mimi.model.encode(audio, num_quantizers=NUM_CODEBOOKS).audio_codes.numpy()
+    assert mimi.kind == "moshi" and len(mimi.sha256) == 64
+    assert_equal_audio(ours, reference, what="transformers MimiModel (mapped) vs moshi, offline decode")
+    assert our_codes.shape == moshi_codes.shape == (1, NUM_CODEBOOKS, 13)
+    assert (our_codes == moshi_codes).mean() > 0.95, (our_codes == moshi_codes).mean()
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +63,8 @@ FC1, RENAMED = "decoder_transformer.layers.1.mlp.fc1.weight", "decoder_transform
 
 
 @pytest.mark.parametrize("edit, messages", [
-    pytest.param(lambda t: t.pop("decoder.layers.0.conv.weight"),
-                 ["missing tensors (1): decoder.layers.0.conv.weight"], id="missing"),
+    pytest.param(lambda t: t.pop("decoder.layers.0.conv.weight"), ["missing tensors (1): decoder.layers.0.conv.weight"],
+                 id="missing"),
     pytest.param(lambda t: t.__setitem__(RENAMED, t.pop(FC1)),
                  [f"missing tensors (1): {FC1}", f"unexpected tensors (1): {RENAMED}"], id="renamed"),
     pytest.param(lambda t: t.__setitem__("upsample.conv.weight", t["upsample.conv.weight"][:, :, :2].contiguous()),
@@ -92,17 +83,18 @@ def test_a_tensor_that_does_not_fit_is_named(tiny_dir, tmp_path, edit, messages)
         assert message in str(error.value)
 
 
-def test_moshi_checkpoint_with_unknown_or_missing_tensor(moshi_checkpoint, tmp_path):
+@pytest.mark.parametrize("edit, message", [
+    pytest.param(lambda t: t.__setitem__("decoder.model.99.lstm.weight", torch.zeros(1)),
+                 r"no known Mimi name: decoder\.model\.99\.lstm\.weight", id="unknown"),
+    pytest.param(lambda t: t.pop("decoder_transformer.transformer.layers.3.linear2.weight"),
+                 r"missing tensors \(1\): decoder_transformer\.layers\.3\.mlp\.fc2\.weight", id="missing"),
+])
+def test_moshi_checkpoint_with_unknown_or_missing_tensor(moshi_checkpoint, tmp_path, edit, message):
     tensors = load_file(str(moshi_checkpoint[0]))
-    extra = dict(tensors, **{"decoder.model.99.lstm.weight": torch.zeros(1)})
-    save_file(extra, str(tmp_path / "extra.safetensors"))
-    with pytest.raises(WeightsError, match=r"no known Mimi name: decoder\.model\.99\.lstm\.weight"):
-        load_weights(tmp_path / "extra.safetensors")
-    missing = dict(tensors)
-    missing.pop("decoder_transformer.transformer.layers.3.linear2.weight")
-    save_file(missing, str(tmp_path / "missing.safetensors"))
-    with pytest.raises(WeightsError, match=r"missing tensors \(1\): decoder_transformer\.layers\.3\.mlp\.fc2\.weight"):
-        load_weights(tmp_path / "missing.safetensors")
+    edit(tensors)
+    save_file(tensors, str(tmp_path / "edited.safetensors"))
+    with pytest.raises(WeightsError, match=message):
+        load_weights(tmp_path / "edited.safetensors")
 
 
 def test_bad_sources_fail_clearly(tmp_path, monkeypatch):
@@ -128,8 +120,7 @@ def test_bad_sources_fail_clearly(tmp_path, monkeypatch):
 def test_random_weights_are_seeded_and_loud(capsys):
     a = load_weights(None, seed=4)
     assert "RANDOM weights" in capsys.readouterr().err
-    b = load_weights(None, seed=4)
-    c = load_weights(None, seed=5)
+    b, c = load_weights(None, seed=4), load_weights(None, seed=5)
     assert a.sha256 == b.sha256 != c.sha256
     wa, wb, wc = (m.model.decoder.decoder_seanet.layers[0].conv.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)

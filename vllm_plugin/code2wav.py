@@ -155,15 +155,9 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        intermediate_tensors: Any = None,
-        inputs_embeds: torch.Tensor | None = None,
-        runtime_additional_information: list[dict[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> OmniOutput:
+    def forward(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
+                runtime_additional_information: list[dict[str, Any]] | None = None, **kwargs: Any) -> OmniOutput:
         """Each request's new frames [k * F] (codebook-major) -> its PCM, float32 [F * 1920], and `sr`."""
         sr = torch.tensor(self._output_sample_rate, dtype=torch.int32)
         empty = torch.zeros((0,), dtype=torch.float32)
@@ -218,8 +212,8 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
 
     def on_requests_finished(self, finished_req_ids: set[str] | list[str]) -> None:
         """END the streams of finished requests; the runner does not wait for the answers."""
-        streams = [self._streams.pop(str(request_id), None) for request_id in finished_req_ids]
-        streams = [stream for stream in streams if stream is not None]
+        streams = [self._streams.pop(str(request_id)) for request_id in finished_req_ids
+                   if str(request_id) in self._streams]
         if streams:
             asyncio.run_coroutine_threadsafe(self._close(streams), self._loop)
 
