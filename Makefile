@@ -51,7 +51,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test: $(STAMP) $(VLLM_STAMP)
-	VLLM_OMNI_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	VLLM_OMNI_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 export: $(STAMP)
 	$(BIN)/code2wav-export build $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)

@@ -93,21 +93,31 @@ def pytest_runtest_makereport(item, call):
             )
 
 
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). Each module is one group,
-# so its module fixtures (servers) start once; every test that uses Docker is in one group, as they share
-# one engine, the stand-in images and ./bench_results. The longest groups are queued first, so that
-# neither worker is left with one of them at the end.
+
+# `make test` runs the suite on two pytest-xdist workers. Each module is one unit of work, so that its
+# module fixtures (servers) start once; the modules that use Docker are one, as they share one engine,
+# the stand-in images and ./bench_results. The longest units are queued first, so that neither worker
+# is left with one of them at the end.
+DOCKER_MODULES = ("test_compose", "test_compose_cpu", "test_compose_scale")
 LONGEST_FIRST = ("docker", "test_serving", "test_failover", "test_readme", "test_export", "test_perf_inputs",
                  "test_server_launcher", "test_aio_client", "test_vllm_omni", "test_security")
 
 
+def work_unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
+    return "docker" if module in DOCKER_MODULES else module
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = "docker" if "docker_env" in item.fixturenames else item.module.__name__.rpartition(".")[2]
-        item.add_marker(pytest.mark.xdist_group(group))
-        item.stash[_GROUP] = group
-    rank = {group: n for n, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.stash[_GROUP], len(rank)))  # stable: file order otherwise
+    rank = {unit: n for n, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))  # stable: file order otherwise
 
 
-_GROUP = pytest.StashKey[str]()
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)

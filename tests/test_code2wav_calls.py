@@ -64,8 +64,7 @@ def test_results_that_arrive_while_the_loop_is_busy_wake_it_once():
         for _ in range(10):  # every call is blocked in its thread
             assert blocked.acquire(timeout=10)
         release.set()
-        # Blocks the loop until all ten results are in.
-        assert wait_until(lambda: len(calls._results) == 10, 10, poll_s=0.001)
+        assert wait_until(lambda: len(calls._results) == 10, 10, poll_s=0.001)  # the loop blocked until all are in
         return await asyncio.gather(*futures)
 
     assert asyncio.run(main()) == list(range(10))
@@ -75,22 +74,8 @@ def test_results_that_arrive_while_the_loop_is_busy_wake_it_once():
 
 def test_threads_start_as_calls_need_them_up_to_the_cap_and_close_stops_them():
     """close() waits for the threads to end and names those still blocked in a call, whose call still finishes."""
-    calls = code2wav_calls.BlockingCalls(3)
-    running, most, lock, three_running, release = [0], [0], threading.Lock(), threading.Event(), threading.Event()
-
-    def blocking(together):
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-            if running[0] == 3:
-                three_running.set()
-        if together:  # hold the thread until the cap's three calls run at once
-            three_running.wait(5)
-        with lock:
-            running[0] -= 1
-        return True
-
-    started, blocked_in = threading.Event(), []
+    calls, three_at_once = code2wav_calls.BlockingCalls(3), threading.Barrier(3)
+    started, release, blocked_in = threading.Event(), threading.Event(), []
 
     def blocked_call():
         blocked_in.append(threading.current_thread().name)
@@ -100,10 +85,11 @@ def test_threads_start_as_calls_need_them_up_to_the_cap_and_close_stops_them():
     async def main():
         loop = asyncio.get_running_loop()
         for _ in range(4):  # one call at a time: one thread is enough
-            assert await calls.call(loop, lambda: blocking(False))
+            assert await calls.call(loop, lambda: True)
         assert calls.threads == 1
-        assert all(await asyncio.gather(*(calls.call(loop, lambda: blocking(True)) for _ in range(10))))
-        assert calls.threads == 3 and most[0] == 3, (calls.threads, most[0])
+        # Each of nine calls returns once three of them run at once (a barrier that breaks after 5 s otherwise).
+        await asyncio.gather(*(calls.call(loop, lambda: three_at_once.wait(5)) for _ in range(9)))
+        assert calls.threads == 3
         blocked = calls.call(loop, blocked_call)
         assert started.wait(10)
         assert calls.close(timeout_s=0.2) == blocked_in  # the thread blocked in it, by name:

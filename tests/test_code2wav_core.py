@@ -74,32 +74,35 @@ def expected_pcm(codes, samples_per_frame=SAMPLES):
     return np.repeat(signature, samples_per_frame)[None, :]
 
 
-class FakeDecoder:
-    """Async stand-in for the BLS helper: records every step and returns its expected_pcm. The call
-    numbered `fail_on_call` (from 1) raises `error`, `wrong_size_on_call` returns a sample short;
-    steps of the streams in `gated` wait until `gate` is set (a long request still decoding); a step of
-    stream c takes `delays[c]` seconds."""
+def assert_pcm(pcm, codes, samples_per_frame=SAMPLES):
+    """`pcm` is what the core returns for the fake decoder's PCM of codes [k, F]: float32, C-contiguous."""
+    assert pcm.dtype == np.float32 and pcm.flags.c_contiguous
+    np.testing.assert_array_equal(pcm, expected_pcm(codes, samples_per_frame))
 
-    def __init__(self, samples_per_frame=SAMPLES, fail_on_call=None, error=None, wrong_size_on_call=None, gated=(),
-                 delays=None):
+
+class FakeDecoder:
+    """Async stand-in for the BLS helper: records every step and returns its expected_pcm. Call number
+    `fail_on_call` (from 1) raises `error`, `wrong_size_on_call` returns a sample short; streams in `gated`
+    wait for `gate`; a step of stream c takes `delays[c]` seconds."""
+
+    def __init__(self, samples_per_frame=SAMPLES, fail_on_call=None, error=None, wrong_size_on_call=None, gated=(), delays=None):
         self.samples_per_frame = samples_per_frame
         self.fail_on_call, self.wrong_size_on_call = fail_on_call, wrong_size_on_call
         self.error = DecoderError("simulated decoder failure") if error is None else error
         self.gated, self.gate, self.delays = set(gated), asyncio.Event(), delays or {}
         self.calls = []  # (correlation_id, codes int32 [1, k, S], flags)
         self.events = []  # ("begin"/"end", correlation_id) in execution order
-        self.in_flight = self.max_in_flight = 0
+        self.running, self.overlaps = set(), []  # per step: (its stream, the streams in flight as it began)
 
     async def __call__(self, correlation_id, codes, flags):
         if correlation_id in self.gated:
             await self.gate.wait()
-        assert codes.dtype == np.int32 and codes.ndim == 3 and codes.shape[:2] == (1, NUM_CODEBOOKS)
-        assert codes.flags.c_contiguous
+        assert codes.dtype == np.int32 and codes.ndim == 3 and codes.shape[:2] == (1, NUM_CODEBOOKS) and codes.flags.c_contiguous
         self.calls.append((correlation_id, codes.copy(), flags))
         call_number = len(self.calls)
         self.events.append(("begin", correlation_id))
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.running.add(correlation_id)
+        self.overlaps.append((correlation_id, frozenset(self.running)))
         try:
             await asyncio.sleep(self.delays.get(correlation_id, 0))  # let other streams' steps start
             if call_number == self.fail_on_call:
@@ -107,7 +110,7 @@ class FakeDecoder:
             pcm = expected_pcm(codes[0], self.samples_per_frame)
             return pcm[:, :-1] if call_number == self.wrong_size_on_call else pcm
         finally:
-            self.in_flight -= 1
+            self.running.discard(correlation_id)
             self.events.append(("end", correlation_id))
 
     def flags(self):
@@ -124,9 +127,8 @@ class FakeDecoder:
 
 def make_table(clock=time.monotonic, **overrides):
     """One frame per decoder call unless a test says otherwise (flags and failures read per frame)."""
-    settings = code2wav_settings.Code2WavSettings(**{"samples_per_frame": SAMPLES, "decoder_max_frames_per_step": 1,
-                                                     **overrides})
-    return core.StreamTable(settings, clock=clock)
+    settings = {"samples_per_frame": SAMPLES, "decoder_max_frames_per_step": 1, **overrides}
+    return core.StreamTable(code2wav_settings.Code2WavSettings(**settings), clock=clock)
 
 
 # The table's streams and queue have no public reader (they are the table's alone).
@@ -137,10 +139,6 @@ def is_live(table, correlation_id):
 def decoded_of(table, correlation_id):
     """A live stream's decoded codes [k, frames] (read-only), from its base (where it was resumed, or 0) on."""
     return table._streams[correlation_id].decoded.codes()
-
-
-def base_of(table, correlation_id):
-    return table._streams[correlation_id].base
 
 
 async def process_batch(table, requests, decode_step):
@@ -165,8 +163,7 @@ def send_error(table, decoder, correlation_id, flags, codes=None, error=RequestE
 # ---- settings (the checked-in config: test_code2wav_config.py; the policy: test_model_common.py) ----
 
 def model_config(idle_us=30_000_000, **changes):
-    """A model config as Triton hands it to initialize, with the default settings; a change of None
-    removes that parameter."""
+    """A model config as Triton hands it to initialize, default settings; a change of None removes that parameter."""
     settings = code2wav_settings.Code2WavSettings()
     parameters = {name: str(getattr(settings, name)) for name in code2wav_settings.PARAMETER_TYPES}
     return triton_model_config({**parameters, **changes}, idle_us)
@@ -175,16 +172,14 @@ def model_config(idle_us=30_000_000, **changes):
 def test_parameters_are_parsed_from_strings():
     config = model_config(idle_us="5000000", decoder_model_name="other_decoder", dedupe_mode="delta")
     settings = code2wav_settings.settings_from_config(config)  # the idle timeout in the JSON form of a uint64
-    assert (settings.decoder_model_name, settings.dedupe_mode) == ("other_decoder", "delta")
-    assert settings.stream_idle_timeout_s == 5.0
+    assert (settings.decoder_model_name, settings.dedupe_mode, settings.stream_idle_timeout_s) == ("other_decoder", "delta", 5.0)
 
 
 @pytest.mark.parametrize("change, parameter, message", [
     pytest.param({"num_codebooks": None}, "num_codebooks", "missing", id="missing"),
     pytest.param({"samples_per_frame": "0"}, "samples_per_frame", "positive integer", id="zero"),
     pytest.param({"max_request_frames": "-1"}, "max_request_frames", "positive integer", id="negative"),
-    pytest.param({"decoder_frames_per_step": "1"}, "decoder_frames_per_step",
-                 "unknown parameter (known: decoder_model_name, num_codebooks", id="removed"),
+    pytest.param({"decoder_frames_per_step": "1"}, "decoder_frames_per_step", "unknown parameter (known: decoder_model_name, num_codebooks", id="removed"),
     pytest.param({"dedupe_mode": "both"}, "dedupe_mode", "auto, delta, cumulative", id="mode"),
     pytest.param({"decoder_model_name": " "}, "decoder_model_name", "non-empty", id="name"),
 ])
@@ -198,8 +193,7 @@ def test_bad_parameters_fail_naming_the_parameter(change, parameter, message):
 # ---- what a request decodes: frame_offset, dedupe_mode, the resume point ----------------------------
 
 R = make_codes(24, seed=4)
-CHANGED = " differs from the frame stream 1 already decoded at that index; decoded frames cannot change (START a new " \
-    "sequence instead)"
+CHANGED = " differs from the frame stream 1 already decoded at that index; decoded frames cannot change (START a new sequence instead)"
 RESUMED = (R[:, 10:16], 10, 4)  # a START at frame 10 with history [10, 14) and new frames [14, 16)
 REQUESTS = [  # (dedupe_mode (None: the default), the START (codes, frame_offset, history_frames), the requests
     # after it: (flags, codes, frame_offset, the frames it decodes or (kind, message)))
@@ -220,32 +214,24 @@ REQUESTS = [  # (dedupe_mode (None: the default), the START (codes, frame_offset
     pytest.param("cumulative", (silence(2), None, None), [(0, silence(3), None, silence(1))], id="cumulative-silence"),
     # A pipeline's stage 0 sends 1 frame, then 5-frame deltas, without frame_offset; a listening duplex model
     # emits one silence code at length: by default, every frame is decoded once.
-    pytest.param(None, (silence(1), None, None), [(0, silence(5), None, silence(5))] * 3 + [
-        (0, silence(3), None, silence(3))], id="default-deltas-so-silence-is-never-lost"),
+    pytest.param(None, (silence(1), None, None), [(0, silence(5), None, silence(5))] * 3 + [(0, silence(3), None, silence(3))], id="default-deltas-so-silence-is-never-lost"),
     pytest.param("cumulative", (R[:, :5], None, None), [
-        (0, R[:, :4], None, ("not_cumulative", "dedupe_mode=cumulative: the request holds 4 frames but stream 1 has "
-                             "decoded 5; a cumulative request starts with all of them")),
+        (0, R[:, :4], None, ("not_cumulative", "dedupe_mode=cumulative: the request holds 4 frames but stream 1 has decoded 5; a cumulative request starts with all of them")),
         (0, changed_at(R[:, :6], 1, codebook=2), None, ("changed_frame", "frame 1" + CHANGED)),
     ], id="cumulative-refuses-what-is-not-the-decoded-frames-and-more"),
     pytest.param("delta", RESUMED, [
         (0, R[:, 16:18], 16, R[:, 16:18]),
         (0, R[:, 12:20], 12, R[:, 18:20]),  # an overlap with the decoded frames (a retry) decodes only what is new
-        (0, R[:, 21:23], 21, ("gap", "frame_offset 21 leaves a gap: stream 1 has decoded 20 frames, so frame_offset "
-                                     "must be at most 20")),
+        (0, R[:, 21:23], 21, ("gap", "frame_offset 21 leaves a gap: stream 1 has decoded 20 frames, so frame_offset must be at most 20")),
         (0, changed_at(R[:, 11:21], 2, codebook=3), 11, ("changed_frame", "frame 13" + CHANGED)),
-        (0, R[:, 9:16], 9, ("before_resume", "frame_offset 9 is before frame 10, where stream 1 was resumed on this "
-                            "server: frames before 10 are not held here and cannot be compared; send frames from 10 on")),
+        (0, R[:, 9:16], 9, ("before_resume", "frame_offset 9 is before frame 10, where stream 1 was resumed on this server: frames before 10 are not held here and cannot be compared; send frames from 10 on")),
         (END, R[:, 20:24], 20, R[:, 20:24]),  # the history counts as decoded: the next frame is 20
     ], id="resumed-offsets-are-stream-indices"),
-    pytest.param("delta", RESUMED, [(0, R[:, 16:18], None, R[:, 16:18]), (0, R[:, 10:16], None, R[:, 10:16])],
-                 id="resumed-delta-decodes-a-cumulative-resend-whole"),
-    pytest.param("auto", RESUMED, [(0, R[:, 16:18], None, R[:, 16:18]), (0, R[:, 10:20], None, R[:, 18:20])],
-                 id="resumed-auto-reads-a-resend-from-the-base"),
+    pytest.param("delta", RESUMED, [(0, R[:, 16:18], None, R[:, 16:18]), (0, R[:, 10:16], None, R[:, 10:16])], id="resumed-delta-decodes-a-cumulative-resend-whole"),
+    pytest.param("auto", RESUMED, [(0, R[:, 16:18], None, R[:, 16:18]), (0, R[:, 10:20], None, R[:, 18:20])], id="resumed-auto-reads-a-resend-from-the-base"),
     pytest.param("cumulative", RESUMED, [
         (0, R[:, 10:18], None, R[:, 16:18]),
-        (0, R[:, 12:19], None, ("not_cumulative", "dedupe_mode=cumulative: the request holds 7 frames but stream 1 "
-                                "has decoded 8 since frame 10, where it was resumed on this server; a cumulative "
-                                "request starts with all of them")),
+        (0, R[:, 12:19], None, ("not_cumulative", "dedupe_mode=cumulative: the request holds 7 frames but stream 1 has decoded 8 since frame 10, where it was resumed on this server; a cumulative request starts with all of them")),
         (0, R[:, :18], None, ("changed_frame", "frame 10" + CHANGED)),
     ], id="resumed-cumulative-requests-start-at-the-base"),
 ]
@@ -253,10 +239,8 @@ REQUESTS = [  # (dedupe_mode (None: the default), the START (codes, frame_offset
 
 @pytest.mark.parametrize("mode, opening, requests", REQUESTS)
 def test_a_request_decodes_only_the_frames_its_stream_has_not_decoded(mode, opening, requests):
-    """Only new frames are decoded, found by frame_offset or else as dedupe_mode reads the request against the
-    frames held since the stream's base (its START or resume point). A resumed stream's offsets stay stream
-    indices, its history counts as decoded, frames before its base cannot be compared; a refused request
-    changes nothing."""
+    """New frames are found by frame_offset, or else as dedupe_mode reads the request against the frames held
+    since the stream's base (its START or resume point); a refused request changes nothing."""
     table = make_table(max_new_frames_per_request=6, **({} if mode is None else {"dedupe_mode": mode}))
     decoder = FakeDecoder()
     held, base, history_frames = opening
@@ -269,16 +253,36 @@ def test_a_request_decodes_only_the_frames_its_stream_has_not_decoded(mode, open
             assert table.stats().errors_by_kind[error.kind] == errors[error.kind] + 1
         else:
             pcm = send(table, decoder, 1, flags, codes, frame_offset=frame_offset)
-            assert pcm.dtype == np.float32
-            np.testing.assert_array_equal(pcm, expected_pcm(outcome))
+            assert_pcm(pcm, outcome)
             held = np.concatenate([held, outcome], axis=1)
             assert not any(step_flags & START for step_flags in decoder.flags()[calls:])
         if not flags & END:
-            assert base_of(table, 1) == (base or 0)
+            assert table._streams[1].base == (base or 0)
             np.testing.assert_array_equal(decoded_of(table, 1), held)
         np.testing.assert_array_equal(decoder.decoded_codes(), held)
         assert table.stats().frames_decoded == held.shape[1]
     assert is_live(table, 1) == (not flags & END)
+
+
+def test_decoded_codes_grow_geometrically_keep_every_frame_and_take_the_smallest_dtype():
+    table, decoder = make_table(), FakeDecoder()
+    codes = make_codes(1000, seed=9)
+    send(table, decoder, 1, START, codes[:, :1])
+    capacities, position, step = set(), 1, 1
+    while position < 1000:
+        stop = min(1000, position + step)
+        send(table, decoder, 1, 0, codes[:, position:stop], frame_offset=position)
+        capacities.add(table._streams[1].decoded.capacity)
+        position, step = stop, step % 7 + 1
+    decoded = decoded_of(table, 1)
+    np.testing.assert_array_equal(decoded, codes)
+    assert decoded.dtype == np.int16 and not decoded.flags.writeable
+    assert len(capacities) <= 6 and 1000 <= max(capacities) <= 2048  # 64 -> 128 -> ... -> 1024: a few reallocations
+    assert table.stats().frames_decoded == 1000
+    large = code2wav_stream.DecodedCodes(NUM_CODEBOOKS, 40000)
+    large.append(np.full((NUM_CODEBOOKS, 3), 39999, np.int64))
+    assert large.dtype == np.int32
+    np.testing.assert_array_equal(large.codes(), np.full((NUM_CODEBOOKS, 3), 39999))
 
 
 # ---- rejected requests: nothing decoded, the stream unchanged unless the request carried END ---------
@@ -290,82 +294,57 @@ def code_at(codebook, frame, value):
 
 
 REJECTED = [  # (request fields beside 2 frames of codes, kind, a fragment of the message) against any stream
-    pytest.param(dict(input_ids=np.zeros((1, 8), np.float64)), "dtype", "input_ids must be INT64, got float64",
-                 id="dtype"),
+    pytest.param(dict(input_ids=np.zeros((1, 8), np.float64)), "dtype", "input_ids must be INT64, got float64", id="dtype"),
     pytest.param(dict(input_ids=np.zeros((1, 16), np.int32)), "dtype", "input_ids must be INT64, got int32", id="int32"),
-    pytest.param(dict(input_ids=np.zeros((1, 9), np.int64)), "length",
-                 "input_ids holds 9 codes, not a multiple of num_codebooks=8", id="length"),
-    pytest.param(dict(input_ids=np.zeros((2, 8), np.int64)), "shape",
-                 "input_ids must have shape [1, k*F] (one request of flat codes), got [2, 8]", id="batch-2"),
-    pytest.param(dict(input_ids=np.full((1, NUM_CODEBOOKS), CODEBOOK_SIZE, np.int64)), "code_range",
-                 "input_ids[0] = 2048 (codebook 0, frame 0) is outside [0, 2048)", id="code_range"),
-    pytest.param(dict(codes=code_at(0, 0, -1)), "code_range", "input_ids[0] = -1 (codebook 0, frame 0) is outside",
-                 id="code-negative"),
-    pytest.param(dict(codes=code_at(7, 1, 99999)), "code_range",
-                 "input_ids[15] = 99999 (codebook 7, frame 1) is outside [0, 2048)", id="code-large"),
+    pytest.param(dict(input_ids=np.zeros((1, 9), np.int64)), "length", "input_ids holds 9 codes, not a multiple of num_codebooks=8", id="length"),
+    pytest.param(dict(input_ids=np.zeros((2, 8), np.int64)), "shape", "input_ids must have shape [1, k*F] (one request of flat codes), got [2, 8]", id="batch-2"),
+    pytest.param(dict(input_ids=np.full((1, NUM_CODEBOOKS), CODEBOOK_SIZE, np.int64)), "code_range", "input_ids[0] = 2048 (codebook 0, frame 0) is outside [0, 2048)", id="code_range"),
+    pytest.param(dict(codes=code_at(0, 0, -1)), "code_range", "input_ids[0] = -1 (codebook 0, frame 0) is outside", id="code-negative"),
+    pytest.param(dict(codes=code_at(7, 1, 99999)), "code_range", "input_ids[15] = 99999 (codebook 7, frame 1) is outside [0, 2048)", id="code-large"),
     pytest.param(dict(frame_offset=-2), "negative_offset", "frame_offset must be >= 0, got -2", id="negative_offset"),
-    pytest.param(dict(frame_offset=np.array([[0.0]], np.float32)), "dtype", "frame_offset must be INT64, got float32",
-                 id="offset-float"),
-    pytest.param(dict(frame_offset=np.array([[0, 1]], np.int64)), "shape",
-                 "frame_offset must hold one value ([1, 1]), got shape [1, 2]", id="offset-two-values"),
-    pytest.param(dict(frame_offset=9), "gap",
-                 "frame_offset 9 leaves a gap: stream 1 has decoded 3 frames, so frame_offset must be at most 3", id="gap"),
-    pytest.param(dict(codes=changed_at(A[:, :2], 1), frame_offset=0), "changed_frame",
-                 "frame 1 differs from the frame stream 1 already decoded at that index", id="changed_frame"),
-    pytest.param(dict(codes=make_codes(4, seed=3)), "limit",
-                 "request has 4 new frames, more than max_new_frames_per_request=3", id="limit-new"),
-    pytest.param(dict(frame_offset=2, history_frames=4), "history",
-                 "history_frames=4 must lie in [0, 2]: the request holds 2 frames", id="history"),
-    pytest.param(dict(frame_offset=3, history_frames=-1), "history", "history_frames=-1 must lie in [0, 2]",
-                 id="history-negative"),
-    pytest.param(dict(frame_offset=0, history_frames=np.array([[2]], np.int32)), "dtype",
-                 "history_frames must be INT64, got int32", id="history-int32"),
-    pytest.param(dict(frame_offset=0, history_frames=np.array([[1, 2]], np.int64)), "shape",
-                 "history_frames must hold one value", id="history-two-values"),
+    pytest.param(dict(frame_offset=np.array([[0.0]], np.float32)), "dtype", "frame_offset must be INT64, got float32", id="offset-float"),
+    pytest.param(dict(frame_offset=np.array([[0, 1]], np.int64)), "shape", "frame_offset must hold one value ([1, 1]), got shape [1, 2]", id="offset-two-values"),
+    pytest.param(dict(frame_offset=9), "gap", "frame_offset 9 leaves a gap: stream 1 has decoded 3 frames, so frame_offset must be at most 3", id="gap"),
+    pytest.param(dict(codes=changed_at(A[:, :2], 1), frame_offset=0), "changed_frame", "frame 1 differs from the frame stream 1 already decoded at that index", id="changed_frame"),
+    pytest.param(dict(codes=make_codes(4, seed=3)), "limit", "request has 4 new frames, more than max_new_frames_per_request=3", id="limit-new"),
+    pytest.param(dict(frame_offset=2, history_frames=4), "history", "history_frames=4 must lie in [0, 2]: the request holds 2 frames", id="history"),
+    pytest.param(dict(frame_offset=3, history_frames=-1), "history", "history_frames=-1 must lie in [0, 2]", id="history-negative"),
+    pytest.param(dict(frame_offset=0, history_frames=np.array([[2]], np.int32)), "dtype", "history_frames must be INT64, got int32", id="history-int32"),
+    pytest.param(dict(frame_offset=0, history_frames=np.array([[1, 2]], np.int64)), "shape", "history_frames must hold one value", id="history-two-values"),
     pytest.param(dict(codes=A[:, 2:5], frame_offset=2, history_frames=1), "history_offset",
-                 "history_frames=1 on a continuing stream needs frame_offset=3, the stream's next frame (got 2): "
-                 "history is decoded once, after the frames stream 1 holds", id="history_offset"),
-    pytest.param(dict(codes=A[:, 3:7], frame_offset=3, history_frames=2), "limit",
-                 "request decodes 4 frames (2 history_frames + 2 new), more than max_new_frames_per_request=3",
-                 id="limit-with-history"),
+                 "history_frames=1 on a continuing stream needs frame_offset=3, the stream's next frame (got 2): history is decoded once, after the frames stream 1 holds", id="history_offset"),
+    pytest.param(dict(codes=A[:, 3:7], frame_offset=3, history_frames=2), "limit", "request decodes 4 frames (2 history_frames + 2 new), more than max_new_frames_per_request=3", id="limit-with-history"),
     # 5 frames, only 2 of them new on the stream below: too long all the same
-    pytest.param(dict(codes=A[:, :5], frame_offset=0), "limit", "request holds 5 frames, more than max_request_frames=4",
-                 id="limit-request"),
+    pytest.param(dict(codes=A[:, :5], frame_offset=0), "limit", "request holds 5 frames, more than max_request_frames=4", id="limit-request"),
 ]
 STARTS_ONLY = [  # rows for a stream that is not open, or a START (a continuing stream's history needs its next frame)
-    pytest.param(dict(history_frames=2), "history",
-                 "history_frames=2 needs frame_offset, the stream index of the request's first frame",
-                 id="history-no-offset"),
-    pytest.param(dict(frame_offset=-2, history_frames=1), "negative_offset", "frame_offset must be >= 0, got -2",
-                 id="history-negative-offset"),
-    *(pytest.param(dict(correlation_id=cid), "correlation_id", f"got {cid!r}", id=f"correlation-id-{cid}")
-      for cid in (0, -3, "abc")),
+    pytest.param(dict(history_frames=2), "history", "history_frames=2 needs frame_offset, the stream index of the request's first frame", id="history-no-offset"),
+    pytest.param(dict(frame_offset=-2, history_frames=1), "negative_offset", "frame_offset must be >= 0, got -2", id="history-negative-offset"),
+    *(pytest.param(dict(correlation_id=cid), "correlation_id", f"got {cid!r}", id=f"correlation-id-{cid}") for cid in (0, -3, "abc")),
     pytest.param(dict(correlation_id=42, flags=0), "unknown_stream", "stream 42 is not open: send the first request of "
-                 "the sequence with the START flag (a stream ends with END, with a decoder error, or after 12.5 s idle)",
-                 id="unknown-stream"),
+                 "the sequence with the START flag (a stream ends with END, with a decoder error, or after 12.5 s idle)", id="unknown-stream"),
     pytest.param(dict(flags=0, frame_offset=7, history_frames=2), "unknown_stream", "START", id="history-unknown-stream"),
 ]
 
 
-def send_rejected(table, decoder, flags, fields, kind, message):
-    """One REJECTED request with `flags` to stream 1, checked against its kind and message (a START
-    restarts the stream: the offset-dependent rows become a gap). Returns the error."""
+def send_rejected(flags, fields, kind, message, opened=None):
+    """One REJECTED request with `flags` to stream 1 (opened first with codes `opened`, if given), checked against
+    its kind and message (a START restarts the stream: the offset-dependent rows become a gap)."""
+    table, decoder = make_table(max_new_frames_per_request=3, max_request_frames=4, stream_idle_timeout_s=12.5), FakeDecoder()
+    if opened is not None:
+        send(table, decoder, 1, START, opened)
+    calls = len(decoder.calls)
     if kind in ("gap", "changed_frame", "history_offset") and flags & START:
         fields, kind, message = dict(frame_offset=1), "gap", "frame_offset 1 leaves a gap: stream 1 has decoded 0 frames"
     error = send_error(table, decoder, **{"correlation_id": 1, "flags": flags, "codes": make_codes(2, seed=3), **fields})
     assert (error.kind, error.code) == (kind, "INVALID_ARG") and message in str(error)
     assert table.stats().errors_by_kind[error.kind] == 1
-    return error
-
-
-def rejecting_table():
-    return make_table(max_new_frames_per_request=3, max_request_frames=4, stream_idle_timeout_s=12.5), FakeDecoder()
+    return table, decoder, error, calls
 
 
 @pytest.mark.parametrize("fields, kind, message", REJECTED + STARTS_ONLY)
 def test_a_malformed_start_is_refused_naming_the_value_and_decodes_nothing(fields, kind, message):
-    table, decoder = rejecting_table()
-    send_rejected(table, decoder, START, fields, kind, message)
+    table, decoder, _, _ = send_rejected(START, fields, kind, message)
     assert decoder.calls == [] and table.stats().live_streams == 0
 
 
@@ -374,10 +353,7 @@ def test_a_malformed_start_is_refused_naming_the_value_and_decodes_nothing(field
 def test_a_rejected_request_leaves_the_stream_unchanged_unless_it_carried_end(fields, kind, message, flags):
     """Triton releases a sequence when it schedules its END request, whatever the model answers: the
     stream ends, and its decoder sequence gets a discarded END step of zero codes."""
-    table, decoder = rejecting_table()
-    send(table, decoder, 1, START, A[:, :3])
-    calls = len(decoder.calls)
-    error = send_rejected(table, decoder, flags, fields, kind, message)
+    table, decoder, error, calls = send_rejected(flags, fields, kind, message, opened=A[:, :3])
     if flags & END:
         assert str(error).endswith("; the request carried END, so the stream has ended") and not is_live(table, 1)
         assert len(decoder.calls) == calls + 1 and decoder.flags()[-1] == END and not decoder.calls[-1][1].any()
@@ -385,7 +361,7 @@ def test_a_rejected_request_leaves_the_stream_unchanged_unless_it_carried_end(fi
     assert len(decoder.calls) == calls
     np.testing.assert_array_equal(decoded_of(table, 1), A[:, :3])
     # The stream carries on where it was: no START needed, the next frame is still frame 3.
-    np.testing.assert_array_equal(send(table, decoder, 1, 0, A[:, 3:5], frame_offset=3), expected_pcm(A[:, 3:5]))
+    assert_pcm(send(table, decoder, 1, 0, A[:, 3:5], frame_offset=3), A[:, 3:5])
     assert decoder.flags()[-2:] == [0, 0]
 
 
@@ -394,8 +370,7 @@ def test_a_rejected_request_leaves_the_stream_unchanged_unless_it_carried_end(fi
 B, C = make_codes(4, seed=1), make_codes(16, seed=2)
 LIFECYCLE = [  # (decoder frames per call, the requests (flags, codes, frame_offset) of stream 7, the flags of its
     # decoder steps, their sizes (None: one frame each))
-    pytest.param(1, [(START, A[:, :3], None), (0, A[:, 3:5], None), (END, A[:, 5:6], None)], [START, 0, 0, 0, 0, END],
-                 None, id="start-continue-end"),
+    pytest.param(1, [(START, A[:, :3], None), (0, A[:, 3:5], None), (END, A[:, 5:6], None)], [START, 0, 0, 0, 0, END], None, id="start-continue-end"),
     pytest.param(1, [(START | END, A[:, :3], None)], [START, 0, END], None, id="start-end-one-frame-per-call"),
     pytest.param(1, [(START | END, A[:, :1], None)], [START | END], None, id="start-end-single-frame-is-one-step"),
     pytest.param(16, [(START, A[:, :1], None)], [START], [1], id="1-frame-request-1-frame-step"),
@@ -403,30 +378,29 @@ LIFECYCLE = [  # (decoder frames per call, the requests (flags, codes, frame_off
     pytest.param(4, [(START | END, C[:, :7], None)], [START, END], [4, 3], id="full-calls-then-remainder"),
     pytest.param(4, [(START, A, None)], [START, 0, 0], [4, 4, 1], id="three-calls"),
     pytest.param(1, [(START | END, None, None)], [], None, id="start-end-without-frames-calls-no-decoder"),
-    pytest.param(1, [(START, None, None), (END, None, None)], [], None,
-                 id="start-then-end-without-frames-calls-no-decoder"),
-    pytest.param(1, [(START, B, None), (START, A[:, :3], 0)], [START, 0, 0, 0, START, 0, 0], None,
-                 id="barge-in-restarts-at-0"),
-    pytest.param(1, [(START, B[:, :2], None), (START, None, None), (0, A[:, :2], 0)], [START, 0, START, 0], None,
-                 id="barge-in-without-frames-restarts-the-decoder-on-the-next-step"),
-    pytest.param(1, [(START, B[:, :2], None), (START | END, None, None)], [START, 0, END], None,
-                 id="barge-in-start-end-without-frames-closes-the-old-decoder-sequence"),
+    pytest.param(1, [(START, None, None), (END, None, None)], [], None, id="start-then-end-without-frames-calls-no-decoder"),
+    pytest.param(1, [(START, B, None), (START, A[:, :3], 0)], [START, 0, 0, 0, START, 0, 0], None, id="barge-in-restarts-at-0"),
+    pytest.param(1, [(START, B[:, :2], None), (START, None, None), (0, A[:, :2], 0)], [START, 0, START, 0], None, id="barge-in-without-frames-restarts-the-decoder-on-the-next-step"),
+    pytest.param(1, [(START, B[:, :2], None), (START | END, None, None)], [START, 0, END], None, id="barge-in-start-end-without-frames-closes-the-old-decoder-sequence"),
+    pytest.param(1, [(START, A[:, :3], None), (END, A[:, :3], 0)], [START, 0, 0, END], None, id="end-retry-without-new-frames-closes-the-decoder"),
 ]
 
 
 @pytest.mark.parametrize("max_frames, requests, step_flags, sizes", LIFECYCLE)
 def test_start_opens_or_restarts_a_stream_and_end_removes_it(max_frames, requests, step_flags, sizes):
-    """New frames go to the decoder in as few calls as it takes; each request's PCM comes back as one
-    float32 [1, samples_per_frame * F], C-contiguous."""
+    """New frames go to the decoder in as few calls as it takes; each request's PCM comes back as one array. An END
+    without frames of its own closes a decoder sequence with one step of zero codes, its output discarded."""
     table = make_table(decoder_max_frames_per_step=max_frames, samples_per_frame=SAMPLES_PER_FRAME)
     decoder = FakeDecoder(samples_per_frame=SAMPLES_PER_FRAME)
     held = NO_FRAMES
     for flags, codes, frame_offset in requests:
         codes = NO_FRAMES if codes is None else codes
-        pcm = send(table, decoder, 7, flags, codes, frame_offset=frame_offset)
-        assert pcm.dtype == np.float32 and pcm.flags.c_contiguous
-        np.testing.assert_array_equal(pcm, expected_pcm(codes, SAMPLES_PER_FRAME))
-        held = np.concatenate([NO_FRAMES if flags & START else held, codes], axis=1)
+        held = NO_FRAMES if flags & START else held
+        new = codes if frame_offset is None else codes[:, held.shape[1] - frame_offset:]
+        assert_pcm(send(table, decoder, 7, flags, codes, frame_offset=frame_offset), new, SAMPLES_PER_FRAME)
+        if flags & END and not new.size and decoder.calls:
+            assert decoder.flags()[-1] == END and not decoder.calls[-1][1].any()
+        held = np.concatenate([held, new], axis=1)
         assert is_live(table, 7) == (not flags & END) and table.stats().live_streams == int(not flags & END)
         if not flags & END:
             np.testing.assert_array_equal(decoded_of(table, 7), held)
@@ -436,60 +410,27 @@ def test_start_opens_or_restarts_a_stream_and_end_removes_it(max_frames, request
         assert send_error(table, decoder, 7, 0, A[:, :1]).kind == "unknown_stream"
 
 
-def test_end_without_new_frames_closes_the_decoder_with_one_discarded_step_of_zeros():
-    table, decoder = make_table(), FakeDecoder()
-    codes = make_codes(3)
-    send(table, decoder, 1, START, codes)
-
-    def plan_of(correlation_id, flags, codes, frame_offset=None):  # what a request would take; changes nothing
-        request = StreamRequest(correlation_id, flags, flat(codes), offset(frame_offset))
-        return code2wav_plan.plan_request(table.settings, table._streams.get(correlation_id), request)
-
-    plan = plan_of(1, END, codes, 0)  # a retry carrying END: no new frame
-    assert plan.new_frames == 0 and [step.flags for step in plan.steps] == [END] and plan.steps[0].discard_output
-    plan = plan_of(1, END, make_codes(4), 0)
-    assert plan.new_frames == 1 and not plan.steps[-1].discard_output
-    plan = plan_of(2, START, codes)  # a new stream's plan: int32 codes, one step per frame
-    assert plan.new_codes.dtype == np.int32 and [step.flags for step in plan.steps] == [START, 0, 0]
-    np.testing.assert_array_equal(plan.new_codes, codes)
-    assert is_live(table, 1) and not is_live(table, 2)  # planning changes nothing
-    assert send(table, decoder, 1, END, codes, frame_offset=0).shape == (1, 0)
-    assert decoder.flags() == [START, 0, 0, END] and not is_live(table, 1)
-    _, trailing, _ = decoder.calls[-1]
-    assert trailing.shape == (1, NUM_CODEBOOKS, 1) and not trailing.any()
-
-
 DECODER_FAILURES = [  # (the FakeDecoder, frames per call, frames opened before, kind, code, fragment) for the
     # request of frames [opened, opened + 3): a START, or the next request of a stream that `opened` frames opened
-    pytest.param(dict(wrong_size_on_call=2), 1, 0, "decoder", "INTERNAL",
-                 f"on step 2 of 3 for stream 1: returned {SAMPLES - 1} samples for 1 frame(s), expected {SAMPLES}",
-                 id="wrong-size"),
-    pytest.param(dict(fail_on_call=2), 2, 0, "decoder", "INTERNAL",
-                 "on step 2 of 2 for stream 1: simulated decoder failure", id="later-call-of-a-request"),
-    pytest.param(dict(fail_on_call=4), 1, 2, "decoder", "INTERNAL",
-                 "failed on step 2 of 3 for stream 1: simulated decoder failure", id="part-way-through-a-stream"),
-    pytest.param(dict(fail_on_call=1, error=KeyError("pcm")), 1, 0, "decoder", "INTERNAL",
-                 "on step 1 of 3 for stream 1: 'pcm'", id="unexpected-exception"),
-    pytest.param(dict(fail_on_call=1, error=DecoderError("boom")), 1, 0, "decoder", "INTERNAL", "boom",
-                 id="decoder-error"),
-    pytest.param(dict(fail_on_call=1, error=DecoderError("no room", "UNAVAILABLE", "stream_cap")), 1, 0, "stream_cap",
-                 "UNAVAILABLE", "no room", id="decoder-refuses-a-new-stream"),
-    pytest.param(dict(fail_on_call=1, error=DecoderError("shutting down", "UNAVAILABLE", "unavailable")), 1, 0,
-                 "unavailable", "UNAVAILABLE", "shutting down", id="server-shutting-down"),
+    pytest.param(dict(wrong_size_on_call=2), 1, 0, "decoder", "INTERNAL", f"on step 2 of 3 for stream 1: returned {SAMPLES - 1} samples for 1 frame(s), expected {SAMPLES}", id="wrong-size"),
+    pytest.param(dict(fail_on_call=2), 2, 0, "decoder", "INTERNAL", "on step 2 of 2 for stream 1: simulated decoder failure", id="later-call-of-a-request"),
+    pytest.param(dict(fail_on_call=4), 1, 2, "decoder", "INTERNAL", "failed on step 2 of 3 for stream 1: simulated decoder failure", id="part-way-through-a-stream"),
+    pytest.param(dict(fail_on_call=1, error=KeyError("pcm")), 1, 0, "decoder", "INTERNAL", "on step 1 of 3 for stream 1: 'pcm'", id="unexpected-exception"),
+    pytest.param(dict(fail_on_call=1, error=DecoderError("boom")), 1, 0, "decoder", "INTERNAL", "boom", id="decoder-error"),
+    pytest.param(dict(fail_on_call=1, error=DecoderError("no room", "UNAVAILABLE", "stream_cap")), 1, 0, "stream_cap", "UNAVAILABLE", "no room", id="decoder-refuses-a-new-stream"),
+    pytest.param(dict(fail_on_call=1, error=DecoderError("shutting down", "UNAVAILABLE", "unavailable")), 1, 0, "unavailable", "UNAVAILABLE", "shutting down", id="server-shutting-down"),
 ]
 
 
 @pytest.mark.parametrize("failing, frames_per_call, opened, kind, code, fragment", DECODER_FAILURES)
 def test_a_decoder_failure_ends_the_stream_keeping_its_code(failing, frames_per_call, opened, kind, code, fragment):
-    """A decoder refusing a new stream (its own cap) or a server shutting down reach the client as
-    UNAVAILABLE (it may retry), counted under their own kinds; any other failure is INTERNAL. No later
-    step is sent, and the stream must START again."""
+    """A decoder refusing a new stream (its own cap) or a server shutting down is UNAVAILABLE (the client may
+    retry), any other failure INTERNAL. No later step is sent, and the stream must START again."""
     table, decoder = make_table(decoder_max_frames_per_step=frames_per_call), FakeDecoder(**failing)
     codes = make_codes(opened + 3)
     if opened:
         send(table, decoder, 1, START, codes[:, :opened])
-    error = send_error(table, decoder, 1, 0 if opened else START, codes[:, opened:], frame_offset=opened,
-                       error=DecoderError)
+    error = send_error(table, decoder, 1, 0 if opened else START, codes[:, opened:], frame_offset=opened, error=DecoderError)
     assert (error.kind, error.code) == (kind, code) and fragment in str(error)
     assert "send its next request with the START flag" in str(error)
     assert type(error.__cause__) is type(failing.get("error", DecoderError("")))  # the traceback's, not the message's
@@ -504,12 +445,9 @@ def test_a_decoder_failure_ends_the_stream_keeping_its_code(failing, frames_per_
     np.testing.assert_array_equal(decoded_of(table, 1), codes)
 
 
-# ---- idle expiry -------------------------------------------------------------------------------------
-
 def test_idle_streams_expire_on_the_next_batch_once_past_the_timeout_and_its_grace():
-    """Idle time runs from the last decoder step: retries and rejected requests never reach the decoder,
-    whose own idle timeout would otherwise drop the state under a live stream. A stream with a request in
-    the batch or still decoding is live (Triton accepted the request as part of a live sequence)."""
+    """Idle time runs from the last decoder step (retries and rejected requests never reach the decoder, whose own
+    timeout would drop the state). A stream with a request in the batch or still decoding is live."""
     clock = FakeClock()
     table, decoder = make_table(clock=clock, stream_idle_timeout_s=30.0), FakeDecoder()
     codes = make_codes(4)
@@ -530,18 +468,18 @@ def test_idle_streams_expire_on_the_next_batch_once_past_the_timeout_and_its_gra
     async def in_flight():
         clock.now += 100.0
         (pcm,) = await process_batch(table, [StreamRequest(2, 0, flat(codes[:, 1:3]), offset(1))], decoder)
-        np.testing.assert_array_equal(pcm, expected_pcm(codes[:, 2:3]))  # in the batch: not expired first
+        assert_pcm(pcm, codes[:, 2:3])  # in the batch: not expired first
         decoder.gated.add(2)
         pending = table.submit(StreamRequest(2, 0, flat(codes[:, 3:]), offset(3)), decoder)
         clock.now += 100.0
         assert table.expire_idle() == [] and is_live(table, 2)
         decoder.gate.set()
-        np.testing.assert_array_equal(await pending, expected_pcm(codes[:, 3:]))
+        assert_pcm(await pending, codes[:, 3:])
 
     asyncio.run(in_flight())
 
 
-# ---- batches -----------------------------------------------------------------------------------------
+# ---- batches and the stream cap -----------------------------------------------------------------------
 
 def test_a_batch_overlaps_its_streams_keeps_each_in_order_and_one_bad_request_fails_alone_counted_by_kind():
     table, decoder = make_table(), FakeDecoder(fail_on_call=1)
@@ -557,7 +495,7 @@ def test_a_batch_overlaps_its_streams_keeps_each_in_order_and_one_bad_request_fa
     results = asyncio.run(process_batch(table, requests, decoder))
     assert isinstance(results[0], DecoderError)
     for result, codes in zip(results[1:4], (a, b[:, :3], b[:, 3:])):
-        np.testing.assert_array_equal(result, expected_pcm(codes))
+        assert_pcm(result, codes)
     assert [(type(r), r.kind) for r in results[4:]] == [(RequestError, "unknown_stream"), (RequestError, "length")]
     assert [cid for cid in (1, 2, 5, 6, 7) if is_live(table, cid)] == [1, 2]
     table.count_error("internal")  # model.py counts the failures outside the core
@@ -568,19 +506,16 @@ def test_a_batch_overlaps_its_streams_keeps_each_in_order_and_one_bad_request_fa
     assert set(code2wav_settings.ERROR_KINDS) <= set(stats.errors_by_kind)
     np.testing.assert_array_equal(decoder.decoded_codes(2), b)
     assert [flags for cid, _, flags in decoder.calls if cid == 2] == [START, 0, 0, 0, 0, 0]
-    # The streams' steps were in flight together, one stream's never were.
-    assert decoder.max_in_flight == 3
+    assert max(len(running) for _, running in decoder.overlaps) == 3  # streams' steps overlap, one stream's never
     assert [event for event, cid in decoder.events if cid == 2] == ["begin", "end"] * 6
     assert ("begin", 2) in decoder.events[:decoder.events.index(("end", 1))]
 
 
 def test_a_long_request_holds_up_only_its_stream_whose_next_request_waits_for_its_finish():
-    """Stream 1's long request (a resume's replay, say) still decodes while stream 2 sends three requests
-    in three later batches: each finishes first, in order. Stream 1's next request, sent meanwhile, waits
-    its turn: the previous request's finish (its response) goes out before its step reaches the decoder.
-    `live` says which requests execute may wait for and answer in its returned list; the others (past one
-    step, a replay, a stream's second request in the batch or behind its stream's unfinished request) go
-    through their senders, so that no answer overtakes another."""
+    """Stream 2's requests in later batches finish first while stream 1's long request decodes; stream 1's
+    next request waits for the previous one's response. `live` says which requests execute may answer in its
+    returned list (one step at most, no replay, its stream's only one in the batch, none unfinished before it);
+    the others answer through their senders, so that no answer overtakes another."""
 
     async def scenario():
         table, decoder = make_table(decoder_max_frames_per_step=4), FakeDecoder(gated={1})
@@ -595,7 +530,7 @@ def test_a_long_request_holds_up_only_its_stream_whose_next_request_waits_for_it
         for frame in range(3):
             request = StreamRequest(2, START if frame == 0 else 0, flat(live[:, frame:frame + 1]), offset(frame))
             (task,) = table.submit_batch([request], decoder, [finish(f"2.{frame}")])
-            np.testing.assert_array_equal(await task, expected_pcm(live[:, frame:frame + 1]))
+            assert_pcm(await task, live[:, frame:frame + 1])
             assert not first.done() and not second.done() and len(table._queued) == 1
         batch = [
             StreamRequest(3, START, flat(make_codes(1, seed=3))),  # one frame of an idle stream
@@ -609,7 +544,7 @@ def test_a_long_request_holds_up_only_its_stream_whose_next_request_waits_for_it
         ]
         assert table.live(batch) == [True, True, False, False, False, False, False, True]
         decoder.gate.set()
-        np.testing.assert_array_equal(np.concatenate(await asyncio.gather(first, second), axis=1), expected_pcm(long))
+        assert_pcm(np.concatenate(await asyncio.gather(first, second), axis=1), long)
         assert finished == [("2.0", 0), ("2.1", 0), ("2.2", 0), ("1a", 16), ("1b", 20)] and not table._queued
         np.testing.assert_array_equal(decoder.decoded_codes(1), long)
         assert table.live(batch[6:7]) == [True]  # stream 1's requests finished
@@ -617,11 +552,9 @@ def test_a_long_request_holds_up_only_its_stream_whose_next_request_waits_for_it
     asyncio.run(scenario())
 
 
-# ---- the stream cap ----------------------------------------------------------------------------------
-
 def test_starts_past_max_live_streams_are_refused_and_touch_nothing():
-    """Streams still opening (their START decoding) count toward the cap; a restart, a one-shot
-    START|END and the refused stream's next request take no room; an END makes room again."""
+    """Streams still opening count toward the cap; a restart, a one-shot START|END and the refused stream's
+    next request take no room; an END makes room again."""
 
     async def scenario():
         table, decoder = make_table(max_live_streams=2), FakeDecoder(gated={1, 2})
@@ -636,7 +569,7 @@ def test_starts_past_max_live_streams_are_refused_and_touch_nothing():
         assert isinstance(after, RequestError) and after.kind == "unknown_stream"
         decoder.gate.set()
         for result in await asyncio.gather(*opening):
-            np.testing.assert_array_equal(result, expected_pcm(codes[:, :1]))
+            assert_pcm(result, codes[:, :1])
         assert sorted(cid for cid, _, _ in decoder.calls) == [1, 2] and not is_live(table, 3)
         assert table.stats().errors_by_kind["stream_cap"] == 1
         results = await process_batch(table, [StreamRequest(1, START, flat(codes[:, :1])),
@@ -647,31 +580,6 @@ def test_starts_past_max_live_streams_are_refused_and_touch_nothing():
         assert not isinstance(result, Exception) and is_live(table, 3)
 
     asyncio.run(scenario())
-
-
-# ---- decoded codes -----------------------------------------------------------------------------------
-
-def test_decoded_codes_grow_geometrically_keep_every_frame_and_take_the_smallest_dtype():
-    table, decoder = make_table(), FakeDecoder()
-    codes = make_codes(1000, seed=9)
-    send(table, decoder, 1, START, codes[:, :1])
-    capacities = set()
-    position, step = 1, 1
-    while position < 1000:
-        stop = min(1000, position + step)
-        send(table, decoder, 1, 0, codes[:, position:stop], frame_offset=position)
-        capacities.add(table._streams[1].decoded.capacity)
-        position, step = stop, step % 7 + 1
-    decoded = decoded_of(table, 1)
-    np.testing.assert_array_equal(decoded, codes)
-    assert decoded.dtype == np.int16 and not decoded.flags.writeable
-    assert len(capacities) <= 6  # 64 -> 128 -> ... -> 1024: a handful of reallocations
-    assert 1000 <= max(capacities) <= 2048
-    assert table.stats().frames_decoded == 1000
-    large = code2wav_stream.DecodedCodes(NUM_CODEBOOKS, 40000)
-    large.append(np.full((NUM_CODEBOOKS, 3), 39999, np.int64))
-    assert large.dtype == np.int32
-    np.testing.assert_array_equal(large.codes(), np.full((NUM_CODEBOOKS, 3), 39999))
 
 
 # ---- resume by replay: START with history_frames -----------------------------------------------------
@@ -692,10 +600,9 @@ RESUMES = [  # (decoder frames per call, stream frames [first, stop) sent, frame
 @pytest.mark.parametrize("max_frames, first, stop, frame_offset, history_frames, flags, older", RESUMES)
 def test_a_resumed_stream_returns_exactly_the_frames_after_its_history(max_frames, first, stop, frame_offset,
                                                                        history_frames, flags, older):
-    """Every frame is decoded, the decoder starting afresh on the history (in replay calls of their own),
-    and the stream goes on in stream indices, the resume perhaps in pieces; only the new frames' PCM
-    comes back. A plain START then restarts the stream at 0."""
-    # History and new frames alike count toward max_new_frames_per_request, here exactly reached.
+    """The decoder starts afresh on the history (in replay calls of their own), only the new frames' PCM comes
+    back, and the stream goes on in stream indices, the resume perhaps in pieces, until a plain START."""
+    # History and new frames alike count toward max_new_frames_per_request: exactly reached.
     table = make_table(decoder_max_frames_per_step=max_frames, max_new_frames_per_request=stop - first)
     decoder = FakeDecoder()
     stream = make_codes(24)
@@ -703,8 +610,7 @@ def test_a_resumed_stream_returns_exactly_the_frames_after_its_history(max_frame
         send(table, decoder, 1, START, make_codes(older, seed=1))
         decoder.calls.clear()
     pcm = send(table, decoder, 1, flags, stream[:, first:stop], frame_offset=frame_offset, history_frames=history_frames)
-    assert pcm.dtype == np.float32
-    np.testing.assert_array_equal(pcm, expected_pcm(stream[:, first + history_frames:stop]))
+    assert_pcm(pcm, stream[:, first + history_frames:stop])
     np.testing.assert_array_equal(decoder.decoded_codes(), stream[:, first:stop])
 
     def calls(frames, per_call):
@@ -712,38 +618,34 @@ def test_a_resumed_stream_returns_exactly_the_frames_after_its_history(max_frame
 
     sizes = (calls(history_frames, min(max_frames, table.settings.replay_step_frames))
              + calls(stop - first - history_frames, max_frames))
-    step_flags = [0] * len(sizes)
-    step_flags[0] |= START
+    step_flags = [START] + [0] * (len(sizes) - 1)
     step_flags[-1] |= flags & END
     assert decoder.sizes() == sizes and decoder.flags() == step_flags
-    # Counted as a resume; the decoder ran the history frames too.
-    assert (table.stats().streams_resumed, table.stats().frames_decoded) == (1, older + stop - first)
+    assert (table.stats().streams_resumed, table.stats().frames_decoded) == (1, older + stop - first)  # history included
     assert table.stats().live_streams == int(not flags & END) == int(is_live(table, 1))
     if flags & END:
         return
     np.testing.assert_array_equal(decoded_of(table, 1), stream[:, first:stop])
     # The next pieces of a resume: at the stream's next frame, each with history_frames of its own.
     assert send(table, decoder, 1, 0, stream[:, stop:stop + 2], frame_offset=stop, history_frames=2).size == 0
-    np.testing.assert_array_equal(send(table, decoder, 1, 0, stream[:, stop + 2:stop + 4], frame_offset=stop + 2,
-                                       history_frames=1), expected_pcm(stream[:, stop + 3:stop + 4]))
+    pcm = send(table, decoder, 1, 0, stream[:, stop + 2:stop + 4], frame_offset=stop + 2, history_frames=1)
+    assert_pcm(pcm, stream[:, stop + 3:stop + 4])
     np.testing.assert_array_equal(decoder.decoded_codes(), stream[:, first:stop + 4])
-    assert base_of(table, 1) == (frame_offset or 0) and table.stats().streams_resumed == 1
+    assert table._streams[1].base == (frame_offset or 0) and table.stats().streams_resumed == 1
     np.testing.assert_array_equal(decoded_of(table, 1), stream[:, first:stop + 4])
     send(table, decoder, 1, START, stream[:, :2], frame_offset=0)
-    assert base_of(table, 1) == 0
+    assert table._streams[1].base == 0
     np.testing.assert_array_equal(decoded_of(table, 1), stream[:, :2])
 
 
 def test_replayed_history_takes_the_replay_lane():
-    """Four streams resume at once beside a live stream: a replay step starts while a live step is in
-    the decoder only as the one replay step there, and the live stream's steps do not wait for the 16
-    replay steps; on an instance without live traffic, several replay steps run together."""
+    """Beside a live stream's step, four resuming streams' replay steps run one at a time and the live steps do not
+    wait for all 16 of them; on an instance without live traffic, several replay steps run together."""
     # Live steps (stream 9's) outlast the lane's wait for them (REPLAY_WAIT_FOR_IDLE_S).
     delays = {9: 1.5 * code2wav_replay.REPLAY_WAIT_FOR_IDLE_S, 1: 0.001, 2: 0.001, 3: 0.001, 4: 0.001}
 
     def resumes(table, decoder, codes):
-        return [table.submit(StreamRequest(cid, START, flat(codes), offset(0), offset(8)), decoder)
-                for cid in (1, 2, 3, 4)]
+        return [table.submit(StreamRequest(cid, START, flat(codes), offset(0), offset(8)), decoder) for cid in (1, 2, 3, 4)]
 
     async def scenario():
         table, decoder = make_table(decoder_max_frames_per_step=2), FakeDecoder(delays=delays)
@@ -752,20 +654,14 @@ def test_replayed_history_takes_the_replay_lane():
         replays = resumes(table, decoder, stream[:, :8])
         live = [table.submit(StreamRequest(9, 0, flat(stream[:, f:f + 1]), offset(f)), decoder) for f in range(1, 4)]
         await asyncio.gather(*replays, *live)
-        in_flight, beside_live = set(), []  # the replay steps in flight when one starts beside a live step
-        for event, cid in decoder.events:
-            if event == "end":
-                in_flight.remove(cid)
-                continue
-            in_flight.add(cid)
-            if cid != 9 and 9 in in_flight:
-                beside_live.append(len(in_flight - {9}))
+        # The replay steps in flight as one starts beside a live step.
+        beside_live = [len(running - {9}) for cid, running in decoder.overlaps if cid != 9 and 9 in running]
         assert beside_live and set(beside_live) == {1}
         ends = [(index, cid) for index, (event, cid) in enumerate(decoder.events) if event == "end"]
         assert max(i for i, cid in ends if cid == 9) < max(i for i, cid in ends if cid != 9)
 
         quiet, decoder = make_table(decoder_max_frames_per_step=2), FakeDecoder(delays=delays)
         await asyncio.gather(*resumes(quiet, decoder, stream[:, :8]))
-        assert decoder.max_in_flight == 4
+        assert max(len(running) for _, running in decoder.overlaps) == 4
 
     asyncio.run(scenario())

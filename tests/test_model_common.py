@@ -18,20 +18,15 @@ model_errors = load_model_module(MODEL_REPOSITORY / "common" / "model_errors.py"
 model_metrics = load_model_module(MODEL_REPOSITORY / "common" / "model_metrics.py")
 model_lifecycle = load_model_module(MODEL_REPOSITORY / "common" / "model_lifecycle.py")
 
-# --------------------------------------------------------------------------------------------------
-# idle sweeper
-
+# ---- idle sweeper --------------------------------------------------------------------------------
 
 def test_sweep_interval_is_a_quarter_of_the_timeout_within_bounds_and_a_sweeper_never_started_stops():
-    assert idle_sweeper.sweep_interval_s(2.0) == 0.5
-    assert idle_sweeper.sweep_interval_s(0.1) == 0.05
-    assert idle_sweeper.sweep_interval_s(30.0) == 1.0
+    assert [idle_sweeper.sweep_interval_s(timeout_s) for timeout_s in (2.0, 0.1, 30.0)] == [0.5, 0.05, 1.0]
     assert idle_sweeper.IdleSweeper(1.0, lambda: None, name="idle").stop()
 
 
 def test_sweeper_expires_on_its_own_under_the_lock_survives_a_failing_expiry_and_stops_promptly():
-    calls, held, logged = [], [], []
-    swept = threading.Event()
+    calls, held, logged, swept = [], [], [], threading.Event()
 
     def expire():
         calls.append(time.monotonic())
@@ -46,15 +41,14 @@ def test_sweeper_expires_on_its_own_under_the_lock_survives_a_failing_expiry_and
     sweeper.start()
     try:
         assert swept.wait(5), "the sweeper never called expire() again"
-        # While execute holds the lock, no sweep runs.
-        with sweeper.lock:
+        with sweeper.lock:  # as execute holds it: no sweep runs
             count = len(calls)
             time.sleep(0.2)
             assert len(calls) == count
     finally:
         started = time.monotonic()
-        assert sweeper.stop(timeout_s=2.0)
-        assert time.monotonic() - started < 0.5
+        sweeper.close(log_warn=pytest.fail, timeout_s=2.0)
+        assert time.monotonic() - started < 0.5 and not sweeper._thread.is_alive()
     assert all(held)
     assert len(logged) == 1 and "test-sweeper: idle expiry failed" in logged[0] and "RuntimeError: boom" in logged[0]
     count = len(calls)
@@ -62,8 +56,22 @@ def test_sweeper_expires_on_its_own_under_the_lock_survives_a_failing_expiry_and
     assert len(calls) == count
 
 
-# --------------------------------------------------------------------------------------------------
-# parameter policy
+def test_a_started_sweeper_is_named_after_its_model_and_warns_when_stuck_at_close():
+    release, entered, warnings = threading.Event(), threading.Event(), []
+
+    def stuck():
+        entered.set()
+        release.wait(5)
+
+    sweeper = idle_sweeper.IdleSweeper.started("mimi_decoder", 0.2, stuck, log_error=pytest.fail)
+    assert entered.wait(5)
+    sweeper.close(warnings.append, timeout_s=0.1)
+    release.set()
+    assert warnings == ["mimi_decoder-idle-expiry: the idle sweeper did not stop in 0.1 s"]
+    assert sweeper.stop(timeout_s=5)
+
+
+# ---- parameter policy ----------------------------------------------------------------------------
 
 def positive(text):  # a parser of its own, which words its error
     if int(text) <= 0:
@@ -87,42 +95,32 @@ def test_parameters_are_parsed_by_type():
     assert model_errors.read_parameters(model_config(idle_us=2_000_000), SCHEMA)[1] == 2.0
 
 
-@pytest.mark.parametrize(
-    "config, parameter, message",
-    [
-        pytest.param(model_config(count=None), "count", "missing from the model config's parameters", id="missing"),
-        pytest.param(model_config(cuont="3"), "cuont", "unknown parameter (known: name, count, ratio, table, size)",
-                     id="unknown"),
-        pytest.param(model_config(count="3x"), "count", "not an integer: '3x'", id="not-int"),
-        pytest.param(model_config(ratio="half"), "ratio", "not a number: 'half'", id="not-float"),
-        pytest.param(model_config(table="{a"), "table", "not valid JSON: '{a'", id="not-json"),
-        pytest.param({**model_config(), "parameters": {**model_config()["parameters"], "count": {"int_value": 3}}},
-                     "count", "expected a string_value, got {'int_value': 3}", id="not-string"),
-        pytest.param(model_config(idle_us=None), model_errors.IDLE_TIMEOUT_FIELD,
-                     "missing: set it explicitly (Triton's default is 1 s)", id="idle-missing"),
-        pytest.param(model_config(idle_us="0"), model_errors.IDLE_TIMEOUT_FIELD, "must be positive, got 0 (0 means Triton's 1 s default)", id="idle-zero"),
-        pytest.param(model_config(idle_us="soon"), model_errors.IDLE_TIMEOUT_FIELD, "not an integer: 'soon'",
-                     id="idle-not-int"),
-        pytest.param(model_config(size="-1"), "size", "must be positive, got -1", id="own-parser"),
-    ],
-)
+@pytest.mark.parametrize("config, parameter, message", [
+    pytest.param(model_config(count=None), "count", "missing from the model config's parameters", id="missing"),
+    pytest.param(model_config(cuont="3"), "cuont", "unknown parameter (known: name, count, ratio, table, size)", id="unknown"),
+    pytest.param(model_config(count="3x"), "count", "not an integer: '3x'", id="not-int"),
+    pytest.param(model_config(ratio="half"), "ratio", "not a number: 'half'", id="not-float"),
+    pytest.param(model_config(table="{a"), "table", "not valid JSON: '{a'", id="not-json"),
+    pytest.param({**model_config(), "parameters": {**model_config()["parameters"], "count": {"int_value": 3}}}, "count", "expected a string_value, got {'int_value': 3}", id="not-string"),
+    pytest.param(model_config(idle_us=None), model_errors.IDLE_TIMEOUT_FIELD, "missing: set it explicitly (Triton's default is 1 s)", id="idle-missing"),
+    pytest.param(model_config(idle_us="0"), model_errors.IDLE_TIMEOUT_FIELD, "must be positive, got 0 (0 means Triton's 1 s default)", id="idle-zero"),
+    pytest.param(model_config(idle_us="soon"), model_errors.IDLE_TIMEOUT_FIELD, "not an integer: 'soon'", id="idle-not-int"),
+    pytest.param(model_config(size="-1"), "size", "must be positive, got -1", id="own-parser"),
+])
 def test_bad_parameters_fail_naming_the_parameter(config, parameter, message):
     with pytest.raises(model_errors.ConfigError) as info:
         model_errors.read_parameters(config, SCHEMA)
     assert info.value.parameter == parameter and str(info.value) == f"parameter '{parameter}': {message}"
 
 
-# --------------------------------------------------------------------------------------------------
-# errors and metrics
-
+# ---- errors, metrics and lifecycle hooks ----------------------------------------------------------
 
 def test_model_errors_carry_a_kind_and_a_triton_error_code_name():
     client = model_errors.ModelError("shape", "input 'codes' has shape [2]")
     assert client.kind == "shape" and client.code == "INVALID_ARG" and str(client) == "input 'codes' has shape [2]"
     server = model_errors.ModelError("decoder", "step failed", "INTERNAL")
-    assert model_errors.error_code(client) == "INVALID_ARG"
-    assert model_errors.error_code(server) == "INTERNAL"
-    assert model_errors.error_code(KeyError("bug")) == "INTERNAL"
+    codes = [model_errors.error_code(error) for error in (client, server, KeyError("bug"))]
+    assert codes == ["INVALID_ARG", "INTERNAL", "INTERNAL"]
     with pytest.raises(ValueError, match="error code 'BAD_REQUEST' is not one of UNKNOWN, INTERNAL"):
         model_errors.ModelError("shape", "message", "BAD_REQUEST")
 
@@ -216,48 +214,21 @@ def test_model_metrics_turn_off_at_the_first_failure_and_never_fail_a_request():
     assert not metrics.on and warnings == ["model 'code2wav': custom metrics unavailable (metrics disabled)"]
 
 
-def test_a_started_sweeper_is_named_after_its_model_and_closes_or_warns_when_stuck():
-    swept = threading.Event()
-    sweeper = idle_sweeper.IdleSweeper.started("code2wav", 0.2, swept.set, log_error=pytest.fail)
-    assert swept.wait(5)
-    assert sweeper._thread.name == "code2wav-idle-expiry"
-    sweeper.close(log_warn=pytest.fail)
-    assert not sweeper._thread.is_alive()
-    release, entered, warnings = threading.Event(), threading.Event(), []
-
-    def stuck():
-        entered.set()
-        release.wait(5)
-
-    sweeper = idle_sweeper.IdleSweeper.started("mimi_decoder", 0.2, stuck, log_error=pytest.fail)
-    assert entered.wait(5)
-    sweeper.close(warnings.append, timeout_s=0.1)
-    release.set()
-    assert warnings == ["mimi_decoder-idle-expiry: the idle sweeper did not stop in 0.1 s"]
-    assert sweeper.stop(timeout_s=5)
-
-
-def test_finalize_frees_a_reference_cycle_at_once():
-    """What a failed request's traceback does to its request: a cycle the reference counts never free."""
+def test_initialize_turns_on_the_fault_handler_and_finalize_frees_a_reference_cycle_at_once():
+    """The cycle is what a failed request's traceback makes of its request: the reference counts never free it."""
+    was = faulthandler.is_enabled()
+    faulthandler.disable()
     gc.disable()  # no automatic collection may free it first
     try:
+        model_lifecycle.on_initialize()
+        assert faulthandler.is_enabled()
         held = FakeMetric()
         held.self = held
         freed = weakref.ref(held)
         del held
         assert freed() is not None
-        assert model_lifecycle.on_finalize() >= 1
-        assert freed() is None
+        assert model_lifecycle.on_finalize() >= 1 and freed() is None
     finally:
         gc.enable()
-
-
-def test_initialize_turns_on_the_fault_handler():
-    was = faulthandler.is_enabled()
-    try:
-        faulthandler.disable()
-        model_lifecycle.on_initialize()
-        assert faulthandler.is_enabled()
-    finally:
         if not was:
             faulthandler.disable()

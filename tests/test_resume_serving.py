@@ -100,7 +100,8 @@ def test_a_stream_its_server_forgot_is_resumed_on_the_same_server(code2wav_serve
     forgets it the same way): Triton answers the next request that it must carry the START flag, and
     the client STARTs the sequence again with its whole history (fewer than R frames): exact."""
     codes = random_codes(60, seed=41)
-    stream = Code2WavClient(code2wav_server.grpc_url, StreamOptions(resume_history_frames=250)).stream(sequence_id=new_sequence_id(), stream_key="forgotten")
+    client = Code2WavClient(code2wav_server.grpc_url, StreamOptions(resume_history_frames=250))
+    stream = client.stream(sequence_id=new_sequence_id(), stream_key="forgotten")
     with stream:
         pcm = [stream.decode(codes[:, :1]), stream.decode(codes[:, 1:24])]
         infer(grpc_client, stream.sequence_id, codes[:, 24:25], 24, end=True, new_frames=1)  # not the client
@@ -130,7 +131,9 @@ def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code
     codes, t = random_codes(340, seed=43), 300
     reference = ort_decode(codes, frames_per_call=16)
     with running_server(served_repository, log_path=tmp_path / "server-a.log") as server_a:
-        stream = Code2WavClient([server_a.grpc_url, code2wav_server.grpc_url], StreamOptions(resume_history_frames=250, response_timeout_s=30.0)).stream(sequence_id=new_sequence_id(), stream_key="failover")
+        client = Code2WavClient([server_a.grpc_url, code2wav_server.grpc_url],
+                                StreamOptions(resume_history_frames=250, response_timeout_s=30.0))
+        stream = client.stream(sequence_id=new_sequence_id(), stream_key="failover")
         with stream:
             pcm = [stream.decode(codes[:, :1])]
             pcm += [stream.decode(codes[:, first : min(first + 16, t)]) for first in range(1, t, 16)]

@@ -229,7 +229,8 @@ SILENCE = 40  # any frame of stream A; repeated, it plays the part of a silence 
     # Offset deltas with chunk edges inside runs of identical frames: each chunk starts with a copy of
     # the frame before.
     pytest.param([SILENCE] * 3 + [0, 1, 1, 1, 2] + [SILENCE] * 4 + [3, 3, 4, SILENCE, SILENCE, 5],
-                 [(f, s, s - f) for f, s in [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 12), (12, 13), (13, 16), (16, 17), (17, 18)]],
+                 [(f, s, s - f) for f, s in [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6), (6, 7), (7, 8), (8, 9),
+                                             (9, 12), (12, 13), (13, 16), (16, 17), (17, 18)]],
                  True, id="repeated-frames-as-offset-deltas"),
     # The shipped default (dedupe_mode=delta): deltas without frame_offset as vLLM-Omni's stage 0 sends
     # them, all silence; `auto` would return 1, 4, 0, 0, 3 frames of them (docs/design.md §2.1).

@@ -27,7 +27,7 @@ from model_errors import ConfigError, read_parameters
 
 STATE_DTYPES = ("float32", "float16", "int32", "int64")
 STATE_SPEC_KEYS = {"input", "output", "dtype", "shape"}
-# ONNX Runtime's type strings -> numpy dtypes ("float", "double": float32, float64; the rest by name).
+# ONNX Runtime's type strings -> numpy dtypes.
 ORT_TYPES = {f"tensor({name})": np.dtype({"float": "float32", "double": "float64"}.get(name, name))
              for name in ("float", "float16", "double", "int8", "int16", "int32", "int64", "uint8", "bool")}
 

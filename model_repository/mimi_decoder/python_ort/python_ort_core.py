@@ -1,9 +1,9 @@
 """Core of the python-ort `mimi_decoder`: a streaming ONNX step whose per-sequence state the model keeps
 itself (the Python backend ignores `sequence_batching { state [...] }`). Pure numpy + stdlib.
 
-- per correlation id, one row of each state tensor (its row of the outputs of the run it last stepped
-  in: a view, no copy); START (also on a live sequence) starts from zeros, END drops it after the step,
-  and so does the idle timeout (Triton frees an idle sequence without telling the model);
+- per correlation id, one row of each state tensor (its row of the state outputs of the run it last
+  stepped in); START (also on a live sequence) starts from zeros, END drops it after the step, and so
+  does the idle timeout (Triton frees an idle sequence without telling the model);
 - the valid requests of one `execute()` run as one session run per input shape;
 - a request that fails validation gets its own error and changes nothing (an END still ends its
   sequence: Triton has released it); a new START past `max_live_streams` is refused with UNAVAILABLE.
