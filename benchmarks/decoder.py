@@ -1,8 +1,8 @@
 """Decoder speed on this CPU: moshi's streaming decoder, the step module (eager PyTorch), ONNX Runtime
-(as the native config serves it, without memory patterns, and with them) and rustymimi, against the
-measured fp32 matmul peak. Times are per stream-frame (80 ms of audio); `of compute bound` = FLOPs per
-frame / the peak at that thread count / the time. Without --weights, a seeded random moshi-format
-checkpoint (speed does not depend on the values). Writes OUT/decoder.json and decoder.md.
+(as the native config serves it, without memory patterns) and rustymimi, against the measured fp32
+matmul peak. Times are per stream-frame (80 ms of audio); `of compute bound` = FLOPs per frame / the
+peak at that thread count / the time. Without --weights, a seeded random moshi-format checkpoint
+(speed does not depend on the values). Writes OUT/decoder.json and decoder.md.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _measure_moshi(rows: Rows, weights: Path, args, rng) -> None:
 
 
 def _measure_step(rows: Rows, model, work: Path, args, rng) -> None:
-    """The step module in eager PyTorch and in ONNX Runtime, without and with memory patterns."""
+    """The step module in eager PyTorch and in ONNX Runtime."""
     import onnxruntime as ort
     import torch
 
@@ -123,11 +123,9 @@ def _measure_step(rows: Rows, model, work: Path, args, rng) -> None:
     export_onnx(step, work / "model.onnx", log=lambda *_: None)
     for frames, threads in itertools.product(args.frames_per_call, args.threads):
         torch.set_num_threads(threads)
-        sessions = {}
-        for engine, pattern in (("onnxruntime", False), ("onnxruntime, mem pattern", True)):
-            options = ort.SessionOptions()
-            options.intra_op_num_threads, options.inter_op_num_threads, options.enable_mem_pattern = threads, 1, pattern
-            sessions[engine] = ort.InferenceSession(str(work / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads, options.enable_mem_pattern = threads, 1, False
+        session = ort.InferenceSession(str(work / "model.onnx"), options, providers=["CPUExecutionProvider"])
         for batch in args.batches:
             codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32))
             state = list(step.zero_state(batch))
@@ -138,8 +136,7 @@ def _measure_step(rows: Rows, model, work: Path, args, rng) -> None:
                     _, *state = step(codes, *state)
 
             rows.add("step-eager", batch, frames, threads, timed(eager, args.seconds))
-            for engine, session in sessions.items():
-                rows.add(engine, batch, frames, threads, ort_step_s(session, batch, frames, args.seconds, rng))
+            rows.add("onnxruntime", batch, frames, threads, ort_step_s(session, batch, frames, args.seconds, rng))
 
 
 def _measure_rustymimi(rows: Rows, weights: Path, threads: int, seconds: float, rng) -> None:
@@ -161,11 +158,6 @@ def _ratios(rows: Rows, threads: int, batch: int) -> dict[str, float]:
         ratios[f"moshi / onnxruntime, batch 1, {threads} threads"] = moshi1["ms_per_frame"] / ort1["ms_per_frame"]
     if ort1 and rusty:
         ratios["rustymimi / onnxruntime, batch 1"] = rusty["ms_per_frame"] / ort1["ms_per_frame"]
-    for frames in sorted({r["frames_per_call"] for r in rows.values()}):
-        served, pattern = (rows.get((engine, batch, frames, threads)) for engine in ("onnxruntime", "onnxruntime, mem pattern"))
-        if served and pattern:
-            ratios[f"onnxruntime with / without memory patterns, batch {batch}, F={frames}"] = \
-                pattern["ms_per_frame"] / served["ms_per_frame"]
     best = min((r for r in rows.values() if r["engine"] == "onnxruntime" and r["batch"] == batch),
                key=lambda r: r["ms_per_frame"], default=None)
     if best:

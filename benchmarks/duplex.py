@@ -134,17 +134,17 @@ def _converse_in_thread(decode, steps: Generator, stop_event: threading.Event) -
             step = steps.send(stop_event.wait(step) if isinstance(step, float) else decode(*step))
 
 
-def _conversations(count: int, frames: int, seed: int) -> tuple[list[np.ndarray], list[ConversationLog]]:
-    rng = np.random.default_rng(seed)
+def _conversations(count: int, frames: int) -> tuple[list[np.ndarray], list[ConversationLog]]:
+    rng = np.random.default_rng(0)
     return [rng.integers(0, 2048, (8, frames), dtype=np.int64) for _ in range(count)], [ConversationLog(frames) for _ in range(count)]
 
 
 def run_threads(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float,
-                seed: int = 0, timeout_s: float = 30.0, credentials: Credentials = PLAINTEXT) -> dict:
+                timeout_s: float = 30.0, credentials: Credentials = PLAINTEXT) -> dict:
     """The conversations on the thread client: one `Code2WavStream` (its own connection) and thread each."""
     from mimi_code2wav.client.sync import Code2WavClient
 
-    codes, logs = _conversations(conversations, frames, seed)
+    codes, logs = _conversations(conversations, frames)
     client = Code2WavClient(url, StreamOptions(response_timeout_s=timeout_s), credentials=credentials)
     streams = [client.stream() for _ in codes]
     stop_event, failures = threading.Event(), []
@@ -165,12 +165,12 @@ def run_threads(url: str, conversations: int, frames: int, policy: Policy, budge
     return summarize("threads", policy, logs, start_s, budget_ms, cpu_s, wall_s, failures[0] if failures else None)
 
 
-def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float, seed: int = 0,
-              timeout_s: float = 30.0, credentials: Credentials = PLAINTEXT, model_name: str = MODEL_NAME) -> dict:
+def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float, timeout_s: float = 30.0,
+              credentials: Credentials = PLAINTEXT, model_name: str = MODEL_NAME) -> dict:
     """The conversations on the asyncio client: one `Code2WavClient` (one channel), one task each."""
     from mimi_code2wav.client.aio import Code2WavClient
 
-    codes, logs = _conversations(conversations, frames, seed)
+    codes, logs = _conversations(conversations, frames)
 
     async def main() -> tuple[float, float, float, str | None]:
         options = StreamOptions(model_name=model_name, response_timeout_s=timeout_s)

@@ -88,7 +88,7 @@ def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
         "meta": run_meta("failover"),
         "replicas": len(REPLICAS), "streams": args.streams, "chunk_frames": args.chunk_frames,
         "seconds": args.seconds, "fault": args.signal, "fault_at_s": args.kill_at_s, "window_s": args.window_s,
-        "history_frames": args.history_frames, "render_args": args.render_args,
+        "history_frames": args.history_frames,
         "moved_streams": len(moved), "kept_streams": len(kept),
         "kept_streams_resumed": sum(1 for result in kept if result.resumes),
         "kept_after_fault": _percentiles_ms([latency for sent, latency in requests
@@ -114,8 +114,7 @@ def table(record: dict) -> str:
         f"moved, {record['kept_streams']} kept their replica ({record['kept_streams_resumed']} of them resumed); "
         f"slowest stream at {record['real_time_factor_min']:.2f}x real time"
         + (f"; the slowest kept stream took {record['kept_wall_per_audio_max']:.2f}x its audio's length"
-           if record.get("kept_wall_per_audio_max") is not None else "")
-        + (f"; replicas rendered with RENDER_ARGS `{record['render_args']}`" if record.get("render_args") else ""),
+           if record.get("kept_wall_per_audio_max") is not None else ""),
         "",
         "| requests | p50 ms | p99 ms | max ms |",
         "|---|---:|---:|---:|",
@@ -130,8 +129,6 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     variables = _weights_variables(args.weights)
-    if args.render_args is not None:
-        variables["RENDER_ARGS"] = args.render_args
     try:
         with docker_environment(Path(args.build_dir)) as env:
             http, grpc = free_ports(2)
@@ -156,9 +153,6 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="a moshi-format .safetensors checkpoint or a transformers folder "
                         "(default: seeded random weights)")
-    parser.add_argument("--render-args", default=None,
-                        help="the export service's RENDER_ARGS (default: docker-compose.cpu.yml's, "
-                        "\"--intra-op-threads 1\"; \"--intra-op-threads 0\": one thread per core)")
     parser.add_argument("--build-dir", default="build/docker",
                         help="the Docker tooling's folder: engine log, Compose, stand-in images (default %(default)s)")
     parser.add_argument("--streams", type=int, default=12)

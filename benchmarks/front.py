@@ -3,161 +3,33 @@
 The null decoder answers at once, so what is left is the front. Per count of front instances, one local
 server holds code2wav and `minimal_front` (one `async_exec` per request, the cheapest Python BLS front)
 with as many instances each, and measures: requests/s of `--unpaced` conversations of 1-frame requests
-through each front in turn (`--rounds` rounds); `--conversations` live per-frame conversations through
-each (duplex's driver), profiled; and the same again while py-spy (`--rate` Hz) samples each front's
-stubs, charging every sample to numpy, a pb_utils call (the Python backend's C++ and its IPC), the
-front's own Python, or asyncio and the threads. py-spy needs ptrace rights over the stubs (root, or
-kernel.yama.ptrace_scope 0); without them that part is skipped. Writes OUT_DIR/front.md and front.json.
+through each front in turn (`--rounds` rounds); then `--conversations` live per-frame conversations
+through each (duplex's driver), with Triton's statistics and the CPU time of every process per request.
+Writes OUT_DIR/front.md and front.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import os
-import re
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, StreamOptions, random_codes
 from mimi_code2wav.export.render import COMMON_DIR
-from mimi_code2wav.server.processes import group_pids
 
 from .duplex import PER_FRAME, run_async
-from .local_server import LocalServer, add_server_arguments
-from .profile import process_role
+from .local_server import LocalServer, add_server_arguments, point_profile
 from .provenance import REPO_ROOT, log, md_row, run_meta, write_run
 
 FRONTS = ("code2wav", "minimal_front")
 MINIMAL_FRONT = Path(__file__).resolve().parent / "minimal_front" / "model.py"
 # Beside it as beside every Python model: the stub's fault handler and its collection at unload.
 MODEL_LIFECYCLE = COMMON_DIR / "model_lifecycle.py"
-# Where a sample's CPU goes, in the order the report lists them; the first three are the front's work.
-PB_UTILS = "pb_utils calls (C++, IPC with tritonserver)"
-PARTS = (PB_UTILS, "front Python", "numpy", "asyncio and threads", "other")
-# A line of a front that calls into the Python backend's C++: tensors, requests, responses, metrics.
-# (code2wav's decoder-call threads run nothing but decoder calls: `blocking_call()` is `request.exec`.)
-PB_UTILS_CALL = re.compile(r"pb_utils\.|\.send\(|\.exec\b|async_exec|\.increment\(|as_numpy\(|get_response_sender|blocking_call\(\)")
-# code2wav's decoder-call threads waiting for their next call (the work queue of an executor's threads).
-THREAD_WAIT = re.compile(r"_calls\.get\(\)")
 REQUESTS_PER_S_PER_CONVERSATION = 1 / FRAME_DURATION_S  # per-frame: one request per 80 ms frame
 
-
-# ---- py-spy samples --------------------------------------------------------------------------------
-
-def parse_raw(text: str) -> collections.Counter:
-    """py-spy's raw format (`frame;...;frame COUNT`, outermost first, a frame `function (file:line)`) ->
-    Counter of stacks."""
-    stacks: collections.Counter = collections.Counter()
-    for line in text.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
-            stacks[tuple(stack.split(";"))] += int(count)
-    return stacks
-
-
-def _location(frame: str) -> tuple[str, str, tuple[str, int]]:
-    """(function, file, (file name, line)) of a frame: the last is how `sources` keys a line."""
-    function, _, location = frame.rpartition(" (")
-    file_name, _, line = location.rstrip(")").rpartition(":")
-    return function, file_name, (os.path.basename(file_name), int(line) if line.isdigit() else 0)
-
-
-def sources(model_folder: Path) -> dict[tuple[str, int], str]:
-    """(file name, line number) -> the line, for every Python file a served model's folder holds."""
-    return {(path.name, number): text for path in model_folder.glob("*.py")
-            for number, text in enumerate(path.read_text().splitlines(), 1)}
-
-
-def sample_part(stack: tuple[str, ...], front_sources: dict[tuple[str, int], str]) -> str:
-    """The part of the stub a sample ran in: innermost numpy or the thread pool's work item (a BLS
-    `exec`) first, else the innermost line of the front's own files (a pb_utils call by its text, a
-    decoder-call thread waiting for work, else the front's Python), else asyncio or threading."""
-    function, file_name, _ = _location(stack[-1])
-    if "numpy/" in file_name:
-        return "numpy"
-    if file_name.endswith("concurrent/futures/thread.py") and function == "run":
-        return PB_UTILS  # the pool runs nothing but decoder calls (request.exec, async_exec)
-    for frame in reversed(stack):
-        _, file_name, key = _location(frame)
-        text = front_sources.get(key)
-        if text is not None:
-            if THREAD_WAIT.search(text):
-                return "asyncio and threads"
-            return PB_UTILS if PB_UTILS_CALL.search(text) else "front Python"
-        if "asyncio/" in file_name or os.path.basename(file_name) in ("threading.py", "thread.py", "_base.py", "queue.py"):
-            return "asyncio and threads"
-    return "other"
-
-
-def charge(stacks: collections.Counter, front_sources: dict[tuple[str, int], str]) -> tuple[dict, list]:
-    """Samples per part, and the busiest innermost lines of the front's own files as (frame, the line's
-    text, samples), counted from the samples of its work (not a thread waiting for its next call)."""
-    parts = dict.fromkeys(PARTS, 0)
-    lines: collections.Counter = collections.Counter()
-    for stack, count in stacks.items():
-        part = sample_part(stack, front_sources)
-        parts[part] += count
-        own = next((frame for frame in reversed(stack) if _location(frame)[2] in front_sources), None)
-        if own is not None and part in PARTS[:3]:
-            lines[own] += count
-    return parts, [(frame, front_sources[_location(frame)[2]].strip(), count) for frame, count in lines.most_common(10)]
-
-
-def py_spy() -> str | None:
-    """The py-spy of this environment (beside its python), else the one on PATH."""
-    beside = Path(sys.executable).with_name("py-spy")
-    return str(beside) if beside.is_file() else shutil.which("py-spy")
-
-
-def py_spy_problem() -> str | None:
-    """Why py-spy cannot sample the stubs here, or None."""
-    if py_spy() is None:
-        return "py-spy is not installed (the serve extra pins it: make venv)"
-    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
-    if os.geteuid() != 0 and scope.exists() and scope.read_text().strip() != "0":
-        return "py-spy needs ptrace rights over the stubs: run as root, or with kernel.yama.ptrace_scope 0"
-    return None
-
-
-class Sampler:
-    """py-spy recording each stub of `role` of a server's process group, from its return (every py-spy
-    has attached and says it samples) until `stop()`."""
-
-    def __init__(self, pgid: int, role: str, rate: int, folder: Path):
-        self.pids = [pid for pid in group_pids(pgid) if process_role(pid) == role]
-        self.outputs = [folder / f"{role.replace(' ', '-')}-{pid}.txt" for pid in self.pids]
-        self._processes = [
-            subprocess.Popen([py_spy() or "py-spy", "record", "--pid", str(pid), "--nonblocking", "--format",
-                              "raw", "--rate", str(rate), "--output", str(output)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for pid, output in zip(self.pids, self.outputs)]
-        self._said = []  # what each py-spy said until it began sampling (attaching takes a while) or exited
-        for process in self._processes:
-            said = []
-            while (line := process.stdout.readline()) and not line.startswith("py-spy> Sampling"):
-                said.append(line)
-            self._said.append("".join(said))
-
-    def stop(self) -> collections.Counter:
-        stacks: collections.Counter = collections.Counter()
-        for process, output, said in zip(self._processes, self.outputs, self._said):
-            process.send_signal(signal.SIGINT)  # py-spy writes its file on an interrupt
-            errors = said + process.communicate(timeout=60)[0]
-            if not output.is_file():
-                raise RuntimeError(f"py-spy wrote no samples: {errors.strip().splitlines()[-1:] or process.returncode}")
-            stacks.update(parse_raw(output.read_text()))
-        return stacks
-
-
-# ---- the runs --------------------------------------------------------------------------------------
 
 def unpaced_requests_per_s(url: str, model_name: str, conversations: int, seconds: float) -> float:
     """Requests/s of `conversations` 1-frame conversations of `model_name` for `seconds`, each sending
@@ -196,20 +68,7 @@ def add_minimal_front(repository: Path) -> None:
     shutil.copy(MODEL_LIFECYCLE, folder / "1" / MODEL_LIFECYCLE.name)
 
 
-def _live(local: LocalServer, front: str, args, sampler_folder: Path | None) -> dict:
-    """One live point through `front`: the duplex result and its profile; with `sampler_folder`, the
-    samples of the front's stubs instead of the profile."""
-    profile = local.profile((front, "mimi_decoder")).start()
-    sampler = Sampler(local.server.pid, f"stub {front}", args.rate, sampler_folder) if sampler_folder else None
-    result = run_async(local.url, args.conversations, max(2, round(args.seconds / FRAME_DURATION_S)), PER_FRAME,
-                       args.budget_ms, model_name=front)
-    if sampler is None:
-        return {"result": result, "profile": profile.finish(result["requests"])}
-    parts, busiest = charge(sampler.stop(), sources(local.repository / front / "1"))
-    return {"result": result, "samples": parts, "busiest_lines": busiest, "stubs": len(sampler.pids)}
-
-
-def measure_instances(local: LocalServer, instances: int, args, sampling: str | None) -> dict:
+def measure_instances(local: LocalServer, instances: int, args) -> dict:
     """Every part of the run for one count of front instances, on `local` (a null repository with
     that many front instances), run here with the minimal front added."""
     add_minimal_front(local.repository)
@@ -223,14 +82,14 @@ def measure_instances(local: LocalServer, instances: int, args, sampling: str | 
             print(f"  {instances} instance(s), round {round_index + 1}: "
                   + ", ".join(f"{front} {point['rps'][front][-1]:.0f} requests/s" for front in FRONTS), flush=True)
         point["ratio"] = statistics.median(c / m for c, m in zip(point["rps"]["code2wav"], point["rps"]["minimal_front"]))
-        point["live"] = {front: _live(local, front, args, None) for front in FRONTS}
+        point["live"] = {}
         for front in FRONTS:
-            live = point["live"][front]["result"]
+            profile = point_profile(local, (front, "mimi_decoder")).start()
+            result = run_async(local.url, args.conversations, max(2, round(args.seconds / FRAME_DURATION_S)), PER_FRAME,
+                               args.budget_ms, model_name=front)
+            point["live"][front] = {"result": result, "profile": profile.finish(result["requests"])}
             print(f"  {instances} instance(s), {args.conversations} live conversations through {front}: late p99 "
-                  f"{live['late_ms']['p99']:.0f} ms, {live['misses']} misses", flush=True)
-        if sampling is None:
-            with tempfile.TemporaryDirectory(prefix="front-samples-") as folder:
-                point["sampled"] = {front: _live(local, front, args, Path(folder)) for front in FRONTS}
+                  f"{result['late_ms']['p99']:.0f} ms, {result['misses']} misses", flush=True)
     return point
 
 
@@ -242,7 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unpaced", type=int, default=32, help="unpaced 1-frame conversations (default %(default)s)")
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each measurement (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="ABAB rounds of the throughput part (default %(default)s)")
-    parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second (default %(default)s)")
     parser.add_argument("--budget-ms", type=float, default=80.0, help="playout budget of a frame (default %(default)s)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results" / "front")
 
@@ -251,16 +109,12 @@ def run(args: argparse.Namespace) -> int:
     if args.decoder != "null":
         log("error: the front benchmark runs its own server with the null decoder (no --decoder)")
         return 2
-    sampling = py_spy_problem()
-    if sampling:
-        log(f"warning: {sampling}; the CPU breakdown is skipped")
     points = []
     for count in args.instances:
         args.front_instances = count
-        points.append(measure_instances(LocalServer.prepare(args), count, args, sampling))
+        points.append(measure_instances(LocalServer.prepare(args), count, args))
     results = {"meta": run_meta("front"), "conversations": args.conversations, "unpaced": args.unpaced,
-               "seconds": args.seconds, "rounds": args.rounds, "rate": args.rate, "budget_ms": args.budget_ms,
-               "sampling": sampling, "points": points}
+               "seconds": args.seconds, "rounds": args.rounds, "budget_ms": args.budget_ms, "points": points}
     write_run(args.out_dir, "front", results, front_markdown(results))
     return 1 if any(p["live"][f]["result"]["failed"] for p in points for f in FRONTS) else 0
 
@@ -269,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 def breakdown(point: dict, front: str) -> list[tuple[str, float]]:
     """(what, ms per request) of one front's live point: Triton's queue and execution, then the CPU
-    of each process, the front's stubs split by the samples' shares."""
+    of each process; a recorded run's py-spy samples (`sampled`) split the front's stubs by their shares."""
     profile = point["live"][front]["profile"]
     rows = []
     figures = profile.get(front) or {}
@@ -307,12 +161,10 @@ def front_markdown(results: dict) -> str:
                                 result["misses"], f"{profile.get('server_cpu_ms_per_request_total', float('nan')):.3f}",
                                 f"{profile.get('server_cpu_cores_busy') or float('nan'):.2f}"))
     lines += ["", *sizing(results)]
-    if results["sampling"]:
-        lines += ["", f"CPU by part not measured: {results['sampling']}."]
     for point in results["points"]:
-        lines += ["", f"Where a live request's time and CPU go, {point['instances']} front instance(s), py-spy at "
-                  f"{results['rate']} Hz on the stubs:", "", "| | code2wav ms / request | minimal front ms / request |",
-                  "|---|---:|---:|"]
+        sampler = f", py-spy at {results['rate']} Hz on the stubs" if point.get("sampled") else ""
+        lines += ["", f"Where a live request's time and CPU go, {point['instances']} front instance(s){sampler}:", "",
+                  "| | code2wav ms / request | minimal front ms / request |", "|---|---:|---:|"]
         code2wav_rows, minimal_rows = (dict(breakdown(point, front)) for front in FRONTS)
         lines += [md_row(what, *("" if rows.get(what) is None else f"{rows[what]:.3f}" for rows in (code2wav_rows, minimal_rows)))
                   for what in dict.fromkeys([*code2wav_rows, *minimal_rows])]

@@ -59,9 +59,6 @@ class LocalServer:
     def url(self) -> str:
         return self.server.grpc_url
 
-    def profile(self, models: tuple[str, ...] = PointProfile.MODELS) -> PointProfile:
-        return PointProfile(self.server.pid, self.server.metrics_url, models)
-
 
 def add_server_arguments(parser: argparse.ArgumentParser, url: bool = True, build_dir: str = "bench") -> None:
     """A running server (`--url`, or $URL as perf.sh reads it), else a local one of its own (`--decoder`,
@@ -96,6 +93,6 @@ def server_meta(benchmark: str, args: argparse.Namespace, local: LocalServer | N
                     server=local.description if local else f"running server at {args.url}", **fields)
 
 
-def point_profile(local: LocalServer | None) -> PointProfile:
-    """The profile of a point on `local`; of the load generator alone for a running server."""
-    return local.profile() if local is not None else PointProfile(None, None)
+def point_profile(local: LocalServer | None, models: tuple[str, ...] = PointProfile.MODELS) -> PointProfile:
+    """The profile of a point on `local` (`models`: the front first); of the load generator alone for a running server."""
+    return PointProfile(local.server.pid, local.server.metrics_url, models) if local else PointProfile(None, None)

@@ -3,8 +3,7 @@
 A local server (stream idle timeout `--idle-timeout-s`) takes streams that never END until N of
 `--streams` are live, each through the steps of `--steps` together, then lets them expire, then takes
 `--bursts` more bursts of the largest N: the RSS and PSS of its whole process group at each point say
-what a stream costs and whether memory is given back or creeps. `--decoder-parameter KEY=VALUE` changes
-the decoder's config (e.g. `enable_mem_pattern=1`) to compare. Writes OUT_DIR/memory.json and memory.md.
+what a stream costs and whether memory is given back or creeps. Writes OUT_DIR/memory.json and memory.md.
 """
 
 from __future__ import annotations
@@ -93,17 +92,6 @@ def wait_expired(metrics_url: str, timeout_s: float, decoder_margin_s: float = 0
         time.sleep(0.25)
 
 
-def set_parameters(config_path: Path, parameters: dict[str, str]) -> None:
-    """Set string `parameters` in a model's config.pbtxt (the rendered copy a benchmark serves)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
-    for key, value in parameters.items():
-        config.parameters[key].string_value = value
-    config_path.write_text(text_format.MessageToString(config))
-
-
 def memory_markdown(results: dict) -> str:
     """The memory table and its summary (the caller writes the stamp)."""
     meta, summary = results["meta"], results["summary"]
@@ -131,19 +119,11 @@ def memory_markdown(results: dict) -> str:
         f"({summary['per_stream_over_state']:.2f}x the state). After expiry: "
         f"{summary['after_expiry_over_idle']:.3f}x the idle PSS (second burst: {summary['after_second_expiry_over_idle']:.3f}x).",
     ]
-    if meta.get("decoder_parameters"):
-        lines.append("Decoder config parameters set: " + ", ".join(f"`{k}: {v}`" for k, v in meta["decoder_parameters"].items()) + ".")
     count = summary["streams"]
     later = [row for row in results["rows"] if row["label"] == f"{count} live again" or row["label"].startswith(f"{count} live, burst")]
     if len(later) > 1:
         lines.append(f"Live PSS over {len(later)} more bursts of {count}: " + ", ".join(f"{row['pss_mib']:.0f}" for row in later) + " MiB.")
     return "\n".join(lines)
-
-
-def key_value(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"KEY=VALUE, got {text!r}")
-    return tuple(text.split("=", 1))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,8 +135,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the served stream idle timeout, so that expiry comes quickly (default %(default)s)")
     parser.add_argument("--bursts", type=positive_int, default=1,
                         help="bursts of the largest count after the first expiry, each expired (default %(default)s)")
-    parser.add_argument("--decoder-parameter", type=key_value, action="append", default=[], metavar="KEY=VALUE",
-                        help="a parameter to set in the decoder's config.pbtxt (repeatable)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go")
 
 
@@ -165,11 +143,9 @@ def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, set_idle_timeout
     from mimi_code2wav.export.spec import DecoderSpec
 
-    counts, steps, parameters = sorted(set(args.streams)), args.steps, dict(args.decoder_parameter)
+    counts, steps = sorted(set(args.streams)), args.steps
     local = LocalServer.prepare(args)
     set_idle_timeout(local.repository, args.idle_timeout_s)
-    if parameters:
-        set_parameters(local.repository / "mimi_decoder" / "config.pbtxt", parameters)
     decoder_margin_s = DECODER_IDLE_MARGIN_US / 1e6 + 0.5  # and Triton's reaper's moment
     spec = DecoderSpec.from_dict(read_manifest(next((args.build_dir / "export").iterdir()))["spec"])
     state_mib = spec.state_bytes_per_stream() / MIB
@@ -208,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
     idle, peak = rows[0], rows[len(counts)]
     per_stream = (peak["pss_mib"] - idle["pss_mib"]) / counts[-1]
     meta = run_meta("memory" if args.decoder == "python-ort" else f"memory-{args.decoder}", decoder=args.decoder,
-                    state_mib_per_stream=state_mib, steps=steps, idle_timeout_s=args.idle_timeout_s,
-                    decoder_parameters=parameters)
+                    state_mib_per_stream=state_mib, steps=steps, idle_timeout_s=args.idle_timeout_s)
     results = {"meta": meta, "rows": rows, "summary": {
         "streams": counts[-1], "per_stream_mib": per_stream, "per_stream_over_state": per_stream / state_mib,
         "after_expiry_over_idle": rows[len(counts) + 1]["pss_mib"] / idle["pss_mib"],

@@ -2,7 +2,7 @@
 
 Per point (N streams of requests of 1, then F frames), the asyncio client and perf_analyzer (client/perf.sh):
 requests/s, frames/s, latency, the decoder's batch, CPU per request by process; and Triton's overhead
-(the 1-stream p50 minus the ONNX step alone). Writes OUT_DIR/bench.md, bench.json, bench.png and raw/.
+(the 1-stream p50 minus the ONNX step alone). Writes OUT_DIR/bench.md, bench.json and raw/.
 """
 
 from __future__ import annotations
@@ -96,15 +96,6 @@ def _run_until_done(command: list[str], env: dict, timeout_s: float, server_aliv
                             else "the server exited during the point")
                 time.sleep(0.5)
     return process.returncode
-
-
-def decoder_step_ms(onnx_path: Path, frame_counts: list[int], seconds: float = 1.0) -> dict[int, float]:
-    """Milliseconds per call of the ONNX step alone in ONNX Runtime, batch 1, for each frame count."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    return {frames: ort_step_s(session, 1, frames, seconds, rng) * 1000 for frames in frame_counts}
 
 
 def _label(streams: int, chunk_frames: int) -> str:
@@ -223,8 +214,12 @@ def run(args: argparse.Namespace) -> int:
         results = {"meta": meta, "client": sweep.client, "perf": sweep.perf, "decoder_step_ms": {}}
         onnx_path = args.onnx or (local.onnx_path if local is not None else None)
         if onnx_path is not None:
+            import onnxruntime as ort
+
             log("the ONNX step alone, batch 1 ...")
-            results["decoder_step_ms"] = decoder_step_ms(onnx_path, args.chunk_frames)
+            session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+            results["decoder_step_ms"] = {frames: ort_step_s(session, 1, frames, 1.0, np.random.default_rng(0)) * 1000
+                                          for frames in args.chunk_frames}
         elif local is not None and args.decoder == "null":
             results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
         for chunk, streams in itertools.product(args.chunk_frames, args.streams):
@@ -235,8 +230,6 @@ def run(args: argparse.Namespace) -> int:
                 break
     results["summary"] = summarize(results)
     write_run(args.out_dir, "bench", results, sweep_markdown(results), title="# code2wav benchmark\n\n")
-    if not plot(results, args.out_dir / "bench.png"):
-        log("no plot: matplotlib is not installed")
     if sweep.failures:
         log(f"{sweep.failures} point(s) failed: see the tables and {raw_dir}")
     return 1 if sweep.failures or "server_exit" in meta else 0
@@ -367,37 +360,3 @@ def sweep_markdown(results: dict, heading: str = "##") -> str:
             title, note, header, align = TABLES[name]
             lines += [f"{heading} {title}", "", note, "", header, align, *rows, ""]
     return "\n".join(lines).rstrip("\n")
-
-
-def plot(results: dict, path: Path) -> bool:
-    """Latency and throughput against streams; False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    groups = {}
-    for source, rows, marker in (("client", results["client"], "o"), ("perf_analyzer", results["perf"], "s")):
-        for row in (row for row in rows if "error" not in row):
-            groups.setdefault((source, row["chunk_frames"], marker), []).append(row)
-    for index, ((source, chunk, marker), points) in enumerate(groups.items()):
-        for ax, key, suffix in zip(axes, ("p50_ms", "frames_per_s"), (" p50", "")):
-            ax.plot([r["streams"] for r in points], [r[key] for r in points], marker=marker, color=f"C{index % 10}",
-                    label=f"{source} {chunk} fr/req{suffix}")
-    all_streams = sorted({r["streams"] for r in results["client"] + results["perf"]})
-    axes[1].plot(all_streams, [s * FRAMES_PER_SECOND for s in all_streams], ":", color="gray",
-                 label="real time (12.5 frames/s per stream)")
-    axes[0].set(xlabel="concurrent streams", ylabel="request latency (ms, log scale)", title="Latency per request", yscale="log")
-    axes[1].set(xlabel="concurrent streams", ylabel="decoded frames / s", title="Throughput")
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        ax.set_xticks(all_streams)
-    figure.suptitle(f"code2wav on {results['meta']['machine']} (load generator on the same cores)", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return True

@@ -1,10 +1,6 @@
 """The code2wav client (`mimi_code2wav.client`): codes in, 24 kHz PCM out, over Triton's gRPC API; threads
-here (`sync`), asyncio in `aio` (README.md has examples of both).
-
-Modules: the request contract (`protocol`), what a stream sends and how it resumes, without I/O (`plan`),
-the CLI (`__main__`), WAV I/O (`wav`), perf_analyzer inputs (`perf_inputs`, `perf.sh`). Needs numpy and
-tritonclient only (a test holds it to that). Relative imports let `python -m client.perf_inputs` run from a
-plain checkout, as the perf_analyzer SDK container does.
+here (`sync`), asyncio in `aio`. Needs numpy and tritonclient only (a test holds it to that). Relative
+imports let `python -m client.perf_inputs` run from a plain checkout, as the perf_analyzer SDK container does.
 """
 
 from .credentials import Credentials

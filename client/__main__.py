@@ -126,15 +126,13 @@ def decode_command(args: argparse.Namespace) -> int:
     codes = load_codes(args)
     if args.out is not None:
         check_writable(output_paths(args.out, args.streams))
-    resume = bool(args.resume or args.resume_history_frames is not None or args.resume_timeout is not None
-                  or args.stream_key is not None or args.failover_url)  # any resume option turns it on
+    resume_settings = {name: value for name, value in (("resume_history_frames", args.resume_history_frames),
+                                                       ("resume_timeout_s", args.resume_timeout)) if value is not None}
     options = StreamOptions(
         chunk_frames=args.chunk_frames, mode=args.mode, send_frame_offset=not args.no_offsets,
         paced=args.paced or args.catch_up, catch_up=args.catch_up, model_name=args.model,
-        response_timeout_s=args.timeout, resume=resume,
-        resume_history_frames=(DEFAULT_RESUME_HISTORY_FRAMES if args.resume_history_frames is None
-                               else args.resume_history_frames),
-        resume_timeout_s=DEFAULT_RESUME_TIMEOUT_S if args.resume_timeout is None else args.resume_timeout)
+        response_timeout_s=args.timeout, **resume_settings,  # any resume option turns resuming on
+        resume=bool(args.resume or resume_settings or args.stream_key is not None or args.failover_url))
     show_progress = args.progress if args.progress is not None else (sys.stderr.isatty() and codes.shape[1] >= PROGRESS_MIN_FRAMES)
     servers = [args.url, *args.failover_url]
     keys = None if args.stream_key is None else (
@@ -215,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name, least in (("streams", 1), ("chunk_frames", 1), ("frames", 1), ("resume_history_frames", 0)):
-        value = getattr(args, name, None)  # usage errors: exit 2, like argparse's own
+        value = getattr(args, name)  # usage errors: exit 2, like argparse's own
         if value is not None and value < least:
             parser.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    if getattr(args, "resume_timeout", None) is not None and not args.resume_timeout > 0:
+    if args.resume_timeout is not None and not args.resume_timeout > 0:
         parser.error(f"--resume-timeout must be > 0 s, got {args.resume_timeout:g}")
     try:
         return args.handler(args)

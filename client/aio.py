@@ -1,10 +1,7 @@
-"""The asyncio client: many live conversations on one event loop, over one gRPC channel per server
-(README.md has an example). The rules are the thread client's (`plan.StreamPlan`); besides:
-
-- one request in flight per stream: calls wait in call order, at most `max_pending_calls` (more raise
-  ClientError, handing nothing over); those waiting go as one request of up to `COALESCE_MAX_FRAMES`
-  frames, so a conversation that falls behind catches up in one request;
-- a cancelled `decode` (`asyncio.wait_for`, barge-in) leaves its frames owed to the next call.
+"""The asyncio client: many live conversations on one event loop, over one gRPC channel per server.
+The rules are the thread client's (`plan.StreamPlan`); besides, calls made while a stream's request is in
+flight wait in call order (at most `max_pending_calls`) and go as one request of up to `COALESCE_MAX_FRAMES`
+frames, and a cancelled `decode` (`asyncio.wait_for`, barge-in) leaves its frames owed to the next call.
 """
 
 from __future__ import annotations
@@ -40,7 +37,6 @@ COALESCE_MAX_FRAMES = 50  # frames that waiting calls are merged into, at most (
 @dataclasses.dataclass(eq=False)
 class _Call:
     """One `decode` call: its frames [first, stop) of the stream, and the future of their PCM."""
-
     first: int
     stop: int
     end: bool

@@ -15,17 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .protocol import DEFAULT_CHUNK_FRAMES, FIRST_CHUNK_FRAMES, NUM_CODEBOOKS, chunk_bounds, random_codes
+from .protocol import DEFAULT_CHUNK_FRAMES, NUM_CODEBOOKS, chunk_bounds, random_codes
 
 MODELS = ("code2wav", "mimi_decoder")
 
 
-def sequence_steps(codes: np.ndarray, chunk_frames: int = DEFAULT_CHUNK_FRAMES,
-                   first_chunk_frames: int = FIRST_CHUNK_FRAMES, schedule: tuple[int, ...] | None = None,
+def sequence_steps(codes: np.ndarray, chunk_frames: int = DEFAULT_CHUNK_FRAMES, schedule: tuple[int, ...] | None = None,
                    model: str = "code2wav") -> list[dict]:
     """perf_analyzer steps for one stream of codes [k, F]: 1 frame, then `chunk_frames` (or the `schedule`)."""
     steps = []
-    for start, stop in chunk_bounds(codes.shape[1], chunk_frames, first_chunk_frames, schedule):
+    for start, stop in chunk_bounds(codes.shape[1], chunk_frames, schedule=schedule):
         piece = codes[:, start:stop]
         if model == "mimi_decoder":
             steps.append({"codes": {"content": piece.reshape(-1).tolist(), "shape": list(piece.shape)}})
@@ -44,15 +43,12 @@ def input_data(streams: int, frames: int, chunk_frames: int = DEFAULT_CHUNK_FRAM
 
 
 def describe(document: dict) -> dict:
-    """Steps per sequence and frames per step of a document (to turn requests/s into frames/s)."""
-    step_frames = [[step["codes"]["shape"][1] if "codes" in step else step["input_ids"]["shape"][0] // NUM_CODEBOOKS
-                    for step in sequence] for sequence in document["data"]]
-    steps = {len(s) for s in step_frames}
-    if len(steps) != 1:
-        raise ValueError(f"sequences differ in length: {sorted(steps)} steps")
-    return {"sequences": len(step_frames), "steps_per_sequence": steps.pop(),
-            "frames_per_sequence": sum(step_frames[0]),
-            "mean_frames_per_step": float(np.mean([f for s in step_frames for f in s]))}
+    """Steps per sequence and frames per step of a document (to turn requests/s into frames/s); every sequence
+    of an `input_data` document has the same steps."""
+    step_frames = [step["codes"]["shape"][1] if "codes" in step else step["input_ids"]["shape"][0] // NUM_CODEBOOKS
+                   for step in document["data"][0]]
+    return {"sequences": len(document["data"]), "steps_per_sequence": len(step_frames),
+            "frames_per_sequence": sum(step_frames), "mean_frames_per_step": sum(step_frames) / len(step_frames)}
 
 
 def main(argv: list[str] | None = None) -> int:

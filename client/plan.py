@@ -1,7 +1,5 @@
-"""What a stream sends next, and how it resumes after a lost server (docs/design.md §2.4), without I/O:
-`StreamPlan.exchange` yields what to do (send a request, or wait so many seconds), is sent the outcome
-(the InferResult or `RequestFailure`) and returns the call's PCM; `sync` and `aio` drive it with their own I/O.
-"""
+"""What a stream sends next, and how it resumes after a lost server (docs/design.md §2.4), without I/O;
+`sync` and `aio` drive `StreamPlan.exchange` with their own I/O."""
 
 from __future__ import annotations
 
@@ -39,9 +37,6 @@ class PlannedRequest:
     new_frames: int
     history_frames: int = 0  # a resume: leading frames of input_ids replayed to rebuild the decoder state
     maybe_decoded: int = 0  # leading new frames of an abandoned call: their PCM comes back if not decoded yet
-
-    def describe(self) -> str:
-        return f"frames [{self.first_new_frame}, {self.first_new_frame + self.new_frames})"
 
 
 @dataclass(frozen=True)
@@ -174,7 +169,8 @@ class StreamPlan:
         return requests
 
     def _where(self, request: PlannedRequest) -> str:
-        return f"stream {self.stream_key} (sequence {self.sequence_id}), {request.describe()} on {self.url}"
+        frames = f"[{request.first_new_frame}, {request.first_new_frame + request.new_frames})"
+        return f"stream {self.stream_key} (sequence {self.sequence_id}), frames {frames} on {self.url}"
 
     def _send_all(self, requests: list[PlannedRequest]) -> Step:
         """Send `requests` in order; returns the last one's PCM, or the RequestFailure that stopped them.

@@ -50,7 +50,7 @@ class GrpcConnection:
             raise request_failure(exc) from None
 
 
-Connect = Callable[[str, str], GrpcConnection]  # (url, stream key) -> a connection
+Connect = Callable[[str], GrpcConnection]  # url -> a connection
 
 
 class Code2WavStream(PlannedStream):
@@ -89,7 +89,7 @@ class Code2WavStream(PlannedStream):
         if self._connection is not None and self._connection.url != self.url:
             self.close()
         if self._connection is None:
-            self._connection = self._client._connect(self.url, self.stream_key)
+            self._connection = self._client._connect(self.url)
         try:
             return self._connection.infer(self, request)
         except RequestFailure as failure:
@@ -106,7 +106,7 @@ class Code2WavClient(PlannedClient):
                  connect: Connect | None = None, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, credentials: Credentials = PLAINTEXT):
         super().__init__(urls, options, credentials)
-        self._connect = connect or (lambda url, key: GrpcConnection(url, credentials))
+        self._connect = connect or (lambda url: GrpcConnection(url, credentials))
         self._clock, self._sleep = clock, sleep
 
     def __enter__(self) -> Code2WavClient:

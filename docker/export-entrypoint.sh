@@ -1,31 +1,28 @@
 #!/bin/sh
-# One-shot jobs of docker-compose.yml, run from the root of the project tree this file sits in (/app
-# in the export image, the read-only checkout at /workspace in the NGC tritonserver image):
-#
-#   export           (export image) Export model.onnx from the mounted weights into $EXPORT_DIR (skipped
-#                    when the export there matches the weights and options); render the native ONNX
-#                    Runtime repository with KIND_GPU instances into $MODELS_DIR and with KIND_CPU ones
-#                    into $MODELS_CPU_DIR; write the trtexec command lines of the TensorRT profile.
-#   tensorrt-plan    (NGC tritonserver image, GPU) Build the TensorRT plan with the image's own trtexec,
-#                    the TensorRT that will deserialize it; skipped when the plan in $EXPORT_DIR/tensorrt
-#                    was built from the same export, command and GPU model.
+# One-shot jobs of docker-compose.yml, run from the root of the project tree this file sits in (/app in the
+# export image, the read-only checkout at /workspace in the NGC tritonserver image). Nothing is installed
+# or downloaded here.
+#   export           (export image) Export model.onnx from the weights into $EXPORT_DIR (skipped when it
+#                    matches the weights and options); render the native ONNX Runtime repository with
+#                    KIND_GPU instances into $MODELS_DIR, with KIND_CPU ones into $MODELS_CPU_DIR; write
+#                    the trtexec command lines of the TensorRT profile.
+#   tensorrt-plan    (NGC image, GPU) Build the TensorRT plan with the image's own trtexec, the TensorRT
+#                    that will load it; skipped when built from the same export, command and GPU model.
 #   tensorrt-render  (export image) Render the TensorRT repository around that plan into $MODELS_DIR.
-#
-# Nothing is installed or downloaded here.
 set -eu
 
 cd "$(dirname "$0")/.."
 
-# Environment, with its defaults:
+# The environment (README.md "Docker Compose" says what each means), with its defaults:
 WEIGHTS_ROOT=${WEIGHTS_ROOT:-/weights}
-MIMI_WEIGHTS=${MIMI_WEIGHTS:-}                  # in $WEIGHTS_ROOT (empty: itself): transformers folder or moshi file
-MIMI_RANDOM_INIT=${MIMI_RANDOM_INIT:-0}         # 1: seeded random weights instead (noise; smoke tests)
+MIMI_WEIGHTS=${MIMI_WEIGHTS:-}                  # in $WEIGHTS_ROOT (empty: itself)
+MIMI_RANDOM_INIT=${MIMI_RANDOM_INIT:-0}
 MIMI_RANDOM_SEED=${MIMI_RANDOM_SEED:-0}
-EXPORT_ARGS=${EXPORT_ARGS:-}                    # extra flags for `code2wav-export build`, e.g. "--kv-cache-dtype float16"
-RENDER_ARGS=${RENDER_ARGS:-}                    # extra flags for `code2wav-export render`, e.g. "--instance-count 2"
-MAX_BATCH_SIZE=${MAX_BATCH_SIZE:-64}            # the decoder's max_batch_size and the TensorRT profile's max batch
+EXPORT_ARGS=${EXPORT_ARGS:-}
+RENDER_ARGS=${RENDER_ARGS:-}
+MAX_BATCH_SIZE=${MAX_BATCH_SIZE:-64}
 TENSORRT_FP16=${TENSORRT_FP16:-0}               # 1: the fp16 plan (RoPE angles kept in fp32)
-TENSORRT_REBUILD=${TENSORRT_REBUILD:-0}         # 1: rebuild the plan even when it is up to date
+TENSORRT_REBUILD=${TENSORRT_REBUILD:-0}
 EXPORT_DIR=${EXPORT_DIR:-/export}
 MODELS_DIR=${MODELS_DIR:-/models}
 MODELS_CPU_DIR=${MODELS_CPU_DIR:-/models-cpu}
@@ -119,14 +116,10 @@ case $mode in
         render onnxruntime "$MODELS_CPU_DIR" KIND_CPU
         write_trtexec_args
         ;;
-    tensorrt-plan)
-        build_plan
-        ;;
+    tensorrt-plan) build_plan ;;
     tensorrt-render)
         [ -s "$plan" ] || die "no plan at $plan: the tensorrt-plan service builds it (run it first)"
         render tensorrt "$MODELS_DIR" KIND_GPU --plan "$plan"
         ;;
-    *)
-        die "unknown job '$mode' (export | tensorrt-plan | tensorrt-render)"
-        ;;
+    *) die "unknown job '$mode' (export | tensorrt-plan | tensorrt-render)" ;;
 esac

@@ -1,14 +1,12 @@
 # The export image (`docker compose build export`, jobs in docker/export-entrypoint.sh): the project and
-# every dependency, installed at build time as pyproject.toml's `export` extra and
-# requirements/constraints.txt pin them. Build context: the repository root, kept small by
-# docker/export.Dockerfile.dockerignore.
+# every dependency, installed at build time as pyproject.toml's `export` extra and the constraints pin them.
+# Build context: the repository root, kept small by docker/export.Dockerfile.dockerignore.
 
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE}
 
-# Equal to the torch pin of pyproject.toml's `export` extra (the build fails otherwise). The CPU wheel
-# comes from PyTorch's CPU index (PyPI's Linux wheel is the CUDA build), or from TORCH_FIND_LINKS, a
-# folder inside the base image.
+# The torch pin of pyproject.toml's `export` extra (checked below): the CPU wheel, from PyTorch's CPU index
+# (PyPI's Linux wheel is the CUDA build) or TORCH_FIND_LINKS, a folder inside the base image.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_FIND_LINKS=

@@ -1,11 +1,5 @@
-"""Command line of the export side (`code2wav-export`, or `python -m mimi_code2wav.export`).
-
-  code2wav-export build  [--weights SRC | --random-init --seed N] [--max-frames-per-step 16] [--window moshi|exact]
-                         [--kv-cache-dtype float32|float16] [--opset 17] [--out DIR] [--force]
-  code2wav-export render --target onnxruntime|tensorrt|python-ort|null --export-dir DIR --out DIR [--max-live-streams 1024]
-  code2wav-export render --check-in      (rewrites model_repository/mimi_decoder/config.pbtxt, default options)
-  code2wav-export encode --weights SRC in.wav --out codes.npy
-"""
+"""Command line of the export side (`code2wav-export`, or `python -m mimi_code2wav.export`): build an export,
+render model repositories around it, encode WAV files into codes."""
 
 from __future__ import annotations
 
@@ -19,14 +13,13 @@ from .render import TARGETS, add_serving_arguments, serving_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="code2wav-export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="code2wav-export", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="export model.onnx and its manifest")
     b.add_argument("--weights", help="transformers folder, moshi .safetensors file, or hub id (e.g. kyutai/mimi)")
     b.add_argument("--random-init", action="store_true", help="seeded random weights: the audio is noise")
-    b.add_argument("--seed", type=int, default=None)
+    b.add_argument("--seed", type=int)
     b.add_argument("--out", type=Path, help=f"output folder (default {pipeline.DEFAULT_EXPORT_DIR}/<options>)")
     b.add_argument("--force", action="store_true", help="export even if the manifest matches")
     b.add_argument("--num-codebooks", type=int, default=8)
@@ -45,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--plan", type=Path, help="TensorRT plan for --target tensorrt")
     add_serving_arguments(r)
     r.add_argument("--check-in", action="store_true",
-                   help="rewrite the checked-in native ORT config from the default options")
+                   help="rewrite model_repository/mimi_decoder/config.pbtxt from the default options")
 
     e = sub.add_parser("encode", help="turn a WAV file into codes with Mimi's encoder",
                        description="Encode audio into Mimi codes [k, frames] saved as .npy. Mimi takes 24000 Hz: "

@@ -15,7 +15,7 @@ from .spec import DecoderSpec
 from .step import MimiDecoderStep
 
 OPSETS = (17, 18, 19, 20)
-MAX_IR_VERSION = 10  # onnxruntime 1.19 (NGC 24.10) reads IR versions up to 10
+MAX_IR_VERSION = 10
 MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
 # Ops that must never appear: they would make shapes depend on values, not on (batch, frames).
@@ -52,8 +52,7 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
     batch, frames = 2, min(3, spec.max_frames_per_step)
     codes = torch.zeros(batch, spec.num_codebooks, frames, dtype=torch.int32)
     args = (codes, *step.zero_state(batch))
-    input_names = [t.name for t in spec.inputs]
-    output_names = [t.name for t in spec.outputs]
+    input_names, output_names = [t.name for t in spec.inputs], [t.name for t in spec.outputs]
     dynamic_axes = {name: {0: BATCH_DIM} for name in input_names + output_names}
     dynamic_axes[spec.codes.name][2] = FRAMES_DIM
     dynamic_axes[spec.pcm.name][1] = SAMPLES_DIM
@@ -78,20 +77,15 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
 
 
 def _pin_io_shapes(model, spec: DecoderSpec) -> None:
-    """Declare every graph input and output as [batch, *per-stream shape] from the spec (its -1 dims
-    as `frames` for codes and `samples` for PCM)."""
+    """Declare every graph input and output [batch, *per-stream shape] from the spec, its -1 dims as
+    `frames` (codes) or `samples` (pcm): the tracer leaves the conv state's static size symbolic."""
+    from onnx.helper import make_tensor_type_proto
+
     by_name = {t.name: t for t in (*spec.inputs, *spec.outputs)}
     variable = {spec.codes.name: FRAMES_DIM, spec.pcm.name: SAMPLES_DIM}
-    for value in list(model.graph.input) + list(model.graph.output):
-        tensor = by_name[value.name]
-        dims = value.type.tensor_type.shape.dim
-        del dims[:]
-        dims.add().dim_param = BATCH_DIM
-        for size in tensor.shape:
-            if size == -1:
-                dims.add().dim_param = variable[value.name]
-            else:
-                dims.add().dim_value = size
+    for value in (*model.graph.input, *model.graph.output):
+        shape = [BATCH_DIM, *(variable[value.name] if size == -1 else size for size in by_name[value.name].shape)]
+        value.type.CopyFrom(make_tensor_type_proto(value.type.tensor_type.elem_type, shape))
 
 
 def exporter_sha256() -> str:

@@ -62,12 +62,12 @@ def build(options: ExportOptions, loaded, out_dir: Path, force: bool = False) ->
     return out_dir
 
 
-def prepare_local_repository(weights: str | None = None, random_init: bool = False, seed: int | None = None,
-                             build_root: Path = Path("build"), options: ExportOptions | None = None,
-                             target: str = "python-ort", serving=None) -> Path:
-    """Export (when missing or stale) and render code2wav + the `target` mimi_decoder under `build_root`
-    for a local server (`serving` default: CPU instances); weights as `choose_weights` with allow_default."""
-    options = options or ExportOptions()
+def prepare_local_repository(weights: str | None, random_init: bool, seed: int | None, build_root: Path,
+                             target: str = "python-ort", serving: DecoderServing | None = None) -> Path:
+    """Export (when missing or stale) with the default options and render code2wav + the `target`
+    mimi_decoder under `build_root` for a local server (`serving` default: CPU instances); weights as
+    `choose_weights` with allow_default."""
+    options = ExportOptions()
     loaded = choose_weights(weights, random_init, seed, allow_default=True)
     export_dir = build(options, loaded, export_dir_for(options, build_root / "export"))
     serving = serving or DecoderServing(instance_kind="KIND_CPU")
@@ -91,25 +91,15 @@ def render_export(export_dir: Path, out_dir: Path, target: str, serving, plan_pa
 
 
 def check_in_config() -> Path:
-    """Rewrite the checked-in native ORT config (model_repository/mimi_decoder/config.pbtxt) from the
-    default options."""
+    """Rewrite model_repository/mimi_decoder/config.pbtxt (native ORT) from the default options."""
     CHECKED_IN_CONFIG.write_text(render_config(spec_for_options(ExportOptions()), "onnxruntime"))
     return CHECKED_IN_CONFIG
 
 
-def resample_linear(audio: np.ndarray, from_hz: int, to_hz: int) -> np.ndarray:
-    """Linear-interpolation resampling (no anti-aliasing filter: fine for speech near 24 kHz)."""
-    if from_hz == to_hz:
-        return audio
-    duration_s = len(audio) / from_hz
-    target_times = np.arange(int(round(duration_s * to_hz))) / to_hz
-    return np.interp(target_times, np.arange(len(audio)) / from_hz, audio).astype(np.float32)
-
-
 def encode_file(input_path: Path, weights: str, out_path: Path, num_codebooks: int = 8) -> np.ndarray:
-    """Encode a WAV file (any PCM/float format, channels averaged, resampled to 24 kHz) into codes
-    int64 [num_codebooks, frames] and save them to `out_path` (.npy). Raises ValueError (WeightsError
-    for the weights) saying what cannot be used."""
+    """Encode a WAV file (any PCM/float format, channels averaged, resampled to 24 kHz by linear
+    interpolation) into codes int64 [num_codebooks, frames] saved to `out_path` (.npy). Raises ValueError
+    (WeightsError for the weights) saying what cannot be used."""
     try:
         wav = read_wav(input_path)
     except (OSError, WavError) as exc:
@@ -118,8 +108,10 @@ def encode_file(input_path: Path, weights: str, out_path: Path, num_codebooks: i
     if wav.channels > 1:
         log(f"note: {input_path} has {wav.channels} channels; encoding their average")
     if wav.sample_rate_hz != SAMPLE_RATE_HZ:
+        # No anti-aliasing filter: fine for speech near 24 kHz.
         log(f"note: resampling {wav.sample_rate_hz} Hz -> {SAMPLE_RATE_HZ} Hz by linear interpolation")
-        audio = resample_linear(audio, wav.sample_rate_hz, SAMPLE_RATE_HZ)
+        times = np.arange(round(len(audio) / wav.sample_rate_hz * SAMPLE_RATE_HZ)) / SAMPLE_RATE_HZ
+        audio = np.interp(times, np.arange(len(audio)) / wav.sample_rate_hz, audio).astype(np.float32)
     model = load_weights(weights).model.eval()
     with torch.no_grad():
         codes = model.encode(torch.from_numpy(audio).view(1, 1, -1), num_quantizers=num_codebooks).audio_codes

@@ -25,13 +25,6 @@ def moshi_stream_decode(model, codes: np.ndarray) -> np.ndarray:
                                for frame in range(codes.shape[2])], axis=1)
 
 
-def moshi_reference(checkpoint: str, codes: np.ndarray) -> np.ndarray:
-    """moshi's streaming decode of a moshi-format checkpoint: codes [B, k, F] -> [B, F*1920]."""
-    from moshi.models.loaders import get_mimi
-
-    return moshi_stream_decode(get_mimi(checkpoint, device="cpu", num_codebooks=codes.shape[1]), codes)
-
-
 def step_reference(model, codes: np.ndarray, window: str = "moshi") -> np.ndarray:
     """The PyTorch streaming step, one frame per call: [B, k, F] -> [B, F*1920]."""
     import torch
@@ -59,7 +52,10 @@ def reference_decode(weights: str | None, random_init: bool, seed: int | None,
     loaded = choose_weights(weights, random_init, seed, allow_default=True)
     if loaded.kind == "moshi":
         try:
-            return moshi_reference(loaded.source, codes), f"moshi streaming decode of {loaded.source}"
+            from moshi.models.loaders import get_mimi
+
+            model = get_mimi(loaded.source, device="cpu", num_codebooks=codes.shape[1])
+            return moshi_stream_decode(model, codes), f"moshi streaming decode of {loaded.source}"
         except ImportError:
             note = " (moshi is not installed: using the step module instead)"
     else:

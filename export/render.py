@@ -1,9 +1,8 @@
-"""Render model repositories around an export: `mimi_decoder`'s config written from the decoder spec,
-for the targets of docs/design.md §4 and `null` (bench only: silence at once, no state, the front's
-ceiling), and `code2wav`'s, the tracked model_repository/code2wav/config.pbtxt with the spec's and the
-serving options' values set in it (each field found exactly once, else an error). Nothing is written
-over a tracked file except the checked-in native config, on request (`render --check-in`). The serving
-flags are declared here once, for `code2wav-export render` and `python -m benchmarks sweep`.
+"""Render model repositories around an export: `mimi_decoder`'s config from the decoder spec for the targets
+of docs/design.md §4 and `null` (bench only: silence at once, no state), and `code2wav`'s, the tracked
+model_repository/code2wav/config.pbtxt with the spec's and serving options' values set (each field found
+exactly once). Only `render --check-in` writes a tracked file. The serving flags are declared here once,
+for `code2wav-export render` and `python -m benchmarks sweep`.
 """
 
 from __future__ import annotations
@@ -19,16 +18,17 @@ from pathlib import Path
 from .spec import TRITON_DTYPES, DecoderSpec, TensorSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CHECKED_IN_CONFIG = REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt"
-CODE2WAV_DIR = REPO_ROOT / "model_repository" / "code2wav"
+MODELS_DIR = REPO_ROOT / "model_repository"
+CHECKED_IN_CONFIG = MODELS_DIR / "mimi_decoder" / "config.pbtxt"
+CODE2WAV_DIR = MODELS_DIR / "code2wav"
 CHECKED_IN_CODE2WAV_CONFIG = CODE2WAV_DIR / "config.pbtxt"
-PYTHON_ORT_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort"
 PYTHON_ORT_FILES = ("model.py", "python_ort_core.py", "python_ort_config.py")
-NULL_DIR = REPO_ROOT / "model_repository" / "mimi_decoder" / "null"
+# The Python-backend decoders (no implicit state block): their sources, copied into the version folder.
+PYTHON_DECODERS = {"python-ort": (MODELS_DIR / "mimi_decoder" / "python_ort", PYTHON_ORT_FILES),
+                   "null": (MODELS_DIR / "mimi_decoder" / "null", ("model.py",))}
 # Shared by the Python models: every file of it is copied beside each model.py (it is no model itself).
-COMMON_DIR = REPO_ROOT / "model_repository" / "common"
+COMMON_DIR = MODELS_DIR / "common"
 TARGETS = ("onnxruntime", "tensorrt", "python-ort", "null")
-PYTHON_TARGETS = ("python-ort", "null")  # Python-backend decoders: no implicit state block
 SERVER_ARGS_FILE = "tritonserver.args"  # in the repository root; Triton only loads model folders
 MIB = 2**20
 DEFAULT_PINNED_POOL_BYTES = 256 * MIB  # Triton's own default; the rendered size never goes below it
@@ -85,11 +85,9 @@ class DecoderServing:
     def validate(self) -> None:
         if self.instance_kind not in ("KIND_GPU", "KIND_CPU"):
             raise ValueError(f"instance_kind must be KIND_GPU or KIND_CPU, got {self.instance_kind!r}")
-        if min(self.max_queue_delay_us, self.front_queue_delay_us) < 0:
-            raise ValueError(f"max_queue_delay_us and front_queue_delay_us must be >= 0, got "
-                             f"{self.max_queue_delay_us} and {self.front_queue_delay_us}")
-        if min(self.max_batch_size, self.instance_count, self.max_candidate_sequences, self.front_instances) < 1:
-            raise ValueError("max_batch_size, instance_count, max_candidate_sequences and front_instances must be >= 1")
+        counts = (self.max_batch_size, self.instance_count, self.max_candidate_sequences, self.front_instances)
+        if min(self.max_queue_delay_us, self.front_queue_delay_us) < 0 or min(counts) < 1:
+            raise ValueError(f"queue delays must be >= 0 and instance, batch and stream counts >= 1, got {self}")
         if self.front_instances > self.max_candidate_sequences:
             raise ValueError(f"front_instances ({self.front_instances}) must not exceed the streams the decoder "
                              f"holds ({self.max_candidate_sequences}): each instance admits at least one")
@@ -139,7 +137,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
 def serving_from_args(args: argparse.Namespace, target: str) -> DecoderServing:
     """The `DecoderServing` the flags of `add_serving_arguments` ask for, for a decoder `target`."""
     return DecoderServing(
-        instance_kind=args.instance_kind or ("KIND_CPU" if target in PYTHON_TARGETS else "KIND_GPU"),
+        instance_kind=args.instance_kind or ("KIND_CPU" if target in PYTHON_DECODERS else "KIND_GPU"),
         preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],
         **{name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _, _ in SERVING_FLAGS},
     )
@@ -198,7 +196,7 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
     serving = serving or DecoderServing()
     serving.validate()
     spec.validate()
-    python = target in PYTHON_TARGETS
+    python = target in PYTHON_DECODERS
     text = f"""# Rendered by `code2wav-export render` (export/render.py) from the export's spec: do not edit by hand.
 # Target: {target}. Spec sha256: {spec.sha256()}
 # {_TARGET_NOTES[target]}
@@ -220,11 +218,10 @@ sequence_batching {{
 instance_group [ {{ kind: {"KIND_CPU" if python else serving.instance_kind} count: {serving.instance_count} }} ]
 """
     if target == "python-ort":
-        states = [{"input": s.input, "output": s.output, "dtype": s.dtype, "shape": list(s.shape)} for s in spec.states]
         text += _parameters(
             "All required, no other accepted (python_ort_config.py); max_live_streams is max_candidate_sequences.",
             {"onnx_file": "model.onnx", "intra_op_threads": serving.intra_op_threads,
-             "state_spec": json.dumps(states, separators=(",", ":")),
+             "state_spec": json.dumps(spec.to_dict()["states"], separators=(",", ":")),
              "value_ranges": json.dumps({spec.codes.name: [0, spec.codebook_size]}),
              "max_dims": json.dumps({spec.codes.name: [spec.num_codebooks, spec.max_frames_per_step]}),
              "max_live_streams": serving.max_candidate_sequences})
@@ -289,43 +286,39 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
-def _copy_py(source_dir: Path, names, version: Path) -> None:
-    for name in names:
-        shutil.copy2(source_dir / name, version / name)
-
-
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
     """A complete model repository in `out_dir` (not inside the tracked model_repository/): code2wav
     plus mimi_decoder for `target`, model_repository/common/ beside each Python model's model.py, and
     for a KIND_GPU decoder with implicit state `tritonserver.args`, `memory_pool_args` one per line."""
-    out_dir, tracked = out_dir.resolve(), (REPO_ROOT / "model_repository").resolve()
+    out_dir, tracked = out_dir.resolve(), MODELS_DIR.resolve()
     if out_dir == tracked or tracked in out_dir.parents:
         raise ValueError(f"refusing to render into the tracked model repository: {out_dir}")
-    serving = serving or DecoderServing(instance_kind="KIND_CPU" if target in PYTHON_TARGETS else "KIND_GPU")
+    serving = serving or DecoderServing(instance_kind="KIND_CPU" if target in PYTHON_DECODERS else "KIND_GPU")
     serving.validate()
     if target == "tensorrt" and plan_path is None:
         raise ValueError("the tensorrt target needs a plan file (export/tensorrt_build.py builds one)")
-    common = sorted(path.name for path in COMMON_DIR.glob("*.py"))
     code2wav, decoder = out_dir / "code2wav", out_dir / serving.model_name
     for folder in (code2wav, decoder):
         shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(CODE2WAV_DIR / "1", code2wav / "1", ignore=shutil.ignore_patterns("__pycache__"))
-    _copy_py(COMMON_DIR, common, code2wav / "1")
     (code2wav / "config.pbtxt").write_text(render_code2wav_config(spec, serving))
-    version = decoder / "1"
-    version.mkdir(parents=True)
+    (decoder / "1").mkdir(parents=True)
     (decoder / "config.pbtxt").write_text(render_config(spec, target, serving))
     if target == "tensorrt":
-        _link_or_copy(plan_path, version / "model.plan")
+        _link_or_copy(plan_path, decoder / "1" / "model.plan")
     elif target != "null":
-        _link_or_copy(onnx_path, version / "model.onnx")
-    if target in PYTHON_TARGETS:
-        model_dir, files = (PYTHON_ORT_DIR, PYTHON_ORT_FILES) if target == "python-ort" else (NULL_DIR, ("model.py",))
-        _copy_py(model_dir, files, version)
-        _copy_py(COMMON_DIR, common, version)
+        _link_or_copy(onnx_path, decoder / "1" / "model.onnx")
+    common = sorted(COMMON_DIR.glob("*.py"))
+    copies = [(code2wav / "1", common)]
+    if target in PYTHON_DECODERS:
+        model_dir, files = PYTHON_DECODERS[target]
+        copies.append((decoder / "1", [model_dir / name for name in files] + common))
+    for version, sources in copies:
+        for source in sources:
+            shutil.copy2(source, version / source.name)
     args_file = out_dir / SERVER_ARGS_FILE
-    if serving.instance_kind == "KIND_GPU" and target not in PYTHON_TARGETS:
+    if serving.instance_kind == "KIND_GPU" and target not in PYTHON_DECODERS:
         pools = memory_pool_args(spec, serving.max_candidate_sequences, serving.max_batch_size)
         args_file.write_text("".join(f"{arg}\n" for arg in pools))
     elif args_file.exists():

@@ -1,7 +1,7 @@
-"""The decoder step's tensor spec: the single source of truth for names, dtypes and per-stream shapes,
-driving the ONNX export, the TensorRT profile and every rendered `mimi_decoder` config. Triton pairs
-input and output states by position in two name-sorted lists, so state names carry a two-digit index.
-Standard library only: the server-side code reads specs from JSON.
+"""The decoder step's tensor spec, the one source of names, dtypes and per-stream shapes for the ONNX export,
+the TensorRT profile and every rendered `mimi_decoder` config. Triton pairs input and output states by
+position in two name-sorted lists, so state names carry a two-digit index. Standard library only:
+the serving side reads specs from JSON.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ DTYPE_BYTES = {"int32": 4, "int64": 8, "float32": 4, "float16": 2}
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor; `shape` is per stream (the batch dimension, always first, is not included);
-    -1 marks the frame dimension, which varies from call to call (1 .. max_frames_per_step)."""
+    """`shape` is per stream (without the leading batch dimension); -1 is the frame dimension."""
 
     name: str
     dtype: str
@@ -54,9 +53,7 @@ class DecoderSpec:
     def codes(self) -> TensorSpec:
         return TensorSpec("codes", "int32", (self.num_codebooks, -1))
 
-    @property
-    def pcm(self) -> TensorSpec:
-        return TensorSpec("pcm", "float32", (-1,))
+    pcm = TensorSpec("pcm", "float32", (-1,))
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
@@ -71,11 +68,9 @@ class DecoderSpec:
 
     def validate(self) -> None:
         """Raise ValueError if Triton would pair the states wrongly or a name is reused."""
-        ins = sorted(s.input for s in self.states)
-        outs = sorted(s.output for s in self.states)
-        by_in = {s.input: s.output for s in self.states}
-        if [by_in[name] for name in ins] != outs:
-            raise ValueError(f"state names sort differently on the input and output side: {ins} vs {outs}")
+        pairs = {s.input: s.output for s in self.states}
+        if [pairs[name] for name in sorted(pairs)] != sorted(pairs.values()):
+            raise ValueError(f"state names sort differently on the input and output side: {sorted(pairs.items())}")
         names = [t.name for t in (*self.inputs, *self.outputs)]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate tensor names in spec: {names}")

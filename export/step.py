@@ -37,19 +37,18 @@ class StreamingConv(nn.Module):
 
     def __init__(self, conv: nn.Conv1d, dtype: torch.dtype):
         super().__init__()
-        if conv.stride[0] != 1 or conv.padding[0] != 0:
-            raise ValueError("streaming conv expects stride 1 and no built-in padding")
         self.bias = None if conv.bias is None else frozen(conv.bias, dtype)
         self.dilation, self.groups, self.kernel = conv.dilation[0], conv.groups, conv.kernel_size[0]
         self.channels, self.out_channels = conv.in_channels, conv.out_channels
         self.context = (self.kernel - 1) * self.dilation
+        self.state_shape = (self.channels, self.context)
         self.as_matmul = self.groups == 1 and self.channels >= MATMUL_CONV_CHANNELS
         weight = conv.weight.detach()  # [Cout, Cin, K], as a matmul [Cin * K, Cout]
         self.weight = frozen((weight.flatten(1).t() if self.as_matmul else weight).contiguous(), dtype)
 
     def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
         if self.context:
-            x = torch.cat([state.take(self.channels, self.context), x], dim=2)
+            x = torch.cat([state.take(*self.state_shape), x], dim=2)
             state.put(x[:, :, -self.context :])
         if not self.as_matmul:
             return F.conv1d(x, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
@@ -68,9 +67,8 @@ class StreamingConv(nn.Module):
 class StreamingConvTranspose(nn.Module):
     """Causal transposed conv with kernel = 2 * stride; its state is the overlap tail, without bias.
     Output block t = taps [0, s) of input step t + taps [s, 2s) of step t - 1 (the state for t = 0),
-    each half one matmul over the whole batch, [B * T, Cin] @ [Cin, s * Cout], tap-major columns so
-    the sum is already [B, T * s, Cout]. Not ConvTranspose: ONNX Runtime 1.19's (the NGC 24.10
-    native backend's) computes stream by stream."""
+    each half one matmul over the whole batch, [B * T, Cin] @ [Cin, s * Cout], tap-major so the sum is
+    [B, T * s, Cout]. Not ConvTranspose: the NGC 24.10 native backend's ORT 1.19 runs it stream by stream."""
 
     def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
         super().__init__()
@@ -86,7 +84,7 @@ class StreamingConvTranspose(nn.Module):
         else:
             self.weight = frozen(weight, dtype)
         # The overlap tail of one stream: [1, s * Cout] (plain) or [1, C, s] (depthwise).
-        self.tail = (1, self.stride * self.channels) if self.groups == 1 else (1, self.channels, self.stride)
+        self.state_shape = (1, self.stride * self.channels) if self.groups == 1 else (1, self.channels, self.stride)
 
     def forward(self, x: torch.Tensor, state: ConvState) -> torch.Tensor:
         batch, steps = x.shape[0], x.shape[2]
@@ -97,7 +95,7 @@ class StreamingConvTranspose(nn.Module):
         else:
             # Depthwise (the upsampling, one step per frame): [B, T, C, 1] * [C, 2s], the same halves.
             first, second = (x.transpose(1, 2)[..., None] * self.weight[:, 0]).split(self.stride, dim=-1)
-        previous = torch.cat([state.take(*self.tail), second[:, :-1]], dim=1)  # [B, T, s * Cout] or [B, T, C, s]
+        previous = torch.cat([state.take(*self.state_shape), second[:, :-1]], dim=1)  # [B, T, s * Cout] or [B, T, C, s]
         state.put(second[:, -1:])
         y = first + previous
         y = y.view(batch, -1, self.channels).transpose(1, 2) if self.groups == 1 else y.permute(0, 2, 1, 3).flatten(2)
@@ -105,16 +103,14 @@ class StreamingConvTranspose(nn.Module):
 
 
 class ConvState:
-    """Reads conv state pieces of the given per-stream shapes from the flat state tensor in order (zeros
-    for one stream without one: layout discovery) and collects their updates."""
+    """Reads conv state pieces of the given per-stream shapes from the flat state tensor in order and
+    collects their updates."""
 
-    def __init__(self, flat: torch.Tensor | None, dtype: torch.dtype = torch.float32):
-        self.flat, self.dtype, self.offset = flat, dtype, 0
+    def __init__(self, flat: torch.Tensor):
+        self.flat, self.offset = flat, 0
         self.updates: list[torch.Tensor] = []
 
     def take(self, *shape: int) -> torch.Tensor:
-        if self.flat is None:
-            return torch.zeros(1, *shape, dtype=self.dtype)
         size = math.prod(shape)
         piece = self.flat[:, self.offset : self.offset + size].reshape(-1, *shape)
         self.offset += size
@@ -184,6 +180,9 @@ class MimiDecoderStep(nn.Module):
             raise ValueError(f"num_codebooks must be in [1, {config.num_quantizers}], got {num_codebooks}")
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be float32 or float64 (RoPE angles need >= fp32), got {dtype}")
+        if (config.num_key_value_heads != config.num_attention_heads or config.hidden_act != "gelu"
+                or config.attention_bias or model.decoder.upsample is None):
+            raise ValueError("expected Mimi's decoder: learnt upsampling, gelu MLP, attention without bias or GQA")
         self.num_codebooks, self.max_frames_per_step, self.window = num_codebooks, max_frames_per_step, window
         self.kv_cache_dtype, self.dtype = kv_cache_dtype, dtype
         self.codebook_size, self.sample_rate_hz = config.codebook_size, config.sampling_rate
@@ -191,8 +190,6 @@ class MimiDecoderStep(nn.Module):
         self.steps_per_frame, self.context = config.latent_stride, config.sliding_window
         self.num_layers, self.hidden_size = config.num_hidden_layers, config.hidden_size
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        if config.num_key_value_heads != config.num_attention_heads:
-            raise ValueError("grouped-query attention is not part of the Mimi architecture")
         # Past keys a step needs: offline decoding sees `context` keys including its own; moshi's ring
         # loses the oldest keys to the rest of the frame, so a frame's steps need steps_per_frame - 1 fewer.
         self.cache_len = self.context - (self.steps_per_frame if window == "moshi" else 1)
@@ -207,8 +204,6 @@ class MimiDecoderStep(nn.Module):
             constant("codebook_table", self._fold_quantizer(model.quantizer).to(dtype))
         constant("codebook_offsets",
                  (torch.arange(num_codebooks, dtype=torch.int32) * self.codebook_size).view(1, num_codebooks, 1))
-        if decoder.upsample is None:
-            raise ValueError("expected Mimi's learnt upsampling between frame rate and transformer rate")
         self.upsample = StreamingConvTranspose(decoder.upsample.conv, dtype)
 
         self.layers = nn.ModuleList()
@@ -225,8 +220,6 @@ class MimiDecoderStep(nn.Module):
             block.scale1, block.scale2 = (frozen(scale.scale, dtype)
                                           for scale in (layer.self_attn_layer_scale, layer.mlp_layer_scale))
             self.layers.append(block)
-        if config.hidden_act != "gelu" or config.attention_bias:
-            raise ValueError("expected Mimi's transformer: gelu MLP without attention bias")
 
         rope = config.rope_parameters or {}
         theta = float(rope.get("rope_theta", 10000.0))
@@ -248,10 +241,9 @@ class MimiDecoderStep(nn.Module):
             lower = lower + (self.steps_per_frame - 1 - t % self.steps_per_frame)
         constant("window_lower", lower.to(torch.int32))
         constant("attn_allowed", (t[None] <= t[:, None]) & (t[None] >= lower[:, None]))
-        with torch.no_grad():  # the conv state's size, from a dry run of one step
-            state = ConvState(None, dtype)
-            run_layers(self.seanet, self.upsample(torch.zeros(1, self.upsample.channels, 1, dtype=dtype), state), state)
-        self.conv_state_size = sum(update.shape[1] for update in state.updates)
+        # Each streaming conv takes its piece of the conv state once per call.
+        self.conv_state_size = sum(math.prod(module.state_shape) for module in self.modules()
+                                   if isinstance(module, (StreamingConv, StreamingConvTranspose)))
 
     def _fold_quantizer(self, quantizer) -> torch.Tensor:
         """One [k * codebook_size, hidden] table: each codebook's entries through its output projection."""

@@ -27,7 +27,6 @@ _MODULE_TO_FLAT = (
     ("decoder.decoder_transformer.", "decoder_transformer."),
     ("decoder.upsample.", "upsample."),
 )
-_FLAT_TO_MODULE = tuple((flat, module) for module, flat in _MODULE_TO_FLAT)
 
 
 class WeightsError(ValueError):
@@ -42,11 +41,11 @@ class LoadedMimi:
     sha256: str  # of the weight file(s), or of the random recipe
 
 
-def _swap_prefix(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
-    for old, new in prefixes:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
+def _flat_name(module_name: str) -> str:
+    for module, flat in _MODULE_TO_FLAT:
+        if module_name.startswith(module):
+            return flat + module_name[len(module) :]
+    return module_name
 
 
 def new_model(config=None):
@@ -57,16 +56,16 @@ def new_model(config=None):
 
 def load_flat_state_dict(model, flat: dict[str, torch.Tensor], source: str) -> None:
     """Load checkpoint-named tensors; a missing, extra or mis-shaped tensor raises WeightsError naming it."""
-    expected = {_swap_prefix(name, _MODULE_TO_FLAT): tensor for name, tensor in model.state_dict().items()}
+    expected = {_flat_name(name): (name, tensor) for name, tensor in model.state_dict().items()}
     missing = sorted(set(expected) - set(flat))
     extra = sorted(set(flat) - set(expected))
-    shapes = sorted(f"{name}: checkpoint {tuple(flat[name].shape)}, model {tuple(expected[name].shape)}"
-                    for name in set(expected) & set(flat) if tuple(flat[name].shape) != tuple(expected[name].shape))
+    shapes = sorted(f"{name}: checkpoint {tuple(flat[name].shape)}, model {tuple(expected[name][1].shape)}"
+                    for name in set(expected) & set(flat) if flat[name].shape != expected[name][1].shape)
     problems = [f"{what} tensors ({len(names)}): {_short(names)}"
                 for what, names in (("missing", missing), ("unexpected", extra), ("mis-shaped", shapes)) if names]
     if problems:
         raise WeightsError(f"{source} does not fit the Mimi architecture: " + "; ".join(problems))
-    model.load_state_dict({_swap_prefix(name, _FLAT_TO_MODULE): tensor for name, tensor in flat.items()}, strict=True)
+    model.load_state_dict({expected[name][0]: tensor for name, tensor in flat.items()}, strict=True)
 
 
 def _short(names: list[str], limit: int = 8) -> str:
@@ -174,21 +173,14 @@ def random_model(seed: int, config=None) -> LoadedMimi:
     return LoadedMimi(model, f"random:{seed}", "random", hashlib.sha256(recipe.encode()).hexdigest())
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file; a truncated or corrupt one is one error naming it."""
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of a safetensors file and the file's sha256; a truncated or corrupt file is one error."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     try:
-        return load_file(str(path))
+        data = path.read_bytes()
+        return load(data), hashlib.sha256(data).hexdigest()
     except (SafetensorError, OSError) as error:
         raise WeightsError(f"{path}: not a readable safetensors file ({error})") from error
 
@@ -196,13 +188,14 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def load_transformers_dir(path: Path) -> LoadedMimi:
     from transformers import MimiConfig
 
-    config_path, weights_path = path / "config.json", path / "model.safetensors"
-    for needed in (config_path, weights_path):
+    weights_path = path / "model.safetensors"
+    for needed in (path / "config.json", weights_path):
         if not needed.is_file():
             raise WeightsError(f"{path} is not a transformers-format Mimi folder: {needed.name} is missing")
     model = new_model(MimiConfig.from_pretrained(str(path)))
-    load_flat_state_dict(model, _read_safetensors(weights_path), str(weights_path))
-    return LoadedMimi(model, str(path), "transformers", file_sha256(weights_path))
+    tensors, sha256 = _read_safetensors(weights_path)
+    load_flat_state_dict(model, tensors, str(weights_path))
+    return LoadedMimi(model, str(path), "transformers", sha256)
 
 
 def resolve_hub_id(repo_id: str) -> Path:
@@ -233,13 +226,13 @@ def load_weights(source: str | os.PathLike | None, seed: int | None = None) -> L
     if path.is_file():
         if path.suffix not in SAFETENSORS_SUFFIXES:
             raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
-        tensors = _read_safetensors(path)
+        tensors, sha256 = _read_safetensors(path)
         if not any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in tensors):
             raise WeightsError(f"{path}: not a moshi-format Mimi checkpoint; for transformers format pass the "
                                "folder holding config.json and model.safetensors")
         model = new_model()
         load_flat_state_dict(model, moshi_to_flat(tensors, model.config.num_attention_heads), str(path))
-        return LoadedMimi(model, str(path), "moshi", file_sha256(path))
+        return LoadedMimi(model, str(path), "moshi", sha256)
     if re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", str(source)) and path.suffix not in SAFETENSORS_SUFFIXES:
         return load_transformers_dir(resolve_hub_id(str(source)))
     raise WeightsError(f"{source}: no such file or folder")

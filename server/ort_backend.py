@@ -6,6 +6,7 @@ by sha256 (`python -m mimi_code2wav.server.ort_backend` fetches it ahead of time
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import os
 import re
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 import zipfile
 from pathlib import Path
 
@@ -26,6 +28,17 @@ ORT_VERSION = "1.19.2"
 ORT_LIBRARY_MEMBER = f"onnxruntime/capi/libonnxruntime.so.{ORT_VERSION}"
 ORT_LIBRARY_SHA256 = "4ff01702cba83d4162e87752deb6f09a8bb9297185880e2b54067ef3ffb334f1"
 _ONNXRUNTIME_BACKEND = re.compile(r'^\s*backend:\s*"onnxruntime"', re.MULTILINE)
+
+
+def install_file(source: Path, target: Path, mode: int) -> None:
+    """Copy `source` to `target` unless an identical file is there; atomic, so concurrent callers
+    and running servers (which keep the old inode mapped) never see a half-written file."""
+    if target.exists() and filecmp.cmp(source, target, shallow=False):
+        return
+    partial = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    shutil.copyfile(source, partial)
+    os.chmod(partial, mode)
+    os.replace(partial, target)
 
 
 def backend_source() -> Path:
@@ -72,9 +85,9 @@ def fetch_onnxruntime_library() -> Path:
     return target
 
 
-def install_onnxruntime_backend(backend_dir: Path, install_file) -> Path:
-    """`backend_dir/onnxruntime/` with the backend and ONNX Runtime's library, each put there by
-    `install_file(source, target, mode)`; refuses in one line when ORT_BACKEND holds no backend."""
+def install_onnxruntime_backend(backend_dir: Path) -> Path:
+    """`backend_dir/onnxruntime/` with the backend and ONNX Runtime's library; refuses in one line when
+    ORT_BACKEND holds no backend."""
     source = backend_source() / BACKEND_LIBRARY
     if not source.is_file():
         raise ServerError(f"the onnxruntime decoder needs Triton's ONNX Runtime backend, and {source} does not "

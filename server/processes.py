@@ -60,8 +60,7 @@ def stop_process_group(process: subprocess.Popen, grace_s: float) -> int | None:
     """SIGTERM `process` (leading its own process group), SIGKILL the group after `grace_s`, then wait
     for the rest of the group (Python stubs) to go, killing it after 5 s. Idempotent; the leader's code."""
     if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)  # not yet reaped: a zombie at worst
         try:
             process.wait(grace_s)
         except subprocess.TimeoutExpired:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -154,10 +153,7 @@ class Supervisor:
         not come back is reported and restarted (or not) as a server that died."""
         began, pid = time.monotonic(), self.server.tritonserver_pid()
         print(f"SIGHUP: draining tritonserver (pid {pid}) to start it again", flush=True)
-        if self.server.is_alive():
-            self.server.process.send_signal(signal.SIGTERM)  # the entrypoint passes it on to tritonserver
-            with contextlib.suppress(subprocess.TimeoutExpired):  # _relaunch stops what is left of it
-                self.server.process.wait(self.server.stop_grace_s)
+        self.server.stop()  # SIGTERM, which the entrypoint passes on to tritonserver
         drained = describe_exit(self.server.exit_code())
         if (ready_s := self._relaunch()) is not None:
             print(f"tritonserver (pid {pid}) drained ({drained}) and restarted in {time.monotonic() - began:.1f} s "

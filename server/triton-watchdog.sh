@@ -1,23 +1,21 @@
 #!/bin/sh
 # The entrypoint of every server (serve, compose, Kubernetes; docs/design.md §5.2, §5.3):
 #   triton-watchdog.sh tritonserver --model-repository=/models ...
-# runs the command with the access folder's flags; SIGKILLs a hung server or one with a dead Python
-# stub and exits 137, for the restart policy; passes SIGTERM and SIGINT on (the server drains) and
-# exits with the server's code. Needs only sh, curl, sed, date and sleep (as NGC's image has).
+# runs the command with the access folder's flags; SIGKILLs a hung server or one with a dead Python stub
+# and exits 137, for the restart policy; passes SIGTERM and SIGINT on (the server drains) and exits with
+# the server's code. Needs only sh, curl, sed, date and sleep (as NGC's image has).
 #
 # Hung: WATCHDOG_CHECKS (3; 0: off) /v2/health/live checks in a row, one every WATCHDOG_INTERVAL_S (1),
-# unanswered within WATCHDOG_TIMEOUT_S (2). A refused connection (a loading server has no endpoints
-# yet) or any answer resets the count.
-# Dead stub: Triton 2.51 answers ready while every request fails with "Stub process '...' is not
-# healthy"; every WATCHDOG_PROBE_S (5; 0: off) code2wav, then the decoder, get a START+END request,
-# each given WATCHDOG_PROBE_TIMEOUT_S (10: calling a stub dead takes Triton seconds).
-# Both ask WATCHDOG_HTTP (http://127.0.0.1:8000).
+# unanswered within WATCHDOG_TIMEOUT_S (2); a refused connection (a loading server) or any answer resets
+# the count. Dead stub: Triton 2.51 answers ready while every request fails with "Stub process '...' is
+# not healthy"; every WATCHDOG_PROBE_S (5; 0: off) code2wav, then the decoder, get a START+END request,
+# each given WATCHDOG_PROBE_TIMEOUT_S (10: calling a stub dead takes Triton seconds). Both ask
+# WATCHDOG_HTTP (http://127.0.0.1:8000).
 #
-# The files of WATCHDOG_ACCESS_DIR (/run/code2wav-access; set empty: none) turn on what they name
-# (docker/access/README.md): server.pem + server.key TLS on gRPC, client-ca.pem mutual TLS,
-# inference.key the inference key, admin.key the admin key (without it admin calls take the inference
-# key). Triton takes keys only on its command line, readable by whoever lists the processes; the probe
-# passes the inference key to curl on its standard input.
+# The files of WATCHDOG_ACCESS_DIR (/run/code2wav-access; empty: none; docker/access/README.md):
+# server.pem + server.key TLS on gRPC, client-ca.pem mutual TLS, inference.key the inference key,
+# admin.key the admin key (without it admin calls take the inference key). Triton takes keys only on its
+# command line, readable by whoever lists the processes; the probe passes the key to curl on its stdin.
 
 set -u
 
@@ -37,15 +35,9 @@ access_dir=${WATCHDOG_ACCESS_DIR-/run/code2wav-access}
 INFERENCE_PROTOCOLS=inference,metadata,model-config
 ADMIN_PROTOCOLS=model-repository,shared-memory,statistics,trace,logging
 
-die() {
-    echo "triton-watchdog: $*" >&2
-    exit 2
-}
+die() { echo "triton-watchdog: $*" >&2; exit 2; }
 
-if [ $# -eq 0 ]; then
-    echo "usage: triton-watchdog.sh COMMAND [ARGS...]  (the tritonserver command line to watch)" >&2
-    exit 2
-fi
+[ $# -gt 0 ] || die "usage: triton-watchdog.sh COMMAND [ARGS...]  (the tritonserver command line to watch)"
 case $checks in '' | *[!0-9]*) die "WATCHDOG_CHECKS must be a whole number, got '$checks'" ;; esac
 case $probe_s in '' | *[!0-9]*) die "WATCHDOG_PROBE_S must be a whole number of seconds, got '$probe_s'" ;; esac
 

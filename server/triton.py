@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import filecmp
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -21,7 +19,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from .ort_backend import install_onnxruntime_backend, needs_onnxruntime
+from .ort_backend import install_file, install_onnxruntime_backend, needs_onnxruntime
 from .processes import ServerError, group_pids, log_tail, stop_process_group, with_parent_death_signal
 from .security import ENTRYPOINT
 
@@ -31,17 +29,6 @@ LOCALHOST = "127.0.0.1"
 # streams its clients abandoned to idle out (code2wav 10 s, the decoder 12 s, docs/design.md §5.2),
 # short enough to exit inside Kubernetes' default 30 s grace period.
 DEFAULT_EXIT_TIMEOUT_S = 25
-
-
-def _install_file(source: Path, target: Path, mode: int) -> None:
-    """Copy `source` to `target` unless an identical file is there; atomic, so concurrent callers
-    and running servers (which keep the old inode mapped) never see a half-written file."""
-    if target.exists() and filecmp.cmp(source, target, shallow=False):
-        return
-    partial = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    shutil.copyfile(source, partial)
-    os.chmod(partial, mode)
-    os.replace(partial, target)
 
 
 def prepare_triton() -> tuple[Path, Path, dict[str, str]]:
@@ -69,7 +56,7 @@ def prepare_triton() -> tuple[Path, Path, dict[str, str]]:
     backend_dir = backend_root / "triton-backends" / f"py{version.replace('.', '')}"
     (backend_dir / "python").mkdir(parents=True, exist_ok=True)
     for source, mode in backend_files.items():
-        _install_file(source, backend_dir / "python" / source.name, mode)
+        install_file(source, backend_dir / "python" / source.name, mode)
 
     env = dict(os.environ)
     # The stub embeds Python in isolated mode and finds this environment through `python3` on PATH.
@@ -197,7 +184,7 @@ class TritonServer:
             raise ServerError(f"model repository {self.model_repository} is not a directory")
         binary, backend_dir, env = prepare_triton()
         if needs_onnxruntime(self.model_repository):
-            install_onnxruntime_backend(backend_dir, _install_file)
+            install_onnxruntime_backend(backend_dir)
         picked = iter(free_ports(3, self.host))
         self.http_port, self.grpc_port, self.metrics_port = (
             port or next(picked) for port in (self.http_port, self.grpc_port, self.metrics_port))

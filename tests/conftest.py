@@ -1,9 +1,6 @@
-"""Shared fixtures: real tritonserver instances on free loopback ports.
-
-`triton_server_factory` (session scope) starts a server for a model repository, waits until it is
-ready and stops it at the end of the session; session fixtures for a particular repository build on
-it. Tests that must see a server stop use `server.supervise.running_server` directly. When a test fails,
-the log tails of the servers running at that moment are attached to its report.
+"""Shared fixtures: real tritonserver instances on free loopback ports (`triton_server_factory`, session scope;
+tests that must see a server stop use `server.supervise.running_server`), the Docker environment, and the xdist
+work units. A failing test's report gets the log tails of the servers running at that moment.
 """
 
 from __future__ import annotations
@@ -24,46 +21,32 @@ from helpers import REPO_ROOT
 # Session-scoped Mimi fixtures (seeded checkpoints, references, exports) shared by every test module.
 pytest_plugins = ("mimi_fixtures",)
 
-_RUNNING: list[TritonServer] = []
-
-
-@contextlib.contextmanager
-def tracked_server(model_repository, **kwargs):
-    """`running_server` whose log is attached to the report of any test failing while it runs."""
-    with running_server(model_repository, **kwargs) as server:
-        _RUNNING.append(server)
-        try:
-            yield server
-        finally:
-            _RUNNING.remove(server)
+_RUNNING: list[TritonServer] = []  # the factory's servers: their logs go into the report of a failing test
 
 
 @pytest.fixture(scope="session")
 def triton_server_factory():
-    """Callable `start(model_repository, **kwargs) -> TritonServer`: a ready server on free ports
-    (`.grpc_url`, `.http_url`, `.metrics_url`, `.log_path`), stopped when the session ends.
-    Keyword arguments go to `server.triton.TritonServer` (e.g. `log_verbose=1`).
-
-    The servers stop together: each may wait for the streams tests left open (up to its exit
-    timeout), and one after another those waits add up."""
+    """Callable `start(model_repository, **kwargs) -> TritonServer` (kwargs as `server.triton.TritonServer`'s):
+    a ready server on free ports, stopped when the session ends. The servers stop together: each may wait for
+    the streams tests left open (up to its exit timeout), and one after another those waits add up."""
     with contextlib.ExitStack() as stack:
-        started: list[TritonServer] = []
 
         def start(model_repository, **kwargs) -> TritonServer:
-            server = stack.enter_context(tracked_server(model_repository, **kwargs))
-            started.append(server)
+            server = stack.enter_context(running_server(model_repository, **kwargs))
+            _RUNNING.append(server)
+            stack.callback(_RUNNING.remove, server)
             return server
 
         try:
             yield start
         finally:
-            if started:
-                with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
-                    for future in [pool.submit(server.stop) for server in started]:
+            if _RUNNING:
+                with concurrent.futures.ThreadPoolExecutor(len(_RUNNING)) as pool:
+                    for future in [pool.submit(server.stop) for server in _RUNNING]:
                         future.result()
                 # Every Python model's stub writes its threads' stacks to the server's log if it dies
                 # (model_lifecycle's fault handler), while serving or as it exits.
-                died = [str(server.log_path) for server in started
+                died = [str(server.log_path) for server in _RUNNING
                         if server.log_path.exists() and "Fatal Python error" in server.log_path.read_text(errors="replace")]
                 assert not died, f"a Python stub died; its stacks are in: {died}"
 
@@ -88,10 +71,7 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed:
         for server in _RUNNING:
-            report.sections.append(
-                (f"tritonserver log tail ({server.log_path})", log_tail(server.log_path, lines=60))
-            )
-
+            report.sections.append((f"tritonserver log tail ({server.log_path})", log_tail(server.log_path, lines=60)))
 
 
 # `make test` runs the suite on two pytest-xdist workers. Each module is one unit of work, so that its
@@ -113,6 +93,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))  # stable: file order otherwise
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest -p no:xdist runs without it
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 

@@ -1,11 +1,5 @@
-"""Helpers the test modules share (fixtures live in conftest.py and mimi_fixtures.py).
-
-- code2wav's request contract on a real server: inputs, one request, a stream in chunks, an error;
-- processes, shared memory and waits of the launcher tests;
-- the model repository's Python files loaded without a server, the model config as Triton hands it
-  to `initialize`, a fake clock.
-
-The codebook count, codebook size and frame size are the client's (`mimi_code2wav.client.protocol`).
+"""Helpers the test modules share (fixtures live in conftest.py and mimi_fixtures.py): code2wav's request
+contract on a real server, processes and waits, the model repository's Python files without a server.
 tritonclient is imported where a helper talks to a server, so the unit tests need only numpy.
 """
 
@@ -15,6 +9,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,8 +33,7 @@ MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # ---- code2wav's request contract (docs/design.md §2) ----------------------------------------------
 
 def sequence_ids(first: int) -> Callable[[], int]:
-    """A test module's own sequence ids, counting from `first`: far from the ids other modules use on
-    the shared server."""
+    """A test module's own sequence ids from `first`, far from those of the other modules on a shared server."""
     return itertools.count(first).__next__
 
 
@@ -152,6 +146,15 @@ def frames_of(pcm: np.ndarray, first: int, stop: int | None = None) -> np.ndarra
     return pcm[first * SAMPLES_PER_FRAME : None if stop is None else stop * SAMPLES_PER_FRAME]
 
 
+def snr_after(pcm: np.ndarray, reference: np.ndarray, frame: int, seconds: int | None = 1) -> list[float]:
+    """SNR (dB) of 1-D `pcm` to `reference` in each of the first `seconds` seconds (None: all) from `frame` on
+    (13 frames: a second, rounded up), then from `frame` to the end."""
+    from mimi_code2wav.export.reference import snr_db
+
+    bounds = [(first, first + 13) for first in range(frame, pcm.size // SAMPLES_PER_FRAME, 13)][:seconds]
+    return [snr_db(frames_of(pcm, *b), frames_of(reference, *b)) for b in [*bounds, (frame, None)]]
+
+
 def export_spec(export_dir: Path):
     """The DecoderSpec an export folder was built with (its manifest)."""
     from mimi_code2wav.export.onnx_export import read_manifest
@@ -191,21 +194,40 @@ def command_line(pid: int) -> str:
         return ""
 
 
-def stub_pid(pid: int, model: str = "code2wav") -> int:
-    """The Python stub of `model`'s one instance among the processes of the process group of `pid`
-    (a tritonserver, or the entrypoint script it runs under)."""
-    from mimi_code2wav.server.processes import group_pids
+def descendants(pid: int) -> dict[int, str]:
+    """The processes that `pid` started, those they started, and so on: pid -> program name."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # exited meanwhile
+            name, _, fields = stat.read_text().partition(" (")[2].rpartition(")")
+            children.setdefault(int(fields.split()[1]), []).append((int(stat.parent.name), name))
+    found, parents = {}, [pid]
+    while parents:
+        generation = [child for parent in parents for child in children.get(parent, [])]
+        found.update(generation)
+        parents = [child for child, _ in generation]
+    return found
 
-    pids = [stub for stub in group_pids(os.getpgid(pid)) if f"{model}/1/model.py" in command_line(stub)]
-    assert len(pids) == 1, f"one {model} stub expected in the process group of {pid}, found {pids}"
+
+def stub_pid(pid: int, model: str = "code2wav") -> int:
+    """The Python stub of `model`'s one instance under `pid` (a tritonserver, or a command that runs one)."""
+    pids = [stub for stub in descendants(pid) if f"{model}/1/model.py" in command_line(stub)]
+    assert len(pids) == 1, f"one {model} stub expected under {pid}, found {pids}"
     return pids[0]
+
+
+def tritonserver_under(pid: int) -> int | None:
+    """The pid of the tritonserver that `pid` or one of its descendants started, if any."""
+    return next((child for child, name in descendants(pid).items() if name == "tritonserver"), None)
+
+
+def tritonserver_child(cli: subprocess.Popen) -> int | None:
+    return tritonserver_under(cli.pid)
 
 
 def shm_prefix_of(pid: int) -> str:
     """The shared-memory prefix on the command line of tritonserver `pid` (its Python stubs' regions)."""
-    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    (prefix,) = [arg.split("shm-region-prefix-name=", 1)[1] for arg in cmdline if "shm-region-prefix-name=" in arg]
-    return prefix
+    return re.search(r"shm-region-prefix-name=(\S+)", command_line(pid))[1]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
@@ -243,11 +265,9 @@ def wait_http_ready(http_port: int, process, timeout_s: float, output: Path | No
 # ---- the model repository's Python files, without a server -----------------------------------------
 
 def load_model_module(path: Path, name: str | None = None):
-    """A model's Python file (e.g. code2wav/1/code2wav_core.py) loaded as module `name` (its file
-    name by default), with its own folder (its sibling modules) and model_repository/common (its
-    imports of `model_errors` and the like, which render copies beside it) on the path. A module of
-    that name already loaded from that file is returned as it is (one `model_errors` for the test and
-    the models that import it)."""
+    """A model's Python file loaded as module `name` (its file name by default), with its folder and
+    model_repository/common (which render copies beside it) on the path. A module of that name already loaded
+    from that file is returned as it is (one `model_errors` for the test and the models that import it)."""
     for folder in (str(MODEL_REPOSITORY / "common"), str(Path(path).resolve().parent)):
         if folder not in sys.path:
             sys.path.insert(0, folder)
@@ -281,24 +301,37 @@ class FakeClock:
         return self.now
 
 
+# A loaded machine (two shared cores, other suites running) can take minutes to start a server.
+SERVE_READY_S = 300
+
+
+def serve_command(repository: Path | None, log: Path, ports: list[int], *extra_args: str) -> list[str]:
+    """`code2wav-server serve` of `repository` (None: `extra_args` say what) on `ports` (HTTP, gRPC, metrics)."""
+    flags = [arg for name, port in zip(("http", "grpc", "metrics"), ports) for arg in (f"--{name}-port", str(port))]
+    served = [] if repository is None else ["--model-repository", str(repository)]
+    return [sys.executable, "-m", "mimi_code2wav.server", "serve", *served, *flags, "--log-file", str(log), *extra_args]
+
+
+def serve_unready(repository: Path, tmp_path: Path, ports: list[int], **popen) -> subprocess.Popen:
+    """`code2wav-server serve` of `repository` on `ports`, logging to tmp_path/server.log; not waited for."""
+    return subprocess.Popen(serve_command(repository, tmp_path / "server.log", ports), cwd=REPO_ROOT, **popen)
+
+
 @contextlib.contextmanager
-def serve_cli(repository: Path, log: Path, *extra_args: str, env: dict[str, str] | None = None):
+def serve_cli(repository: Path | None, log: Path, *extra_args: str, env: dict[str, str] | None = None,
+              ready_timeout_s: float = SERVE_READY_S):
     """`code2wav-server serve` of `repository` on free ports (and `extra_args`), ready; yields (process,
     ports, its output file: <log>.out, readable while it runs). Killed on the way out if the test left
     it running."""
     from mimi_code2wav.server.triton import free_ports
 
     ports = free_ports(3)
-    command = [sys.executable, "-m", "mimi_code2wav.server", "serve", "--model-repository", str(repository),
-               *(arg for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), ports)
-                 for arg in (flag, str(port))),
-               "--log-file", str(log), *extra_args]
     output = log.with_name(f"{log.name}.out")
     with output.open("w") as sink:
-        cli = subprocess.Popen(command, cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True,
-                               env=env)
+        cli = subprocess.Popen(serve_command(repository, log, ports, *extra_args), cwd=REPO_ROOT, stdout=sink,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env)
     try:
-        wait_http_ready(ports[0], cli, timeout_s=60, output=output)
+        wait_http_ready(ports[0], cli, ready_timeout_s, output)
         # serve polls readiness on its own: until it has seen the server ready too, a server that
         # dies is one that failed to start, which serve does not restart.
         wait_printed(cli, output, "tritonserver ready in ")
@@ -309,7 +342,7 @@ def serve_cli(repository: Path, log: Path, *extra_args: str, env: dict[str, str]
             cli.wait()
 
 
-def wait_printed(cli: subprocess.Popen, output: Path, text: str, timeout_s: float = 30) -> None:
+def wait_printed(cli: subprocess.Popen, output: Path, text: str, timeout_s: float = SERVE_READY_S) -> None:
     """Wait until the serve command has printed `text`; fails the test with its output if it does not."""
     assert wait_until(lambda: text in output.read_text() or cli.poll() is not None, timeout_s) \
         and text in output.read_text(), f"serve did not print {text!r}:\n{output.read_text()}"
@@ -318,29 +351,8 @@ def wait_printed(cli: subprocess.Popen, output: Path, text: str, timeout_s: floa
 def stop_cli(cli: subprocess.Popen, output: Path) -> str:
     """SIGTERM the serve command, wait for it, and return everything it printed."""
     cli.send_signal(signal.SIGTERM)
-    cli.wait(timeout=60)
+    cli.wait(timeout=SERVE_READY_S)
     return output.read_text()
-
-
-def tritonserver_under(pid: int) -> int | None:
-    """The pid of the tritonserver that `pid` or one of its descendants started, if any."""
-    found = subprocess.run(["pgrep", "-x", "tritonserver"], capture_output=True, text=True)
-    for candidate in map(int, found.stdout.split()):
-        ancestors, current = set(), candidate
-        while current > 1 and current not in ancestors:
-            ancestors.add(current)
-            try:
-                current = int(Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                break
-        if pid in ancestors:
-            return candidate
-    return None
-
-
-def tritonserver_child(cli: subprocess.Popen) -> int | None:
-    """The tritonserver that the serve command `cli` runs (under the entrypoint script), if any."""
-    return tritonserver_under(cli.pid)
 
 
 # ---- TLS ---------------------------------------------------------------------------------------------

@@ -172,10 +172,10 @@ def scenario():
     return make_scenario()
 
 
-def built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+def built_once(tmp_path_factory, name: str, build) -> Path:
     """The folder `build(folder)` filled, built once for the whole run: under pytest-xdist the first
     worker to ask builds it in the run's shared temporary folder and the others wait and reuse it."""
-    if worker_id == "master":
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing to share
         folder = tmp_path_factory.mktemp(name)
         build(folder)
         return folder
@@ -192,7 +192,7 @@ def built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
 
 
 @pytest.fixture(scope="session")
-def moshi_streams(request, tmp_path_factory, worker_id, scenario):
+def moshi_streams(request, tmp_path_factory, scenario):
     """moshi's streaming decode (one frame per call inside mimi.streaming) of each scenario stream."""
     names = list(scenario.streams)
 
@@ -202,29 +202,29 @@ def moshi_streams(request, tmp_path_factory, worker_id, scenario):
                            for n in names])
         np.save(folder / "pcm.npy", moshi_stream_decode(request.getfixturevalue("moshi_checkpoint")[1], padded))
 
-    pcm = np.load(built_once(tmp_path_factory, worker_id, "moshi-streams", decode) / "pcm.npy")
+    pcm = np.load(built_once(tmp_path_factory, "moshi-streams", decode) / "pcm.npy")
     return {n: pcm[i, : scenario.streams[n].shape[1] * SAMPLES_PER_FRAME] for i, n in enumerate(names)}
 
 
-def _export(request, tmp_path_factory, worker_id: str, **options) -> Path:
+def _export(request, tmp_path_factory, **options) -> Path:
     from mimi_code2wav.export.onnx_export import ExportOptions
     from mimi_code2wav.export.pipeline import build
 
     opts = ExportOptions(**options)
     name = f"export-f{opts.max_frames_per_step}-{opts.window}-{opts.kv_cache_dtype}"
-    return built_once(tmp_path_factory, worker_id, name,
+    return built_once(tmp_path_factory, name,
                       lambda folder: build(opts, request.getfixturevalue("mimi"), folder))
 
 
 @pytest.fixture(scope="session")
-def onnx_fp32(request, tmp_path_factory, worker_id):
+def onnx_fp32(request, tmp_path_factory):
     """The serving export (1-16 frames per call, moshi window, fp32 KV cache) of the real architecture."""
-    return _export(request, tmp_path_factory, worker_id)
+    return _export(request, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def onnx_fp16(request, tmp_path_factory, worker_id):
-    return _export(request, tmp_path_factory, worker_id, kv_cache_dtype="float16")
+def onnx_fp16(request, tmp_path_factory):
+    return _export(request, tmp_path_factory, kv_cache_dtype="float16")
 
 
 def ort_session(folder: Path, threads: int = 2):
@@ -277,21 +277,14 @@ def ort_decode(onnx_fp32):
 DECODER_TARGETS = ("python-ort", "onnxruntime")
 
 
-def native_backend_missing() -> str | None:
-    """Why the native onnxruntime decoder cannot be served here (None when it can)."""
-    from mimi_code2wav.server.ort_backend import BACKEND_LIBRARY, ORT_BACKEND_ENV, backend_source
-
-    if (backend_source() / BACKEND_LIBRARY).is_file():
-        return None
-    return (f"Triton's ONNX Runtime backend is not at {backend_source()} (set {ORT_BACKEND_ENV}=<folder holding "
-            f"{BACKEND_LIBRARY}>): the native onnxruntime decoder cannot be served here")
-
-
 def require_target(target: str) -> str:
     """`target`, or a skip saying why it cannot be served here; in CI (CI=true) a failure instead:
     the native cases are core and never skipped there."""
-    reason = native_backend_missing() if target == "onnxruntime" else None
-    if reason is not None:
+    from mimi_code2wav.server.ort_backend import BACKEND_LIBRARY, ORT_BACKEND_ENV, backend_source
+
+    if target == "onnxruntime" and not (backend_source() / BACKEND_LIBRARY).is_file():
+        reason = (f"Triton's ONNX Runtime backend is not at {backend_source()} (set {ORT_BACKEND_ENV}=<folder holding "
+                  f"{BACKEND_LIBRARY}>): the native onnxruntime decoder cannot be served here")
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"{reason}; CI runs the contract suite on both decoder targets")
         pytest.skip(reason)

@@ -117,16 +117,23 @@ finally:
 """
 
 
-def run_without_torch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)
+def run_cli(*args: str, timeout_s: float = 120, runner=("-m", "mimi_code2wav.client")) -> subprocess.CompletedProcess:
+    """`code2wav-client ARGS`; `runner=("-c", WITHOUT_TORCH)`: where torch cannot be imported."""
+    return subprocess.run([sys.executable, *runner, *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
 
 
-def test_the_client_package_imports_neither_torch_nor_the_export_or_server_side():
-    """No module of client/ names the export or server side (or torch) in an import."""
+@pytest.mark.parametrize("package, forbidden", [
+    pytest.param("client", ("torch", "export", "server"), id="client"),
+    # vllm_plugin/ runs in the pipeline's environment, which has no export or server side (docs/design.md §6).
+    pytest.param("vllm_plugin", (), id="vllm_plugin"),
+])
+def test_the_package_imports_only_the_client_side_of_this_project(package, forbidden):
+    """No module names the export or server side (client/: nor torch) in an import."""
     import ast
 
-    for path in sorted((REPO_ROOT / "client").glob("*.py")):
+    forbidden = (*forbidden, "mimi_code2wav.export", "mimi_code2wav.server")
+    for path in sorted((REPO_ROOT / package).glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -134,26 +141,20 @@ def test_the_client_package_imports_neither_torch_nor_the_export_or_server_side(
                 names = [node.module or ""] if node.level == 0 else []
             else:
                 continue
-            for name in names:
-                assert not name.startswith(("torch", "mimi_code2wav.export", "mimi_code2wav.server",
-                                            "export", "server")), f"{path.name} imports {name}"
+            assert not any(name.startswith(forbidden) for name in names), f"{path.name} imports {names}"
 
 
 @pytest.mark.server
 def test_decode_streams_where_torch_cannot_be_imported(code2wav_server, tmp_path):
     out = tmp_path / "no_torch.wav"
-    done = run_without_torch("decode", "--url", code2wav_server.grpc_url, "--random", "--frames", "6", "--out", str(out))
+    done = run_cli("decode", "--url", code2wav_server.grpc_url, "--random", "--frames", "6", "--out", str(out),
+                   runner=("-c", WITHOUT_TORCH))
     assert done.returncode == 0, done.stderr
     assert "torch imported" not in done.stderr and "loaded: []" in done.stderr
     assert read_wav(out).samples.shape == (6 * SAMPLES_PER_FRAME, 1)
 
 
 # ---- the CLI against a real server -----------------------------------------------------------------
-
-def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mimi_code2wav.client", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout_s)
-
 
 def decode_cli(server, codes_file: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
     """`decode` of `codes_file` on `server` into `out`, which must succeed."""
@@ -350,14 +351,12 @@ class FakeServer:
 
 
 class FakeNetwork:
-    """connect(url, key) for Code2WavStream: connections to FakeServers, recording stream keys."""
+    """connect(url) for Code2WavStream: connections to FakeServers."""
 
     def __init__(self, *urls: str, dedupe_mode: str = "delta"):
         self.servers = {url: FakeServer(url, dedupe_mode) for url in urls}
-        self.connections = []  # (url, stream key) per connection opened
 
-    def __call__(self, url, stream_key):
-        self.connections.append((url, stream_key))
+    def __call__(self, url):
         return types.SimpleNamespace(url=url, infer=self.servers[url].infer, close=lambda: None)
 
     def received(self, url: str) -> list:
@@ -478,13 +477,12 @@ def test_a_lost_server_is_resumed_on_the_next_url_with_every_frame_once():
     assert (resume.frame, resume.url, resume.attempts, resume.history_frames) == (21, "b:2", 1, 8)
     assert resume.stall_s == pytest.approx(0.25) and resume.error == f"UNAVAILABLE: {CONNECTION_REFUSED}"
     assert "resumed at frame 21 on b:2 after 0.25 s (1 attempt, 8 frames of history replayed): UNAVAILABLE" in resume.describe()
-    # B saw the START with the history and then the rest, all with the stream key of the stream.
+    # B saw the START with the history and then the rest, all on the stream's sequence (its key by default).
     b_requests = network.received("b:2")
     assert b_requests[0].start and b_requests[0].arrays["frame_offset"].tolist() == [[13]]
     assert b_requests[0].arrays["history_frames"].tolist() == [[8]]
     assert not any(request.start for request in b_requests[1:]) and b_requests[-1].end
-    assert {key for _, key in network.connections} == {"77"}
-    assert [sid for sid, _ in network.servers["b:2"].received] == [77] * len(b_requests)
+    assert stream.stream_key == "77" and [sid for sid, _ in network.servers["b:2"].received] == [77] * len(b_requests)
     assert time_.slept_s == [0.0]
 
 

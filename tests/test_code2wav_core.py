@@ -46,10 +46,10 @@ def silence(frames):
     return np.full((NUM_CODEBOOKS, frames), 5, np.int64)
 
 
-def changed_at(codes, frame, codebook=0):
-    """A copy of codes [k, F] whose `frame` differs in one code."""
+def changed_at(codes, frame, codebook=0, value=None):
+    """A copy of codes [k, F] whose `frame` differs in one code (set to `value`, if given)."""
     codes = codes.copy()
-    codes[codebook, frame] = (codes[codebook, frame] + 1) % CODEBOOK_SIZE
+    codes[codebook, frame] = (codes[codebook, frame] + 1) % CODEBOOK_SIZE if value is None else value
     return codes
 
 
@@ -160,7 +160,7 @@ def send_error(table, decoder, correlation_id, flags, codes=None, error=RequestE
     return info.value
 
 
-# ---- settings (the checked-in config: test_code2wav_config.py; the policy: test_model_common.py) ----
+# ---- settings (the checked-in config: test_configs.py; the policy: test_model_common.py) -----------
 
 def model_config(idle_us=30_000_000, **changes):
     """A model config as Triton hands it to initialize, default settings; a change of None removes that parameter."""
@@ -287,20 +287,14 @@ def test_decoded_codes_grow_geometrically_keep_every_frame_and_take_the_smallest
 
 # ---- rejected requests: nothing decoded, the stream unchanged unless the request carried END ---------
 
-def code_at(codebook, frame, value):
-    codes = make_codes(2, seed=3)
-    codes[codebook, frame] = value
-    return codes
-
-
 REJECTED = [  # (request fields beside 2 frames of codes, kind, a fragment of the message) against any stream
     pytest.param(dict(input_ids=np.zeros((1, 8), np.float64)), "dtype", "input_ids must be INT64, got float64", id="dtype"),
     pytest.param(dict(input_ids=np.zeros((1, 16), np.int32)), "dtype", "input_ids must be INT64, got int32", id="int32"),
     pytest.param(dict(input_ids=np.zeros((1, 9), np.int64)), "length", "input_ids holds 9 codes, not a multiple of num_codebooks=8", id="length"),
     pytest.param(dict(input_ids=np.zeros((2, 8), np.int64)), "shape", "input_ids must have shape [1, k*F] (one request of flat codes), got [2, 8]", id="batch-2"),
     pytest.param(dict(input_ids=np.full((1, NUM_CODEBOOKS), CODEBOOK_SIZE, np.int64)), "code_range", "input_ids[0] = 2048 (codebook 0, frame 0) is outside [0, 2048)", id="code_range"),
-    pytest.param(dict(codes=code_at(0, 0, -1)), "code_range", "input_ids[0] = -1 (codebook 0, frame 0) is outside", id="code-negative"),
-    pytest.param(dict(codes=code_at(7, 1, 99999)), "code_range", "input_ids[15] = 99999 (codebook 7, frame 1) is outside [0, 2048)", id="code-large"),
+    pytest.param(dict(codes=changed_at(make_codes(2, seed=3), 0, value=-1)), "code_range", "input_ids[0] = -1 (codebook 0, frame 0) is outside", id="code-negative"),
+    pytest.param(dict(codes=changed_at(make_codes(2, seed=3), 1, 7, 99999)), "code_range", "input_ids[15] = 99999 (codebook 7, frame 1) is outside [0, 2048)", id="code-large"),
     pytest.param(dict(frame_offset=-2), "negative_offset", "frame_offset must be >= 0, got -2", id="negative_offset"),
     pytest.param(dict(frame_offset=np.array([[0.0]], np.float32)), "dtype", "frame_offset must be INT64, got float32", id="offset-float"),
     pytest.param(dict(frame_offset=np.array([[0, 1]], np.int64)), "shape", "frame_offset must hold one value ([1, 1]), got shape [1, 2]", id="offset-two-values"),

@@ -9,7 +9,6 @@ why; in CI (CI=true) they fail instead.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 import urllib.request
@@ -111,7 +110,8 @@ def test_bench_profile_writes_perf_analyzers_csv(cpu_deployment):
     """The README's bench line against the running server: perf_analyzer's CSV in ./bench_results."""
     csv = REPO_ROOT / "bench_results" / "perf.csv"
     csv.unlink(missing_ok=True)
-    cpu_deployment("--profile", "bench", "run", "--rm", "perf", timeout_s=600)
+    # Any throughput counts as stable: the test checks the CSV, not how steady this machine is.
+    cpu_deployment("--profile", "bench", "run", "--rm", "-e", "STABILITY_PERCENTAGE=1000", "perf", timeout_s=600)
     rows = csv.read_text().splitlines()
     assert rows[0].startswith("Concurrency,Inferences/Second"), rows[:2]
     concurrency, per_second = rows[1].split(",")[:2]
@@ -229,46 +229,18 @@ def test_stop_with_streams_in_flight_drains_and_down_leaves_nothing(cpu_deployme
         assert not left, f"down -v left {kind}s of {cpu_deployment.project}: {left}"
 
 
-def test_the_gpu_servers_entrypoint_appends_the_rendered_pools_in_the_image(docker_env, tmp_path):
-    """What of the GPU services runs without a GPU, run in the server image: the entrypoint appends
-    /models/tritonserver.args to the command, and refuses to start without the file."""
-    compose = Compose(docker_env, tmp_path)
-    service = json.loads(compose("config", "--format", "json").stdout)["services"]["triton"]
-    entrypoint = [arg.replace("$$", "$") for arg in service["entrypoint"]]
-    models = tmp_path / "models"
-    models.mkdir()
-
-    def start() -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["docker", "run", "--rm", "-v", f"{models}:/models:ro", "--entrypoint", entrypoint[0], service["image"],
-             *entrypoint[1:], "echo", "--model-repository=/models"],
-            env=docker_env, capture_output=True, text=True, timeout=120)
-
-    refused = start()
-    assert refused.returncode == 2 and "no /models/tritonserver.args: run the export first" in refused.stderr, refused
-    (models / "tritonserver.args").write_text("--cuda-memory-pool-byte-size=0:1048576\n--pinned-memory-pool-byte-size=268435456\n")
-    started = start()
-    assert started.returncode == 0, started
-    assert started.stdout.split()[-3:] == ["--model-repository=/models", "--cuda-memory-pool-byte-size=0:1048576",
-                                           "--pinned-memory-pool-byte-size=268435456"], started.stdout
-
-
-@pytest.mark.parametrize("case", ["missing-folder", "broken-checkpoint"])
-def test_bad_weights_fail_the_export_naming_them_and_start_no_server(docker_env, tmp_path, case):
+def test_a_broken_checkpoint_fails_the_export_naming_it_and_starts_no_server(docker_env, tmp_path):
+    """(Weights that are missing: the entrypoint's refusal in test_compose.py.)"""
     weights = tmp_path / "weights"
     weights.mkdir()
-    if case == "broken-checkpoint":
-        (weights / "mimi.safetensors").write_bytes(b"not a safetensors file")
-    compose = Compose(docker_env, tmp_path, MIMI_WEIGHTS_DIR=str(weights),
-                      MIMI_WEIGHTS="mimi.safetensors" if case == "broken-checkpoint" else "",
+    (weights / "mimi.safetensors").write_bytes(b"not a safetensors file")
+    compose = Compose(docker_env, tmp_path, MIMI_WEIGHTS_DIR=str(weights), MIMI_WEIGHTS="mimi.safetensors",
                       **dict(zip(("TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT"),
                                  map(str, free_ports(3)))))
     try:
-        done = cpu_up(compose, check=False)
-        assert done.returncode != 0
+        assert cpu_up(compose, check=False).returncode != 0
         logs = compose.logs("export")
-        expected = ("no Mimi weights at /weights" if case == "missing-folder" else "/weights/mimi.safetensors")
-        assert expected in logs, logs[-3000:]
+        assert "/weights/mimi.safetensors" in logs, logs[-3000:]
         assert compose.service("export")["ExitCode"] != 0
         assert not [c for c in compose.containers() if c["Service"] == "triton-cpu" and c["State"] == "running"]
     finally:

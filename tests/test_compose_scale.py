@@ -84,10 +84,9 @@ CHAOS_WINDOW_MIN_SNR_DB = 70.0
 
 
 def test_chaos_every_frame_once_through_kills_hangs_and_drains(scale, ort_decode, record_property):
-    """6 paced resumable streams (4-frame requests, a 3 s response deadline) through the proxy while
-    a replica's tritonserver is SIGKILLed, one SIGSTOPped and one container
-    SIGTERMed (drained), at seeded random moments: the hung one's watchdog kills it, and the restart policy
-    brings back all three. Every
+    """6 paced resumable streams (4-frame requests, a 3 s response deadline) through the proxy while a
+    replica's tritonserver is SIGKILLed, one SIGSTOPped and one container SIGTERMed (drained), at seeded
+    random moments: the hung one's watchdog kills it, and the restart policy brings back all three. Every
     stream completes with every frame's PCM exactly once, exact up to its first resume and >= 70 dB in
     every second after it; the drained server exits 0; every replica ends healthy."""
     rng = np.random.default_rng(17)
@@ -119,8 +118,7 @@ def test_chaos_every_frame_once_through_kills_hangs_and_drains(scale, ort_decode
         """The healthy replica that answered the most streams in the last 3 s (where they are now)."""
         served = scale.placement(time.time() - 3.0)
         counts = {service: sum(service in served.get(key, ()) for key in codes) for service in REPLICAS
-                  if service not in exclude
-                  and scale.healthy(service)}
+                  if service not in exclude and scale.healthy(service)}
         return max(counts, key=counts.get)
 
     at(rng.uniform(6, 9))

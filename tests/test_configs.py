@@ -1,9 +1,11 @@
-"""Rendered `mimi_decoder` configs: they parse as Triton ModelConfigs, match the exported ONNX graph
-(names, dtypes, ranks, state pairing in Triton's name-sorted order), and the checked-in native config
-equals a fresh rendering."""
+"""The models' configs. Rendered `mimi_decoder` configs parse as Triton ModelConfigs and match the exported ONNX
+graph (names, dtypes, ranks, state pairing in Triton's name-sorted order). code2wav's config.pbtxt is served as it
+is (the compose services, a plain copy) and, with the decoder's values set in it, rendered; the core reads it as
+its default settings. The checked-in configs equal a fresh rendering."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,19 +16,25 @@ from tritonclient.grpc import model_config_pb2
 
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
 from mimi_code2wav.export.onnx_export import ExportOptions
+from mimi_code2wav.export.pipeline import spec_for_options
 from mimi_code2wav.export.render import (
     CHECKED_IN_CODE2WAV_CONFIG,
     CHECKED_IN_CONFIG,
+    CODE2WAV_IDLE_TIMEOUT_US,
+    CODE2WAV_SLOTS_PER_STREAM,
     REPO_ROOT,
     TARGETS,
     DecoderServing,
+    render_code2wav_config,
     render_config,
     render_repository,
+    set_fields,
 )
 from mimi_code2wav.export.spec import ONNX_ELEM_TYPES, TRITON_DTYPES, DecoderSpec, StateSpec
 
-from helpers import export_spec, load_model_module
+from helpers import MODEL_REPOSITORY, export_spec, load_model_module
 
+code2wav_settings = load_model_module(MODEL_REPOSITORY / "code2wav" / "1" / "code2wav_settings.py")
 TRITON_TO_ONNX = {TRITON_DTYPES[name]: ONNX_ELEM_TYPES[name] for name in TRITON_DTYPES}
 
 
@@ -44,6 +52,11 @@ def spec(onnx_fp32) -> DecoderSpec:
 
 
 @pytest.fixture(scope="module")
+def default_spec() -> DecoderSpec:
+    return spec_for_options(ExportOptions())
+
+
+@pytest.fixture(scope="module")
 def graph(onnx_fp32):
     import onnx
 
@@ -58,11 +71,8 @@ def graph(onnx_fp32):
     return io(model.graph.input), io(model.graph.output)
 
 
-def test_checked_in_config_equals_a_fresh_rendering():
-    from mimi_code2wav.export.pipeline import spec_for_options
-
-    fresh = render_config(spec_for_options(ExportOptions()), "onnxruntime")
-    assert CHECKED_IN_CONFIG.read_text() == fresh, (
+def test_checked_in_config_equals_a_fresh_rendering(default_spec):
+    assert CHECKED_IN_CONFIG.read_text() == render_config(default_spec, "onnxruntime"), (
         "model_repository/mimi_decoder/config.pbtxt is stale: run `code2wav-export render --check-in`")
 
 
@@ -98,7 +108,7 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
         assert json.loads(config.parameters["value_ranges"].string_value) == {"codes": [0, spec.codebook_size]}
         assert json.loads(config.parameters["max_dims"].string_value) == {"codes": [8, spec.max_frames_per_step]}
         # The model reads it as Triton hands it over (strictly: every parameter it knows, no other).
-        ort_config = load_model_module(REPO_ROOT / "model_repository" / "mimi_decoder" / "python_ort" / "python_ort_config.py")
+        ort_config = load_model_module(MODEL_REPOSITORY / "mimi_decoder" / "python_ort" / "python_ort_config.py")
         decoder = ort_config.parse_model_config(json_format.MessageToDict(config, preserving_proto_field_name=True),
                                                 {"TYPE_INT32": np.int32, "TYPE_FP32": np.float32}.__getitem__)
         assert decoder.max_live_streams == batching.oldest.max_candidate_sequences
@@ -219,3 +229,56 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     assert "front_instances (3) must not exceed the streams the decoder holds (2)" in capsys.readouterr().err
     # The python-ort decoder holds state for as many streams as it has sequence slots.
     assert cpu_configs[1].parameters["max_live_streams"].string_value == "256"
+
+
+# ---- code2wav ---------------------------------------------------------------------------------------
+
+def test_render_sets_each_field_where_it_is_set_once():
+    """Strict: a field is set only outside comments, and one that is not there exactly once is an error."""
+    text = 'count: 1\n# count: 3\n{ key: "dedupe_mode"\n  value: { string_value: "delta" } }\n'
+    assert set_fields(text, {"count": 5, "parameter:dedupe_mode": "auto"}, "x") == text.replace("1", "5").replace("delta", "auto")
+    with pytest.raises(ValueError, match="x: parameter:max_live_streams appears 0 times, expected once"):
+        set_fields(text, {"parameter:max_live_streams": 1}, "x")
+    with pytest.raises(ValueError, match="count appears 2 times"):
+        set_fields(text + "count: 2\n", {"count": 5}, "x")
+
+
+def test_the_rendering_follows_the_spec_and_the_serving_options(default_spec):
+    spec = dataclasses.replace(default_spec, num_codebooks=16, codebook_size=1024, samples_per_frame=960,
+                               sample_rate_hz=12000, max_frames_per_step=4)
+    serving = DecoderServing(model_name="other_decoder", max_candidate_sequences=100, front_instances=3,
+                             front_queue_delay_us=500)
+    config = parse(render_code2wav_config(spec, serving))
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert parameters["decoder_model_name"] == "other_decoder"
+    assert [parameters[name] for name in ("num_codebooks", "codebook_size", "samples_per_frame", "sample_rate_hz",
+                                          "decoder_max_frames_per_step")] == ["16", "1024", "960", "12000", "4"]
+    # Each of the 3 instances admits its share of the decoder's 100 streams, rounded down.
+    assert parameters["max_live_streams"] == "33"
+    assert config.sequence_batching.oldest.max_candidate_sequences == CODE2WAV_SLOTS_PER_STREAM * 33
+    assert config.sequence_batching.oldest.max_queue_delay_microseconds == 500
+    assert config.instance_group[0].count == 3
+    assert config.sequence_batching.max_sequence_idle_microseconds == CODE2WAV_IDLE_TIMEOUT_US
+
+
+def test_the_checked_in_config_is_the_default_rendering_and_gives_the_core_its_default_settings(default_spec):
+    """What code2wav's initialize reads (the JSON form Triton hands it, uint64 fields as strings) are the
+    core's default settings; the idle timeout is the one render reads, below the decoder's; the sequence
+    controls and the tensors are those the model reads."""
+    assert CHECKED_IN_CODE2WAV_CONFIG.read_text() == render_code2wav_config(default_spec), (
+        "model_repository/code2wav/config.pbtxt disagrees with the default export and render options")
+    config = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
+    assert set(config.parameters) == set(code2wav_settings.PARAMETER_TYPES)
+    settings = code2wav_settings.settings_from_config(json_format.MessageToDict(config, preserving_proto_field_name=True))
+    assert settings == code2wav_settings.Code2WavSettings()
+    assert settings.stream_idle_timeout_s * 1e6 == CODE2WAV_IDLE_TIMEOUT_US < DecoderServing().idle_timeout_us
+    assert config.max_batch_size > 0 and config.sequence_batching.WhichOneof("strategy_choice") == "oldest"
+    controls = {c.name: c.control[0] for c in config.sequence_batching.control_input}
+    assert set(controls) == {"START", "END", "READY", "CORRID"}
+    assert controls["CORRID"].data_type == model_config_pb2.TYPE_UINT64
+    inputs = {t.name: (t.data_type, list(t.dims), t.optional) for t in config.input}
+    assert inputs["input_ids"][:2] == (model_config_pb2.TYPE_INT64, [-1])
+    assert inputs["frame_offset"][1:] == ([1], True)
+    assert inputs["history_frames"] == (model_config_pb2.TYPE_INT64, [1], True)
+    outputs = {t.name: t.data_type for t in config.output}
+    assert (outputs["model_outputs"], outputs["sr"]) == (model_config_pb2.TYPE_FP32, model_config_pb2.TYPE_INT32)

@@ -1,15 +1,9 @@
 """Streams that survive faults: the real code2wav and python-ort decoder, resumable clients
-(`client.Code2WavStream`) sending every request with their stream key.
-
-- Three plain servers, no proxy (one module-scoped set, tests in order): each client is given the
-  list of the servers' URLs, its own server first, and moves to the next one when its server fails.
-  A server SIGKILLed mid-stream (the other servers' streams never notice), then started again under
-  the same address. Through a proxy, with compose's restart policy and watchdog, the same faults and
-  chaos run in tests/test_compose_scale.py.
-- One node: `code2wav-server serve` restarts a tritonserver SIGKILLed under live streams.
-
-References are each stream's solo decode by the same ONNX step in this process (docs/design.md §2.3
-says how close "equal" is).
+(`client.Code2WavStream`) sending every request with their stream key. Three plain servers (tests in order): each
+client has every server's URL, its own first, and moves on when its server fails; a server SIGKILLed mid-stream,
+then started again under the same address. One node: `code2wav-server serve` restarts a tritonserver SIGKILLed
+under live streams. (Through a proxy with compose's restart policy: tests/test_compose_scale.py.) References are
+each stream's solo decode by the same ONNX step in this process (docs/design.md §2.3 says how close "equal" is).
 """
 
 from __future__ import annotations
@@ -18,14 +12,12 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_server_launcher import serve_unready
 
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS, SAMPLES_PER_FRAME, StreamOptions
 from mimi_code2wav.client.sync import Code2WavClient, Code2WavStream
@@ -34,7 +26,7 @@ from mimi_code2wav.export.render import CODE2WAV_IDLE_TIMEOUT_US
 from mimi_code2wav.server.processes import process_group_alive
 from mimi_code2wav.server.triton import TritonServer, fetch_metrics, free_ports, metric_value, port_is_free
 
-from helpers import print_and_record, wait_http_ready, wait_printed, wait_until
+from helpers import print_and_record, serve_cli, snr_after, stop_cli, wait_until
 from mimi_fixtures import assert_equal_audio
 
 pytestmark = pytest.mark.server
@@ -52,7 +44,6 @@ HISTORY_FRAMES = 250
 RESUMED_MIN_SNR_DB = 75.0
 SERVERS = 3
 STREAM_IDLE_TIMEOUT_S = CODE2WAV_IDLE_TIMEOUT_US / 1e6  # read from code2wav's config.pbtxt
-PER_SECOND = 13  # frames per ~second of audio (12.5)
 
 
 def _start(repository: Path, log_path: Path, ports: list[int]) -> TritonServer:
@@ -129,10 +120,9 @@ def _assert_resumed_audio(key: str, pcm: np.ndarray, reference: np.ndarray, resu
                           seconds: int | None = 1) -> None:
     """Exact up to the resume; after it, each of its first `seconds` seconds (None: all) and all of it
     together within `min_snr_db` of the reference."""
-    cut, second = resume.frame * SAMPLES_PER_FRAME, PER_SECOND * SAMPLES_PER_FRAME
+    cut = resume.frame * SAMPLES_PER_FRAME
     assert_equal_audio(pcm[:cut], reference[:cut], what=f"{key} before its resume at frame {resume.frame}")
-    snrs = [snr_db(pcm[start : start + second], reference[start : start + second])
-            for start in range(cut, pcm.size, second)][:seconds] + [snr_db(pcm[cut:], reference[cut:])]
+    snrs = snr_after(pcm, reference, resume.frame, seconds)
     assert min(snrs) >= min_snr_db, (key, snrs)
     print(f"{key}: {resume.describe()}; SNR after the resume {snrs[0]:.1f} dB (1 s), {snrs[-1]:.1f} dB (to the end)")
 
@@ -246,33 +236,23 @@ def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing
     270 (a crash, the OOM killer): serve starts it again on the same ports, every stream resumes once
     and completes with the exact sample count, exact before the kill and >= 70 dB in every second
     after it; then SIGTERM drains and stops everything, exit 0, nothing left."""
-    ports, output = free_ports(3), tmp_path / "serve.out"
-    with open(output, "w") as out:
-        serve = serve_unready(served_repository, tmp_path, ports, stdout=out, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL)
     keys = list(streams)[:SERVE_STREAMS]
     options = StreamOptions(resume_history_frames=HISTORY_FRAMES, resume_timeout_s=90.0)
-    clients = {key: Code2WavClient(f"127.0.0.1:{ports[1]}", options).stream(sequence_id=3000 + n, stream_key=key)
-               for n, key in enumerate(keys)}
-    try:
-        wait_http_ready(ports[0], serve, timeout_s=180, output=output)
-        wait_printed(serve, output, "tritonserver ready in ", timeout_s=60)
-        first_pid = int(re.search(r"tritonserver ready in [0-9.]+ s \(pid (\d+)\)", output.read_text())[1])
-        before = _decode_all(clients, streams, 0, KILL_AT, lockstep=True)
-        os.kill(first_pid, signal.SIGKILL)
-        killed = time.monotonic()
-        after = _decode_all(clients, streams, KILL_AT, KILL_AT + AFTER_KILL, end=True)
-        text = output.read_text()
-        back = re.search(r"tritonserver restarted \(pid (\d+), restart 1\), ready in ([0-9.]+) s", text)
-        assert back and "was killed by SIGKILL" in text, text
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(timeout=120) == 0, output.read_text()
-    finally:
-        for client in clients.values():
-            client.close()
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
+    with serve_cli(served_repository, tmp_path / "server.log") as (serve, ports, output):
+        clients = {key: Code2WavClient(f"127.0.0.1:{ports[1]}", options).stream(sequence_id=3000 + n, stream_key=key)
+                   for n, key in enumerate(keys)}
+        try:
+            first_pid = int(re.search(r"tritonserver ready in [0-9.]+ s \(pid (\d+)\)", output.read_text())[1])
+            before = _decode_all(clients, streams, 0, KILL_AT, lockstep=True)
+            os.kill(first_pid, signal.SIGKILL)
+            killed = time.monotonic()
+            after = _decode_all(clients, streams, KILL_AT, KILL_AT + AFTER_KILL, end=True)
+        finally:
+            for client in clients.values():
+                client.close()
+        text = stop_cli(serve, output)
+    back = re.search(r"tritonserver restarted \(pid (\d+), restart 1\), ready in ([0-9.]+) s", text)
+    assert back and "was killed by SIGKILL" in text and serve.returncode == 0, text
     for key in keys:
         pcm = np.concatenate([before[key], after[key]])
         assert pcm.shape == ((KILL_AT + AFTER_KILL) * SAMPLES_PER_FRAME,), key
@@ -280,7 +260,6 @@ def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing
         assert len(resumes) == 1 and resumes[0].frame == KILL_AT, [r.describe() for r in resumes]
         _assert_resumed_audio(key, pcm, solo[key][: pcm.size], resumes[0], RESTARTED_MIN_SNR_DB, seconds=None)
     stalls = [_failovers(clients[key])[0].stall_s for key in keys]
-    text = output.read_text()
     assert "SIGTERM: draining and stopping tritonserver" in text and "Traceback" not in text, text
     log = (tmp_path / "server.log").read_text()
     assert "Non-graceful termination" not in log and "Exit timeout expired" not in log, log[-3000:]

@@ -34,39 +34,29 @@ def readme_commands() -> list[str]:
 
 
 NOT_RUN = {
-    "make serve": "a foreground server on fixed ports 8000-8002; test_serving.py runs the same entry "
-                  "point (`code2wav-server serve`) on free ports, checks readiness and a clean SIGTERM",
+    "make serve": "a foreground server on fixed ports; test_serving.py runs `code2wav-server serve` on free ports",
     "make test": "the command that runs this test",
     "make vllm-omni-venv": "`make test` makes it first (a prerequisite), in CI too",
     "pip install 'mimi-code2wav[vllm-omni] @ <path or git URL of this repository>'":
-        "a placeholder URL; `make vllm-omni-venv` installs the same plugin beside vLLM-Omni 0.30.0 for test_vllm_omni.py",
+        "a placeholder URL; `make vllm-omni-venv` installs the same plugin for test_vllm_omni.py",
     "python -m mimi_code2wav.vllm_plugin overlay --url triton-host:8001 --out personaplex-triton.yaml":
-        "needs vLLM-Omni's environment; test_vllm_omni.py runs the same command there and loads what it wrote "
-        "with vLLM-Omni's own loader",
+        "needs vLLM-Omni's environment; test_vllm_omni.py runs it there and loads what it wrote",
     'make test PYTEST_ARGS="-k parity"': "runs the test suite from inside the test suite",
     "make clean": "removes the working tree's build/ folder (exports) while tests may use it",
-    ".venv/bin/python -m benchmarks front": "minutes of load at its defaults; tests/test_front_benchmark.py runs a "
-                                            "short one on a real server and checks what it measures",
-    ".venv/bin/python -m benchmarks gpu": "needs a CUDA GPU; without one it exits 3 with a message "
-                                             "(test_export.py::test_gpu_benchmark_without_cuda_exits_clearly)",
-    "make bench": "minutes of load on the shared cores; test_perf_inputs.py runs perf_analyzer through "
-                  "client/perf.sh on generated inputs against a real server",
+    ".venv/bin/python -m benchmarks front": "minutes of load; test_front_benchmark.py runs a short one",
+    ".venv/bin/python -m benchmarks gpu": "needs a CUDA GPU; test_export.py checks its exit 3 without one",
+    "make bench": "minutes of load; test_perf_inputs.py runs client/perf.sh against a real server",
     "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile scale up --build triton-proxy":
         "its replicas reserve a GPU; test_compose_scale.py runs the same profile with docker-compose.cpu.yml",
     "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose -f docker-compose.yml -f docker-compose.cpu.yml --profile scale "
-    "up --build triton-proxy": "test_compose_scale.py runs it as written: a replica killed, one hung, then chaos, under paced streams",
+    "up --build triton-proxy": "test_compose_scale.py runs it as written",
     "kubectl apply -f deploy/kubernetes/code2wav-triton.yaml -f deploy/kubernetes/gateway-envoy.yaml":
         "no cluster here; test_compose.py checks the manifests' structure and routing policy",
     "kubectl apply -f deploy/kubernetes/gateway-envoy-tls.yaml":
-        "no cluster here; test_compose.py checks its structure, and test_watchdog.py runs the pods' start line "
-        "with TLS and keys",
-    "make bench-duplex": "minutes of load on the shared cores; test_duplex.py runs the same command "
-                         "(python -m benchmarks duplex) with small arguments against a real server",
-    "make bench-failover": "the compose scale profile built and run under 12 paced streams (minutes); "
-                           "test_compose_scale.py runs the same profile and failover (kept streams never resume, "
-                           "moved ones resume) and asserts it",
-    "make bench-memory": "a minute of a full server and 64 streams; test_serving.py's memory test runs the same "
-                         "measurement (benchmarks.memory) at 32 streams, the native decoder batching each step as one, and asserts its bounds",
+        "no cluster here; test_compose.py checks it; test_watchdog.py runs the pods' start line with TLS",
+    "make bench-duplex": "minutes of load; test_duplex.py runs `python -m benchmarks duplex` with small arguments",
+    "make bench-failover": "minutes of the compose scale profile; test_compose_scale.py runs the same failover",
+    "make bench-memory": "a minute of 64 streams; test_serving.py's memory test runs benchmarks.memory at 32 streams",
     **{command: "needs an NVIDIA GPU; test_compose.py checks the GPU services' structure"
        for command in (
            "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose up --build",
@@ -133,11 +123,11 @@ def _python(command: str) -> list[str]:
     return [str(Path(PY).parent / Path(program).name), *args]
 
 
-def _read_wav(path: Path) -> tuple[np.ndarray, int]:
+def _assert_wav(path: Path, frames: int) -> None:
     from mimi_code2wav.client.wav import read_wav
 
     data = read_wav(path)
-    return data.to_float32_mono(), data.sample_rate_hz
+    assert data.sample_rate_hz == SAMPLE_RATE_HZ and data.to_float32_mono().shape[-1] == frames * SAMPLES_PER_FRAME
 
 
 @pytest.fixture
@@ -149,14 +139,12 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
     def decode_random(command):
         out = tmp_path / "out.wav"
         _run(_python(command.replace("127.0.0.1:8001", url).replace("out.wav", str(out))), tmp_path)
-        audio, rate = _read_wav(out)
-        assert rate == SAMPLE_RATE_HZ and audio.shape[-1] == 50 * SAMPLES_PER_FRAME
+        _assert_wav(out, 50)
 
     def decode_codes(command):
         np.save(tmp_path / "codes.npy", scenario.streams["A"][:, :20])
         _run(_python(command) + ["--url", url], tmp_path)
-        audio, rate = _read_wav(tmp_path / "speech.wav")
-        assert rate == SAMPLE_RATE_HZ and audio.shape[-1] == 20 * SAMPLES_PER_FRAME
+        _assert_wav(tmp_path / "speech.wav", 20)
 
     def decode_paced(command):
         result = _run(_python(command.replace("--frames 125", "--frames 10").replace("--streams 8", "--streams 2"))

@@ -15,17 +15,24 @@ import pytest
 
 from mimi_code2wav.client.protocol import StreamOptions, random_codes
 from mimi_code2wav.client.sync import Code2WavClient
-from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
-from helpers import code2wav_inputs, frames_of, infer, infer_error, send_in_chunks, sequence_ids, wait_until
+from helpers import (
+    code2wav_inputs,
+    frames_of,
+    infer,
+    infer_error,
+    send_in_chunks,
+    sequence_ids,
+    snr_after,
+    wait_until,
+)
 from mimi_fixtures import assert_equal_audio, fixtures_on_each_target
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 decoder_target, served_repository, code2wav_server = fixtures_on_each_target()
 
-FIRST_SECOND_FRAMES = 13  # 12.5 frames per second
 # The resumed audio vs the uninterrupted decode with R = 250 frames of history (the failover test prints it).
 RESUMED_R250_MIN_SNR_DB = 60.0
 RESUME_AT = 70  # stream A (168 frames) resumes here
@@ -43,12 +50,6 @@ def resumed_decode(client, codes, resume_at, history_frames, first_new_frames=16
                    new_frames=first_new_frames, history_frames=history_frames)]
     after += send_in_chunks(client, sequence_id, codes, stop, codes.shape[1])
     return np.concatenate(before + after)
-
-
-def snr_after(pcm, reference, frame: int) -> tuple[float, float]:
-    """SNR (dB) of `pcm` to `reference` over the first second from `frame`, and from `frame` to the end."""
-    return (snr_db(frames_of(pcm, frame, frame + FIRST_SECOND_FRAMES), frames_of(reference, frame, frame + FIRST_SECOND_FRAMES)),
-            snr_db(frames_of(pcm, frame), frames_of(reference, frame)))
 
 
 def test_a_resumed_stream_returns_only_new_frames_equal_to_the_uninterrupted_one_with_its_whole_history(

@@ -11,7 +11,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ from helpers import (
     infer,
     process_exists,
     serve_cli,
+    serve_command,
+    serve_unready,
     shm_prefix_of,
     stop_cli,
     stub_pid,
@@ -85,17 +86,6 @@ def infer_add_one(grpc_url: str, model: str = "add_one") -> None:
         tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
         tensor.set_data_from_numpy(x)
         np.testing.assert_array_equal(client.infer(model, [tensor]).as_numpy("y"), x + 1.0)
-
-
-def serve_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "mimi_code2wav.server", "serve", *args]
-
-
-def serve_unready(repository: Path, tmp_path: Path, ports: list[int], **popen) -> subprocess.Popen:
-    """`code2wav-server serve` of `repository` on `ports` (HTTP, gRPC, metrics), not waited for."""
-    flags = [arg for flag, port in zip(("--http-port", "--grpc-port", "--metrics-port"), ports) for arg in (flag, str(port))]
-    return subprocess.Popen(serve_command("--model-repository", str(repository), *flags, "--log-file",
-                                          str(tmp_path / "server.log")), cwd=REPO_ROOT, **popen)
 
 
 def wait_tritonserver(launcher: subprocess.Popen) -> int:
@@ -248,8 +238,8 @@ def test_serve_refuses_in_one_line_before_starting_a_server(tmp_path, args, env,
     (model / "config.pbtxt").write_text('name: "mimi_decoder"\nbackend: "onnxruntime"\nmax_batch_size: 8\n')
     (tmp_path / "no-backend").mkdir()
     result = subprocess.run(
-        serve_command(*(arg.format(tmp=tmp_path) for arg in args), "--build-dir", str(tmp_path / "build"), "--http-port",
-                      "0", "--grpc-port", "0", "--metrics-port", "0", "--log-file", str(tmp_path / "server.log")),
+        serve_command(None, tmp_path / "server.log", [0, 0, 0], *(arg.format(tmp=tmp_path) for arg in args),
+                      "--build-dir", str(tmp_path / "build")),
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, **{name: value.format(tmp=tmp_path) for name, value in env.items()}})
     assert result.returncode == 1, result.stderr

@@ -30,27 +30,11 @@ FAST = {"WATCHDOG_INTERVAL_S": "0.2", "WATCHDOG_TIMEOUT_S": "0.5", "WATCHDOG_CHE
 RESTRICT = ("grpc-restricted-protocol", "http-restricted-api")
 
 
-class PodServer(TritonServer):
-    """tritonserver through the Kubernetes pod's command, which appends `pod_args_file`'s flags as it
-    appends /models/tritonserver.args."""
-
-    pod_args_file: Path
-
-    def _entrypoint(self, command: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-        watched, env = super()._entrypoint(command, env)
-        start = [arg.replace("$$", "$") for arg in kubernetes_triton()["command"]]
-        assert start[:3] == ["/opt/nvidia/nvidia_entrypoint.sh", "sh", "-c"]  # NGC's entrypoint runs its command
-        return [*start[1:3], start[3].replace("/models/tritonserver.args", str(self.pod_args_file)), *start[4:],
-                *watched], env
-
-
 @contextlib.contextmanager
-def watched(repository: Path, log: Path, pod_args_file: Path | None = None, **kwargs):
+def watched(repository: Path, log: Path, **kwargs):
     """A ready tritonserver under the entrypoint with its checks and probes on, as compose starts it,
     with fast settings; stopped on the way out, leaving no process."""
-    server = (PodServer if pod_args_file else TritonServer)(repository, log_path=log, watch=True, watch_env=FAST,
-                                                            **kwargs)
-    server.pod_args_file = pod_args_file
+    server = TritonServer(repository, log_path=log, watch=True, watch_env=FAST, **kwargs)
     try:
         server.start()
         server.wait_ready()
@@ -64,16 +48,6 @@ def watchdog(access_dir: Path, *command: str, **env: str) -> subprocess.Complete
     """The script run here on `command`, with `access_dir` as its access folder."""
     return subprocess.run(["sh", str(WATCHDOG), *command], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "WATCHDOG_ACCESS_DIR": str(access_dir), **env})
-
-
-def kubernetes_triton() -> dict:
-    """The triton container of deploy/kubernetes/code2wav-triton.yaml's pods."""
-    import yaml
-
-    manifests = yaml.safe_load_all((REPO_ROOT / "deploy" / "kubernetes" / "code2wav-triton.yaml").read_text())
-    (pod,) = [m["spec"]["template"]["spec"] for m in manifests if m and m.get("kind") == "Deployment"]
-    (triton,) = [c for c in pod["containers"] if c["name"] == "triton"]
-    return triton
 
 
 def probe_count(server: TritonServer) -> float:
@@ -103,37 +77,25 @@ def test_a_loading_server_is_left_alone_and_a_hung_one_killed_and_the_watchdog_e
     assert "3 times in a row: hung; killing it (SIGKILL)" in text
 
 
-@pytest.mark.parametrize("start", ["compose", "kubernetes"])
-def test_a_dead_stub_gets_the_server_killed_and_tls_and_keys_come_from_the_access_folder(repository_for, tmp_path,
-                                                                                         start):
+def test_a_dead_stub_gets_the_server_killed_and_tls_and_keys_come_from_the_access_folder(repository_for, tmp_path):
     """A code2wav stub that died (SIGKILL stands in for its segfault) leaves the server answering ready
     while every request fails: the watchdog's probe finds it and kills the server, for the restart policy
     (the pod's liveness probe asks only /v2/health/live). With the files of WATCHDOG_ACCESS_DIR (as
     compose mounts CODE2WAV_ACCESS_DIR, and the Kubernetes pods the Secret code2wav-access), TLS and both
-    keys are on: a client with the CA and the key decodes, one without is refused, the probe carries the
-    key, and no key shows in the log. (Without an access folder: serve's restarts in test_server_launcher.)"""
+    keys are on: a client with the CA and the key decodes (the refusals: test_security.py), the probe carries
+    the key, and no key shows in the log. (Without an access folder: serve's restarts in test_server_launcher;
+    the GPU servers' and pods' command around the watchdog: test_compose.py.)"""
     from mimi_code2wav.client.credentials import Credentials
-    from mimi_code2wav.client.protocol import ClientError
-    from mimi_code2wav.client.sync import Code2WavClient, run_streams
+    from mimi_code2wav.client.sync import run_streams
 
-    log, access, pod_args_file = tmp_path / "server.log", make_pki(tmp_path / "access"), None
+    log, access = tmp_path / "server.log", make_pki(tmp_path / "access")
     (access / "inference.key").write_text("watched-inference-key\n")
     (access / "admin.key").write_text(" watched-admin-key \n")
-    if start == "kubernetes":
-        assert kubernetes_triton()["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
-        pod_args_file = tmp_path / "tritonserver.args"
-        pod_args_file.write_text("--log-info=true\n")
-    with watched(repository_for("null"), log, pod_args_file, access_dir=access) as server:
+    with watched(repository_for("null"), log, access_dir=access) as server:
         url = f"localhost:{server.grpc_port}"
         good = Credentials(tls_ca=str(access / "ca.pem"), key="watched-inference-key")
         assert run_streams(url, [np.zeros((8, 4), np.int64)], credentials=good).results[0].pcm.size == 4 * 1920
-        with pytest.raises(ClientError, match="requires the inference key"):
-            Code2WavClient(url, credentials=Credentials(tls_ca=str(access / "ca.pem"))).check_ready(timeout_s=5)
-        with pytest.raises(ClientError, match="it expects TLS"):
-            Code2WavClient(url).check_ready(timeout_s=5)
         triton = server.tritonserver_pid()
-        if start == "kubernetes":  # the pod's command appended the rendered flags
-            assert "--log-info=true" in Path(f"/proc/{triton}/cmdline").read_text().split("\0")
         # Two probes reach the decoder, with the key, and leave the server alone.
         probes = probe_count(server)
         assert wait_until(lambda: probe_count(server) >= probes + 2, 60, poll_s=0.5), "no probe reached the decoder"

@@ -11,8 +11,6 @@ One JSON command per line on stdin, one JSON answer per line on stdout (logs go 
   seq_token_counts, request_ids and runtime_additional_information); answers each request's PCM
   (base64 float32) and sr, or {"error": ...} with the exception's text;
 - {"op": "finish", "ids": [...]}: `on_requests_finished(ids)`;
-- {"op": "timing", "url": ..., "streams": N, "steps": M}: M steps of N one-frame requests through
-  `forward`, then the same through the asyncio client directly on the same loop: seconds per step;
 - {"op": "overlay", "url": ...}: the deploy overlay, loaded by vLLM-Omni's own loader: stage 1's
   model_arch and additional_config.
 """
@@ -24,7 +22,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 import traceback
 
 import numpy as np
@@ -46,47 +43,14 @@ def _forward(model, requests: list[dict]) -> dict:
         kwargs = {"seq_token_counts": [flat.size for flat in flats]}
     if ids and all(request_id is not None for request_id in ids):
         kwargs["request_ids"] = ids
-    started = time.perf_counter()
-    out = model.forward(input_ids=input_ids, positions=None, runtime_additional_information=infos, **kwargs)
-    seconds = time.perf_counter() - started
-    outputs = out.multimodal_outputs
+    outputs = model.forward(input_ids=input_ids, positions=None, runtime_additional_information=infos,
+                            **kwargs).multimodal_outputs
     return {
         "pcm": [base64.b64encode(pcm.numpy().astype(np.float32).tobytes()).decode() for pcm in outputs["model_outputs"]],
         "dtypes": [str(pcm.dtype) for pcm in outputs["model_outputs"]],
         "sr": [int(sr) for sr in outputs["sr"]],
         "sr_dtypes": [str(sr.dtype) for sr in outputs["sr"]],
-        "seconds": seconds,
     }
-
-
-def _timing(model, command: dict) -> dict:
-    """Per step: `forward` of N one-frame requests, against N concurrent asyncio-client calls."""
-    import asyncio
-
-    from mimi_code2wav.client.aio import Code2WavClient
-
-    streams, steps = command["streams"], command["steps"]
-    rng = np.random.default_rng(7)
-    codes = rng.integers(0, 2048, (streams, 8, steps))
-    plugin = []
-    for step in range(steps):
-        answer = _forward(model, [{"id": f"timing-{i}", "codes": codes[i, :, step : step + 1].tolist()}
-                                  for i in range(streams)])
-        plugin.append(answer["seconds"])
-    model.on_requests_finished([f"timing-{i}" for i in range(streams)])
-
-    async def direct() -> list[float]:
-        seconds = []
-        async with Code2WavClient(command["url"]) as client:
-            conversations = [client.stream(stream_key=f"direct-{i}") for i in range(streams)]
-            for step in range(steps):
-                started = time.perf_counter()
-                await asyncio.gather(*(c.decode(codes[i, :, step : step + 1]) for i, c in enumerate(conversations)))
-                seconds.append(time.perf_counter() - started)
-            await asyncio.gather(*(c.close() for c in conversations))
-        return seconds
-
-    return {"plugin": plugin, "direct": model._run(direct())}
 
 
 def _overlay(command: dict) -> dict:
@@ -138,8 +102,6 @@ def main() -> int:
             elif command["op"] == "finish":
                 model.on_requests_finished(command["ids"])
                 answer = {}
-            elif command["op"] == "timing":
-                answer = _timing(model, command)
             elif command["op"] == "overlay":
                 answer = _overlay(command)
             else:

@@ -95,8 +95,6 @@ class PluginSettings:
     def client(self, environ: Mapping[str, str]) -> Code2WavClient:
         """The asyncio client these settings describe (no connection yet); ValueError naming what is wrong
         (never the key)."""
-        if not self.urls:
-            raise ValueError(f"additional_config.{CONFIG_KEY}.url: no server URL in {self.url!r}")
         options = StreamOptions(model_name=self.model, response_timeout_s=self.response_timeout_s,
                                 resume_timeout_s=self.resume_timeout_s,
                                 resume_history_frames=self.resume_history_frames)
@@ -128,14 +126,10 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
         self.enable_update_additional_information = True
         self.requires_raw_input_tokens = True
         mimi_config = getattr(self.config, "mimi_config", None)
-        self._num_codebooks = int(getattr(mimi_config, "num_codebooks", NUM_CODEBOOKS))
-        self._output_sample_rate = int(getattr(mimi_config, "sample_rate", SAMPLE_RATE_HZ))
-        self._samples_per_frame = int(getattr(mimi_config, "samples_per_frame", SAMPLES_PER_FRAME))
-        if (self._num_codebooks, self._output_sample_rate, self._samples_per_frame) != (
-                NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME):
-            raise ValueError(f"the code2wav service decodes {NUM_CODEBOOKS} codebooks into {SAMPLES_PER_FRAME} "
-                             f"samples per frame at {SAMPLE_RATE_HZ} Hz; this model's Mimi config asks for "
-                             f"{self._num_codebooks}, {self._samples_per_frame} and {self._output_sample_rate}")
+        served = {"num_codebooks": NUM_CODEBOOKS, "samples_per_frame": SAMPLES_PER_FRAME, "sample_rate": SAMPLE_RATE_HZ}
+        asked = {name: int(getattr(mimi_config, name, value)) for name, value in served.items()}
+        if asked != served:
+            raise ValueError(f"the code2wav service decodes {served}; this model's Mimi config asks for {asked}")
         self.mimi = None
         self.settings = PluginSettings.from_sources((vllm_config.additional_config or {}).get(CONFIG_KEY), os.environ)
         self._client = self.settings.client(os.environ)
@@ -150,16 +144,12 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
         """Nothing to load: the service holds Mimi. The stage's checkpoint iterator is left unread."""
         return set()
 
-    def _run(self, coroutine):
-        """Run `coroutine` on the client's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
-
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
                 runtime_additional_information: list[dict[str, Any]] | None = None, **kwargs: Any) -> OmniOutput:
         """Each request's new frames [k * F] (codebook-major) -> its PCM, float32 [F * 1920], and `sr`."""
-        sr = torch.tensor(self._output_sample_rate, dtype=torch.int32)
+        sr = torch.tensor(SAMPLE_RATE_HZ, dtype=torch.int32)
         empty = torch.zeros((0,), dtype=torch.float32)
         if input_ids is None or input_ids.numel() == 0:
             return OmniOutput(text_hidden_states=None, multimodal_outputs={"model_outputs": [empty], "sr": [sr]})
@@ -174,15 +164,16 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
             if isinstance(meta, Mapping) and meta.get("personaplex_dummy_profile") is True:
                 continue
             flat = _codec_ids_from_payload_or_input(segment, info)
-            if flat.numel() == 0 or flat.numel() % self._num_codebooks:
+            if flat.numel() == 0 or flat.numel() % NUM_CODEBOOKS:
                 if flat.numel() > 1:  # a single placeholder token marks a segment boundary
                     logger.warning("request %s: %d codes are not a multiple of %d codebooks; skipped",
-                                   request_ids[index], flat.numel(), self._num_codebooks)
+                                   request_ids[index], flat.numel(), NUM_CODEBOOKS)
                 continue
-            work.append((index, request_ids[index], flat.reshape(self._num_codebooks, -1).cpu().numpy()))
+            work.append((index, request_ids[index], flat.reshape(NUM_CODEBOOKS, -1).cpu().numpy()))
         audio = [empty] * len(segments)
         if work:
-            for (index, _, _), pcm in zip(work, self._run(self._decode_all(work))):
+            decoded = asyncio.run_coroutine_threadsafe(self._decode_all(work), self._loop).result()
+            for (index, _, _), pcm in zip(work, decoded):
                 audio[index] = torch.from_numpy(np.array(pcm, dtype=np.float32))  # its own, writable
         return OmniOutput(text_hidden_states=None,
                           multimodal_outputs={"model_outputs": audio, "sr": [sr] * len(segments)})

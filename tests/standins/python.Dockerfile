@@ -1,8 +1,6 @@
-# Stand-in for python:3.11-slim-bookworm, the export image's base (docker/export.Dockerfile), on a host
-# that no registry serves images to: Debian's Python 3.11 in a virtual environment whose `python` and
-# `pip` come first on PATH, as the official image's /usr/local/bin ones do. It also carries the CPU
+# Stand-in for python:3.11-slim-bookworm, the export image's base (benchmarks/docker_env.py): Debian's
+# Python 3.11 in a virtual environment first on PATH, as the official image's /usr/local/bin, and the CPU
 # torch wheel in /opt/wheels (the export build takes it with TORCH_FIND_LINKS=/opt/wheels).
-# Built by benchmarks/docker_env.py, for the compose tests only.
 ARG BASE
 FROM ${BASE}
 RUN python3 -m venv /usr/local/python

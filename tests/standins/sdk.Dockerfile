@@ -1,12 +1,10 @@
-# Stand-in for nvcr.io/nvidia/tritonserver:24.10-py3-sdk (the compose `bench` profile's perf service) on
-# a host that no registry serves images to: perf_analyzer 2.51.0 from PyPI's tritonclient wheel, on PATH
-# with python3 and numpy, over the tritonserver stand-in (whose pytriton wheel carries the CUDA runtime
-# and libb64 that perf_analyzer links). Built by benchmarks/docker_env.py, for the compose tests only.
+# Stand-in for nvcr.io/nvidia/tritonserver:24.10-py3-sdk (the `bench` profile's perf; benchmarks/docker_env.py):
+# perf_analyzer 2.51.0 from PyPI's tritonclient wheel, on PATH with python3 and numpy, over the
+# tritonserver stand-in, whose pytriton wheel carries the libraries perf_analyzer links.
 ARG BASE
 FROM ${BASE}
-# perf_analyzer comes with the plain tritonclient wheel (its extras' geventhttpclient has no Python 3.12
-# wheel at 2.51's pin); it links libb64.so.0d and libcudart.so.12, which the pytriton wheel carries under
-# other names.
+# The plain tritonclient wheel (its extras' geventhttpclient has no Python 3.12 wheel at 2.51's pin); the
+# pytriton wheel carries libb64.so.0d and libcudart.so.12 under other names.
 RUN /opt/python/bin/pip install -q "tritonclient==2.51.0" \
     && libs=/opt/tritonserver/libs \
     && mkdir -p /opt/perf-libs \

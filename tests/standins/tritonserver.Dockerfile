@@ -1,17 +1,9 @@
-# Stand-in for nvcr.io/nvidia/tritonserver on a host that no registry serves images to: the pip
-# tritonserver (the PyPI wheel nvidia-pytriton 0.7.0 carries tritonserver 2.51.0) laid out as the NGC
-# image lays it out, its Python models on Python 3.12 with numpy<2 as on NGC 25.x and later. Built by
-# benchmarks/docker_env.py, for the compose tests only.
-#
-#   /opt/tritonserver/bin/tritonserver         on PATH
-#   /opt/tritonserver/backends/python/         the Python backend and its stub for this Python
-#   /opt/tritonserver/backends/onnxruntime/    Triton's ONNX Runtime backend (CPU) + ONNX Runtime 1.19.2
-#   /opt/nvidia/nvidia_entrypoint.sh           runs its arguments
-#   curl, python3 with numpy, libpython        as in the NGC image
-#
-# cpython/ in the build context is a CPython 3.12 with its shared library (docker_env copies the host's);
-# where it is empty, Debian's Python 3.11 serves instead. What differs from NGC's: no CUDA, TensorRT or
-# GPU metrics.
+# Stand-in for nvcr.io/nvidia/tritonserver (built by benchmarks/docker_env.py, as no registry serves images
+# here): the pip tritonserver 2.51.0 (PyPI's nvidia-pytriton 0.7.0) laid out as NGC lays it out, with
+# tritonserver on PATH, the Python backend and its stub, Triton's ONNX Runtime backend (CPU) with ONNX
+# Runtime 1.19.2, /opt/nvidia/nvidia_entrypoint.sh, curl, and python3 with numpy<2 and libpython. Its
+# Python models run on cpython/ of the context (the host's CPython 3.12, as on NGC 25.x and later), or on
+# Debian's 3.11 where that is empty. No CUDA, TensorRT or GPU metrics.
 ARG BASE
 FROM ${BASE}
 
