@@ -217,13 +217,14 @@ class TritonServer:
         return "a port" if "already in use" in tail or "Address in use" in tail else None
 
     def wait_ready(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> float:
-        """Poll `/v2/health/ready` until it answers 200; returns the seconds since `start()`. Raises
-        ServerError with the log tail if the process exits first or is not ready within `timeout_s`
-        (a Python stub that cannot start leaves its model loading); does not stop the server."""
+        """Poll `/v2/health/ready`, then the metrics (which listen after HTTP does), until both answer 200;
+        returns the seconds since `start()`. Raises ServerError with the log tail if the process exits first
+        or is not ready within `timeout_s` (a Python stub that cannot start leaves its model loading); does
+        not stop the server."""
         if self.process is None:
             raise ServerError("wait_ready() before start()")
         deadline = time.monotonic() + timeout_s
-        while (seen := _http_ready(f"http://{self.http_url}/v2/health/ready")) is not None:
+        while (seen := _http_ready(f"http://{self.http_url}/v2/health/ready") or _http_ready(self.metrics_url)):
             code = self.process.poll()
             if code is None and time.monotonic() < deadline:
                 time.sleep(poll_s)
