@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from mimi_code2wav.server.ort_backend import install_onnxruntime_backend
+from mimi_code2wav.server.ort_backend import install_file, install_onnxruntime_backend
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STANDINS = REPO_ROOT / "tests" / "standins"
@@ -207,8 +207,7 @@ def build_standins(build_dir: Path) -> None:
         else:
             shutil.copytree(cpython, triton / "cpython", symlinks=True, ignore=shutil.ignore_patterns(
                 "test", "tests", "idle_test", "__pycache__", "site-packages", "*.a", "tkinter", "turtledemo"))
-        shutil.copy(STANDINS / "nvidia_entrypoint.sh", triton)
-        (triton / "nvidia_entrypoint.sh").chmod(0o755)
+        install_file(STANDINS / "nvidia_entrypoint.sh", triton / "nvidia_entrypoint.sh", 0o755)
         install_onnxruntime_backend(triton)
         build(TRITON_STANDIN, "tritonserver.Dockerfile", base, triton)
         sdk.mkdir()

@@ -37,6 +37,8 @@ class StreamingConv(nn.Module):
 
     def __init__(self, conv: nn.Conv1d, dtype: torch.dtype):
         super().__init__()
+        if conv.stride[0] != 1 or conv.padding[0] != 0:
+            raise ValueError("streaming conv expects stride 1 and no built-in padding")
         self.bias = None if conv.bias is None else frozen(conv.bias, dtype)
         self.dilation, self.groups, self.kernel = conv.dilation[0], conv.groups, conv.kernel_size[0]
         self.channels, self.out_channels = conv.in_channels, conv.out_channels

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(command))
         return 0
     if trtexec is None:
-        print("error: TensorRT is not available here (no trtexec on PATH or in /usr/src/tensorrt/bin). Build the "
+        print(f"error: TensorRT is not available here (no trtexec on PATH or in {NGC_TRTEXEC.parent}). Build the "
               "plan on the GPU host, e.g. `docker compose --profile tensorrt up triton-tensorrt`", file=sys.stderr)
         return EXIT_NO_TENSORRT
     plan_path.parent.mkdir(parents=True, exist_ok=True)

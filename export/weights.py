@@ -173,16 +173,36 @@ def random_model(seed: int, config=None) -> LoadedMimi:
     return LoadedMimi(model, f"random:{seed}", "random", hashlib.sha256(recipe.encode()).hexdigest())
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """The tensors of a safetensors file and the file's sha256; a truncated or corrupt file is one error."""
+@contextlib.contextmanager
+def _readable(path: Path):
+    """A truncated or corrupt safetensors file: one error naming it, not the library's traceback."""
     from safetensors import SafetensorError
-    from safetensors.torch import load
 
     try:
-        data = path.read_bytes()
-        return load(data), hashlib.sha256(data).hexdigest()
+        yield
     except (SafetensorError, OSError) as error:
         raise WeightsError(f"{path}: not a readable safetensors file ({error})") from error
+
+
+def _tensor_names(path: Path) -> list[str]:
+    """The names in a safetensors file's header, without reading its tensors."""
+    from safetensors import safe_open
+
+    with _readable(path), safe_open(str(path), "pt") as handle:
+        return list(handle.keys())
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of a safetensors file and the file's sha256, read in chunks: a checkpoint is never
+    held twice in memory."""
+    from safetensors.torch import load_file
+
+    digest = hashlib.sha256()
+    with _readable(path):
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        return load_file(str(path)), digest.hexdigest()
 
 
 def load_transformers_dir(path: Path) -> LoadedMimi:
@@ -226,10 +246,10 @@ def load_weights(source: str | os.PathLike | None, seed: int | None = None) -> L
     if path.is_file():
         if path.suffix not in SAFETENSORS_SUFFIXES:
             raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
-        tensors, sha256 = _read_safetensors(path)
-        if not any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in tensors):
+        if not any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in _tensor_names(path)):
             raise WeightsError(f"{path}: not a moshi-format Mimi checkpoint; for transformers format pass the "
                                "folder holding config.json and model.safetensors")
+        tensors, sha256 = _read_safetensors(path)
         model = new_model()
         load_flat_state_dict(model, moshi_to_flat(tensors, model.config.num_attention_heads), str(path))
         return LoadedMimi(model, str(path), "moshi", sha256)

@@ -221,8 +221,11 @@ def tritonserver_under(pid: int) -> int | None:
     return next((child for child, name in descendants(pid).items() if name == "tritonserver"), None)
 
 
-def tritonserver_child(cli: subprocess.Popen) -> int | None:
-    return tritonserver_under(cli.pid)
+def metric(server, name: str, **labels: str) -> float:
+    """`server`'s metric `name` with `labels` (0.0 while it is not reported)."""
+    from mimi_code2wav.server.triton import fetch_metrics, metric_value
+
+    return metric_value(fetch_metrics(server.metrics_url), name, **labels) or 0.0
 
 
 def shm_prefix_of(pid: int) -> str:

@@ -17,8 +17,8 @@ import pytest
 from mimi_code2wav.client import protocol
 from mimi_code2wav.client.aio import Code2WavClient
 from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, ClientError, StreamOptions
-from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
+from helpers import metric
 from mimi_fixtures import assert_equal_audio
 
 # Sequence ids of their own, far from those of the other test modules on the shared server.
@@ -34,10 +34,6 @@ async def decode_stream(client: Code2WavClient, codes: np.ndarray, calls: list[t
             assert pcm[-1].shape == ((stop - first) * SAMPLES_PER_FRAME,) and pcm[-1].dtype == np.float32
     assert stream.ended and stream.next_frame == codes.shape[1]
     return np.concatenate(pcm)
-
-
-def live_streams(server) -> float:
-    return metric_value(fetch_metrics(server.metrics_url), "code2wav_live_streams") or 0.0
 
 
 # ---- units ------------------------------------------------------------------------------------------
@@ -119,7 +115,7 @@ def test_many_streams_share_one_client_and_channel_and_equal_moshi(code2wav_serv
 
     for name, pcm in zip(names, asyncio.run(run())):
         assert_equal_audio(pcm, moshi_streams[name], what=f"stream {name} over the asyncio client vs moshi")
-    assert live_streams(code2wav_server) == 0
+    assert metric(code2wav_server, "code2wav_live_streams") == 0
 
 
 @pytest.mark.server
@@ -175,7 +171,7 @@ def test_a_cancelled_call_leaves_the_stream_consistent(code2wav_server, scenario
         assert_equal_audio(pcm, reference[first * SAMPLES_PER_FRAME : stop * SAMPLES_PER_FRAME],
                            what=f"frames [{first}, {stop}) vs moshi")
     assert sorted(heard) == [0, 10, 24, 40, 61] and len(heard[61]) == 19 * SAMPLES_PER_FRAME
-    assert live_streams(code2wav_server) == 0
+    assert metric(code2wav_server, "code2wav_live_streams") == 0
 
 
 @pytest.mark.server

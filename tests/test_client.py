@@ -30,9 +30,9 @@ from mimi_code2wav.client.protocol import (
     validate_codes,
 )
 from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
-from mimi_code2wav.server.triton import fetch_metrics, free_ports, metric_value
+from mimi_code2wav.server.triton import free_ports
 
-from helpers import MODEL_REPOSITORY, REPO_ROOT, FakeClock, load_model_module
+from helpers import MODEL_REPOSITORY, REPO_ROOT, FakeClock, load_model_module, metric
 from mimi_fixtures import assert_equal_audio
 
 FRAMES = 40
@@ -163,10 +163,6 @@ def decode_cli(server, codes_file: Path, out: Path, *args: str) -> subprocess.Co
     return done
 
 
-def successful_requests(server) -> float:
-    return metric_value(fetch_metrics(server.metrics_url), "nv_inference_request_success", model="code2wav") or 0.0
-
-
 @pytest.fixture(scope="module")
 def codes_file(scenario, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("codes") / "a40.npy"
@@ -208,12 +204,12 @@ def test_decode_writes_a_float32_wav_equal_to_moshi_and_an_int16_one_of_the_clip
 ])
 def test_decode_sends_one_request_per_chunk_of_each_stream_and_equals_moshi(code2wav_server, codes_file, reference,
                                                                             tmp_path, args, streams, chunk_frames, says):
-    before = successful_requests(code2wav_server)
+    before = metric(code2wav_server, "nv_inference_request_success", model="code2wav")
     done = decode_cli(code2wav_server, codes_file, tmp_path / "x.wav", *args)
     for pattern in says:
         assert re.search(pattern.replace("{url}", re.escape(code2wav_server.grpc_url)), done.stdout), done.stdout
     assert "resumed" not in done.stderr
-    assert successful_requests(code2wav_server) - before == streams * len(chunk_bounds(FRAMES, chunk_frames))
+    assert metric(code2wav_server, "nv_inference_request_success", model="code2wav") - before == streams * len(chunk_bounds(FRAMES, chunk_frames))
     for name in ["x.wav"] if streams == 1 else [f"x_{index}.wav" for index in range(streams)]:
         assert_equal_audio(read_wav(tmp_path / name).samples[:, 0], reference, what=f"{name} ({' '.join(args)}) vs moshi")
 

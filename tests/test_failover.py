@@ -24,9 +24,9 @@ from mimi_code2wav.client.sync import Code2WavClient, Code2WavStream
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.export.render import CODE2WAV_IDLE_TIMEOUT_US
 from mimi_code2wav.server.processes import process_group_alive
-from mimi_code2wav.server.triton import TritonServer, fetch_metrics, free_ports, metric_value, port_is_free
+from mimi_code2wav.server.triton import TritonServer, free_ports, port_is_free
 
-from helpers import print_and_record, serve_cli, snr_after, stop_cli, wait_until
+from helpers import metric, print_and_record, serve_cli, snr_after, stop_cli, wait_until
 from mimi_fixtures import assert_equal_audio
 
 pytestmark = pytest.mark.server
@@ -200,8 +200,7 @@ def test_a_restarted_server_serves_again_and_idle_streams_resume_where_they_are(
     servers[0].wait_ready(180)
     # Every server drops the idle streams after the idle timeout: waiting for all of them makes the
     # outcome independent of how long the restart took.
-    assert wait_until(lambda: not any(metric_value(fetch_metrics(server.metrics_url), "code2wav_live_streams")
-                                      for server in servers), STREAM_IDLE_TIMEOUT_S + 60, poll_s=0.5), \
+    assert wait_until(lambda: not any(metric(server, "code2wav_live_streams") for server in servers), STREAM_IDLE_TIMEOUT_S + 60, poll_s=0.5), \
         "the idle streams were never expired"
     first, stop = KILL_AT + AFTER_KILL, KILL_AT + AFTER_KILL + AFTER_RESTART
     where = {key: stream.url for key, stream in clients.items()}

@@ -24,7 +24,7 @@ import pytest
 from mimi_code2wav.client.protocol import CODEBOOK_SIZE, NUM_CODEBOOKS
 from mimi_code2wav.export.render import PYTHON_ORT_FILES
 
-from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, raw_input, triton_model_config
+from helpers import MODEL_REPOSITORY, FakeClock, load_model_module, metric, raw_input, triton_model_config
 
 MODEL_DIR = MODEL_REPOSITORY / "mimi_decoder" / "python_ort"
 COMMON_FILES = sorted((MODEL_REPOSITORY / "common").glob("*.py"))
@@ -385,11 +385,8 @@ def client(decoder_server):
         yield c
 
 
-def metric(server, name, **labels) -> float:
-    """The model's metric `name` (0.0 when not reported yet)."""
-    from mimi_code2wav.server.triton import fetch_metrics, metric_value
-
-    return metric_value(fetch_metrics(server.metrics_url), name, model="decoder", **labels) or 0.0
+def decoder_metric(server, name, **labels) -> float:
+    return metric(server, name, model="decoder", **labels)
 
 
 @pytest.mark.server
@@ -417,7 +414,7 @@ def test_served_bad_request_fails_alone_and_state_carries_resets_and_ends(client
 @pytest.mark.server
 def test_served_concurrent_sequences_are_batched(decoder_server):
     counters = ("mimi_decoder_batches_total", "mimi_decoder_batched_requests_total")
-    before = [metric(decoder_server, name) for name in counters]
+    before = [decoder_metric(decoder_server, name) for name in counters]
     sequences, steps = list(range(41, 49)), 12
     barrier = threading.Barrier(len(sequences), timeout=120)
 
@@ -429,12 +426,12 @@ def test_served_concurrent_sequences_are_batched(decoder_server):
 
     with ThreadPoolExecutor(len(sequences)) as pool:
         list(pool.map(stream, sequences))  # raises a sequence's failure
-    runs, rows = (metric(decoder_server, name) - old for name, old in zip(counters, before))
+    runs, rows = (decoder_metric(decoder_server, name) - old for name, old in zip(counters, before))
     assert rows == len(sequences) * steps
     assert runs < rows, f"{rows} requests ran in {runs} session runs: no batch had two rows"
-    count = metric(decoder_server, "mimi_decoder_batch_size_count")
-    single = metric(decoder_server, "mimi_decoder_batch_size_bucket", le="1")
-    assert count == metric(decoder_server, counters[0]) and count > single
+    count = decoder_metric(decoder_server, "mimi_decoder_batch_size_count")
+    single = decoder_metric(decoder_server, "mimi_decoder_batch_size_bucket", le="1")
+    assert count == decoder_metric(decoder_server, counters[0]) and count > single
 
 
 @pytest.mark.server
@@ -460,4 +457,4 @@ def test_served_start_past_the_cap_is_refused_with_unavailable(tmp_path, triton_
         assert "resource exhausted: model 'decoder' already holds 2 live streams" in refused.message()
         for sid in (81, 82):
             client.check(sid, sid + 1, end=True)
-    assert metric(server, "mimi_decoder_refused_streams_total") == 1
+    assert decoder_metric(server, "mimi_decoder_refused_streams_total") == 1

@@ -36,7 +36,7 @@ from helpers import (
     serve_cli,
     stop_cli,
     stub_pid,
-    tritonserver_child,
+    tritonserver_under,
     wait_printed,
 )
 from mimi_fixtures import assert_equal_audio
@@ -279,7 +279,7 @@ def test_serve_with_tls_and_keys_restarts_a_dead_stub_and_a_tls_stream_resumes(p
         url = f"localhost:{grpc_port}"
         stream = Code2WavClient(url, StreamOptions(resume_timeout_s=60.0), credentials=_good(pki)).stream()
         before = stream.decode(np.zeros((8, 10), np.int64))
-        first_pid = tritonserver_child(cli)
+        first_pid = tritonserver_under(cli.pid)
         os.kill(stub_pid(first_pid, "code2wav"), signal.SIGKILL)
         wait_printed(cli, out, "tritonserver restarted (pid ", timeout_s=120)  # once ready
         after = stream.decode(np.zeros((8, 10), np.int64), end=True)

@@ -34,7 +34,6 @@ from helpers import (
     shm_prefix_of,
     stop_cli,
     stub_pid,
-    tritonserver_child,
     tritonserver_under,
     wait_http_ready,
     wait_printed,
@@ -162,7 +161,7 @@ def test_serve_restarts_tritonserver_after_sighup_a_crash_and_dead_stubs_and_sig
     repository, log = copy_repository(repository_for("null"), tmp_path / "repo"), tmp_path / "server.log"
     faults = [("SIGHUP", None), ("crash", None), ("stub", "code2wav"), ("stub", "mimi_decoder")]
     with serve_cli(repository, log) as (cli, ports, out):
-        pids, groups, prefixes = [tritonserver_child(cli)], [], []
+        pids, groups, prefixes = [tritonserver_under(cli.pid)], [], []
         for restart, (fault, model) in enumerate(faults, start=1):
             groups.append(os.getpgid(pids[-1]))
             prefixes.append(shm_prefix_of(pids[-1]))
@@ -173,7 +172,7 @@ def test_serve_restarts_tritonserver_after_sighup_a_crash_and_dead_stubs_and_sig
             else:
                 os.kill(pids[-1] if fault == "crash" else stub_pid(pids[-1], model), signal.SIGKILL)
             wait_printed(cli, out, f"restart {restart})", timeout_s=120)
-            pids.append(tritonserver_child(cli))
+            pids.append(tritonserver_under(cli.pid))
             with grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}") as client:
                 pcm = infer(client, 50 + restart, np.zeros((NUM_CODEBOOKS, 5), np.int64), 0, start=True, end=True)
             assert pcm.size == 5 * SAMPLES_PER_FRAME

@@ -24,9 +24,8 @@ import pytest
 from mimi_code2wav.client.protocol import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME, random_codes
 from mimi_code2wav.export.reference import moshi_stream_decode
 from mimi_code2wav.server.supervise import running_server
-from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
-from helpers import REPO_ROOT, frames_of, make_pki, wait_until
+from helpers import REPO_ROOT, frames_of, make_pki, metric, wait_until
 from mimi_fixtures import assert_equal_audio
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -129,16 +128,12 @@ def moshi_decode(moshi_checkpoint, codes) -> np.ndarray:
     return moshi_stream_decode(moshi_checkpoint[1], np.asarray(codes)[None])[0]
 
 
-def live_streams(server) -> float:
-    return metric_value(fetch_metrics(server.metrics_url), "code2wav_live_streams") or 0.0
-
-
 def finish(stage, server, request_ids: list[str]) -> None:
     """on_requests_finished ENDs the streams, without waiting: the server's live-stream gauge goes back by
     one each. Called right after the streams' last step (they idle out after the server's timeout)."""
-    live = live_streams(server)
+    live = metric(server, "code2wav_live_streams")
     assert stage("finish", ids=request_ids) == {}
-    assert wait_until(lambda: live_streams(server) == live - len(request_ids), SETTLE_S), live_streams(server)
+    assert wait_until(lambda: metric(server, "code2wav_live_streams") == live - len(request_ids), SETTLE_S), metric(server, "code2wav_live_streams")
 
 
 def test_the_registry_loads_the_subclass_which_loads_no_mimi(model, code2wav_server):
@@ -152,7 +147,7 @@ def test_the_runners_call_shapes_give_each_request_its_audio(stage, model, code2
     requests have different frame counts, a warm-up request and an empty request beside them, and a
     step with no input at all: every request's PCM equals moshi's streaming decode of its codes."""
     a, b = random_codes(16, seed=101), random_codes(9, seed=102)
-    baseline = live_streams(code2wav_server)
+    baseline = metric(code2wav_server, "code2wav_live_streams")
     steps = [
         [("req-a", a[:, :1], False), ("req-b", b[:, :1], False)],
         [("req-a", a[:, 1:6], False), ("warmup", np.zeros((8, 1), np.int64), True), ("req-b", b[:, 1:6], False)],
@@ -169,7 +164,7 @@ def test_the_runners_call_shapes_give_each_request_its_audio(stage, model, code2
             assert pcm.size == expected, (request_id, pcm.size, expected)
             if request_id in heard:
                 heard[request_id].append(pcm)
-    assert live_streams(code2wav_server) == baseline + 2
+    assert metric(code2wav_server, "code2wav_live_streams") == baseline + 2
     empty = stage.forward()  # a step with no input at all: one empty output
     assert [pcm.size for pcm in empty["pcm"]] == [0] and empty["sr"] == [SAMPLE_RATE_HZ]
     finish(stage, code2wav_server, ["req-a", "req-b"])
@@ -195,15 +190,15 @@ def test_a_server_killed_mid_conversation_loses_no_frame(stage, repository_for, 
     conversation resumes on B with its whole history (fewer than the 250 frames the client keeps):
     every frame once, equal to moshi's uninterrupted decode."""
     codes = random_codes(40, seed=104)
-    baseline = live_streams(code2wav_server)
+    baseline = metric(code2wav_server, "code2wav_live_streams")
     with running_server(repository_for("python-ort"), log_path=tmp_path / "server-a.log") as server_a:
         stage.ok("model", config={"url": f"{server_a.grpc_url},{code2wav_server.grpc_url}", "response_timeout_s": 5.0})
         chunks = [stage.pcm("conversation", codes[:, first:stop]) for first, stop in [(0, 1), (1, 6), (6, 11), (11, 16)]]
-        assert live_streams(server_a) == 1
+        assert metric(server_a, "code2wav_live_streams") == 1
         os.killpg(server_a.pid, signal.SIGKILL)
         assert wait_until(lambda: not server_a.is_alive(), SETTLE_S)
         chunks += [stage.pcm("conversation", codes[:, first : first + 5]) for first in (16, 21, 26, 31, 36)]
-        assert live_streams(code2wav_server) == baseline + 1
+        assert metric(code2wav_server, "code2wav_live_streams") == baseline + 1
         finish(stage, code2wav_server, ["conversation"])
     pcm = np.concatenate(chunks)
     assert pcm.size == 40 * SAMPLES_PER_FRAME, "a frame's audio is missing or repeated"

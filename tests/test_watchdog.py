@@ -17,9 +17,9 @@ import pytest
 from test_server_launcher import infer_add_one, write_model
 
 from mimi_code2wav.server.processes import process_group_alive
-from mimi_code2wav.server.triton import TritonServer, fetch_metrics, metric_value
+from mimi_code2wav.server.triton import TritonServer
 
-from helpers import REPO_ROOT, make_pki, process_exists, stub_pid, wait_until
+from helpers import REPO_ROOT, make_pki, metric, process_exists, stub_pid, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -48,11 +48,6 @@ def watchdog(access_dir: Path, *command: str, **env: str) -> subprocess.Complete
     """The script run here on `command`, with `access_dir` as its access folder."""
     return subprocess.run(["sh", str(WATCHDOG), *command], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "WATCHDOG_ACCESS_DIR": str(access_dir), **env})
-
-
-def probe_count(server: TritonServer) -> float:
-    """The decoder's successful requests: the watchdog's probes, and the test's own."""
-    return metric_value(fetch_metrics(server.metrics_url), "nv_inference_request_success", model="mimi_decoder") or 0
 
 
 def test_a_loading_server_is_left_alone_and_a_hung_one_killed_and_the_watchdog_exits_137(tmp_path):
@@ -97,8 +92,8 @@ def test_a_dead_stub_gets_the_server_killed_and_tls_and_keys_come_from_the_acces
         assert run_streams(url, [np.zeros((8, 4), np.int64)], credentials=good).results[0].pcm.size == 4 * 1920
         triton = server.tritonserver_pid()
         # Two probes reach the decoder, with the key, and leave the server alone.
-        probes = probe_count(server)
-        assert wait_until(lambda: probe_count(server) >= probes + 2, 60, poll_s=0.5), "no probe reached the decoder"
+        probes = metric(server, "nv_inference_request_success", model="mimi_decoder")  # the watchdog's probes
+        assert wait_until(lambda: metric(server, "nv_inference_request_success", model="mimi_decoder") >= probes + 2, 60, poll_s=0.5), "no probe reached the decoder"
         assert server.is_alive(), f"a healthy server was killed:\n{log.read_text()[-2000:]}"
         os.kill(stub_pid(server.pid), signal.SIGKILL)
         killed_at = time.monotonic()
