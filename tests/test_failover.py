@@ -209,11 +209,11 @@ def test_a_restarted_server_serves_again_and_idle_streams_resume_where_they_are(
         assert last[key].shape == (AFTER_RESTART * SAMPLES_PER_FRAME,)
         reference = solo[key][first * SAMPLES_PER_FRAME : stop * SAMPLES_PER_FRAME]
         later = [r for r in stream.resumes if r.frame >= first]
-        # One resume, on its first request after the pause (its sequence idled out), on the next URL.
+        # One resume, on its first request after the pause (its sequence idled out), on the URL after the
+        # last one it held: the next, unless an attempt there failed too (a loaded machine's slow replay).
         urls = _urls(servers, n % SERVERS)
-        expected = urls[(urls.index(where[key]) + 1) % SERVERS]
-        assert len(later) == 1 and later[0].frame == first and later[0].url == expected, \
-            [r.describe() for r in stream.resumes]
+        assert len(later) == 1 and later[0].frame == first, [r.describe() for r in stream.resumes]
+        assert later[0].url == urls[(urls.index(where[key]) + later[0].attempts) % SERVERS], later[0].describe()
         assert snr_db(last[key], reference) >= RESUMED_MIN_SNR_DB, key
     key = next(iter(streams))
     with Code2WavClient(_urls(servers, 0), StreamOptions()).stream(sequence_id=5000, stream_key=key) as fresh:
