@@ -8,21 +8,17 @@ PYTEST_ARGS ?=
 # Test workers (pytest-xdist; tests/conftest.py groups the tests).
 TEST_WORKERS ?= 2
 
-# Local server settings (see README "Quick start").
+# Local server settings (README "Quick start"). MODEL_REPOSITORY: one to serve as it is; TARGET: the decoder
+# `make serve` renders (python-ort, onnxruntime from ORT_BACKEND, null); URL: a running server for bench/verify.
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 MIMI_WEIGHTS ?=
-# A model repository to serve as it is (default: export and render the local one for TARGET).
 MODEL_REPOSITORY ?=
-# The decoder target `make serve` renders: python-ort (default: any machine), onnxruntime (Triton's native
-# ONNX Runtime backend from ORT_BACKEND, default ../shared/triton-onnxruntime-backend), null (silence).
 TARGET ?=
-# A running server for `make bench` / `make verify` (host:gRPC port); bench starts its own without it.
 URL ?=
 
-# vLLM-Omni 0.30.0 and this project's plugin, in an environment of their own: importing vLLM-Omni patches
-# vLLM and torch, so the tests run its stage in a subprocess of this interpreter (tests/test_vllm_omni.py).
+# vLLM-Omni in an environment of its own: importing it patches vLLM and torch (tests/test_vllm_omni.py).
 VLLM_VENV ?= build/vllm-omni-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -41,9 +37,9 @@ $(VLLM_STAMP): requirements/vllm-omni.txt pyproject.toml
 $(STAMP): pyproject.toml requirements/constraints.txt server/ort_backend.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --disable-pip-version-check -c requirements/constraints.txt -e '.[export,client,serve,test]'
-	# moshi is the independent streaming reference for tests only; its metadata pins torch<2.10.
+	# moshi, the tests' streaming reference, pins torch<2.10 in its metadata.
 	$(PIP) install --quiet --disable-pip-version-check --no-deps moshi==0.2.13
-	# ONNX Runtime 1.19.2's library for Triton's native ORT backend (server/ort_backend.py pins it by sha256).
+	# ONNX Runtime's library for Triton's native ORT backend, pinned by sha256.
 	$(BIN)/python -m mimi_code2wav.server.ort_backend
 	touch $(STAMP)
 
@@ -59,36 +55,28 @@ export: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/code2wav-server serve --metrics-port $(METRICS_PORT) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),) $(if $(MODEL_REPOSITORY),--model-repository $(MODEL_REPOSITORY),) $(if $(TARGET),--decoder $(TARGET),)
 
-# The python-ort decoder's sweep into bench_results/, then (local server only) the same sweep with the
-# null decoder into bench_results/null/: the front's ceiling. Both run; the target fails if either did.
+# Benchmark $(1) of the python-ort decoder, then (local server only) of the null one into bench_results/$(2):
+# the front's ceiling. Both run; the target fails if either did.
+bench_both = status=0; $(BIN)/python -m benchmarks $(1) $(if $(URL),--url $(URL),) || status=1; \
+	$(if $(URL),,$(BIN)/python -m benchmarks $(1) --decoder null --out-dir bench_results/$(2) || status=1;) exit $$status
+
 bench: $(STAMP)
-	status=0; \
-	$(BIN)/python -m benchmarks sweep $(if $(URL),--url $(URL),) || status=1; \
-	$(if $(URL),,$(BIN)/python -m benchmarks sweep --decoder null --out-dir bench_results/null || status=1;) \
-	exit $$status
+	$(call bench_both,sweep,null)
 
-# Conversations ticking together every 80 ms (per-frame, ramp 1+5, catch-up): the python-ort decoder into
-# bench_results/duplex/, then (local server only) the null decoder into bench_results/duplex-null/.
+# Conversations ticking together every 80 ms (per-frame, ramp 1+5, catch-up).
 bench-duplex: $(STAMP)
-	status=0; \
-	$(BIN)/python -m benchmarks duplex $(if $(URL),--url $(URL),) || status=1; \
-	$(if $(URL),,$(BIN)/python -m benchmarks duplex --decoder null --out-dir bench_results/duplex-null || status=1;) \
-	exit $$status
+	$(call bench_both,duplex,duplex-null)
 
-# The native decoder's memory (Triton's ONNX Runtime backend from ORT_BACKEND; python-ort, the development
-# decoder, leaves its memory to ONNX Runtime's arena): TARGET=python-ort measures that one instead.
+# The native decoder's memory (python-ort leaves its memory to ONNX Runtime's arena; TARGET=python-ort for it).
 bench-memory: $(STAMP)
 	$(BIN)/python -m benchmarks memory --decoder $(or $(TARGET),onnxruntime)
 
-# The compose scale profile on this host's Docker engine (docker-compose.cpu.yml: 3 CPU replicas behind
-# nginx), 12 paced resumable streams, SIGKILL of the busiest replica's tritonserver: what the streams
-# that kept their replica feel, and the stall of those that moved (bench_results/failover/). As root;
-# MIMI_WEIGHTS here is a checkpoint file or folder (no hub id), else seeded random weights.
+# docker-compose.cpu.yml's 3 replicas, the busiest SIGKILLed under 12 streams: what staying and moving streams
+# feel. As root; MIMI_WEIGHTS here is a checkpoint file or folder (no hub id), else seeded random weights.
 bench-failover: $(STAMP)
 	$(BIN)/python -m benchmarks failover $(if $(MIMI_WEIGHTS),--weights $(MIMI_WEIGHTS),)
 
-# docs/benchmarks.md and the README's headline table from docs/benchmarks/*.json; with ADD=path/to/run.json
-# (bench_results/bench.json, memory.json, ...) that run is recorded first, replacing the previous one of its kind.
+# docs/benchmarks.md and the README's headline from docs/benchmarks/*.json; ADD=run.json records that run first.
 record: $(STAMP)
 	$(BIN)/python -m benchmarks record $(if $(ADD),--add $(ADD),)
 

@@ -35,11 +35,10 @@ def command_parser(name: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        listing = "\n".join(f"  {name:9s} {summary}" for name, summary in COMMANDS.items())
-        unknown = bool(argv) and argv[0] not in ("-h", "--help")
-        print(f"usage: python -m benchmarks COMMAND [options]   (COMMAND --help for its options)\n\n{listing}",
-              file=sys.stderr if unknown else sys.stdout)
-        return 0 if argv and not unknown else 2
+        unknown, help_asked = argv[:1] not in ([], ["-h"], ["--help"]), argv[:1] in (["-h"], ["--help"])
+        print("usage: python -m benchmarks COMMAND [options]   (COMMAND --help for its options)\n\n" + "\n".join(
+            f"  {name:9s} {summary}" for name, summary in COMMANDS.items()), file=sys.stderr if unknown else sys.stdout)
+        return 0 if help_asked else 2
     args = command_parser(argv[0]).parse_args(argv[1:])
     try:
         return args.handler(args)

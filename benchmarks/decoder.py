@@ -2,8 +2,7 @@
 (as the native config serves it, without memory patterns) and rustymimi, against the measured fp32
 matmul peak. Times are per stream-frame (80 ms of audio); `of compute bound` = FLOPs per frame / the
 peak at that thread count / the time. Without --weights, a seeded random moshi-format checkpoint
-(speed does not depend on the values). Writes OUT/decoder.json and decoder.md.
-"""
+(speed does not depend on the values). Writes OUT/decoder.json and decoder.md."""
 
 from __future__ import annotations
 
@@ -43,46 +42,13 @@ def matmul_peak_gflops(threads: int, seconds: float) -> float:
 
 
 def step_flops_per_frame(step) -> float:
-    """Multiply-adds x 2 of one frame through the step module (convs, transformer, attention)."""
-    from mimi_code2wav.export.step import SEANetBlock, StreamingConv, StreamingConvTranspose
+    """FLOPs (multiply-adds x 2) of one frame through the step module, as torch's counter sees them."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
-    steps, hidden, inter = step.steps_per_frame, step.hidden_size, step.layers[0].fc1.shape[0]
-    per_step = 2 * hidden * 3 * hidden + 2 * hidden * hidden + 2 * 2 * hidden * inter
-    flops = step.num_layers * steps * (per_step + 2 * 2 * step.context * hidden)
-
-    def conv(layer, length):
-        return 2 * layer.out_channels * (layer.channels // layer.groups) * layer.kernel * length
-
-    def convtr(layer, length):
-        return 2 * layer.in_channels * (layer.channels // layer.groups) * 2 * layer.stride * length
-
-    flops += convtr(step.upsample, 1)
-    length = steps
-    for layer in step.seanet:
-        if isinstance(layer, StreamingConvTranspose):
-            flops += convtr(layer, length)
-            length *= layer.stride
-        elif isinstance(layer, StreamingConv):
-            flops += conv(layer, length)
-        elif isinstance(layer, SEANetBlock):
-            flops += sum(conv(sub, length) for sub in layer.layers if isinstance(sub, StreamingConv))
-    return flops
-
-
-class Rows(dict):
-    """The measured rows by (engine, batch, frames per call, threads), each against the compute bound."""
-
-    def __init__(self, flops_per_frame: float, peaks_gflops: dict[int, float]):
-        super().__init__()
-        self.flops, self.peaks = flops_per_frame, peaks_gflops
-
-    def add(self, engine: str, batch: int, frames: int, threads: int, seconds_per_call: float) -> None:
-        ms = seconds_per_call * 1000 / (batch * frames)
-        bound_ms = self.flops / (self.peaks[threads] * 1e9) * 1000 if threads in self.peaks else float("nan")
-        self[engine, batch, frames, threads] = {
-            "engine": engine, "batch": batch, "frames_per_call": frames, "threads": threads, "ms_per_frame": ms,
-            "frames_per_s": 1000 / ms, "x_realtime": FRAME_DURATION_S * 1000 / ms, "fraction_of_bound": bound_ms / ms}
-        log(f"  {engine:10s} batch {batch:2d} F {frames} threads {threads}: {ms:7.2f} ms/frame")
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        step(torch.zeros(1, step.num_codebooks, 1, dtype=torch.int32), *step.zero_state(1))
+    return float(counter.get_total_flops())
 
 
 def _random_checkpoint(work: Path) -> Path:
@@ -99,7 +65,7 @@ def _random_checkpoint(work: Path) -> Path:
     return weights
 
 
-def _measure_moshi(rows: Rows, weights: Path, args, rng) -> None:
+def _measure_moshi(add, weights: Path, args, rng) -> None:
     """moshi PyTorch streaming, one frame per call (what Moshi-family servers run)."""
     import torch
     from moshi.models.loaders import get_mimi
@@ -109,10 +75,10 @@ def _measure_moshi(rows: Rows, weights: Path, args, rng) -> None:
         torch.set_num_threads(threads)
         codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, 1)))
         with torch.no_grad(), moshi.streaming(batch):
-            rows.add("moshi", batch, 1, threads, timed(lambda: moshi.decode(codes), args.seconds))
+            add("moshi", batch, 1, threads, timed(lambda: moshi.decode(codes), args.seconds))
 
 
-def _measure_step(rows: Rows, model, work: Path, args, rng) -> None:
+def _measure_step(add, model, work: Path, args, rng) -> None:
     """The step module in eager PyTorch and in ONNX Runtime."""
     import onnxruntime as ort
     import torch
@@ -135,23 +101,11 @@ def _measure_step(rows: Rows, model, work: Path, args, rng) -> None:
                 with torch.no_grad():
                     _, *state = step(codes, *state)
 
-            rows.add("step-eager", batch, frames, threads, timed(eager, args.seconds))
-            rows.add("onnxruntime", batch, frames, threads, ort_step_s(session, batch, frames, args.seconds, rng))
+            add("step-eager", batch, frames, threads, timed(eager, args.seconds))
+            add("onnxruntime", batch, frames, threads, ort_step_s(session, batch, frames, args.seconds, rng))
 
 
-def _measure_rustymimi(rows: Rows, weights: Path, threads: int, seconds: float, rng) -> None:
-    """rustymimi (Kyutai's Rust Mimi), batch 1, one frame per call; it picks its own threads."""
-    try:
-        import rustymimi
-    except ImportError as error:
-        log(f"rustymimi not installed ({error}); skipped")
-        return
-    tokenizer = rustymimi.Tokenizer(str(weights), num_codebooks=8)
-    codes = rng.integers(0, 2048, (1, 8, 1)).astype(np.uint32)
-    rows.add("rustymimi", 1, 1, threads, timed(lambda: tokenizer.decode_step(codes), seconds))
-
-
-def _ratios(rows: Rows, threads: int, batch: int) -> dict[str, float]:
+def _ratios(rows: dict, threads: int, batch: int) -> dict[str, float]:
     ratios = {}
     ort1, moshi1, rusty = (rows.get((engine, 1, 1, threads)) for engine in ("onnxruntime", "moshi", "rustymimi"))
     if ort1 and moshi1:
@@ -207,10 +161,25 @@ def run(args: argparse.Namespace) -> int:
     log("fp32 matmul peak (1024^3 torch.mm): " + ", ".join(f"{t} thread(s) {g:.1f} GFLOP/s" for t, g in peaks.items()))
     flops = step_flops_per_frame(build_step(loaded.model, ExportOptions()))
     log(f"decoder: {flops / 1e9:.3f} GFLOP per frame")
-    rows = Rows(flops, peaks)
-    _measure_moshi(rows, weights, args, rng)
-    _measure_step(rows, loaded.model, work, args, rng)
-    _measure_rustymimi(rows, weights, max(args.threads), args.seconds, rng)
+    rows = {}  # by (engine, batch, frames per call, threads), each against the compute bound
+
+    def add(engine: str, batch: int, frames: int, threads: int, seconds_per_call: float) -> None:
+        ms = seconds_per_call * 1000 / (batch * frames)
+        rows[engine, batch, frames, threads] = {
+            "engine": engine, "batch": batch, "frames_per_call": frames, "threads": threads, "ms_per_frame": ms,
+            "frames_per_s": 1000 / ms, "x_realtime": FRAME_DURATION_S * 1000 / ms,
+            "fraction_of_bound": flops / (peaks[threads] * 1e6) / ms}
+        log(f"  {engine:10s} batch {batch:2d} F {frames} threads {threads}: {ms:7.2f} ms/frame")
+
+    _measure_moshi(add, weights, args, rng)
+    _measure_step(add, loaded.model, work, args, rng)
+    try:  # rustymimi (Kyutai's Rust Mimi), batch 1, one frame per call; it picks its own threads
+        import rustymimi
+    except ImportError as error:
+        log(f"rustymimi not installed ({error}); skipped")
+    else:
+        tokenizer, codes = rustymimi.Tokenizer(str(weights), num_codebooks=8), rng.integers(0, 2048, (1, 8, 1)).astype(np.uint32)
+        add("rustymimi", 1, 1, max(args.threads), timed(lambda: tokenizer.decode_step(codes), args.seconds))
     results = {"meta": meta, "matmul_peak_gflops": peaks, "gflop_per_frame": flops / 1e9, "rows": list(rows.values()),
                "ratios": _ratios(rows, max(args.threads), max(args.batches))}
     write_run(args.out, "decoder", results, decoder_markdown(results))

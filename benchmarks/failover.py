@@ -1,12 +1,10 @@
 """`python -m benchmarks failover`: what live streams feel when a replica dies under them.
 
-The README's CPU scale-out (the compose `scale` profile with docker-compose.cpu.yml: three replicas
-behind nginx) on this host's Docker engine with docker_env's stand-in images, paced resumable streams
-through the proxy, and at `--kill-at-s` `--signal` (KILL: a crash; STOP: a hang) sent from the host,
-so as root, to the tritonserver of the replica holding the most streams. Reported: the latency of the
-streams that kept their replica (none may resume), the stall of those that moved. Writes
-OUT_DIR/failover.json and failover.md.
-"""
+The README's CPU scale-out (the compose `scale` profile with docker-compose.cpu.yml: three replicas behind
+nginx) on this host's Docker engine with docker_env's stand-in images, paced resumable streams through the
+proxy, and at `--kill-at-s` `--signal` sent from the host, so as root, to the tritonserver of the replica
+holding the most streams. Reported: the latency of the streams that kept their replica (none may resume),
+the stall of those that moved. Writes OUT_DIR/failover.json and failover.md."""
 
 from __future__ import annotations
 
@@ -42,11 +40,8 @@ def _weights_variables(weights: str | None) -> dict[str, str]:
     return {"MIMI_WEIGHTS_DIR": str(path)} if path.is_dir() else {"MIMI_WEIGHTS_DIR": str(path.parent), "MIMI_WEIGHTS": path.name}
 
 
-def _percentiles_ms(values_s: list[float]) -> dict[str, float | None]:
-    return percentiles(np.asarray(values_s) * 1e3)
-
-
 def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
+    percentiles_ms = lambda values_s: percentiles(np.asarray(values_s) * 1e3)  # noqa: E731
     codes = [random_codes(int(round(args.seconds / FRAME_DURATION_S)), seed=args.codes_seed + n) for n in range(args.streams)]
     keys = [f"call-{n}" for n in range(args.streams)]
     options = StreamOptions(chunk_frames=args.chunk_frames, first_chunk_frames=args.chunk_frames, paced=True,
@@ -91,11 +86,11 @@ def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
         "history_frames": args.history_frames,
         "moved_streams": len(moved), "kept_streams": len(kept),
         "kept_streams_resumed": sum(1 for result in kept if result.resumes),
-        "kept_after_fault": _percentiles_ms([latency for sent, latency in requests
+        "kept_after_fault": percentiles_ms([latency for sent, latency in requests
                                              if fault_s <= sent + latency and sent <= fault_s + args.window_s]),
-        "kept_before_fault": _percentiles_ms([latency for sent, latency in requests if sent + latency < fault_s]),
-        "kept_whole_run": _percentiles_ms([latency for result in kept for latency in result.chunk_latencies_s]),
-        "moved_stall": _percentiles_ms([result.resumes[0].stall_s for result in moved if result.resumes]),
+        "kept_before_fault": percentiles_ms([latency for sent, latency in requests if sent + latency < fault_s]),
+        "kept_whole_run": percentiles_ms([latency for result in kept for latency in result.chunk_latencies_s]),
+        "moved_stall": percentiles_ms([result.resumes[0].stall_s for result in moved if result.resumes]),
         "moved_resumes": [len(result.resumes) for result in moved],
         "real_time_factor_min": float(min(result.real_time_factor for result in results)),
         # Paced streams take their audio's length; a kept stream the fault slowed takes longer.
@@ -153,16 +148,13 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="a moshi-format .safetensors checkpoint or a transformers folder "
                         "(default: seeded random weights)")
-    parser.add_argument("--build-dir", default="build/docker",
-                        help="the Docker tooling's folder: engine log, Compose, stand-in images (default %(default)s)")
-    parser.add_argument("--streams", type=int, default=12)
-    parser.add_argument("--chunk-frames", type=int, default=4, help="frames per request (default %(default)s)")
-    parser.add_argument("--seconds", type=float, default=40.0, help="audio per stream (default %(default)s)")
-    parser.add_argument("--kill-at-s", type=float, default=22.0, help="when the fault comes (default %(default)s)")
-    parser.add_argument("--signal", choices=sorted(SIGNALS), default="KILL")
-    parser.add_argument("--window-s", type=float, default=15.0, help="latency window after the fault (default %(default)s)")
-    parser.add_argument("--history-frames", type=int, default=250)
-    parser.add_argument("--response-timeout-s", type=float, default=5.0,
-                        help="a request unanswered this long resumes the stream (default %(default)s)")
-    parser.add_argument("--codes-seed", type=int, default=0, help="seed of the streams' random codes")
-    parser.add_argument("--out-dir", default="bench_results/failover")
+    parser.add_argument("--signal", choices=sorted(SIGNALS), default="KILL", help="KILL: a crash; STOP: a hang")
+    for flag, default, text in (
+            ("--build-dir", "build/docker", "the Docker tooling's folder: engine log, Compose, stand-in images"),
+            ("--out-dir", "bench_results/failover", "where results go"), ("--streams", 12, "paced streams"),
+            ("--chunk-frames", 4, "frames per request"), ("--seconds", 40.0, "audio per stream"),
+            ("--kill-at-s", 22.0, "when the fault comes"), ("--window-s", 15.0, "latency window after the fault"),
+            ("--history-frames", 250, "frames of history a resume replays"),
+            ("--response-timeout-s", 5.0, "a request unanswered this long resumes the stream"),
+            ("--codes-seed", 0, "seed of the streams' random codes")):
+        parser.add_argument(flag, type=type(default), default=default, help=f"{text} (default %(default)s)")

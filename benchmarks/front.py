@@ -5,8 +5,7 @@ server holds code2wav and `minimal_front` (one `async_exec` per request, the che
 with as many instances each, and measures: requests/s of `--unpaced` conversations of 1-frame requests
 through each front in turn (`--rounds` rounds); then `--conversations` live per-frame conversations
 through each (duplex's driver), with Triton's statistics and the CPU time of every process per request.
-Writes OUT_DIR/front.md and front.json.
-"""
+Writes OUT_DIR/front.md and front.json."""
 
 from __future__ import annotations
 
@@ -20,14 +19,11 @@ from pathlib import Path
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, StreamOptions, random_codes
 from mimi_code2wav.export.render import COMMON_DIR
 
-from .duplex import PER_FRAME, run_async
-from .local_server import LocalServer, add_server_arguments, point_profile
+from .duplex import PER_FRAME, run_point
+from .profile import add_server_arguments, local_server, point_profile, prepare_server
 from .provenance import REPO_ROOT, log, md_row, run_meta, write_run
 
 FRONTS = ("code2wav", "minimal_front")
-MINIMAL_FRONT = Path(__file__).resolve().parent / "minimal_front" / "model.py"
-# Beside it as beside every Python model: the stub's fault handler and its collection at unload.
-MODEL_LIFECYCLE = COMMON_DIR / "model_lifecycle.py"
 REQUESTS_PER_S_PER_CONVERSATION = 1 / FRAME_DURATION_S  # per-frame: one request per 80 ms frame
 
 
@@ -44,48 +40,42 @@ def unpaced_requests_per_s(url: str, model_name: str, conversations: int, second
                 answered += 1
         return answered
 
-    async def main() -> int:
+    async def main() -> float:
         async with Code2WavClient(url, StreamOptions(model_name=model_name)) as client:
             await client.check_ready()
-            until = time.monotonic() + seconds
-            return sum(await asyncio.gather(*(conversation(client, random_codes(64, seed=i), until)
-                                              for i in range(conversations))))
+            began = time.monotonic()
+            count = sum(await asyncio.gather(*(conversation(client, random_codes(64, seed=i), began + seconds)
+                                               for i in range(conversations))))
+            return count / (time.monotonic() - began)
 
-    began = time.monotonic()
-    count = asyncio.run(main())
-    return count / (time.monotonic() - began)
+    return asyncio.run(main())
 
 
-def add_minimal_front(repository: Path) -> None:
-    """Serve `minimal_front` beside code2wav: code2wav's rendered config (same inputs, batching and
-    instances) under the other name, its model file and model_lifecycle.py."""
+def measure_instances(repository: Path, instances: int, args) -> dict:
+    """Every part of the run for one count of front instances, on `repository` (null, with that many front
+    instances) with `minimal_front` served beside code2wav: code2wav's rendered config (same inputs,
+    batching and instances) under the other name, its model file and model_lifecycle.py."""
     folder = repository / "minimal_front"
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "1").mkdir(parents=True)
     config = (repository / "code2wav" / "config.pbtxt").read_text()
     (folder / "config.pbtxt").write_text(config.replace('name: "code2wav"', 'name: "minimal_front"', 1))
-    shutil.copy(MINIMAL_FRONT, folder / "1" / "model.py")
-    shutil.copy(MODEL_LIFECYCLE, folder / "1" / MODEL_LIFECYCLE.name)
-
-
-def measure_instances(local: LocalServer, instances: int, args) -> dict:
-    """Every part of the run for one count of front instances, on `local` (a null repository with
-    that many front instances), run here with the minimal front added."""
-    add_minimal_front(local.repository)
+    shutil.copy(Path(__file__).resolve().parent / "minimal_front" / "model.py", folder / "1" / "model.py")
+    shutil.copy(COMMON_DIR / "model_lifecycle.py", folder / "1" / "model_lifecycle.py")
     point: dict = {"instances": instances, "rps": {front: [] for front in FRONTS}}
-    with local.running():
+    with local_server(repository) as server:
         for front in FRONTS:  # warm-up
-            unpaced_requests_per_s(local.url, front, args.unpaced, 1.0)
+            unpaced_requests_per_s(server.grpc_url, front, args.unpaced, 1.0)
         for round_index in range(args.rounds):
             for front in FRONTS:
-                point["rps"][front].append(unpaced_requests_per_s(local.url, front, args.unpaced, args.seconds))
+                point["rps"][front].append(unpaced_requests_per_s(server.grpc_url, front, args.unpaced, args.seconds))
             print(f"  {instances} instance(s), round {round_index + 1}: "
                   + ", ".join(f"{front} {point['rps'][front][-1]:.0f} requests/s" for front in FRONTS), flush=True)
         point["ratio"] = statistics.median(c / m for c, m in zip(point["rps"]["code2wav"], point["rps"]["minimal_front"]))
         point["live"] = {}
         for front in FRONTS:
-            profile = point_profile(local, (front, "mimi_decoder")).start()
-            result = run_async(local.url, args.conversations, max(2, round(args.seconds / FRAME_DURATION_S)), PER_FRAME,
+            profile = point_profile(server, (front, "mimi_decoder")).start()
+            result = run_point(server.grpc_url, args.conversations, max(2, round(args.seconds / FRAME_DURATION_S)), PER_FRAME,
                                args.budget_ms, model_name=front)
             point["live"][front] = {"result": result, "profile": profile.finish(result["requests"])}
             print(f"  {instances} instance(s), {args.conversations} live conversations through {front}: late p99 "
@@ -97,11 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, url=False, build_dir="bench-front")
     parser.set_defaults(decoder="null")
     parser.add_argument("--instances", type=int, nargs="+", default=[1, 2], help="front instance counts (default 1 2)")
-    parser.add_argument("--conversations", type=int, default=64, help="live per-frame conversations (default %(default)s)")
-    parser.add_argument("--unpaced", type=int, default=32, help="unpaced 1-frame conversations (default %(default)s)")
-    parser.add_argument("--seconds", type=float, default=8.0, help="length of each measurement (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=3, help="ABAB rounds of the throughput part (default %(default)s)")
-    parser.add_argument("--budget-ms", type=float, default=80.0, help="playout budget of a frame (default %(default)s)")
+    for flag, default, text in (("--conversations", 64, "live per-frame conversations"),
+                                ("--unpaced", 32, "unpaced 1-frame conversations"), ("--seconds", 8.0, "length of each measurement"),
+                                ("--rounds", 3, "ABAB rounds of the throughput part"), ("--budget-ms", 80.0, "playout budget of a frame")):
+        parser.add_argument(flag, type=type(default), default=default, help=f"{text} (default %(default)s)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results" / "front")
 
 
@@ -112,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     points = []
     for count in args.instances:
         args.front_instances = count
-        points.append(measure_instances(LocalServer.prepare(args), count, args))
+        points.append(measure_instances(prepare_server(args), count, args))
     results = {"meta": run_meta("front"), "conversations": args.conversations, "unpaced": args.unpaced,
                "seconds": args.seconds, "rounds": args.rounds, "budget_ms": args.budget_ms, "points": points}
     write_run(args.out_dir, "front", results, front_markdown(results))

@@ -1,12 +1,12 @@
 """The step module on a CUDA GPU (PyTorch with CUDA; no TensorRT or onnxruntime-gpu), eager and as a CUDA
 graph replaying a whole step with its state feedback, which is what a TensorRT engine under Triton
 approaches: no launch overhead. Seeded random weights in the real architecture. Writes OUT/gpu.json
-and gpu.md; exits 3 without CUDA.
-"""
+and gpu.md; exits 3 without CUDA."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -36,7 +36,7 @@ def _time_cuda(run, seconds: float, warmup: int = 3) -> float:
 
 
 def measure(step, batch: int, frames: int, seconds: float, device) -> dict[str, float]:
-    """Seconds per call, eager and CUDA graph, for one batch size and frames per call."""
+    """Seconds per call, eager and as a CUDA graph (outputs copied into static state inputs), of one shape."""
     import torch
 
     codes = torch.randint(0, step.codebook_size, (batch, step.num_codebooks, frames), dtype=torch.int32, device=device)
@@ -47,13 +47,12 @@ def measure(step, batch: int, frames: int, seconds: float, device) -> dict[str, 
         with torch.no_grad():
             _, *state = step(codes, *state)
 
-    def step_in_place():  # the graph's step: outputs copied into the static state inputs
-        outputs = step(codes, *static_state)
-        for target, value in zip(static_state, outputs[1:]):
+    def step_in_place():
+        for target, value in zip(state, step(codes, *state)[1:]):
             target.copy_(value)
 
     result = {"eager_s": _time_cuda(eager, seconds)}
-    static_state = [s.to(device) for s in step.zero_state(batch)]
+    state = [s.to(device) for s in step.zero_state(batch)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.no_grad():
@@ -63,8 +62,7 @@ def measure(step, batch: int, frames: int, seconds: float, device) -> dict[str, 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
         step_in_place()
-    result["cuda_graph_s"] = _time_cuda(graph.replay, seconds)
-    return result
+    return {**result, "cuda_graph_s": _time_cuda(graph.replay, seconds)}
 
 
 def gpu_markdown(results: dict) -> str:
@@ -101,17 +99,13 @@ def run(args: argparse.Namespace) -> int:
     step = MimiDecoderStep(random_model(0).model, max_frames_per_step=max(args.frames_per_call),
                            kv_cache_dtype=args.kv_cache_dtype).eval().to(device)
     rows = []
-    for frames in args.frames_per_call:
-        for batch in args.batches:
-            timing = measure(step, batch, frames, args.seconds, device)
-            for mode in ("eager", "cuda_graph"):
-                per_call_ms = timing[f"{mode}_s"] * 1000
-                per_frame_ms = per_call_ms / (batch * frames)
-                rows.append({"mode": mode, "batch": batch, "frames_per_call": frames, "ms_per_call": per_call_ms,
-                             "ms_per_frame": per_frame_ms, "frames_per_s": 1000 / per_frame_ms,
-                             "streams_at_real_time": 1000 / per_frame_ms / FRAMES_PER_SECOND})
-                log(f"  {mode:10s} batch {batch:3d} F {frames}: {per_call_ms:8.2f} ms/call")
-            torch.cuda.empty_cache()
+    for frames, batch in itertools.product(args.frames_per_call, args.batches):
+        for mode, seconds in measure(step, batch, frames, args.seconds, device).items():
+            ms = seconds * 1000 / (batch * frames)
+            rows.append({"mode": mode[:-2], "batch": batch, "frames_per_call": frames, "ms_per_call": seconds * 1000,
+                         "ms_per_frame": ms, "frames_per_s": 1000 / ms, "streams_at_real_time": 1000 / ms / FRAMES_PER_SECOND})
+            log(f"  {mode[:-2]:10s} batch {batch:3d} F {frames}: {seconds * 1000:8.2f} ms/call")
+        torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(0)
     results = {"meta": run_meta("gpu", gpu=name), "gpu": name, "torch": torch.__version__,
                "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}

@@ -1,10 +1,9 @@
 """`python -m benchmarks memory`: the server's memory against live streams, and after they expire.
 
-A local server (stream idle timeout `--idle-timeout-s`) takes streams that never END until N of
-`--streams` are live, each through the steps of `--steps` together, then lets them expire, then takes
-`--bursts` more bursts of the largest N: the RSS and PSS of its whole process group at each point say
-what a stream costs and whether memory is given back or creeps. Writes OUT_DIR/memory.json and memory.md.
-"""
+A local server (stream idle timeout 4 s) takes streams that never END until N of `--streams` are live,
+each through steps of 1, 4 and 4 frames together, then lets them expire, then takes `--bursts` more bursts
+of the largest N: the RSS and PSS of its whole process group at each point say what a stream costs and
+whether memory is given back or creeps. Writes OUT_DIR/memory.json and memory.md."""
 
 from __future__ import annotations
 
@@ -22,11 +21,11 @@ from mimi_code2wav.export.render import positive_int
 from mimi_code2wav.server.processes import group_pids
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
-from .local_server import LocalServer, add_server_arguments
-from .profile import process_role
+from .profile import add_server_arguments, local_server, prepare_server, process_role
 from .provenance import REPO_ROOT, log, md_row, parse_counts, run_meta, write_run
 
 MIB = 2**20
+STEPS, IDLE_TIMEOUT_S = [1, 4, 4], 4.0  # frames per request of every stream; the served idle timeout
 
 
 def snapshot(pgid: int, label: str, live: dict[str, float | None]) -> dict:
@@ -130,9 +129,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, url=False, build_dir="memory")
     parser.add_argument("--streams", type=parse_counts, default=[16, 32, 64],
                         help="live-stream counts to measure at (default 16,32,64)")
-    parser.add_argument("--steps", type=parse_counts, default=[1, 4, 4], help="frames per request of every stream (default 1,4,4)")
-    parser.add_argument("--idle-timeout-s", type=float, default=4.0,
-                        help="the served stream idle timeout, so that expiry comes quickly (default %(default)s)")
     parser.add_argument("--bursts", type=positive_int, default=1,
                         help="bursts of the largest count after the first expiry, each expired (default %(default)s)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go")
@@ -143,48 +139,47 @@ def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, set_idle_timeout
     from mimi_code2wav.export.spec import DecoderSpec
 
-    counts, steps = sorted(set(args.streams)), args.steps
-    local = LocalServer.prepare(args)
-    set_idle_timeout(local.repository, args.idle_timeout_s)
-    decoder_margin_s = DECODER_IDLE_MARGIN_US / 1e6 + 0.5  # and Triton's reaper's moment
+    counts, rows, opened = sorted(set(args.streams)), [], 0
+    repository = prepare_server(args)
+    set_idle_timeout(repository, IDLE_TIMEOUT_S)
     spec = DecoderSpec.from_dict(read_manifest(next((args.build_dir / "export").iterdir()))["spec"])
     state_mib = spec.state_bytes_per_stream() / MIB
-    rows = []
-    with local.running():
-        server = local.server
+    with local_server(repository) as server:
 
         def take(label: str) -> None:
             rows.append(snapshot(server.pid, label, live_streams(server.metrics_url)))
             log(f"{label:28s} PSS {rows[-1]['pss_mib']:7.0f} MiB  RSS {rows[-1]['rss_mib']:7.0f} MiB  "
                 f"live {rows[-1]['live_streams']}")
 
-        def expire() -> float:
-            """Seconds until every stream expired; then the batches' shared arrays go with their last stream."""
-            waited = wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
-            time.sleep(2 * args.idle_timeout_s)
+        def expire(settle: bool = True) -> float:
+            """Seconds until every stream expired (plus the native decoder's later timeout and Triton's reaper's
+            moment); with `settle`, then the batches' shared arrays go with their last stream."""
+            waited = wait_expired(server.metrics_url, 10 * IDLE_TIMEOUT_S + 30, DECODER_IDLE_MARGIN_US / 1e6 + 0.5)
+            time.sleep(2 * IDLE_TIMEOUT_S if settle else 0)
             return waited
 
+        def burst(count: int, label: str) -> None:
+            nonlocal opened
+            open_streams(server.grpc_url, 1000 + opened, count, STEPS, 1000 + opened)
+            opened += count
+            take(label)
+
         # One stream through once, left open to expire: loads ONNX Runtime's kernels, as any first request does.
-        open_streams(server.grpc_url, 1, 1, steps, 0)
-        wait_expired(server.metrics_url, 10 * args.idle_timeout_s + 30, decoder_margin_s)
+        open_streams(server.grpc_url, 1, 1, STEPS, 0)
+        expire(settle=False)
         take("idle (warmed up)")
-        opened = 0
         for count in counts:
-            open_streams(server.grpc_url, 1000 + opened, count - opened, steps, 1000 + opened)
-            opened = count
-            take(f"{count} live")
+            burst(count - opened, f"{count} live")
         take(f"expired ({expire():.0f} s)")
-        for burst in range(args.bursts):
-            open_streams(server.grpc_url, 1000 + opened, counts[-1], steps, 1000 + opened)
-            opened += counts[-1]
-            take(f"{counts[-1]} live again" if burst == 0 else f"{counts[-1]} live, burst {burst + 2}")
+        for burst_index in range(args.bursts):
+            burst(counts[-1], f"{counts[-1]} live again" if burst_index == 0 else f"{counts[-1]} live, burst {burst_index + 2}")
             expire()
-            take("expired again" if burst == 0 else f"expired, burst {burst + 2}")
+            take("expired again" if burst_index == 0 else f"expired, burst {burst_index + 2}")
 
     idle, peak = rows[0], rows[len(counts)]
     per_stream = (peak["pss_mib"] - idle["pss_mib"]) / counts[-1]
     meta = run_meta("memory" if args.decoder == "python-ort" else f"memory-{args.decoder}", decoder=args.decoder,
-                    state_mib_per_stream=state_mib, steps=steps, idle_timeout_s=args.idle_timeout_s)
+                    state_mib_per_stream=state_mib, steps=STEPS, idle_timeout_s=IDLE_TIMEOUT_S)
     results = {"meta": meta, "rows": rows, "summary": {
         "streams": counts[-1], "per_stream_mib": per_stream, "per_stream_over_state": per_stream / state_mib,
         "after_expiry_over_idle": rows[len(counts) + 1]["pss_mib"] / idle["pss_mib"],

@@ -1,19 +1,82 @@
-"""What a benchmark point cost the server: CPU time per process of its group (from /proc), Triton's
-per-model statistics (from its metrics); `process_role` names the processes, for this and `memory`."""
+"""Which server a Triton benchmark measures (a running one at `--url`, else its own, rendered into its build
+folder and started by `running_server`) and what a point cost it: CPU time per process of its group (/proc)
+and Triton's per-model statistics (its metrics); `process_role` names the processes, for this and `memory`."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import gc
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from mimi_code2wav.client.protocol import ClientError
+from mimi_code2wav.export.render import add_serving_arguments, serving_from_args
 from mimi_code2wav.server.processes import group_pids
+from mimi_code2wav.server.serve import LOCAL_TARGETS
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
+
+from .provenance import REPO_ROOT, log, run_meta
 
 SERVER_ROLES = ("tritonserver", "stub code2wav", "stub mimi_decoder")
 TRITON_TIMES = ("queue", "compute_input", "compute_infer", "compute_output")
-CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def prepare_server(args: argparse.Namespace) -> Path:
+    """Export (when stale) and render the repository `args` ask for, into `--build-dir`."""
+    try:
+        from mimi_code2wav.export.pipeline import prepare_local_repository
+    except ImportError as exc:
+        raise ClientError(f"starting a local server needs the serve and export extras ({exc}); or pass --url") from None
+    serving = serving_from_args(args, args.decoder)
+    serving.instance_kind = args.instance_kind or "KIND_CPU"  # a local decoder runs on the CPU, whatever its target
+    return prepare_local_repository(args.weights, args.weights is None, 0, Path(args.build_dir), target=args.decoder,
+                                    serving=serving)
+
+
+def local_server(repository: Path) -> contextlib.AbstractContextManager:
+    """A tritonserver of `repository` on free loopback ports for the block, its log beside the repository."""
+    from mimi_code2wav.server.supervise import running_server
+
+    return running_server(repository, log_path=Path(repository).parent / "tritonserver.log", ready_timeout_s=120.0)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, url: bool = True, build_dir: str = "bench") -> None:
+    """A running server (`--url`, or $URL as perf.sh reads it), else a local one of its own."""
+    if url:
+        parser.add_argument("--url", default=os.environ.get("URL") or None,
+                            help="Triton gRPC address of a running server (default: $URL, else start a local one)")
+    parser.add_argument("--decoder", choices=LOCAL_TARGETS, default="python-ort",
+                        help="the local server's decoder: python-ort, onnxruntime (Triton's native backend, from "
+                        "$ORT_BACKEND) or null, the front's own ceiling (default %(default)s)")
+    parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
+    parser.add_argument("--build-dir", type=Path, default=REPO_ROOT / "build" / build_dir,
+                        help="export folder of the local server")
+    add_serving_arguments(parser)
+
+
+@contextlib.contextmanager
+def measured_server(args: argparse.Namespace) -> Iterator:
+    """The local server `add_server_arguments` asks for, running for the block; None with `--url`."""
+    if args.url:
+        yield None
+        return
+    log("starting a local server ...")
+    with local_server(prepare_server(args)) as server:
+        yield server
+
+
+def server_meta(benchmark: str, args: argparse.Namespace, server, **fields) -> dict:
+    """The stamp of a run on a local `server` (kind BENCHMARK-DECODER), else on the one at `--url` (BENCHMARK-url)."""
+    if server is None:
+        return run_meta(f"{benchmark}-url", decoder=None, server=f"running server at {args.url}", **fields)
+    log_path = server.log_path.resolve()
+    return run_meta(f"{benchmark}-{args.decoder}", decoder=args.decoder, server=(
+        f"local tritonserver 2.51 (pytriton wheel), {args.decoder} decoder, {args.front_instances} code2wav instance(s), "
+        f"batcher waits {args.front_queue_delay_us} us (code2wav) / {args.max_queue_delay_us} us (decoder), log "
+        f"{log_path.relative_to(REPO_ROOT) if log_path.is_relative_to(REPO_ROOT) else log_path}"), **fields)
 
 
 def process_role(pid: int) -> str:
@@ -26,21 +89,6 @@ def process_role(pid: int) -> str:
     if name == "triton_python_backend_stub" and len(argv) > 1:  # argv[1] is .../<model>/<version>/model.py
         return f"stub {Path(argv[1].decode(errors='replace')).parent.parent.name}"
     return name
-
-
-def group_cpu_seconds(pgid: int) -> dict[str, float]:
-    """CPU time (user + system, all threads) so far of each role of process group `pgid`, instances added up."""
-    totals: dict[str, float] = {}
-    for pid in group_pids(pgid):
-        try:
-            # After the parenthesised command: state ppid ... (utime and stime are the 12th and 13th).
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            seconds = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
-        except (OSError, ValueError, IndexError):
-            continue
-        role = process_role(pid)
-        totals[role] = totals.get(role, 0.0) + seconds
-    return totals
 
 
 def settle_gc() -> None:
@@ -64,17 +112,23 @@ class PointProfile:
         times = os.times()
         state = {"monotonic": time.monotonic(),
                  "load_cpu_s": times.user + times.system + times.children_user + times.children_system}
-        if self._pgid is not None:
-            state["cpu_s"] = group_cpu_seconds(self._pgid)
+        if self._pgid is not None:  # CPU time (user + system, all threads) of each role, instances added up
+            state["cpu_s"] = cpu_s = {}
+            for pid in group_pids(self._pgid):
+                try:  # after the parenthesised command, utime and stime are the 12th and 13th fields
+                    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+                    seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                except (OSError, ValueError, IndexError):
+                    continue
+                role = process_role(pid)
+                cpu_s[role] = cpu_s.get(role, 0.0) + seconds
         if self._metrics_url is not None:
-            try:
+            with contextlib.suppress(OSError):
                 samples = fetch_metrics(self._metrics_url)
-            except OSError:
-                return state
-            state["triton"] = {
-                model: {name: metric_value(samples, f"nv_inference_{name}", model=model) or 0.0
-                        for name in ("request_success", "exec_count", *(f"{t}_duration_us" for t in TRITON_TIMES))}
-                for model in self.models}
+                state["triton"] = {
+                    model: {name: metric_value(samples, f"nv_inference_{name}", model=model) or 0.0
+                            for name in ("request_success", "exec_count", *(f"{t}_duration_us" for t in TRITON_TIMES))}
+                    for model in self.models}
         return state
 
     def start(self) -> PointProfile:
@@ -109,3 +163,8 @@ class PointProfile:
                 profile["server_cpu_ms_per_request_total"] = sum(per_role.values())
                 profile["server_cpu_cores_busy"] = sum(per_role.values()) * requests / 1e3 / wall_s if wall_s else None
         return profile
+
+
+def point_profile(server, models: tuple[str, ...] = PointProfile.MODELS) -> PointProfile:
+    """The profile of a point on a local `server` (`models`: the front first); of the load generator alone without."""
+    return PointProfile(server.pid, server.metrics_url, models) if server else PointProfile(None, None)

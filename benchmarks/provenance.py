@@ -34,25 +34,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def git_commit() -> str:
-    """The short commit of this checkout, marked when tracked files have uncommitted changes."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    try:
-        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (commit or "unknown") + (" (with uncommitted changes)" if dirty else "")
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
 
 
 def run_meta(kind: str, gpu: str | None = None, **fields) -> dict:
     """The stamp every benchmark JSON carries under "meta": its `kind` (the record's section), this
-    process's command, the machine, the commit and the date (UTC); then `fields`."""
+    process's command, the machine, the commit (marked when tracked files changed) and the date (UTC)."""
+    try:
+        commit = (git("rev-parse", "--short", "HEAD") or "unknown") + (
+            " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
     return {
         "kind": kind, "command": " ".join(["python -m benchmarks", *map(shlex.quote, sys.argv[1:])]),
         "machine": f"{os.cpu_count()} CPU cores ({cpu_model()}), {gpu or 'no GPU'}, {platform.system()} {platform.release()}",
-        "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "gpu": gpu, "commit": git_commit(),
+        "cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "gpu": gpu, "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **fields,
     }
 
@@ -89,24 +86,20 @@ def parse_counts(text: str) -> list[int]:
 def _rounded(value):
     if isinstance(value, float):
         return float(f"{value:.6g}") if math.isfinite(value) else value
-    if isinstance(value, dict):
-        return {key: _rounded(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_rounded(item) for item in value]
+    if isinstance(value, (dict, list, tuple)):
+        return {k: _rounded(v) for k, v in value.items()} if isinstance(value, dict) else [_rounded(v) for v in value]
     return value
 
 
 def record_json(run: dict) -> str:
     """A run's JSON as results and the record store it: one line per top-level key and per row of a
     list of rows, floats to 6 significant digits (more than any table shows)."""
-    lines = []
-    for key, value in _rounded(run).items():
+    def entry(key, value) -> str:
         if isinstance(value, list) and value and all(isinstance(item, (dict, list)) for item in value):
-            rows = ",\n".join(f"    {json.dumps(item)}" for item in value)
-            lines.append(f"  {json.dumps(key)}: [\n{rows}\n  ]")
-        else:
-            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
-    return "{\n" + ",\n".join(lines) + "\n}\n"
+            return f"  {json.dumps(key)}: [\n" + ",\n".join(f"    {json.dumps(item)}" for item in value) + "\n  ]"
+        return f"  {json.dumps(key)}: {json.dumps(value)}"
+
+    return "{\n" + ",\n".join(entry(key, value) for key, value in _rounded(run).items()) + "\n}\n"
 
 
 def write_run(out_dir: Path, name: str, results: dict, table: str, title: str = "") -> None:

@@ -1,7 +1,6 @@
 """`python -m benchmarks record`: docs/benchmarks.md and the README's headline table, rendered from the
 runs kept in docs/benchmarks/ (one JSON per kind, the latest of each), then docs/benchmarks/retired.md as
-it is. `--add RUN.json` copies runs in first; `--check` writes nothing and exits 1 when either is stale.
-"""
+it is. `--add RUN.json` copies runs in first; `--check` writes nothing and exits 1 when either is stale."""
 
 from __future__ import annotations
 
@@ -10,8 +9,8 @@ import functools
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from mimi_code2wav.client.protocol import ClientError
 
@@ -33,8 +32,7 @@ HEADLINE_END = "<!-- benchmark-headline:end -->"
 META_FIELDS = ("kind", "machine", "cpu_model", "cpu_cores", "command", "commit", "date")
 
 
-@dataclass(frozen=True)
-class Section:
+class Section(NamedTuple):
     kind: str  # meta["kind"] of the runs it shows, and the file name docs/benchmarks/<kind>.json
     title: str
     render: Callable[[dict], str]  # the run's JSON -> its markdown below the stamp
@@ -43,11 +41,9 @@ class Section:
 
 def _per_target(kind: str, title: str, render: Callable[[dict], str], command: str) -> list[Section]:
     """A benchmark's section for each decoder target a local server runs, then for a running server."""
-    targets = (("python-ort", "the python-ort decoder", ""),
-               ("onnxruntime", "the native onnxruntime decoder", " --decoder onnxruntime"),
-               ("null", "the null decoder (the front's ceiling)", " --decoder null"),
-               ("url", "a running server", " --url HOST:PORT"))
-    return [Section(f"{kind}-{target}", f"{title}: {what}", render, f"{command}{flag}") for target, what, flag in targets]
+    return [Section(f"{kind}-{target}", f"{title}: {what}", render, f"{command}{flag}") for target, what, flag in (
+        ("python-ort", "the python-ort decoder", ""), ("onnxruntime", "the native onnxruntime decoder", " --decoder onnxruntime"),
+        ("null", "the null decoder (the front's ceiling)", " --decoder null"), ("url", "a running server", " --url HOST:PORT"))]
 
 
 SECTIONS = (
@@ -86,11 +82,11 @@ def read_run(path: Path) -> dict:
 
 
 def _runs(directory: Path) -> dict[str, dict]:
-    runs = {}
-    for path in sorted(Path(directory).glob("*.json")):
-        run = runs[path.stem] = read_run(path)
-        if path.stem != run["meta"]["kind"]:
-            raise RecordError(f"{path}: holds a run of kind {run['meta']['kind']!r}; name it {run['meta']['kind']}.json")
+    runs = {path.stem: read_run(path) for path in sorted(Path(directory).glob("*.json"))}
+    for stem, run in runs.items():
+        if stem != run["meta"]["kind"]:
+            raise RecordError(f"{directory}/{stem}.json: holds a run of kind {run['meta']['kind']!r}; "
+                              f"name it {run['meta']['kind']}.json")
     return runs
 
 
@@ -109,33 +105,16 @@ def render_record(directory: Path = RECORD_DIR) -> str:
         "renders this file and the README's headline table again.",
         "",
     ]
-    lines += [f"- [{section.title}](#{_anchor(section.title)})" for section in SECTIONS if section.kind in runs]
-    lines += [f"- [{title}](#{_anchor(title)}) (retired: its command is gone)"
-              for title in re.findall(r"^## (.+)$", retired, re.M)]
+    anchor = lambda title: "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")  # noqa: E731
+    lines += [f"- [{section.title}](#{anchor(section.title)})" for section in SECTIONS if section.kind in runs]
+    lines += [f"- [{title}](#{anchor(title)}) (retired: its command is gone)" for title in re.findall(r"^## (.+)$", retired, re.M)]
     absent = [section for section in SECTIONS if section.kind not in runs]
     if absent:
         lines += ["", "Not recorded yet: " + "; ".join(f"{s.title[0].lower()}{s.title[1:]} (`{s.command}`)" for s in absent) + "."]
     for section in SECTIONS:
         if section.kind in runs:
-            run = runs[section.kind]
-            lines += ["", f"## {section.title}", "", stamp(run["meta"]), "", section.render(run)]
-    if retired:
-        lines += ["", retired]
-    return "\n".join(lines) + "\n"
-
-
-def _anchor(title: str) -> str:
-    """GitHub's anchor of a heading: lower case, spaces to dashes, punctuation dropped."""
-    return "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")
-
-
-def _best_rate(run: dict) -> dict | None:
-    """The point with the most requests/s, perf_analyzer's if it ran, else the client's."""
-    for rows in (run["perf"], run["client"]):
-        measured = [r for r in rows if "error" not in r]
-        if measured:
-            return max(measured, key=lambda r: r["requests_per_s"])
-    return None
+            lines += ["", f"## {section.title}", "", stamp(runs[section.kind]["meta"]), "", section.render(runs[section.kind])]
+    return "\n".join([*lines, *(["", retired] if retired else [])]) + "\n"
 
 
 def headline(directory: Path = RECORD_DIR) -> str:
@@ -154,7 +133,9 @@ def headline(directory: Path = RECORD_DIR) -> str:
         ticks = " / ".join(str(most.get(policy, "-")) for policy in ("per-frame", "ramp 1+5", "catch-up"))
         if duplex:
             ticks += f" ({duplex['meta']['budget_ms']:g} ms)"
-        best = _best_rate(sweep) if sweep else None
+        # The point with the most requests/s, perf_analyzer's if it ran, else the client's.
+        best = next((max(rows, key=lambda r: r["requests_per_s"]) for rows in (
+            [r for r in sweep[tool] if "error" not in r] for tool in ("perf", "client")) if rows), None) if sweep else None
         rate = "-" if best is None else (f"{best['requests_per_s']:.0f} ({best['streams']} streams, "
                                          f"{best['chunk_frames']} frame(s) per request)")
         lines.append(f"| {name} | {ticks} | {rate} |")

@@ -2,8 +2,7 @@
 
 Per point (N streams of requests of 1, then F frames), the asyncio client and perf_analyzer (client/perf.sh):
 requests/s, frames/s, latency, the decoder's batch, CPU per request by process; and Triton's overhead
-(the 1-stream p50 minus the ONNX step alone). Writes OUT_DIR/bench.md, bench.json and raw/.
-"""
+(the 1-stream p50 minus the ONNX step alone). Writes OUT_DIR/bench.md, bench.json and raw/."""
 
 from __future__ import annotations
 
@@ -29,36 +28,33 @@ from mimi_code2wav.client.report import RunReport, StreamResult
 from mimi_code2wav.server.processes import log_tail
 
 from .decoder import ort_step_s
-from .local_server import LocalServer, add_server_arguments, measured_server, point_profile, server_meta
-from .profile import SERVER_ROLES, PointProfile
+from .profile import SERVER_ROLES, PointProfile, add_server_arguments, measured_server, point_profile, server_meta
 from .provenance import REPO_ROOT, log, md_row, parse_counts, write_run
 
 PERF_SH = Path(client_package.__file__).resolve().parent / "perf.sh"
 
 
-async def _decode_unpaced(client, codes: np.ndarray, chunk_frames: int) -> StreamResult:
-    """One stream: 1 frame, then `chunk_frames` per request, each sent when the last returned (END on the last)."""
-    bounds = chunk_bounds(codes.shape[1], chunk_frames)
-    pcm, latencies_s = [], []
-    async with client.stream() as stream:
-        started_s = time.perf_counter()
-        for first, stop in bounds:
-            sent_s = time.perf_counter()
-            pcm.append(await stream.decode(codes[:, first:stop], end=stop == codes.shape[1]))
-            latencies_s.append(time.perf_counter() - sent_s)
-    return StreamResult(stream.sequence_id, codes.shape[1], np.concatenate(pcm), [b - a for a, b in bounds],
-                        latencies_s, started_s, time.perf_counter())
-
-
 def decode_streams(url: str, codes: list[np.ndarray], chunk_frames: int) -> RunReport:
-    """Every stream of `codes` at once through one asyncio client (one channel), unpaced."""
+    """Every stream of `codes` at once through one asyncio client (one channel), unpaced: 1 frame, then
+    `chunk_frames` per request, each sent when the last returned (END on the last)."""
     from mimi_code2wav.client.aio import Code2WavClient
 
     options = StreamOptions(chunk_frames=chunk_frames)
 
+    async def decode(client, codes: np.ndarray) -> StreamResult:
+        bounds, pcm, latencies_s = chunk_bounds(codes.shape[1], chunk_frames), [], []
+        async with client.stream() as stream:
+            started_s = time.perf_counter()
+            for first, stop in bounds:
+                sent_s = time.perf_counter()
+                pcm.append(await stream.decode(codes[:, first:stop], end=stop == codes.shape[1]))
+                latencies_s.append(time.perf_counter() - sent_s)
+        return StreamResult(stream.sequence_id, codes.shape[1], np.concatenate(pcm), [b - a for a, b in bounds],
+                            latencies_s, started_s, time.perf_counter())
+
     async def main() -> list[StreamResult]:
         async with Code2WavClient(url, options) as client:
-            return list(await asyncio.gather(*(_decode_unpaced(client, c, chunk_frames) for c in codes)))
+            return list(await asyncio.gather(*(decode(client, c) for c in codes)))
 
     results = asyncio.run(main())
     return RunReport(results, options, max(r.finished_s for r in results) - min(r.started_s for r in results))
@@ -79,7 +75,7 @@ def parse_perf_report(text: str) -> dict:
     return parsed
 
 
-def _run_until_done(command: list[str], env: dict, timeout_s: float, server_alive, log_path: Path) -> int | str:
+def run_until_done(command: list[str], env: dict, timeout_s: float, server_alive, log_path: Path) -> int | str:
     """perf.sh's exit code, its output in `log_path`; or why it was stopped: perf_analyzer waits for a
     dead server until its timeout, so it is killed as soon as `server_alive()` is false."""
     started = time.monotonic()
@@ -98,44 +94,37 @@ def _run_until_done(command: list[str], env: dict, timeout_s: float, server_aliv
     return process.returncode
 
 
-def _label(streams: int, chunk_frames: int) -> str:
-    return f"{streams} stream(s), {chunk_frames} frame(s) per request"
-
-
 class Sweep:
-    """The points of one run against one server (`url`, or the `local` server): rows go to `client`
+    """The points of one run against one server (`url`, or a local `server`): rows go to `client`
     and `perf`, failed points are counted in `failures`, `server_exit` says how a local server died.
     Stream i of every point decodes `frames` random frames of seed `seed + i`."""
 
-    def __init__(self, raw_dir: Path, frames: int, seed: int, point_seconds: float, url: str | None = None,
-                 local: LocalServer | None = None):
-        self.raw_dir, self.frames, self.seed, self.point_seconds, self.local = raw_dir, frames, seed, point_seconds, local
-        self.url = url or local.url
-        self.client: list[dict] = []
-        self.perf: list[dict] = []
-        self.failures = 0
-        self.server_exit: str | None = None
+    def __init__(self, raw_dir: Path, frames: int, seed: int, point_seconds: float, url: str | None = None, server=None):
+        self.raw_dir, self.frames, self.seed, self.point_seconds, self.server = raw_dir, frames, seed, point_seconds, server
+        self.url = url or server.grpc_url
+        self.client, self.perf, self.failures, self.server_exit = [], [], 0, None
 
     def server_alive(self) -> bool:
-        return self.local is None or self.local.server.is_alive()
+        return self.server is None or self.server.is_alive()
 
-    def measure(self, streams: int, chunk_frames: int, run) -> dict:
-        """One point, profiled; a local server that died during it is recorded in `server_exit`."""
-        profile = point_profile(self.local).start()
+    def measure(self, rows: list[dict], streams: int, chunk_frames: int, run) -> dict:
+        """One point, profiled, appended to `rows`; a local server that died during it is recorded in `server_exit`."""
+        label = f"{streams} stream(s), {chunk_frames} frame(s) per request"
+        log(f"{'client' if rows is self.client else 'perf_analyzer':13s} {label} ...")
+        profile = point_profile(self.server).start()
         try:
             row = run(streams, chunk_frames)
         except Exception as exc:  # a dying server also fails the client's requests
             row = {"error": f"{type(exc).__name__}: {exc}"}
         if not self.server_alive():
-            server = self.local.server
-            self.server_exit = (f"tritonserver exited during {_label(streams, chunk_frames)} (code "
-                                f"{server.exit_code()}); the log's tail:\n{log_tail(server.log_path, 8)}")
+            self.server_exit = (f"tritonserver exited during {label} (code {self.server.exit_code()}); the log's tail:\n"
+                                f"{log_tail(self.server.log_path, 8)}")
             row["error"] = "the server exited during the point"
         elif "error" not in row:
             row["profile"] = profile.finish(row.get("requests", 0))
-        row = {"streams": streams, "chunk_frames": chunk_frames, **row}
+        rows.append({"streams": streams, "chunk_frames": chunk_frames, **row})
         self.failures += "error" in row
-        return row
+        return rows[-1]
 
     def client_point(self, streams: int, chunk_frames: int) -> dict:
         """The point's streams through the asyncio client: latency, real-time factor, throughput."""
@@ -156,7 +145,7 @@ class Sweep:
                    SEED=str(self.seed), CSV=str(csv_path), BUILD_DIR=str(self.raw_dir / "perf-build"), PYTHON=sys.executable)
         row = {"request_count": count, "command": " ".join(["client/perf.sh", *flags])}
         started = time.monotonic()
-        done = _run_until_done([str(PERF_SH), *flags], env, max(120.0, 20 * self.point_seconds), self.server_alive, log_path)
+        done = run_until_done([str(PERF_SH), *flags], env, max(120.0, 20 * self.point_seconds), self.server_alive, log_path)
         if isinstance(done, str):
             return {**row, "error": done}
         row["seconds"] = time.monotonic() - started
@@ -174,15 +163,11 @@ class Sweep:
             server_compute_ms=us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output"))
         return {**row, **parse_perf_report(output)}
 
-    def point(self, streams: int, chunk_frames: int, perf: bool = True) -> None:
+    def point(self, streams: int, chunk_frames: int) -> None:
         """The point with the asyncio client, then with perf_analyzer sized by the client's request rate."""
-        log(f"client        {_label(streams, chunk_frames)} ...")
-        row = self.measure(streams, chunk_frames, self.client_point)
-        self.client.append(row)
-        if perf and self.server_exit is None and "requests_per_s" in row:
-            log(f"perf_analyzer {_label(streams, chunk_frames)} ...")
-            self.perf.append(self.measure(streams, chunk_frames,
-                                          lambda *point: self.perf_point(*point, row["requests_per_s"])))
+        row = self.measure(self.client, streams, chunk_frames, self.client_point)
+        if self.server_exit is None and "requests_per_s" in row:
+            self.measure(self.perf, streams, chunk_frames, lambda *point: self.perf_point(*point, row["requests_per_s"]))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,16 +180,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--point-seconds", type=float, default=5.0, help="approximate seconds per perf_analyzer point")
     parser.add_argument("--onnx", type=Path, help="the served ONNX step, for the overhead column (a local server's is known)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go (default bench_results/)")
-    parser.add_argument("--no-perf", action="store_true", help="skip perf_analyzer")
 
 
 def run(args: argparse.Namespace) -> int:
-    raw_dir = args.out_dir / "raw"
-    raw_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)
     from mimi_code2wav.client.sync import Code2WavClient
 
     with measured_server(args) as local:
-        sweep = Sweep(raw_dir, args.frames, args.seed, args.point_seconds, url=args.url, local=local)
+        sweep = Sweep(args.out_dir / "raw", args.frames, args.seed, args.point_seconds, url=args.url, server=local)
         Code2WavClient(sweep.url).check_ready()
         for chunk in args.chunk_frames:  # a fresh server's first requests pay one-off set-up costs: not measured
             decode_streams(sweep.url, [random_codes(2 * chunk + 1, args.seed)], chunk)
@@ -212,8 +195,8 @@ def run(args: argparse.Namespace) -> int:
                            queue_delay_us={"code2wav": args.front_queue_delay_us, "mimi_decoder": args.max_queue_delay_us}
                            if local else None, frames=args.frames, chunk_frames=args.chunk_frames, streams=args.streams)
         results = {"meta": meta, "client": sweep.client, "perf": sweep.perf, "decoder_step_ms": {}}
-        onnx_path = args.onnx or (local.onnx_path if local is not None else None)
-        if onnx_path is not None:
+        onnx_path = args.onnx or (local.model_repository / "mimi_decoder" / "1" / "model.onnx" if local else None)
+        if onnx_path is not None and onnx_path.is_file():
             import onnxruntime as ort
 
             log("the ONNX step alone, batch 1 ...")
@@ -223,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         elif local is not None and args.decoder == "null":
             results["decoder_step_ms"] = dict.fromkeys(args.chunk_frames, 0.0)
         for chunk, streams in itertools.product(args.chunk_frames, args.streams):
-            sweep.point(streams, chunk, perf=not args.no_perf)
+            sweep.point(streams, chunk)
             if sweep.server_exit is not None:
                 log(sweep.server_exit)
                 meta["server_exit"] = sweep.server_exit
@@ -231,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     results["summary"] = summarize(results)
     write_run(args.out_dir, "bench", results, sweep_markdown(results), title="# code2wav benchmark\n\n")
     if sweep.failures:
-        log(f"{sweep.failures} point(s) failed: see the tables and {raw_dir}")
+        log(f"{sweep.failures} point(s) failed: see the tables and {args.out_dir / 'raw'}")
     return 1 if sweep.failures or "server_exit" in meta else 0
 
 
@@ -243,41 +226,36 @@ def _fmt(value, digits: int = 1) -> str:
 
 def summarize(results: dict) -> dict:
     """The headline numbers: 16- vs 1-frame latency, frames/s of 8 streams, Triton's overhead."""
-    summary = {}
     solo = {r["chunk_frames"]: r for r in results["client"] if r["streams"] == 1 and "error" not in r}
+    step_ms, summary = results.get("decoder_step_ms", {}), {}
     if 1 in solo and 16 in solo:
         summary["p50_16_frames_over_1_frame"] = solo[16]["p50_ms"] / solo[1]["p50_ms"]
     for row in results["client"]:
         if row["streams"] == 8 and row["chunk_frames"] == 4 and "error" not in row:
             summary["frames_per_s_8_streams_4_frames"] = row["frames_per_s"]
-    step_ms = results.get("decoder_step_ms", {})
-    summary["triton_overhead_ms_p50"] = {chunk: solo[chunk]["p50_ms"] - step_ms[chunk] for chunk in solo if chunk in step_ms}
-    return summary
+    return {**summary, "triton_overhead_ms_p50": {c: solo[c]["p50_ms"] - step_ms[c] for c in solo if c in step_ms}}
 
 
 def _summary_lines(results: dict) -> list[str]:
     meta, summary = results["meta"], results["summary"]
-    lines = [
+    step_ms = {int(chunk): ms for chunk, ms in results.get("decoder_step_ms", {}).items()}  # JSON keys are strings
+    return [
         f"- server: {meta['server']}",
         f"- streams of {meta['frames']} frames ({meta['frames'] / FRAMES_PER_SECOND:.2f} s), each sending its next "
         "request when the last returned: requests of 1 then F frames (the client sends frame_offset, perf_analyzer "
         "deltas); live pacing is the duplex benchmark's",
         f"- **the load generators (this client, perf_analyzer) share the machine's {meta['cpu_cores']} CPU cores with "
         "the server**: numbers are lower bounds for a dedicated server",
+        *([f"- **the server exited during the run**; the points after it were not measured:\n\n"
+           f"```\n{meta['server_exit']}\n```"] if "server_exit" in meta else []),
+        *([f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**"]
+          if "p50_16_frames_over_1_frame" in summary else []),
+        *([f"- 8 streams, 4-frame requests: **{summary['frames_per_s_8_streams_4_frames']:.1f} frames/s**"]
+          if "frames_per_s_8_streams_4_frames" in summary else []),
+        *(f"- Triton overhead per {chunk}-frame request (1-stream p50 minus the ONNX step alone, {step_ms[chunk]:.1f} "
+          f"ms): {overhead:.1f} ms"
+          for chunk, overhead in sorted((int(c), ms) for c, ms in summary.get("triton_overhead_ms_p50", {}).items())),
     ]
-    if "server_exit" in meta:
-        lines.append(f"- **the server exited during the run**; the points after it were not measured:\n\n"
-                     f"```\n{meta['server_exit']}\n```")
-    if "p50_16_frames_over_1_frame" in summary:
-        lines.append(f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**")
-    if "frames_per_s_8_streams_4_frames" in summary:
-        lines.append(f"- 8 streams, 4-frame requests: **{summary['frames_per_s_8_streams_4_frames']:.1f} frames/s**")
-    # JSON keys are strings: the frame counts are read back as numbers to sort them.
-    step_ms = {int(chunk): ms for chunk, ms in results.get("decoder_step_ms", {}).items()}
-    for chunk, overhead in sorted((int(c), ms) for c, ms in summary.get("triton_overhead_ms_p50", {}).items()):
-        lines.append(f"- Triton overhead per {chunk}-frame request (1-stream p50 minus the ONNX step alone, "
-                     f"{step_ms[chunk]:.1f} ms): {overhead:.1f} ms")
-    return lines
 
 
 # Each table of the sweep: title, what it shows, header row, alignment row.

@@ -1,7 +1,5 @@
-"""Command line of the code2wav client (`code2wav-client`, or `python -m mimi_code2wav.client`).
-
-`decode` streams codes through a running server (`sync.run_streams`), prints a summary and writes WAV.
-"""
+"""Command line of the code2wav client (`code2wav-client`, or `python -m mimi_code2wav.client`): `decode`
+streams codes through a running server (`sync.run_streams`), prints a summary and writes WAV."""
 
 from __future__ import annotations
 
@@ -12,23 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import protocol
 from .credentials import add_credentials_arguments, credentials_from_args
-from .protocol import (
-    DEFAULT_CHUNK_FRAMES,
-    DEFAULT_RESUME_HISTORY_FRAMES,
-    DEFAULT_RESUME_TIMEOUT_S,
-    DEFAULT_URL,
-    FRAME_DURATION_S,
-    MODEL_NAME,
-    MODES,
-    SAMPLE_RATE_HZ,
-    SAMPLES_PER_FRAME,
-    STREAM_KEY_HEADER,
-    ClientError,
-    StreamOptions,
-    random_codes,
-    validate_codes,
-)
 from .report import RunReport
 from .sync import Code2WavClient, StreamsFailed, run_streams
 from .wav import SAMPLE_FORMATS, write_wav
@@ -72,45 +55,29 @@ def summary_table(report: RunReport, url: str, servers: list[str] | None) -> str
     ]
     if servers:
         rows.append(("resume", f"{stats['resumes']} resume(s); {options.resume_history_frames} frames of history, "
-                               f"header {STREAM_KEY_HEADER}, servers {', '.join(servers)}"))
+                               f"header {protocol.STREAM_KEY_HEADER}, servers {', '.join(servers)}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
-
-
-def output_paths(out: Path, streams: int) -> list[Path]:
-    """out.wav for one stream; out_0.wav, out_1.wav, ... for several."""
-    return [out] if streams == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix or '.wav'}") for i in range(streams)]
 
 
 def load_codes(args: argparse.Namespace) -> np.ndarray:
     if args.codes is None:
         if args.frames is None:
-            raise ClientError("--random needs --frames N (N >= 1)")
-        return random_codes(args.frames, args.seed)
+            raise protocol.ClientError("--random needs --frames N (N >= 1)")
+        return protocol.random_codes(args.frames, args.seed)
     try:
-        return validate_codes(np.load(args.codes, allow_pickle=False))
+        return protocol.validate_codes(np.load(args.codes, allow_pickle=False))
     except ValueError:  # numpy says "pickled data" for any file that is not .npy / .npz
-        raise ClientError(f"cannot read codes from {args.codes}: not a .npy file of integer codes [8, frames] "
-                          "(np.save writes one)") from None
+        raise protocol.ClientError(f"cannot read codes from {args.codes}: not a .npy file of integer codes [8, frames] "
+                            "(np.save writes one)") from None
     except OSError as exc:
-        raise ClientError(f"cannot read codes from {args.codes}: {exc}") from None
+        raise protocol.ClientError(f"cannot read codes from {args.codes}: {exc}") from None
 
 
-def write_outputs(args: argparse.Namespace, pcms: list[np.ndarray], frames: int | None = None) -> list[Path]:
-    """Each stream's WAV; `frames` (a failed run's length) also says where each stream stopped."""
-    paths = output_paths(args.out, len(pcms))
-    for index, (path, pcm) in enumerate(zip(paths, pcms)):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_wav(path, pcm, SAMPLE_RATE_HZ, args.wav_format)
-        if frames is not None:
-            stopped = pcm.size // SAMPLES_PER_FRAME
-            print(f"stream {index} stopped at frame {stopped} of {frames}: wrote the {stopped * FRAME_DURATION_S:.2f} "
-                  f"s received to {path}", file=sys.stderr)
-    return paths
-
-
-def check_writable(paths: list[Path]) -> None:
-    """Fail before streaming (not after, losing the audio) when an output file cannot be written."""
+def output_paths(out: Path, streams: int) -> list[Path]:
+    """out.wav for one stream; out_0.wav, out_1.wav, ... for several; checked writable before streaming (not
+    after, losing the audio)."""
+    paths = [out] if streams == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix or '.wav'}") for i in range(streams)]
     for path in paths:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,16 +86,26 @@ def check_writable(paths: list[Path]) -> None:
             if not existed:
                 path.unlink()
         except OSError as exc:
-            raise ClientError(f"cannot write {path}: {exc.strerror or exc}") from None
+            raise protocol.ClientError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return paths
+
+
+def write_outputs(paths: list[Path], pcms: list[np.ndarray], wav_format: str, frames: int | None = None) -> None:
+    """Each stream's WAV; `frames` (a failed run's length) also says where each stream stopped."""
+    for index, (path, pcm) in enumerate(zip(paths, pcms)):
+        write_wav(path, pcm, protocol.SAMPLE_RATE_HZ, wav_format)
+        if frames is not None:
+            stopped = pcm.size // protocol.SAMPLES_PER_FRAME
+            print(f"stream {index} stopped at frame {stopped} of {frames}: wrote the "
+                  f"{stopped * protocol.FRAME_DURATION_S:.2f} s received to {path}", file=sys.stderr)
 
 
 def decode_command(args: argparse.Namespace) -> int:
     codes = load_codes(args)
-    if args.out is not None:
-        check_writable(output_paths(args.out, args.streams))
+    paths = None if args.out is None else output_paths(args.out, args.streams)
     resume_settings = {name: value for name, value in (("resume_history_frames", args.resume_history_frames),
                                                        ("resume_timeout_s", args.resume_timeout)) if value is not None}
-    options = StreamOptions(
+    options = protocol.StreamOptions(
         chunk_frames=args.chunk_frames, mode=args.mode, send_frame_offset=not args.no_offsets,
         paced=args.paced or args.catch_up, catch_up=args.catch_up, model_name=args.model,
         response_timeout_s=args.timeout, **resume_settings,  # any resume option turns resuming on
@@ -143,53 +120,52 @@ def decode_command(args: argparse.Namespace) -> int:
         report = run_streams(servers, [codes] * args.streams, options, stream_keys=keys,
                              progress=progress_bar() if show_progress else None, credentials=credentials)
     except StreamsFailed as failure:
-        if args.out is not None:
-            write_outputs(args, failure.received, codes.shape[1])
+        if paths is not None:
+            write_outputs(paths, failure.received, args.wav_format, codes.shape[1])
         raise
     for index, result in enumerate(report.results):
         for resumed in result.resumes:
             print(f"stream {index} (key {result.stream_key}): {resumed.describe()}", file=sys.stderr)
     print(summary_table(report, args.url, servers if options.resume else None))
-    if args.out is not None:
-        paths = write_outputs(args, [result.pcm for result in report.results])
+    if paths is not None:
+        write_outputs(paths, [result.pcm for result in report.results], args.wav_format)
         where = paths[0] if len(paths) == 1 else f"{paths[0]} ... {paths[-1]}"
-        print(f"wrote {where} ({SAMPLE_RATE_HZ} Hz mono {args.wav_format})")
+        print(f"wrote {where} ({protocol.SAMPLE_RATE_HZ} Hz mono {args.wav_format})")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="code2wav-client", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    decode = commands.add_parser("decode", help="stream codes through code2wav and write a WAV file", description=
-                                 "Stream codes [8, F] through code2wav, one Triton sequence per stream, print latency "
-                                 "and real-time-factor statistics, and write 24 kHz mono WAV.")
-    decode.add_argument("--url", default=DEFAULT_URL, help="Triton gRPC address host:port (default %(default)s)")
-    decode.add_argument("--model", default=MODEL_NAME, help="model name (default %(default)s)")
+    decode = parser.add_subparsers(dest="command", required=True).add_parser(
+        "decode", help="stream codes through code2wav and write a WAV file", description="Stream codes [8, F] "
+        "through code2wav, one Triton sequence per stream, print latency and real-time-factor statistics, and "
+        "write 24 kHz mono WAV.")
+    add = decode.add_argument
+    add("--url", default=protocol.DEFAULT_URL, help="Triton gRPC address host:port (default %(default)s)")
+    add("--model", default=protocol.MODEL_NAME, help="model name (default %(default)s)")
     source = decode.add_mutually_exclusive_group(required=True)
     source.add_argument("--codes", type=Path, help=".npy file of integer codes [8, frames] in [0, 2048)")
     source.add_argument("--random", action="store_true", help="seeded random codes (the audio is noise)")
-    decode.add_argument("--frames", type=int, help="frames of random codes (80 ms each)")
-    decode.add_argument("--seed", type=int, default=0, help="seed of the random codes (default %(default)s)")
-    decode.add_argument("--out", type=Path, help="WAV file to write (--streams N > 1: OUT_0.wav ... OUT_{N-1}.wav)")
-    decode.add_argument("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES,
-                        help="frames per request after the first, which holds 1 (default %(default)s)")
-    decode.add_argument("--mode", choices=MODES, default="delta", help="delta: each request holds its new frames; "
-                        "cumulative: the whole stream so far")
-    decode.add_argument("--no-offsets", action="store_true",
-                        help="omit frame_offset (the server's dedupe_mode reads each request)")
-    decode.add_argument("--streams", type=int, default=1, help="concurrent streams, each its own sequence, all decoding the same codes")
+    add("--frames", type=int, help="frames of random codes (80 ms each)")
+    add("--seed", type=int, default=0, help="seed of the random codes (default %(default)s)")
+    add("--out", type=Path, help="WAV file to write (--streams N > 1: OUT_0.wav ... OUT_{N-1}.wav)")
+    add("--chunk-frames", type=int, default=protocol.DEFAULT_CHUNK_FRAMES,
+        help="frames per request after the first, which holds 1 (default %(default)s)")
+    add("--mode", choices=protocol.MODES, default="delta",
+        help="delta: each request holds its new frames; cumulative: the whole stream so far")
+    add("--no-offsets", action="store_true", help="omit frame_offset (the server's dedupe_mode reads each request)")
+    add("--streams", type=int, default=1, help="concurrent streams, each its own sequence, all decoding the same codes")
     pacing = decode.add_mutually_exclusive_group()
-    pacing.add_argument("--paced", dest="paced", action="store_true", default=False, help="send each chunk once its "
-                        "frames would exist (a frame per 80 ms) and the previous answer came back")
+    pacing.add_argument("--paced", action="store_true", help="send each chunk once its frames would exist (a frame "
+                        "per 80 ms) and the previous answer came back")
     pacing.add_argument("--unpaced", dest="paced", action="store_false", help="send each chunk once the previous "
                         "answer came back (default)")
-    decode.add_argument("--catch-up", action="store_true",
-                        help="paced, each request with every frame produced since the last")
-    decode.add_argument("--wav-format", choices=SAMPLE_FORMATS, default="float32",
-                        help="float32: as decoded (default); int16: clipped to [-1, 1]")
-    decode.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for any one response (default %(default)s)")
+    add("--catch-up", action="store_true", help="paced, each request with every frame produced since the last")
+    add("--wav-format", choices=SAMPLE_FORMATS, default="float32",
+        help="float32: as decoded (default); int16: clipped to [-1, 1]")
+    add("--timeout", type=float, default=60.0, help="seconds to wait for any one response (default %(default)s)")
     progress = decode.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
+    progress.add_argument("--progress", action="store_true", default=None,
                           help=f"draw a progress bar on stderr (default: on a terminal, for >= {PROGRESS_MIN_FRAMES} frames)")
     progress.add_argument("--no-progress", dest="progress", action="store_false", help="never draw one")
     resume = decode.add_argument_group(
@@ -197,11 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
         "where a proxy routes its key) that re-sends its last frames as history; any of these options turns it on.")
     resume.add_argument("--resume", action="store_true", help="resume streams whose server is lost")
     resume.add_argument("--resume-history-frames", type=int, metavar="R",
-                        help=f"frames replayed (default {DEFAULT_RESUME_HISTORY_FRAMES})")
+                        help=f"frames replayed (default {protocol.DEFAULT_RESUME_HISTORY_FRAMES})")
     resume.add_argument("--resume-timeout", type=float, metavar="S",
-                        help=f"seconds to keep trying (default {DEFAULT_RESUME_TIMEOUT_S:g})")
-    resume.add_argument("--stream-key", metavar="KEY", help=f"the {STREAM_KEY_HEADER} header's value (default: the "
-                        "sequence id; --streams N: KEY-0 ... KEY-{N-1})")
+                        help=f"seconds to keep trying (default {protocol.DEFAULT_RESUME_TIMEOUT_S:g})")
+    resume.add_argument("--stream-key", metavar="KEY", help=f"the {protocol.STREAM_KEY_HEADER} header's value "
+                        "(default: the sequence id; --streams N: KEY-0 ... KEY-{N-1})")
     resume.add_argument("--failover-url", action="append", default=[], metavar="HOST:PORT",
                         help="another server to resume on (repeatable)")
     add_credentials_arguments(decode)
@@ -220,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--resume-timeout must be > 0 s, got {args.resume_timeout:g}")
     try:
         return args.handler(args)
-    except ClientError as exc:
+    except protocol.ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

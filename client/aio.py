@@ -1,8 +1,7 @@
-"""The asyncio client: many live conversations on one event loop, over one gRPC channel per server.
-The rules are the thread client's (`plan.StreamPlan`); besides, calls made while a stream's request is in
-flight wait in call order (at most `max_pending_calls`) and go as one request of up to `COALESCE_MAX_FRAMES`
-frames, and a cancelled `decode` (`asyncio.wait_for`, barge-in) leaves its frames owed to the next call.
-"""
+"""The asyncio client: many live conversations on one event loop, over one gRPC channel per server,
+driving `plan.StreamPlan`. Calls made while a stream's request is in flight wait in call order (at most
+`max_pending_calls`) and go as one request of up to `COALESCE_MAX_FRAMES` frames; a cancelled `decode`
+(`asyncio.wait_for`, barge-in) leaves its frames owed to the next call."""
 
 from __future__ import annotations
 
@@ -13,22 +12,10 @@ from typing import Sequence
 
 import numpy as np
 
+from . import protocol
 from .credentials import PLAINTEXT, Credentials
 from .plan import PlannedClient, PlannedRequest, PlannedStream
-from .protocol import (
-    CHANNEL_ARGS,
-    DEFAULT_OPTIONS,
-    DEFAULT_URL,
-    HISTORY_FRAMES_INPUT,
-    RESTRICTED_FRAGMENT,
-    SAMPLES_PER_FRAME,
-    ClientError,
-    StreamOptions,
-    grpc_reason,
-    model_state,
-    request_failure,
-    unreachable,
-)
+from .protocol import DEFAULT_OPTIONS, DEFAULT_URL, HISTORY_FRAMES_INPUT, SAMPLES_PER_FRAME, ClientError, StreamOptions
 
 DEFAULT_MAX_PENDING_CALLS = 16
 COALESCE_MAX_FRAMES = 50  # frames that waiting calls are merged into, at most (4 s); a longer call goes alone
@@ -49,7 +36,6 @@ class Code2WavStream(PlannedStream):
     def __init__(self, client: Code2WavClient, sequence_id: int | None, stream_key: str | None):
         super().__init__(client, sequence_id, stream_key, time.monotonic)
         self._turn = asyncio.Lock()  # held by the call whose request is in flight; FIFO: calls stay in order
-        self._pending_calls = 0
         self._queue: list[_Call] = []  # calls not answered yet, in call order
 
     async def __aenter__(self) -> Code2WavStream:
@@ -60,30 +46,26 @@ class Code2WavStream(PlannedStream):
             await self.close()
 
     async def decode(self, codes: np.ndarray, end: bool = False) -> np.ndarray:
-        """PCM float32 [F * 1920] of the stream's next frames, codes [8, F] (F >= 1), the last ones with
-        `end`. Raises ClientError when the stream cannot go on."""
+        """PCM float32 [F * 1920] of the stream's next frames, codes [8, F], the last ones with `end`."""
         limit = self._client.max_pending_calls
-        if self._pending_calls > limit:
-            raise ClientError(f"stream {self.stream_key}: {self._pending_calls - 1} calls already wait behind "
+        if len(self._queue) > limit:
+            raise ClientError(f"stream {self.stream_key}: {len(self._queue) - 1} calls already wait behind "
                               f"the request in flight (max_pending_calls={limit})")
         call = _Call(*self._plan.hand(codes, end), end, asyncio.get_running_loop().create_future())
         self._queue.append(call)
-        self._pending_calls += 1
         try:
             async with self._turn:
                 if not call.answer.done():
                     await self._send_queued()
             return call.answer.result()
         finally:
-            self._pending_calls -= 1
             if call in self._queue:  # cancelled before its answer: its frames stay owed
                 self._queue.remove(call)
             if call.answer.done() and not call.answer.cancelled():
                 call.answer.exception()  # retrieved: an abandoned call's error is not "never retrieved"
 
     async def close(self) -> None:
-        """END the stream (with the frames still owed), after the waiting calls; nothing is sent for a
-        stream that sent no frame, ended, or whose server no longer holds it."""
+        """END the stream (with the frames still owed) after the waiting calls, if the server holds it."""
         async with self._turn:
             if self._plan.needs_end:
                 handed = self._plan.handed_frames
@@ -91,7 +73,7 @@ class Code2WavStream(PlannedStream):
 
     async def _send_queued(self) -> None:
         """One request for the queued calls, up to COALESCE_MAX_FRAMES frames (at least the first call);
-        each call gets its own frames' PCM (or the request's ClientError) and leaves the queue."""
+        each call gets its own frames' PCM (or the request's ClientError)."""
         batch, frames = [], 0
         for call in self._queue:
             if batch and frames + call.stop - call.first > COALESCE_MAX_FRAMES:
@@ -124,9 +106,8 @@ class Code2WavStream(PlannedStream):
 
 
 class Code2WavClient(PlannedClient):
-    """Streams decoded by code2wav from one event loop. `options`: `model_name`, `response_timeout_s` and
-    `resume_*` apply; requests always carry `frame_offset`. Channels open on first use, in the running
-    loop; `await close()` (or `async with`) closes them."""
+    """Streams decoded by code2wav from one event loop; requests always carry `frame_offset`. Channels open
+    on first use, in the running loop; `await close()` (or `async with`) closes them."""
 
     stream_type = Code2WavStream
 
@@ -163,28 +144,32 @@ class Code2WavClient(PlannedClient):
             try:
                 live = await channel.is_server_live(client_timeout=timeout_s)
             except InferenceServerException as exc:
-                raise unreachable(url, exc, self.credentials.connection_hint(str(exc))) from None
+                raise protocol.unreachable(url, exc, self.credentials.connection_hint(str(exc))) from None
             if not live:
                 raise ClientError(f"Triton at {url} answers but is not live")
             try:
                 ready = await channel.is_model_ready(name, client_timeout=timeout_s)
             except InferenceServerException as exc:
-                raise ClientError(f"Triton at {url}: readiness of model '{name}' unknown: {grpc_reason(exc)}") from None
+                raise ClientError(f"Triton at {url}: readiness of model '{name}' unknown: "
+                                  f"{protocol.grpc_reason(exc)}") from None
             if not ready:
-                try:
-                    state = model_state((await channel.get_model_repository_index(as_json=True)).get("models", []), name)
-                except Exception:  # the index only decorates the message
+                try:  # the index only decorates the message
+                    models = (await channel.get_model_repository_index(as_json=True)).get("models", [])
+                    model = next((model for model in models if model.get("name") == name), {})
+                    reason = f": {model['reason']}" if model.get("reason") else ""
+                    state = f"state {model.get('state', 'UNKNOWN')}{reason}" if model else "not in the model repository"
+                except Exception:
                     state = "state unknown"
                 raise ClientError(f"model '{name}' is not ready on Triton at {url} ({state}); see the server log")
             try:  # metadata, unlike health, is behind the inference key where the server requires one
                 metadata = await channel.get_model_metadata(name, headers=self.credentials.headers(), as_json=True,
                                                             client_timeout=timeout_s)
             except InferenceServerException as exc:
-                if RESTRICTED_FRAGMENT in str(exc):
+                if protocol.RESTRICTED_FRAGMENT in str(exc):
                     raise ClientError(self.credentials.key_refused(url)) from None
-                raise ClientError(f"Triton at {url}: metadata of model '{name}' unavailable: {grpc_reason(exc)}") from None
-            inputs = {tensor.get("name") for tensor in metadata.get("inputs", [])}
-            if self.options.resume and HISTORY_FRAMES_INPUT not in inputs:
+                raise ClientError(f"Triton at {url}: metadata of model '{name}' unavailable: "
+                                  f"{protocol.grpc_reason(exc)}") from None
+            if self.options.resume and HISTORY_FRAMES_INPUT not in {t.get("name") for t in metadata.get("inputs", [])}:
                 raise ClientError(f"model '{name}' on Triton at {url} has no '{HISTORY_FRAMES_INPUT}' input, which "
                                   "resuming a stream needs: serve this version's model repository, or turn resume off")
 
@@ -193,7 +178,7 @@ class Code2WavClient(PlannedClient):
             import tritonclient.grpc.aio as grpcclient
 
             self._channels[url] = grpcclient.InferenceServerClient(
-                url, channel_args=list(CHANNEL_ARGS), creds=self.credentials.channel_credentials())
+                url, channel_args=list(protocol.CHANNEL_ARGS), creds=self.credentials.channel_credentials())
         return self._channels[url]
 
     async def _infer(self, stream: Code2WavStream, request: PlannedRequest):
@@ -204,4 +189,4 @@ class Code2WavClient(PlannedClient):
         try:
             return await self._channel(stream.url).infer(**stream._infer_args(grpcclient, request))
         except InferenceServerException as exc:
-            return request_failure(exc)
+            return protocol.request_failure(exc)

@@ -1,6 +1,5 @@
 """How a client proves itself to a server that requires it (docs/design.md §5.3): TLS (server CA; for mutual
-TLS, the client's certificate and key) and the inference key. A key is never printed, nor put in a repr.
-"""
+TLS, the client's certificate and key) and the inference key, never printed nor put in a repr."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ def check_key(key: str, where: str) -> str:
 
 @dataclass(frozen=True)
 class Credentials:
-    """TLS settings and the inference key; the default is plaintext without a key. `tls`: trust the system's
-    CAs unless `tls_ca` names a PEM of the server's CA(s) (which implies TLS); `tls_cert`, `tls_key`: PEM chain
-    and key for mutual TLS; `key`: sent with every call (restricted protocol)."""
+    """TLS and the inference key (default: plaintext, no key). `tls`: trust the system's CAs unless `tls_ca` (a
+    PEM, implies TLS); `tls_cert`, `tls_key`: for mutual TLS; `key`: sent with every call."""
 
     tls: bool = False
     tls_ca: str | None = None
@@ -46,8 +44,7 @@ class Credentials:
                      tls_key: str | None = None, key_file: str | None = None,
                      environ: dict | None = None) -> Credentials:
         """Checked Credentials from a command line or settings: the key from `key_file`, else $CODE2WAV_KEY."""
-        environ = os.environ if environ is None else environ
-        key = None
+        environ, key = os.environ if environ is None else environ, None
         if key_file:
             try:
                 text = Path(key_file).read_text().strip()
@@ -114,7 +111,7 @@ PLAINTEXT = Credentials()  # frozen: safe as a default argument
 
 
 def add_credentials_arguments(parser) -> None:
-    """The command-line options of `Credentials.from_options`, as an argument group of `parser`."""
+    """`Credentials.from_options`'s command-line options, as an argument group of `parser`."""
     group = parser.add_argument_group(
         "TLS and key", f"For a server started with TLS or a key (docs/design.md §5.3). The key comes from --key-file, "
         f"else from ${KEY_ENV}; it is never printed.")

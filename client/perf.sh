@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
 # perf_analyzer (2.51.0) against code2wav over gRPC streaming: one sequence per stream, steps from
-# client/perf_inputs.py, decoder stats through --bls-composing-models. Extra arguments go to perf_analyzer
-# and choose the load, e.g. `--concurrency-range 4` (4 streams, unpaced) or `--request-rate-range 12.5
-# --num-of-sequences 4 --serial-sequences` (paced).
-#
-# Variables (defaults): URL (127.0.0.1:8001), MODEL (code2wav; mimi_decoder: the decoder alone, its own
-# inputs), STREAMS (8 sequences), FRAMES (64 per sequence), CHUNK_FRAMES (4), SCHEDULE (e.g. 1,3,1,16,2:
-# frames per step in turn), SEED (0), SEQUENCE_ID_RANGE (1000000:2000000), MEASUREMENT_INTERVAL_MS (4000),
-# STABILITY_PERCENTAGE (10), MAX_TRIALS (10), CSV (BUILD_DIR/perf.csv), PYTHON (.venv/bin/python),
-# PERF_ANALYZER (next to PYTHON), BUILD_DIR (build/perf).
-# TLS and keys (docs/design.md §5.3): TLS_CA, TLS_CERT + TLS_KEY (mutual TLS), KEY_FILE (else
-# $CODE2WAV_KEY), ADMIN_KEY_FILE (else $CODE2WAV_ADMIN_KEY: the model's statistics are an admin call);
-# ACCESS_DIR supplies those not set from its ca.pem, client.pem + client.key, inference.key, admin.key.
-# perf_analyzer takes the keys as -H arguments, which anyone who can list this host's processes can read.
+# client/perf_inputs.py. Extra arguments go to perf_analyzer and choose the load, e.g. `--concurrency-range 4`
+# (4 unpaced streams) or `--request-rate-range 12.5 --num-of-sequences 4 --serial-sequences` (paced).
+# Variables (defaults): URL (127.0.0.1:8001), MODEL (code2wav; mimi_decoder: the decoder alone), STREAMS (8),
+# FRAMES (64 per sequence), CHUNK_FRAMES (4), SCHEDULE (e.g. 1,3,1,16,2: frames per step in turn), SEED (0),
+# SEQUENCE_ID_RANGE (1000000:2000000), MEASUREMENT_INTERVAL_MS (4000), STABILITY_PERCENTAGE (10), MAX_TRIALS
+# (10), CSV (BUILD_DIR/perf.csv), PYTHON (.venv/bin/python), PERF_ANALYZER (next to PYTHON), BUILD_DIR (build/perf).
+# TLS and keys (docs/design.md §5.3): TLS_CA, TLS_CERT + TLS_KEY (mutual TLS), KEY_FILE (else $CODE2WAV_KEY),
+# ADMIN_KEY_FILE (else $CODE2WAV_ADMIN_KEY: statistics are an admin call); ACCESS_DIR supplies those not set
+# from its ca.pem, client.pem + client.key, inference.key, admin.key. perf_analyzer takes the keys as -H
+# arguments, which anyone who can list this host's processes can read.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -41,22 +38,16 @@ done
 export LD_LIBRARY_PATH=$LIB_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 cd "$ROOT"
-# Every sequence runs all its generated steps: perf_inputs reports how many there are.
 SEQUENCE_LENGTH=$("$PYTHON" -m client.perf_inputs --out "$INPUT_DATA" --model "$MODEL" --streams "$STREAMS" \
   --frames "$FRAMES" --chunk-frames "$CHUNK_FRAMES" ${SCHEDULE:+--schedule "$SCHEDULE"} --seed "$SEED" \
   | "$PYTHON" -c 'import json, sys; print(json.load(sys.stdin)["steps_per_sequence"])')
-# code2wav's statistics include its composing model; the decoder alone has none.
-COMPOSING=()
+COMPOSING=()  # code2wav's statistics include its composing model
 if [ "$MODEL" = code2wav ]; then COMPOSING=(--bls-composing-models=mimi_decoder); fi
 
-if [ -n "${ACCESS_DIR:-}" ]; then
-  if [ -z "${TLS_CA:-}" ] && [ -f "$ACCESS_DIR/ca.pem" ]; then TLS_CA=$ACCESS_DIR/ca.pem; fi
-  if [ -z "${TLS_CERT:-}" ] && [ -f "$ACCESS_DIR/client.pem" ] && [ -f "$ACCESS_DIR/client.key" ]; then
-    TLS_CERT=$ACCESS_DIR/client.pem TLS_KEY=$ACCESS_DIR/client.key
-  fi
-  if [ -z "${KEY_FILE:-}" ] && [ -f "$ACCESS_DIR/inference.key" ]; then KEY_FILE=$ACCESS_DIR/inference.key; fi
-  if [ -z "${ADMIN_KEY_FILE:-}" ] && [ -f "$ACCESS_DIR/admin.key" ]; then ADMIN_KEY_FILE=$ACCESS_DIR/admin.key; fi
-fi
+for pair in TLS_CA:ca.pem TLS_CERT:client.pem TLS_KEY:client.key KEY_FILE:inference.key ADMIN_KEY_FILE:admin.key; do
+  var=${pair%%:*} file=${ACCESS_DIR:-}/${pair#*:}  # each variable not set, from its file in ACCESS_DIR
+  if [ -n "${ACCESS_DIR:-}" ] && [ -z "${!var:-}" ] && [ -f "$file" ]; then printf -v "$var" %s "$file"; fi
+done
 ACCESS=()
 if [ -n "${TLS_CA:-}" ]; then ACCESS+=(--ssl-grpc-use-ssl "--ssl-grpc-root-certifications-file=$TLS_CA"); fi
 if [ -n "${TLS_CERT:-}" ]; then

@@ -1,9 +1,8 @@
 """perf_analyzer `--input-data` for code2wav (or mimi_decoder itself): one sequence per stream, one step per chunk.
 
-Each step's inputs lack the batch dimension (perf_analyzer adds it): code2wav's `input_ids` [8 * F], or
-the decoder's `codes` [8, F] INT32 with `--model mimi_decoder` (checked with perf_analyzer 2.51.0). Steps
-are deltas WITHOUT frame_offset: perf_analyzer ends a sequence in flight (end of a window, a load change)
-by sending its last step with END, skipping those between, which an offset would reject as a gap.
+Steps lack the batch dimension (perf_analyzer adds it): code2wav's `input_ids` [8 * F], or the decoder's
+`codes` [8, F] with `--model mimi_decoder`. They are deltas WITHOUT frame_offset: perf_analyzer ends a
+sequence in flight by sending its last step with END, skipping those between, which an offset would reject.
 """
 
 from __future__ import annotations
@@ -23,14 +22,10 @@ MODELS = ("code2wav", "mimi_decoder")
 def sequence_steps(codes: np.ndarray, chunk_frames: int = DEFAULT_CHUNK_FRAMES, schedule: tuple[int, ...] | None = None,
                    model: str = "code2wav") -> list[dict]:
     """perf_analyzer steps for one stream of codes [k, F]: 1 frame, then `chunk_frames` (or the `schedule`)."""
-    steps = []
-    for start, stop in chunk_bounds(codes.shape[1], chunk_frames, schedule=schedule):
-        piece = codes[:, start:stop]
-        if model == "mimi_decoder":
-            steps.append({"codes": {"content": piece.reshape(-1).tolist(), "shape": list(piece.shape)}})
-        else:  # codebook-major, as the contract's input_ids
-            steps.append({"input_ids": {"content": piece.reshape(-1).tolist(), "shape": [piece.size]}})
-    return steps
+    pieces = [codes[:, start:stop] for start, stop in chunk_bounds(codes.shape[1], chunk_frames, schedule=schedule)]
+    if model == "mimi_decoder":
+        return [{"codes": {"content": piece.reshape(-1).tolist(), "shape": list(piece.shape)}} for piece in pieces]
+    return [{"input_ids": {"content": piece.reshape(-1).tolist(), "shape": [piece.size]}} for piece in pieces]
 
 
 def input_data(streams: int, frames: int, chunk_frames: int = DEFAULT_CHUNK_FRAMES, seed: int = 0,
@@ -43,8 +38,7 @@ def input_data(streams: int, frames: int, chunk_frames: int = DEFAULT_CHUNK_FRAM
 
 
 def describe(document: dict) -> dict:
-    """Steps per sequence and frames per step of a document (to turn requests/s into frames/s); every sequence
-    of an `input_data` document has the same steps."""
+    """Steps per sequence and frames per step of an `input_data` document (every sequence alike)."""
     step_frames = [step["codes"]["shape"][1] if "codes" in step else step["input_ids"]["shape"][0] // NUM_CODEBOOKS
                    for step in document["data"][0]]
     return {"sequences": len(document["data"]), "steps_per_sequence": len(step_frames),
@@ -53,16 +47,16 @@ def describe(document: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m client.perf_inputs", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
-    parser.add_argument("--streams", type=int, default=4, help="sequences in the file (default %(default)s)")
-    parser.add_argument("--frames", type=int, default=64, help="frames per sequence (default %(default)s)")
-    parser.add_argument("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES,
-                        help="frames per step after the first, which holds 1 (default %(default)s)")
-    parser.add_argument("--schedule", type=lambda text: tuple(int(v) for v in text.split(",") if v.strip()),
-                        help="frames per step in turn, e.g. 1,3,1,16,2 (instead of --chunk-frames)")
-    parser.add_argument("--model", choices=MODELS, default="code2wav",
-                        help="whose inputs: code2wav's input_ids or mimi_decoder's codes (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of stream 0; stream i uses seed + i")
+    add = parser.add_argument
+    add("--out", type=Path, required=True, help="JSON file to write")
+    add("--streams", type=int, default=4, help="sequences in the file (default %(default)s)")
+    add("--frames", type=int, default=64, help="frames per sequence (default %(default)s)")
+    add("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES,
+        help="frames per step after the first, which holds 1 (default %(default)s)")
+    add("--schedule", type=lambda text: tuple(int(v) for v in text.split(",") if v.strip()),
+        help="frames per step in turn, e.g. 1,3,1,16,2 (instead of --chunk-frames)")
+    add("--model", choices=MODELS, default="code2wav", help="whose inputs (default %(default)s)")
+    add("--seed", type=int, default=0, help="seed of stream 0; stream i uses seed + i")
     args = parser.parse_args(argv)
     document = input_data(args.streams, args.frames, args.chunk_frames, args.seed, args.schedule, args.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""What a stream sends next, and how it resumes after a lost server (docs/design.md §2.4), without I/O;
-`sync` and `aio` drive `StreamPlan.exchange` with their own I/O."""
+"""What a stream sends next, and how it resumes after a lost server (docs/design.md §2.4), without I/O:
+`sync` and `aio` drive `StreamPlan.exchange` with their own."""
 
 from __future__ import annotations
 
@@ -8,27 +8,15 @@ from typing import Callable, Generator, Sequence
 
 import numpy as np
 
-from .protocol import (
-    NUM_CODEBOOKS,
-    RESUME_BACKOFF_FIRST_S,
-    RESUME_BACKOFF_MAX_S,
-    SAMPLES_PER_FRAME,
-    STREAM_KEY_HEADER,
-    ClientError,
-    RequestFailure,
-    StreamOptions,
-    answer_pcm,
-    contract_arrays,
-    draw_sequence_ids,
-    infer_inputs,
-    validate_codes,
-)
+from . import protocol
+from .protocol import NUM_CODEBOOKS, ClientError, RequestFailure, StreamOptions
+
+RESUME_BACKOFF_FIRST_S, RESUME_BACKOFF_MAX_S = 0.1, 2.0  # waits between resume attempts, doubling
 
 
 @dataclass(frozen=True)
 class PlannedRequest:
-    """One request: its tensors (batch dimension included); its answer holds the PCM of stream frames
-    [first_new_frame, first_new_frame + new_frames)."""
+    """One request's tensors; its answer holds the PCM of frames [first_new_frame, first_new_frame + new_frames)."""
 
     arrays: dict[str, np.ndarray]
     start: bool
@@ -43,8 +31,8 @@ class PlannedRequest:
 class Resume:
     """One resume of a stream on a new sequence."""
 
-    frame: int  # first frame whose PCM came from the resumed sequence (the resume point)
-    stall_s: float  # last answered request (or the stream's first request) -> the resumed sequence's answer
+    frame: int  # first frame whose PCM came from the resumed sequence
+    stall_s: float  # last answer (or the stream's first request) -> the resumed sequence's answer
     error: str  # the failure that started it, one line
     attempts: int  # resume requests sent, the last of them answered
     url: str  # the server that answered
@@ -56,27 +44,25 @@ class Resume:
                 f"of history replayed): {self.error}")
 
 
-# What `exchange` asks its driver for: a request to send to the plan's `url` (the outcome sent back is
-# the InferResult or a RequestFailure), or a wait in seconds (0: none).
+# What `exchange` asks its driver for: a request to the plan's `url` (answered with the InferResult or a
+# RequestFailure), or a wait in seconds.
 Step = Generator["PlannedRequest | float", "object | RequestFailure | None", np.ndarray]
 
 
 class StreamPlan:
-    """One stream's requests: deltas with `frame_offset` (or as the options say), START first, END last. A
-    resumable failure (unless `options.resume` is False) STARTs a new sequence on the next URL, the last
-    `resume_history_frames` frames as history, then the unanswered ones; attempts at once, then after 0.1,
-    0.2, 0.4 ... 2 s, until `resume_timeout_s`. Frames of an abandoned call stay owed to the next request."""
+    """One stream's requests, START first, END last. A resumable failure (with `options.resume`) STARTs a new
+    sequence on the next URL with the last `resume_history_frames` frames as history, then the unanswered
+    ones: at once, then after 0.1, 0.2 ... 2 s, until `resume_timeout_s`. An abandoned call's frames stay owed."""
 
     def __init__(self, urls: list[str], options: StreamOptions, sequence_id: int | None, stream_key: str | None,
                  clock: Callable[[], float]):
         self.urls, self.options, self._clock = urls, options, clock
-        self.sequence_id = draw_sequence_ids(1, None if sequence_id is None else [sequence_id])[0]
+        self.sequence_id = protocol.draw_sequence_ids(1, None if sequence_id is None else [sequence_id])[0]
         self.stream_key = str(self.sequence_id) if stream_key is None else stream_key
         if not self.stream_key:
             raise ClientError("the stream key must not be empty")
         self._url_index = 0
-        # Codes kept for a resume: the last `resume_history_frames` answered frames (and, for cumulative
-        # requests, every frame from the sequence's base on), from stream frame `_kept_from`.
+        # Answered codes kept for a resume (the last `resume_history_frames`; cumulative: from `_base` on).
         self._kept, self._kept_from = np.zeros((NUM_CODEBOOKS, 0), np.int64), 0
         self._owed = np.zeros((NUM_CODEBOOKS, 0), np.int64)  # handed frames whose audio has not come back
         self._owed_end = False  # the last call handed asked for END
@@ -91,13 +77,11 @@ class StreamPlan:
         return self.urls[self._url_index]
 
     @property
-    def next_frame(self) -> int:
-        """Frames whose PCM came back: the stream index of the next frame to send."""
+    def next_frame(self) -> int:  # frames whose PCM came back
         return self._kept_from + self._kept.shape[1]
 
     @property
-    def handed_frames(self) -> int:
-        """Frames handed to the stream so far, answered or not."""
+    def handed_frames(self) -> int:  # answered or not
         return self.next_frame + self._owed.shape[1]
 
     @property
@@ -107,8 +91,8 @@ class StreamPlan:
                     or (self._needs_start and self.handed_frames == self.next_frame))
 
     def hand(self, codes: np.ndarray, end: bool) -> tuple[int, int]:
-        """Take codes [k, F] (F >= 1), owed until their audio comes back; returns their frames [first, stop)."""
-        codes = validate_codes(codes)
+        """Take codes [k, F], owed until their audio comes back; returns their frames [first, stop)."""
+        codes = protocol.validate_codes(codes)
         if self.ended or self._owed_end:
             raise ClientError(f"stream {self.stream_key}: decode() after the request that ended it")
         first = self.handed_frames
@@ -116,9 +100,9 @@ class StreamPlan:
         return first, first + codes.shape[1]
 
     def exchange(self, first: int, stop: int, end: bool) -> Step:
-        """The PCM of handed frames [first, stop), float32 [(stop - first) * 1920], from a request (or resume)
-        carrying every owed frame before `stop`, END with `end`. Nothing changes before the answer: an
-        abandoned generator leaves the frames owed. Raises ClientError if not resumable or out of time."""
+        """The PCM of handed frames [first, stop) from a request (or resume) carrying every owed frame before
+        `stop`. Nothing changes before the answer (an abandoned generator leaves the frames owed). Raises
+        ClientError if not resumable or out of time."""
         if self._last_answer_s is None:
             self._last_answer_s = self._clock()
         new = self._owed[:, : stop - self.next_frame]
@@ -139,7 +123,7 @@ class StreamPlan:
         self._kept, self._kept_from = self._kept[:, keep_from - self._kept_from :].copy(), keep_from
         self._owed = self._owed[:, new.shape[1] :]
         self._needs_start, self.ended, self._last_answer_s = False, end, self._clock()
-        return outcome[outcome.size - own_frames * SAMPLES_PER_FRAME :]
+        return outcome[outcome.size - own_frames * protocol.SAMPLES_PER_FRAME :]
 
     def request(self, new: np.ndarray, end: bool, maybe_decoded: int = 0) -> PlannedRequest:
         """The request for frames `new` [k, F] from `next_frame` on the current sequence."""
@@ -148,13 +132,12 @@ class StreamPlan:
             sent_from, sent = self._base, np.concatenate([self._kept[:, self._base - self._kept_from :], new], axis=1)
         else:
             sent_from, sent = first, new
-        arrays = contract_arrays(sent, sent_from if self.options.send_frame_offset else None)
+        arrays = protocol.contract_arrays(sent, sent_from if self.options.send_frame_offset else None)
         return PlannedRequest(arrays, self._needs_start, end, first, new.shape[1],
                               maybe_decoded=0 if self._needs_start else maybe_decoded)
 
     def resume_requests(self, new: np.ndarray, end: bool) -> list[PlannedRequest]:
-        """A new sequence: the kept history in pieces of `resume_piece_frames` (START first), the last piece
-        with frames `new`. Short pieces keep a resume within the server's idle timeout (design §2.4)."""
+        """A new sequence: the kept history in pieces of `resume_piece_frames` (START first), the last with `new`."""
         history_from = max(self._kept_from, self.next_frame - self.options.resume_history_frames, 0)
         history = self._kept[:, history_from - self._kept_from :]
         piece = self.options.resume_piece_frames
@@ -163,9 +146,10 @@ class StreamPlan:
         for done in range(0, last + 1, piece):
             codes = history[:, done : done + piece] if done < last else np.concatenate([history[:, done:], new], axis=1)
             history_frames = min(piece, history.shape[1] - done)
-            requests.append(PlannedRequest(
-                contract_arrays(codes, history_from + done, history_frames), not requests, end and done == last,
-                history_from + done + history_frames, new.shape[1] if done == last else 0, history_frames))
+            arrays = protocol.contract_arrays(codes, history_from + done, history_frames)
+            requests.append(PlannedRequest(arrays, not requests, end and done == last,
+                                           history_from + done + history_frames, new.shape[1] if done == last else 0,
+                                           history_frames))
         return requests
 
     def _where(self, request: PlannedRequest) -> str:
@@ -173,13 +157,12 @@ class StreamPlan:
         return f"stream {self.stream_key} (sequence {self.sequence_id}), frames {frames} on {self.url}"
 
     def _send_all(self, requests: list[PlannedRequest]) -> Step:
-        """Send `requests` in order; returns the last one's PCM, or the RequestFailure that stopped them.
-        An abandoned call's leading frames come back only if the server had not decoded them yet."""
+        """Send `requests` in order; returns the last one's PCM, or the RequestFailure that stopped them."""
         for request in requests:
             outcome = yield request
             if isinstance(outcome, RequestFailure):
                 return outcome
-            pcm = answer_pcm(outcome, request.new_frames - request.maybe_decoded, request.new_frames,
+            pcm = protocol.answer_pcm(outcome, request.new_frames - request.maybe_decoded, request.new_frames,
                              self._where(request))
         return pcm
 
@@ -215,7 +198,7 @@ class StreamPlan:
 class PlannedClient:
     """What both clients check first: one or more URLs (to fail over between), options and credentials."""
 
-    stream_type: type  # each client's stream class, which `stream` makes
+    stream_type: type
 
     def __init__(self, urls: str | Sequence[str], options: StreamOptions, credentials):
         options.validate()
@@ -231,8 +214,7 @@ class PlannedClient:
 
 
 class PlannedStream:
-    """What both clients' streams show of their `StreamPlan`; `stream_key` is the `code2wav-stream` header's
-    value, `next_frame` the frames whose PCM came back."""
+    """What both clients' streams show of their `StreamPlan` (`stream_key`: the `code2wav-stream` header)."""
 
     def __init__(self, client: PlannedClient, sequence_id: int | None, stream_key: str | None,
                  clock: Callable[[], float]):
@@ -247,9 +229,8 @@ class PlannedStream:
     resumes = property(lambda self: self._plan.resumes)
 
     def _infer_args(self, grpc_module, request: PlannedRequest) -> dict:
-        """tritonclient `infer`'s arguments: the request on this stream's sequence, with its headers."""
         options = self._client.options
-        return dict(model_name=options.model_name, inputs=infer_inputs(grpc_module, request.arrays),
+        return dict(model_name=options.model_name, inputs=protocol.infer_inputs(grpc_module, request.arrays),
                     sequence_id=self.sequence_id, sequence_start=request.start, sequence_end=request.end,
-                    headers={**self._client.credentials.headers(), STREAM_KEY_HEADER: self.stream_key},
+                    headers={**self._client.credentials.headers(), protocol.STREAM_KEY_HEADER: self.stream_key},
                     client_timeout=options.response_timeout_s)

@@ -23,27 +23,18 @@ DEFAULT_CHUNK_FRAMES = 4
 FIRST_CHUNK_FRAMES = 1
 MODES = ("delta", "cumulative")
 HISTORY_FRAMES_INPUT = "history_frames"
-# gRPC metadata of every request, valued the stream key: a proxy hashing it (nginx: `hash
-# $http_code2wav_stream consistent`) sends a whole stream to one replica.
+# gRPC metadata valued the stream key: a proxy hashing it sends a whole stream to one replica.
 STREAM_KEY_HEADER = "code2wav-stream"
-# 250 frames (20 s) of history rebuild the decoder state to >= 86 dB SNR in the first second after a
-# resume (`python -m benchmarks resume`).
+# 250 frames (20 s) of history rebuild the decoder state (`python -m benchmarks resume`).
 DEFAULT_RESUME_HISTORY_FRAMES = 250
 DEFAULT_RESUME_TIMEOUT_S = 30.0
-# History frames per resume request: each answered within moments even while many streams share the
-# server's replay lane (docs/design.md §2.4).
+# History frames per resume request: short pieces share the server's replay lane (docs/design.md §2.4).
 DEFAULT_RESUME_PIECE_FRAMES = 16
-RESUME_BACKOFF_FIRST_S, RESUME_BACKOFF_MAX_S = 0.1, 2.0  # waits between resume attempts, doubling
 # No message size limit, and reconnects within a second instead of gRPC's backoff of up to two minutes.
-CHANNEL_ARGS = (
-    ("grpc.max_send_message_length", 2**31 - 1),
-    ("grpc.max_receive_message_length", 2**31 - 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-# Triton's answer to a restricted-protocol call without the right key (UNAVAILABLE, which alone would
-# read as a lost server).
+CHANNEL_ARGS = (("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000))
+# Triton's answer (UNAVAILABLE, as a lost server) to a restricted-protocol call without the right key.
 RESTRICTED_FRAGMENT = "is restricted, expecting header"
 _SEQUENCE_ID_LIMIT = 1 << 62
 
@@ -59,9 +50,7 @@ class StreamOptions:
     mode: str = "delta"  # delta: each request holds its new frames; cumulative: the stream so far
     send_frame_offset: bool = True
     paced: bool = False
-    # Paced only: each request carries every frame produced since the last, so a live client the server
-    # runs behind catches up instead of queueing.
-    catch_up: bool = False
+    catch_up: bool = False  # paced only: each request carries every frame produced since the last
     model_name: str = MODEL_NAME
     response_timeout_s: float = 60.0  # a request without an answer for this long fails (and is resumed)
     resume: bool = True  # False: a lost server fails the stream at once
@@ -76,10 +65,9 @@ class StreamOptions:
             raise ClientError("chunk sizes must be >= 1 frame")
         if self.catch_up and not self.paced:
             raise ClientError("catch_up paces requests: it needs paced=True")
-        if self.resume_piece_frames < 1:
-            raise ClientError(f"resume_piece_frames must be >= 1, got {self.resume_piece_frames}")
-        if self.resume_history_frames < 0:
-            raise ClientError(f"resume_history_frames must be >= 0, got {self.resume_history_frames}")
+        if self.resume_piece_frames < 1 or self.resume_history_frames < 0:
+            raise ClientError(f"resume_piece_frames must be >= 1 and resume_history_frames >= 0, got "
+                              f"{self.resume_piece_frames} and {self.resume_history_frames}")
         if not self.resume_timeout_s > 0 or not self.response_timeout_s > 0:
             raise ClientError(f"timeouts must be > 0 s, got response {self.response_timeout_s:g} s, "
                               f"resume {self.resume_timeout_s:g} s")
@@ -90,8 +78,7 @@ DEFAULT_OPTIONS = StreamOptions()  # frozen: safe as a default argument
 
 def chunk_bounds(total_frames: int, chunk_frames: int, first_chunk_frames: int = FIRST_CHUNK_FRAMES,
                  schedule: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """[start, stop) frame ranges of a stream's requests: `first_chunk_frames`, then `chunk_frames` each (or
-    the `schedule` sizes in turn); the last one the remainder."""
+    """[start, stop) of a stream's requests: `first_chunk_frames`, then `chunk_frames` (or `schedule` in turn)."""
     sizes = list(schedule) if schedule else [first_chunk_frames, chunk_frames]
     if total_frames < 1 or min(sizes) < 1:
         raise ValueError(f"a stream needs frames, and chunks of >= 1 frame: got {total_frames} frames, chunks {sizes}")
@@ -123,8 +110,7 @@ def random_codes(frames: int, seed: int) -> np.ndarray:
 
 def contract_arrays(codes: np.ndarray, frame_offset: int | None = None,
                     history_frames: int | None = None) -> dict[str, np.ndarray]:
-    """Request tensors for codes [k, F]: `input_ids` INT64 [1, k*F] (codebook-major), the optional scalars
-    `frame_offset` and `history_frames` INT64 [1, 1]."""
+    """`input_ids` INT64 [1, k*F] (codebook-major) of codes [k, F], and the optional scalars INT64 [1, 1]."""
     arrays = {"input_ids": np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1)}
     for name, value in (("frame_offset", frame_offset), (HISTORY_FRAMES_INPUT, history_frames)):
         if value is not None:
@@ -139,8 +125,7 @@ def infer_inputs(grpc_module, arrays: dict[str, np.ndarray]) -> list:
 
 
 def answer_pcm(result, least_frames: int, most_frames: int, where: str) -> np.ndarray:
-    """`model_outputs` of a tritonclient InferResult as float32 [N * 1920], N in [least_frames, most_frames],
-    once its `sr` is checked."""
+    """An InferResult's `model_outputs` as float32 [N * 1920], N in [least_frames, most_frames]; `sr` checked."""
     sample_rate = result.as_numpy("sr")
     if sample_rate is not None and int(sample_rate.reshape(-1)[0]) != SAMPLE_RATE_HZ:
         raise ClientError(f"{where}: server reports sample rate {int(sample_rate.reshape(-1)[0])}, expected {SAMPLE_RATE_HZ}")
@@ -154,8 +139,7 @@ def answer_pcm(result, least_frames: int, most_frames: int, where: str) -> np.nd
 
 
 def draw_sequence_ids(count: int, given: Sequence[int] | None = None) -> list[int]:
-    """`count` distinct non-zero sequence ids: the given ones, checked, or consecutive ones from a random
-    start (a START on another client's live id would reset that stream)."""
+    """`count` distinct non-zero sequence ids: the given ones, checked, or consecutive from a random start."""
     if given is None:
         base = int.from_bytes(os.urandom(8), "little") % (_SEQUENCE_ID_LIMIT - count) + 1
         return [base + i for i in range(count)]
@@ -163,15 +147,6 @@ def draw_sequence_ids(count: int, given: Sequence[int] | None = None) -> list[in
     if len(given) != count or len(set(given)) != count or 0 in given:
         raise ClientError("sequence ids must be distinct, non-zero, one per stream")
     return given
-
-
-def model_state(index: list[dict], model_name: str) -> str:
-    """A model's state in the server's repository index ("state UNAVAILABLE: reason")."""
-    for model in index:
-        if model.get("name") == model_name:
-            reason = model.get("reason")
-            return f"state {model.get('state', 'UNKNOWN')}" + (f": {reason}" if reason else "")
-    return "not in the model repository"
 
 
 def grpc_reason(exc: Exception) -> str:
@@ -204,9 +179,8 @@ class RequestFailure(Exception):
         self.resumable, self.kind = resumable, kind
 
 
-# What a client does about each kind of code2wav error (docs/design.md §2, "Errors"): `fail` the stream
-# (resending the request fails again), `resume` it on a new sequence with its history (this server no
-# longer holds the stream, or an older copy of it), or `retry` later (a refused new stream; a resume).
+# What a client does about each code2wav error kind (docs/design.md §2, "Errors"): `fail` the stream,
+# `resume` it on a new sequence with its history, or `retry` later (a refused new stream).
 FAIL, RESUME, RETRY = "fail", "resume", "retry"
 ERROR_ACTIONS = {
     **dict.fromkeys(("dtype", "shape", "length", "code_range", "limit", "negative_offset", "changed_frame",
@@ -224,9 +198,8 @@ def error_kind(message: str) -> str | None:
 
 
 def request_failure(exc: Exception) -> RequestFailure:
-    """A tritonclient InferenceServerException as a RequestFailure. code2wav's errors are decided by their
-    kind (an unknown kind fails); an untagged one is Triton or the transport refusing or losing a request
-    built by the contract, which a resume fixes, unless Triton refused the inference key."""
+    """A tritonclient InferenceServerException as a RequestFailure, decided by its kind (unknown: fail). An
+    untagged one is Triton or the transport losing the request: resumable, unless Triton refused the key."""
     status, message = exc.status(), exc.message()
     text = " ".join(str(exc if message is None else message).split())
     kind = error_kind(text)

@@ -1,5 +1,4 @@
-"""What a run of streams reports: each stream's PCM, request latencies and resumes, and the summary the
-CLI and the benchmarks print."""
+"""What a run of streams reports: each stream's PCM, latencies and resumes; the CLI's and benchmarks' summary."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from .protocol import FRAME_DURATION_S, StreamOptions
 
 
 def percentiles(values, points: Sequence[int] = (50, 99), empty=None) -> dict:
-    """{"p50": ..., "p99": ..., "max": ...} of `values` (each of `points`, then the largest), or `empty` for
-    each when there are none."""
+    """{"p50": ..., "p99": ..., "max": ...} of `values`, or `empty` for each when there are none."""
     values = np.asarray(values, dtype=np.float64)
     if values.size == 0:
         return {**{f"p{point}": empty for point in points}, "max": empty}
@@ -40,18 +38,9 @@ class StreamResult:
     stream_key: str | None = None  # the STREAM_KEY_HEADER value
     chunk_sent_s: list[float] = field(default_factory=list)  # when each request was sent
 
-    @property
-    def audio_s(self) -> float:
-        return self.frames * FRAME_DURATION_S
-
-    @property
-    def wall_s(self) -> float:
-        return self.finished_s - self.started_s
-
-    @property
-    def real_time_factor(self) -> float:
-        """Audio seconds per wall second (> 1: faster than real time)."""
-        return _per_wall_s(self.audio_s, self.wall_s)
+    audio_s = property(lambda self: self.frames * FRAME_DURATION_S)
+    wall_s = property(lambda self: self.finished_s - self.started_s)
+    real_time_factor = property(lambda self: _per_wall_s(self.audio_s, self.wall_s))  # > 1: faster than real time
 
 
 @dataclass

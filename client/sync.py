@@ -6,51 +6,35 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import types
 from typing import Callable, Sequence
 
 import numpy as np
 
+from . import protocol
 from .credentials import PLAINTEXT, Credentials
 from .plan import PlannedClient, PlannedRequest, PlannedStream
-from .protocol import (
-    CHANNEL_ARGS,
-    DEFAULT_OPTIONS,
-    DEFAULT_URL,
-    FRAME_DURATION_S,
-    ClientError,
-    RequestFailure,
-    StreamOptions,
-    chunk_bounds,
-    draw_sequence_ids,
-    request_failure,
-    validate_codes,
-)
+from .protocol import DEFAULT_OPTIONS, DEFAULT_URL, FRAME_DURATION_S, ClientError, RequestFailure, StreamOptions
 from .report import RunReport, StreamResult
 
 
-class GrpcConnection:
-    """A stream's own gRPC channel to one server (no subchannel shared with other clients of this
-    process): `infer` returns the InferResult or raises RequestFailure. Tests connect to fakes instead."""
+def grpc_connection(url: str, credentials: Credentials):
+    """A stream's own gRPC channel to `url` (no subchannel shared with other clients of this process):
+    `infer(stream, request)` returns the InferResult or raises RequestFailure. Tests connect to fakes."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
-    def __init__(self, url: str, credentials: Credentials):
-        import tritonclient.grpc as grpcclient
+    client = grpcclient.InferenceServerClient(
+        url, channel_args=[*protocol.CHANNEL_ARGS, ("grpc.use_local_subchannel_pool", 1)],
+        creds=credentials.channel_credentials())
 
-        self.url, self._grpc = url, grpcclient
-        self._client = grpcclient.InferenceServerClient(
-            url, channel_args=[*CHANNEL_ARGS, ("grpc.use_local_subchannel_pool", 1)],
-            creds=credentials.channel_credentials())
-        self.close = self._client.close
-
-    def infer(self, stream: Code2WavStream, request: PlannedRequest):
-        from tritonclient.utils import InferenceServerException
-
+    def infer(stream: Code2WavStream, request: PlannedRequest):
         try:
-            return self._client.infer(**stream._infer_args(self._grpc, request))
+            return client.infer(**stream._infer_args(grpcclient, request))
         except InferenceServerException as exc:
-            raise request_failure(exc) from None
+            raise protocol.request_failure(exc) from None
 
-
-Connect = Callable[[str], GrpcConnection]  # url -> a connection
+    return types.SimpleNamespace(url=url, infer=infer, close=client.close)
 
 
 class Code2WavStream(PlannedStream):
@@ -59,7 +43,7 @@ class Code2WavStream(PlannedStream):
 
     def __init__(self, client: Code2WavClient, sequence_id: int | None = None, stream_key: str | None = None):
         super().__init__(client, sequence_id, stream_key, client._clock)
-        self._connection: GrpcConnection | None = None
+        self._connection = None
 
     def __enter__(self) -> Code2WavStream:
         return self
@@ -68,15 +52,15 @@ class Code2WavStream(PlannedStream):
         self.close()
 
     def close(self) -> None:
-        """Close the connection (a later request opens another); a stream not ENDed is dropped by the server
-        after its idle timeout."""
+        """Close the connection (a later request opens another); the server drops a stream not ENDed after
+        its idle timeout."""
         connection, self._connection = self._connection, None
         if connection is not None:
             connection.close()
 
     def decode(self, codes: np.ndarray, end: bool = False) -> np.ndarray:
-        """PCM float32 [F * 1920] of the stream's next frames, codes [k, F] (F >= 1), the last ones with
-        `end`. Raises ClientError when a resume fails or cannot fix the failure."""
+        """PCM float32 [F * 1920] of the stream's next frames, codes [k, F], the last ones with `end`.
+        Raises ClientError when a resume fails or cannot fix the failure."""
         steps, outcome = self._plan.exchange(*self._plan.hand(codes, end), end), None
         while True:
             try:
@@ -103,10 +87,10 @@ class Code2WavClient(PlannedClient):
     stream_type = Code2WavStream
 
     def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
-                 connect: Connect | None = None, clock: Callable[[], float] = time.monotonic,
+                 connect: Callable | None = None, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, credentials: Credentials = PLAINTEXT):
         super().__init__(urls, options, credentials)
-        self._connect = connect or (lambda url: GrpcConnection(url, credentials))
+        self._connect = connect or (lambda url: grpc_connection(url, credentials))
         self._clock, self._sleep = clock, sleep
 
     def __enter__(self) -> Code2WavClient:
@@ -138,21 +122,21 @@ class StreamsFailed(ClientError):
 def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
                 options: StreamOptions = DEFAULT_OPTIONS, sequence_ids: Sequence[int] | None = None,
                 stream_keys: Sequence[str] | None = None, progress: Callable[[int, int], None] | None = None,
-                connect: Connect | None = None, credentials: Credentials = PLAINTEXT) -> RunReport:
-    """Decode each [k, F] code array as its own `Code2WavStream`, all at once, one thread each. Requests
-    hold `options.first_chunk_frames` frames, then `options.chunk_frames`; unpaced, each goes when the
-    previous answer came back; paced, when its last frame would exist too (frame j at j * 80 ms, the
-    streams' starts spread over one request's period); with `catch_up`, each carries every frame existing
-    by then. The first stream to fail stops the others: StreamsFailed."""
+                connect: Callable | None = None, credentials: Credentials = PLAINTEXT) -> RunReport:
+    """Decode each [k, F] code array as its own `Code2WavStream`, one thread each. Requests hold
+    `options.first_chunk_frames` frames, then `options.chunk_frames`; unpaced, each goes when the previous
+    answer came back; paced, when its last frame would exist too (frame j at j * 80 ms, the streams'
+    starts spread over one request's period); with `catch_up`, each carries every frame existing by then.
+    The first stream to fail stops the others: StreamsFailed."""
     client = Code2WavClient(urls, options, connect, credentials=credentials)
-    codes_list = [validate_codes(c) for c in streams_codes]
+    codes_list = [protocol.validate_codes(c) for c in streams_codes]
     if not codes_list:
         raise ClientError("no streams to decode")
-    sequence_ids = draw_sequence_ids(len(codes_list), sequence_ids)
+    sequence_ids = protocol.draw_sequence_ids(len(codes_list), sequence_ids)
     stream_keys = [str(sid) for sid in sequence_ids] if stream_keys is None else list(stream_keys)
     if len(stream_keys) != len(codes_list) or len(set(stream_keys)) != len(stream_keys):
         raise ClientError("stream keys must be distinct, one per stream")
-    results: list[StreamResult | None] = [None] * len(codes_list)
+    results: list[StreamResult] = [None] * len(codes_list)
     received: list[list[np.ndarray]] = [[] for _ in codes_list]
     failures: list[BaseException] = []
     stop, lock = threading.Event(), threading.Lock()
@@ -162,7 +146,7 @@ def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
         nonlocal frames_done
         codes, pcm, sizes, latencies_s, sent_times_s = codes_list[index], received[index], [], [], []
         total, first = codes.shape[1], 0
-        bounds = chunk_bounds(total, options.chunk_frames, options.first_chunk_frames)
+        bounds = protocol.chunk_bounds(total, options.chunk_frames, options.first_chunk_frames)
         period_s = options.chunk_frames * FRAME_DURATION_S  # a request's: paced streams start spread over it
         start_s = run_start_s + (index * period_s / len(codes_list) if options.paced else 0.0)
         with client.stream(stream_keys[index], sequence_ids[index]) as stream:
@@ -216,5 +200,4 @@ def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
             raise failures[0]
         raise StreamsFailed(str(failures[0]), [np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
                                                for chunks in received]) from failures[0]
-    wall_s = max(r.finished_s for r in results) - min(r.started_s for r in results)
-    return RunReport(results, options, wall_s)
+    return RunReport(results, options, max(r.finished_s for r in results) - min(r.started_s for r in results))

@@ -1,6 +1,5 @@
-"""WAV files with numpy alone (the stdlib `wave` writes integer PCM only): writes IEEE float32 (tag 3)
-and 16-bit PCM (tag 1); reads 8/16/24/32-bit PCM and 32/64-bit float, plain or WAVE_FORMAT_EXTENSIBLE.
-"""
+"""WAV files with numpy alone (the stdlib `wave` writes integer PCM only): writes IEEE float32 and 16-bit
+PCM; reads 8/16/24/32-bit PCM and 32/64-bit float, plain or WAVE_FORMAT_EXTENSIBLE."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ INT16_FULL_SCALE = 32767
 
 
 class WavError(ValueError):
-    """A file that is not a WAV this module reads."""
+    pass
 
 
 @dataclass
@@ -27,9 +26,7 @@ class WavData:
     sample_rate_hz: int
     sample_format: str  # "float32", "float64", "int8" (unsigned 8-bit), "int16", "int24", "int32"
 
-    @property
-    def channels(self) -> int:
-        return self.samples.shape[1]
+    channels = property(lambda self: self.samples.shape[1])
 
     def to_float32_mono(self) -> np.ndarray:
         """Samples as float32 in [-1, 1], channels averaged: [frames]."""
@@ -42,8 +39,7 @@ class WavData:
 
 
 def write_wav(path: str | Path, pcm: np.ndarray, sample_rate_hz: int, sample_format: str = "float32") -> None:
-    """Write mono float PCM [samples]: float32 as given (with the `fact` chunk non-PCM formats require), or
-    int16 clipped to [-1, 1] and scaled by 32767 (values outside would wrap around)."""
+    """Write mono PCM [samples]: float32 as given, or int16 clipped to [-1, 1] (else values would wrap around)."""
     if sample_format not in SAMPLE_FORMATS:
         raise ValueError(f"sample_format must be one of {SAMPLE_FORMATS}, got {sample_format!r}")
     pcm = np.asarray(pcm)
@@ -57,7 +53,7 @@ def write_wav(path: str | Path, pcm: np.ndarray, sample_rate_hz: int, sample_for
     fmt = struct.pack("<HHIIHH", format_tag, 1, sample_rate_hz, sample_rate_hz * sample_bytes, sample_bytes,
                       8 * sample_bytes)
     chunks = [b"fmt ", struct.pack("<I", len(fmt)), fmt]
-    if format_tag != WAVE_FORMAT_PCM:
+    if format_tag != WAVE_FORMAT_PCM:  # the `fact` chunk non-PCM formats require
         chunks += [b"fact", struct.pack("<II", 4, len(pcm))]
     chunks += [b"data", struct.pack("<I", len(data)), data, b"\0" * (len(data) % 2)]  # RIFF chunks are word-aligned
     body = b"WAVE" + b"".join(chunks)
@@ -65,7 +61,6 @@ def write_wav(path: str | Path, pcm: np.ndarray, sample_rate_hz: int, sample_for
 
 
 def read_wav(path: str | Path) -> WavData:
-    """Read a WAV file: integer PCM (8/16/24/32-bit) or IEEE float (32/64-bit), any channel count."""
     blob = Path(path).read_bytes()
     if len(blob) < 12 or blob[:4] != b"RIFF" or blob[8:12] != b"WAVE":
         raise WavError(f"{path}: not a RIFF/WAVE file")

@@ -1,19 +1,15 @@
 #!/bin/sh
-# One-shot jobs of docker-compose.yml, run from the root of the project tree this file sits in (/app in the
-# export image, the read-only checkout at /workspace in the NGC tritonserver image). Nothing is installed
-# or downloaded here.
-#   export           (export image) Export model.onnx from the weights into $EXPORT_DIR (skipped when it
-#                    matches the weights and options); render the native ONNX Runtime repository with
-#                    KIND_GPU instances into $MODELS_DIR, with KIND_CPU ones into $MODELS_CPU_DIR; write
-#                    the trtexec command lines of the TensorRT profile.
-#   tensorrt-plan    (NGC image, GPU) Build the TensorRT plan with the image's own trtexec, the TensorRT
-#                    that will load it; skipped when built from the same export, command and GPU model.
-#   tensorrt-render  (export image) Render the TensorRT repository around that plan into $MODELS_DIR.
+# One-shot jobs of docker-compose.yml, run from the project root above this file; nothing is downloaded.
+#   export           (export image) model.onnx into $EXPORT_DIR (skipped when up to date), the ONNX Runtime
+#                    repository into $MODELS_DIR (KIND_GPU) and $MODELS_CPU_DIR (KIND_CPU), trtexec's lines.
+#   tensorrt-plan    (NGC image, GPU) the plan, by the image's own trtexec; skipped when built from the same
+#                    export, command and GPU model.
+#   tensorrt-render  (export image) the TensorRT repository around that plan into $MODELS_DIR.
 set -eu
 
 cd "$(dirname "$0")/.."
 
-# The environment (README.md "Docker Compose" says what each means), with its defaults:
+# The environment (README.md "Docker Compose") with its defaults:
 WEIGHTS_ROOT=${WEIGHTS_ROOT:-/weights}
 MIMI_WEIGHTS=${MIMI_WEIGHTS:-}                  # in $WEIGHTS_ROOT (empty: itself)
 MIMI_RANDOM_INIT=${MIMI_RANDOM_INIT:-0}
@@ -105,13 +101,12 @@ case $mode in
     export)
         export_model
         render onnxruntime "$MODELS_DIR" KIND_GPU
-        # The installed package's copy of model_repository/mimi_decoder/config.pbtxt.
-        CHECKED_IN_CONFIG=$("$PYTHON" -c 'from mimi_code2wav.export.render import CHECKED_IN_CONFIG; print(CHECKED_IN_CONFIG)')
-        if cmp -s "$MODELS_DIR/mimi_decoder/config.pbtxt" "$CHECKED_IN_CONFIG"; then
-            log "$MODELS_DIR/mimi_decoder/config.pbtxt equals the checked-in model_repository/mimi_decoder/config.pbtxt"
+        config=$MODELS_DIR/mimi_decoder/config.pbtxt
+        checked_in=$("$PYTHON" -c 'from mimi_code2wav.export.render import CHECKED_IN_CONFIG; print(CHECKED_IN_CONFIG)')
+        if cmp -s "$config" "$checked_in"; then
+            log "$config equals the checked-in model_repository/mimi_decoder/config.pbtxt"
         else
-            log "note: $MODELS_DIR/mimi_decoder/config.pbtxt differs from the checked-in model_repository/mimi_decoder/config.pbtxt" \
-                "(EXPORT_ARGS, RENDER_ARGS or MAX_BATCH_SIZE set); it matches the export"
+            log "note: $config differs from the checked-in one (EXPORT_ARGS, RENDER_ARGS or MAX_BATCH_SIZE set)"
         fi
         render onnxruntime "$MODELS_CPU_DIR" KIND_CPU
         write_trtexec_args

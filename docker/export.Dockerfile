@@ -1,12 +1,11 @@
 # The export image (`docker compose build export`, jobs in docker/export-entrypoint.sh): the project and
-# every dependency, installed at build time as pyproject.toml's `export` extra and the constraints pin them.
-# Build context: the repository root, kept small by docker/export.Dockerfile.dockerignore.
+# pyproject.toml's `export` extra under the constraints, installed at build time. Context: the repository root.
 
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE}
 
-# The torch pin of pyproject.toml's `export` extra (checked below): the CPU wheel, from PyTorch's CPU index
-# (PyPI's Linux wheel is the CUDA build) or TORCH_FIND_LINKS, a folder inside the base image.
+# The `export` extra's torch pin (checked below) as the CPU wheel (PyPI's is the CUDA build), from PyTorch's
+# CPU index or TORCH_FIND_LINKS, a folder inside the base image.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_FIND_LINKS=
@@ -19,8 +18,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 
-# Dependencies first (their layer survives code changes); the project itself is installed from /src
-# afterwards, which is removed again: `code2wav-export` renders from the installed package alone.
+# Dependencies first (their layer survives code changes), then the project; /src is removed again.
 WORKDIR /src
 COPY pyproject.toml ./
 COPY requirements/constraints.txt requirements/constraints.txt

@@ -4,12 +4,15 @@ render model repositories around it, encode WAV files into codes."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from . import pipeline
 from .onnx_export import OPSETS, ExportOptions
-from .render import TARGETS, add_serving_arguments, serving_from_args
+from .render import CHECKED_IN_CONFIG, TARGETS, add_serving_arguments, render_config, serving_from_args
+
+WEIGHTS_HELP = "transformers folder, moshi .safetensors file, or hub id (e.g. kyutai/mimi)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="export model.onnx and its manifest")
-    b.add_argument("--weights", help="transformers folder, moshi .safetensors file, or hub id (e.g. kyutai/mimi)")
+    b.add_argument("--weights", help=WEIGHTS_HELP)
     b.add_argument("--random-init", action="store_true", help="seeded random weights: the audio is noise")
     b.add_argument("--seed", type=int)
     b.add_argument("--out", type=Path, help=f"output folder (default {pipeline.DEFAULT_EXPORT_DIR}/<options>)")
@@ -40,11 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check-in", action="store_true",
                    help="rewrite model_repository/mimi_decoder/config.pbtxt from the default options")
 
-    e = sub.add_parser("encode", help="turn a WAV file into codes with Mimi's encoder",
-                       description="Encode audio into Mimi codes [k, frames] saved as .npy. Mimi takes 24000 Hz: "
-                       "other rates are resampled by linear interpolation (no anti-aliasing), with a note.")
+    e = sub.add_parser("encode", help="turn a WAV file into codes with Mimi's encoder", description="Encode audio "
+                       "into Mimi codes [k, frames] (.npy); rates besides 24000 Hz are resampled linearly.")
     e.add_argument("input", type=Path, help="WAV file (PCM 8/16/24/32-bit or float; channels are averaged)")
-    e.add_argument("--weights", required=True, help="Mimi weights: transformers folder, moshi .safetensors file or hub id")
+    e.add_argument("--weights", required=True, help=WEIGHTS_HELP)
     e.add_argument("--out", type=Path, required=True, help=".npy file to write")
     e.add_argument("--num-codebooks", type=int, default=8, help="codebooks to keep (default %(default)s)")
     return parser
@@ -56,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "encode":
             pipeline.encode_file(args.input, args.weights, args.out, args.num_codebooks)
         elif args.command == "build":
-            options = ExportOptions(args.num_codebooks, args.max_frames_per_step, args.window, args.kv_cache_dtype,
-                                    args.opset)
+            options = ExportOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ExportOptions)})
             loaded = pipeline.choose_weights(args.weights, args.random_init, args.seed)
             print(pipeline.build(options, loaded, args.out or pipeline.export_dir_for(options), args.force))
         elif args.check_in:
-            print(pipeline.check_in_config())
+            CHECKED_IN_CONFIG.write_text(render_config(pipeline.spec_for_options(ExportOptions()), "onnxruntime"))
+            print(CHECKED_IN_CONFIG)
         elif args.export_dir is None or args.out is None:
             raise ValueError("render needs --export-dir and --out (or --check-in)")
         else:

@@ -1,5 +1,5 @@
-"""ONNX export of the decoder step (dynamic batch and frames only), with a manifest so a stale export
-can be detected. Opset 17-20 and IR <= 10 keep it loadable by the NGC 24.10 image's ONNX Runtime 1.19."""
+"""ONNX export of the decoder step (dynamic batch and frames only) and its manifest, which tells a stale
+export. Opset 17-20 and IR <= 10 keep it loadable by the NGC 24.10 image's ONNX Runtime 1.19."""
 
 from __future__ import annotations
 
@@ -32,19 +32,19 @@ class ExportOptions:
     kv_cache_dtype: str = "float32"
     opset: int = 17
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.opset not in OPSETS:
             raise ValueError(f"opset must be one of {OPSETS} (what the NGC image's runtimes read), got {self.opset}")
 
 
 def build_step(model, options: ExportOptions) -> MimiDecoderStep:
-    return MimiDecoderStep(model, num_codebooks=options.num_codebooks, max_frames_per_step=options.max_frames_per_step,
-                           window=options.window, kv_cache_dtype=options.kv_cache_dtype).eval()
+    return MimiDecoderStep(model, **{name: value for name, value in asdict(options).items() if name != "opset"}).eval()
 
 
 def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -> DecoderSpec:
-    """Write `path` (an .onnx file) for `step`; returns its spec. Runs onnx.checker with the full check."""
+    """Write `path` (an .onnx file) for `step`, checked by onnx.checker in full; returns its spec."""
     import onnx
+    from onnx.helper import make_tensor_type_proto
 
     spec = step.spec()
     spec.validate()
@@ -65,7 +65,12 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
                           dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False, do_constant_folding=True)
     log(f"  traced in {time.monotonic() - started:.1f} s; checking ...")
     model = onnx.load(str(path))
-    _pin_io_shapes(model, spec)
+    # Every graph input and output [batch, *spec shape]: the tracer leaves the conv state's size symbolic.
+    by_name = {t.name: t for t in (*spec.inputs, *spec.outputs)}
+    variable = {spec.codes.name: FRAMES_DIM, spec.pcm.name: SAMPLES_DIM}
+    for value in (*model.graph.input, *model.graph.output):
+        shape = [BATCH_DIM, *(variable[value.name] if size == -1 else size for size in by_name[value.name].shape)]
+        value.type.CopyFrom(make_tensor_type_proto(value.type.tensor_type.elem_type, shape))
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     onnx.save(model, str(path))
     onnx.checker.check_model(str(path), full_check=True)
@@ -74,18 +79,6 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
         raise RuntimeError(f"exported graph contains data-dependent ops: {found}")
     log(f"  {path} ({path.stat().st_size / 2**20:.1f} MiB) passed onnx.checker (full check)")
     return spec
-
-
-def _pin_io_shapes(model, spec: DecoderSpec) -> None:
-    """Declare every graph input and output [batch, *per-stream shape] from the spec, its -1 dims as
-    `frames` (codes) or `samples` (pcm): the tracer leaves the conv state's static size symbolic."""
-    from onnx.helper import make_tensor_type_proto
-
-    by_name = {t.name: t for t in (*spec.inputs, *spec.outputs)}
-    variable = {spec.codes.name: FRAMES_DIM, spec.pcm.name: SAMPLES_DIM}
-    for value in (*model.graph.input, *model.graph.output):
-        shape = [BATCH_DIM, *(variable[value.name] if size == -1 else size for size in by_name[value.name].shape)]
-        value.type.CopyFrom(make_tensor_type_proto(value.type.tensor_type.elem_type, shape))
 
 
 def exporter_sha256() -> str:
@@ -100,15 +93,10 @@ def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weig
     """manifest.json beside the export: what it was made from (`weights`: a `LoadedMimi`) and its spec."""
     import onnx
 
-    manifest = {
-        "weights": {"source": weights.source, "kind": weights.kind, "sha256": weights.sha256},
-        "options": asdict(options),
-        "spec": spec.to_dict(),
-        "spec_sha256": spec.sha256(),
-        "exporter_sha256": exporter_sha256(),
-        "versions": {"torch": torch.__version__, "onnx": onnx.__version__},
-        "created_unix": int(time.time()),
-    }
+    manifest = {"weights": {"source": weights.source, "kind": weights.kind, "sha256": weights.sha256},
+                "options": asdict(options), "spec": spec.to_dict(), "spec_sha256": spec.sha256(),
+                "exporter_sha256": exporter_sha256(), "created_unix": int(time.time()),
+                "versions": {"torch": torch.__version__, "onnx": onnx.__version__}}
     path = folder / MANIFEST_FILE
     path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return path

@@ -1,5 +1,4 @@
-"""The export side's jobs: weights -> model.onnx + manifest -> rendered Triton model repositories, and
-speech -> codes with Mimi's encoder (`code2wav-export encode`)."""
+"""The export side's jobs: weights -> model.onnx + manifest -> model repositories; speech -> codes."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from mimi_code2wav.client.protocol import SAMPLE_RATE_HZ
 from mimi_code2wav.client.wav import WavError, read_wav
 
 from .onnx_export import MODEL_FILE, ExportOptions, build_step, export_onnx, read_manifest, stale_reason, write_manifest
-from .render import CHECKED_IN_CONFIG, DecoderServing, render_config, render_repository
+from .render import DecoderServing, render_repository
 from .spec import DecoderSpec
 from .weights import WeightsError, load_weights, new_model
 
@@ -30,7 +29,7 @@ def export_dir_for(options: ExportOptions, root: Path = DEFAULT_EXPORT_DIR) -> P
 
 
 def choose_weights(weights: str | None, random_init: bool, seed: int | None, allow_default: bool = False):
-    """Weights from --weights / --random-init; with allow_default, kyutai/mimi or random seed 0 as fallback."""
+    """Weights from --weights / --random-init; with allow_default, kyutai/mimi, else random seed 0."""
     if random_init:
         return load_weights(None, seed=0 if seed is None else seed)
     if weights:
@@ -46,14 +45,12 @@ def choose_weights(weights: str | None, random_init: bool, seed: int | None, all
 
 def build(options: ExportOptions, loaded, out_dir: Path, force: bool = False) -> Path:
     """Export model.onnx + manifest.json into out_dir unless an up-to-date export is there."""
-    options.validate()
     reason = stale_reason(out_dir, options, loaded.sha256)
     if reason is None and not force:
         log(f"{out_dir}: up to date with {loaded.source} ({loaded.kind}); nothing to do")
         return out_dir
     log(f"exporting to {out_dir}: {reason or 'forced'}")
-    step = build_step(loaded.model, options)
-    spec = export_onnx(step, out_dir / MODEL_FILE, opset=options.opset, log=log)
+    spec = export_onnx(build_step(loaded.model, options), out_dir / MODEL_FILE, opset=options.opset, log=log)
     write_manifest(out_dir, spec, options, loaded)
     state_bytes = spec.state_bytes_per_stream()
     log(f"state per stream: {state_bytes / 2**20:.2f} MiB ({state_bytes} bytes) in {len(spec.states)} tensors")
@@ -64,12 +61,9 @@ def build(options: ExportOptions, loaded, out_dir: Path, force: bool = False) ->
 
 def prepare_local_repository(weights: str | None, random_init: bool, seed: int | None, build_root: Path,
                              target: str = "python-ort", serving: DecoderServing | None = None) -> Path:
-    """Export (when missing or stale) with the default options and render code2wav + the `target`
-    mimi_decoder under `build_root` for a local server (`serving` default: CPU instances); weights as
-    `choose_weights` with allow_default."""
-    options = ExportOptions()
+    """Export (when missing or stale) with the default options and render a repository for a local server."""
     loaded = choose_weights(weights, random_init, seed, allow_default=True)
-    export_dir = build(options, loaded, export_dir_for(options, build_root / "export"))
+    export_dir = build(ExportOptions(), loaded, export_dir_for(ExportOptions(), build_root / "export"))
     serving = serving or DecoderServing(instance_kind="KIND_CPU")
     repository = render_export(export_dir, build_root / "model_repository", target, serving)
     log(f"model repository: {repository} (code2wav + {target} mimi_decoder, weights {loaded.source})")
@@ -77,12 +71,11 @@ def prepare_local_repository(weights: str | None, random_init: bool, seed: int |
 
 
 def spec_for_options(options: ExportOptions):
-    """The spec an export with these options has; it depends on the architecture, not the weights."""
+    """The spec an export with these options has: it depends on the architecture, not the weights."""
     return build_step(new_model(), options).spec()
 
 
 def render_export(export_dir: Path, out_dir: Path, target: str, serving, plan_path: Path | None = None) -> Path:
-    """Render a complete model repository (code2wav + mimi_decoder for `target`) around an export."""
     manifest = read_manifest(export_dir)
     if manifest is None:
         raise FileNotFoundError(f"{export_dir} holds no export (run `code2wav-export build` first)")
@@ -90,16 +83,8 @@ def render_export(export_dir: Path, out_dir: Path, target: str, serving, plan_pa
     return render_repository(spec, export_dir / MODEL_FILE, out_dir, target, serving, plan_path)
 
 
-def check_in_config() -> Path:
-    """Rewrite model_repository/mimi_decoder/config.pbtxt (native ORT) from the default options."""
-    CHECKED_IN_CONFIG.write_text(render_config(spec_for_options(ExportOptions()), "onnxruntime"))
-    return CHECKED_IN_CONFIG
-
-
 def encode_file(input_path: Path, weights: str, out_path: Path, num_codebooks: int = 8) -> np.ndarray:
-    """Encode a WAV file (any PCM/float format, channels averaged, resampled to 24 kHz by linear
-    interpolation) into codes int64 [num_codebooks, frames] saved to `out_path` (.npy). Raises ValueError
-    (WeightsError for the weights) saying what cannot be used."""
+    """A WAV file (channels averaged, resampled to 24 kHz) -> codes int64 [k, frames] saved as .npy."""
     try:
         wav = read_wav(input_path)
     except (OSError, WavError) as exc:
@@ -108,7 +93,6 @@ def encode_file(input_path: Path, weights: str, out_path: Path, num_codebooks: i
     if wav.channels > 1:
         log(f"note: {input_path} has {wav.channels} channels; encoding their average")
     if wav.sample_rate_hz != SAMPLE_RATE_HZ:
-        # No anti-aliasing filter: fine for speech near 24 kHz.
         log(f"note: resampling {wav.sample_rate_hz} Hz -> {SAMPLE_RATE_HZ} Hz by linear interpolation")
         times = np.arange(round(len(audio) / wav.sample_rate_hz * SAMPLE_RATE_HZ)) / SAMPLE_RATE_HZ
         audio = np.interp(times, np.arange(len(audio)) / wav.sample_rate_hz, audio).astype(np.float32)

@@ -1,7 +1,5 @@
-"""Streaming references for parity, one frame per call: moshi's streaming decoder (moshi-format
-checkpoints only; installed with --no-deps, its metadata pins an older torch), and this project's
-PyTorch step module for other weight formats (the parity tests hold it equal to moshi's).
-"""
+"""Streaming references, one frame per call: moshi's decoder for moshi-format checkpoints (installed with
+--no-deps: it pins an older torch), else the PyTorch step module (the parity tests hold it equal to moshi's)."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ def snr_db(output: np.ndarray, reference: np.ndarray) -> float:
 
 
 def moshi_stream_decode(model, codes: np.ndarray) -> np.ndarray:
-    """moshi's streaming decode (inside `model.streaming(B)`), one frame per call, as Moshi-family
-    servers run it: codes [B, k, F] -> PCM float32 [B, F*1920]."""
+    """moshi's streaming decode, one frame per call as Moshi-family servers run it: [B, k, F] -> [B, F*1920]."""
     import torch
 
     with torch.no_grad(), model.streaming(codes.shape[0]):
@@ -44,9 +41,7 @@ def step_reference(model, codes: np.ndarray, window: str = "moshi") -> np.ndarra
 
 def reference_decode(weights: str | None, random_init: bool, seed: int | None,
                      codes: np.ndarray) -> tuple[np.ndarray, str]:
-    """The reference decode of codes [B, k, F] for the weights `code2wav-server serve` would choose
-    with the same arguments: (PCM float32 [B, F*1920], a line saying what the reference is).
-    Raises WeightsError when the weights cannot be read."""
+    """(PCM [B, F*1920], what it is): the reference decode for the weights `code2wav-server serve` would choose."""
     from .pipeline import choose_weights
 
     loaded = choose_weights(weights, random_init, seed, allow_default=True)

@@ -1,13 +1,11 @@
-"""Render model repositories around an export: `mimi_decoder`'s config from the decoder spec for the targets
-of docs/design.md §4 and `null` (bench only: silence at once, no state), and `code2wav`'s, the tracked
-model_repository/code2wav/config.pbtxt with the spec's and serving options' values set (each field found
-exactly once). Only `render --check-in` writes a tracked file. The serving flags are declared here once,
-for `code2wav-export render` and `python -m benchmarks sweep`.
-"""
+"""Render model repositories around an export: `mimi_decoder`'s config from the spec for each target
+(docs/design.md §4; `null` is bench only), `code2wav`'s from the tracked one with the spec's and serving
+values set, and the serving flags, declared once for `code2wav-export render` and `benchmarks sweep`."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -23,11 +21,10 @@ CHECKED_IN_CONFIG = MODELS_DIR / "mimi_decoder" / "config.pbtxt"
 CODE2WAV_DIR = MODELS_DIR / "code2wav"
 CHECKED_IN_CODE2WAV_CONFIG = CODE2WAV_DIR / "config.pbtxt"
 PYTHON_ORT_FILES = ("model.py", "python_ort_core.py", "python_ort_config.py")
-# The Python-backend decoders (no implicit state block): their sources, copied into the version folder.
+# The Python-backend decoders (no implicit state): their sources, copied into the version folder.
 PYTHON_DECODERS = {"python-ort": (MODELS_DIR / "mimi_decoder" / "python_ort", PYTHON_ORT_FILES),
                    "null": (MODELS_DIR / "mimi_decoder" / "null", ("model.py",))}
-# Shared by the Python models: every file of it is copied beside each model.py (it is no model itself).
-COMMON_DIR = MODELS_DIR / "common"
+COMMON_DIR = MODELS_DIR / "common"  # no model: its files are copied beside each Python model.py
 TARGETS = ("onnxruntime", "tensorrt", "python-ort", "null")
 SERVER_ARGS_FILE = "tritonserver.args"  # in the repository root; Triton only loads model folders
 MIB = 2**20
@@ -35,8 +32,7 @@ DEFAULT_PINNED_POOL_BYTES = 256 * MIB  # Triton's own default; the rendered size
 
 
 def _field(text: str, name: str, where: object) -> re.Match:
-    """The one `name: 123` field of a config (`parameter:KEY`: that parameter's string value) outside
-    comments; groups: the text before the value, the value, the text after it."""
+    """The one `name: 123` field (`parameter:KEY`: that string parameter) outside comments: (before, value, after)."""
     if name.startswith("parameter:"):
         pattern = rf'^([^#\n]*key: "{name.removeprefix("parameter:")}"\s+value: \{{ string_value: ")([^"\n]*)(")'
     else:
@@ -48,25 +44,22 @@ def _field(text: str, name: str, where: object) -> re.Match:
 
 
 def set_fields(text: str, values: dict[str, object], where: object) -> str:
-    """`text` (a config.pbtxt) with each field of `values` (see `_field`) set."""
     for name, value in values.items():
         match = _field(text, name, where)
         text = text[: match.start()] + f"{match[1]}{value}{match[3]}" + text[match.end() :]
     return text
 
 
-# code2wav's own idle timeout; the decoder's sits above it. It also bounds a shutdown: while the
-# server exits no request can reach the decoder to END a stream, so abandoned ones idle out.
+# code2wav's idle timeout (the decoder's sits above it); it bounds a shutdown, as abandoned streams idle out.
 CODE2WAV_IDLE_TIMEOUT_US = int(_field(CHECKED_IN_CODE2WAV_CONFIG.read_text(), "max_sequence_idle_microseconds",
                                       CHECKED_IN_CODE2WAV_CONFIG)[2])
-# code2wav's Triton sequence slots per stream it admits (see render_code2wav_config).
 CODE2WAV_SLOTS_PER_STREAM = 2
 DECODER_IDLE_MARGIN_US = 2_000_000
 
 
 @dataclass
 class DecoderServing:
-    """Serving knobs of a rendered decoder config (not part of the exported graph)."""
+    """Serving knobs of the rendered configs (not part of the exported graph)."""
 
     model_name: str = "mimi_decoder"
     max_batch_size: int = 64
@@ -77,10 +70,8 @@ class DecoderServing:
     instance_kind: str = "KIND_GPU"
     instance_count: int = 1
     intra_op_threads: int = 0
-    # code2wav's model instances (Python processes): one carries a few thousand requests/s under its GIL.
-    front_instances: int = 1
-    # code2wav's batcher wait; a batch's decoder calls reach the decoder together, shaping its batches.
-    front_queue_delay_us: int = 3000
+    front_instances: int = 1  # code2wav's instances (Python processes, each under its own GIL)
+    front_queue_delay_us: int = 3000  # code2wav's batcher wait: a batch's decoder calls arrive together
 
     def validate(self) -> None:
         if self.instance_kind not in ("KIND_GPU", "KIND_CPU"):
@@ -96,17 +87,13 @@ class DecoderServing:
             raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size {self.max_batch_size}")
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: an integer >= minimum."""
-    def parse(text: str) -> int:
-        if not text.strip().isdigit() or int(text) < minimum:
-            raise argparse.ArgumentTypeError(f"an integer >= {minimum}, got {text!r}")
-        return int(text)
-
-    return parse
+def _int_at_least(minimum: int, text: str) -> int:
+    if not text.strip().isdigit() or int(text) < minimum:
+        raise argparse.ArgumentTypeError(f"an integer >= {minimum}, got {text!r}")
+    return int(text)
 
 
-positive_int, non_negative_int = _int_at_least(1), _int_at_least(0)
+positive_int, non_negative_int = functools.partial(_int_at_least, 1), functools.partial(_int_at_least, 0)
 
 
 # The serving flags besides --instance-kind: (flag, the DecoderServing field it sets, parser, help).
@@ -126,7 +113,6 @@ SERVING_FLAGS = (
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
-    """The decoder's and code2wav's serving knobs (instances, batching, stream capacity)."""
     group = parser.add_argument_group("serving (the rendered configs)")
     group.add_argument("--instance-kind", choices=("KIND_GPU", "KIND_CPU"),
                        help="the decoder's instances (default: KIND_CPU for the Python decoders, else KIND_GPU)")
@@ -135,7 +121,6 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serving_from_args(args: argparse.Namespace, target: str) -> DecoderServing:
-    """The `DecoderServing` the flags of `add_serving_arguments` ask for, for a decoder `target`."""
     return DecoderServing(
         instance_kind=args.instance_kind or ("KIND_CPU" if target in PYTHON_DECODERS else "KIND_GPU"),
         preferred_batch_sizes=[s for s in DecoderServing().preferred_batch_sizes if s <= args.max_batch_size],
@@ -152,9 +137,8 @@ def _tensor_block(kind: str, tensor: TensorSpec) -> str:
 
 
 def _state_block(spec: DecoderSpec, same_buffer: bool) -> str:
-    """Triton's implicit state, one entry per state tensor of the spec. `same_buffer`: one buffer per
-    state and sequence slot instead of two, right for a backend that copies its outputs into the state
-    after the run, as the ONNX Runtime backend does (docs/design.md §5.1)."""
+    """Triton's implicit state; `same_buffer` suits a backend that copies outputs into the state after
+    the run, as the ONNX Runtime backend does (docs/design.md §5.1)."""
     entries = []
     for state in spec.states:
         typed = f"data_type: {TRITON_DTYPES[state.dtype]} dims: [ {_dims(state.shape)} ]"
@@ -170,16 +154,16 @@ _CONTROL_INPUTS = """  control_input [
     { name: "END" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] },
     { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
   ]"""
-_TARGET_NOTES = {
-    "onnxruntime": "Triton keeps the state (implicit state, docs/design.md §4). With the default options this is\n"
-                   "# model_repository/mimi_decoder/config.pbtxt (`render --check-in`; tests/test_configs.py checks it).",
-    "tensorrt": "Triton keeps the state (implicit state, docs/design.md §4).",
-    "python-ort": "No `state` block: the Python backend would copy the initial state into every\n"
-                  "# request; model.py keeps the state itself.",
-    "null": "A bench target: the decoder's interface, silence at once, no decoding and no state.",
+_NATIVE = "Triton keeps the state (implicit state, docs/design.md §4)."
+_TARGET_HEADERS = {  # target: (its note, its backend)
+    "onnxruntime": (f"{_NATIVE} With the default options this is\n# model_repository/mimi_decoder/config.pbtxt "
+                    "(`render --check-in`; tests/test_configs.py checks it).", 'backend: "onnxruntime"'),
+    "tensorrt": (_NATIVE, 'backend: "tensorrt"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"'),
+    "python-ort": ("No `state` block: the Python backend would copy the initial state into every\n# request; "
+                   "model.py keeps the state itself.", 'backend: "python"'),
+    "null": ("A bench target: the decoder's interface, silence at once, no decoding and no state.",
+             'backend: "python"'),
 }
-_BACKENDS = {"onnxruntime": 'backend: "onnxruntime"', "python-ort": 'backend: "python"', "null": 'backend: "python"',
-             "tensorrt": 'backend: "tensorrt"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"'}
 
 
 def _parameters(comment: str, values: dict[str, object]) -> str:
@@ -190,7 +174,6 @@ def _parameters(comment: str, values: dict[str, object]) -> str:
 
 
 def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None = None) -> str:
-    """The config.pbtxt text of `mimi_decoder` for one target."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     serving = serving or DecoderServing()
@@ -199,9 +182,9 @@ def render_config(spec: DecoderSpec, target: str, serving: DecoderServing | None
     python = target in PYTHON_DECODERS
     text = f"""# Rendered by `code2wav-export render` (export/render.py) from the export's spec: do not edit by hand.
 # Target: {target}. Spec sha256: {spec.sha256()}
-# {_TARGET_NOTES[target]}
+# {_TARGET_HEADERS[target][0]}
 name: "{serving.model_name}"
-{_BACKENDS[target]}
+{_TARGET_HEADERS[target][1]}
 max_batch_size: {serving.max_batch_size}
 {_tensor_block("input", spec.codes)}
 {_tensor_block("output", spec.pcm)}
@@ -236,8 +219,7 @@ instance_group [ {{ kind: {"KIND_CPU" if python else serving.instance_kind} coun
 
 
 def set_idle_timeout(repository: Path, idle_timeout_s: float, decoder_model_name: str = "mimi_decoder") -> None:
-    """Set the stream idle timeout of a rendered repository: code2wav's to `idle_timeout_s`, the
-    decoder's to that plus DECODER_IDLE_MARGIN_US (the decoder must outlive the front's streams)."""
+    """code2wav's stream idle timeout; the decoder's DECODER_IDLE_MARGIN_US above (it outlives the front's streams)."""
     front_us = round(idle_timeout_s * 1e6)
     if front_us <= 0:
         raise ValueError(f"the idle timeout must be positive, got {idle_timeout_s!r}")
@@ -247,24 +229,17 @@ def set_idle_timeout(repository: Path, idle_timeout_s: float, decoder_model_name
 
 
 def memory_pool_args(spec: DecoderSpec, streams: int, max_batch_size: int) -> list[str]:
-    """tritonserver's pool flags for `streams` live sequences of a KIND_GPU decoder with implicit state
-    (docs/design.md §5.1): CUDA, two state buffers per sequence plus a batch's new outputs (past it, state
-    falls back to host memory); pinned, a batch's host-side tensors (fresh zero state, codes, PCM)."""
+    """tritonserver's pool flags for a KIND_GPU decoder with implicit state (docs/design.md §5.1): CUDA, two
+    state buffers per stream plus a batch's outputs; pinned, a batch's host tensors (zero state, codes, PCM)."""
     state = spec.state_bytes_per_stream()
     io_per_row = 4 * spec.max_frames_per_step * (spec.num_codebooks + spec.samples_per_frame)  # int32, fp32
-
-    def round_up_mib(size: int) -> int:
-        return -(-size // MIB) * MIB
-
-    pinned = max(DEFAULT_PINNED_POOL_BYTES, round_up_mib(max_batch_size * (state + io_per_row)))
-    return [f"--cuda-memory-pool-byte-size=0:{round_up_mib((2 * streams + max_batch_size) * state)}",
-            f"--pinned-memory-pool-byte-size={pinned}"]
+    cuda, pinned = (2 * streams + max_batch_size) * state, max_batch_size * (state + io_per_row)
+    return [f"--cuda-memory-pool-byte-size=0:{-(-cuda // MIB) * MIB}",
+            f"--pinned-memory-pool-byte-size={max(DEFAULT_PINNED_POOL_BYTES, -(-pinned // MIB) * MIB)}"]
 
 
 def render_code2wav_config(spec: DecoderSpec, serving: DecoderServing | None = None) -> str:
-    """The config.pbtxt text of `code2wav` in front of a decoder of `spec` served with `serving`: per
-    instance, max_live_streams is its share of the decoder's max_candidate_sequences (rounded down) and
-    its own max_candidate_sequences CODE2WAV_SLOTS_PER_STREAM times that (docs/design.md §5.1)."""
+    """code2wav's config: each instance admits its share of the decoder's streams (docs/design.md §5.1)."""
     serving = serving or DecoderServing()
     serving.validate()
     # Spare slots let a START past the cap reach the front, which refuses it instead of Triton queueing it.
@@ -279,18 +254,10 @@ def render_code2wav_config(spec: DecoderSpec, serving: DecoderServing | None = N
     }, CHECKED_IN_CODE2WAV_CONFIG)
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
-
-
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
-    """A complete model repository in `out_dir` (not inside the tracked model_repository/): code2wav
-    plus mimi_decoder for `target`, model_repository/common/ beside each Python model's model.py, and
-    for a KIND_GPU decoder with implicit state `tritonserver.args`, `memory_pool_args` one per line."""
+    """code2wav + mimi_decoder for `target` in `out_dir` (outside model_repository/), and for a KIND_GPU
+    decoder with implicit state `tritonserver.args`, its `memory_pool_args`."""
     out_dir, tracked = out_dir.resolve(), MODELS_DIR.resolve()
     if out_dir == tracked or tracked in out_dir.parents:
         raise ValueError(f"refusing to render into the tracked model repository: {out_dir}")
@@ -305,10 +272,12 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
     (code2wav / "config.pbtxt").write_text(render_code2wav_config(spec, serving))
     (decoder / "1").mkdir(parents=True)
     (decoder / "config.pbtxt").write_text(render_config(spec, target, serving))
-    if target == "tensorrt":
-        _link_or_copy(plan_path, decoder / "1" / "model.plan")
-    elif target != "null":
-        _link_or_copy(onnx_path, decoder / "1" / "model.onnx")
+    if target != "null":
+        model, name = (plan_path, "model.plan") if target == "tensorrt" else (onnx_path, "model.onnx")
+        try:  # a hard link where it can, else a copy
+            os.link(model, decoder / "1" / name)
+        except OSError:
+            shutil.copy2(model, decoder / "1" / name)
     common = sorted(COMMON_DIR.glob("*.py"))
     copies = [(code2wav / "1", common)]
     if target in PYTHON_DECODERS:

@@ -1,8 +1,5 @@
-"""The decoder step's tensor spec, the one source of names, dtypes and per-stream shapes for the ONNX export,
-the TensorRT profile and every rendered `mimi_decoder` config. Triton pairs input and output states by
-position in two name-sorted lists, so state names carry a two-digit index. Standard library only:
-the serving side reads specs from JSON.
-"""
+"""The decoder step's tensor spec: the one source of names, dtypes and per-stream shapes for the ONNX export,
+the TensorRT profile and every rendered config. Standard library only: the serving side reads it from JSON."""
 
 from __future__ import annotations
 
@@ -67,7 +64,7 @@ class DecoderSpec:
         return sum(DTYPE_BYTES[s.dtype] * math.prod(s.shape) for s in self.states)
 
     def validate(self) -> None:
-        """Raise ValueError if Triton would pair the states wrongly or a name is reused."""
+        """Triton pairs states by position in the sorted input and output names (so names carry an index)."""
         pairs = {s.input: s.output for s in self.states}
         if [pairs[name] for name in sorted(pairs)] != sorted(pairs.values()):
             raise ValueError(f"state names sort differently on the input and output side: {sorted(pairs.items())}")

@@ -1,8 +1,5 @@
-"""Mimi's decoder as one streaming step with explicit state, batch first, of a per-stream shape that does
-not depend on the frames per call (all zero: a fresh stream). The key/value caches are rings; the SEANet
-convolutions keep their left contexts and overlap tails in one flat conv state. Window "moshi" equals
-moshi's streaming decoder, "exact" offline decoding (docs/design.md §3).
-"""
+"""Mimi's decoder as one streaming step with explicit state (all zero: a fresh stream): key/value rings and
+one flat conv state. Window "moshi" equals moshi's streaming decoder, "exact" offline decoding (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -26,14 +23,12 @@ MATMUL_CONV_CHANNELS = 512
 
 
 def frozen(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
-    """A detached copy of `tensor` in `dtype`, as a parameter without gradient."""
     return nn.Parameter(tensor.detach().to(dtype).clone(), requires_grad=False)
 
 
 class StreamingConv(nn.Module):
-    """Causal stride-1 conv; its state is the last (kernel - 1) * dilation input samples. Convs of
-    >= MATMUL_CONV_CHANNELS inputs run as one matmul over the batch, [B * T, Cin * K] @ [Cin * K, Cout]:
-    a Conv runs one GEMM per stream, each reading the whole weight for a few samples."""
+    """Causal stride-1 conv keeping its last (kernel - 1) * dilation inputs. Wide ones run as one matmul over
+    the batch: a Conv runs one GEMM per stream, each reading the whole weight for a few samples."""
 
     def __init__(self, conv: nn.Conv1d, dtype: torch.dtype):
         super().__init__()
@@ -61,16 +56,13 @@ class StreamingConv(nn.Module):
             taps = [x[:, :, j * self.dilation : j * self.dilation + steps] for j in range(self.kernel)]
             rows = torch.stack(taps, dim=3).transpose(1, 2).reshape(-1, self.channels * self.kernel)
         y = torch.matmul(rows, self.weight)
-        if self.bias is not None:
-            y = y + self.bias
+        y = y if self.bias is None else y + self.bias
         return y.view(x.shape[0], steps, self.out_channels).transpose(1, 2)
 
 
 class StreamingConvTranspose(nn.Module):
-    """Causal transposed conv with kernel = 2 * stride; its state is the overlap tail, without bias.
-    Output block t = taps [0, s) of input step t + taps [s, 2s) of step t - 1 (the state for t = 0),
-    each half one matmul over the whole batch, [B * T, Cin] @ [Cin, s * Cout], tap-major so the sum is
-    [B, T * s, Cout]. Not ConvTranspose: the NGC 24.10 native backend's ORT 1.19 runs it stream by stream."""
+    """Causal transposed conv, kernel = 2 * stride: block t = taps [0, s) of step t + taps [s, 2s) of step t - 1
+    (the state, without bias). Not ConvTranspose: the NGC 24.10 backend's ORT 1.19 runs it stream by stream."""
 
     def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype):
         super().__init__()
@@ -105,12 +97,10 @@ class StreamingConvTranspose(nn.Module):
 
 
 class ConvState:
-    """Reads conv state pieces of the given per-stream shapes from the flat state tensor in order and
-    collects their updates."""
+    """Hands out the flat conv state's pieces in order and collects their updates."""
 
     def __init__(self, flat: torch.Tensor):
-        self.flat, self.offset = flat, 0
-        self.updates: list[torch.Tensor] = []
+        self.flat, self.offset, self.updates = flat, 0, []
 
     def take(self, *shape: int) -> torch.Tensor:
         size = math.prod(shape)
@@ -123,8 +113,7 @@ class ConvState:
 
 
 class Elu(nn.Module):
-    """ELU as relu(x) + alpha * (exp(min(x, 0)) - 1): the same values (within an ulp), run by ONNX
-    Runtime's vectorised Relu / Min / Exp kernels, which are faster on a CPU than its Elu kernel."""
+    """ELU as relu(x) + alpha * (exp(min(x, 0)) - 1): ONNX Runtime's Relu / Min / Exp beat its Elu on a CPU."""
 
     def __init__(self, alpha: float):
         super().__init__()
@@ -200,10 +189,17 @@ class MimiDecoderStep(nn.Module):
             raise ValueError(f"max_frames_per_step must be in [1, {self.cache_len // self.steps_per_frame}], "
                              f"got {max_frames_per_step}")
 
-        decoder = model.decoder
+        decoder, quantizer = model.decoder, model.quantizer
         constant = functools.partial(self.register_buffer, persistent=False)
-        with torch.no_grad():
-            constant("codebook_table", self._fold_quantizer(model.quantizer).to(dtype))
+        # One [k * codebook_size, hidden] table: each codebook's entries through its output projection.
+        n_semantic, tables = quantizer.num_semantic_quantizers, []
+        for index in range(num_codebooks):
+            rvq, j = ((quantizer.semantic_residual_vector_quantizer, index) if index < n_semantic
+                      else (quantizer.acoustic_residual_vector_quantizer, index - n_semantic))
+            codebook = rvq.layers[j].codebook
+            embed = codebook.embed_sum.double() / codebook.cluster_usage.double().clamp(min=codebook.epsilon)[:, None]
+            tables.append(embed if rvq.output_proj is None else embed @ rvq.output_proj.weight.double()[:, :, 0].T)
+        constant("codebook_table", torch.cat(tables).detach().to(dtype))
         constant("codebook_offsets",
                  (torch.arange(num_codebooks, dtype=torch.int32) * self.codebook_size).view(1, num_codebooks, 1))
         self.upsample = StreamingConvTranspose(decoder.upsample.conv, dtype)
@@ -247,21 +243,6 @@ class MimiDecoderStep(nn.Module):
         self.conv_state_size = sum(math.prod(module.state_shape) for module in self.modules()
                                    if isinstance(module, (StreamingConv, StreamingConvTranspose)))
 
-    def _fold_quantizer(self, quantizer) -> torch.Tensor:
-        """One [k * codebook_size, hidden] table: each codebook's entries through its output projection."""
-        semantic = quantizer.semantic_residual_vector_quantizer
-        acoustic = quantizer.acoustic_residual_vector_quantizer
-        n_semantic = quantizer.num_semantic_quantizers
-        tables = []
-        for index in range(self.num_codebooks):
-            rvq, j = (semantic, index) if index < n_semantic else (acoustic, index - n_semantic)
-            codebook = rvq.layers[j].codebook
-            embed = codebook.embed_sum.double() / codebook.cluster_usage.double().clamp(min=codebook.epsilon)[:, None]
-            if rvq.output_proj is not None:
-                embed = embed @ rvq.output_proj.weight.double()[:, :, 0].T
-            tables.append(embed)
-        return torch.cat(tables)
-
     def spec(self) -> DecoderSpec:
         cache_shape = (self.num_heads, self.cache_len, self.head_dim)
         states = [(f"layer{layer}_{kind}", self.kv_cache_dtype, cache_shape)
@@ -276,12 +257,10 @@ class MimiDecoderStep(nn.Module):
         )
 
     def zero_state(self, batch_size: int) -> tuple[torch.Tensor, ...]:
-        """Every state tensor of a fresh stream, in the spec's order: the 2L caches, conv, position."""
+        """Every state tensor of a fresh stream, in the spec's order (caches in self.dtype where it is float64)."""
         cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] if self.dtype == torch.float32 else self.dtype
-        cache_shape = (batch_size, self.num_heads, self.cache_len, self.head_dim)
-        caches = [torch.zeros(cache_shape, dtype=cache_dtype) for _ in range(2 * self.num_layers)]
-        return (*caches, torch.zeros(batch_size, self.conv_state_size, dtype=self.dtype),
-                torch.zeros(batch_size, 1, dtype=torch.int32))
+        dtypes = {"int32": torch.int32, "float32": self.dtype, self.kv_cache_dtype: cache_dtype}
+        return tuple(torch.zeros(batch_size, *s.shape, dtype=dtypes[s.dtype]) for s in self.spec().states)
 
     def forward(self, codes, *state):
         *caches, conv, position = state

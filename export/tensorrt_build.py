@@ -1,7 +1,6 @@
 """Build a TensorRT plan from an export (on the GPU host, e.g. in the NGC image): one optimisation profile
 over batch 1..--max-batch and frames 1..max_frames_per_step. With --fp16 the RoPE angle layers stay fp32
-(a half-precision angle at large positions is off by radians). Without trtexec this exits 3.
-"""
+(a half-precision angle at large positions is off by radians). Without trtexec this exits 3."""
 
 from __future__ import annotations
 
@@ -36,27 +35,24 @@ def trtexec_command(trtexec: str, onnx_path: Path, plan_path: Path, spec: Decode
     for kind in ("min", "opt", "max"):
         command.append(f"--{kind}Shapes=" + ",".join(f"{name}:{'x'.join(map(str, dims[kind]))}"
                                                      for name, dims in shapes.items()))
-    if fp16:
-        command += ["--fp16", "--precisionConstraints=obey", f"--layerPrecisions={_rope_layer_precisions(onnx_path)}"]
-    return command
-
-
-def _rope_layer_precisions(onnx_path: Path) -> str:
-    """trtexec --layerPrecisions pinning Cos/Sin and the angle arithmetic that feeds them to fp32."""
+    if not fp16:
+        return command
     import onnx
 
+    # Cos/Sin and the angle arithmetic that feeds them stay fp32: walk back from them towards the position.
     graph = onnx.load(str(onnx_path), load_external_data=False).graph
     producers = {out: node for node in graph.node for out in node.output}
     pinned: set[str] = set()
     frontier = [node for node in graph.node if node.op_type in ("Cos", "Sin")]
-    while frontier:  # walk back towards the position input
+    while frontier:
         node = frontier.pop()
         if node.name in pinned or node.op_type == "Constant":
             continue
         pinned.add(node.name)
         frontier += [producers[name] for name in node.input if name in producers and producers[name].op_type
                      in ("Mul", "Add", "Cast", "Unsqueeze", "Concat", "Sub", "Div")]
-    return ",".join(f"{name}:fp32" for name in sorted(pinned))
+    layers = ",".join(f"{name}:fp32" for name in sorted(pinned))
+    return command + ["--fp16", "--precisionConstraints=obey", f"--layerPrecisions={layers}"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,6 @@
-"""Mimi weights into a `transformers.MimiModel`, safetensors only: a transformers-format folder or hub
-id (kyutai/mimi), a moshi-format file (e.g. PersonaPlex's tokenizer-e351c8d8-checkpoint125.safetensors)
-or seeded random weights. Every source becomes a flat state dict in kyutai/mimi's naming, checked name
-by name and shape by shape against the architecture before it is loaded.
-"""
+"""Mimi weights into a `transformers.MimiModel`, safetensors only: a transformers folder or hub id (kyutai/mimi),
+a moshi-format file (e.g. PersonaPlex's tokenizer) or seeded random weights, each checked against the architecture
+name by name and shape by shape, in kyutai/mimi's flat naming."""
 
 from __future__ import annotations
 
@@ -18,15 +16,6 @@ from pathlib import Path
 import torch
 
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
-# MimiModel module names -> flat checkpoint names (the layout kyutai/mimi's model.safetensors uses).
-_MODULE_TO_FLAT = (
-    ("encoder.encoder_seanet.layers.", "encoder.layers."),
-    ("encoder.encoder_transformer.", "encoder_transformer."),
-    ("encoder.downsample.", "downsample."),
-    ("decoder.decoder_seanet.layers.", "decoder.layers."),
-    ("decoder.decoder_transformer.", "decoder_transformer."),
-    ("decoder.upsample.", "upsample."),
-)
 
 
 class WeightsError(ValueError):
@@ -42,10 +31,9 @@ class LoadedMimi:
 
 
 def _flat_name(module_name: str) -> str:
-    for module, flat in _MODULE_TO_FLAT:
-        if module_name.startswith(module):
-            return flat + module_name[len(module) :]
-    return module_name
+    """MimiModel's name -> kyutai/mimi's checkpoint name (encoder.encoder_seanet.layers.0 -> encoder.layers.0)."""
+    name = re.sub(r"^(encoder|decoder)\.\1_seanet\.layers\.", r"\1.layers.", module_name)
+    return re.sub(r"^(encoder|decoder)\.(\1_transformer|downsample|upsample)\.", r"\2.", name)
 
 
 def new_model(config=None):
@@ -75,11 +63,9 @@ def _short(names: list[str], limit: int = 8) -> str:
 
 _LAYER = r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\."  # moshi's transformer layers
 _MOSHI_RULES = (
-    (r"^(encoder|decoder)\.model\.(\d+)\.(conv\.conv|convtr\.convtr)\.", r"\1.layers.\2.conv."),
-    (r"^(encoder|decoder)\.model\.(\d+)\.block\.(\d+)\.conv\.conv\.", r"\1.layers.\2.block.\3.conv."),
-    (r"^(encoder|decoder)\.model\.(\d+)\.shortcut\.conv\.conv\.", r"\1.layers.\2.shortcut.conv."),
-    (r"^downsample\.conv\.conv\.conv\.", "downsample.conv."),
-    (r"^upsample\.convtr\.convtr\.convtr\.", "upsample.conv."),
+    (r"^(encoder|decoder)\.model\.(\d+)\.(block\.\d+\.|shortcut\.)?(conv\.conv|convtr\.convtr)\.",
+     r"\1.layers.\2.\3conv."),
+    (r"^(down|up)sample\.(conv|convtr)\.\2\.\2\.", r"\1sample.conv."),
     *((_LAYER + moshi, r"\1_transformer.layers.\2." + mimi) for moshi, mimi in (
         (r"self_attn\.out_projs?(\.0)?\.", "self_attn.o_proj."), (r"norm1\.", "input_layernorm."),
         (r"norm2\.", "post_attention_layernorm."), (r"linear1\.", "mlp.fc1."), (r"linear2\.", "mlp.fc2."),
@@ -184,24 +170,14 @@ def _readable(path: Path):
         raise WeightsError(f"{path}: not a readable safetensors file ({error})") from error
 
 
-def _tensor_names(path: Path) -> list[str]:
-    """The names in a safetensors file's header, without reading its tensors."""
-    from safetensors import safe_open
-
-    with _readable(path), safe_open(str(path), "pt") as handle:
-        return list(handle.keys())
-
-
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """The tensors of a safetensors file and the file's sha256, read in chunks: a checkpoint is never
-    held twice in memory."""
+    """The tensors (memory-mapped) and the sha256 (in chunks) of a file: a checkpoint is never held twice."""
     from safetensors.torch import load_file
 
     digest = hashlib.sha256()
-    with _readable(path):
-        with open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
+    with _readable(path), open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
         return load_file(str(path)), digest.hexdigest()
 
 
@@ -246,7 +222,11 @@ def load_weights(source: str | os.PathLike | None, seed: int | None = None) -> L
     if path.is_file():
         if path.suffix not in SAFETENSORS_SUFFIXES:
             raise WeightsError(f"{path}: only safetensors checkpoints are read (pickled checkpoints can run code)")
-        if not any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in _tensor_names(path)):
+        from safetensors import safe_open
+
+        with _readable(path), safe_open(str(path), "pt") as header:  # the names only, before any tensor is read
+            names = list(header.keys())
+        if not any(name.startswith(("decoder.model.", "quantizer.rvq_first.")) for name in names):
             raise WeightsError(f"{path}: not a moshi-format Mimi checkpoint; for transformers format pass the "
                                "folder holding config.json and model.safetensors")
         tensors, sha256 = _read_safetensors(path)

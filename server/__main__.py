@@ -9,28 +9,24 @@ import argparse
 import sys
 
 from . import security, serve, verify
+from .processes import ServerError, report
 
-COMMANDS = {
-    "serve": (serve, "run the local tritonserver in the foreground (Ctrl-C or SIGTERM stops it)"),
-    "certs": (security, "make a private CA with server and client certificates, for trying TLS"),
-    "verify": (verify, "check a running server against a streaming reference decode of the same weights"),
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="code2wav-server", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    for name, (module, summary) in COMMANDS.items():
-        command = commands.add_parser(name, help=summary, description=module.__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(command)
-        command.set_defaults(handler=module.run)
-    return parser
+COMMANDS = {"serve": serve, "certs": security, "verify": verify}  # each one's help: its docstring's first line
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
+    parser = argparse.ArgumentParser(prog="code2wav-server", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, module in COMMANDS.items():
+        command = commands.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(command)
+        command.set_defaults(handler=module.run)
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except ServerError as error:  # one line "error: ..." and exit 1
+        return report(error)
 
 
 if __name__ == "__main__":

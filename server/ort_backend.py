@@ -1,8 +1,7 @@
-"""Triton's native ONNX Runtime backend beside the pip tritonserver's Python backend (docs/design.md §4),
-in the server's private backend directory: `libtriton_onnxruntime.so` (built for 2.51, CPU) from the folder
-ORT_BACKEND names, and ONNX Runtime 1.19.2's library (what 2.51 builds against) from PyPI's wheel, pinned
-by sha256 (`python -m mimi_code2wav.server.ort_backend` fetches it ahead of time, as `make venv` does).
-"""
+"""Triton's native ONNX Runtime backend beside the pip tritonserver's Python backend (docs/design.md §4):
+`libtriton_onnxruntime.so` (built for 2.51, CPU) from the folder ORT_BACKEND names, and ONNX Runtime 1.19.2's
+library (what 2.51 builds against) from PyPI's wheel, pinned by sha256 (`python -m
+mimi_code2wav.server.ort_backend` fetches it ahead of time, as `make venv` does)."""
 
 from __future__ import annotations
 
@@ -24,10 +23,8 @@ ORT_BACKEND_ENV = "ORT_BACKEND"
 BACKEND_LIBRARY = "libtriton_onnxruntime.so"
 ORT_LIBRARY = "libonnxruntime.so.1"  # its SONAME; the backend's RUNPATH is $ORIGIN
 ORT_VERSION = "1.19.2"
-# The library inside the cp311 manylinux_2_28 x86-64 wheel of onnxruntime 1.19.2.
 ORT_LIBRARY_MEMBER = f"onnxruntime/capi/libonnxruntime.so.{ORT_VERSION}"
-ORT_LIBRARY_SHA256 = "4ff01702cba83d4162e87752deb6f09a8bb9297185880e2b54067ef3ffb334f1"
-_ONNXRUNTIME_BACKEND = re.compile(r'^\s*backend:\s*"onnxruntime"', re.MULTILINE)
+ORT_LIBRARY_SHA256 = "4ff01702cba83d4162e87752deb6f09a8bb9297185880e2b54067ef3ffb334f1"  # in the cp311 x86-64 wheel
 
 
 def install_file(source: Path, target: Path, mode: int) -> None:
@@ -49,17 +46,14 @@ def backend_source() -> Path:
 
 def needs_onnxruntime(repository: Path) -> bool:
     """True when a model of `repository` is served by the native `onnxruntime` backend."""
-    return any(_ONNXRUNTIME_BACKEND.search(config.read_text()) for config in Path(repository).glob("*/config.pbtxt"))
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()  # a library of tens of MB
+    return any(re.search(r'^\s*backend:\s*"onnxruntime"', config.read_text(), re.MULTILINE)
+               for config in Path(repository).glob("*/config.pbtxt"))
 
 
 def fetch_onnxruntime_library() -> Path:
     """ONNX Runtime 1.19.2's shared library in this environment, downloaded from PyPI once, sha256-checked."""
     target = Path(sys.prefix) / "share" / "mimi-code2wav" / f"onnxruntime-{ORT_VERSION}" / ORT_LIBRARY
-    if target.is_file() and _sha256(target) == ORT_LIBRARY_SHA256:
+    if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == ORT_LIBRARY_SHA256:
         return target
     print(f"fetching ONNX Runtime {ORT_VERSION}'s library for the native backend (pip download, 13 MB) ...",
           file=sys.stderr, flush=True)
@@ -72,16 +66,13 @@ def fetch_onnxruntime_library() -> Path:
         if done.returncode != 0 or not wheels:
             raise ServerError(f"could not download onnxruntime=={ORT_VERSION} for the native backend: "
                               f"{((done.stderr or done.stdout).strip().splitlines() or ['no wheel'])[-1]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            library = Path(wheel.extract(ORT_LIBRARY_MEMBER, folder))
+        if hashlib.sha256(library.read_bytes()).hexdigest() != ORT_LIBRARY_SHA256:
+            raise ServerError(f"{ORT_LIBRARY_MEMBER} of the downloaded onnxruntime=={ORT_VERSION} wheel does not have "
+                              f"the pinned sha256 {ORT_LIBRARY_SHA256}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.{os.getpid()}")
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(ORT_LIBRARY_MEMBER) as member, open(partial, "wb") as out:
-            shutil.copyfileobj(member, out)
-    if _sha256(partial) != ORT_LIBRARY_SHA256:
-        partial.unlink()
-        raise ServerError(f"{ORT_LIBRARY_MEMBER} of the downloaded onnxruntime=={ORT_VERSION} wheel does not have "
-                          f"the pinned sha256 {ORT_LIBRARY_SHA256}")
-    os.chmod(partial, 0o755)
-    os.replace(partial, target)
+        install_file(library, target, 0o755)
     return target
 
 
@@ -101,13 +92,8 @@ def install_onnxruntime_backend(backend_dir: Path) -> Path:
     return folder
 
 
-def main() -> int:
+if __name__ == "__main__":
     try:
         print(fetch_onnxruntime_library())
     except ServerError as error:
-        return report(error)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        sys.exit(report(error))

@@ -1,20 +1,20 @@
-"""`code2wav-server certs`, and the access folder of TLS and keys (docs/design.md §5.3) that `serve`
-writes from its options; the entrypoint script (`ENTRYPOINT`) alone maps the folder to tritonserver's
-flags and holds the rules for each file. No log line or error message of this package quotes a key.
+"""Make a private CA with server and client certificates, for trying TLS (`code2wav-server certs`).
+
+The access folder of TLS and keys (docs/design.md §5.3) that `serve` writes from its options: the entrypoint
+script (`ENTRYPOINT`) alone maps it to tritonserver's flags. No log line or error message quotes a key.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 from mimi_code2wav.client.credentials import KEY_ENV
 
-from .processes import ServerError, report
+from .processes import ServerError
 
 ADMIN_KEY_ENV = "CODE2WAV_ADMIN_KEY"
 # The entrypoint every server runs under: watches health and the Python stubs, maps the access folder.
@@ -75,13 +75,8 @@ def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.
     def new_key(name: str) -> list[str]:
         return ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key"]
 
-    def alt_name(host: str) -> str:
-        with contextlib.suppress(ValueError):
-            return f"IP:{ipaddress.ip_address(host)}"
-        return f"DNS:{host}"
-
     openssl("req", "-x509", *new_key("ca"), "-out", "ca.pem", "-days", str(days), "-subj", "/CN=code2wav private CA")
-    names = ",".join(map(alt_name, hosts))
+    names = ",".join(f"IP:{host}" if re.fullmatch(r"[\d.]+|.*:.*", host) else f"DNS:{host}" for host in hosts)
     (folder / "server.ext").write_text(f"subjectAltName={names}\n")
     for name, subject, extensions in (("server", hosts[0], ["-extfile", "server.ext"]), ("client", "code2wav client", [])):
         openssl("req", *new_key(name), "-out", f"{name}.csr", "-subj", f"/CN={subject}")
@@ -102,10 +97,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    try:
-        folder = make_certificates(args.out, tuple(args.host or ("localhost", "127.0.0.1")), args.days)
-    except ServerError as error:
-        return report(error)
+    folder = make_certificates(args.out, tuple(args.host or ("localhost", "127.0.0.1")), args.days)
     print(f"wrote a private CA and certificates to {folder}: ca.pem (what clients trust), server.pem + server.key "
           "(--tls-cert, --tls-key), client.pem + client.key (mutual TLS: --tls-cert, --tls-key on the client); "
           "ca.key signs more and belongs nowhere near a server")

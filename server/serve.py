@@ -1,11 +1,10 @@
-"""`code2wav-server serve`: the local tritonserver in the foreground, supervised (docs/design.md §5.2).
+"""Run the local tritonserver in the foreground, supervised (docs/design.md §5.2); Ctrl-C stops it.
 
 Without --model-repository the repository for --decoder is exported (when missing or stale for the
-weights) and rendered under the build folder. tritonserver runs under the entrypoint script that compose
-and Kubernetes run, with TLS and keys from the options below: it kills a hung server or one whose Python
-stub died. A server that exits is started again on the same ports after a delay that doubles while it
-keeps dying soon after its start (its streams resume on resumable clients); --no-restart exits with it.
-SIGHUP drains it and starts it again at once, reading the repository afresh (new weights, a new config).
+weights) and rendered under the build folder. tritonserver runs under the entrypoint script, with TLS and
+keys from the options below: it kills a hung server or one whose Python stub died. A server that exits is
+started again on the same ports after a delay that doubles while it keeps dying soon after its start;
+--no-restart exits with it. SIGHUP drains it and starts it again at once, reading the repository afresh.
 Ctrl-C or SIGTERM drains and stops it within its exit timeout (25 s), then exits 0.
 """
 
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from .processes import ServerError
 from .security import add_security_arguments, write_access_folder
-from .supervise import Foreground, Supervisor, run_in_foreground
+from .supervise import Supervisor
 from .triton import LOCALHOST, TritonServer
 
 # The decoder targets a local server renders (tensorrt needs a plan built on a GPU).
@@ -24,10 +23,11 @@ LOCAL_TARGETS = ("python-ort", "onnxruntime", "null")
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_in_foreground(lambda foreground: _serve(args, foreground))
+    supervisor = Supervisor(args.restart, args.ready_timeout)
+    return supervisor.run(lambda: _serve(args, supervisor))
 
 
-def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
+def _serve(args: argparse.Namespace, supervisor: Supervisor) -> int:
     access_dir = write_access_folder(Path(args.build_dir) / f"access-{args.grpc_port}", args)
     repository = args.model_repository
     if repository is None:
@@ -42,13 +42,10 @@ def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
     server = TritonServer(repository, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, host=args.host, log_path=args.log_file,
                           log_verbose=args.log_verbose, access_dir=access_dir, watch=True)
-    supervisor = Supervisor(server, foreground, args.restart, args.ready_timeout)
-    foreground.stop = lambda: supervisor.server.stop()
-    supervisor.launch()
+    supervisor.launch(server)
     print(f"tritonserver starting, log: {server.log_path}", flush=True)
     ready_after_s = server.wait_ready(args.ready_timeout)
-    # What the entrypoint script said of TLS and the keys.
-    marker = "triton-watchdog: access: "
+    marker = "triton-watchdog: access: "  # what the entrypoint script said of TLS and the keys
     access = [line for line in server.log_path.read_text(errors="replace").splitlines() if line.startswith(marker)]
     print(f"tritonserver ready in {ready_after_s:.1f} s (pid {server.tritonserver_pid()}), serving {repository}\n"
           f"  gRPC     {server.grpc_url}\n"
@@ -57,7 +54,7 @@ def _serve(args: argparse.Namespace, foreground: Foreground) -> int:
           f"  access   {access[-1][len(marker):] if access else 'unknown (see the server log)'}\n"
           f"A server that dies is {'restarted' if args.restart else 'not restarted (--no-restart)'}. "
           "SIGHUP drains and restarts it; Ctrl-C or SIGTERM drains and stops it.", flush=True)
-    return supervisor.run()
+    return supervisor.supervise()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,9 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the decoder target to render: python-ort (any machine), onnxruntime (Triton's native "
                         "backend, from $ORT_BACKEND), null (silence: the front's ceiling) (default %(default)s)")
     parser.add_argument("--host", default=LOCALHOST, help="address to bind (default %(default)s)")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
+    for name, port in (("http", 8000), ("grpc", 8001), ("metrics", 8002)):
+        parser.add_argument(f"--{name}-port", type=int, default=port)
     parser.add_argument("--log-file", type=Path, default=Path("build") / "tritonserver.log",
                         help="server log (default %(default)s)")
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver verbose log level")

@@ -1,21 +1,15 @@
 #!/bin/sh
 # The entrypoint of every server (serve, compose, Kubernetes; docs/design.md §5.2, §5.3):
 #   triton-watchdog.sh tritonserver --model-repository=/models ...
-# runs the command with the access folder's flags; SIGKILLs a hung server or one with a dead Python stub
-# and exits 137, for the restart policy; passes SIGTERM and SIGINT on (the server drains) and exits with
-# the server's code. Needs only sh, curl, sed, date and sleep (as NGC's image has).
-#
-# Hung: WATCHDOG_CHECKS (3; 0: off) /v2/health/live checks in a row, one every WATCHDOG_INTERVAL_S (1),
-# unanswered within WATCHDOG_TIMEOUT_S (2); a refused connection (a loading server) or any answer resets
-# the count. Dead stub: Triton 2.51 answers ready while every request fails with "Stub process '...' is
-# not healthy"; every WATCHDOG_PROBE_S (5; 0: off) code2wav, then the decoder, get a START+END request,
-# each given WATCHDOG_PROBE_TIMEOUT_S (10: calling a stub dead takes Triton seconds). Both ask
-# WATCHDOG_HTTP (http://127.0.0.1:8000).
-#
-# The files of WATCHDOG_ACCESS_DIR (/run/code2wav-access; empty: none; docker/access/README.md):
-# server.pem + server.key TLS on gRPC, client-ca.pem mutual TLS, inference.key the inference key,
-# admin.key the admin key (without it admin calls take the inference key). Triton takes keys only on its
-# command line, readable by whoever lists the processes; the probe passes the key to curl on its stdin.
+# runs the command with the access folder's flags, passes SIGTERM and SIGINT on (the server drains) and exits
+# with its code; SIGKILLs a hung server or one with a dead Python stub and exits 137, for the restart policy.
+# Hung: WATCHDOG_CHECKS (3; 0: off) /v2/health/live checks in a row, one every WATCHDOG_INTERVAL_S (1), unanswered
+# within WATCHDOG_TIMEOUT_S (2); a refused connection (loading) or any answer resets the count. Dead stub: Triton
+# 2.51 answers ready while requests fail "Stub process '...' is not healthy"; every WATCHDOG_PROBE_S (5; 0: off)
+# code2wav, then the decoder, get a START+END request within WATCHDOG_PROBE_TIMEOUT_S (10), at WATCHDOG_HTTP.
+# WATCHDOG_ACCESS_DIR (/run/code2wav-access; empty: none; docker/access/README.md): server.pem + server.key TLS,
+# client-ca.pem mutual TLS, inference.key and admin.key (else admin calls take the inference key). Triton takes
+# keys only on its command line; the probe gives curl the key on stdin. Needs sh, curl, sed, date and sleep.
 
 set -u
 
@@ -26,8 +20,7 @@ timeout=${WATCHDOG_TIMEOUT_S:-2}
 checks=${WATCHDOG_CHECKS:-3}
 probe_s=${WATCHDOG_PROBE_S:-5}
 probe_timeout=${WATCHDOG_PROBE_TIMEOUT_S:-10}
-# code2wav's START+END without frames (its stub answers without calling the decoder) and one START+END
-# step of silence for the decoder, on a sequence id no client uses.
+# code2wav's START+END without frames (it answers without the decoder), the decoder's of one silent step.
 PROBE_SEQUENCE='"parameters":{"sequence_id":18446744073709551615,"sequence_start":true,"sequence_end":true}'
 CODE2WAV_PROBE="{$PROBE_SEQUENCE,\"inputs\":[{\"name\":\"input_ids\",\"shape\":[1,0],\"datatype\":\"INT64\",\"data\":[]}]}"
 DECODER_PROBE="{$PROBE_SEQUENCE,\"inputs\":[{\"name\":\"codes\",\"shape\":[1,8,1],\"datatype\":\"INT32\",\"data\":[0,0,0,0,0,0,0,0]}]}"
@@ -44,8 +37,7 @@ case $probe_s in '' | *[!0-9]*) die "WATCHDOG_PROBE_S must be a whole number of 
 [ -n "$access_dir" ] || access_dir=/nonexistent/code2wav-access
 has() { [ -f "$access_dir/$1" ]; }
 
-# The one word of key file $1 (surrounding whitespace dropped; nothing when there is no such file);
-# exits naming the file when it holds anything else.
+# The one word of key file $1 (trimmed; nothing without the file); exits naming the file if it holds more.
 read_key() {
     has "$1" || return 0
     key=$(sed -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' "$access_dir/$1") || exit 2
@@ -93,6 +85,11 @@ echo "triton-watchdog: access: $access (from $access_dir)" >&2
 
 "$@" &
 server=$!
+kill_server() {
+    echo "triton-watchdog: tritonserver (pid $server) $*" >&2
+    kill -KILL "$server" 2>/dev/null
+    exit 0
+}
 
 (
     unanswered=0
@@ -110,13 +107,8 @@ server=$!
                     answer=$({ [ -z "$inference_key" ] || printf 'header = "code2wav-key: %s"\n' "$inference_key"; } \
                         | curl -sS -m "$probe_timeout" -K - -H 'Content-Type: application/json' -d "$body" \
                             "$http/v2/models/$model/infer" 2>/dev/null)
-                    case $answer in
-                        *"is not healthy"*)
-                            echo "triton-watchdog: tritonserver (pid $server) answers, but a Python stub is dead" \
-                                 "($answer from $model): killing it (SIGKILL) so that the container restarts" >&2
-                            kill -KILL "$server" 2>/dev/null
-                            exit 0
-                            ;;
+                    case $answer in *"is not healthy"*) kill_server "answers, but a Python stub is dead ($answer" \
+                        "from $model): killing it (SIGKILL) so that the container restarts" ;;
                     esac
                 done
             ) &
@@ -124,24 +116,14 @@ server=$!
         fi
         [ "$checks" -gt 0 ] || continue
         curl -sS -o /dev/null -m "$timeout" "$url" 2>/dev/null
-        # 28: curl's "operation timed out".
-        if [ $? -eq 28 ]; then unanswered=$((unanswered + 1)); else unanswered=0; fi
-        if [ "$unanswered" -ge "$checks" ]; then
-            echo "triton-watchdog: tritonserver (pid $server) answered no health check ($url) within" \
-                 "$timeout s, $checks times in a row: hung; killing it (SIGKILL) so that its streams move" \
-                 "and the container restarts" >&2
-            kill -KILL "$server" 2>/dev/null
-            exit 0
-        fi
+        if [ $? -eq 28 ]; then unanswered=$((unanswered + 1)); else unanswered=0; fi  # 28: curl's time-out
+        [ "$unanswered" -lt "$checks" ] || kill_server "answered no health check ($url) within $timeout s," \
+            "$checks times in a row: hung; killing it (SIGKILL) so that its streams move and the container restarts"
     done
 ) &
 checker=$!
 
-stop() {
-    kill "$checker" 2>/dev/null
-    kill -TERM "$server" 2>/dev/null
-}
-trap stop TERM INT
+trap 'kill "$checker" 2>/dev/null; kill -TERM "$server" 2>/dev/null' TERM INT
 
 # `wait` returns early when a trapped signal arrives; wait again until the server itself has exited.
 while :; do

@@ -8,6 +8,8 @@ import contextlib
 import dataclasses
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,21 +22,18 @@ import uuid
 from pathlib import Path
 
 from .ort_backend import install_file, install_onnxruntime_backend, needs_onnxruntime
-from .processes import ServerError, group_pids, log_tail, stop_process_group, with_parent_death_signal
+from .processes import ServerError, group_pids, log_tail, process_group_alive
 from .security import ENTRYPOINT
 
 SHM_DIR = Path("/dev/shm")
 LOCALHOST = "127.0.0.1"
-# How long a stopping tritonserver waits for its live streams (--exit-timeout-secs): long enough for
-# streams its clients abandoned to idle out (code2wav 10 s, the decoder 12 s, docs/design.md §5.2),
-# short enough to exit inside Kubernetes' default 30 s grace period.
+# --exit-timeout-secs: abandoned streams idle out (docs/design.md §5.2) inside Kubernetes' 30 s grace.
 DEFAULT_EXIT_TIMEOUT_S = 25
 
 
 def prepare_triton() -> tuple[Path, Path, dict[str, str]]:
-    """The wheel's tritonserver binary, a backend directory whose `python/` holds the wheel's Python
-    backend and this interpreter's stub side by side (as the backend requires; the wheel is left
-    untouched), and the environment they run in."""
+    """The wheel's tritonserver, a backend directory whose `python/` holds the wheel's Python backend and
+    this interpreter's stub side by side (as the backend requires), and the environment they run in."""
     try:
         import pytriton
     except ImportError as exc:
@@ -66,8 +65,7 @@ def prepare_triton() -> tuple[Path, Path, dict[str, str]]:
     libdir = sysconfig.get_config_var("LIBDIR") or ""  # this interpreter's libpython
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
     env.pop("PYTHONHOME", None)  # the stub must use this environment, whatever the caller's shell says
-    # Buffers of 128 KiB and more (a layer's cache of one stream is 248-496 KiB) are mapped and given back
-    # when freed: glibc's default threshold rises with every such free until they stay on the heap for good.
+    # Freed buffers of 128 KiB and more go back to the system (glibc's own threshold rises until none do).
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
     return binary, backend_dir, env
 
@@ -95,13 +93,11 @@ def port_is_free(port: int, host: str = LOCALHOST) -> bool:
 def fetch_metrics(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """Scrape a Prometheus text endpoint into {'name{labels}': value} (histogram series included)."""
     with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
-        text = response.read().decode()
+        lines = response.read().decode().splitlines()
     samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            with contextlib.suppress(ValueError):
-                samples[key] = float(value)
+    for key, _, value in (line.rpartition(" ") for line in lines if line and not line.startswith("#")):
+        with contextlib.suppress(ValueError):
+            samples[key] = float(value)
     return samples
 
 
@@ -114,11 +110,10 @@ def metric_value(samples: dict[str, float], name: str, **labels: str) -> float |
 
 @dataclasses.dataclass(eq=False)
 class TritonServer:
-    """One tritonserver leading its own process group, its output in `log_path` (None: a temporary file);
-    ports left None or 0 are picked free at `start()`. With `access_dir` (TLS and keys, the entrypoint's
-    access folder) or `watch` (its health checks and stub probes; `watch_env` overrides their WATCHDOG_*
-    settings) it runs under the entrypoint script, as compose and Kubernetes run it; `pid` is then the
-    script's. `dataclasses.replace(server)` is a new server with the same settings and ports."""
+    """One tritonserver leading its own process group, its output in `log_path` (None: a temporary file); ports
+    left None or 0 are picked free at `start()`. With `access_dir` (the entrypoint's access folder) or `watch`
+    (its health checks and stub probes; `watch_env`: WATCHDOG_* settings) it runs under the entrypoint script,
+    whose pid `pid` then is. `dataclasses.replace(server)` is a new server with the same settings and ports."""
 
     model_repository: Path
     _: dataclasses.KW_ONLY
@@ -149,8 +144,7 @@ class TritonServer:
     http_url = property(lambda self: f"{self.http_host}:{self.http_port}")
     metrics_url = property(lambda self: f"http://{self.http_host}:{self.metrics_port}/metrics")
     pid = property(lambda self: self.process.pid if self.process is not None else None)
-    # A stop waits for the live streams up to the exit timeout, then 10 s more for the unload.
-    stop_grace_s = property(lambda self: self.exit_timeout_s + 10.0)
+    entrypoint = property(lambda self: self.access_dir is not None or self.watch)
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -159,21 +153,14 @@ class TritonServer:
         """The exit code once the process has exited (negative: killed by that signal), else None."""
         return self.process.poll() if self.process is not None else None
 
-    def _entrypoint(self, command: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-        """`command` under the entrypoint script, when this server needs it (the class docstring)."""
-        if self.access_dir is None and not self.watch:
-            return command, env
-        settings = {"WATCHDOG_HTTP": f"http://{self.http_url}", "WATCHDOG_ACCESS_DIR": str(self.access_dir or ""),
-                    **({} if self.watch else {"WATCHDOG_CHECKS": "0", "WATCHDOG_PROBE_S": "0"}), **self.watch_env}
-        return ["sh", str(ENTRYPOINT), *command], {**env, **settings}
-
     def tritonserver_pid(self) -> int | None:
-        """tritonserver's own pid: `pid`, or the one in the entrypoint script's process group (None until
-        the script has started it)."""
-        if self.process is None or self.access_dir is None and not self.watch:
+        """tritonserver's own pid: `pid`, or the one in the entrypoint's process group (None until it started)."""
+        if self.process is None or not self.entrypoint:
             return self.pid
-        if self._tritonserver_pid is None:
-            self._tritonserver_pid = next((pid for pid in group_pids(self.pid) if _program(pid) == "tritonserver"), None)
+        for pid in group_pids(self.pid) if self._tritonserver_pid is None else ():
+            with contextlib.suppress(OSError):  # exited, or not ours to read
+                if Path(f"/proc/{pid}/exe").resolve(strict=True).name == "tritonserver":
+                    self._tritonserver_pid = pid
         return self._tritonserver_pid
 
     def start(self) -> None:
@@ -193,21 +180,27 @@ class TritonServer:
             os.close(handle)
             self.log_path = Path(name)
         # The command holds any keys: never print it.
-        command, env = self._entrypoint(
-            [str(binary), f"--model-repository={self.model_repository}", f"--backend-directory={backend_dir}",
-             "--disable-auto-complete-config", f"--http-address={self.http_host}", f"--http-port={self.http_port}",
-             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}", f"--metrics-address={self.http_host}",
-             f"--metrics-port={self.metrics_port}", "--allow-gpu-metrics=false",
-             f"--exit-timeout-secs={self.exit_timeout_s}", f"--log-verbose={self.log_verbose}",
-             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"], env)
-        command, preexec_fn = with_parent_death_signal(command)
+        command = [
+            str(binary), f"--model-repository={self.model_repository}", f"--backend-directory={backend_dir}",
+            "--disable-auto-complete-config", f"--http-address={self.http_host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}", f"--metrics-address={self.http_host}",
+            f"--metrics-port={self.metrics_port}", "--allow-gpu-metrics=false", f"--log-verbose={self.log_verbose}",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"]
+        if self.entrypoint:
+            env.update({"WATCHDOG_HTTP": f"http://{self.http_url}", "WATCHDOG_ACCESS_DIR": str(self.access_dir or ""),
+                        **({} if self.watch else {"WATCHDOG_CHECKS": "0", "WATCHDOG_PROBE_S": "0"}), **self.watch_env})
+            command = ["sh", str(ENTRYPOINT), *command]
+        # Linux SIGTERMs the server when this process dies (PR_SET_PDEATHSIG): a launcher killed without stop()
+        # takes it along. setpriv, not a preexec_fn: Python code in a threaded process's fork can crash.
+        if setpriv := shutil.which("setpriv", path=f"{os.environ.get('PATH', '')}{os.pathsep}/usr/bin{os.pathsep}/bin"):
+            command = [setpriv, "--pdeathsig", "TERM", "--", *command]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.started_at = time.monotonic()
-            # Own process group: Ctrl-C in a terminal does not reach it, and stop() can end it together
-            # with its children (Python stubs) and nothing else.
+            # Its own process group: Ctrl-C in a terminal does not reach it, and stop() ends it with its stubs.
             self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
+                                            stderr=subprocess.STDOUT, start_new_session=True)
 
     def port_taken(self) -> str | None:
         """The address the log says was already in use ("a port" where it names none), else None."""
@@ -221,8 +214,6 @@ class TritonServer:
         returns the seconds since `start()`. Raises ServerError with the log tail if the process exits first
         or is not ready within `timeout_s` (a Python stub that cannot start leaves its model loading); does
         not stop the server."""
-        if self.process is None:
-            raise ServerError("wait_ready() before start()")
         deadline = time.monotonic() + timeout_s
         while (seen := _http_ready(f"http://{self.http_url}/v2/health/ready") or _http_ready(self.metrics_url)):
             code = self.process.poll()
@@ -240,25 +231,30 @@ class TritonServer:
         return self.ready_after_s
 
     def stop(self, grace_s: float | None = None) -> int | None:
-        """SIGTERM the server, SIGKILL its process group after `grace_s` (default `stop_grace_s`), wait for
-        its stubs to go, remove its shared-memory regions. Idempotent; its exit code (None: never started)."""
-        code = None
-        if self.process is not None:
-            code = stop_process_group(self.process, self.stop_grace_s if grace_s is None else grace_s)
+        """SIGTERM the server, SIGKILL its process group after `grace_s` (default: the exit timeout for the live
+        streams, plus 10 s for the unload); then give the rest of the group (Python stubs) 5 s to go before
+        killing it too; remove its shared-memory regions. Idempotent; its exit code (None: never started)."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # not yet reaped: a zombie at worst
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(self.exit_timeout_s + 10.0 if grace_s is None else grace_s)
+        for _ in range(2 if process is not None else 0):
+            if process.poll() is not None:  # the rest of the group notices its leader is gone and exits
+                deadline = time.monotonic() + 5.0
+                while process_group_alive(process.pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            if process_group_alive(process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
         for region in self.shm_regions():
             region.unlink(missing_ok=True)
-        return code
+        return self.exit_code()
 
     def shm_regions(self) -> list[Path]:
         """Shared-memory regions that this server's Python stubs created and that still exist."""
         return sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
-
-
-def _program(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/exe").resolve(strict=True).name
-    except OSError:  # exited, or not ours to read
-        return ""
 
 
 def _http_ready(url: str) -> str | None:

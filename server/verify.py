@@ -1,12 +1,9 @@
 """Check a RUNNING code2wav server against a streaming reference decode of the same weights.
 
-Seeded codes are streamed through the server (one sequence per stream, concurrently) and decoded by the
-reference in PyTorch, one frame per call: moshi's own streaming decoder for a moshi-format .safetensors
-file; for a transformers folder, a hub id or random weights (no moshi loader reads those), this
-project's streaming step (`export/step.py`), which the parity tests hold equal to moshi's. Each stream
-passes with max abs error <= 1e-4 and SNR >= 100 dB; exit code 0 on PASS, 1 on FAIL or error. The
-server does not say which weights it serves: other weights show as FAIL. Needs the export extra
-(PyTorch, transformers), and moshi for moshi-format checkpoints.
+Seeded codes are streamed through the server concurrently and decoded by the reference one frame per call:
+moshi's streaming decoder for a moshi .safetensors file, else this project's streaming step (held equal to
+moshi's by the parity tests). Each stream passes with max abs error <= 1e-4 and SNR >= 100 dB: exit code 0 on
+PASS, 1 on FAIL or error. Needs the export extra (PyTorch, transformers), and moshi for moshi checkpoints.
 """
 
 from __future__ import annotations
@@ -69,9 +66,8 @@ def run(args: argparse.Namespace) -> int:
         streamed = run_streams(args.url, list(codes), options)
     except (ClientError, WeightsError) as exc:
         return report(exc)
-    print(f"reference: {what}")
-    print("note: the server must be serving these same weights; it does not say which it serves, "
-          "so different weights show as FAIL")
+    print(f"reference: {what}\nnote: the server must be serving these same weights; it does not say which it "
+          "serves, so different weights show as FAIL")
     passed = True
     for index, (result, expected) in enumerate(zip(streamed.results, reference)):
         if result.pcm.shape != expected.shape:

@@ -1,7 +1,5 @@
-"""Shared fixtures: real tritonserver instances on free loopback ports (`triton_server_factory`, session scope;
-tests that must see a server stop use `server.supervise.running_server`), the Docker environment, and the xdist
-work units. A failing test's report gets the log tails of the servers running at that moment.
-"""
+"""Shared fixtures (session tritonservers on free ports, the Docker environment), the xdist work units, and the
+running servers' log tails in a failing test's report."""
 
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ _RUNNING: list[TritonServer] = []  # the factory's servers: their logs go into t
 
 @pytest.fixture(scope="session")
 def triton_server_factory():
-    """Callable `start(model_repository, **kwargs) -> TritonServer` (kwargs as `server.triton.TritonServer`'s):
-    a ready server on free ports, stopped when the session ends. The servers stop together: each may wait for
-    the streams tests left open (up to its exit timeout), and one after another those waits add up."""
+    """`start(model_repository, **TritonServer kwargs)`: a ready server on free ports, stopped with the session.
+    They stop in parallel: each may wait out the streams tests left open, and in series those waits add up."""
     with contextlib.ExitStack() as stack:
 
         def start(model_repository, **kwargs) -> TritonServer:
@@ -42,10 +39,8 @@ def triton_server_factory():
         finally:
             if _RUNNING:
                 with concurrent.futures.ThreadPoolExecutor(len(_RUNNING)) as pool:
-                    for future in [pool.submit(server.stop) for server in _RUNNING]:
-                        future.result()
-                # Every Python model's stub writes its threads' stacks to the server's log if it dies
-                # (model_lifecycle's fault handler), while serving or as it exits.
+                    list(pool.map(lambda server: server.stop(), _RUNNING))  # raises a stop's error
+                # A Python stub that dies (serving or exiting) writes its threads' stacks to the server's log.
                 died = [str(server.log_path) for server in _RUNNING
                         if server.log_path.exists() and "Fatal Python error" in server.log_path.read_text(errors="replace")]
                 assert not died, f"a Python stub died; its stacks are in: {died}"
@@ -53,9 +48,8 @@ def triton_server_factory():
 
 @pytest.fixture(scope="session")
 def docker_env():
-    """The environment for the README's `docker compose` commands here (benchmarks/docker_env.py: a Docker
-    engine, Compose v2, stand-in images); the engine it started stops with the session. Without one
-    the compose tests skip, saying why; in CI (CI=true) they fail."""
+    """benchmarks/docker_env.py's environment for the README's `docker compose` commands, for the session.
+    Without Docker the compose tests skip, saying why; in CI (CI=true) they fail."""
     try:
         with docker_environment(REPO_ROOT / "build" / "docker") as env:
             yield env
@@ -74,10 +68,8 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"tritonserver log tail ({server.log_path})", log_tail(server.log_path, lines=60)))
 
 
-# `make test` runs the suite on two pytest-xdist workers. Each module is one unit of work, so that its
-# module fixtures (servers) start once; the modules that use Docker are one, as they share one engine,
-# the stand-in images and ./bench_results. The longest units are queued first, so that neither worker
-# is left with one of them at the end.
+# `make test` runs two xdist workers. Each module is one work unit (its module servers start once), the Docker
+# modules together one (one engine, images, ./bench_results); the longest units are queued first.
 DOCKER_MODULES = ("test_compose", "test_compose_cpu", "test_compose_scale")
 LONGEST_FIRST = ("docker", "test_serving", "test_failover", "test_readme", "test_export", "test_perf_inputs",
                  "test_server_launcher", "test_aio_client", "test_vllm_omni", "test_security")

@@ -1,7 +1,5 @@
-"""Helpers the test modules share (fixtures live in conftest.py and mimi_fixtures.py): code2wav's request
-contract on a real server, processes and waits, the model repository's Python files without a server.
-tritonclient is imported where a helper talks to a server, so the unit tests need only numpy.
-"""
+"""Helpers the test modules share (fixtures: conftest.py, mimi_fixtures.py); tritonclient is imported lazily,
+so that the unit tests need only numpy."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def raw_input(name: str, array: np.ndarray, datatype: str):
 
 
 def code2wav_inputs(codes: np.ndarray, frame_offset: int | None = None, history_frames: int | None = None) -> list:
-    """codes [k, F] -> `input_ids` INT64 [1, k*F] (codebook-major: all F codes of codebook 0, then
-    codebook 1, ...) and, when given, `frame_offset` and `history_frames` INT64 [1, 1]."""
+    """codes [k, F] -> `input_ids` INT64 [1, k*F] (codebook-major), plus the optional INT64 [1, 1] inputs."""
     codes = np.asarray(codes)
     assert codes.ndim == 2 and codes.shape[0] == NUM_CODEBOOKS, codes.shape
     inputs = [raw_input("input_ids", np.ascontiguousarray(codes, dtype=np.int64).reshape(1, -1), "INT64")]
@@ -59,25 +56,20 @@ def code2wav_inputs(codes: np.ndarray, frame_offset: int | None = None, history_
 
 
 def pcm_of(result, new_frames: int | None = None) -> np.ndarray:
-    """The response's `model_outputs` as 1-D float32, after checking `sr` and the output shape (and
-    that it holds `new_frames` frames, when given)."""
+    """The response's `model_outputs` as 1-D float32, `sr` and the shape (`new_frames` frames) checked."""
     sr = result.as_numpy("sr")
-    assert sr is not None and sr.dtype == np.int32 and sr.shape == (1, 1), sr
-    assert int(sr[0, 0]) == SAMPLE_RATE_HZ
+    assert sr is not None and sr.dtype == np.int32 and sr.shape == (1, 1) and sr[0, 0] == SAMPLE_RATE_HZ, sr
     pcm = result.as_numpy("model_outputs")
     assert pcm.dtype == np.float32 and pcm.ndim == 2 and pcm.shape[0] == 1, (pcm.dtype, pcm.shape)
     assert pcm.shape[1] % SAMPLES_PER_FRAME == 0, pcm.shape
-    if new_frames is not None:
-        assert pcm.shape[1] == new_frames * SAMPLES_PER_FRAME, (
-            f"{pcm.shape[1]} samples, expected {new_frames} frame(s) = {new_frames * SAMPLES_PER_FRAME}"
-        )
+    assert new_frames is None or pcm.shape[1] == new_frames * SAMPLES_PER_FRAME, \
+        f"{pcm.shape[1]} samples, expected {new_frames} frame(s) = {new_frames * SAMPLES_PER_FRAME}"
     return pcm[0]
 
 
 def infer(client, sequence_id: int, codes, frame_offset=None, start=False, end=False, new_frames: int | None = None,
           *, history_frames: int | None = None, headers: dict[str, str] | None = None) -> np.ndarray:
-    """One unary request to code2wav; returns the PCM of the frames it decoded (checked to be
-    `new_frames`)."""
+    """One unary request to code2wav; returns the PCM of the frames it decoded (checked to be `new_frames`)."""
     result = client.infer(MODEL_NAME, code2wav_inputs(codes, frame_offset, history_frames), sequence_id=sequence_id,
                           sequence_start=start, sequence_end=end, headers=headers)
     return pcm_of(result, new_frames)
@@ -85,8 +77,7 @@ def infer(client, sequence_id: int, codes, frame_offset=None, start=False, end=F
 
 def send_in_chunks(client, sequence_id: int, codes, first: int, stop: int, chunk_frames: int = 16, start=False,
                    end=True, headers: dict[str, str] | None = None) -> list[np.ndarray]:
-    """Frames [first, stop) of `codes` as deltas with frame_offset, `chunk_frames` each; START on the
-    first request with `start`, END on the last with `end`. Returns each request's PCM."""
+    """Frames [first, stop) as `chunk_frames` deltas with offsets (START first, END last if asked); each PCM."""
     pcm = []
     for chunk_first in range(first, stop, chunk_frames):
         last = min(chunk_first + chunk_frames, stop)
@@ -102,9 +93,8 @@ def decoder_step_inputs() -> list:
 
 
 def decoder_holds(grpc_url: str, sequence_id: int, decoder: str = "mimi_decoder") -> bool:
-    """Whether the decoder's sequence batcher still holds sequence `sequence_id` (any decoder target:
-    Triton itself refuses a step without START for a sequence it does not hold). The probe is one
-    step with END, so a held sequence is ended by it."""
+    """Whether the decoder still holds `sequence_id` (Triton refuses a step without START otherwise); the probe
+    step carries END, so a held sequence is ended by it."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -122,9 +112,8 @@ _UNCHECKED = object()
 
 
 def infer_error(client, sequence_id: int, inputs, *expected: str, start=False, end=False, kind=_UNCHECKED) -> str:
-    """Send `inputs` (a codes array [k, F] or a list of InferInput) expecting an error whose message
-    contains every `expected` substring and, where given, carries code2wav's error `kind` (None: an
-    error of Triton's own, without one); returns the message."""
+    """Send `inputs` (codes [k, F] or InferInputs) expecting an error holding every `expected` substring and, where
+    given, code2wav's error `kind` (None: Triton's own error); returns the message."""
     from tritonclient.utils import InferenceServerException
 
     from mimi_code2wav.client.protocol import error_kind
@@ -147,8 +136,7 @@ def frames_of(pcm: np.ndarray, first: int, stop: int | None = None) -> np.ndarra
 
 
 def snr_after(pcm: np.ndarray, reference: np.ndarray, frame: int, seconds: int | None = 1) -> list[float]:
-    """SNR (dB) of 1-D `pcm` to `reference` in each of the first `seconds` seconds (None: all) from `frame` on
-    (13 frames: a second, rounded up), then from `frame` to the end."""
+    """SNR (dB) to `reference` in each of the first `seconds` 13-frame seconds (None: all) from `frame`, then to the end."""
     from mimi_code2wav.export.reference import snr_db
 
     bounds = [(first, first + 13) for first in range(frame, pcm.size // SAMPLES_PER_FRAME, 13)][:seconds]
@@ -222,7 +210,7 @@ def tritonserver_under(pid: int) -> int | None:
 
 
 def metric(server, name: str, **labels: str) -> float:
-    """`server`'s metric `name` with `labels` (0.0 while it is not reported)."""
+    """`server`'s metric `name` with `labels` (0.0 while unreported)."""
     from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
     return metric_value(fetch_metrics(server.metrics_url), name, **labels) or 0.0
@@ -244,9 +232,8 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, poll_s: float = 
 
 
 def wait_http_ready(http_port: int, process, timeout_s: float, output: Path | None = None, poll_s: float = 0.1) -> float:
-    """Poll tritonserver's /v2/health/ready on `http_port` until it answers 200 while `process` (the
-    command that started it) runs; returns the seconds waited. Fails the test, with the command's
-    output file when given, if the command exits first or the server is not ready in `timeout_s`."""
+    """Poll /v2/health/ready on `http_port` until 200 while `process` runs; returns the seconds waited. Fails the test
+    (with `output`'s text) if the process exits first or `timeout_s` passes."""
     started = time.monotonic()
 
     def output_text() -> str:
@@ -268,9 +255,8 @@ def wait_http_ready(http_port: int, process, timeout_s: float, output: Path | No
 # ---- the model repository's Python files, without a server -----------------------------------------
 
 def load_model_module(path: Path, name: str | None = None):
-    """A model's Python file loaded as module `name` (its file name by default), with its folder and
-    model_repository/common (which render copies beside it) on the path. A module of that name already loaded
-    from that file is returned as it is (one `model_errors` for the test and the models that import it)."""
+    """A model's Python file loaded as module `name` (default: its stem), its folder and model_repository/common on
+    the path; one already loaded from that file is reused (one `model_errors` for the test and the models)."""
     for folder in (str(MODEL_REPOSITORY / "common"), str(Path(path).resolve().parent)):
         if folder not in sys.path:
             sys.path.insert(0, folder)
@@ -286,8 +272,7 @@ def load_model_module(path: Path, name: str | None = None):
 
 
 def triton_model_config(parameters: dict[str, str | None], idle_us: int | str | None = "30000000") -> dict:
-    """A model config in the JSON form Triton hands to `initialize`: string parameters (None: left
-    out) and, unless `idle_us` is None, the sequence batcher's idle timeout."""
+    """A model config as Triton hands it to `initialize`: string parameters (None: left out), the idle timeout."""
     config = {"parameters": {key: {"string_value": value} for key, value in parameters.items() if value is not None}}
     if idle_us is not None:
         config["sequence_batching"] = {"max_sequence_idle_microseconds": idle_us}
@@ -323,9 +308,8 @@ def serve_unready(repository: Path, tmp_path: Path, ports: list[int], **popen) -
 @contextlib.contextmanager
 def serve_cli(repository: Path | None, log: Path, *extra_args: str, env: dict[str, str] | None = None,
               ready_timeout_s: float = SERVE_READY_S):
-    """`code2wav-server serve` of `repository` on free ports (and `extra_args`), ready; yields (process,
-    ports, its output file: <log>.out, readable while it runs). Killed on the way out if the test left
-    it running."""
+    """`code2wav-server serve` on free ports, ready; yields (process, ports, its output file <log>.out). Killed on
+    the way out if still running."""
     from mimi_code2wav.server.triton import free_ports
 
     ports = free_ports(3)
@@ -334,10 +318,8 @@ def serve_cli(repository: Path | None, log: Path, *extra_args: str, env: dict[st
         cli = subprocess.Popen(serve_command(repository, log, ports, *extra_args), cwd=REPO_ROOT, stdout=sink,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env)
     try:
-        wait_http_ready(ports[0], cli, ready_timeout_s, output)
-        # serve polls readiness on its own: until it has seen the server ready too, a server that
-        # dies is one that failed to start, which serve does not restart.
-        wait_printed(cli, output, "tritonserver ready in ")
+        # Serve's own readiness: until then a server that dies failed to start, and serve does not restart it.
+        wait_printed(cli, output, "tritonserver ready in ", ready_timeout_s)
         yield cli, ports, output
     finally:
         if cli.poll() is None:
@@ -361,8 +343,7 @@ def stop_cli(cli: subprocess.Popen, output: Path) -> str:
 # ---- TLS ---------------------------------------------------------------------------------------------
 
 def make_pki(folder: Path) -> Path:
-    """`server.security.make_certificates` in `folder` (ca, server for localhost and 127.0.0.1, client;
-    each NAME.pem with NAME.key), and another CA's: rogue-ca.pem and rogue-client.pem/.key."""
+    """`make_certificates` in `folder` (ca, server, client: NAME.pem + NAME.key), plus another CA's rogue-*.pem/.key."""
     from mimi_code2wav.server.processes import ServerError
     from mimi_code2wav.server.security import make_certificates
 

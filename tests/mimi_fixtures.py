@@ -1,11 +1,9 @@
-"""Shared, session-scoped Mimi fixtures: seeded checkpoints, references, exports (built once per run).
-
-The real architecture (kyutai/mimi's config) with seeded random weights is used wherever parity or
-serving needs it; a tiny config covers the rest of the option matrix.
-"""
+"""Shared, session-scoped Mimi fixtures, built once per run: the real architecture with seeded random weights
+(checkpoints, references, exports, servers) and a tiny config for the rest of the option matrix."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import shutil
@@ -24,14 +22,10 @@ from helpers import export_spec
 SEED = 1234
 CODES_SEED = 5
 
-# The streaming scenario of the parity tests: 168 calls of one frame per row, where
-#   row 0 decodes stream A from the start,
-#   row 1 decodes junk until call 20, is reset, then decodes stream B (rows of different ages),
-#   row 2 decodes stream C1 for 88 frames, is reset mid-run, then decodes stream C2.
-# A schedule of call sizes is cut at the resets, so any schedule runs the same scenario.
+# The parity scenario, 168 frames per row: row 0 decodes stream A; row 1 junk, then (reset at call 20) stream B;
+# row 2 stream C1, then (reset at call 88) C2. Any schedule of call sizes is cut at the resets.
 CALLS = 168
-# Mixed call sizes within one stream, every F from 1 to 16, laid out so that the resets (calls 20 and
-# 88) fall between calls: streams may mix call sizes freely on one state.
+# Every F from 1 to 16 within one stream, on one state.
 MIXED_CALLS = (1, 3, 16, 2, 12, 10, 9, 8, 7, 6, 5, 4, 3, 2, 16, 15, 14, 13, 11, 1, 10)
 MAX_FRAMES_PER_CALL = 16
 B_START = 20
@@ -99,9 +93,10 @@ def call_sizes(schedule: int | tuple[int, ...], scenario: Scenario) -> list[int]
     return calls
 
 
-def run_scenario(step_fn, zero_state_fn, scenario: Scenario, schedule: int | tuple[int, ...]) -> np.ndarray:
-    """Run the batched scenario through a step function, `schedule` frames per call (an int, or call
-    sizes that repeat); returns PCM [3, CALLS * samples_per_frame]."""
+def run_scenario(stepper, scenario: Scenario, schedule: int | tuple[int, ...]) -> np.ndarray:
+    """PCM [3, CALLS * samples_per_frame] of the scenario through a (step_fn, zero_state_fn), `schedule`
+    frames per call (an int, or call sizes that repeat)."""
+    step_fn, zero_state_fn = stepper
     state = list(zero_state_fn(3))
     chunks = []
     call = 0
@@ -121,7 +116,8 @@ def stream_audio(pcm: np.ndarray, scenario: Scenario, name: str, samples_per_fra
     return pcm[row, first * samples_per_frame : (first + frames) * samples_per_frame]
 
 
-def torch_step_fn(step):
+def torch_stepper(step):
+    """(step_fn, zero_state_fn) over numpy arrays of a PyTorch step module."""
     import torch
 
     def run(codes, state):
@@ -129,11 +125,25 @@ def torch_step_fn(step):
             out = step(torch.from_numpy(np.ascontiguousarray(codes)), *[torch.as_tensor(s) for s in state])
         return [o.numpy().copy() for o in out]
 
-    return run
+    return run, lambda batch: [s.numpy().copy() for s in step.zero_state(batch)]
 
 
-def torch_zero_state(step):
-    return lambda batch: [s.numpy().copy() for s in step.zero_state(batch)]
+ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int32)": np.int32}
+
+
+def ort_stepper(folder: Path, threads: int = 2):
+    """(step_fn, zero_state_fn) of the model.onnx in `folder`, run by ONNX Runtime on the CPU."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    inputs = session.get_inputs()
+
+    def run(codes, state):
+        return session.run(None, dict(zip([i.name for i in inputs], [np.ascontiguousarray(codes, np.int32), *state])))
+
+    return run, lambda batch: [np.zeros((batch, *i.shape[1:]), ORT_DTYPES[i.type]) for i in inputs[1:]]
 
 
 # ---- fixtures -------------------------------------------------------------------------------------
@@ -173,8 +183,7 @@ def scenario():
 
 
 def built_once(tmp_path_factory, name: str, build) -> Path:
-    """The folder `build(folder)` filled, built once for the whole run: under pytest-xdist the first
-    worker to ask builds it in the run's shared temporary folder and the others wait and reuse it."""
+    """The folder `build(folder)` filled, once per run: under pytest-xdist other workers wait and reuse it."""
     if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing to share
         folder = tmp_path_factory.mktemp(name)
         build(folder)
@@ -211,8 +220,7 @@ def _export(request, tmp_path_factory, **options) -> Path:
     from mimi_code2wav.export.pipeline import build
 
     opts = ExportOptions(**options)
-    name = f"export-f{opts.max_frames_per_step}-{opts.window}-{opts.kv_cache_dtype}"
-    return built_once(tmp_path_factory, name,
+    return built_once(tmp_path_factory, f"export-{opts.kv_cache_dtype}",
                       lambda folder: build(opts, request.getfixturevalue("mimi"), folder))
 
 
@@ -227,44 +235,18 @@ def onnx_fp16(request, tmp_path_factory):
     return _export(request, tmp_path_factory, kv_cache_dtype="float16")
 
 
-def ort_session(folder: Path, threads: int = 2):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
-
-
-def ort_step_fn(session):
-    names = [i.name for i in session.get_inputs()]
-
-    def run(codes, state):
-        return session.run(None, dict(zip(names, [np.ascontiguousarray(codes), *state])))
-
-    return run
-
-
-def spec_zero_state(spec):
-    def zero(batch):
-        return [np.zeros((batch, *s.shape), dtype=s.dtype) for s in spec.states]
-
-    return zero
-
-
 @pytest.fixture(scope="session")
 def ort_decode(onnx_fp32):
-    """The served ONNX step run directly in ONNX Runtime, `frames_per_call` frames per call:
-    `decode(codes [k, T], frames_per_call=1) -> PCM float32 [T * 1920]` (the stream alone, batch 1);
-    codes [B, k, T] -> PCM [B, T * 1920] (the B streams batched)."""
-    step = ort_step_fn(ort_session(onnx_fp32))
-    zero_state = spec_zero_state(export_spec(onnx_fp32))
+    """The served ONNX step in ONNX Runtime: `decode(codes [k, T] or [B, k, T], frames_per_call=1)` -> PCM
+    [T * 1920] or [B, T * 1920]."""
+    step, zero_state = ort_stepper(onnx_fp32)
 
     def decode(codes: np.ndarray, frames_per_call: int = 1) -> np.ndarray:
         codes = np.asarray(codes)
         batch = codes if codes.ndim == 3 else codes[None]
         state, chunks = zero_state(batch.shape[0]), []
         for first in range(0, batch.shape[2], frames_per_call):
-            pcm, *state = step(np.ascontiguousarray(batch[:, :, first : first + frames_per_call], dtype=np.int32), state)
+            pcm, *state = step(batch[:, :, first : first + frames_per_call], state)
             chunks.append(np.asarray(pcm))
         pcm = np.concatenate(chunks, axis=1)
         return pcm if codes.ndim == 3 else pcm[0]
@@ -293,41 +275,31 @@ def require_target(target: str) -> str:
 
 @pytest.fixture(scope="session")
 def repository_for(onnx_fp32, tmp_path_factory):
-    """`repository_for(target)`: a model repository (code2wav + mimi_decoder for `target`, KIND_CPU)
-    over the real-architecture export, rendered once per target."""
+    """`repository_for(target)`: code2wav + `target` mimi_decoder (KIND_CPU) over `onnx_fp32`, rendered once."""
     from mimi_code2wav.export.render import DecoderServing, render_repository
 
-    rendered = {}
-
+    @functools.cache
     def render(target: str) -> Path:
-        if target not in rendered:
-            out = tmp_path_factory.mktemp(f"served-{target}") / "model_repository"
-            rendered[target] = render_repository(export_spec(onnx_fp32), onnx_fp32 / "model.onnx", out, target,
-                                                 DecoderServing(instance_kind="KIND_CPU"))
-        return rendered[target]
+        out = tmp_path_factory.mktemp(f"served-{target}") / "model_repository"
+        return render_repository(export_spec(onnx_fp32), onnx_fp32 / "model.onnx", out, target,
+                                 DecoderServing(instance_kind="KIND_CPU"))
 
     return render
 
 
 @pytest.fixture(scope="session")
 def server_for(repository_for, triton_server_factory):
-    """`server_for(target)`: a real tritonserver serving `repository_for(target)`, started once per
-    session and target."""
-    servers = {}
-
+    """`server_for(target)`: a tritonserver serving `repository_for(target)`, started once per target."""
+    @functools.cache
     def serve(target: str):
-        if target not in servers:
-            servers[target] = triton_server_factory(repository_for(require_target(target)))
-        return servers[target]
+        return triton_server_factory(repository_for(require_target(target)))
 
     return serve
 
 
 def fixtures_on_each_target():
-    """Module fixtures that run a test module's server tests once per decoder target: assign them in
-    the module (`decoder_target, served_repository, code2wav_server = fixtures_on_each_target()`) and
-    its `served_repository` and `code2wav_server` (and `grpc_client` on it) are those of
-    `decoder_target`, python-ort then onnxruntime."""
+    """Module fixtures that run a module's server tests on each decoder target: assign them in the module
+    (`decoder_target, served_repository, code2wav_server = fixtures_on_each_target()`)."""
 
     @pytest.fixture(scope="module", params=DECODER_TARGETS, name="decoder_target")
     def target(request):

@@ -1,6 +1,5 @@
-"""The asyncio client (`client.aio`): its queueing over a fake server, then against real tritonservers
-many conversations on one client and one channel, cancellation, a lost server resumed by replay;
-compared with moshi's streaming decode of the same codes (docs/design.md §2.3 "equal")."""
+"""The asyncio client: its queueing over a fake server; against real tritonservers, many conversations on one
+channel, cancellation and a lost server resumed by replay, each equal to moshi's streaming decode."""
 
 from __future__ import annotations
 
@@ -46,10 +45,8 @@ def test_the_client_refuses_offsetless_requests_and_empty_url_lists():
 
 
 def test_calls_waiting_behind_a_request_go_together_each_getting_its_own_frames_up_to_max_pending_calls():
-    """A conversation calling once per frame while its request is out: the calls that piled up go as
-    one request (at most COALESCE_MAX_FRAMES frames), every call returns exactly its frames' PCM, and a
-    call past max_pending_calls waiting is refused, handing nothing over. (A stream's close ENDs it with a
-    request of no frames: test_many_streams_share_one_client_and_channel_and_equal_moshi.)"""
+    """Calls piled up behind the request in flight go as one request (at most COALESCE_MAX_FRAMES frames),
+    each returning exactly its frames' PCM; a call past max_pending_calls is refused, handing nothing over."""
     from mimi_code2wav.client.aio import COALESCE_MAX_FRAMES
 
     async def scenario():
@@ -87,7 +84,7 @@ def test_calls_waiting_behind_a_request_go_together_each_getting_its_own_frames_
 
 @pytest.mark.server
 def test_check_ready_passes_on_a_ready_server_and_checks_every_url(code2wav_server):
-    """(What it says about a server down or a model not ready: test_client.py's CLI tests, exactly.)"""
+    """(What it says about a server down or a model not ready: test_client.py's CLI tests.)"""
     from mimi_code2wav.server.triton import free_ports
 
     async def check(*urls):
@@ -101,9 +98,7 @@ def test_check_ready_passes_on_a_ready_server_and_checks_every_url(code2wav_serv
 
 @pytest.mark.server
 def test_many_streams_share_one_client_and_channel_and_equal_moshi(code2wav_server, scenario, moshi_streams):
-    """Eight conversations at once (each scenario stream twice), the first frame alone and then
-    5-frame calls, over one client: every stream equal to moshi's decode, all ENDed on the server by
-    their close (a request of no frames)."""
+    """Eight conversations at once over one client: each equal to moshi's, all ENDed by their close."""
     names = [*scenario.streams] * 2
 
     async def run():
@@ -120,10 +115,8 @@ def test_many_streams_share_one_client_and_channel_and_equal_moshi(code2wav_serv
 
 @pytest.mark.server
 def test_a_cancelled_call_leaves_the_stream_consistent(code2wav_server, scenario, moshi_streams):
-    """Three cancellations in one stream: a call waiting behind another (never sent), a call whose
-    request the server decoded but whose answer was abandoned, and a call cancelled while its request
-    is in flight. Each next call carries the owed frames again at their offsets and returns its own
-    frames; the audio of every frame that came back equals moshi's."""
+    """Cancelled: a call waiting behind another (never sent), a call whose answer was abandoned once decoded,
+    a call in flight. Each next call carries the owed frames again and returns its own, equal to moshi's."""
     codes, reference = scenario.streams["A"], moshi_streams["A"]
 
     async def run():
@@ -178,10 +171,8 @@ def test_a_cancelled_call_leaves_the_stream_consistent(code2wav_server, scenario
 @pytest.mark.slow
 def test_streams_of_a_lost_server_resume_on_the_next_one(served_repository, code2wav_server, scenario, moshi_streams,
                                                          tmp_path):
-    """Four conversations decode 40 frames on server A; A freezes (SIGSTOP): a request to it misses
-    its deadline. The conversations send their next requests, and A is killed (SIGKILL) with them in
-    flight. Each stream resumes on B with its whole history (fewer frames than R): every frame's PCM
-    once, equal to moshi's uninterrupted decode."""
+    """Four conversations decode 40 frames on A; A freezes (a request misses its deadline), then is killed
+    with their next requests in flight. Each resumes on B with its whole history: every frame once, = moshi."""
     from mimi_code2wav.server.supervise import running_server
 
     names = list(scenario.streams)

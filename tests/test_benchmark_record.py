@@ -131,8 +131,7 @@ def test_a_sweep_stops_when_its_local_server_dies(tmp_path, monkeypatch):
     log.write_text("Signal (11) received.\n")
     server = SimpleNamespace(grpc_url="127.0.0.1:1", log_path=log, is_alive=lambda: False, exit_code=lambda: -11,
                              pid=None, metrics_url=None)
-    local = SimpleNamespace(server=server, url=server.grpc_url)
-    points = sweep.Sweep(tmp_path, frames=4, seed=0, point_seconds=1.0, local=local)
+    points = sweep.Sweep(tmp_path, frames=4, seed=0, point_seconds=1.0, server=server)
     monkeypatch.setattr(points, "client_point", lambda *_: {"requests": 3, "requests_per_s": 10.0})
     monkeypatch.setattr(points, "perf_point", lambda *_: pytest.fail("perf_analyzer ran against a dead server"))
     points.point(2, 1)

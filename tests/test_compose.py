@@ -1,7 +1,5 @@
-"""What the real runs of the compose files (test_compose_cpu.py, test_compose_scale.py) cannot reach: the
-GPU services, NGC images and Kubernetes manifests, checked structurally as `docker compose` interpolates
-the file with no variables set; the export image, its entrypoint's jobs (run here, into tmp dirs) and
-the `scale` profile's nginx config."""
+"""What the real compose runs (test_compose_cpu.py, test_compose_scale.py) cannot reach, checked structurally: the
+GPU services, NGC images, Kubernetes manifests and nginx config; the export image and its entrypoint's jobs."""
 
 from __future__ import annotations
 
@@ -17,9 +15,10 @@ import pytest
 import tomllib
 import yaml
 
-from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME, STREAM_KEY_HEADER
+from benchmarks.docker_env import REPLICAS
+from mimi_code2wav.client.protocol import STREAM_KEY_HEADER
 
-from helpers import REPO_ROOT, export_spec
+from helpers import REPO_ROOT
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "docker" / "export.Dockerfile"
@@ -31,15 +30,10 @@ PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 WATCHDOG_IN_CONTAINER = "/opt/code2wav/triton-watchdog.sh"
 ACCESS_IN_CONTAINER = "/run/code2wav-access"
 
-# NGC release -> the tritonserver (and SDK: perf_analyzer, tritonclient) version it carries.
+# NGC release -> the tritonserver (and SDK) version it carries; the default image, and the one the tests run.
 NGC_TRITON_VERSIONS = {"24.10": "2.51.0", "26.11": "2.75.0"}
-# The default server image, and the release the tests run (the pip server's), which TRITON_IMAGE
-# selects; TRITON_SDK_IMAGE selects the SDK image (`-sdk`) of the same release.
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.11-py3"
 TESTED_TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
-
-# The `scale` profile: replicas of the GPU server behind triton-proxy (nginx, stream affinity).
-REPLICAS = ("triton-replica-0", "triton-replica-1", "triton-replica-2")
 PROXY = "triton-proxy"
 # service: (profiles, reserves a GPU, the service whose successful completion it waits for)
 SERVICES = {
@@ -60,26 +54,14 @@ INSTALL_AT_START = re.compile(r"\b(pip3?|uv|conda|apt-get|apt|apk|git|wget)\b|cu
 _VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:?)[-?]([^}]*))?\}")
 
 
-def interpolate(value, env: dict[str, str]):
-    """Compose's interpolation (`${X}`, `${X:-d}`, `${X-d}`, `$$`: what the file uses) over a loaded document."""
-    if isinstance(value, dict):
-        return {key: interpolate(item, env) for key, item in value.items()}
-    if isinstance(value, list):
-        return [interpolate(item, env) for item in value]
-
+def load_compose(**env: str) -> dict:
+    """The compose file as `docker compose` sees it in a shell that sets `env` and no other variable (`${X}`,
+    `${X:-d}`, `${X-d}`, `$$`; a list `environment` as the mapping it means: a bare name passes a set value on)."""
     def substitute(match: re.Match) -> str:
         name, colon, default = match.groups(default="")
-        if not name:
-            return "$"
-        return (env.get(name) or default) if colon else env.get(name, default)
+        return "$" if not name else (env.get(name) or default) if colon else env.get(name, default)
 
-    return _VARIABLE.sub(substitute, value) if isinstance(value, str) else value
-
-
-def load_compose(**env: str) -> dict:
-    """The compose file as `docker compose` sees it in a shell that sets `env` and no other variable
-    (a list `environment` as the mapping it means: a bare name passes the shell's value on, where set)."""
-    compose = interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), env)
+    compose = yaml.safe_load(_VARIABLE.sub(substitute, COMPOSE_FILE.read_text()))
     for service in compose["services"].values():
         if isinstance(service.get("environment"), list):
             pairs = [item.partition("=") for item in service["environment"]]
@@ -231,14 +213,11 @@ def test_services_start_what_they_need_and_share_the_export(services):
 
 # ---- the `scale` profile: replicas behind nginx ------------------------------------------------------
 
-PROXY_LINES = {  # file in docker/nginx -> lines it must hold
-    # The stream key: the `code2wav-stream` metadata, one fixed key when it is missing (an empty key
-    # would be balanced round-robin by nginx); Docker's embedded DNS re-resolves the replicas.
+PROXY_LINES = {  # file in docker/nginx -> lines it must hold: a fixed key for keyless streams, Docker's DNS
     "compose.conf": [r'map \$http_code2wav_stream \$code2wav_stream_key \{\n\s+""\s+"[^"]+";\n\s+default \$http_code2wav_stream;',
                      r"resolver 127\.0\.0\.11 ", r"^        include /etc/nginx/code2wav-access.conf;\n        http2 on;$",
                      r"^        listen 8000;$", r"^            grpc_pass \$code2wav_replicas;$",
                      r"^            grpc_next_upstream error timeout;$"],
-    # The included listener: plaintext by default, TLS to clients and replicas with CODE2WAV_PROXY_ACCESS=tls.
     "access-plaintext.conf": [r"^listen 8001;$", r"^set \$code2wav_replicas grpc://code2wav_grpc;$"],
     "access-tls.conf": [r"^listen 8001 ssl;$", r"^set \$code2wav_replicas grpcs://code2wav_grpc;$", r"^grpc_ssl_verify on;$",
                         r"^ssl_certificate /run/code2wav-access/server.pem;$"],
@@ -258,7 +237,7 @@ def test_proxy_hashes_streams_over_each_replica_by_name(services):
     assert volume_mounts(proxy) == {"/etc/nginx/nginx.conf": ("./docker/nginx/compose.conf", True),
                                     "/etc/nginx/code2wav-access.conf": ("./docker/nginx/access-plaintext.conf", True),
                                     ACCESS_IN_CONTAINER: ("./docker/access", True)}
-    # The official image has busybox's wget and no curl (its Dockerfile removes what fetched the keys).
+    # The official image has busybox's wget and no curl.
     test = proxy["healthcheck"]["test"]
     assert test[:2] == ["CMD", "wget"] and test[-1] == "http://localhost:8000/v2/health/ready", test
     # The image stops nginx with SIGQUIT (graceful), which compose.conf bounds with worker_shutdown_timeout.
@@ -328,11 +307,11 @@ def test_export_image_pins_its_base_installs_pyprojects_cpu_torch_and_keeps_mode
     assert args["TORCH_VERSION"] == torch_pin.split("==")[1]
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     runs = " ".join(re.findall(r"^RUN (.*)$", code, re.M))
-    assert 'torch_source="--index-url ${TORCH_INDEX_URL}"' in runs
-    assert 'pip install --no-deps ${torch_source} "torch==${TORCH_VERSION}+cpu"' in runs
-    # Everything else from pyproject's extra under the project's constraints, at build time.
-    assert "pip install -c requirements/constraints.txt -r /tmp/requirements-export.txt" in runs
-    assert "['optional-dependencies']['export']" in runs
+    # The CPU torch wheel, then everything else from pyproject's extra under the project's constraints.
+    for command in ('torch_source="--index-url ${TORCH_INDEX_URL}"', "['optional-dependencies']['export']",
+                    'pip install --no-deps ${torch_source} "torch==${TORCH_VERSION}+cpu"',
+                    "pip install -c requirements/constraints.txt -r /tmp/requirements-export.txt"):
+        assert command in runs, command
     for kept_out in ("weights/model.safetensors", "build/export/f1/model.onnx", ".venv/bin/python",
                      "model_repository/mimi_decoder/1/model.onnx", "export/__pycache__/spec.cpython-311.pyc"):
         assert not dockerignore_allows(kept_out), kept_out
@@ -346,8 +325,8 @@ def run_entrypoint(job: str, tmp_path: Path, **env: str) -> subprocess.Completed
     base.update(PYTHON=sys.executable, WEIGHTS_ROOT=str(tmp_path / "weights"), EXPORT_DIR=str(tmp_path / "export"),
                 MODELS_DIR=str(tmp_path / "models"), MODELS_CPU_DIR=str(tmp_path / "models-cpu"),
                 TRTEXEC=str(tmp_path / "trtexec"))
-    base.update(env)
-    return subprocess.run(["sh", str(ENTRYPOINT), job], cwd=tmp_path, env=base, capture_output=True, text=True, timeout=600)
+    return subprocess.run(["sh", str(ENTRYPOINT), job], cwd=tmp_path, env={**base, **env}, capture_output=True, text=True,
+                          timeout=600)
 
 
 @pytest.mark.parametrize(("job", "messages"), [
@@ -388,12 +367,10 @@ for arg in "$@"; do case $arg in --saveEngine=*) printf 'engine' > "${{arg#--sav
     assert result.returncode == 0, result.stderr
     assert "up to date" in result.stderr and "nothing to do" in result.stderr, result.stderr
 
-    # GPU repository: the checked-in config, model.onnx where that config expects it (the native ORT
-    # backend loads `model.onnx` unless the config names another file), code2wav as tracked.
+    # GPU repository: the checked-in config, model.onnx where that config expects it, code2wav as tracked.
     models, models_cpu = tmp_path / "models", tmp_path / "models-cpu"
     gpu_config = (REPO_ROOT / "model_repository" / "mimi_decoder" / "config.pbtxt").read_text()
-    assert re.search(r'^name: "mimi_decoder"$', gpu_config, re.M) and re.search(r'^backend: "onnxruntime"$', gpu_config, re.M)
-    assert "default_model_filename" not in gpu_config
+    assert 'backend: "onnxruntime"' in gpu_config and "default_model_filename" not in gpu_config
     assert (models / "mimi_decoder" / "config.pbtxt").read_text() == gpu_config and "equals the checked-in" in result.stderr
     cpu_config = (models_cpu / "mimi_decoder" / "config.pbtxt").read_text()
     assert "kind: KIND_CPU" in cpu_config and cpu_config == gpu_config.replace("KIND_GPU", "KIND_CPU")
@@ -405,17 +382,11 @@ for arg in "$@"; do case $arg in --saveEngine=*) printf 'engine' > "${{arg#--sav
         assert os.path.samefile(onnx, export_dir / "model.onnx") or filecmp.cmp(onnx, export_dir / "model.onnx", shallow=False)
         for file in ("config.pbtxt", "1/model.py"):
             assert (repository / "code2wav" / file).read_bytes() == (REPO_ROOT / "model_repository/code2wav" / file).read_bytes()
-    # The GPU repository carries the memory-pool flags for its streams (1024, max_batch_size 64), from
-    # the memory math written out here: per stream 2 x its state (input and output buffers), plus one
-    # batch of new output buffers; the CPU one needs none.
+    # The GPU repository carries the memory pools of its 1024 streams (the math: tests/test_configs.py); the CPU one none.
     assert sorted(p.name for p in models.iterdir()) == ["code2wav", "mimi_decoder", "tritonserver.args"]
     assert sorted(p.name for p in models_cpu.iterdir()) == ["code2wav", "mimi_decoder"]
-    state = export_spec(export_dir).state_bytes_per_stream()
-    assert state == 8177156  # fp32 KV: 8 x 2 x 8 x 248 x 64 floats + 12672 conv floats + 1 int32
-    mib, io = 2**20, NUM_CODEBOOKS * 16 * 4 + SAMPLES_PER_FRAME * 16 * 4
-    expected_pools = [f"--cuda-memory-pool-byte-size=0:{-(-(2 * 1024 + 64) * state // mib) * mib}",
-                      f"--pinned-memory-pool-byte-size={max(256 * mib, -(-64 * (state + io) // mib) * mib)}"]
-    assert (models / "tritonserver.args").read_text().splitlines() == expected_pools
+    state, mib, pools = 8177156, 2**20, (models / "tritonserver.args").read_text().splitlines()
+    assert pools[0] == f"--cuda-memory-pool-byte-size=0:{-(-(2 * 1024 + 64) * state // mib) * mib}" and len(pools) == 2
 
     # trtexec command lines, one argument per line, with the paths the NGC job will see.
     for precision in ("fp32", "fp16"):
@@ -441,7 +412,7 @@ for arg in "$@"; do case $arg in --saveEngine=*) printf 'engine' > "${{arg#--sav
     trt_config = (trt_models / "mimi_decoder" / "config.pbtxt").read_text()
     assert 'backend: "tensorrt"' in trt_config and "kind: KIND_GPU" in trt_config and "max_batch_size: 64" in trt_config
     assert (trt_models / "mimi_decoder" / "1" / "model.plan").read_text() == "engine"
-    assert (trt_models / "tritonserver.args").read_text().splitlines() == expected_pools
+    assert (trt_models / "tritonserver.args").read_text().splitlines() == pools
     assert (trt_models / "code2wav" / "1" / "model.py").is_file()
 
 
@@ -464,9 +435,7 @@ def test_kubernetes_manifests_hash_streams_over_the_ready_pods(services):
     # The init container renders the repository into the volume Triton serves read-only.
     mounts = {mount["mountPath"]: mount for mount in triton["volumeMounts"]}
     assert mounts["/models"]["readOnly"] and {"name": mounts["/models"]["name"], "mountPath": "/models"} in export["volumeMounts"]
-    # It starts as compose's `triton` does: the rendered pools appended, tritonserver under the
-    # watchdog (from a ConfigMap), TLS and keys from an optional Secret (`$$` is Kubernetes' escape
-    # for a literal `$`, as compose's).
+    # It starts as compose's `triton` does, the watchdog from a ConfigMap, TLS and keys from an optional Secret.
     assert [arg.replace("$$", "$") for arg in triton["command"]] == services["triton"]["entrypoint"]
     assert triton["args"] == [arg for arg in services["triton"]["command"] if not arg.startswith("--log-verbose=")]
     volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
@@ -498,8 +467,7 @@ def test_kubernetes_manifests_hash_streams_over_the_ready_pods(services):
     assert policy["timeout"]["http"]["requestTimeout"] == "0s", "a route timeout would cut long gRPC streams"
     assert f"httpHeaderName: {STREAM_KEY_HEADER}" in (KUBERNETES_DIR / "gateway-envoy.yaml").read_text()
 
-    # gateway-envoy-tls.yaml, applied after gateway-envoy.yaml: the Gateway's one listener is TLS on
-    # the same port, and the gateway speaks TLS to the Service's gRPC port, checking the pods' name.
+    # gateway-envoy-tls.yaml after gateway-envoy.yaml: TLS on the same port, and to the pods, checking their name.
     tls = kubernetes_objects("code2wav-triton.yaml", "gateway-envoy.yaml", "gateway-envoy-tls.yaml")
     plain, gateway = objects[("Gateway", "code2wav")]["spec"], tls[("Gateway", "code2wav")]["spec"]
     assert gateway["gatewayClassName"] == plain["gatewayClassName"]
@@ -510,7 +478,7 @@ def test_kubernetes_manifests_hash_streams_over_the_ready_pods(services):
     assert policy["targetRefs"] == [{"group": "", "kind": "Service", "name": "code2wav-triton", "sectionName": "grpc"}]
     assert policy["validation"] == {"hostname": "code2wav-triton",
                                     "caCertificateRefs": [{"group": "", "kind": "ConfigMap", "name": "code2wav-ca"}]}
-    text = (KUBERNETES_DIR / "gateway-envoy-tls.yaml").read_text()
     # The names the header's commands create are the ones the objects use; ca.crt is Gateway API's key.
-    assert "kubectl create secret tls code2wav-gateway-tls" in text
-    assert "kubectl create configmap code2wav-ca --from-file=ca.crt=" in text and "--host code2wav-triton" in text
+    for command in ("kubectl create secret tls code2wav-gateway-tls", "kubectl create configmap code2wav-ca --from-file=ca.crt=",
+                    "--host code2wav-triton"):
+        assert command in (KUBERNETES_DIR / "gateway-envoy-tls.yaml").read_text(), command

@@ -1,52 +1,34 @@
-"""The README's CPU deployment, run for real: `docker compose --profile cpu up --build triton-cpu`.
-
-The command runs as the README writes it, with only variables set: the weights folder and file (a
-moshi-format checkpoint of seeded random weights), free loopback ports, a project name of its own, and
-the stand-in images of benchmarks/docker_env.py (tritonserver 2.51 from PyPI with NGC 25.x's Python 3.12, a
-Debian Python base) where no registry serves the defaults. Where no Docker engine can be had these tests skip, saying
-why; in CI (CI=true) they fail instead.
-"""
+"""The README's CPU deployment, run for real: `docker compose --profile cpu up --build triton-cpu`, with only
+variables set (the seeded moshi-format checkpoint, free ports, a project name of its own, the stand-in images of
+benchmarks/docker_env.py). Where no Docker engine can be had these tests skip, saying why; in CI they fail."""
 
 from __future__ import annotations
 
 import subprocess
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 
-from benchmarks.docker_env import Compose, host_cpython
+from benchmarks.docker_env import UP_TIMEOUT_S, Compose, host_cpython
 from mimi_code2wav.client.protocol import MODEL_NAME
-from mimi_code2wav.server.triton import free_ports
+from mimi_code2wav.server.triton import fetch_metrics
 
-from helpers import REPO_ROOT, code2wav_inputs, infer, infer_error, send_in_chunks, sequence_ids, wait_until
+from helpers import REPO_ROOT, code2wav_inputs, infer, infer_error, metric, send_in_chunks, sequence_ids, wait_until
 from mimi_fixtures import assert_equal_audio, snr_db
 
-# A first `up` builds the export image (PyTorch, transformers, ONNX from PyPI) and exports the checkpoint.
-UP_TIMEOUT_S = 1500
 pytestmark = [pytest.mark.server, pytest.mark.compose, pytest.mark.timeout(UP_TIMEOUT_S + 600)]
 new_sequence_id = sequence_ids(7_100_000)
 
 
-def cpu_up(compose: Compose, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    """The README's CPU line, detached and waiting for health."""
-    return compose("--profile", "cpu", "up", "--build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), *extra,
-                   "triton-cpu", check=check, timeout_s=UP_TIMEOUT_S + 300)
-
-
 @pytest.fixture(scope="module")
 def cpu_deployment(docker_env, moshi_checkpoint, tmp_path_factory):
-    """The CPU profile up and healthy on free ports, serving the seeded checkpoint; down -v afterwards."""
+    """The CPU profile up and healthy, serving the seeded checkpoint; down -v afterwards."""
     checkpoint = moshi_checkpoint[0]
-    http, grpc, metrics = free_ports(3)
     compose = Compose(docker_env, tmp_path_factory.mktemp("compose"), MIMI_WEIGHTS_DIR=str(checkpoint.parent),
-                      MIMI_WEIGHTS=checkpoint.name, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc),
-                      TRITON_METRICS_PORT=str(metrics))
+                      MIMI_WEIGHTS=checkpoint.name)
     try:
-        cpu_up(compose)
-        compose.grpc_url = f"127.0.0.1:{grpc}"
-        compose.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        compose.up("cpu", "triton-cpu")
         yield compose
     finally:
         compose.down()
@@ -70,8 +52,7 @@ def test_the_export_completes_and_the_cpu_server_is_healthy(cpu_deployment):
                             "import sys, numpy; print('%d.%d' % sys.version_info[:2], numpy.__version__)").stdout.split()
     assert python == (["3.12", "1.26.4"] if host_cpython() else ["3.11", "1.26.4"]), python
     logs = cpu_deployment.logs("export")
-    assert "/models-cpu: code2wav + mimi_decoder (onnxruntime, KIND_CPU)" in logs, logs[-2000:]
-    assert "equals the checked-in" in logs, logs[-2000:]
+    assert "/models-cpu: code2wav + mimi_decoder (onnxruntime, KIND_CPU)" in logs and "equals the checked-in" in logs, logs
 
 
 @pytest.mark.parametrize("name", ["A", "B", "C2"])
@@ -96,14 +77,9 @@ def test_bad_input_is_refused_and_the_server_stays_up(client, scenario, moshi_st
 
 
 def test_metrics_scrape(cpu_deployment, client, scenario):
-    codes = scenario.streams["B"]
-    send_in_chunks(client, new_sequence_id(), codes, 0, 4, chunk_frames=4, start=True)
-    with urllib.request.urlopen(cpu_deployment.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    success = [line for line in text.splitlines() if line.startswith("nv_inference_request_success")
-               and f'model="{MODEL_NAME}"' in line]
-    assert success and float(success[0].rsplit(" ", 1)[1]) >= 1, text[:2000]
-    assert any(line.startswith("code2wav_") for line in text.splitlines()), "no code2wav_* metric in the scrape"
+    send_in_chunks(client, new_sequence_id(), scenario.streams["B"], 0, 4, chunk_frames=4, start=True)
+    assert metric(cpu_deployment, "nv_inference_request_success", model=MODEL_NAME) >= 1
+    assert any(key.startswith("code2wav_") for key in fetch_metrics(cpu_deployment.metrics_url)), "no code2wav_* metric"
 
 
 def test_bench_profile_writes_perf_analyzers_csv(cpu_deployment):
@@ -120,7 +96,7 @@ def test_bench_profile_writes_perf_analyzers_csv(cpu_deployment):
 
 def test_a_second_up_skips_the_export_and_changed_weights_redo_it(cpu_deployment, moshi_checkpoint, client,
                                                                    scenario, moshi_streams):
-    cpu_up(cpu_deployment)
+    cpu_deployment.up("cpu", "triton-cpu")
     assert "up to date with" in cpu_deployment.logs("export").split("exporting to")[-1]
     # Other weights (one decoder tensor scaled), and the README's line for new weights: the export runs
     # again and the recreated server decodes with them.
@@ -133,7 +109,7 @@ def test_a_second_up_skips_the_export_and_changed_weights_redo_it(cpu_deployment
     tensors[name] = tensors[name] * 1.5
     save_file(tensors, str(other))
     cpu_deployment.env["MIMI_WEIGHTS"] = other.name
-    cpu_up(cpu_deployment, "--force-recreate")
+    cpu_deployment.up("cpu", "triton-cpu", "--force-recreate")
     logs = cpu_deployment.logs("export")
     assert "exporting to /export" in logs and "up to date with" not in logs, logs[-3000:]
     codes = scenario.streams["B"]
@@ -143,10 +119,9 @@ def test_a_second_up_skips_the_export_and_changed_weights_redo_it(cpu_deployment
 
 
 def test_tls_and_keys_from_the_access_folder(cpu_deployment, scenario, tmp_path):
-    """CODE2WAV_ACCESS_DIR with a server certificate and both keys: the recreated server serves only TLS
-    clients with the inference key, the same audio as in plaintext before (the weights are the changed
-    ones of the test above); the bench profile's perf_analyzer takes the CA and both keys from the same
-    folder; no key shows in the logs. Then back to plaintext for the tests after."""
+    """CODE2WAV_ACCESS_DIR with a certificate and both keys: the recreated server serves only TLS clients with the
+    inference key, the same audio as in plaintext before; perf takes the CA and keys from the same folder; no
+    key shows in the logs. Then back to plaintext for the tests after."""
     from mimi_code2wav.client.credentials import Credentials
     from mimi_code2wav.client.protocol import ClientError
     from mimi_code2wav.client.sync import Code2WavClient, run_streams
@@ -158,7 +133,7 @@ def test_tls_and_keys_from_the_access_folder(cpu_deployment, scenario, tmp_path)
     plaintext = run_streams(cpu_deployment.grpc_url, [scenario.streams["A"]]).results[0].pcm
     cpu_deployment.env["CODE2WAV_ACCESS_DIR"] = str(access)
     try:
-        cpu_up(cpu_deployment, "--force-recreate")
+        cpu_deployment.up("cpu", "triton-cpu", "--force-recreate")
         url = cpu_deployment.grpc_url.replace("127.0.0.1", "localhost")
         with pytest.raises(ClientError, match="it expects TLS"):
             Code2WavClient(url).check_ready(timeout_s=5)
@@ -177,7 +152,7 @@ def test_tls_and_keys_from_the_access_folder(cpu_deployment, scenario, tmp_path)
         assert "compose-inference-key" not in logs and "compose-admin-key" not in logs
     finally:
         del cpu_deployment.env["CODE2WAV_ACCESS_DIR"]
-        cpu_up(cpu_deployment, "--force-recreate")
+        cpu_deployment.up("cpu", "triton-cpu", "--force-recreate")
 
 
 def test_stop_with_streams_in_flight_drains_and_down_leaves_nothing(cpu_deployment, scenario):
@@ -234,11 +209,9 @@ def test_a_broken_checkpoint_fails_the_export_naming_it_and_starts_no_server(doc
     weights = tmp_path / "weights"
     weights.mkdir()
     (weights / "mimi.safetensors").write_bytes(b"not a safetensors file")
-    compose = Compose(docker_env, tmp_path, MIMI_WEIGHTS_DIR=str(weights), MIMI_WEIGHTS="mimi.safetensors",
-                      **dict(zip(("TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT"),
-                                 map(str, free_ports(3)))))
+    compose = Compose(docker_env, tmp_path, MIMI_WEIGHTS_DIR=str(weights), MIMI_WEIGHTS="mimi.safetensors")
     try:
-        assert cpu_up(compose, check=False).returncode != 0
+        assert compose.up("cpu", "triton-cpu", check=False).returncode != 0
         logs = compose.logs("export")
         assert "/weights/mimi.safetensors" in logs, logs[-3000:]
         assert compose.service("export")["ExitCode"] != 0

@@ -1,7 +1,5 @@
-"""The models' configs. Rendered `mimi_decoder` configs parse as Triton ModelConfigs and match the exported ONNX
-graph (names, dtypes, ranks, state pairing in Triton's name-sorted order). code2wav's config.pbtxt is served as it
-is (the compose services, a plain copy) and, with the decoder's values set in it, rendered; the core reads it as
-its default settings. The checked-in configs equal a fresh rendering."""
+"""The models' configs: rendered `mimi_decoder` configs parse as Triton ModelConfigs and match the ONNX graph;
+code2wav's, served as it is and rendered, gives the core its default settings; the checked-in ones are fresh."""
 
 from __future__ import annotations
 
@@ -71,11 +69,6 @@ def graph(onnx_fp32):
     return io(model.graph.input), io(model.graph.output)
 
 
-def test_checked_in_config_equals_a_fresh_rendering(default_spec):
-    assert CHECKED_IN_CONFIG.read_text() == render_config(default_spec, "onnxruntime"), (
-        "model_repository/mimi_decoder/config.pbtxt is stale: run `code2wav-export render --check-in`")
-
-
 @pytest.mark.parametrize("target", TARGETS)
 def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
     inputs, outputs = graph
@@ -126,30 +119,23 @@ def test_rendered_config_matches_the_onnx_graph(spec, graph, target):
     assert model_config_pb2.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_GPU"
 
 
-def test_serving_knobs_render(spec):
-    config = parse(render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU", instance_count=3,
-                                                                      max_batch_size=16, preferred_batch_sizes=[4, 16])))
-    assert model_config_pb2.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_CPU"
-    assert config.instance_group[0].count == 3 and config.max_batch_size == 16
-    assert list(config.sequence_batching.oldest.preferred_batch_size) == [4, 16]
-    with pytest.raises(ValueError, match=r"preferred batch sizes \[32\] exceed max_batch_size 16"):
-        render_config(spec, "onnxruntime", DecoderServing(max_batch_size=16, preferred_batch_sizes=[8, 32]))
-
-
-def test_native_state_shares_one_buffer_and_threads_render_only_when_set(spec):
-    """The native ORT config keeps one buffer per state and slot (the backend copies its outputs into
-    the state after the run); TensorRT keeps two. ONNX Runtime's thread count is ORT's default unless
-    --intra-op-threads sets it, parsed by Triton's own config schema; its memory patterns are always
-    off (they fragment its arena across batch shapes: docs/design.md §5.1)."""
+def test_serving_options_render_and_native_state_shares_one_buffer(spec):
+    """Native ORT keeps one buffer per state and slot, TensorRT two; ORT's memory patterns are off (§5.1)."""
     native = render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU"))
     assert native.count("use_same_buffer_for_input_output: true") == len(spec.states)
     assert "intra_op_thread_count" not in native
     plan = render_config(spec, "tensorrt")
     assert "use_same_buffer_for_input_output" not in plan and "parameters" not in plan
-    config = parse(render_config(spec, "onnxruntime", DecoderServing(instance_kind="KIND_CPU", intra_op_threads=1)))
+    config = parse(render_config(spec, "onnxruntime", DecoderServing(
+        instance_kind="KIND_CPU", instance_count=3, max_batch_size=16, preferred_batch_sizes=[4, 16], intra_op_threads=1)))
+    assert model_config_pb2.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_CPU"
+    assert config.instance_group[0].count == 3 and config.max_batch_size == 16
+    assert list(config.sequence_batching.oldest.preferred_batch_size) == [4, 16]
     assert config.parameters["intra_op_thread_count"].string_value == "1"
     assert config.parameters["enable_mem_pattern"].string_value == "0"
     assert all(state.use_same_buffer_for_input_output for state in config.sequence_batching.state)
+    with pytest.raises(ValueError, match=r"preferred batch sizes \[32\] exceed max_batch_size 16"):
+        render_config(spec, "onnxruntime", DecoderServing(max_batch_size=16, preferred_batch_sizes=[8, 32]))
 
 
 def test_spec_refuses_names_that_sort_differently():
@@ -165,8 +151,7 @@ def test_spec_refuses_names_that_sort_differently():
 
 
 def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
-    """The model files of both models; code2wav sends at most the frames per call its export takes.
-    Never into the tracked repository; tensorrt only with a plan."""
+    """Both models' files, never into the tracked repository; code2wav's frames per call are the export's."""
     with pytest.raises(ValueError, match="refusing to render into the tracked model repository"):
         render_repository(spec, onnx_fp32 / "model.onnx", REPO_ROOT / "model_repository", "python-ort")
     smaller = DecoderSpec.from_dict({**spec.to_dict(), "max_frames_per_step": 4})
@@ -184,15 +169,9 @@ def test_rendered_repository_layout(spec, onnx_fp32, tmp_path):
 
 
 def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, tmp_path, capsys):
-    """`render --max-live-streams N`: the decoder holds N sequences, code2wav admits N streams and has 2N
-    Triton slots (so a START past the cap reaches it and is refused), and a GPU repository carries
-    the pool flags for N streams; a CPU one carries none."""
+    """`render --max-live-streams N`: the decoder holds N, code2wav admits N with 2N slots (a START past the cap
+    reaches it and is refused), and a GPU repository carries the pool flags for N streams."""
     from mimi_code2wav.export.__main__ import main
-
-    tracked = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
-    assert tracked.parameters["max_live_streams"].string_value == "1024"
-    assert tracked.sequence_batching.oldest.max_candidate_sequences == 2048
-    assert parse(CHECKED_IN_CONFIG.read_text()).sequence_batching.oldest.max_candidate_sequences == 1024
 
     def render(target: str, out: Path, *flags: str) -> tuple[model_config_pb2.ModelConfig, ...]:
         assert main(["render", "--target", target, "--export-dir", str(onnx_fp32), "--out", str(out), *flags]) == 0
@@ -218,7 +197,7 @@ def test_stream_capacity_renders_into_both_models_and_the_gpu_pools(onnx_fp32, t
     # Several front instances share the streams out: each admits its share, with 2x the slots.
     shared = tmp_path / "shared"
     assert code2wav.sequence_batching.oldest.max_queue_delay_microseconds == 3000  # as checked in
-    assert tracked.sequence_batching.oldest.max_queue_delay_microseconds == 3000
+    assert parse(CHECKED_IN_CODE2WAV_CONFIG.read_text()).sequence_batching.oldest.max_queue_delay_microseconds == 3000
     code2wav = render("null", shared, "--max-live-streams", "255", "--front-instances", "2", "--front-queue-delay-us", "0")[0]
     assert code2wav.instance_group[0].count == 2
     assert code2wav.sequence_batching.oldest.max_queue_delay_microseconds == 0
@@ -261,16 +240,18 @@ def test_the_rendering_follows_the_spec_and_the_serving_options(default_spec):
     assert config.sequence_batching.max_sequence_idle_microseconds == CODE2WAV_IDLE_TIMEOUT_US
 
 
-def test_the_checked_in_config_is_the_default_rendering_and_gives_the_core_its_default_settings(default_spec):
-    """What code2wav's initialize reads (the JSON form Triton hands it, uint64 fields as strings) are the
-    core's default settings; the idle timeout is the one render reads, below the decoder's; the sequence
-    controls and the tensors are those the model reads."""
+def test_the_checked_in_configs_are_the_default_rendering_and_give_the_core_its_default_settings(default_spec):
+    """code2wav's initialize reads (uint64 fields as strings) the core's default settings and its tensors."""
+    assert CHECKED_IN_CONFIG.read_text() == render_config(default_spec, "onnxruntime"), (
+        "model_repository/mimi_decoder/config.pbtxt is stale: run `code2wav-export render --check-in`")
     assert CHECKED_IN_CODE2WAV_CONFIG.read_text() == render_code2wav_config(default_spec), (
         "model_repository/code2wav/config.pbtxt disagrees with the default export and render options")
     config = parse(CHECKED_IN_CODE2WAV_CONFIG.read_text())
     assert set(config.parameters) == set(code2wav_settings.PARAMETER_TYPES)
     settings = code2wav_settings.settings_from_config(json_format.MessageToDict(config, preserving_proto_field_name=True))
     assert settings == code2wav_settings.Code2WavSettings()
+    assert (settings.max_live_streams, config.sequence_batching.oldest.max_candidate_sequences) == (1024, 2048)
+    assert parse(CHECKED_IN_CONFIG.read_text()).sequence_batching.oldest.max_candidate_sequences == 1024
     assert settings.stream_idle_timeout_s * 1e6 == CODE2WAV_IDLE_TIMEOUT_US < DecoderServing().idle_timeout_us
     assert config.max_batch_size > 0 and config.sequence_batching.WhichOneof("strategy_choice") == "oldest"
     controls = {c.name: c.control[0] for c in config.sequence_batching.control_input}

@@ -1,10 +1,7 @@
-"""Streams that survive faults: the real code2wav and python-ort decoder, resumable clients
-(`client.Code2WavStream`) sending every request with their stream key. Three plain servers (tests in order): each
-client has every server's URL, its own first, and moves on when its server fails; a server SIGKILLed mid-stream,
-then started again under the same address. One node: `code2wav-server serve` restarts a tritonserver SIGKILLed
-under live streams. (Through a proxy with compose's restart policy: tests/test_compose_scale.py.) References are
-each stream's solo decode by the same ONNX step in this process (docs/design.md §2.3 says how close "equal" is).
-"""
+"""Streams that survive faults: resumable clients (`client.Code2WavStream`) on the real code2wav and python-ort
+decoder. Three plain servers (tests in order), each client given every URL, its own first: one SIGKILLed
+mid-stream, then started again under the same address. One node: `code2wav-server serve` restarts a killed
+tritonserver. References: each stream's solo decode by the same ONNX step here (docs/design.md §2.3)."""
 
 from __future__ import annotations
 
@@ -31,18 +28,9 @@ from mimi_fixtures import assert_equal_audio
 
 pytestmark = pytest.mark.server
 
-STREAMS = 12
-# The kill comes once every stream has decoded KILL_AT frames, more than the 250 frames of history a
-# resume replays (so the rebuilt state is not exact), and each stream then decodes AFTER_KILL more.
-KILL_AT = 270
-AFTER_KILL = 30
-AFTER_RESTART = 20
-CHUNK_FRAMES = 10
-HISTORY_FRAMES = 250
-# The resumed audio against the solo decode after a resume with R = 250 frames of history (the resume
-# record in docs/benchmarks.md); the bar leaves room for other codes.
-RESUMED_MIN_SNR_DB = 75.0
-SERVERS = 3
+# The kill comes past the 250 frames of history a resume replays (so the rebuilt state is not exact).
+STREAMS, SERVERS, KILL_AT, AFTER_KILL, AFTER_RESTART, CHUNK_FRAMES, HISTORY_FRAMES = 12, 3, 270, 30, 20, 10, 250
+RESUMED_MIN_SNR_DB = 75.0  # after a resume with 250 frames of history (docs/benchmarks.md), with room for other codes
 STREAM_IDLE_TIMEOUT_S = CODE2WAV_IDLE_TIMEOUT_US / 1e6  # read from code2wav's config.pbtxt
 
 
@@ -68,29 +56,25 @@ def servers(served_repository, tmp_path_factory):
 
 
 def _urls(servers: list[TritonServer], home: int) -> list[str]:
-    """Every server's gRPC URL, `home` first: where the stream starts, then where it fails over to."""
+    """Every server's gRPC URL, `home` first."""
     return [servers[(home + k) % len(servers)].grpc_url for k in range(len(servers))]
 
 
-@pytest.fixture(scope="module")
-def streams():
-    rng = np.random.default_rng(2026)
-    total = KILL_AT + AFTER_KILL + AFTER_RESTART
-    return {f"call-{n}": rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, total)) for n in range(STREAMS)}
+_rng = np.random.default_rng(2026)
+CODES = {f"call-{n}": _rng.integers(0, CODEBOOK_SIZE, (NUM_CODEBOOKS, KILL_AT + AFTER_KILL + AFTER_RESTART))
+         for n in range(STREAMS)}
 
 
 @pytest.fixture(scope="module")
-def solo(ort_decode, streams):
+def solo(ort_decode):
     """Each stream decoded by the ONNX step in this process (the streams batched), 16 frames per call."""
-    pcm = ort_decode(np.stack(list(streams.values())), frames_per_call=16)
-    return {key: pcm[i] for i, key in enumerate(streams)}
+    return dict(zip(CODES, ort_decode(np.stack(list(CODES.values())), frames_per_call=16)))
 
 
-def _decode_all(clients: dict[str, Code2WavStream], streams: dict[str, np.ndarray], first: int, stop: int,
+def _decode_all(clients: dict[str, Code2WavStream], first: int, stop: int,
                 end: bool = False, lockstep: bool = False) -> dict[str, np.ndarray]:
-    """Frames [first, stop) of every client's stream, in chunks, each stream in its own thread. In
-    `lockstep`, every stream sends chunk i only once all have had chunk i - 1 answered, so none sits
-    idle waiting for the slowest server's streams."""
+    """Frames [first, stop) of every client's stream, in chunks, a thread each; in `lockstep`, chunk i goes only
+    once every stream has chunk i - 1 answered, so none sits idle waiting for the slowest server's streams."""
     barrier = threading.Barrier(len(clients), timeout=120) if lockstep else None
     results, errors = {}, {}
 
@@ -101,7 +85,7 @@ def _decode_all(clients: dict[str, Code2WavStream], streams: dict[str, np.ndarra
                 if barrier is not None:
                     barrier.wait()
                 last = min(start + CHUNK_FRAMES, stop)
-                chunks.append(clients[key].decode(streams[key][:, start:last], end=end and last == stop))
+                chunks.append(clients[key].decode(CODES[key][:, start:last], end=end and last == stop))
             results[key] = np.concatenate(chunks)
         except BaseException as error:  # reported below, per stream
             errors[key] = error
@@ -118,8 +102,7 @@ def _decode_all(clients: dict[str, Code2WavStream], streams: dict[str, np.ndarra
 
 def _assert_resumed_audio(key: str, pcm: np.ndarray, reference: np.ndarray, resume, min_snr_db: float,
                           seconds: int | None = 1) -> None:
-    """Exact up to the resume; after it, each of its first `seconds` seconds (None: all) and all of it
-    together within `min_snr_db` of the reference."""
+    """Exact up to the resume; after it, each of its first `seconds` seconds (None: all) >= `min_snr_db`."""
     cut = resume.frame * SAMPLES_PER_FRAME
     assert_equal_audio(pcm[:cut], reference[:cut], what=f"{key} before its resume at frame {resume.frame}")
     snrs = snr_after(pcm, reference, resume.frame, seconds)
@@ -128,38 +111,34 @@ def _assert_resumed_audio(key: str, pcm: np.ndarray, reference: np.ndarray, resu
 
 
 def _failovers(stream: Code2WavStream) -> list:
-    """The stream's resumes after its first frame. A first request retried (its new connection
-    failed before the stream held anything: "resumed at frame 0, 0 frames of history replayed")
-    loses no audio and moves no state, so it is no failover; the audio checks still cover it."""
+    """The stream's resumes after its first frame: a retried first request loses no audio and moves no state."""
     return [resume for resume in stream.resumes if resume.frame > 0]
 
 
 @pytest.fixture(scope="module")
-def clients(servers, streams):
+def clients(servers):
     """Stream n starts on server n % 3."""
     options = StreamOptions(resume_history_frames=HISTORY_FRAMES, resume_timeout_s=30.0)
     opened = {key: Code2WavClient(_urls(servers, n % SERVERS), options).stream(sequence_id=1000 + n, stream_key=key)
-              for n, key in enumerate(streams)}
+              for n, key in enumerate(CODES)}
     yield opened
     for stream in opened.values():
         stream.close()
 
 
 def test_a_killed_servers_streams_resume_on_the_next_url_and_the_others_never_notice(
-        servers, streams, solo, clients, record_property):
-    """12 streams of 300 frames, 4 starting on each of three servers, each client given every URL;
-    SIGKILL server 0 at frame 270: every stream completes with the exact sample count, the others
-    equal their solo decode, the resumed ones equal it up to the resume and meet the resume table's
-    SNR after it, each on the next server of its list."""
-    # In lockstep: free-running, the streams of the most loaded server would finish well before the
-    # others, whose sequences could then idle out before the kill.
-    before = _decode_all(clients, streams, 0, KILL_AT, lockstep=True)
-    victims = [key for key in streams if clients[key].url == servers[0].grpc_url]
+        servers, solo, clients, record_property):
+    """12 streams, 4 starting on each of three servers; SIGKILL server 0 at frame 270: every stream completes
+    with the exact sample count, the others equal their solo decode, the resumed ones equal it up to the resume
+    and meet the resume SNR after it, each on the next server of its list."""
+    # In lockstep, so that no server's sequences idle out before the kill while the others' streams catch up.
+    before = _decode_all(clients, 0, KILL_AT, lockstep=True)
+    victims = [key for key in CODES if clients[key].url == servers[0].grpc_url]
     assert len(victims) == STREAMS // SERVERS, {key: stream.url for key, stream in clients.items()}
 
     servers[0].process.send_signal(signal.SIGKILL)
     servers[0].process.wait(30)
-    after = _decode_all(clients, streams, KILL_AT, KILL_AT + AFTER_KILL)
+    after = _decode_all(clients, KILL_AT, KILL_AT + AFTER_KILL)
 
     stalls = []
     for n, (key, stream) in enumerate(clients.items()):
@@ -168,14 +147,11 @@ def test_a_killed_servers_streams_resume_on_the_next_url_and_the_others_never_no
         reference = solo[key][: pcm.size]
         resumes = _failovers(stream)
         if key not in victims:
-            # Its server never went, and the victims' replays hold up none of its requests (code2wav
-            # answers each request when it is done; replays take the replay lane, docs/design.md §5):
-            # no resume, every sample exact.
+            # The victims' replays (the replay lane, docs/design.md §5) hold up none of its requests.
             assert not resumes, (key, [r.describe() for r in resumes])
             assert_equal_audio(pcm, reference, what=f"{key} (on a live server)")
             continue
-        # Resumed once, at the kill, on the next server of its list: the replay goes in short pieces,
-        # so no request of the resumed sequence outlasts the idle timeout.
+        # Resumed once, at the kill, on the next server of its list.
         assert len(resumes) == 1 and resumes[0].frame == KILL_AT and resumes[0].history_frames == HISTORY_FRAMES, \
             [r.describe() for r in resumes]
         assert stream.url == _urls(servers, n % SERVERS)[1] == resumes[0].url, (key, stream.url)
@@ -188,36 +164,33 @@ def test_a_killed_servers_streams_resume_on_the_next_url_and_the_others_never_no
 
 
 def test_a_restarted_server_serves_again_and_idle_streams_resume_where_they_are(
-        servers, streams, solo, clients, tmp_path):
-    """The killed server starts again under the same address while every stream sits idle past the
-    stream idle timeout: each stream resumes once, on its next request, on the next server of its
-    list (the restarted one for the streams that were on server 2), and ends with the exact sample
-    count; a new stream whose list starts with the restarted server is decoded there, exact."""
+        servers, solo, clients, tmp_path):
+    """The killed server starts again under the same address while every stream idles out: each resumes once,
+    on its next request, on the next server of its list, with the exact sample count; a new stream whose list
+    starts with the restarted server is decoded there, exact."""
     dead = servers[0]
     dead.stop()  # its stubs and shared memory
     servers[0] = _start(dead.model_repository, tmp_path / "server-0-restarted.log",
                         [dead.http_port, dead.grpc_port, dead.metrics_port])
     servers[0].wait_ready(180)
-    # Every server drops the idle streams after the idle timeout: waiting for all of them makes the
-    # outcome independent of how long the restart took.
+    # Waiting until every server dropped them makes the outcome independent of how long the restart took.
     assert wait_until(lambda: not any(metric(server, "code2wav_live_streams") for server in servers), STREAM_IDLE_TIMEOUT_S + 60, poll_s=0.5), \
         "the idle streams were never expired"
     first, stop = KILL_AT + AFTER_KILL, KILL_AT + AFTER_KILL + AFTER_RESTART
     where = {key: stream.url for key, stream in clients.items()}
-    last = _decode_all(clients, streams, first, stop, end=True)
+    last = _decode_all(clients, first, stop, end=True)
     for n, (key, stream) in enumerate(clients.items()):
         assert last[key].shape == (AFTER_RESTART * SAMPLES_PER_FRAME,)
         reference = solo[key][first * SAMPLES_PER_FRAME : stop * SAMPLES_PER_FRAME]
         later = [r for r in stream.resumes if r.frame >= first]
-        # One resume, on its first request after the pause (its sequence idled out), on the URL after the
-        # last one it held: the next, unless an attempt there failed too (a loaded machine's slow replay).
+        # One resume, on the URL after the last one it held (further if an attempt there failed on a loaded machine).
         urls = _urls(servers, n % SERVERS)
         assert len(later) == 1 and later[0].frame == first, [r.describe() for r in stream.resumes]
         assert later[0].url == urls[(urls.index(where[key]) + later[0].attempts) % SERVERS], later[0].describe()
         assert snr_db(last[key], reference) >= RESUMED_MIN_SNR_DB, key
-    key = next(iter(streams))
+    key = next(iter(CODES))
     with Code2WavClient(_urls(servers, 0), StreamOptions()).stream(sequence_id=5000, stream_key=key) as fresh:
-        pcm = fresh.decode(streams[key][:, :4], end=True)
+        pcm = fresh.decode(CODES[key][:, :4], end=True)
         assert fresh.url == servers[0].grpc_url
     assert pcm.shape == (4 * SAMPLES_PER_FRAME,) and not _failovers(fresh)
     assert_equal_audio(pcm, solo[key][: pcm.size], what="a new stream on the restarted server")
@@ -230,22 +203,21 @@ RESTARTED_MIN_SNR_DB = 70.0
 
 
 def test_serve_restarts_a_killed_tritonserver_and_resumable_streams_lose_nothing(
-        served_repository, streams, solo, tmp_path, record_property):
-    """`code2wav-server serve` with 4 resumable streams in flight; SIGKILL of its tritonserver at frame
-    270 (a crash, the OOM killer): serve starts it again on the same ports, every stream resumes once
-    and completes with the exact sample count, exact before the kill and >= 70 dB in every second
-    after it; then SIGTERM drains and stops everything, exit 0, nothing left."""
-    keys = list(streams)[:SERVE_STREAMS]
+        served_repository, solo, tmp_path, record_property):
+    """SIGKILL of `serve`'s tritonserver under 4 resumable streams at frame 270: serve starts it again on the same
+    ports, every stream resumes once, exact before the kill and >= 70 dB in every second after it; then
+    SIGTERM drains and stops everything, exit 0, nothing left."""
+    keys = list(CODES)[:SERVE_STREAMS]
     options = StreamOptions(resume_history_frames=HISTORY_FRAMES, resume_timeout_s=90.0)
     with serve_cli(served_repository, tmp_path / "server.log") as (serve, ports, output):
         clients = {key: Code2WavClient(f"127.0.0.1:{ports[1]}", options).stream(sequence_id=3000 + n, stream_key=key)
                    for n, key in enumerate(keys)}
         try:
             first_pid = int(re.search(r"tritonserver ready in [0-9.]+ s \(pid (\d+)\)", output.read_text())[1])
-            before = _decode_all(clients, streams, 0, KILL_AT, lockstep=True)
+            before = _decode_all(clients, 0, KILL_AT, lockstep=True)
             os.kill(first_pid, signal.SIGKILL)
             killed = time.monotonic()
-            after = _decode_all(clients, streams, KILL_AT, KILL_AT + AFTER_KILL, end=True)
+            after = _decode_all(clients, KILL_AT, KILL_AT + AFTER_KILL, end=True)
         finally:
             for client in clients.values():
                 client.close()

@@ -20,9 +20,10 @@ model_lifecycle = load_model_module(MODEL_REPOSITORY / "common" / "model_lifecyc
 
 # ---- idle sweeper --------------------------------------------------------------------------------
 
-def test_sweep_interval_is_a_quarter_of_the_timeout_within_bounds_and_a_sweeper_never_started_stops():
-    assert [idle_sweeper.sweep_interval_s(timeout_s) for timeout_s in (2.0, 0.1, 30.0)] == [0.5, 0.05, 1.0]
-    assert idle_sweeper.IdleSweeper(1.0, lambda: None, name="idle").stop()
+def test_sweep_interval_is_a_quarter_of_the_timeout_within_bounds():
+    sweepers = [idle_sweeper.IdleSweeper("idle", timeout_s, lambda: None, pytest.fail) for timeout_s in (2.0, 0.1, 30.0)]
+    assert [sweeper.interval_s for sweeper in sweepers] == [0.5, 0.05, 1.0]
+    assert all(sweeper.close(pytest.fail) for sweeper in sweepers)
 
 
 def test_sweeper_expires_on_its_own_under_the_lock_survives_a_failing_expiry_and_stops_promptly():
@@ -30,15 +31,13 @@ def test_sweeper_expires_on_its_own_under_the_lock_survives_a_failing_expiry_and
 
     def expire():
         calls.append(time.monotonic())
-        held.append(sweeper.lock.locked())
         if len(calls) == 1:
             raise RuntimeError("boom")  # logged; the next sweeps go on
+        held.append(sweeper.lock.locked())
         if len(calls) >= 3:
             swept.set()
 
-    sweeper = idle_sweeper.IdleSweeper(0.2, expire, name="test-sweeper", log_error=logged.append)  # interval 50 ms
-    assert sweeper.interval_s == 0.05
-    sweeper.start()
+    sweeper = idle_sweeper.IdleSweeper("test", 0.2, expire, logged.append)  # every 50 ms, at once
     try:
         assert swept.wait(5), "the sweeper never called expire() again"
         with sweeper.lock:  # as execute holds it: no sweep runs
@@ -50,7 +49,7 @@ def test_sweeper_expires_on_its_own_under_the_lock_survives_a_failing_expiry_and
         sweeper.close(log_warn=pytest.fail, timeout_s=60.0)  # returns when the thread has stopped, not after the timeout
         assert time.monotonic() - started < 30 and not sweeper._thread.is_alive()
     assert all(held)
-    assert len(logged) == 1 and "test-sweeper: idle expiry failed" in logged[0] and "RuntimeError: boom" in logged[0]
+    assert len(logged) == 1 and "test-idle-expiry: idle expiry failed" in logged[0] and "RuntimeError: boom" in logged[0]
     count = len(calls)
     time.sleep(0.15)
     assert len(calls) == count
@@ -63,12 +62,12 @@ def test_a_started_sweeper_is_named_after_its_model_and_warns_when_stuck_at_clos
         entered.set()
         release.wait(5)
 
-    sweeper = idle_sweeper.IdleSweeper.started("mimi_decoder", 0.2, stuck, log_error=pytest.fail)
+    sweeper = idle_sweeper.IdleSweeper("mimi_decoder", 0.2, stuck, pytest.fail)
     assert entered.wait(5)
-    sweeper.close(warnings.append, timeout_s=0.1)
+    assert not sweeper.close(warnings.append, timeout_s=0.1)
     release.set()
     assert warnings == ["mimi_decoder-idle-expiry: the idle sweeper did not stop in 0.1 s"]
-    assert sweeper.stop(timeout_s=5)
+    assert sweeper.close(pytest.fail, timeout_s=5)
 
 
 # ---- parameter policy ----------------------------------------------------------------------------
@@ -143,7 +142,7 @@ def test_delta_metrics_of_two_instances_add_up_and_withdraw():
     second.update(2)
     first.update(1)
     assert shared.value == 3
-    first.withdraw()
+    first.update(0)  # withdrawn
     assert shared.value == 2 and first.sent == 0
 
 
@@ -175,8 +174,7 @@ FAMILIES = (
 def test_model_metrics_fill_their_families_from_the_stats_and_withdraw_gauges():
     made, warnings = {}, []
     metrics = model_metrics.ModelMetrics(FAMILIES, "decoder", 1, fake_metric_family(made), warnings.append)
-    labels = model_metrics.metric_labels("decoder", 1)
-    assert labels == {"model": "decoder", "version": "1"}
+    labels = {"model": "decoder", "version": "1"}  # every instance's series
     assert {name: (family.kind, family.description) for name, family in made.items()} == {
         "live": ("gauge", "Live streams"), "done_total": ("counter", "Frames"),
         "errors_total": ("counter", "Errors by kind"), "sizes": ("histogram", "Batch sizes")}
@@ -191,7 +189,7 @@ def test_model_metrics_fill_their_families_from_the_stats_and_withdraw_gauges():
     assert made["sizes"].series[0].observations == [1, 4] and sizes == []  # observed once, emptied
     metrics.close()  # this instance's gauges leave their series; counters stay
     assert (made["live"].series[0].value, made["done_total"].series[0].value) == (0, 12)
-    assert not metrics.on and warnings == []
+    assert not metrics._series and warnings == []
 
 
 def test_model_metrics_turn_off_at_the_first_failure_and_never_fail_a_request():
@@ -199,7 +197,7 @@ def test_model_metrics_turn_off_at_the_first_failure_and_never_fail_a_request():
     metrics = model_metrics.ModelMetrics(FAMILIES, "decoder", "1", fake_metric_family(made), warnings.append)
     metrics.report(object())  # stats without the fields
     metrics.report(Stats(live=3, done=10, errors={}, sizes=[]))
-    assert not metrics.on and made["live"].series[0].value == 0
+    assert not metrics._series and made["live"].series[0].value == 0
     assert warnings == ["model 'decoder': custom metrics failed, now off ('object' object has no attribute 'live')"]
     metrics.close()
 
@@ -211,7 +209,7 @@ def test_model_metrics_turn_off_at_the_first_failure_and_never_fail_a_request():
     metrics = model_metrics.ModelMetrics(FAMILIES, "code2wav", "1", Unsupported, warnings.append)
     metrics.report(Stats(live=3, done=10, errors={}, sizes=[]))
     metrics.close()
-    assert not metrics.on and warnings == ["model 'code2wav': custom metrics unavailable (metrics disabled)"]
+    assert not metrics._series and warnings == ["model 'code2wav': custom metrics unavailable (metrics disabled)"]
 
 
 def test_initialize_turns_on_the_fault_handler_and_finalize_frees_a_reference_cycle_at_once():

@@ -1,8 +1,5 @@
-"""An overload of the front: `code2wav-server serve` of the null decoder under more live conversations than two
-cores carry, paced as a talker sends them (192 ticking every 80 ms, one request in flight each, carrying every frame
-since the last answer; then 32, 64 and 96). It may end in slow answers or clear refusals, never in a dead stub: each
-answer holds exactly the frames sent, serve restarts nothing, and a fresh conversation decodes afterwards.
-"""
+"""`code2wav-server serve` of the null decoder under more paced conversations than two cores carry (192, then 32,
+64, 96): slow answers or clear refusals, never a dead stub; every answer holds the frames sent, nothing restarts."""
 
 from __future__ import annotations
 
@@ -40,14 +37,10 @@ async def _conversation(client: Code2WavClient, index: int, errors: list[str], a
         errors.append(" ".join(str(error).split())[:300])
 
 
-def _round(url: str, conversations: int) -> tuple[list[str], list[int]]:
+async def _round(url: str, conversations: int) -> tuple[list[str], list[int]]:
     errors, answers = [], []
-
-    async def main() -> None:
-        async with Code2WavClient(url, StreamOptions(response_timeout_s=30.0, resume=False)) as client:
-            await asyncio.gather(*(_conversation(client, i, errors, answers) for i in range(conversations)))
-
-    asyncio.run(main())
+    async with Code2WavClient(url, StreamOptions(response_timeout_s=30.0, resume=False)) as client:
+        await asyncio.gather(*(_conversation(client, i, errors, answers) for i in range(conversations)))
     return errors, answers
 
 
@@ -56,12 +49,12 @@ def test_an_overload_ends_in_answers_or_refusals_never_a_dead_stub(repository_fo
     with serve_cli(repository_for("null"), log) as (cli, (_, grpc_port, _), out):
         url = f"127.0.0.1:{grpc_port}"
         for conversations in (192, 32, 64, 96):
-            errors, answers = _round(url, conversations)
+            errors, answers = asyncio.run(_round(url, conversations))
             print(f"{conversations} conversations: {len(answers)} answers ({sum(answers)} frames), "
                   f"{len(errors)} errors {sorted(set(errors))[:3]}")
             # Refusals are allowed under overload, but each must say what happened.
             assert all(error.strip() and "is not healthy" not in error for error in errors), errors
-        fresh_errors, fresh = _round(url, 1)
+        fresh_errors, fresh = asyncio.run(_round(url, 1))
         assert not fresh_errors and sum(fresh) == TICKS, fresh_errors
         output = stop_cli(cli, out)
     assert cli.returncode == 0, output

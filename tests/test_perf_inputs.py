@@ -6,51 +6,41 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
-import time
 import warnings
 
 import numpy as np
 import pytest
 
+from benchmarks.sweep import PERF_SH, run_until_done
 from mimi_code2wav.client.perf_inputs import describe, input_data, sequence_steps
 from mimi_code2wav.server.processes import log_tail
 
-from helpers import REPO_ROOT, copy_repository, perf_analyzer_problem
+from helpers import copy_repository, perf_analyzer_problem
 
 
 @pytest.fixture
 def perf_sh(tmp_path):
-    """run(args, timeout_s=180, server=None, **variables): client/perf.sh ARGS, its CSV at tmp_path/perf.csv;
-    TimeoutExpired past `timeout_s`, or as soon as `server` has died (perf_analyzer would wait for its
-    answers forever). A skip without perf_analyzer."""
+    """run(args, timeout_s=180, server=None, **variables): client/perf.sh ARGS run as the sweep runs it (stopped
+    past `timeout_s`, or as soon as `server` died), its CSV at tmp_path/perf.csv: (its exit code or why it was
+    stopped, its output). A skip without perf_analyzer."""
     problem = perf_analyzer_problem()
     if problem:
         pytest.skip(problem)
 
-    def run(args: list[str], timeout_s: float = 180, server=None, **env: str) -> subprocess.CompletedProcess:
+    def run(args: list[str], timeout_s: float = 180, server=None, **env: str) -> tuple[int | str, str]:
         (tmp_path / "perf.csv").unlink(missing_ok=True)
         env = dict(os.environ, BUILD_DIR=str(tmp_path / "perf"), CSV=str(tmp_path / "perf.csv"), PYTHON=sys.executable,
                    **env)
-        deadline = time.monotonic() + timeout_s
-        with subprocess.Popen([str(REPO_ROOT / "client" / "perf.sh"), *args], env=env, cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
-            while True:
-                try:  # a retried communicate loses no output
-                    stdout, stderr = process.communicate(timeout=1.0)
-                    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() > deadline or (server is not None and not server.is_alive()):
-                        process.kill()
-                        process.communicate()
-                        raise
+        done = run_until_done([str(PERF_SH), *args], env, timeout_s, server.is_alive if server else lambda: True,
+                              tmp_path / "perf.txt")
+        return done, (tmp_path / "perf.txt").read_text()
 
     return run
 
 
-def assert_succeeded(done: subprocess.CompletedProcess, csv_path) -> None:
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def assert_succeeded(done: tuple[int | str, str], csv_path) -> None:
+    assert done[0] == 0, done[1][-6000:]
     rows = list(csv.DictReader(csv_path.open()))
     assert len(rows) == 1 and float(rows[0]["Inferences/Second"]) > 0
 
@@ -86,7 +76,7 @@ def test_perf_analyzer_accepts_the_inputs_paced(perf_sh, code2wav_server, tmp_pa
     done = perf_sh(["--request-rate-range", "10", "--num-of-sequences", "2", "--serial-sequences", "--request-count", "12"],
                    URL=code2wav_server.grpc_url, STREAMS="2", FRAMES="9", CHUNK_FRAMES="4")
     assert_succeeded(done, tmp_path / "perf.csv")
-    assert "mimi_decoder" in done.stdout  # the composing model's statistics are reported
+    assert "mimi_decoder" in done[1]  # the composing model's statistics are reported
 
 
 @pytest.mark.server
@@ -106,13 +96,9 @@ def test_variable_frame_counts_survive_sustained_load(perf_sh, served_repository
     set_idle_timeout(repository, 3600.0)
     for attempt in (1, 2):
         with running_server(repository, log_path=tmp_path / f"server-{attempt}.log") as server:
-            try:
-                done = perf_sh(["--concurrency-range", "32", "--request-count", "480"], timeout_s=540, server=server,
-                               URL=server.grpc_url, MODEL=model, STREAMS="32", FRAMES="40", SCHEDULE="1,3,1,16,2,5,8,4")
-            except subprocess.TimeoutExpired:
-                done = None  # too slow, or the server died
-            if server.is_alive():
-                assert done is not None, "perf_analyzer hung against a live server"
+            done = perf_sh(["--concurrency-range", "32", "--request-count", "480"], timeout_s=540, server=server,
+                           URL=server.grpc_url, MODEL=model, STREAMS="32", FRAMES="40", SCHEDULE="1,3,1,16,2,5,8,4")
+            if server.is_alive():  # else stopped as soon as the server died
                 assert_succeeded(done, tmp_path / "perf.csv")
                 return
             crash = log_tail(server.log_path, 8)

@@ -1,12 +1,6 @@
-"""The python-ort decoder model (`model_repository/mimi_decoder/python_ort/`): implicit state done by hand.
-
-A tiny ONNX step model with known arithmetic stands in for the Mimi decoder:
-    S = sum(codes); acc' = acc + S; count' = count + 1; pcm = [acc' x4, count', S]
-so every expected output follows from the codes a sequence has sent since its START.
-The core (`python_ort_core.py`) is tested directly, then the model files are served, laid out as
-render lays them out, by the real tritonserver. Parity with moshi on the real decoder: tests/test_serving.py.
-The tests read the core's private `_streams` (sequence id -> state): streams are the core's alone.
-"""
+"""The python-ort decoder model: its core directly, then served by the real tritonserver as render lays it out
+(parity with moshi: tests/test_serving.py). A tiny ONNX step stands in for Mimi: S = sum(codes); acc' = acc + S;
+count' = count + 1; pcm = [acc' x4, count', S], so every output follows from the codes since the START."""
 
 from __future__ import annotations
 
@@ -64,8 +58,7 @@ def build_step_onnx(path: Path) -> Path:
     return path
 
 
-def count_state(**change) -> str:
-    """The state_spec parameter with the count state's entry changed."""
+def count_state(**change) -> str:  # the state_spec parameter with the count state's entry changed
     return json.dumps([STATE_SPEC[0], {**STATE_SPEC[1], **change}])
 
 
@@ -77,8 +70,7 @@ def codes_for(seed) -> np.ndarray:
 
 
 def check_pcm(references: dict, sequence_id, codes, start: bool, pcm) -> None:
-    """`pcm` is the tiny model's output after `codes`, from the sequence's (acc, count) in `references`
-    (a START resets them), which it updates."""
+    """`pcm` follows `codes` from the sequence's (acc, count) in `references` (reset on START), updated."""
     acc, count = (0.0, 0) if start else references[sequence_id]
     code_sum = float(codes.sum())
     references[sequence_id] = acc + code_sum, count + 1
@@ -131,8 +123,7 @@ def make_core(session, config=None, clock=None, log_error=lambda message: None):
                                          clock=clock or FakeClock(), model_name="decoder", log_error=log_error)
 
 
-def request(sequence_id, codes, start=False, end=False):
-    """A step of `codes` (or codes_for(seed))."""
+def request(sequence_id, codes, start=False, end=False):  # a step of `codes` (or codes_for(seed))
     return ort_core.StepRequest(sequence_id, start, end, {"codes": codes_for(codes)})
 
 
@@ -142,21 +133,11 @@ def step_all(core, references: dict, batch: list) -> None:
         check_pcm(references, req.sequence_id, req.inputs["codes"], req.start, result["pcm"])
 
 
-def test_parse_model_config_reads_parameters_and_timeout():
-    config = parse(config_with())
-    assert (config.idle_timeout_s, config.intra_op_threads, config.onnx_file, config.max_live_streams) == (
-        2.0, 1, "model.onnx", 16)
-    assert [(s.input, s.output, s.dtype, s.shape) for s in config.states] == [
-        ("state_in_00_acc", "state_out_00_acc", np.float32, (ACC,)), ("state_in_01_count", "state_out_01_count", np.int64, (1,))]
-    assert config.value_ranges == {"codes": (0, 2048)} and config.max_dims == {"codes": (8, 1)}
-
-
 # Each fails the load with its message; a parameter's names it ("parameter '<name>': ..."). None: left out.
 BAD_CONFIGS = {
     "no-state-spec": (config_with(state_spec=None), "parameter 'state_spec': missing from the model config's parameters"),
     "no-cap": (config_with(max_live_streams=None), "parameter 'max_live_streams': missing"),
     "unknown": (config_with(codebook_size="2048"), "parameter 'codebook_size': unknown parameter (known: onnx_file, intra_op_threads, state_spec, value_ranges, max_dims, max_live_streams)"),
-    "removed": (config_with(max_rows_per_run="8"), "parameter 'max_rows_per_run': unknown parameter"),
     "cap-0": (config_with(max_live_streams="0"), "parameter 'max_live_streams': must be >= 1, got 0"),
     "cap-auto": (config_with(max_live_streams="auto"), "parameter 'max_live_streams': not an integer: 'auto'"),
     "threads": (config_with(intra_op_threads="-1"), "parameter 'intra_op_threads': must be >= 0, got -1"),
@@ -195,8 +176,7 @@ def test_core_runs_a_sequence_s_steps_in_order_and_ends(onnx_session):
 
 
 def test_streams_stepping_in_changing_groups_are_batched_and_never_mix(onnx_session):
-    """Each stream's state is its row of some earlier run's outputs: however streams group, start, end
-    and expire, every output follows from its own stream's codes."""
+    """However streams group, start, end and expire, every output follows from its own stream's codes."""
     clock = FakeClock()
     core = make_core(onnx_session, clock=clock)
     rng = np.random.default_rng(7)
@@ -334,8 +314,7 @@ instance_group [ {{ kind: KIND_CPU count: 1 }} ]
 
 
 def write_repository(repository: Path, **parameters: str) -> Path:
-    """A repository serving the tiny model as `decoder` (PARAMETERS, 64 live streams, with `parameters`
-    replaced), laid out as render lays out python-ort."""
+    """The tiny model served as `decoder` (PARAMETERS, 64 live streams, `parameters` replaced), as render lays it out."""
     version_dir = repository / "decoder" / "1"
     version_dir.mkdir(parents=True)
     build_step_onnx(version_dir / "model.onnx")

@@ -1,6 +1,5 @@
-"""Every command in the README's shell blocks is either run here (with small arguments, against the
-session's real server) or listed with the reason it cannot run here. A new README command without
-an entry below fails this test."""
+"""Every command in the README's shell blocks is run here (small arguments, the session's server) or listed with
+the reason it cannot be; a new README command without an entry fails."""
 
 from __future__ import annotations
 
@@ -24,13 +23,9 @@ PY = str(Path(sys.executable))
 
 
 def readme_commands() -> list[str]:
-    commands = []
-    for block in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S):
-        for line in block.splitlines():
-            line = re.sub(r"\s+#.*$", "", line.strip())
-            if line and not line.startswith("#"):
-                commands.append(line)
-    return commands
+    lines = [re.sub(r"\s+#.*$", "", line.strip()) for block in re.findall(r"```sh\n(.*?)```", README.read_text(), re.S)
+             for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 NOT_RUN = {
@@ -57,11 +52,9 @@ NOT_RUN = {
     "make bench-duplex": "minutes of load; test_duplex.py runs `python -m benchmarks duplex` with small arguments",
     "make bench-failover": "minutes of the compose scale profile; test_compose_scale.py runs the same failover",
     "make bench-memory": "a minute of 64 streams; test_serving.py's memory test runs benchmarks.memory at 32 streams",
-    **{command: "needs an NVIDIA GPU; test_compose.py checks the GPU services' structure"
-       for command in (
-           "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose up --build",
-           "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile tensorrt up --build triton-tensorrt",
-       )},
+    **dict.fromkeys(("MIMI_WEIGHTS_DIR=/path/to/mimi docker compose up --build",
+                     "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile tensorrt up --build triton-tensorrt"),
+                    "needs an NVIDIA GPU; test_compose.py checks the GPU services' structure"),
     "MIMI_WEIGHTS_DIR=/path/to/mimi docker compose --profile cpu up --build triton-cpu":
         "test_compose_cpu.py runs it as written, with the weights, ports and images set by variables",
     "docker compose --profile bench run --rm perf": "test_compose_cpu.py runs it as written against the CPU profile",
@@ -90,9 +83,9 @@ RUN = {
     ".venv/bin/code2wav-export build --random-init --seed 0": "export_random",
     ".venv/bin/code2wav-export build --random-init --seed 0 --max-frames-per-step 4 --window exact "
     "--kv-cache-dtype float16 --opset 17 --out build/export/custom": "export_custom",
-    "make venv": "make_venv",
+    "make venv": "make",
     ".venv/bin/code2wav-server certs --out build/access --host my-host.example": "certs",
-    "make lint": "make_lint",
+    "make lint": "make",
     ".venv/bin/python -m benchmarks decoder": "bench_decoder",
     ".venv/bin/python -m mimi_code2wav.export.tensorrt_build --export-dir build/export/f16-moshi-kvfloat32-k8 --fp16 --max-batch 64":
         "tensorrt_build",
@@ -116,8 +109,7 @@ def _run(args, cwd, timeout=600, env=None):
 
 
 def _python(command: str) -> list[str]:
-    """`.venv/bin/python -m ...` or `.venv/bin/<console script> ...` of the README, run from this
-    interpreter's venv."""
+    """A README `.venv/bin/<program> ...` command, run from this interpreter's venv."""
     program, *args = command.split()
     assert program.startswith(".venv/bin/"), command
     return [str(Path(PY).parent / Path(program).name), *args]
@@ -131,7 +123,7 @@ def _assert_wav(path: Path, frames: int) -> None:
 
 
 @pytest.fixture
-def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scenario):
+def runner(tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scenario):
     """Runs one README command with small arguments against the session's server."""
     url = code2wav_server.grpc_url
     checkpoint = moshi_checkpoint[0]
@@ -195,12 +187,9 @@ def runner(request, tmp_path, code2wav_server, moshi_checkpoint, onnx_fp32, scen
                                        "kv_cache_dtype": "float16", "opset": 17}
         assert "passed onnx.checker" in result.stderr
 
-    def make_venv(command):
-        _run(command.split() + [f"VENV={Path(PY).parent.parent}"], REPO_ROOT)
-
-    def make_lint(command):
+    def make(command):  # `make venv` and `make lint` on this venv
         result = _run(command.split() + [f"VENV={Path(PY).parent.parent}"], REPO_ROOT)
-        assert "All checks passed" in result.stdout
+        assert command != "make lint" or "All checks passed" in result.stdout
 
     def bench_decoder(command):
         result = _run(_python(command) + ["--seconds", "0.05", "--batches", "1", "--frames-per-call", "1",
@@ -240,22 +229,18 @@ def test_readme_command_runs(command, runner):
     runner[RUN[command]](command)
 
 
-def readme_python_examples() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+PYTHON_EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-@pytest.mark.parametrize("index", range(len(readme_python_examples())))
+@pytest.mark.parametrize("index", range(len(PYTHON_EXAMPLES)))
 def test_readme_python_example_runs(index, code2wav_server, tmp_path):
-    """Each Python example of the README runs as written against the session's server (its address
-    swapped in) in a fresh interpreter, and its own assertions hold."""
-    example = readme_python_examples()[index].replace("127.0.0.1:8001", code2wav_server.grpc_url)
-    assert "127.0.0.1:8001" not in example or code2wav_server.grpc_url == "127.0.0.1:8001"
+    """Each README Python example runs as written (against the session's server) in a fresh interpreter."""
+    example = PYTHON_EXAMPLES[index].replace("127.0.0.1:8001", code2wav_server.grpc_url)
     _run([PY, "-c", example], tmp_path, timeout=120)
 
 
 def test_the_readme_parameter_table_is_the_shipped_config():
-    """Every row of the README's code2wav parameter table names parameters of
-    model_repository/code2wav/config.pbtxt with their shipped values, and every parameter has a row."""
+    """The README's code2wav parameter table holds exactly the shipped config.pbtxt's parameters and values."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 

@@ -1,10 +1,6 @@
-"""Resume by replay (docs/design.md §2.4) on the decoder step itself, tiny config: a 20-step attention
-window (9 frames of KV cache) over 2 layers, conv contexts shorter than a frame, seeded random weights.
-
-A fresh decoder state that replays the R frames before the resume point decodes the frames after it
-close to the uninterrupted decode, closer as R covers one window, then a window per layer; the whole
-history is exact. The serving side of resume is tests/test_resume_serving.py's.
-"""
+"""Resume by replay (docs/design.md §2.4) on the tiny decoder step (a 20-step window over 2 layers): a fresh
+state replaying the R frames before the resume point decodes what follows closer to the uninterrupted decode
+as R covers one window, then a window per layer; the whole history is exact (serving: test_resume_serving.py)."""
 
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ def tiny_codes(tiny_step):
 
 
 def decode(step, codes: np.ndarray, first_frame: int, frames_per_call: int) -> np.ndarray:
-    """PCM float32 [streams, samples] of frames [first_frame, T) of `codes` (int [streams, k, T]), every
-    stream from a fresh (all-zero) state, `frames_per_call` frames per step."""
+    """PCM [streams, samples] of frames [first_frame, T) of codes [streams, k, T], from a fresh state."""
     state = list(step.zero_state(codes.shape[0]))
     pcm = []
     with torch.no_grad():
@@ -51,8 +46,8 @@ def decode(step, codes: np.ndarray, first_frame: int, frames_per_call: int) -> n
 
 @pytest.fixture(scope="module")
 def resumed_snr_db(tiny_step, tiny_codes):
-    """R -> SNR (dB) [window, stream] of the audio after RESUME_FRAME decoded after replaying R frames
-    of history, against the uninterrupted decode (one frame per call, so that call sizes differ too)."""
+    """R -> SNR (dB) [window, stream] after RESUME_FRAME having replayed R frames, against the uninterrupted
+    decode (one frame per call, so that call sizes differ too)."""
     spf = tiny_step.samples_per_frame
     reference = decode(tiny_step, tiny_codes, 0, 1)[:, RESUME_FRAME * spf :]
 

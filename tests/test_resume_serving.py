@@ -1,13 +1,11 @@
-"""Resume by replay through real tritonservers: code2wav's `history_frames` contract, and the resumable client
-carrying a stream over the loss of its server. Resumed with its whole history a stream is "equal" (docs/design.md
-§2.3) to the uninterrupted decode; with the last R frames, close (`python -m benchmarks resume` measures it).
-"""
+"""Resume by replay on real tritonservers: the `history_frames` contract and the resumable client over a lost server.
+With its whole history a resumed stream equals the uninterrupted decode (docs/design.md §2.3); with R frames, close."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +13,13 @@ import pytest
 
 from mimi_code2wav.client.protocol import StreamOptions, random_codes
 from mimi_code2wav.client.sync import Code2WavClient
-from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
 from helpers import (
     code2wav_inputs,
     frames_of,
     infer,
     infer_error,
+    metric,
     send_in_chunks,
     sequence_ids,
     snr_after,
@@ -41,9 +39,8 @@ new_sequence_id = sequence_ids(9_100_001)
 
 
 def resumed_decode(client, codes, resume_at, history_frames, first_new_frames=16) -> np.ndarray:
-    """Decode frames [0, resume_at) in one sequence, then a new sequence START at resume_at -
-    history_frames with that much history and `first_new_frames` new frames, then the rest (both
-    sequences ENDed). Returns the PCM of every frame, once."""
+    """Frames [0, resume_at) in one sequence, the rest in a new one STARTed with `history_frames` of history (both
+    ENDed); returns the PCM of every frame, once."""
     before = send_in_chunks(client, new_sequence_id(), codes, 0, resume_at, start=True)
     sequence_id, history_from, stop = new_sequence_id(), resume_at - history_frames, resume_at + first_new_frames
     after = [infer(client, sequence_id, codes[:, history_from:stop], history_from, start=True,
@@ -52,8 +49,8 @@ def resumed_decode(client, codes, resume_at, history_frames, first_new_frames=16
     return np.concatenate(before + after)
 
 
-def test_a_resumed_stream_returns_only_new_frames_equal_to_the_uninterrupted_one_with_its_whole_history(
-        grpc_client, scenario, moshi_streams):
+def test_a_resumed_stream_returns_only_new_frames_and_refuses_misplaced_offsets_and_history(
+        code2wav_server, grpc_client, scenario, moshi_streams):
     codes, reference = scenario.streams["A"], moshi_streams["A"]
     whole = resumed_decode(grpc_client, codes, RESUME_AT, history_frames=RESUME_AT)
     assert_equal_audio(whole, reference, what=f"resumed at frame {RESUME_AT} with its whole history, vs moshi")
@@ -66,19 +63,14 @@ def test_a_resumed_stream_returns_only_new_frames_equal_to_the_uninterrupted_one
     # Related to the uninterrupted audio, but far from equal: 2 s of history do not rebuild the state.
     assert 10.0 < snr_first_s < 60.0
 
-
-def _counters(server) -> dict[str, float]:
-    samples = fetch_metrics(server.metrics_url)
-    counters = {kind: metric_value(samples, "code2wav_errors_total", kind=kind) or 0.0
-                for kind in ("history", "history_offset", "before_resume")}
-    counters["resumed"] = metric_value(samples, "code2wav_resumed_streams_total") or 0.0
-    return counters
-
-
-def test_a_resumed_stream_refuses_offsets_before_its_resume_point_and_misplaced_history(
-        code2wav_server, grpc_client, scenario):
     codes, sequence_id = scenario.streams["B"], new_sequence_id()
-    before = _counters(code2wav_server)
+    kinds = ("history", "history_offset", "before_resume")
+
+    def counters() -> list[float]:
+        return [metric(code2wav_server, "code2wav_errors_total", kind=kind) for kind in kinds] + [
+            metric(code2wav_server, "code2wav_resumed_streams_total")]
+
+    before = counters()
     infer(grpc_client, sequence_id, codes[:, 20:30], 20, start=True, new_frames=4, history_frames=6)
     infer_error(grpc_client, sequence_id, code2wav_inputs(codes[:, 19:32], 19),
                 f"frame_offset 19 is before frame 20, where stream {sequence_id} was resumed on this server",
@@ -92,14 +84,12 @@ def test_a_resumed_stream_refuses_offsets_before_its_resume_point_and_misplaced_
                 "history_frames=2 needs frame_offset", start=True, kind="history")
     # The stream is still there: offsets are absolute, an overlap with the decoded frames decodes the rest.
     infer(grpc_client, sequence_id, codes[:, 28:33], 28, end=True, new_frames=3)
-    after = _counters(code2wav_server)
-    assert {name: after[name] - before[name] for name in after} == {"history": 2, "history_offset": 1, "before_resume": 1, "resumed": 1}
+    assert [a - b for a, b in zip(counters(), before)] == [2, 1, 1, 1]  # the three error kinds, then resumed streams
 
 
 def test_a_stream_its_server_forgot_is_resumed_on_the_same_server(code2wav_server, grpc_client, ort_decode):
-    """The server loses the stream (here: someone else ENDs the sequence; a restart or an idle timeout
-    forgets it the same way): Triton answers the next request that it must carry the START flag, and
-    the client STARTs the sequence again with its whole history (fewer than R frames): exact."""
+    """Another client ENDs the sequence (as a restart or idle timeout would forget it): Triton asks for START, and the
+    client STARTs again with its whole history (fewer than R frames): exact."""
     codes = random_codes(60, seed=41)
     client = Code2WavClient(code2wav_server.grpc_url, StreamOptions(resume_history_frames=250))
     stream = client.stream(sequence_id=new_sequence_id(), stream_key="forgotten")
@@ -123,10 +113,8 @@ def unread_bytes(port: int) -> int:
 
 
 def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code2wav_server, ort_decode, tmp_path):
-    """A stream decodes 300 frames on server A (started here); A is frozen (SIGSTOP), the next request sent (its bytes
-    wait, unread, in A's socket) and A killed (SIGKILL). The client resumes on B (the session's) with 250 frames of
-    history: every frame's PCM once, equal to the solo decode before the failure, within RESUMED_R250_MIN_SNR_DB of
-    the uninterrupted decode after it."""
+    """300 frames on server A, which is frozen (SIGSTOP), sent a request (unread in its socket) and killed: the client
+    resumes on B with 250 frames of history; every frame once, equal before the failure, close after it."""
     from mimi_code2wav.server.supervise import running_server
 
     codes, t = random_codes(340, seed=43), 300
@@ -140,23 +128,13 @@ def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code
             pcm += [stream.decode(codes[:, first : min(first + 16, t)]) for first in range(1, t, 16)]
             assert stream.url == server_a.grpc_url and stream.resumes == []
             os.killpg(server_a.pid, signal.SIGSTOP)  # A and its stubs: the request will not be answered
-            unread_before, answer = unread_bytes(server_a.grpc_port), []
-
-            def send_the_request_that_gets_lost():
-                try:
-                    answer.append(stream.decode(codes[:, t : t + 16]))
-                except BaseException as exc:  # reported below, in the test's thread
-                    answer.append(exc)
-
-            sender = threading.Thread(target=send_the_request_that_gets_lost, daemon=True)
-            sender.start()
-            # The request holds 16 frames of 8 int64 codes.
-            assert wait_until(lambda: unread_bytes(server_a.grpc_port) > unread_before + 16 * 8 * 8, 60)
-            os.killpg(server_a.pid, signal.SIGKILL)
-            sender.join(timeout=120)
-            assert answer, "the request in flight was never answered"
-            assert not isinstance(answer[0], BaseException), f"the stream did not resume: {answer[0]}"
-            pcm += answer
+            unread_before = unread_bytes(server_a.grpc_port)
+            with concurrent.futures.ThreadPoolExecutor(1) as sender:
+                lost = sender.submit(stream.decode, codes[:, t : t + 16])
+                # The request holds 16 frames of 8 int64 codes.
+                assert wait_until(lambda: unread_bytes(server_a.grpc_port) > unread_before + 16 * 8 * 8, 60)
+                os.killpg(server_a.pid, signal.SIGKILL)
+                pcm.append(lost.result(timeout=120))  # raises the stream's error if it did not resume
             pcm.append(stream.decode(codes[:, t + 16 :], end=True))
         assert wait_until(lambda: not server_a.is_alive(), 60)
     pcm = np.concatenate(pcm)

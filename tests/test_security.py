@@ -1,9 +1,6 @@
-"""TLS and the keys (docs/design.md §5.3) on real tritonservers with real certificates: the tests make
-their own CA, server and client certificates with openssl.
-
-One server of the python-ort repository with TLS, an inference key and an admin key (module scope),
-one of the null repository with mutual TLS and a key. Every refusal leaves the server serving and a
-stream that was in progress exact; no secret shows in a log, an error or serve's output.
+"""TLS and the keys (docs/design.md §5.3) on real tritonservers, with certificates made here by openssl: one
+python-ort server with TLS and both keys, one null server with mutual TLS and a key (module scope). Every refusal
+leaves the server serving and a stream in progress exact; no secret shows in a log, an error or serve's output.
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from mimi_code2wav.client.aio import Code2WavClient as AsyncClient
 from mimi_code2wav.client.credentials import GRPC_RESTRICTED_PREFIX, KEY_ENV, Credentials
 from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, ClientError, StreamOptions
 from mimi_code2wav.client.sync import Code2WavClient, run_streams
+from mimi_code2wav.client.wav import read_wav
 from mimi_code2wav.server.security import ADMIN_KEY_ENV
 
 from helpers import (
@@ -45,11 +43,10 @@ pytestmark = pytest.mark.server
 
 INFERENCE_KEY = "inference-0f6a4c2d9b7e41d3"
 ADMIN_KEY = "admin-7c1e5b3a9d2f48e6"
-SECRETS = (INFERENCE_KEY, ADMIN_KEY)
 
 
 def no_secret(text: str | bytes) -> bool:
-    return not any((secret.encode() if isinstance(text, bytes) else secret) in text for secret in SECRETS)
+    return not any((key.encode() if isinstance(text, bytes) else key) in text for key in (INFERENCE_KEY, ADMIN_KEY))
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +96,7 @@ def _refusal(url: str, credentials: Credentials) -> str:
 
 def test_every_bad_credential_is_refused_with_its_own_message_and_a_live_stream_stays_exact(
         secure_server, pki, scenario, moshi_streams):
-    """A stream decodes half its frames with the right credentials; then each wrong credential is
-    refused at check_ready, saying which; then the stream decodes the rest, equal to moshi."""
+    """Half a stream, each wrong credential refused at check_ready saying which, the rest: equal to moshi."""
     url = secure_server.grpc_url
     codes, reference = scenario.streams["A"], moshi_streams["A"]
     half = codes.shape[1] // 2
@@ -122,7 +118,6 @@ def test_every_bad_credential_is_refused_with_its_own_message_and_a_live_stream_
         print(f"{case}: {refusals[case]}")
         # A key's refusal is the whole message; TLS's name gRPC's reason too.
         assert refusals[case] == says if case.endswith("key") else says in refusals[case], (case, refusals[case])
-    Code2WavClient(url, credentials=_good(pki)).check_ready(timeout_s=5)
     assert_equal_audio(np.concatenate([first, second]), reference, what="a TLS stream around the refusals vs moshi")
 
 
@@ -132,8 +127,7 @@ def test_a_tls_client_of_a_plaintext_server_is_told_so(code2wav_server, pki):
 
 
 def test_a_request_with_a_wrong_key_fails_at_once_and_is_not_resumed(secure_server, pki, scenario):
-    """Triton refuses a restricted call with UNAVAILABLE, which alone reads as a lost server: the
-    client must fail the stream at once instead of resuming it for resume_timeout_s."""
+    """Triton refuses a restricted call with UNAVAILABLE, as from a lost server: the stream fails, not resumes."""
     options = StreamOptions(resume_timeout_s=30.0)
     began = time.monotonic()
     with pytest.raises(ClientError, match="requires the inference key, and the key was missing or wrong"):
@@ -143,7 +137,6 @@ def test_a_request_with_a_wrong_key_fails_at_once_and_is_not_resumed(secure_serv
 
 
 def test_with_tls_and_the_key_asyncio_streams_equal_moshi(secure_server, pki, scenario, moshi_streams):
-    """(The threads' client: the other tests of this module.)"""
     names = list(scenario.streams)
 
     async def conversation(client: AsyncClient, codes: np.ndarray) -> np.ndarray:
@@ -210,8 +203,6 @@ def test_the_cli_takes_tls_and_the_key_from_a_file_or_the_environment(secure_ser
     codes = tmp_path / "a.npy"
     np.save(codes, scenario.streams["A"])
     tls = ["--url", secure_server.grpc_url, "--tls-ca", str(pki / "ca.pem")]
-    from mimi_code2wav.client.wav import read_wav
-
     for where, key, env in (("a file", ["--key-file", str(pki / "inference.key")], {}),
                             ("the environment", [], {KEY_ENV: INFERENCE_KEY})):
         done = _cli("decode", *tls, *key, "--codes", str(codes), "--out", str(tmp_path / "out.wav"), env=env)
@@ -226,8 +217,7 @@ def test_the_cli_takes_tls_and_the_key_from_a_file_or_the_environment(secure_ser
 
 
 def test_the_duplex_benchmark_measures_a_server_with_tls_and_the_key(secure_server, pki, tmp_path, capsys):
-    """`python -m benchmarks duplex --url` against a TLS server: with the CA and the key it measures
-    every point; without the key it stops at once with the refusal, naming no secret."""
+    """With the CA and the key it measures every point; without the key it stops with the refusal, no secret."""
     from benchmarks.__main__ import main
 
     url = f"localhost:{secure_server.grpc_port}"
@@ -244,11 +234,9 @@ def test_the_duplex_benchmark_measures_a_server_with_tls_and_the_key(secure_serv
 
 
 def test_perf_analyzer_runs_over_tls_with_both_keys(secure_server, pki, tmp_path):
-    """client/perf.sh with TLS_CA, KEY_FILE and ADMIN_KEY_FILE (perf_analyzer reads statistics, an
-    admin call); without the admin key it is refused, naming the header."""
-
-    problem = perf_analyzer_problem()
-    if problem:
+    """client/perf.sh with TLS_CA, KEY_FILE and ADMIN_KEY_FILE (perf_analyzer reads statistics, an admin call);
+    without the admin key it is refused, naming the header."""
+    if problem := perf_analyzer_problem():
         pytest.skip(problem)
     env = {**os.environ, "URL": f"localhost:{secure_server.grpc_port}", "STREAMS": "2", "FRAMES": "9",
            "BUILD_DIR": str(tmp_path / "perf"), "CSV": str(tmp_path / "perf.csv"), "PYTHON": sys.executable,
@@ -268,9 +256,8 @@ def test_perf_analyzer_runs_over_tls_with_both_keys(secure_server, pki, tmp_path
 
 
 def test_serve_with_tls_and_keys_restarts_a_dead_stub_and_a_tls_stream_resumes(pki, repository_for, tmp_path):
-    """`serve` with TLS and both keys (from the environment): the banner names no secret and keeps
-    HTTP on loopback; the entrypoint's stub probe carries the key, so a dead stub is still found
-    and the server restarted; a resumable TLS stream resumes over it and loses no frame."""
+    """`serve` with TLS and both keys (from the environment): the banner names no secret; the stub probe carries
+    the key, so a dead stub is found and the server restarted; a resumable TLS stream resumes, losing no frame."""
     log = tmp_path / "server.log"
     env = {**os.environ, KEY_ENV: INFERENCE_KEY, ADMIN_KEY_ENV: ADMIN_KEY}
     args = ["--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key")]
@@ -292,8 +279,7 @@ def test_serve_with_tls_and_keys_restarts_a_dead_stub_and_a_tls_stream_resumes(p
 
 
 def test_no_secret_in_the_servers_logs_or_repositories(secure_server, mutual_server):
-    """Runs last in this module: the logs hold every refusal above. The repositories served are read
-    as bytes, every file of them (configs, models, the Python models)."""
+    """Runs last in this module: the logs hold every refusal above; every file served is read as bytes."""
     for server in (secure_server, mutual_server):
         assert no_secret(Path(server.log_path).read_text()), server.log_path
         for path in Path(server.model_repository).rglob("*"):

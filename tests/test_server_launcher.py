@@ -1,7 +1,5 @@
-"""The local tritonserver launcher (`server/triton.py`, `code2wav-server serve`) against the real binary.
-
-Most tests write a tiny Python-backend model into tmp_path; serve's restarts run the null repository.
-"""
+"""The local tritonserver launcher (`server/triton.py`, `code2wav-server serve`) against the real binary: most
+tests write a tiny Python-backend model into tmp_path; serve's restarts run the null repository."""
 
 from __future__ import annotations
 
@@ -87,8 +85,7 @@ def infer_add_one(grpc_url: str, model: str = "add_one") -> None:
         np.testing.assert_array_equal(client.infer(model, [tensor]).as_numpy("y"), x + 1.0)
 
 
-def wait_tritonserver(launcher: subprocess.Popen) -> int:
-    """The tritonserver that `launcher` started, once it has."""
+def wait_tritonserver(launcher: subprocess.Popen) -> int:  # the tritonserver `launcher` started, once it has
     assert wait_until(lambda: tritonserver_under(launcher.pid) is not None, 90), "tritonserver never started"
     return tritonserver_under(launcher.pid)
 
@@ -105,8 +102,6 @@ def test_serves_grpc_then_stops_leaving_nothing(tmp_path):
     with running_server(repository, log_path=tmp_path / "server.log") as server:
         ports = [server.http_port, server.grpc_port, server.metrics_port]
         assert len(set(ports)) == 3
-        assert server.grpc_url == f"127.0.0.1:{server.grpc_port}"
-        assert server.metrics_url == f"http://127.0.0.1:{server.metrics_port}/metrics"
         assert server.ready_after_s is not None and server.ready_after_s < 60
         infer_add_one(server.grpc_url)
         regions = server.shm_regions()
@@ -124,8 +119,8 @@ def test_serves_grpc_then_stops_leaving_nothing(tmp_path):
     pytest.param("import time; time.sleep(3600)", 3, "not ready after 3 s", id="stuck"),
 ])
 def test_a_model_that_does_not_load_fails_wait_ready_with_the_log_tail(tmp_path, capfd, initialize, timeout_s, error):
-    """A failing model fails wait_ready long before its timeout; a stuck one times out with the server
-    still alive; stop() leaves nothing either way."""
+    """A failing model fails wait_ready long before its timeout, a stuck one times out with the server alive;
+    stop() leaves nothing either way."""
     repository = write_model(tmp_path / "repo", initialize=initialize)
     server = TritonServer(repository, log_path=tmp_path / "server.log", exit_timeout_s=1)
     started = time.monotonic()
@@ -149,13 +144,11 @@ def test_a_model_that_does_not_load_fails_wait_ready_with_the_log_tail(tmp_path,
 
 def test_serve_restarts_tritonserver_after_sighup_a_crash_and_dead_stubs_and_sigterm_leaves_nothing(
         repository_for, tmp_path):
-    """`code2wav-server serve` in the foreground, one fault after another, each followed by a new
-    tritonserver on the same ports, ready and decoding, the old one's log kept as <log>.<n>, its stubs gone:
-    - SIGHUP drains tritonserver (exit 0) and starts it again at once, reading the repository afresh;
-    - a crash (SIGKILL of tritonserver alone) is reported with its exit and restarted after the backoff;
-    - a dead Python stub of code2wav, then of the decoder (SIGKILL stands in for its segfault), leaves
-      tritonserver ready while every request fails: the entrypoint's stub probe kills it.
-    SIGTERM then drains and stops it all, exit 0, leaving no process, port or shared memory."""
+    """`code2wav-server serve`, one fault after another, each followed by a new tritonserver on the same ports,
+    decoding, the old one's log kept as <log>.<n>, its stubs gone: SIGHUP drains (exit 0) and restarts at once,
+    reading the repository afresh; a crash (SIGKILL), then a dead stub of code2wav, then of the decoder (which
+    leave tritonserver ready while every request fails: the entrypoint's probe kills it) restart after the
+    backoff. SIGTERM then drains and stops it all, exit 0, leaving no process, port or shared memory."""
     import tritonclient.grpc as grpcclient
 
     repository, log = copy_repository(repository_for("null"), tmp_path / "repo"), tmp_path / "server.log"
@@ -186,14 +179,14 @@ def test_serve_restarts_tritonserver_after_sighup_a_crash_and_dead_stubs_and_sig
     assert re.search(rf"tritonserver ready in [0-9.]+ s \(pid {pids[0]}\)", output), output
     assert "access   plaintext gRPC, no inference key, admin calls open" in output, output
     assert f"SIGHUP: draining tritonserver (pid {pids[0]}) to start it again" in output, output
-    assert re.search(rf"tritonserver \(pid {pids[0]}\) drained \(exited with code 0\) and restarted in [0-9.]+ s "
-                     rf"\(ready in [0-9.]+ s, pid {pids[1]}, restart 1\)", output), output
+    assert f"tritonserver (pid {pids[0]}) drained (exited with code 0)" in output, output
     assert "Non-graceful termination" not in Path(f"{log}.1").read_text()
+    for restart in range(1, 5):
+        assert f"tritonserver restarted (pid {pids[restart]}, restart {restart}), ready in " in output, output
     # Each death soon after the last restart doubles the delay.
     for restart, delay in ((2, "0.5"), (3, "1.0"), (4, "2.0")):
         assert (f"tritonserver (pid {pids[restart - 1]}) was killed by SIGKILL after" in output
                 and f"; restart in {delay} s on the same ports" in output), output
-        assert f"tritonserver restarted (pid {pids[restart]}, restart {restart})" in output, output
     for restart, model in ((3, "code2wav"), (4, "mimi_decoder")):
         assert re.search(rf"triton-watchdog: tritonserver \(pid {pids[restart - 1]}\) answers, but a Python stub is "
                          rf"dead \(.*Stub process '{model}_0_0' is not healthy\..* from {model}\): killing it "
@@ -228,10 +221,8 @@ def test_describe_exit(code, says):
                   "nvcr.io/nvidia/tritonserver:24.10-py3, which carries it"], id="no-native-backend"),
 ])
 def test_serve_refuses_in_one_line_before_starting_a_server(tmp_path, args, env, says):
-    """Without --model-repository, serve builds the repository from the weights: weights that do not
-    exist stop it, naming them. A repository with a native onnxruntime model needs Triton's ONNX Runtime
-    backend beside the pip server's Python backend: where ORT_BACKEND holds none, serve says what is
-    missing, where it looked and that the NGC image carries it."""
+    """Weights that do not exist stop serve, naming them; a native onnxruntime model without Triton's ONNX
+    Runtime backend in ORT_BACKEND stops it, saying what is missing, where it looked and that NGC's image has it."""
     model = tmp_path / "repo" / "mimi_decoder"
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text('name: "mimi_decoder"\nbackend: "onnxruntime"\nmax_batch_size: 8\n')
@@ -248,18 +239,16 @@ def test_serve_refuses_in_one_line_before_starting_a_server(tmp_path, args, env,
     assert not (tmp_path / "server.log").exists() or "Started" not in (tmp_path / "server.log").read_text()
 
 
-def _stubs_of(shm_prefix: str) -> list[int]:
-    """Python stubs of the server that named its shared memory `shm_prefix`, still running."""
+def _stubs_of(shm_prefix: str) -> list[int]:  # the live Python stubs of the server of `shm_prefix`
     found = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub .*{shm_prefix}"], capture_output=True, text=True)
     return [int(pid) for pid in found.stdout.split()]
 
 
 @pytest.mark.parametrize("moment", ["serving", "loading"])
 def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
-    """SIGKILL leaves the launcher no chance to stop the server: the kernel's parent-death signal ends
-    tritonserver, and its Python stubs follow once it is gone, whether the model was serving or still
-    loading. (This test reaps the orphaned tritonserver as a subreaper: where the host's init does
-    not reap orphans, a dead tritonserver stays a zombie, which its stubs take for a live parent.)"""
+    """SIGKILL leaves the launcher no chance to stop the server: the parent-death signal ends tritonserver, and
+    its stubs follow, serving or still loading. (This test is a subreaper: where init reaps no orphans, a dead
+    tritonserver stays a zombie, which its stubs take for a live parent.)"""
     import ctypes
 
     initialize = "import time; time.sleep(3600)" if moment == "loading" else "pass"
@@ -280,8 +269,7 @@ def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
             wait_http_ready(ports[0], cli, timeout_s=90)
         cli.kill()
         cli.wait()
-        # The entrypoint, which waits for tritonserver, is this process's child now: wait for it to
-        # exit (tritonserver's exit timeout at most).
+        # The entrypoint is this process's child now: wait for it (tritonserver's exit timeout at most).
         os.waitpid(entrypoint, 0)
         assert wait_until(lambda: not _stubs_of(prefix), 60), "a Python stub outlived its server"
         assert not process_exists(server_pid), "tritonserver outlived its killed launcher"
@@ -299,15 +287,12 @@ def test_nothing_is_left_when_the_launcher_is_killed(tmp_path, moment):
 
 
 @pytest.mark.parametrize("launcher", [
-    # A terminal's Ctrl-C reaches make and the launcher both, and a second one (or a process-group
-    # SIGTERM right after) may land while the first stop runs; make reports no error of its recipe.
     pytest.param("make", marks=pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")),
-    # SIGHUP, then SIGTERM and SIGINT again and again while the server is still loading (its model
-    # sleeps in initialize, so the signals land mid-start).
     "starting"])
 def test_signals_again_and_again_give_one_clean_stop(tmp_path, launcher):
-    """Stop signals to the launcher's process group, several while the first stop runs: one clean stop,
-    no traceback, exit code 0, nothing left behind."""
+    """Stop signals to the launcher's process group, several while the first stop runs (a terminal's Ctrl-C reaches
+    make and serve both; or SIGHUP, SIGTERM and SIGINT while the model still loads): one clean stop, no traceback,
+    exit code 0 (make reports no error of its recipe), nothing left behind."""
     ports = free_ports(3)
     if launcher == "make":
         repository = write_model(tmp_path / "repo")

@@ -1,12 +1,7 @@
-"""The vLLM-Omni plugin (`mimi_code2wav.vllm_plugin`) against a real tritonserver.
-
-vLLM-Omni 0.30.0 runs in its own environment (build/vllm-omni-venv, `make vllm-omni-venv`; the path
-comes from VLLM_OMNI_PYTHON, which `make test` sets): tests/vllm_omni_stage.py constructs
-`TritonPersonaPlexCode2Wav` there with a real VllmConfig on the CPU, as vLLM-Omni's registry loads
-it, and drives `forward` / `on_requests_finished` with the generation runner's arguments. Every
-request's PCM is compared with moshi's streaming decode of its codes (docs/design.md §2.3). Not
-covered here: stage 0 itself (the talker needs PersonaPlex's weights and a GPU).
-"""
+"""The vLLM-Omni plugin against a real tritonserver. vLLM-Omni 0.30.0 runs in its own environment
+(VLLM_OMNI_PYTHON, `make vllm-omni-venv`), where tests/vllm_omni_stage.py loads `TritonPersonaPlexCode2Wav`
+as vLLM-Omni's registry does and drives it with the generation runner's arguments. Every request's PCM is
+compared with moshi's streaming decode (stage 0 is not covered: it needs PersonaPlex's weights and a GPU)."""
 
 from __future__ import annotations
 
@@ -32,9 +27,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 DRIVER = Path(__file__).with_name("vllm_omni_stage.py")
 DEFAULT_PYTHON = REPO_ROOT / "build" / "vllm-omni-venv" / "bin" / "python"
-# How long a server-side effect (an END landing, a killed server exiting) may take: generous, so that no
-# result depends on how busy the machine is; a wait ends as soon as its condition holds. The references
-# (moshi) are computed after a test's streams end: on a busy machine that takes longer than their idle timeout.
+# How long a server-side effect (an END landing, a killed server exiting) may take on a busy machine.
 SETTLE_S = 60.0
 
 
@@ -64,36 +57,29 @@ class Stage:
 
         selector = selectors.DefaultSelector()
         selector.register(self.process.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout_s):
-            raise AssertionError(f"the vLLM-Omni stage did not answer in {timeout_s} s; log {self.log_path}")
+        assert selector.select(timeout_s), f"the vLLM-Omni stage did not answer in {timeout_s} s; log {self.log_path}"
         line = self.process.stdout.readline()
         assert line, f"the vLLM-Omni stage exited: {self.log_path.read_text()[-3000:]}"
         return line
 
-    def __call__(self, op: str, timeout_s: float = 300.0, **command) -> dict:
+    def __call__(self, op: str, ok: bool = False, **command) -> dict:
+        """The answer to a command (`ok`: which must succeed); a forward's PCM decoded."""
         self.process.stdin.write(json.dumps({"op": op, **command}) + "\n")
         self.process.stdin.flush()
-        return json.loads(self._read(timeout_s))
-
-    def ok(self, op: str, **command) -> dict:
-        """The answer to a command that must succeed."""
-        answer = self(op, **command)
-        assert "error" not in answer, answer
-        return answer
-
-    def forward(self, *requests: tuple) -> dict:
-        """requests: (request id, codes [8, F] or None, dummy) -> the answer, PCM decoded."""
-        answer = self("forward", requests=[{"id": rid, "codes": None if codes is None else np.asarray(codes).tolist(),
-                                            "dummy": dummy} for rid, codes, dummy in requests])
+        answer = json.loads(self._read(300.0))
+        assert not ok or "error" not in answer, answer
         if "pcm" in answer:
             answer["pcm"] = [np.frombuffer(base64.b64decode(pcm), np.float32) for pcm in answer["pcm"]]
         return answer
 
+    def forward(self, *requests: tuple, ok: bool = False) -> dict:
+        """requests: (request id, codes [8, F] or None, dummy)."""
+        return self("forward", ok, requests=[{"id": rid, "codes": None if codes is None else np.asarray(codes).tolist(),
+                                              "dummy": dummy} for rid, codes, dummy in requests])
+
     def pcm(self, request_id: str, codes: np.ndarray) -> np.ndarray:
         """The PCM of one request's step, which must succeed."""
-        answer = self.forward((request_id, codes, False))
-        assert "error" not in answer, answer
-        return answer["pcm"][0]
+        return self.forward((request_id, codes, False), ok=True)["pcm"][0]
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -113,15 +99,14 @@ def stage(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def code2wav_server(repository_for, triton_server_factory):
-    """A python-ort server of this module's own, so that its live-stream gauge counts only the
-    plugin's streams."""
+    """A python-ort server of this module's own: its live-stream gauge counts only the plugin's streams."""
     return triton_server_factory(repository_for("python-ort"))
 
 
 @pytest.fixture
 def model(stage, code2wav_server):
     """The stage's model on the module's server (tests before may have pointed it elsewhere)."""
-    return stage.ok("model", config={"url": code2wav_server.grpc_url})
+    return stage("model", ok=True, config={"url": code2wav_server.grpc_url})
 
 
 def moshi_decode(moshi_checkpoint, codes) -> np.ndarray:
@@ -129,8 +114,7 @@ def moshi_decode(moshi_checkpoint, codes) -> np.ndarray:
 
 
 def finish(stage, server, request_ids: list[str]) -> None:
-    """on_requests_finished ENDs the streams, without waiting: the server's live-stream gauge goes back by
-    one each. Called right after the streams' last step (they idle out after the server's timeout)."""
+    """on_requests_finished ENDs the streams, without waiting: the server's live-stream gauge goes back by one each."""
     live = metric(server, "code2wav_live_streams")
     assert stage("finish", ids=request_ids) == {}
     assert wait_until(lambda: metric(server, "code2wav_live_streams") == live - len(request_ids), SETTLE_S), metric(server, "code2wav_live_streams")
@@ -143,9 +127,8 @@ def test_the_registry_loads_the_subclass_which_loads_no_mimi(model, code2wav_ser
 
 
 def test_the_runners_call_shapes_give_each_request_its_audio(stage, model, code2wav_server, moshi_checkpoint):
-    """Two requests interleaved in the runner's batches (1 frame, then 5 frames per step), a batch whose
-    requests have different frame counts, a warm-up request and an empty request beside them, and a
-    step with no input at all: every request's PCM equals moshi's streaming decode of its codes."""
+    """Two requests interleaved in the runner's batches, of different frame counts, a warm-up and an empty
+    request beside them, and a step with no input at all: every request's PCM equals moshi's."""
     a, b = random_codes(16, seed=101), random_codes(9, seed=102)
     baseline = metric(code2wav_server, "code2wav_live_streams")
     steps = [
@@ -155,8 +138,7 @@ def test_the_runners_call_shapes_give_each_request_its_audio(stage, model, code2
     ]
     heard = {"req-a": [], "req-b": []}
     for requests in steps:
-        answer = stage.forward(*requests)
-        assert "error" not in answer, answer
+        answer = stage.forward(*requests, ok=True)
         assert answer["sr"] == [SAMPLE_RATE_HZ] * len(requests) and set(answer["sr_dtypes"]) == {"torch.int32"}
         assert set(answer["dtypes"]) == {"torch.float32"}
         for (request_id, codes, dummy), pcm in zip(requests, answer["pcm"]):
@@ -174,8 +156,7 @@ def test_the_runners_call_shapes_give_each_request_its_audio(stage, model, code2
 
 
 def test_silence_deltas_come_back_whole(stage, model, code2wav_server, moshi_checkpoint):
-    """The stream of docs/design.md §2.1: 1, 5, 5, 5, 3 frames of one repeated code, as stage 0 sends a
-    listening model's silence: every frame's PCM, equal to moshi."""
+    """1, 5, 5, 5, 3 frames of one repeated code, as stage 0 sends silence (docs/design.md §2.1): all equal moshi."""
     silence = np.repeat(random_codes(1, seed=103), 19, axis=1)
     bounds = [(0, 1), (1, 6), (6, 11), (11, 16), (16, 19)]
     chunks = [stage.pcm("silence", silence[:, first:stop]) for first, stop in bounds]
@@ -186,13 +167,13 @@ def test_silence_deltas_come_back_whole(stage, model, code2wav_server, moshi_che
 
 def test_a_server_killed_mid_conversation_loses_no_frame(stage, repository_for, code2wav_server, moshi_checkpoint,
                                                          tmp_path):
-    """The stage's service is two servers (A first, B to fail over to); A is killed between steps. The
-    conversation resumes on B with its whole history (fewer than the 250 frames the client keeps):
+    """Servers A then B; A is killed between steps. The conversation resumes on B with its whole history:
     every frame once, equal to moshi's uninterrupted decode."""
     codes = random_codes(40, seed=104)
     baseline = metric(code2wav_server, "code2wav_live_streams")
     with running_server(repository_for("python-ort"), log_path=tmp_path / "server-a.log") as server_a:
-        stage.ok("model", config={"url": f"{server_a.grpc_url},{code2wav_server.grpc_url}", "response_timeout_s": 5.0})
+        urls = f"{server_a.grpc_url},{code2wav_server.grpc_url}"
+        stage("model", ok=True, config={"url": urls, "response_timeout_s": 5.0})
         chunks = [stage.pcm("conversation", codes[:, first:stop]) for first, stop in [(0, 1), (1, 6), (6, 11), (11, 16)]]
         assert metric(server_a, "code2wav_live_streams") == 1
         os.killpg(server_a.pid, signal.SIGKILL)
@@ -208,13 +189,12 @@ def test_a_server_killed_mid_conversation_loses_no_frame(stage, repository_for, 
 
 
 def test_a_request_the_service_cannot_decode_fails_the_step_naming_it(stage):
-    """No server at the URL: the stream tries to resume for resume_timeout_s, then `forward` raises,
-    naming the request and the cause (vLLM-Omni fails the stage's requests), after answering nothing
-    as silence. An unknown config key fails the model, naming the keys it knows."""
+    """No server: after resume_timeout_s `forward` raises naming the request and the cause, never answering
+    silence. An unknown config key fails the model, naming the keys it knows."""
     from mimi_code2wav.server.triton import free_ports
 
     dead = f"127.0.0.1:{free_ports(1)[0]}"
-    stage.ok("model", config={"url": dead, "resume_timeout_s": 1.0, "response_timeout_s": 1.0})
+    stage("model", ok=True, config={"url": dead, "resume_timeout_s": 1.0, "response_timeout_s": 1.0})
     answer = stage.forward(("lost", random_codes(1, seed=105), False))
     assert "pcm" not in answer
     assert answer["error"].startswith(f"RuntimeError: the code2wav service at {dead} could not decode: request lost: ")
@@ -226,8 +206,8 @@ def test_a_request_the_service_cannot_decode_fails_the_step_naming_it(stage):
 
 
 def test_the_stage_reaches_a_server_over_tls_with_the_key(stage, repository_for, moshi_checkpoint, tmp_path):
-    """additional_config.code2wav with tls_ca and key_file: the stage decodes over TLS with the key,
-    equal to moshi; a wrong key fails the step, saying so, without naming the key."""
+    """tls_ca and key_file: the stage decodes over TLS with the key, equal to moshi; a wrong key fails the
+    step, saying so, without naming the key."""
     pki = make_pki(tmp_path)
     (pki / "key").write_text("stage-key-51d0b2\n")
     (pki / "wrong").write_text("not-the-key\n")
@@ -238,28 +218,19 @@ def test_the_stage_reaches_a_server_over_tls_with_the_key(stage, repository_for,
     codes = random_codes(11, seed=106)
     with running_server(repository_for("python-ort"), log_path=tmp_path / "tls.log", access_dir=access) as server:
         config = {"url": f"localhost:{server.grpc_port}", "tls_ca": str(pki / "ca.pem"), "key_file": str(pki / "key")}
-        stage.ok("model", config=config)
+        stage("model", ok=True, config=config)
         pcm = [stage.pcm("tls", codes[:, :1]), stage.pcm("tls", codes[:, 1:])]
         stage("finish", ids=["tls"])
-        stage.ok("model", config={**config, "key_file": str(pki / "wrong")})
+        stage("model", ok=True, config={**config, "key_file": str(pki / "wrong")})
         refused = stage.forward(("refused", codes[:, :1], False))
     assert_equal_audio(np.concatenate(pcm), moshi_decode(moshi_checkpoint, codes), what="the stage over TLS vs moshi")
     assert "requires the inference key, and the key was missing or wrong" in refused["error"], refused
     assert "stage-key-51d0b2" not in refused["error"] and "not-the-key" not in refused["error"]
 
 
-def test_the_deploy_overlay_selects_the_plugin_for_stage_1(stage, code2wav_server):
-    """vLLM-Omni's own loader reads the overlay over its shipped personaplex.yaml: stage 0 as shipped,
-    stage 1 with this plugin's architecture and the service's address."""
-    answer = stage("overlay", url=code2wav_server.grpc_url)
-    assert answer["stages"] == [0, 1]
-    assert answer["model_arch"] == "TritonPersonaPlexCode2Wav"
-    assert answer["additional_config"]["code2wav"]["url"] == code2wav_server.grpc_url
-    assert answer["stage0_max_num_seqs"] == 10  # inherited from the base config
-
-
 def test_the_overlay_command_writes_what_vllm_omni_loads(stage, tmp_path):
-    """The README's command, run in vLLM-Omni's environment: the overlay names the installed base config."""
+    """The README's command, in vLLM-Omni's environment: its overlay names the installed base config, and
+    vLLM-Omni's own loader reads stage 0 as shipped, stage 1 with this plugin and the service's address."""
     out = tmp_path / "personaplex-triton.yaml"
     done = subprocess.run([str(vllm_omni_python()), "-m", "mimi_code2wav.vllm_plugin", "overlay", "--url",
                            "triton-host:8001", "--out", str(out)], capture_output=True, text=True, timeout=300)
@@ -267,7 +238,10 @@ def test_the_overlay_command_writes_what_vllm_omni_loads(stage, tmp_path):
     text = out.read_text()
     base = text.split("base_config: ", 1)[1].splitlines()[0]
     assert Path(base).is_file() and base.endswith("vllm_omni/deploy/personaplex.yaml")
-    assert 'url: "triton-host:8001"' in text and "model_arch: TritonPersonaPlexCode2Wav" in text
+    settings = {"url": "triton-host:8001", "response_timeout_s": 10, "resume_timeout_s": 30}
+    assert stage("overlay", ok=True, path=str(out)) == {"stages": [0, 1], "model_arch": "TritonPersonaPlexCode2Wav",
+                                                        "stage0_max_num_seqs": 10,  # as in the base config
+                                                        "additional_config": {"code2wav": settings}}
     # The template in deploy/ is the same text, with a placeholder base path.
     template = (REPO_ROOT / "deploy" / "vllm-omni" / "personaplex-triton.yaml").read_text()
     assert template == text.replace(base, "/path/to/site-packages/vllm_omni/deploy/personaplex.yaml").replace(

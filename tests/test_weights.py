@@ -16,7 +16,7 @@ from mimi_fixtures import assert_equal_audio, snr_db, tiny_config
 torch = pytest.importorskip("torch", reason="the export extra (torch) is needed for weight loading")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from mimi_code2wav.export.weights import WeightsError, load_weights, new_model, randomize_  # noqa: E402
+from mimi_code2wav.export.weights import WeightsError, load_weights, random_model  # noqa: E402
 
 
 def test_moshi_loads_the_checkpoint_and_both_decode_and_encode_alike(moshi_checkpoint, mimi):
@@ -40,8 +40,7 @@ def test_moshi_loads_the_checkpoint_and_both_decode_and_encode_alike(moshi_check
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A transformers-format folder written by transformers' own save_pretrained."""
-    model = new_model(tiny_config())
-    randomize_(model, 3)
+    model = random_model(3, tiny_config()).model
     folder = tmp_path_factory.mktemp("tiny_mimi")
     model.save_pretrained(str(folder))
     return folder, model
@@ -60,41 +59,37 @@ def test_transformers_folder_round_trip(tiny_dir):
 
 
 FC1, RENAMED = "decoder_transformer.layers.1.mlp.fc1.weight", "decoder_transformer.layers.1.mlp.fc_1.weight"
+UPSAMPLE = "upsample.conv.weight"
 
 
-@pytest.mark.parametrize("edit, messages", [
-    pytest.param(lambda t: t.pop("decoder.layers.0.conv.weight"), ["missing tensors (1): decoder.layers.0.conv.weight"],
-                 id="missing"),
-    pytest.param(lambda t: t.__setitem__(RENAMED, t.pop(FC1)),
+@pytest.mark.parametrize("moshi, edit, messages", [
+    pytest.param(False, lambda t: t.pop("decoder.layers.0.conv.weight"),
+                 ["missing tensors (1): decoder.layers.0.conv.weight"], id="missing"),
+    pytest.param(False, lambda t: t.__setitem__(RENAMED, t.pop(FC1)),
                  [f"missing tensors (1): {FC1}", f"unexpected tensors (1): {RENAMED}"], id="renamed"),
-    pytest.param(lambda t: t.__setitem__("upsample.conv.weight", t["upsample.conv.weight"][:, :, :2].contiguous()),
-                 ["mis-shaped tensors (1): upsample.conv.weight: checkpoint (64, 1, 2), model (64, 1, 4)"], id="misshaped"),
+    pytest.param(False, lambda t: t.__setitem__(UPSAMPLE, t[UPSAMPLE][:, :, :2].contiguous()),
+                 [f"mis-shaped tensors (1): {UPSAMPLE}: checkpoint (64, 1, 2), model (64, 1, 4)"], id="misshaped"),
+    pytest.param(True, lambda t: t.__setitem__("decoder.model.99.lstm.weight", torch.zeros(1)),
+                 ["no known Mimi name: decoder.model.99.lstm.weight"], id="moshi-unknown"),
+    pytest.param(True, lambda t: t.pop("decoder_transformer.transformer.layers.3.linear2.weight"),
+                 ["missing tensors (1): decoder_transformer.layers.3.mlp.fc2.weight"], id="moshi-missing"),
 ])
-def test_a_tensor_that_does_not_fit_is_named(tiny_dir, tmp_path, edit, messages):
-    folder = tmp_path / "edited"
-    folder.mkdir()
-    (folder / "config.json").write_text((tiny_dir[0] / "config.json").read_text())
-    tensors = load_file(str(tiny_dir[0] / "model.safetensors"))
+def test_a_tensor_that_does_not_fit_is_named(request, tmp_path, moshi, edit, messages):
+    """A transformers folder or a moshi checkpoint, one tensor edited: the error names it."""
+    if moshi:
+        source = tmp_path / "edited.safetensors"
+        tensors = load_file(str(request.getfixturevalue("moshi_checkpoint")[0]))
+    else:
+        tiny = request.getfixturevalue("tiny_dir")[0]
+        tensors, source = load_file(str(tiny / "model.safetensors")), tmp_path / "edited"
+        source.mkdir()
+        (source / "config.json").write_text((tiny / "config.json").read_text())
     edit(tensors)
-    save_file(tensors, str(folder / "model.safetensors"))
+    save_file(tensors, str(source if moshi else source / "model.safetensors"))
     with pytest.raises(WeightsError) as error:
-        load_weights(folder)
+        load_weights(source)
     for message in messages:
         assert message in str(error.value)
-
-
-@pytest.mark.parametrize("edit, message", [
-    pytest.param(lambda t: t.__setitem__("decoder.model.99.lstm.weight", torch.zeros(1)),
-                 r"no known Mimi name: decoder\.model\.99\.lstm\.weight", id="unknown"),
-    pytest.param(lambda t: t.pop("decoder_transformer.transformer.layers.3.linear2.weight"),
-                 r"missing tensors \(1\): decoder_transformer\.layers\.3\.mlp\.fc2\.weight", id="missing"),
-])
-def test_moshi_checkpoint_with_unknown_or_missing_tensor(moshi_checkpoint, tmp_path, edit, message):
-    tensors = load_file(str(moshi_checkpoint[0]))
-    edit(tensors)
-    save_file(tensors, str(tmp_path / "edited.safetensors"))
-    with pytest.raises(WeightsError, match=message):
-        load_weights(tmp_path / "edited.safetensors")
 
 
 def test_bad_sources_fail_clearly(tmp_path, monkeypatch):

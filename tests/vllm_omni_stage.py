@@ -1,19 +1,9 @@
-"""vLLM-Omni's stage 1 as its generation runner drives it, in the vLLM-Omni environment (run by
-tests/test_vllm_omni.py with build/vllm-omni-venv's Python: importing vLLM-Omni patches vLLM and
-torch, so it stays out of the test process).
-
-One JSON command per line on stdin, one JSON answer per line on stdout (logs go to stderr):
-
-- {"op": "model", "config": {...}}: register the plugin as vLLM's entry point would, and construct
-  `TritonPersonaPlexCode2Wav` with a real VllmConfig (CPU) whose additional_config.code2wav is `config`;
-- {"op": "forward", "requests": [{"id": "a", "codes": [[...] x 8] | null, "dummy": false}, ...]}: one
-  `forward` with the runner's arguments (the requests' codes concatenated codebook-major, their
-  seq_token_counts, request_ids and runtime_additional_information); answers each request's PCM
-  (base64 float32) and sr, or {"error": ...} with the exception's text;
-- {"op": "finish", "ids": [...]}: `on_requests_finished(ids)`;
-- {"op": "overlay", "url": ...}: the deploy overlay, loaded by vLLM-Omni's own loader: stage 1's
-  model_arch and additional_config.
-"""
+"""vLLM-Omni's stage 1 as its generation runner drives it, run by tests/test_vllm_omni.py in the vLLM-Omni
+environment (importing vLLM-Omni patches vLLM and torch). One JSON command per line on stdin, one answer
+per line on stdout (logs: stderr); ops: `model` (register the plugin and construct the class with a CPU
+VllmConfig whose additional_config.code2wav is `config`), `forward` (requests' codes, ids and dummy flags ->
+each request's PCM, base64 float32, and sr), `finish` (on_requests_finished) and `overlay` (the deploy
+overlay file at `path` as vLLM-Omni's loader reads it). A failure answers {"error": "Type: text"}."""
 
 from __future__ import annotations
 
@@ -21,7 +11,6 @@ import base64
 import json
 import os
 import sys
-import tempfile
 import traceback
 
 import numpy as np
@@ -30,39 +19,25 @@ import numpy as np
 def _forward(model, requests: list[dict]) -> dict:
     import torch
 
-    flats, infos, ids = [], [], []
-    for request in requests:
-        codes = np.zeros((8, 0), np.int64) if request.get("codes") is None else np.asarray(request["codes"], np.int64)
-        flats.append(codes.reshape(-1))
-        infos.append({"meta": {"personaplex_dummy_profile": True}} if request.get("dummy") else {"meta": {}})
-        ids.append(request.get("id"))
-    if not requests:  # a step with no input at all
-        input_ids, kwargs = torch.zeros(0, dtype=torch.long), {}
-    else:
-        input_ids = torch.from_numpy(np.concatenate(flats))
-        kwargs = {"seq_token_counts": [flat.size for flat in flats]}
+    flats = [np.asarray(r["codes"] if r.get("codes") is not None else [], np.int64).reshape(-1) for r in requests]
+    infos = [{"meta": {"personaplex_dummy_profile": True} if r.get("dummy") else {}} for r in requests]
+    ids = [r.get("id") for r in requests]
+    input_ids = torch.from_numpy(np.concatenate(flats)) if requests else torch.zeros(0, dtype=torch.long)
+    kwargs = {"seq_token_counts": [flat.size for flat in flats]} if requests else {}  # none: a step with no input
     if ids and all(request_id is not None for request_id in ids):
         kwargs["request_ids"] = ids
     outputs = model.forward(input_ids=input_ids, positions=None, runtime_additional_information=infos,
                             **kwargs).multimodal_outputs
-    return {
-        "pcm": [base64.b64encode(pcm.numpy().astype(np.float32).tobytes()).decode() for pcm in outputs["model_outputs"]],
-        "dtypes": [str(pcm.dtype) for pcm in outputs["model_outputs"]],
-        "sr": [int(sr) for sr in outputs["sr"]],
-        "sr_dtypes": [str(sr.dtype) for sr in outputs["sr"]],
-    }
+    pcms, srs = outputs["model_outputs"], outputs["sr"]
+    return {"pcm": [base64.b64encode(pcm.numpy().astype(np.float32).tobytes()).decode() for pcm in pcms],
+            "dtypes": [str(pcm.dtype) for pcm in pcms], "sr": [int(sr) for sr in srs],
+            "sr_dtypes": [str(sr.dtype) for sr in srs]}
 
 
 def _overlay(command: dict) -> dict:
     from vllm_omni.config.stage_config import load_deploy_config
 
-    from mimi_code2wav.vllm_plugin import installed_base_config, render_overlay
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as handle:
-        handle.write(render_overlay(command["url"], installed_base_config()))
-        handle.flush()
-        deploy = load_deploy_config(handle.name)
-    stages = {stage.stage_id: stage for stage in deploy.stages}
+    stages = {stage.stage_id: stage for stage in load_deploy_config(command["path"]).stages}
     extras = stages[1].engine_extras
     return {"stages": sorted(stages), "model_arch": extras.get("model_arch"),
             "additional_config": extras.get("additional_config"),
@@ -96,7 +71,7 @@ def main() -> int:
                                                            additional_config={"code2wav": command["config"]}))
                 answer = {"class": f"{model_class.__module__}.{model_class.__qualname__}",
                           "bases": [base.__name__ for base in model_class.__mro__],
-                          "settings": model.settings.__dict__, "weights": sorted(model.load_weights(iter(())))}
+                          "settings": model.settings, "weights": sorted(model.load_weights(iter(())))}
             elif command["op"] == "forward":
                 answer = _forward(model, command["requests"])
             elif command["op"] == "finish":

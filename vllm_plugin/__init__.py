@@ -1,9 +1,5 @@
-"""vLLM-Omni plugin: PersonaPlex's codec stage (stage 1) decoded by this Triton service.
-
-`register` (vLLM's `vllm.general_plugins` entry point, loaded in every stage worker) registers
-`TritonPersonaPlexCode2Wav`; the deploy overlay (`render_overlay`, `python -m mimi_code2wav.vllm_plugin
-overlay`) selects it.
-"""
+"""vLLM-Omni plugin: PersonaPlex's codec stage (stage 1) decoded by this Triton service. `register` (vLLM's
+`vllm.general_plugins` entry point) registers `TritonPersonaPlexCode2Wav`; the deploy overlay selects it."""
 
 from __future__ import annotations
 
@@ -12,11 +8,9 @@ from pathlib import Path
 
 ARCHITECTURE = "TritonPersonaPlexCode2Wav"
 MODEL_CLASS = "mimi_code2wav.vllm_plugin.code2wav:TritonPersonaPlexCode2Wav"
-# The HF model_type vLLM-Omni patches into PersonaPlex's empty config.json for stage architectures.
-MODEL_TYPE = "personaplex"
-# vLLM-Omni resolves an overlay's base_config relative to the overlay's folder, so a usable overlay names
-# the installed vllm_omni/deploy/personaplex.yaml by its absolute path (deploy/vllm-omni/personaplex-triton.yaml
-# is the same text with a placeholder base path).
+MODEL_TYPE = "personaplex"  # the HF model_type vLLM-Omni patches into PersonaPlex's config for stage archs
+# base_config: the installed vllm_omni/deploy/personaplex.yaml by absolute path (vLLM-Omni resolves it relative
+# to the overlay); deploy/vllm-omni/personaplex-triton.yaml is the same text with a placeholder path.
 OVERLAY = """\
 # vLLM-Omni deploy overlay: PersonaPlex with its codec stage (stage 1) decoded by the code2wav Triton
 # service instead of an in-process Mimi. Serve it with `--deploy-config <this file>`; everything not
@@ -36,8 +30,7 @@ stages:
 
 
 def register() -> None:
-    """Register the architecture with vLLM-Omni's registry (stage classes are looked up there by
-    `model_arch`) and vLLM's (its model config checks it), with the HF model_type it stands for."""
+    """Register the architecture with vLLM-Omni's registry (stages' `model_arch`) and vLLM's (its model config)."""
     from vllm.model_executor.models import ModelRegistry
     from vllm_omni.engine import arg_utils
     from vllm_omni.model_executor.models import OmniModelRegistry

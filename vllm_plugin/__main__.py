@@ -1,8 +1,4 @@
-"""python -m mimi_code2wav.vllm_plugin overlay [--url HOST:PORT] [--out FILE]
-
-Writes the vLLM-Omni deploy overlay that sends PersonaPlex's codec stage to the code2wav service, its
-base_config the installed vllm_omni/deploy/personaplex.yaml (stdout without --out).
-"""
+"""python -m mimi_code2wav.vllm_plugin overlay: write the vLLM-Omni deploy overlay for this environment."""
 
 from __future__ import annotations
 
@@ -14,9 +10,9 @@ from . import installed_base_config, render_overlay
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.vllm_plugin", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    overlay = commands.add_parser("overlay", help="write the deploy overlay for this environment")
+    parser = argparse.ArgumentParser(prog="python -m mimi_code2wav.vllm_plugin", description=__doc__)
+    overlay = parser.add_subparsers(dest="command", required=True).add_parser(
+        "overlay", help="the overlay sending stage 1 to the code2wav service, over the installed personaplex.yaml")
     overlay.add_argument("--url", default="127.0.0.1:8001", help="the code2wav service's gRPC address (default %(default)s)")
     overlay.add_argument("--response-timeout-s", type=float, default=10.0)
     overlay.add_argument("--resume-timeout-s", type=float, default=30.0)

@@ -1,15 +1,11 @@
-"""`TritonPersonaPlexCode2Wav`: vLLM-Omni's PersonaPlex codec stage, decoded by the code2wav service.
-
-A subclass of vLLM-Omni's `PersonaPlexCode2Wav` that loads no Mimi (docs/design.md §2.5): each request id
-is one stream (stream key = the request id), the requests of one `forward` are sent and awaited together,
-`on_requests_finished` ENDs their streams, and a request the client cannot bring back raises once the
-others are answered. Warm-up requests (`meta.personaplex_dummy_profile`) are answered empty, without a call.
-"""
+"""`TritonPersonaPlexCode2Wav`: vLLM-Omni's PersonaPlex codec stage, decoded by the code2wav service
+(docs/design.md §2.5). Each request id is one stream (its key), a `forward`'s requests go together,
+`on_requests_finished` ENDs their streams, and a failed request raises once the others are answered.
+Warm-up requests (`meta.personaplex_dummy_profile`) are answered empty, without a call."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import threading
 from collections.abc import Iterable, Mapping
@@ -26,119 +22,77 @@ from vllm_omni.model_executor.models.personaplex.personaplex_code2wav import (
     _codec_ids_from_payload_or_input,
 )
 
+from mimi_code2wav.client import protocol
 from mimi_code2wav.client.aio import Code2WavClient, Code2WavStream
 from mimi_code2wav.client.credentials import Credentials
-from mimi_code2wav.client.protocol import (
-    DEFAULT_RESUME_HISTORY_FRAMES,
-    DEFAULT_RESUME_TIMEOUT_S,
-    DEFAULT_URL,
-    MODEL_NAME,
-    NUM_CODEBOOKS,
-    SAMPLE_RATE_HZ,
-    SAMPLES_PER_FRAME,
-    ClientError,
-    StreamOptions,
-)
+from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLE_RATE_HZ, SAMPLES_PER_FRAME, ClientError, StreamOptions
 
 logger = init_logger(__name__)
 
 CONFIG_KEY = "code2wav"  # additional_config: {code2wav: {url: ..., ...}}
 ENV_PREFIX = "CODE2WAV_"
 _BOOLEANS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off", ""), False)}
+# The stage's settings and their defaults: `url` one server or proxy, or several (comma-separated) to fail
+# over between; the client's StreamOptions; its Credentials (the key from `key_file`, else CODE2WAV_KEY).
+SETTINGS = {"url": protocol.DEFAULT_URL, "model": protocol.MODEL_NAME, "response_timeout_s": 10.0,
+            "resume_timeout_s": protocol.DEFAULT_RESUME_TIMEOUT_S,
+            "resume_history_frames": protocol.DEFAULT_RESUME_HISTORY_FRAMES, "tls": False, "tls_ca": "", "tls_cert": "", "tls_key": "", "key_file": ""}
 
 
-@dataclasses.dataclass(frozen=True)
-class PluginSettings:
-    """How the stage reaches the service. `url`: one server or proxy, or several (comma-separated) to fail
-    over between; the timeouts and `resume_history_frames` are the client's `StreamOptions`; `tls`, `tls_ca`,
-    `tls_cert`, `tls_key`, `key_file` its `Credentials` (the key from `key_file`, else CODE2WAV_KEY)."""
-
-    url: str = DEFAULT_URL
-    model: str = MODEL_NAME
-    response_timeout_s: float = 10.0
-    resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S
-    resume_history_frames: int = DEFAULT_RESUME_HISTORY_FRAMES
-    tls: bool = False
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    key_file: str = ""
-
-    @classmethod
-    def from_sources(cls, stage_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> PluginSettings:
-        """Each field from the stage config, else from CODE2WAV_<FIELD> in the environment, else the default.
-        Unknown config keys and unparsable values are errors naming them."""
-        stage_config = dict(stage_config or {})
-        fields = {field.name: field for field in dataclasses.fields(cls)}
-        unknown = sorted(set(stage_config) - set(fields))
-        if unknown:
-            raise ValueError(f"additional_config.{CONFIG_KEY}: unknown key(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(fields)})")
-        values = {}
-        for name, field in fields.items():
-            source, raw = f"additional_config.{CONFIG_KEY}.{name}", stage_config.get(name)
-            if raw is None:
-                source, raw = ENV_PREFIX + name.upper(), environ.get(ENV_PREFIX + name.upper())
-            if raw is None:
-                continue
-            parse = {"str": str, "float": float, "int": int, "bool": _boolean}[field.type]
+def plugin_settings(stage_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Each setting from the stage config, else from CODE2WAV_<NAME> in the environment, else its default.
+    Unknown config keys and unparsable values are errors naming them."""
+    stage_config, settings = dict(stage_config or {}), dict(SETTINGS)
+    unknown = sorted(set(stage_config) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"additional_config.{CONFIG_KEY}: unknown key(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(SETTINGS)})")
+    for name, default in SETTINGS.items():
+        source, raw = f"additional_config.{CONFIG_KEY}.{name}", stage_config.get(name)
+        if raw is None:
+            source, raw = ENV_PREFIX + name.upper(), environ.get(ENV_PREFIX + name.upper())
+        parse = (lambda raw: _BOOLEANS[str(raw).strip().lower()]) if isinstance(default, bool) else type(default)
+        if raw is not None:
             try:
-                values[name] = parse(raw)
+                settings[name] = parse(raw)
             except (TypeError, ValueError, KeyError):
-                raise ValueError(f"{source}: not a {field.type}: {raw!r}") from None
-        return cls(**values)
-
-    @property
-    def urls(self) -> list[str]:
-        return [url.strip() for url in self.url.split(",") if url.strip()]
-
-    def client(self, environ: Mapping[str, str]) -> Code2WavClient:
-        """The asyncio client these settings describe (no connection yet); ValueError naming what is wrong
-        (never the key)."""
-        options = StreamOptions(model_name=self.model, response_timeout_s=self.response_timeout_s,
-                                resume_timeout_s=self.resume_timeout_s,
-                                resume_history_frames=self.resume_history_frames)
-        try:
-            credentials = Credentials.from_options(self.tls, self.tls_ca, self.tls_cert, self.tls_key, self.key_file,
-                                                   environ=dict(environ))
-            return Code2WavClient(self.urls, options, credentials=credentials)
-        except ClientError as error:
-            raise ValueError(f"additional_config.{CONFIG_KEY}: {error}") from None
-
-
-def _boolean(raw) -> bool:
-    return raw if isinstance(raw, bool) else _BOOLEANS[str(raw).strip().lower()]  # KeyError: not a bool
+                raise ValueError(f"{source}: not a {type(default).__name__}: {raw!r}") from None
+    return settings
 
 
 class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
     """PersonaPlex's code2wav stage as a client of the code2wav Triton service (see the module)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        # The seed's __init__ reads the model folder and sizes in-process Mimi sessions; none of that
-        # applies here, so only the attributes the runner and the inherited helpers read are set.
+        # Not the seed's __init__ (it loads Mimi): only the attributes the runner and inherited helpers read.
         nn.Module.__init__(self)
-        self.vllm_config = vllm_config
+        self.vllm_config, self.mimi = vllm_config, None
         self.model_path = getattr(vllm_config.model_config, "model", None)
         self.config = getattr(vllm_config.model_config, "hf_config", None)
-        self.have_multimodal_outputs = True
-        self.has_preprocess = False
-        self.has_postprocess = False
-        self.enable_update_additional_information = True
-        self.requires_raw_input_tokens = True
+        self.have_multimodal_outputs = self.enable_update_additional_information = self.requires_raw_input_tokens = True
+        self.has_preprocess = self.has_postprocess = False
         mimi_config = getattr(self.config, "mimi_config", None)
         served = {"num_codebooks": NUM_CODEBOOKS, "samples_per_frame": SAMPLES_PER_FRAME, "sample_rate": SAMPLE_RATE_HZ}
         asked = {name: int(getattr(mimi_config, name, value)) for name, value in served.items()}
         if asked != served:
             raise ValueError(f"the code2wav service decodes {served}; this model's Mimi config asks for {asked}")
-        self.mimi = None
-        self.settings = PluginSettings.from_sources((vllm_config.additional_config or {}).get(CONFIG_KEY), os.environ)
-        self._client = self.settings.client(os.environ)
+        settings = self.settings = plugin_settings((vllm_config.additional_config or {}).get(CONFIG_KEY), os.environ)
+        urls = [url.strip() for url in settings["url"].split(",") if url.strip()]
+        options = StreamOptions(model_name=settings["model"], response_timeout_s=settings["response_timeout_s"],
+                                resume_timeout_s=settings["resume_timeout_s"],
+                                resume_history_frames=settings["resume_history_frames"])
+        try:  # errors name what is wrong, never the key
+            credentials = Credentials.from_options(settings["tls"], settings["tls_ca"], settings["tls_cert"],
+                                                   settings["tls_key"], settings["key_file"], environ=dict(os.environ))
+            self._client = Code2WavClient(urls, options, credentials=credentials)
+        except ClientError as error:
+            raise ValueError(f"additional_config.{CONFIG_KEY}: {error}") from None
         self._streams: dict[str, Code2WavStream] = {}
         # The client's event loop, in a thread of its own: `forward` hands it coroutines and waits.
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="code2wav-client", daemon=True).start()
         logger.info("PersonaPlex code2wav stage decoded by the code2wav service at %s (model %s)",
-                    ", ".join(self.settings.urls), self.settings.model)
+                    ", ".join(urls), settings["model"])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Nothing to load: the service holds Mimi. The stage's checkpoint iterator is left unread."""
@@ -185,7 +139,8 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
         failures = [f"request {request_id}: {result}" for (_, request_id, _), result in zip(work, results)
                     if isinstance(result, BaseException)]
         if failures:
-            raise RuntimeError(f"the code2wav service at {self.settings.url} could not decode: " + "; ".join(failures))
+            url = self.settings["url"]
+            raise RuntimeError(f"the code2wav service at {url} could not decode: " + "; ".join(failures))
         return results
 
     async def _decode(self, request_id: str | None, codes: np.ndarray) -> np.ndarray:

@@ -1,10 +1,5 @@
-"""How the Python models refuse: a request (`ModelError`, with the label it is counted under and its
-Triton error code) or a config (`ConfigError`, from `read_parameters`'s strict policy: every
-parameter required, none unknown, the idle timeout set).
-
-`export/render.py` copies model_repository/common/ beside each Python model's `model.py`, which imports
-these files as siblings. Pure stdlib: unit-tested without a server, and runs on the NGC image's Python 3.10.
-"""
+"""How the Python models refuse a request (`ModelError`) or a config (`ConfigError`, from the strict
+`read_parameters`). Pure stdlib (Python 3.10), copied beside each Python model's model.py by render."""
 
 from __future__ import annotations
 
@@ -18,9 +13,8 @@ TRITON_ERROR_CODES = (
 
 
 class ModelError(Exception):
-    """One request failed. `kind` is the short label it is counted and logged under; `code` names the
-    pb_utils.TritonError code its response carries: INVALID_ARG for the client's fault, INTERNAL for
-    the server's."""
+    """One request failed: `kind` is the label it is counted and tagged under, `code` its TritonError code
+    (INVALID_ARG for the client's fault, INTERNAL for the server's)."""
 
     def __init__(self, kind: str, message: str, code: str = "INVALID_ARG"):
         if code not in TRITON_ERROR_CODES:
@@ -31,18 +25,16 @@ class ModelError(Exception):
 
 
 def error_code(exc: BaseException) -> str:
-    """The TritonError code name of a failed request: a ModelError's own, else INTERNAL (a bug)."""
+    """A failed request's TritonError code name: a ModelError's own, else INTERNAL (a bug)."""
     return exc.code if isinstance(exc, ModelError) else "INTERNAL"
 
 
 def error_kind(exc: BaseException) -> str:
-    """The kind a failed request is counted and answered under: a ModelError's own, else `internal`."""
     return exc.kind if isinstance(exc, ModelError) else "internal"
 
 
 def tagged_message(model_name: str, exc: BaseException) -> str:
-    """The message a failed request is answered with: `[MODEL.KIND] ` and the text for people. The tag
-    is the contract clients act on (docs/design.md §2, "Errors"); the text may change."""
+    """`[MODEL.KIND] text`: the tag is the contract clients act on (docs/design.md §2), the text may change."""
     return f"[{model_name}.{error_kind(exc)}] {exc}"
 
 
@@ -63,14 +55,10 @@ class ConfigError(ValueError):
 def read_parameters(
     config: Mapping[str, Any], schema: Mapping[str, Callable[[str], Any]]
 ) -> Tuple[Dict[str, Any], float]:
-    """Read a model config (the JSON Triton hands to `initialize`, parsed) against `schema`
-    (parameter name -> parser of its stripped string value: str, int, float, json.loads, or any
-    callable raising ValueError). Returns (values by name, idle timeout in seconds).
-
-    Every parameter of the schema is required and no other is accepted, so a typo fails the load
-    instead of running on a default; so is a positive `max_sequence_idle_microseconds` (Triton would
-    silently take 1 s). Raises ConfigError naming the parameter.
-    """
+    """(values by name, idle timeout in s) of a model config (Triton's JSON, parsed), each parameter's
+    stripped string parsed by `schema[name]`. Strict, so a typo fails the load instead of running on a
+    default: every parameter of `schema` required, no other, and a positive idle timeout (Triton's default
+    is a silent 1 s). Raises ConfigError naming the parameter."""
     parameters = config.get("parameters") or {}
     unknown = sorted(set(parameters) - set(schema))
     if unknown:
@@ -93,8 +81,7 @@ def read_parameters(
     if idle_us is None:
         raise ConfigError(IDLE_TIMEOUT_FIELD, "missing: set it explicitly (Triton's default is 1 s)")
     try:
-        # Triton's config JSON carries uint64 fields as strings.
-        idle_us = int(idle_us)
+        idle_us = int(idle_us)  # Triton's config JSON carries uint64 fields as strings
     except (TypeError, ValueError):
         raise ConfigError(IDLE_TIMEOUT_FIELD, f"not an integer: {idle_us!r}") from None
     if idle_us <= 0:

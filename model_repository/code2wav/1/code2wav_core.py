@@ -1,27 +1,19 @@
-"""Core of the `code2wav` BLS model, the stream table: admission, each stream's requests in turn,
-lifecycle, expiry. Pure numpy + stdlib (unit-tested without a server; Python 3.10 and 3.11); its
-siblings (`code2wav_settings`, `_plan`, `_stream`, `_replay`) are listed in docs/design.md, and the
-request contract is docs/design.md §2.
-
-A request is planned (`plan_request`), its decoder steps run through an injected async `decode_step`,
-then committed (`StreamTable.commit`), or the stream is aborted if a step failed. A rejected request
-leaves its stream as it was, unless it carried END (Triton releases the sequence with it, so the
-stream ends and its decoder sequence gets a discarded END step).
-"""
+"""Core of the `code2wav` BLS model, the stream table: admission, each stream's requests in turn, lifecycle,
+expiry, the replay lane (docs/design.md §2). Pure numpy + stdlib, Python 3.10+. A request is planned, its decoder steps run
+through an injected async `decode_step`, then committed, or its stream is dropped if a step failed."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Dict, List, Optional, Union
 
 import numpy as np
 
-from code2wav_plan import DecodePlan, StreamRequest, plan_request, zero_step_codes
-from code2wav_replay import ReplayLane
+from code2wav_plan import DecodedCodes, DecodePlan, StreamEntry, StreamRequest, plan_request, zero_step_codes
 from code2wav_settings import (
     ERROR_KINDS,
     FLAG_SEQUENCE_END,
@@ -31,22 +23,9 @@ from code2wav_settings import (
     RequestError,
     StreamCapError,
 )
-from code2wav_stream import DecodedCodes, StreamEntry
 from model_errors import ModelError
 
 IDLE_GRACE_S = 1.0  # streams expire this long after the idle timeout (see StreamTable.expire_idle)
-
-
-@dataclasses.dataclass(frozen=True)
-class Code2WavStats:
-    """Counters for metrics (cumulative since the model loaded, except `live_streams`).
-    `frames_decoded` counts every frame the decoder ran, replayed history included."""
-
-    live_streams: int
-    frames_decoded: int
-    streams_expired: int
-    errors_by_kind: Mapping[str, int]
-    streams_resumed: int = 0
 
 
 # decode_step(correlation_id, codes int32 [1, k, S], flags) -> PCM with samples_per_frame * S samples
@@ -55,50 +34,108 @@ DecodeStep = Callable[[int, np.ndarray, int], Awaitable[np.ndarray]]
 Finish = Callable[[Union[np.ndarray, Exception]], None]
 
 
+# A replay step waits up to this long for the live steps in the decoder to finish.
+REPLAY_WAIT_FOR_IDLE_S = 0.1
+# Replay steps in flight while no live step has run for LIVE_QUIET_S: a full run of the python-ort
+# decoder, for an instance whose streams are all resuming (a restarted server).
+REPLAY_STEPS_WHEN_IDLE = 8
+LIVE_QUIET_S = 1.0
+
+
+class ReplayLane:
+    """Decoder steps of replayed history (resumes, docs/design.md §2.4) as background work. Live steps go
+    straight to the decoder; `live()` only counts them. A replay step (`replay()`) waits its turn, in order:
+    at most `steps_in_flight` at a time, REPLAY_STEPS_WHEN_IDLE once no live step ran for LIVE_QUIET_S; then
+    up to REPLAY_WAIT_FOR_IDLE_S for the live steps to finish, so a live step finds at most `steps_in_flight`
+    replay rows beside it."""
+
+    def __init__(self, steps_in_flight: int, clock: Callable[[], float] = time.monotonic):
+        self.steps_in_flight = steps_in_flight
+        self.live_steps = self.replay_steps = self.replays_waiting = 0
+        self._clock = clock
+        self._last_live_s = -LIVE_QUIET_S
+        self._condition: Optional[asyncio.Condition] = None  # made in the event loop that uses it
+
+    def _lock(self) -> asyncio.Condition:
+        if self._condition is None:
+            self._condition = asyncio.Condition()
+        return self._condition
+
+    def _replay_may_start(self) -> bool:
+        # Waiters wake whenever a replay step or the last live step ends, so the quiet time is looked at again.
+        quiet = not self.live_steps and self._clock() - self._last_live_s >= LIVE_QUIET_S
+        return self.replay_steps < (max(self.steps_in_flight, REPLAY_STEPS_WHEN_IDLE) if quiet else self.steps_in_flight)
+
+    @contextlib.asynccontextmanager
+    async def live(self):
+        self.live_steps += 1
+        try:
+            yield
+        finally:
+            self.live_steps -= 1
+            self._last_live_s = self._clock()
+            if not self.live_steps and self.replays_waiting:  # live steps cost no lock otherwise
+                condition = self._lock()
+                async with condition:
+                    condition.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def replay(self):
+        condition = self._lock()
+        async with condition:
+            self.replays_waiting += 1
+            try:
+                await condition.wait_for(self._replay_may_start)
+                self.replay_steps += 1
+                if self.live_steps:
+                    try:
+                        await asyncio.wait_for(condition.wait_for(lambda: not self.live_steps), REPLAY_WAIT_FOR_IDLE_S)
+                    except asyncio.TimeoutError:
+                        pass
+            finally:
+                self.replays_waiting -= 1
+        try:
+            yield
+        finally:
+            self.replay_steps -= 1
+            async with condition:
+                condition.notify_all()
+
+
 class StreamTable:
-    """Live streams keyed by correlation id, with their decoded codes, lifecycle and idle expiry. One
-    per model instance, used from its event loop only (model.py runs the sweeper's `expire_idle` there)."""
+    """Live streams by correlation id: one per model instance, used from its event loop only."""
 
     def __init__(self, settings: Code2WavSettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self._clock = clock
         self._streams: Dict[int, StreamEntry] = {}
-        self._frames_decoded = 0
-        self._streams_expired = 0
-        self._streams_resumed = 0
-        self._errors: Dict[str, int] = {kind: 0 for kind in ERROR_KINDS}
+        # The metrics' fields (model.py's METRIC_FAMILIES), since the load; frames_decoded includes history.
+        self.frames_decoded = self.streams_expired = self.streams_resumed = 0
+        self.errors_by_kind: Dict[str, int] = {kind: 0 for kind in ERROR_KINDS}
         # The last submitted request of every stream with one not yet finished (see `submit`).
         self._queued: Dict[int, asyncio.Task] = {}
         # Streams whose START is submitted and not yet finished: they count toward the stream cap.
         self._opening: set = set()
         self._lane = ReplayLane(settings.replay_steps_in_flight)
 
-    def stats(self) -> Code2WavStats:
-        return Code2WavStats(
-            live_streams=len(self._streams),
-            frames_decoded=self._frames_decoded,
-            streams_expired=self._streams_expired,
-            errors_by_kind=dict(self._errors),
-            streams_resumed=self._streams_resumed,
-        )
+    @property
+    def live_streams(self) -> int:
+        return len(self._streams)
 
     def count_error(self, kind: str) -> None:
-        """Count a failed request (model.py counts the failures that happen outside the core)."""
-        self._errors[kind] = self._errors.get(kind, 0) + 1
+        self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
 
     def expire_idle(self, keep: Iterable[int] = ()) -> List[int]:
-        """Drop the streams idle for longer than the timeout (Triton frees them without telling the
-        model) and return their ids; never those in `keep` (a request in the current batch) or with a
-        request queued or running."""
-        # A second late: Triton itself refuses a non-START request for a sequence it expired, so
-        # this only frees memory, and the grace spares a request queued just before the timeout.
+        """Drop and return the streams idle past the timeout, but those in `keep` (in the current batch) or
+        with a request queued or running. The grace spares a request queued just before the timeout (Triton
+        itself refuses a non-START request for a sequence it expired, so this only frees memory)."""
         deadline = self._clock() - self.settings.stream_idle_timeout_s - IDLE_GRACE_S
         keep = set(keep) | set(self._queued)
         expired = [correlation_id for correlation_id, stream in self._streams.items()
                    if stream.last_active_s < deadline and correlation_id not in keep]
         for correlation_id in expired:
             del self._streams[correlation_id]
-        self._streams_expired += len(expired)
+        self.streams_expired += len(expired)
         return expired
 
     def commit(self, plan: DecodePlan) -> None:
@@ -108,8 +145,8 @@ class StreamTable:
         if stream is not plan.entry:
             # Same-stream requests are serialised, so this is a bug, not a client error.
             raise RuntimeError(f"stream {correlation_id} changed between plan and commit")
-        self._frames_decoded += plan.history_frames + plan.new_frames
-        self._streams_resumed += plan.resumes_stream
+        self.frames_decoded += plan.history_frames + plan.new_frames
+        self.streams_resumed += plan.resumes_stream
         if plan.ends_stream:
             self._streams.pop(correlation_id, None)
             return
@@ -134,15 +171,9 @@ class StreamTable:
             # resends, rejected requests) must not outlive the decoder's own idle timeout.
             stream.last_active_s = now_s
 
-    def abort(self, plan: DecodePlan) -> None:
-        """A decoder step of `plan` failed: the stream ends (the client must START again)."""
-        self._streams.pop(plan.correlation_id, None)
-
     async def run(self, plan: DecodePlan, decode_step: DecodeStep) -> np.ndarray:
-        """Run the plan's steps in order through `decode_step`, commit, and return the PCM of the
-        new frames, float32 [1, samples_per_frame * N] (replayed history frames are decoded, their
-        PCM dropped). On any failure the stream is aborted and DecoderError is raised saying to
-        START again."""
+        """Run the plan's steps, commit, and return the new frames' PCM float32 [1, samples_per_frame * N]
+        (history's dropped). On any failure the stream ends and DecoderError says to START again."""
         samples_per_frame = self.settings.samples_per_frame
         pcm_out = np.empty((1, samples_per_frame * plan.new_frames), np.float32)
         written = 0
@@ -164,7 +195,7 @@ class StreamTable:
                     pcm_out[0, written : written + samples - dropped] = pcm.reshape(-1)[dropped:]
                     written += samples - dropped
             except BaseException as exc:
-                self.abort(plan)
+                self._streams.pop(plan.correlation_id, None)
                 if not isinstance(exc, Exception):  # cancellation: the stream is gone all the same
                     raise
                 raise DecoderError(
@@ -195,8 +226,8 @@ class StreamTable:
             raise
 
     async def _end_rejected(self, correlation_id, decode_step: DecodeStep) -> bool:
-        """A rejected request carried END: drop the stream and close its decoder sequence (one
-        zero-code END step, output discarded). Returns whether a stream was dropped."""
+        """Drop the stream of a rejected END (Triton released it) and close its decoder sequence (a discarded
+        zero-code END step). Returns whether a stream was dropped."""
         stream = self._streams.pop(correlation_id, None)
         if stream is None:
             return False
@@ -209,12 +240,9 @@ class StreamTable:
 
     def submit(self, request: StreamRequest, decode_step: DecodeStep,
                finish: Optional[Finish] = None) -> asyncio.Task[Union[np.ndarray, Exception]]:
-        """Queue one request behind the earlier requests of its stream and return the task that runs
-        it (call from the event loop). The task's result is the request's PCM or the exception it
-        failed with (it never raises). `finish(result)`, if given, is called with it before the
-        stream's next request may start, so whatever it sends goes out in the stream's order. A long
-        request (a resume's replay) holds up only its own stream. A START for a new stream is refused
-        here, at once, when the instance already holds (or is opening) `max_live_streams` streams."""
+        """Queue a request behind its stream's earlier ones; returns the task whose result is its PCM or the
+        exception it failed with. `finish(result)` runs before the stream's next request may start, so that
+        answers go out in order. A new stream's START past `max_live_streams` (opening ones count) is refused."""
         correlation_id = request.correlation_id
         loop = asyncio.get_running_loop()
         if (request.flags & FLAG_SEQUENCE_START and not request.flags & FLAG_SEQUENCE_END
@@ -222,7 +250,16 @@ class StreamTable:
             live = len(self._streams) + len(self._opening)
             if live >= self.settings.max_live_streams:
                 self.count_error("stream_cap")
-                return self._finished(loop, self._stream_cap_error(live), finish)
+                error = StreamCapError(
+                    f"resource exhausted: this code2wav instance already holds {live} live streams, its limit "
+                    f"(max_live_streams={self.settings.max_live_streams}); the new stream was refused and no other "
+                    "stream was affected. Retry later, or END streams that are done (an abandoned stream is freed "
+                    f"after {self.settings.stream_idle_timeout_s:g} s idle)")
+                if finish is not None:
+                    finish(error)
+                refused = loop.create_future()
+                refused.set_result(error)
+                return refused
             self._opening.add(correlation_id)
         previous = self._queued.get(correlation_id)
         task = loop.create_task(self._run_in_turn(previous, request, decode_step, finish))
@@ -230,27 +267,20 @@ class StreamTable:
         task.add_done_callback(lambda done: self._dequeue(correlation_id, done))
         return task
 
-    def busy(self, correlation_id: int) -> bool:
-        """Whether the stream has a submitted request not yet finished."""
-        return correlation_id in self._queued
-
     def live(self, requests: Sequence[StreamRequest]) -> List[bool]:
-        """Per request of a batch not yet submitted, whether it is live: one decoder step at most, no
-        replayed history, and its stream's only request in flight (none queued before it, no other in
-        the batch). `execute` may wait for a live request and answer it in its returned list; the
-        others are answered through their senders, which keeps each stream's answers in order."""
+        """Per request of a batch not yet submitted, whether execute may answer it in its returned list (live):
+        one decoder step at most, no history, and its stream's only request in flight or in the batch."""
         batch_counts = collections.Counter(request.correlation_id for request in requests)
         most_codes = self.settings.num_codebooks * self.settings.decoder_max_frames_per_step
         return [request.history_frames is None
                 and request.input_ids.size <= most_codes
                 and batch_counts[request.correlation_id] == 1
-                and not self.busy(request.correlation_id)
+                and request.correlation_id not in self._queued
                 for request in requests]
 
     def submit_batch(self, requests: Sequence[StreamRequest], decode_step: DecodeStep,
                      finishes: Optional[Sequence[Finish]] = None) -> List[asyncio.Task[Union[np.ndarray, Exception]]]:
-        """One `execute()` batch: expire idle streams (never those with a request here or queued),
-        then `submit` every request in arrival order (with its `finish`, if given)."""
+        """One `execute()` batch: expire idle streams, then `submit` every request in arrival order."""
         self.expire_idle(keep=[request.correlation_id for request in requests])
         finishes = finishes if finishes is not None else [None] * len(requests)
         return [self.submit(request, decode_step, finish) for request, finish in zip(requests, finishes)]
@@ -271,18 +301,3 @@ class StreamTable:
     def _dequeue(self, correlation_id: int, task) -> None:
         if self._queued.get(correlation_id) is task:
             del self._queued[correlation_id]
-
-    @staticmethod
-    def _finished(loop, result, finish):
-        future = loop.create_future()
-        if finish is not None:
-            finish(result)
-        future.set_result(result)
-        return future
-
-    def _stream_cap_error(self, live: int) -> StreamCapError:
-        settings = self.settings
-        return StreamCapError(f"resource exhausted: this code2wav instance already holds {live} live streams, its "
-                              f"limit (max_live_streams={settings.max_live_streams}); the new stream was refused "
-                              "and no other stream was affected. Retry later, or END streams that are done (an "
-                              f"abandoned stream is freed after {settings.stream_idle_timeout_s:g} s idle)")

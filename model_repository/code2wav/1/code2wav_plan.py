@@ -1,10 +1,6 @@
-"""Planning one code2wav request: what it decodes and in which decoder calls, before anything changes.
-
-Pure numpy. `plan_request` takes one `StreamRequest` (the request contract: docs/design.md §2) through
-validation, dedupe (§2.1, `first_new_frame`), resume (§2.4, `resume_base`) and limits
-(`check_decoded_frames`), then `decoder_steps` cuts the frames into decoder calls: a `DecodePlan`.
-Every check raises RequestError with a message naming the value, the limit and the parameter.
-"""
+"""What code2wav keeps per live stream, and planning one request against it (docs/design.md §2): validation,
+dedupe (§2.1), resume (§2.4), limits, then its decoder calls, before anything changes. Pure numpy. Every
+check raises RequestError naming the value, the limit and the parameter."""
 
 from __future__ import annotations
 
@@ -14,13 +10,61 @@ from typing import Optional, Tuple
 import numpy as np
 
 from code2wav_settings import FLAG_SEQUENCE_END, FLAG_SEQUENCE_START, Code2WavSettings, RequestError
-from code2wav_stream import DecodedCodes, StreamEntry
+
+
+class DecodedCodes:
+    """The codes of the frames a stream has decoded, [k, frames]: int16 when the codebook fits (~720 KB per hour
+    of audio), in a buffer grown geometrically (appending is amortised O(new))."""
+
+    def __init__(self, num_codebooks: int, codebook_size: int):
+        dtype = np.int16 if codebook_size <= np.iinfo(np.int16).max + 1 else np.int32
+        self._codes = np.zeros((num_codebooks, 64), dtype=dtype)
+        self.frames = 0
+
+    def codes(self) -> np.ndarray:
+        """The decoded frames' codes [k, frames] (a read-only view)."""
+        view = self._codes[:, : self.frames]
+        view.flags.writeable = False
+        return view
+
+    def append(self, codes: np.ndarray) -> None:
+        """Append frames [k, n] (values already validated to fit the dtype)."""
+        needed, capacity = self.frames + codes.shape[1], self._codes.shape[1]
+        if needed > capacity:
+            grown = np.zeros((self._codes.shape[0], max(needed, 2 * capacity)), self._codes.dtype)
+            grown[:, : self.frames] = self._codes[:, : self.frames]
+            self._codes = grown
+        self._codes[:, self.frames : needed] = codes
+        self.frames = needed
+
+    def first_mismatch(self, codes: np.ndarray, start: int) -> Optional[int]:
+        """Index in `codes` [k, m] of the first frame that differs from decoded frame start + i, or None."""
+        differs = (self._codes[:, start : start + codes.shape[1]] != codes).any(axis=0)
+        mismatches = np.flatnonzero(differs)
+        return int(mismatches[0]) if mismatches.size else None
+
+
+class StreamEntry:
+    """The stream table's entry of one live stream."""
+
+    __slots__ = ("decoded", "base", "decoder_live", "needs_decoder_start", "last_active_s")
+
+    def __init__(self, decoded: DecodedCodes, now_s: float, base: int = 0):
+        self.decoded = decoded
+        self.base = base  # stream index of decoded's first frame: 0, or where a resumed stream started
+        self.decoder_live = False  # the decoder holds a sequence for this id (a START, no END yet)
+        self.needs_decoder_start = True  # the next decoder step carries START: a new or reset (barge-in) stream
+        self.last_active_s = now_s
+
+    @property
+    def next_frame(self) -> int:
+        """Stream index of the stream's next frame."""
+        return self.base + self.decoded.frames
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StreamRequest:
-    """One request as the core sees it: the sequence identity and flags Triton gave it, and its
-    input tensors as numpy arrays (`frame_offset` None when absent)."""
+    """One request as the core sees it: Triton's correlation id and flags, its inputs (None when absent)."""
 
     correlation_id: int
     flags: int
@@ -31,9 +75,8 @@ class StreamRequest:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DecoderStep:
-    """One call into the decoder: `codes` int32 [1, k, S] (C-contiguous), the sequence `flags`
-    (FLAG_SEQUENCE_START / _END bits), whether its PCM is thrown away (the END-only step) and whether
-    it holds replayed history only (it then waits for the instance's replay lane)."""
+    """One decoder call: `codes` int32 [1, k, S] (C-contiguous), sequence `flags`, whether its PCM is thrown
+    away (the END-only step) and whether it replays history (it then takes the replay lane)."""
 
     codes: np.ndarray
     flags: int
@@ -47,8 +90,7 @@ class DecoderStep:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DecodePlan:
-    """What one validated request does. Nothing has changed yet: run the steps in order, then
-    `StreamTable.commit(plan)`, or `StreamTable.abort(plan)` if a step failed."""
+    """What one validated request does: run the steps in order, then `StreamTable.commit(plan)`."""
 
     correlation_id: int
     # The new frames, int32 [k, N]; N may be 0. Their PCM is the response.
@@ -78,10 +120,11 @@ class DecodePlan:
 
 
 def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], request: StreamRequest) -> DecodePlan:
-    """Validate one request of the stream whose table entry is `entry` (None when the stream is not
-    live) and say what decoding it takes. Changes nothing."""
+    """Validate a request of the stream whose entry is `entry` (None: not live) and plan its decoding."""
     correlation_id = request.correlation_id
-    check_correlation_id(correlation_id)
+    if isinstance(correlation_id, bool) or not isinstance(correlation_id, int) or correlation_id <= 0:
+        raise RequestError("correlation_id",
+                           f"requests need a non-zero integer correlation id (one per stream), got {correlation_id!r}")
     starts = bool(request.flags & FLAG_SEQUENCE_START)
     ends = bool(request.flags & FLAG_SEQUENCE_END)
     history_frames = read_scalar_input(request.history_frames, "history_frames")
@@ -102,7 +145,11 @@ def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], reque
     else:
         base = resume_base(correlation_id, history_frames, offset, request_frames, None if starts else entry)
         first_new, first_decoded = history_frames, 0
-    check_decoded_frames(settings, history_frames, request_frames - first_new)
+    new_frames, limit = request_frames - first_new, settings.max_new_frames_per_request
+    if (history_frames or 0) + new_frames > limit:  # replayed history counts: the decoder runs it too
+        decodes = (f"decodes {history_frames + new_frames} frames ({history_frames} history_frames + {new_frames} new)"
+                   if history_frames else f"has {new_frames} new frames")
+        raise RequestError("limit", f"request {decodes}, more than max_new_frames_per_request={limit}")
     # The frames this request decodes: the history, if any, then the new frames.
     to_decode = codes[:, first_decoded:].astype(np.int32)
 
@@ -113,9 +160,8 @@ def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], reque
     steps = replay_steps + decoder_steps(settings, to_decode[:, history_frames or 0 :],
                                          needs_start and not replay_steps, ends)
     if ends and to_decode.shape[1] == 0 and entry is not None and entry.decoder_live:
-        # The decoder holds a sequence for this id (a START without END reached it): close it
-        # with one step of zero codes. Without a live decoder sequence (e.g. START|END with no
-        # frame) nothing was started there, so nothing is sent.
+        # Close the decoder's sequence for this id (a START without END reached it) with one step of zero
+        # codes; without one (e.g. START|END with no frame) nothing is sent.
         steps += (DecoderStep(zero_step_codes(settings), FLAG_SEQUENCE_END, discard_output=True),)
 
     return DecodePlan(
@@ -126,27 +172,9 @@ def plan_request(settings: Code2WavSettings, entry: Optional[StreamEntry], reque
     )
 
 
-# ---- 1. validation --------------------------------------------------------------------------------
-def check_correlation_id(correlation_id: object) -> None:
-    if isinstance(correlation_id, bool) or not isinstance(correlation_id, int) or correlation_id <= 0:
-        raise RequestError("correlation_id",
-                           f"requests need a non-zero integer correlation id (one per stream), got {correlation_id!r}")
-
-
 def validated_codes(settings: Code2WavSettings, input_ids: np.ndarray) -> np.ndarray:
-    """`input_ids` -> codes int64 [k, F] within the request-size limit and the codebook."""
-    codes = unflatten_codes(input_ids, settings.num_codebooks)
-    if codes.shape[1] > settings.max_request_frames:
-        raise RequestError("limit", f"request holds {codes.shape[1]} frames, more than "
-                                    f"max_request_frames={settings.max_request_frames}")
-    check_code_range(codes, settings.codebook_size)
-    return codes
-
-
-def unflatten_codes(input_ids: np.ndarray, num_codebooks: int) -> np.ndarray:
-    """`input_ids` INT64 [1, k*F] (or [k*F]), codebook-major (the F codes of codebook 0 first) -> codes
-    int64 [k, F] (a view). Raises RequestError of kind "dtype", "shape" or "length"."""
-    input_ids = np.asarray(input_ids)
+    """`input_ids` INT64 [1, k*F] (or [k*F]), codebook-major -> codes int64 [k, F] (a view), checked."""
+    input_ids, num_codebooks, codebook_size = np.asarray(input_ids), settings.num_codebooks, settings.codebook_size
     if input_ids.dtype != np.int64:
         raise RequestError("dtype", f"input_ids must be INT64, got {input_ids.dtype}")
     if not (input_ids.ndim == 1 or (input_ids.ndim == 2 and input_ids.shape[0] == 1)):
@@ -156,19 +184,15 @@ def unflatten_codes(input_ids: np.ndarray, num_codebooks: int) -> np.ndarray:
     if flat.size % num_codebooks:
         raise RequestError("length",
                            f"input_ids holds {flat.size} codes, not a multiple of num_codebooks={num_codebooks}")
-    return flat.reshape(num_codebooks, flat.size // num_codebooks)
-
-
-def check_code_range(codes: np.ndarray, codebook_size: int) -> None:
-    """Raise RequestError("code_range") naming the first code of `codes` [k, F] outside
-    [0, codebook_size), with its codebook, frame and flat position in input_ids."""
-    if codes.size == 0 or (codes.min() >= 0 and codes.max() < codebook_size):
-        return
-    flat = codes.reshape(-1)
-    position = int(np.flatnonzero((flat < 0) | (flat >= codebook_size))[0])
-    frames = codes.shape[1]
-    raise RequestError("code_range", f"input_ids[{position}] = {int(flat[position])} (codebook {position // frames}, "
-                       f"frame {position % frames}) is outside [0, {codebook_size}) (codebook_size={codebook_size})")
+    frames = flat.size // num_codebooks
+    if frames > settings.max_request_frames:
+        raise RequestError("limit", f"request holds {frames} frames, more than "
+                                    f"max_request_frames={settings.max_request_frames}")
+    if flat.size and (flat.min() < 0 or flat.max() >= codebook_size):
+        position = int(np.flatnonzero((flat < 0) | (flat >= codebook_size))[0])
+        raise RequestError("code_range", f"input_ids[{position}] = {int(flat[position])} (codebook {position // frames}, "
+                           f"frame {position % frames}) is outside [0, {codebook_size}) (codebook_size={codebook_size})")
+    return flat.reshape(num_codebooks, frames)
 
 
 def read_scalar_input(array: Optional[np.ndarray], name: str) -> Optional[int]:
@@ -188,18 +212,24 @@ def _check_offset_not_negative(offset: int) -> None:
         raise RequestError("negative_offset", f"frame_offset must be >= 0, got {offset}")
 
 
-# ---- 2. dedupe (docs/design.md §2.1) ----------------------------------------------------------------
 def first_new_frame(settings: Code2WavSettings, correlation_id: int, codes: np.ndarray, offset: Optional[int],
                     decoded: Optional[DecodedCodes], base: int = 0) -> int:
-    """Index within the request (codes [k, F]) of its first frame to decode. `decoded` holds the
-    frames the stream has decoded from `base` on (None for a stream that starts here)."""
+    """Index in the request (codes [k, F]) of its first frame to decode (docs/design.md §2.1). `decoded` holds
+    the stream's frames from `base` on (None: it starts here); a request without offset is read against them."""
+    held, request_frames = 0 if decoded is None else decoded.frames, codes.shape[1]
     if offset is not None:
-        return _first_new_at_offset(correlation_id, codes, offset, decoded, base)
-    # Without an offset, a request is read against the held frames: those of a resumed stream
-    # start at its base (the frames before it are on no server), so a cumulative request of a
-    # resumed stream holds the frames from its base on.
-    held = 0 if decoded is None else decoded.frames
-    request_frames = codes.shape[1]
+        _check_offset_not_negative(offset)
+        if offset < base:
+            raise RequestError("before_resume", f"frame_offset {offset} is before frame {base}, where stream "
+                               f"{correlation_id} was resumed on this server: frames before {base} are not held here "
+                               f"and cannot be compared; send frames from {base} on")
+        if offset > base + held:
+            raise RequestError("gap", f"frame_offset {offset} leaves a gap: stream {correlation_id} has decoded "
+                                      f"{base + held} frames, so frame_offset must be at most {base + held}")
+        overlap = min(base + held - offset, request_frames)
+        if overlap > 0:
+            _check_unchanged(correlation_id, codes[:, :overlap], decoded, offset - base, base)
+        return overlap
     mode = settings.dedupe_mode
     if mode == "delta" or held == 0:
         return 0
@@ -217,26 +247,8 @@ def first_new_frame(settings: Code2WavSettings, correlation_id: int, codes: np.n
     return 0
 
 
-def _first_new_at_offset(correlation_id: int, codes: np.ndarray, offset: int, decoded: Optional[DecodedCodes],
-                         base: int) -> int:
-    next_frame = base + (0 if decoded is None else decoded.frames)
-    _check_offset_not_negative(offset)
-    if offset < base:
-        raise RequestError("before_resume", f"frame_offset {offset} is before frame {base}, where stream "
-                           f"{correlation_id} was resumed on this server: frames before {base} are not held here "
-                           f"and cannot be compared; send frames from {base} on")
-    if offset > next_frame:
-        raise RequestError("gap", f"frame_offset {offset} leaves a gap: stream {correlation_id} has decoded "
-                                  f"{next_frame} frames, so frame_offset must be at most {next_frame}")
-    overlap = min(next_frame - offset, codes.shape[1])
-    if overlap > 0:
-        _check_unchanged(correlation_id, codes[:, :overlap], decoded, offset - base, base)
-    return overlap
-
-
 def _check_unchanged(correlation_id: int, codes: np.ndarray, decoded: DecodedCodes, start: int, base: int) -> None:
-    """Compare `codes` with held frames [start, start + m) of `decoded`; `base` turns held indices
-    into stream indices for the message."""
+    """Compare `codes` with held frames [start, start + m) of `decoded` (`base` + held index: stream index)."""
     mismatch = decoded.first_mismatch(codes, start)
     if mismatch is not None:
         raise RequestError("changed_frame", f"frame {base + start + mismatch} differs from the frame stream "
@@ -244,13 +256,10 @@ def _check_unchanged(correlation_id: int, codes: np.ndarray, decoded: DecodedCod
                            "new sequence instead)")
 
 
-# ---- 3. resume (docs/design.md §2.4) ----------------------------------------------------------------
 def resume_base(correlation_id: int, history_frames: int, offset: Optional[int], request_frames: int,
                 continuing: Optional[StreamEntry]) -> int:
-    """The base (stream index of the first held frame) of a stream after a request with
-    `history_frames`: a START (`continuing` None) opens a stream at `frame_offset`, 0 without
-    one; a request without START continues a resume sent in pieces (every frame new), so it must
-    start at the stream's next frame and keeps the stream's base."""
+    """The stream's base after a request with history_frames (docs/design.md §2.4): a START (`continuing` None)
+    opens it at frame_offset (or 0); a later piece of the resume must start at the stream's next frame."""
     if not 0 <= history_frames <= request_frames:
         raise RequestError("history", f"history_frames={history_frames} must lie in [0, {request_frames}]: the "
                            f"request holds {request_frames} frames and its first history_frames of them are the "
@@ -271,39 +280,17 @@ def resume_base(correlation_id: int, history_frames: int, offset: Optional[int],
     return offset
 
 
-# ---- 4. limits --------------------------------------------------------------------------------------
-def check_decoded_frames(settings: Code2WavSettings, history_frames: Optional[int], new_frames: int) -> None:
-    """The frames a request decodes, new and replayed history alike (the decoder runs both), within
-    `max_new_frames_per_request`."""
-    limit = settings.max_new_frames_per_request
-    if history_frames and history_frames + new_frames > limit:
-        raise RequestError("limit", f"request decodes {history_frames + new_frames} frames ({history_frames} "
-                           f"history_frames + {new_frames} new), more than max_new_frames_per_request={limit}")
-    if not history_frames and new_frames > limit:
-        raise RequestError("limit",
-                           f"request has {new_frames} new frames, more than max_new_frames_per_request={limit}")
-
-
-# ---- decoder calls ----------------------------------------------------------------------------------
 def decoder_steps(settings: Code2WavSettings, codes: np.ndarray, needs_start: bool, ends: bool,
                   replay: bool = False) -> Tuple[DecoderStep, ...]:
-    """Frames [k, N] in as few decoder calls as the decoder takes: one call when N <=
-    decoder_max_frames_per_step, else full calls and the remainder last (requests of equal size
-    give equal calls, which the decoder batches); replayed history (`replay`) in calls of
-    `replay_step_frames`. START on the first step when the decoder must (re)start, END on the last."""
-    total = codes.shape[1]
-    per_step = settings.decoder_max_frames_per_step
+    """Frames [k, N] in full decoder calls, the remainder last (equal requests give equal calls, which the decoder
+    batches); history (`replay`) in calls of replay_step_frames. START first if needed, END last."""
+    total, per_step = codes.shape[1], settings.decoder_max_frames_per_step
     if replay:
         per_step = min(settings.replay_step_frames, per_step)
-    steps = []
-    for first in range(0, total, per_step):
-        flags = 0
-        if first == 0 and needs_start:
-            flags |= FLAG_SEQUENCE_START
-        if first + per_step >= total and ends:
-            flags |= FLAG_SEQUENCE_END
-        steps.append(DecoderStep(np.ascontiguousarray(codes[None, :, first : first + per_step]), flags, replay=replay))
-    return tuple(steps)
+    return tuple(DecoderStep(np.ascontiguousarray(codes[None, :, first : first + per_step]),
+                             (FLAG_SEQUENCE_START if first == 0 and needs_start else 0)
+                             | (FLAG_SEQUENCE_END if first + per_step >= total and ends else 0), replay=replay)
+                 for first in range(0, total, per_step))
 
 
 def zero_step_codes(settings: Code2WavSettings) -> np.ndarray:

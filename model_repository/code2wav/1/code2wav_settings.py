@@ -1,6 +1,5 @@
-"""code2wav's settings (read once at load, `settings_from_config`; each parameter is described in
-code2wav's config), sequence flags and request errors: what every other core module shares. Pure stdlib.
-"""
+"""code2wav's settings (each parameter is described in its config.pbtxt), sequence flags and request errors:
+what every other core module shares. Pure stdlib."""
 
 from __future__ import annotations
 
@@ -25,16 +24,14 @@ INT32_MAX = 2**31 - 1
 
 
 class RequestError(ModelError):
-    """The request is invalid (the client's fault); nothing was decoded and the stream is unchanged.
-    `kind` is one of ERROR_KINDS."""
+    """The request is invalid (the client's fault); nothing was decoded and the stream is unchanged."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(kind, message, "INVALID_ARG")
 
 
 class DecoderError(ModelError):
-    """A decoder step failed, with the decoder's message. `decoder` / INTERNAL, unless the decoder refused
-    a new stream (`stream_cap`) or the server is shutting down (`unavailable`): UNAVAILABLE (may retry)."""
+    """A decoder step failed: `decoder` / INTERNAL, or UNAVAILABLE (may retry) as `stream_cap` or `unavailable`."""
 
     def __init__(self, message: str, code: str = "INTERNAL", kind: str = "decoder"):
         super().__init__(kind, message, code)
@@ -82,8 +79,7 @@ class Code2WavSettings:
             raise ConfigError(IDLE_TIMEOUT_FIELD, f"must be positive, got {self.stream_idle_timeout_s!r}")
 
 
-# The config's `parameters`, name -> parser of its string value: every field of the settings but the
-# idle timeout, which Triton's own sequence_batching block sets.
+# The config's `parameters`, name -> parser: every field but the idle timeout (sequence_batching's).
 PARAMETER_TYPES = {
     field.name: {"int": int, "str": str}[field.type]
     for field in dataclasses.fields(Code2WavSettings)
@@ -92,7 +88,6 @@ PARAMETER_TYPES = {
 
 
 def settings_from_config(config: Mapping) -> Code2WavSettings:
-    """Build the settings from the model config (the JSON Triton hands to `initialize`, parsed): its
-    `parameters` (PARAMETER_TYPES, all required) and its idle timeout. Raises ConfigError naming the parameter."""
+    """The settings of a model config (Triton's JSON, parsed); raises ConfigError naming the parameter."""
     values, idle_timeout_s = read_parameters(config, PARAMETER_TYPES)
     return Code2WavSettings(stream_idle_timeout_s=idle_timeout_s, **values)

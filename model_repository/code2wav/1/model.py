@@ -1,9 +1,8 @@
-"""Triton Python (BLS) model `code2wav`: Mimi codes in, PCM out, one stream per sequence (the request
-contract: docs/design.md §2). Thin on purpose: tensors -> numpy, `code2wav_core`, the decoder calls,
-numpy -> responses; everything testable lives in the sibling files and model_repository/common/.
-"""
+"""Triton Python (BLS) model `code2wav`: Mimi codes in, PCM out, one stream per sequence (docs/design.md §2).
+Thin: tensors -> numpy -> `code2wav_core` and the decoder calls -> responses; the rest is in its siblings."""
 
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -12,8 +11,7 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-# The Python backend appends this version directory to sys.path before importing model.py
-# (python_backend r24.10, ModelContext::StubSetup); keep the import working if it ever stops.
+# The Python backend puts this directory on sys.path (r24.10); keep the sibling imports working if it stops.
 _MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
 if _MODEL_DIR not in sys.path:
     sys.path.insert(0, _MODEL_DIR)
@@ -21,14 +19,13 @@ if _MODEL_DIR not in sys.path:
 import idle_sweeper  # noqa: E402
 import model_errors  # noqa: E402
 import model_lifecycle  # noqa: E402
-import model_metrics  # noqa: E402
 from code2wav_calls import BlockingCalls  # noqa: E402
 from code2wav_core import StreamTable  # noqa: E402
 from code2wav_plan import StreamRequest  # noqa: E402
 from code2wav_settings import ERROR_KINDS, DecoderError, RequestError, settings_from_config  # noqa: E402
+from model_metrics import Family, ModelMetrics  # noqa: E402
 
-# What a BLS request says once the server is exiting (the Python backend checks the decoder's
-# readiness first, and Triton answers it no more while it shuts down).
+# What a BLS request says once the server is exiting (the backend checks the decoder's readiness first).
 SERVER_EXITING = "Server not ready"
 # The decoder's tensors (docs/design.md §3): codes INT32 [1, k, S] -> pcm FP32 [1, samples_per_frame*S].
 DECODER_INPUT_NAME = "codes"
@@ -56,48 +53,44 @@ class TritonPythonModel:
         self._sample_rate = np.array([[settings.sample_rate_hz]], dtype=_output_dtype(config, "sr", self._model_name))
         self._decoder_model_name = settings.decoder_model_name
         self._table = StreamTable(settings)
-        # Each decoder call blocks one of these threads (a BLS request is synchronous). Each stream has
-        # at most one call in flight, so one thread per stream that can be in flight (at least a full
+        # Each decoder call blocks a thread, at most one per stream: one thread per stream (at least a full
         # decoder batch, at most BLS_THREADS_MAX) lets the decoder batch every live stream.
         self._decoder_calls = BlockingCalls(max(self._max_batch_size, min(settings.max_live_streams, BLS_THREADS_MAX)))
         self._loop = None  # the stub's event loop, known from the first execute
         self._answers = []  # (response sender, result) of finished requests, not yet sent
-        self._metrics = model_metrics.ModelMetrics(METRIC_FAMILIES, self._model_name, args["model_version"],
-                                                   pb_utils.MetricFamily, pb_utils.Logger.log_warn)
-        self._sweeper = idle_sweeper.IdleSweeper.started(self._model_name, settings.stream_idle_timeout_s,
-                                                         self._expire_idle, pb_utils.Logger.log_error)
+        self._metrics = ModelMetrics(METRIC_FAMILIES, self._model_name, args["model_version"], pb_utils.MetricFamily,
+                                     pb_utils.Logger.log_warn)
+        self._sweeper = idle_sweeper.IdleSweeper(self._model_name, settings.stream_idle_timeout_s,
+                                                 self._expire_idle, pb_utils.Logger.log_error)
         pb_utils.Logger.log_info(f"model '{self._model_name}': decoder '{settings.decoder_model_name}', dedupe_mode="
                                  f"{settings.dedupe_mode}, stream idle timeout {settings.stream_idle_timeout_s:g} s")
 
     async def execute(self, requests):
-        # Every request becomes a task of the stream table on the stub's event loop. A live request
-        # (`StreamTable.live`) is awaited here, up to RETURN_WAIT_S, and answered in the returned list: the
-        # backend sends the whole list in one message. Anything else, and whatever is not done by then,
-        # is answered through its response sender when it finishes, so a long request (a resume's
-        # replay) holds up no other stream (docs/design.md §5).
+        # Each request is a task of the stream table. A live one (`StreamTable.live`) done within RETURN_WAIT_S is
+        # answered in the returned list (one message); the others through their senders when they finish, so a
+        # long request (a resume's replay) holds up no other stream (docs/design.md §5).
         self._loop = asyncio.get_running_loop()
         responses = [None] * len(requests)
-        stream_requests, positions, senders = [], [], []
+        accepted = []  # (position, StreamRequest, response sender)
         for position, request in enumerate(requests):
             try:
-                stream_requests.append(_stream_request(request))
+                accepted.append((position, _stream_request(request), request.get_response_sender()))
             except Exception as exc:
                 self._table.count_error(model_errors.error_kind(exc))
                 responses[position] = self._error_response(exc)
-                continue
-            positions.append(position)
-            senders.append(request.get_response_sender())
-        replies = [_Reply(self, position, sender, live)
-                   for position, sender, live in zip(positions, senders, self._table.live(stream_requests))]
-        tasks = self._table.submit_batch(stream_requests, self._decode_step, [reply.finish for reply in replies])
-        held = [task for task, reply in zip(tasks, replies) if reply.held]
+        stream_requests = [stream_request for _, stream_request, _ in accepted]
+        # The positions answered in the returned list (while they are in it); the others go to their senders.
+        held = {position for (position, _, _), live in zip(accepted, self._table.live(stream_requests)) if live}
+        tasks = self._table.submit_batch(stream_requests, self._decode_step, [
+            functools.partial(self._answer, held, position, sender) for position, _, sender in accepted])
         if held:
-            await asyncio.wait(held, timeout=RETURN_WAIT_S)
-        for task, reply in zip(tasks, replies):
-            if reply.held and task.done():
-                responses[reply.position] = self._response(task.result())
+            await asyncio.wait([task for task, (position, _, _) in zip(tasks, accepted) if position in held],
+                               timeout=RETURN_WAIT_S)
+        for task, (position, _, _) in zip(tasks, accepted):
+            if position in held and task.done():
+                responses[position] = self._response(task.result())
             else:
-                reply.held = False  # answered through its sender when it finishes
+                held.discard(position)  # answered through its sender when it finishes
         self._report_metrics()  # before the answers: a client that reads the metrics next sees its request
         return responses
 
@@ -109,11 +102,11 @@ class TritonPythonModel:
             pb_utils.Tensor("sr", self._sample_rate),
         ])
 
-    def _answer(self, sender, result):
-        # Answers that finish together (a decoder batch's steps reach the loop within moments) go out
-        # in one flush with one metrics report: each report and each send is a blocking round trip to
-        # tritonserver. The flush is scheduled before anything the finished task wakes (the stream's
-        # next request), so each stream's answers go out in its order.
+    def _answer(self, held, position, sender, result):
+        # Answers that finish together go out in one flush with one metrics report (each is a blocking round
+        # trip to tritonserver), scheduled before the stream's next request can run: each stream's stay in order.
+        if position in held:  # execute answers it in its returned list
+            return
         self._answers.append((sender, result))
         if len(self._answers) == 1:
             self._loop.call_soon(self._send_answers)
@@ -128,11 +121,10 @@ class TritonPythonModel:
                 pb_utils.Logger.log_warn(f"model '{self._model_name}': a response could not be sent: {exc}")
 
     def _report_metrics(self):
-        self._metrics.report(self._table.stats())
+        self._metrics.report(self._table)
 
     async def _decode_step(self, correlation_id, codes, flags):
-        """The one way into the decoder: one step of one stream, codes int32 [1, k, S] -> PCM FP32
-        [1, samples_per_frame*S]. Raises DecoderError with the decoder's message."""
+        """The one way into the decoder: one step of one stream. Raises DecoderError with the decoder's message."""
         request = pb_utils.InferenceRequest(
             model_name=self._decoder_model_name,
             inputs=[pb_utils.Tensor(DECODER_INPUT_NAME, codes)],
@@ -145,10 +137,8 @@ class TritonPythonModel:
             error = response.error()
             message = error.message()
             if SERVER_EXITING in message:
-                # The server is shutting down: no request reaches the decoder any more.
                 raise DecoderError(f"the server is shutting down ({message})", "UNAVAILABLE", "unavailable")
-            if error.code() == pb_utils.TritonError.UNAVAILABLE:
-                # The decoder's own stream cap: the client may retry later, as for code2wav's.
+            if error.code() == pb_utils.TritonError.UNAVAILABLE:  # the decoder's own stream cap: may retry
                 raise DecoderError(message, "UNAVAILABLE", "stream_cap")
             raise DecoderError(message)
         pcm = pb_utils.get_output_tensor_by_name(response, DECODER_OUTPUT_NAME)
@@ -157,8 +147,7 @@ class TritonPythonModel:
         return pcm.as_numpy()
 
     def _expire_idle(self):
-        # Called by the sweeper thread: the table belongs to the event loop, so expiry runs there.
-        # Before the first execute there is no loop and no stream to expire.
+        # The sweeper thread's: the table belongs to the event loop (none, nor streams, before the first execute).
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._expire_on_loop)
 
@@ -186,33 +175,14 @@ class TritonPythonModel:
         model_lifecycle.on_finalize()
 
 
-class _Reply:
-    """Where a request's answer goes: execute's returned list while `held`, else its response sender."""
-
-    __slots__ = ("model", "position", "sender", "held")
-
-    def __init__(self, model, position, sender, held):
-        self.model, self.position, self.sender, self.held = model, position, sender, held
-
-    def finish(self, result):
-        if not self.held:
-            self.model._answer(self.sender, result)
-
-
 def _stream_request(request):
-    input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
-    if input_ids is None:
+    # Copies: a request's tensors are freed when execute returns, and it may be decoded later.
+    arrays = {name: None if tensor is None else np.array(tensor.as_numpy())
+              for name in ("input_ids", "frame_offset", "history_frames")
+              for tensor in [pb_utils.get_input_tensor_by_name(request, name)]}
+    if arrays["input_ids"] is None:
         raise RequestError("shape", "the request has no input_ids")
-    frame_offset = pb_utils.get_input_tensor_by_name(request, "frame_offset")
-    history_frames = pb_utils.get_input_tensor_by_name(request, "history_frames")
-    return StreamRequest(
-        correlation_id=request.correlation_id(),
-        flags=request.flags(),
-        # Copies: a request's tensors are freed when execute returns, and it may be decoded later.
-        input_ids=np.array(input_ids.as_numpy()),
-        frame_offset=None if frame_offset is None else np.array(frame_offset.as_numpy()),
-        history_frames=None if history_frames is None else np.array(history_frames.as_numpy()),
-    )
+    return StreamRequest(request.correlation_id(), request.flags(), **arrays)
 
 
 def _output_dtype(config, name, model_name):
@@ -222,17 +192,15 @@ def _output_dtype(config, name, model_name):
     return pb_utils.triton_string_to_numpy(output["data_type"])
 
 
-# The custom metrics, filled from Code2WavStats (model_metrics.Family: name, kind, help, field).
+# The custom metrics, filled from the StreamTable (Family: name, kind, help, field).
 METRIC_FAMILIES = (
-    model_metrics.Family("code2wav_live_streams", "GAUGE", "Streams open in code2wav (started, not ended or expired)",
-                         "live_streams"),
-    model_metrics.Family("code2wav_frames_decoded_total", "COUNTER",
-                         "Audio frames (80 ms each) decoded by code2wav, replayed history included", "frames_decoded"),
-    model_metrics.Family("code2wav_resumed_streams_total", "COUNTER",
-                         "Streams opened by a START with history_frames (resumed after losing their server)",
-                         "streams_resumed"),
-    model_metrics.Family("code2wav_expired_streams_total", "COUNTER",
-                         "Streams forgotten after the idle timeout without an END", "streams_expired"),
-    model_metrics.Family("code2wav_errors_total", "COUNTER", "Failed code2wav requests by kind", "errors_by_kind",
-                         label="kind", label_values=ERROR_KINDS),
+    Family("code2wav_live_streams", "GAUGE", "Streams open in code2wav (started, not ended or expired)", "live_streams"),
+    Family("code2wav_frames_decoded_total", "COUNTER",
+           "Audio frames (80 ms each) decoded by code2wav, replayed history included", "frames_decoded"),
+    Family("code2wav_resumed_streams_total", "COUNTER",
+           "Streams opened by a START with history_frames (resumed after losing their server)", "streams_resumed"),
+    Family("code2wav_expired_streams_total", "COUNTER",
+           "Streams forgotten after the idle timeout without an END", "streams_expired"),
+    Family("code2wav_errors_total", "COUNTER", "Failed code2wav requests by kind", "errors_by_kind",
+           label="kind", label_values=ERROR_KINDS),
 )

@@ -1,8 +1,5 @@
-"""Triton Python-backend `mimi_decoder` of the `null` bench target: the decoder's exact interface
-(sequence-batched; codes INT32 [1, k, F] -> pcm FP32 [1, samples_per_frame * F]) returning silence at
-once, with no state. Behind code2wav it measures the front's own ceiling (`python -m benchmarks sweep
---decoder null`); never served for audio. `export/render.py` copies it into a rendered `mimi_decoder/1/`.
-"""
+"""`mimi_decoder` of the `null` bench target: the decoder's interface, returning silence at once with no state.
+Behind code2wav it measures the front's own ceiling (`python -m benchmarks sweep --decoder null`)."""
 
 import json
 import os

@@ -1,8 +1,5 @@
-"""Triton Python-backend `mimi_decoder` (the python-ort target): the streaming ONNX step in ONNX Runtime on
-the CPU, the per-sequence state kept by the model; the decoder of the pip tritonserver (`make serve`, the
-tests). Thin: config, session, tensors to numpy and back, metrics; the rest is in `python_ort_config`,
-`python_ort_core` and model_repository/common/, which `export/render.py` copies beside it.
-"""
+"""Triton Python-backend `mimi_decoder` (python-ort target): the streaming ONNX step in ONNX Runtime on the CPU,
+state kept by the model. Thin: the rest is in `python_ort_config`, `python_ort_core` and common/."""
 
 import json
 import os
@@ -12,8 +9,7 @@ from pathlib import Path
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 
-# The Python backend appends this version directory to sys.path before importing model.py
-# (python_backend r24.10, ModelContext::StubSetup); keep the sibling imports working if it ever stops.
+# The Python backend puts this directory on sys.path (r24.10); keep the sibling imports working if it stops.
 _MODEL_DIR = os.path.dirname(os.path.abspath(__file__))
 if _MODEL_DIR not in sys.path:
     sys.path.insert(0, _MODEL_DIR)
@@ -67,8 +63,8 @@ class TritonPythonModel:
         self._metrics = ModelMetrics(METRIC_FAMILIES, self._name, args["model_version"], pb_utils.MetricFamily,
                                      pb_utils.Logger.log_warn)
         # Last: the sweeper thread calls _expire_idle, which needs the core and the metrics.
-        self._sweeper = idle_sweeper.IdleSweeper.started(self._name, config.idle_timeout_s, self._expire_idle,
-                                                         pb_utils.Logger.log_error)
+        self._sweeper = idle_sweeper.IdleSweeper(self._name, config.idle_timeout_s, self._expire_idle,
+                                                 pb_utils.Logger.log_error)
 
     def _expire_idle(self) -> None:
         # Called by the sweeper thread under its lock.

@@ -1,19 +1,6 @@
-"""Configuration of the python-ort `mimi_decoder`: its model config read strictly and checked against the
-ONNX graph. Pure numpy + stdlib; anything wrong or missing raises ValueError (`ConfigError` naming a
-parameter), which `model.py` turns into a failed load.
-
-The config: `input` / `output` list the non-state tensors, `max_batch_size` > 0, `sequence_batching` has
-an idle timeout and no `state` block. The `parameters` (strings, all required, no other accepted):
-
-- `onnx_file`: the ONNX file, relative to the version folder;
-- `intra_op_threads`: ONNX Runtime intra-op threads (0: its default);
-- `state_spec`: JSON list of `{"input", "output", "dtype", "shape"}` (dtype float32, float16, int32 or
-  int64; shape per stream; an optional `description` is ignored);
-- `value_ranges`: JSON object, input name -> `[low, high]`: its values must lie in [low, high);
-- `max_dims`: JSON object, input name -> its largest dims per request (bounds the config's -1 dims);
-- `max_live_streams`: the streams this instance holds state for; a START beyond is refused (UNAVAILABLE).
-`value_ranges` and `max_dims` are checked per request by the core, so that a bad row fails alone.
-"""
+"""Configuration of the python-ort `mimi_decoder`, read strictly and checked against the ONNX graph: anything
+wrong raises ValueError (`ConfigError` naming a parameter), a failed load. The config: `input` / `output` list
+the non-state tensors, `max_batch_size` > 0, `sequence_batching` has an idle timeout and no `state` block."""
 
 from __future__ import annotations
 
@@ -48,16 +35,16 @@ class IOTensor:  # a non-state input or output; `dims` is per request row, -1 fo
 
 
 @dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig:  # the tensors, the idle timeout, and one field per parameter (PARAMETER_TYPES)
     inputs: tuple[IOTensor, ...]
     outputs: tuple[IOTensor, ...]
     states: tuple[StateTensor, ...]
     idle_timeout_s: float
     onnx_file: str
     intra_op_threads: int
-    value_ranges: Mapping[str, tuple[int, int]]  # input name -> (low, high): its values lie in [low, high)
-    max_dims: Mapping[str, tuple[int, ...]]  # input name -> the largest dims (no batch) of one request
-    max_live_streams: int  # per instance
+    value_ranges: Mapping[str, tuple[int, int]]
+    max_dims: Mapping[str, tuple[int, ...]]
+    max_live_streams: int
 
     @property
     def output_names(self) -> list[str]:
@@ -112,16 +99,21 @@ def _per_input(valid: Callable[[list], Any], expected: str) -> Callable[[str], d
     return parse
 
 
-# The config's `parameters`: name -> parser of its string value; each is the DecoderConfig field of its name.
+# The config's `parameters` (strings, all required, no other accepted): name -> parser of its value.
+# value_ranges and max_dims are checked per request by the core, so that a bad row fails alone.
 PARAMETER_TYPES = {
-    "onnx_file": str,
-    "intra_op_threads": int,
+    "onnx_file": str,  # the ONNX file, relative to the version folder
+    "intra_op_threads": int,  # ONNX Runtime intra-op threads (0: its default)
+    # JSON list of {"input", "output", "dtype", "shape"}: dtype float32, float16, int32 or int64, shape per
+    # stream (an optional "description" is ignored)
     "state_spec": parse_state_spec,
+    # JSON object, input name -> [low, high]: its values must lie in [low, high)
     "value_ranges": _per_input(lambda b: len(b) == 2 and all(map(_is_int, b)) and b[0] < b[1],
                                "[low, high] with integers low < high"),
+    # JSON object, input name -> its largest dims per request (bounds the config's -1 dims)
     "max_dims": _per_input(lambda dims: dims and all(_is_int(dim) and dim > 0 for dim in dims),
                            "a list of positive integers"),
-    "max_live_streams": int,
+    "max_live_streams": int,  # streams this instance holds state for; a START beyond is refused (UNAVAILABLE)
 }
 
 
@@ -163,10 +155,8 @@ def parse_model_config(config: Mapping, triton_string_to_numpy: Callable[[str], 
 
 
 def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -> None:
-    """Check the config against the ONNX graph (`session.get_inputs()` / `get_outputs()`: objects with
-    `.name`, `.type`, `.shape`): the same tensors (a state listed as a config input or output too fails
-    here), dtypes and ranks, a dynamic batch and the config's fixed dims (a config -1 may meet a fixed
-    graph dim: `max_dims` bounds it)."""
+    """Check the config against the ONNX graph (`session.get_inputs()` / `get_outputs()`): the same tensors,
+    dtypes and ranks, a dynamic batch and the config's fixed dims (a config -1 may meet a fixed graph dim)."""
     graph_inputs = {arg.name: arg for arg in session_inputs}
     graph_outputs = {arg.name: arg for arg in session_outputs}
     input_names = [t.name for t in config.inputs] + [s.input for s in config.states]

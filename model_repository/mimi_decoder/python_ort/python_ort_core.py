@@ -1,13 +1,7 @@
-"""Core of the python-ort `mimi_decoder`: a streaming ONNX step whose per-sequence state the model keeps
-itself (the Python backend ignores `sequence_batching { state [...] }`). Pure numpy + stdlib.
-
-- per correlation id, one row of each state tensor (its row of the state outputs of the run it last
-  stepped in); START (also on a live sequence) starts from zeros, END drops it after the step, and so
-  does the idle timeout (Triton frees an idle sequence without telling the model);
-- the valid requests of one `execute()` run as one session run per input shape;
-- a request that fails validation gets its own error and changes nothing (an END still ends its
-  sequence: Triton has released it); a new START past `max_live_streams` is refused with UNAVAILABLE.
-"""
+"""Core of the python-ort `mimi_decoder`: a streaming ONNX step whose per-sequence state the model keeps itself
+(the Python backend ignores a `state` block): per correlation id, its row of each state output of the run it
+last stepped in; zeros on START, dropped on END and after the idle timeout. One session run per input shape
+of a batch; a bad request fails alone. Pure numpy + stdlib."""
 
 from __future__ import annotations
 
@@ -34,8 +28,7 @@ class StepRequest:
 
 
 def _waves(requests: Sequence[StepRequest]) -> list[list[int]]:
-    """Request indices in waves: each sequence's first request in the first wave, its second in the
-    second, and so on, so a wave holds a sequence at most once and its steps run in order."""
+    """Request indices in waves, a sequence's n-th request in the n-th: its steps run in order."""
     waves: list[list[int]] = []
     seen: dict = {}
     for index, request in enumerate(requests):
@@ -51,9 +44,8 @@ def _stack(parts: list[np.ndarray]) -> np.ndarray:
 
 
 class StreamingDecoderCore:
-    """Per-sequence state and batched steps, independent of Triton; not thread-safe. `run(feeds)` runs one
-    batched step: `feeds` maps every input and state-input name to a `[rows, ...]` array; it returns the
-    outputs in the order of `config.output_names`, each `[rows, ...]`."""
+    """Per-sequence state and batched steps; not thread-safe. `run(feeds)` runs one batched step: inputs and
+    state inputs by name, `[rows, ...]` each -> the outputs in the order of `config.output_names`."""
 
     def __init__(self, config: DecoderConfig, run: Callable[[dict[str, np.ndarray]], Sequence[np.ndarray]],
                  clock: Callable[[], float] = time.monotonic, model_name: str = "decoder",
@@ -71,8 +63,7 @@ class StreamingDecoderCore:
         return len(self._streams)
 
     def expire_idle(self, keep: frozenset = frozenset()) -> int:
-        """Drop the streams idle for longer than the idle timeout (from the end of their last step),
-        except those in `keep`. Returns how many were dropped."""
+        """Drop the streams idle past the timeout since their last step, but those in `keep`; returns how many."""
         now = self._clock()
         idle = [sid for sid, (_, last_used) in self._streams.items()
                 if now - last_used > self.config.idle_timeout_s and sid not in keep]
@@ -82,8 +73,7 @@ class StreamingDecoderCore:
         return len(idle)
 
     def _row_inputs(self, request: StepRequest) -> dict[str, np.ndarray]:
-        """Check one request past what Triton checks (dtype, dims and batch 1 against the config); returns
-        its inputs."""
+        """One request's inputs, checked past what Triton checks (dtype, dims and batch 1)."""
         sequence_id = request.sequence_id
         if not isinstance(sequence_id, int) or isinstance(sequence_id, bool) or sequence_id <= 0:
             raise ModelError("correlation_id",
@@ -104,8 +94,8 @@ class StreamingDecoderCore:
         return rows
 
     def _admit(self, request: StepRequest, new_streams: int) -> bool:
-        """Whether the request opens a new stream (`new_streams`: opened earlier in this wave); raises
-        ModelError for a step of a sequence without state or a START beyond max_live_streams."""
+        """Whether the request opens a stream (`new_streams`: opened earlier in this wave); raises ModelError for
+        a step of a sequence without state or a START beyond max_live_streams."""
         timeout_s, known = self.config.idle_timeout_s, request.sequence_id in self._streams
         if not request.start and not known:
             raise ModelError("unknown_sequence", f"sequence {request.sequence_id} has no decoder state in model "
@@ -123,8 +113,7 @@ class StreamingDecoderCore:
         return True
 
     def step(self, requests: Sequence[StepRequest]) -> list[dict[str, np.ndarray] | ModelError]:
-        """Run one step for each request; returns, per request, its outputs (`[1, *dims]`) or a
-        ModelError. Requests of one sequence run in order, each in a following run."""
+        """Run a step per request; returns per request its outputs (`[1, *dims]`) or a ModelError."""
         results: list = [None] * len(requests)
         self.expire_idle(keep=frozenset(r.sequence_id for r in requests))
         for wave in _waves(requests):
@@ -146,8 +135,7 @@ class StreamingDecoderCore:
         return results
 
     def _run_group(self, members: list, results: list) -> None:
-        """One session run for `members` ((index, request, inputs) of equal input shapes): each member's
-        outputs go into `results`, its row of the state outputs becomes its stream's state."""
+        """One session run of `members` ((index, request, inputs) of equal shapes), results into `results`."""
         states = [self._zeros if request.start else self._streams[request.sequence_id][0] for _, request, _ in members]
         feeds = {spec.name: _stack([rows[spec.name] for *_, rows in members]) for spec in self.config.inputs}
         for position, state in enumerate(self.config.states):
