@@ -25,7 +25,6 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 .PHONY: venv vllm-omni-venv lint test serve export bench bench-duplex bench-memory bench-failover record verify clean
 
 venv: $(STAMP)
-
 vllm-omni-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): requirements/vllm-omni.txt pyproject.toml

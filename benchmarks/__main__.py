@@ -8,7 +8,7 @@ import importlib
 import sys
 
 from mimi_code2wav.client.protocol import ClientError
-from mimi_code2wav.server.processes import ServerError
+from mimi_code2wav.server.processes import ServerError, report
 
 COMMANDS = {
     "sweep": "streams x request sizes through Triton: the streaming client and perf_analyzer",
@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (ClientError, ServerError) as exc:  # a server or a request that failed: one line, no traceback
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        return report(exc)
 
 
 if __name__ == "__main__":

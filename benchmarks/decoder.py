@@ -15,10 +15,9 @@ import numpy as np
 
 from mimi_code2wav.client.protocol import FRAME_DURATION_S
 
-from .provenance import log, md_row, run_meta, timed, write_run
+from .provenance import add_options, log, md_row, run_meta, timed, write_run
 
-ORT_DTYPES = {"tensor(int32)": np.int32, "tensor(int64)": np.int64, "tensor(float16)": np.float16,
-              "tensor(float)": np.float32}
+ORT_DTYPES = {"tensor(int32)": np.int32, "tensor(int64)": np.int64, "tensor(float16)": np.float16, "tensor(float)": np.float32}
 
 
 def ort_step_s(session, batch: int, frames: int, seconds: float, rng) -> float:
@@ -26,98 +25,7 @@ def ort_step_s(session, batch: int, frames: int, seconds: float, rng) -> float:
     inputs = session.get_inputs()
     feeds = {arg.name: np.zeros([batch, *arg.shape[1:]], ORT_DTYPES[arg.type]) for arg in inputs[1:]}
     feeds[inputs[0].name] = rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32)
-
-    def call():
-        feeds.update(zip([arg.name for arg in inputs[1:]], session.run(None, feeds)[1:]))
-
-    return timed(call, seconds)
-
-
-def matmul_peak_gflops(threads: int, seconds: float) -> float:
-    import torch
-
-    torch.set_num_threads(threads)
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    return 2 * 1024**3 / timed(lambda: torch.mm(a, b), seconds) / 1e9
-
-
-def step_flops_per_frame(step) -> float:
-    """FLOPs (multiply-adds x 2) of one frame through the step module, as torch's counter sees them."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        step(torch.zeros(1, step.num_codebooks, 1, dtype=torch.int32), *step.zero_state(1))
-    return float(counter.get_total_flops())
-
-
-def _random_checkpoint(work: Path) -> Path:
-    """A seeded random moshi-format checkpoint."""
-    from moshi.models.loaders import get_mimi
-    from safetensors.torch import save_file
-
-    from mimi_code2wav.export.weights import randomize_, to_shipped_moshi_names
-
-    model = get_mimi(None, device="cpu")
-    randomize_(model, 0)
-    weights = work / "mimi-random.safetensors"
-    save_file(to_shipped_moshi_names({k: v.contiguous() for k, v in model.state_dict().items()}), str(weights))
-    return weights
-
-
-def _measure_moshi(add, weights: Path, args, rng) -> None:
-    """moshi PyTorch streaming, one frame per call (what Moshi-family servers run)."""
-    import torch
-    from moshi.models.loaders import get_mimi
-
-    moshi = get_mimi(str(weights), device="cpu", num_codebooks=8)
-    for threads, batch in itertools.product(args.threads, args.batches):
-        torch.set_num_threads(threads)
-        codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, 1)))
-        with torch.no_grad(), moshi.streaming(batch):
-            add("moshi", batch, 1, threads, timed(lambda: moshi.decode(codes), args.seconds))
-
-
-def _measure_step(add, model, work: Path, args, rng) -> None:
-    """The step module in eager PyTorch and in ONNX Runtime."""
-    import onnxruntime as ort
-    import torch
-
-    from mimi_code2wav.export.onnx_export import ExportOptions, build_step, export_onnx
-
-    step = build_step(model, ExportOptions(max_frames_per_step=max(args.frames_per_call)))
-    export_onnx(step, work / "model.onnx", log=lambda *_: None)
-    for frames, threads in itertools.product(args.frames_per_call, args.threads):
-        torch.set_num_threads(threads)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads, options.inter_op_num_threads, options.enable_mem_pattern = threads, 1, False
-        session = ort.InferenceSession(str(work / "model.onnx"), options, providers=["CPUExecutionProvider"])
-        for batch in args.batches:
-            codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32))
-            state = list(step.zero_state(batch))
-
-            def eager():
-                nonlocal state
-                with torch.no_grad():
-                    _, *state = step(codes, *state)
-
-            add("step-eager", batch, frames, threads, timed(eager, args.seconds))
-            add("onnxruntime", batch, frames, threads, ort_step_s(session, batch, frames, args.seconds, rng))
-
-
-def _ratios(rows: dict, threads: int, batch: int) -> dict[str, float]:
-    ratios = {}
-    ort1, moshi1, rusty = (rows.get((engine, 1, 1, threads)) for engine in ("onnxruntime", "moshi", "rustymimi"))
-    if ort1 and moshi1:
-        ratios[f"moshi / onnxruntime, batch 1, {threads} threads"] = moshi1["ms_per_frame"] / ort1["ms_per_frame"]
-    if ort1 and rusty:
-        ratios["rustymimi / onnxruntime, batch 1"] = rusty["ms_per_frame"] / ort1["ms_per_frame"]
-    best = min((r for r in rows.values() if r["engine"] == "onnxruntime" and r["batch"] == batch),
-               key=lambda r: r["ms_per_frame"], default=None)
-    if best:
-        ratios[f"onnxruntime batch {best['batch']} (F={best['frames_per_call']}, {best['threads']} threads) "
-               "measured / compute bound"] = 1 / best["fraction_of_bound"]
-    return ratios
+    return timed(lambda: feeds.update(zip([arg.name for arg in inputs[1:]], session.run(None, feeds)[1:])), seconds)
 
 
 def decoder_markdown(results: dict) -> str:
@@ -138,28 +46,44 @@ def decoder_markdown(results: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", type=Path, help="moshi-format .safetensors (default: seeded random)")
-    parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per configuration")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--frames-per-call", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    add_options(parser, ("--seconds", 2.0, "measuring time per configuration"), ("--batches", [1, 8], "batch sizes"),
+                ("--frames-per-call", [1, 2], "frames per call"), ("--threads", [1, 2], "thread counts"),
+                ("--out", Path("bench_results"), "where results go"))
 
 
 def run(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from mimi_code2wav.export.onnx_export import ExportOptions, build_step
-    from mimi_code2wav.export.weights import load_weights
+    import onnxruntime as ort
+    import torch
+    from moshi.models.loaders import get_mimi
+    from safetensors.torch import save_file
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mimi_code2wav.export.onnx_export import ExportOptions, build_step, export_onnx
+    from mimi_code2wav.export.weights import load_weights, randomize_, to_shipped_moshi_names
 
     meta = run_meta("decoder")
     work = Path(tempfile.mkdtemp(prefix="mimi-bench-"))
-    weights = args.weights or _random_checkpoint(work)
+    weights = args.weights
+    if weights is None:  # a seeded random moshi-format checkpoint
+        model = get_mimi(None, device="cpu")
+        randomize_(model, 0)
+        weights = work / "mimi-random.safetensors"
+        save_file(to_shipped_moshi_names({k: v.contiguous() for k, v in model.state_dict().items()}), str(weights))
     loaded = load_weights(weights)
     rng = np.random.default_rng(0)
-    peaks = {t: matmul_peak_gflops(t, args.seconds) for t in args.threads}
+    peaks = {}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        peaks[threads] = 2 * 1024**3 / timed(lambda: torch.mm(a, b), args.seconds) / 1e9
     log("fp32 matmul peak (1024^3 torch.mm): " + ", ".join(f"{t} thread(s) {g:.1f} GFLOP/s" for t, g in peaks.items()))
-    flops = step_flops_per_frame(build_step(loaded.model, ExportOptions()))
+    step = build_step(loaded.model, ExportOptions())
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:  # multiply-adds x 2, as torch counts them
+        step(torch.zeros(1, step.num_codebooks, 1, dtype=torch.int32), *step.zero_state(1))
+    flops = float(counter.get_total_flops())
     log(f"decoder: {flops / 1e9:.3f} GFLOP per frame")
     rows = {}  # by (engine, batch, frames per call, threads), each against the compute bound
 
@@ -171,8 +95,31 @@ def run(args: argparse.Namespace) -> int:
             "fraction_of_bound": flops / (peaks[threads] * 1e6) / ms}
         log(f"  {engine:10s} batch {batch:2d} F {frames} threads {threads}: {ms:7.2f} ms/frame")
 
-    _measure_moshi(add, weights, args, rng)
-    _measure_step(add, loaded.model, work, args, rng)
+    moshi = get_mimi(str(weights), device="cpu", num_codebooks=8)  # moshi's streaming, what Moshi-family servers run
+    for threads, batch in itertools.product(args.threads, args.batches):
+        torch.set_num_threads(threads)
+        codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, 1)))
+        with torch.no_grad(), moshi.streaming(batch):
+            add("moshi", batch, 1, threads, timed(lambda: moshi.decode(codes), args.seconds))
+    # The step module in eager PyTorch and in ONNX Runtime.
+    step = build_step(loaded.model, ExportOptions(max_frames_per_step=max(args.frames_per_call)))
+    export_onnx(step, work / "model.onnx", log=lambda *_: None)
+    for frames, threads in itertools.product(args.frames_per_call, args.threads):
+        torch.set_num_threads(threads)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads, options.enable_mem_pattern = threads, 1, False
+        session = ort.InferenceSession(str(work / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        for batch in args.batches:
+            codes = torch.from_numpy(rng.integers(0, 2048, (batch, 8, frames)).astype(np.int32))
+            state = list(step.zero_state(batch))
+
+            def eager():
+                nonlocal state
+                with torch.no_grad():
+                    _, *state = step(codes, *state)
+
+            add("step-eager", batch, frames, threads, timed(eager, args.seconds))
+            add("onnxruntime", batch, frames, threads, ort_step_s(session, batch, frames, args.seconds, rng))
     try:  # rustymimi (Kyutai's Rust Mimi), batch 1, one frame per call; it picks its own threads
         import rustymimi
     except ImportError as error:
@@ -180,7 +127,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         tokenizer, codes = rustymimi.Tokenizer(str(weights), num_codebooks=8), rng.integers(0, 2048, (1, 8, 1)).astype(np.uint32)
         add("rustymimi", 1, 1, max(args.threads), timed(lambda: tokenizer.decode_step(codes), args.seconds))
+    ratios, threads = {}, max(args.threads)
+    ort1, moshi1, rusty = (rows.get((engine, 1, 1, threads)) for engine in ("onnxruntime", "moshi", "rustymimi"))
+    if ort1 and moshi1:
+        ratios[f"moshi / onnxruntime, batch 1, {threads} threads"] = moshi1["ms_per_frame"] / ort1["ms_per_frame"]
+    if ort1 and rusty:
+        ratios["rustymimi / onnxruntime, batch 1"] = rusty["ms_per_frame"] / ort1["ms_per_frame"]
+    best = min((r for r in rows.values() if r["engine"] == "onnxruntime" and r["batch"] == max(args.batches)),
+               key=lambda r: r["ms_per_frame"], default=None)
+    if best:
+        ratios[f"onnxruntime batch {best['batch']} (F={best['frames_per_call']}, {best['threads']} threads) "
+               "measured / compute bound"] = 1 / best["fraction_of_bound"]
     results = {"meta": meta, "matmul_peak_gflops": peaks, "gflop_per_frame": flops / 1e9, "rows": list(rows.values()),
-               "ratios": _ratios(rows, max(args.threads), max(args.batches))}
+               "ratios": ratios}
     write_run(args.out, "decoder", results, decoder_markdown(results))
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mimi_code2wav.server.ort_backend import install_file, install_onnxruntime_backend
+from mimi_code2wav.server.processes import log_tail
 from mimi_code2wav.server.triton import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -94,17 +95,15 @@ def docker_engine(build_dir: Path) -> Iterator[None]:
         deadline = time.monotonic() + ENGINE_START_S
         while not answers(["docker", "info"]):
             if process.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-                raise DockerUnavailable(f"dockerd did not come up within {ENGINE_START_S} s:\n{tail}")
+                raise DockerUnavailable(f"dockerd did not come up within {ENGINE_START_S} s:\n{log_tail(log_path, 20)}")
             time.sleep(0.5)
         yield
     finally:
         process.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        process.kill()  # when it outlived the minute; a no-op once it has exited
+        process.wait()
         log("dockerd stopped")
 
 
@@ -168,8 +167,7 @@ def base_image(build_dir: Path, suite: str = "bookworm",
 
 
 def host_cpython(version: str = STANDIN_PYTHON) -> Path | None:
-    """The prefix of this host's CPython `version` with its shared library (the stub links it), on PATH
-    or pyenv's newest; None without one."""
+    """The prefix of a CPython `version` here with its shared library (the stub links it), on PATH or pyenv's; else None."""
     candidates = [shutil.which(f"python{version}"),
                   *sorted(Path.home().glob(f".pyenv/versions/{version}.*/bin/python{version}"), reverse=True)]
     for python in filter(None, candidates):
@@ -238,9 +236,8 @@ _ACCESS_LINE = re.compile(r'^\S+ (?P<msec>[0-9.]+) stream="(?P<key>[^"]*)" upstr
 
 
 class Compose:
-    """`docker compose` in the checkout under a project name of its own, with the given compose files
-    (default: docker-compose.yml) and variables, on free loopback ports (`grpc_url`, `metrics_url`),
-    logging every command to `<log_dir>/<project>.log`."""
+    """`docker compose` in the checkout as a project of its own with `files` (default docker-compose.yml) and
+    `variables`, on free loopback ports (`grpc_url`, `metrics_url`), each command logged to <log_dir>/<project>.log."""
 
     def __init__(self, env: dict[str, str], log_dir: Path, files: tuple[str, ...] = (), **variables: str):
         self.project = f"c2w-test-{uuid.uuid4().hex[:8]}"
@@ -302,13 +299,11 @@ class Compose:
         return served
 
     def exits(self, service: str, since_s: float) -> list[tuple[float, int]]:
-        """(time.time(), exit code) of each exit of the service's container since `since_s`, from Docker's `die`
-        events (a restarted container's State no longer shows them)."""
+        """(time.time(), exit code) of each exit since `since_s`, from Docker's `die` events (State forgets them)."""
         done = run(["docker", "events", "--since", f"{since_s:.0f}", "--until", f"{time.time() + 1:.0f}",
                     "--filter", f"container={self.inspect(service)['Id']}", "--filter", "event=die",
                     "--format", "{{.TimeNano}} {{.Actor.Attributes.exitCode}}"], env=self.env)
-        pairs = [line.split() for line in done.stdout.splitlines() if line.strip()]
-        return [(int(nanos) / 1e9, int(code)) for nanos, code in pairs]
+        return [(int(nanos) / 1e9, int(code)) for nanos, code in (line.split() for line in done.stdout.splitlines() if line.strip())]
 
     def tritonserver_pid(self, service: str) -> int:
         """The host pid of the service's tritonserver."""

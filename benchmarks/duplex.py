@@ -18,7 +18,6 @@ import time
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -27,7 +26,7 @@ from mimi_code2wav.client.protocol import FRAME_DURATION_S, MODEL_NAME, SAMPLES_
 from mimi_code2wav.client.report import percentiles
 
 from .profile import add_server_arguments, measured_server, point_profile, server_meta, settle_gc
-from .provenance import REPO_ROOT, log, md_row, parse_counts, write_run
+from .provenance import add_options, log, md_row, parse_counts, write_run
 
 
 @dataclass(frozen=True)
@@ -58,9 +57,8 @@ class Policy:
 
     @property
     def label(self) -> str:
-        if self.catch_up:
-            return "catch-up"
-        return "per-frame" if self.first_frames == self.chunk_frames == 1 else f"ramp {self.first_frames}+{self.chunk_frames}"
+        return "catch-up" if self.catch_up else "per-frame" if self.first_frames == self.chunk_frames == 1 else (
+            f"ramp {self.first_frames}+{self.chunk_frames}")
 
 
 PER_FRAME, RAMP, CATCH_UP = Policy(), Policy(first_frames=1, chunk_frames=5), Policy(catch_up=True)
@@ -69,9 +67,8 @@ POLICIES = {"per-frame": PER_FRAME, "ramp": RAMP, "catch-up": CATCH_UP}
 
 def summarize(client: str, policy: Policy, arrival_s: np.ndarray, start_s: float, budget_ms: float,
               cpu_s: float, wall_s: float, failed: str | None = None) -> dict:
-    """One run's result from when each conversation's frames arrived ([conversations, frames], NaN: never; one
-    time per request): latency (tick to PCM) and lateness (due time to PCM) p50 / p99 / max, the misses (late
-    past the budget, or never answered), requests and the load generator's CPU per request."""
+    """A run's result from when each frame's PCM arrived ([conversations, frames], NaN: never): latency from its
+    tick and lateness from its due time, misses (past the budget or never), requests, the client's CPU per request."""
     frames = arrival_s.shape[1]
     ticks = start_s + np.arange(frames) * FRAME_DURATION_S
     due = np.array([policy.due_s(j, frames, start_s) for j in range(frames)])
@@ -107,8 +104,7 @@ def _conversation(codes: np.ndarray, policy: Policy, start_s: float, arrival_s: 
 
 def run_point(url: str, conversations: int, frames: int, policy: Policy, budget_ms: float, threads: bool = False,
               credentials: Credentials = PLAINTEXT, model_name: str = MODEL_NAME) -> dict:
-    """The conversations on the asyncio client (one `Code2WavClient`, one channel, one task each) or with
-    `threads` on the thread client (one `Code2WavStream`, its own connection, and thread each)."""
+    """The conversations on the asyncio client (one channel, a task each), or with `threads` a thread and connection each."""
     from mimi_code2wav.client import aio, sync
 
     rng = np.random.default_rng(0)
@@ -135,8 +131,7 @@ def run_point(url: str, conversations: int, frames: int, policy: Policy, budget_
 
     async def main() -> None:
         async with aio.Code2WavClient(url, options, credentials=credentials) as client:
-            streams = [client.stream() for _ in codes]
-            tasks = [asyncio.create_task(converse_async(index, stream)) for index, stream in enumerate(streams)]
+            tasks = [asyncio.create_task(converse_async(index, client.stream())) for index in range(conversations)]
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in pending:
                 task.cancel()
@@ -155,28 +150,22 @@ def run_point(url: str, conversations: int, frames: int, policy: Policy, budget_
 
 
 def parse_policies(text: str) -> list[Policy]:
-    unknown = [name for name in text.split(",") if name.strip() not in POLICIES]
-    if unknown:
+    if unknown := [name for name in text.split(",") if name.strip() not in POLICIES]:
         raise argparse.ArgumentTypeError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     return [POLICIES[name.strip()] for name in text.split(",")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_server_arguments(parser)
+    add_server_arguments(parser, out_dir="bench_results/duplex")
     add_credentials_arguments(parser)  # for --url: a server with TLS or a key
-    parser.add_argument("--conversations", type=parse_counts, default=[4, 8, 16, 32, 64, 128, 200],
-                        help="conversations per point, tried in turn until one misses (default 4,8,16,32,64,128,200)")
-    parser.add_argument("--policies", type=parse_policies, default="per-frame,ramp,catch-up",
-                        help=f"comma-separated, of {', '.join(POLICIES)} (default %(default)s)")
-    parser.add_argument("--seconds", type=float, default=8.0, help="length of each conversation (default %(default)s)")
-    parser.add_argument("--budget-ms", type=float, default=80.0,
-                        help="playout budget: how late past its due time a frame's PCM may be (default %(default)s)")
-    parser.add_argument("--compare-at", type=int, default=32,
-                        help="conversations at which the asyncio and the thread client both run (0: skip; default %(default)s)")
+    add_options(parser, ("--conversations", "4,8,16,32,64,128,200",
+                         "conversations per point, tried in turn until one misses", parse_counts),
+                ("--policies", "per-frame,ramp,catch-up", f"comma-separated, of {', '.join(POLICIES)}", parse_policies),
+                ("--seconds", 8.0, "length of each conversation"),
+                ("--budget-ms", 80.0, "playout budget: how late past its due time a frame's PCM may be"),
+                ("--compare-at", 32, "conversations at which the asyncio and the thread client both run (0: skip)"))
     parser.add_argument("--keep-going", action="store_true",
                         help="measure every count of --conversations, also past the first that misses")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results" / "duplex",
-                        help="where results go (default bench_results/duplex/)")
 
 
 def _logged(result: dict) -> dict:
@@ -188,21 +177,15 @@ def _logged(result: dict) -> dict:
     return result
 
 
-# Unmeasured: the first requests of a server pay one-off costs (sequence slots, state rows, the
-# decoder's first run at each batch size), so a warm-up runs the most conversations for this many ticks.
+# An unmeasured warm-up this many ticks long pays a server's one-off costs (sequence slots, state rows, first batches).
 WARM_UP_FRAMES = 6
 
 
 def run(args: argparse.Namespace) -> int:
-    from mimi_code2wav.client.sync import Code2WavClient
-
-    credentials = credentials_from_args(args)
     frames = max(2, round(args.seconds / FRAME_DURATION_S))
-    client = {"budget_ms": args.budget_ms, "credentials": credentials}
+    client = {"budget_ms": args.budget_ms, "credentials": credentials_from_args(args)}
     points, most, compared = [], {}, []
-    with measured_server(args) as local:
-        url = args.url or local.grpc_url
-        Code2WavClient(url, credentials=credentials).check_ready()  # a bad credential stops here, in one line
+    with measured_server(args, client["credentials"]) as (local, url):
         warm_up = run_point(url, max(args.conversations), WARM_UP_FRAMES, PER_FRAME, **client)
         log(f"  warm-up ({warm_up['conversations']} conversations, {WARM_UP_FRAMES} frames each, not measured)"
             + (f" FAILED: {warm_up['failed']}" if warm_up["failed"] else ""))
@@ -226,8 +209,6 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(point["failed"] for point in points + compared) else 0
 
 
-# ---- the report ------------------------------------------------------------------------------------
-
 def _where_the_time_goes(point: dict) -> str:
     profile = point.get("profile") or {}
     parts = [f"{model}: queue {figures['queue_ms_per_request']:.1f} ms, execution {figures['execute_ms']:.1f} ms at "
@@ -241,8 +222,7 @@ def _where_the_time_goes(point: dict) -> str:
 
 
 def duplex_markdown(results: dict) -> str:
-    """The duplex table, the most conversations per policy, where the time goes at each policy's first
-    miss, and the two clients side by side (the caller writes the stamp)."""
+    """The duplex table, the most conversations per policy, each first miss's profile, the two clients (no stamp)."""
     meta = results["meta"]
     lines = [
         f"{meta.get('server', '')}. Conversations tick together every 80 ms, one frame each per tick, "
@@ -253,13 +233,9 @@ def duplex_markdown(results: dict) -> str:
         "| policy | conversations | frame latency p50 / p99 / max ms | late p99 ms | misses | requests | client CPU ms / request |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for point in results["points"]:
-        latency = point["latency_ms"]
-        failed = f" (failed: {point['failed']})" if point["failed"] else ""
-        lines.append(md_row(point["policy"], point["conversations"],
-                            f"{latency['p50']:.0f} / {latency['p99']:.0f} / {latency['max']:.0f}",
-                            f"{point['late_ms']['p99']:.0f}", point["misses"], point["requests"],
-                            f"{point['client_cpu_ms_per_request']:.2f}{failed}"))
+    lines += [md_row(p["policy"], p["conversations"], "{p50:.0f} / {p99:.0f} / {max:.0f}".format(**p["latency_ms"]),
+                     f"{p['late_ms']['p99']:.0f}", p["misses"], p["requests"], f"{p['client_cpu_ms_per_request']:.2f}"
+                     + (f" (failed: {p['failed']})" if p["failed"] else "")) for p in results["points"]]
     lines += ["", "Most conversations within the budget at p99: "
               + ", ".join(f"{policy} {count}" for policy, count in results["most_conversations"].items()) + "."]
     first_misses = {p["policy"]: p for p in reversed(results["points"]) if not p["meets_budget"]}

@@ -20,27 +20,16 @@ import numpy as np
 from mimi_code2wav.client.protocol import FRAME_DURATION_S, ClientError, StreamOptions, random_codes
 from mimi_code2wav.client.report import percentiles
 from mimi_code2wav.client.sync import run_streams
-from mimi_code2wav.server.triton import free_ports
+from mimi_code2wav.server.processes import report
 
 from .docker_env import REPLICAS, Compose, DockerUnavailable, docker_environment
-from .provenance import log, md_row, run_meta, write_run
+from .provenance import add_options, md_row, run_meta, write_run
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.cpu.yml")
-UP_TIMEOUT_S = 1500
 
 
-def _weights_variables(weights: str | None) -> dict[str, str]:
-    """The compose variables for `--weights` (a checkpoint file or a transformers folder), else seeded random weights."""
-    if weights is None:
-        return {"MIMI_RANDOM_INIT": "1", "MIMI_WEIGHTS_DIR": str(Path("build").resolve())}
-    path = Path(weights).resolve()
-    if not path.exists():
-        raise ClientError(f"--weights {weights}: no such file or folder")
-    return {"MIMI_WEIGHTS_DIR": str(path)} if path.is_dir() else {"MIMI_WEIGHTS_DIR": str(path.parent), "MIMI_WEIGHTS": path.name}
-
-
-def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
+def measure(args: argparse.Namespace, compose: Compose) -> dict:
     percentiles_ms = lambda values_s: percentiles(np.asarray(values_s) * 1e3)  # noqa: E731
     codes = [random_codes(int(round(args.seconds / FRAME_DURATION_S)), seed=args.codes_seed + n) for n in range(args.streams)]
     keys = [f"call-{n}" for n in range(args.streams)]
@@ -51,7 +40,7 @@ def measure(args: argparse.Namespace, compose, grpc_url: str) -> dict:
 
     def decode_all() -> None:
         try:
-            outcome["report"] = run_streams(grpc_url, codes, options,
+            outcome["report"] = run_streams(compose.grpc_url, codes, options,
                                             sequence_ids=[1000 + n for n in range(args.streams)], stream_keys=keys)
         except BaseException as error:  # reported below
             outcome["error"] = error
@@ -121,27 +110,26 @@ def table(record: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    variables = _weights_variables(args.weights)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = Path(args.weights or "build").resolve()  # --weights: a checkpoint file or a transformers folder
+    if args.weights and not path.exists():
+        raise ClientError(f"--weights {args.weights}: no such file or folder")
+    variables = {"MIMI_WEIGHTS_DIR": str(path.parent), "MIMI_WEIGHTS": path.name} if path.is_file() else {"MIMI_WEIGHTS_DIR": str(path)}
+    variables.update({"MIMI_RANDOM_INIT": "1"} if args.weights is None else {})  # None: seeded random weights
     try:
-        with docker_environment(Path(args.build_dir)) as env:
-            http, grpc = free_ports(2)
-            compose = Compose(env, out_dir, COMPOSE_FILES, TRITON_HTTP_PORT=str(http), TRITON_GRPC_PORT=str(grpc), **variables)
+        with docker_environment(args.build_dir) as env:
+            compose = Compose(env, args.out_dir, COMPOSE_FILES, **variables)
             try:
-                print(f"compose --profile scale up (log: {out_dir / compose.project}.log)", flush=True)
-                compose("--profile", "scale", "up", "--build", "--wait", "--wait-timeout", str(UP_TIMEOUT_S),
-                        "triton-proxy", timeout_s=UP_TIMEOUT_S + 300)
-                record = measure(args, compose, f"127.0.0.1:{grpc}")
+                print(f"compose --profile scale up (log: {args.out_dir / compose.project}.log)", flush=True)
+                compose.up("scale", "triton-proxy")
+                record = measure(args, compose)
             finally:
                 compose.down()
     except (DockerUnavailable, AssertionError) as error:
-        log(f"error: {error}")
-        return 1
+        return report(error)
     except PermissionError as error:
-        log(f"error: signalling the container's tritonserver from the host needs root: {error}")
-        return 1
-    write_run(out_dir, "failover", record, table(record))
+        return report(f"signalling the container's tritonserver from the host needs root: {error}")
+    write_run(args.out_dir, "failover", record, table(record))
     return 0
 
 
@@ -149,12 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="a moshi-format .safetensors checkpoint or a transformers folder "
                         "(default: seeded random weights)")
     parser.add_argument("--signal", choices=sorted(SIGNALS), default="KILL", help="KILL: a crash; STOP: a hang")
-    for flag, default, text in (
-            ("--build-dir", "build/docker", "the Docker tooling's folder: engine log, Compose, stand-in images"),
-            ("--out-dir", "bench_results/failover", "where results go"), ("--streams", 12, "paced streams"),
-            ("--chunk-frames", 4, "frames per request"), ("--seconds", 40.0, "audio per stream"),
-            ("--kill-at-s", 22.0, "when the fault comes"), ("--window-s", 15.0, "latency window after the fault"),
-            ("--history-frames", 250, "frames of history a resume replays"),
-            ("--response-timeout-s", 5.0, "a request unanswered this long resumes the stream"),
-            ("--codes-seed", 0, "seed of the streams' random codes")):
-        parser.add_argument(flag, type=type(default), default=default, help=f"{text} (default %(default)s)")
+    add_options(parser, ("--build-dir", Path("build/docker"), "the Docker tooling's folder: engine log, Compose, stand-in images"),
+                ("--out-dir", Path("bench_results/failover"), "where results go"), ("--streams", 12, "paced streams"),
+                ("--chunk-frames", 4, "frames per request"), ("--seconds", 40.0, "audio per stream"),
+                ("--kill-at-s", 22.0, "when the fault comes"), ("--window-s", 15.0, "latency window after the fault"),
+                ("--history-frames", 250, "frames of history a resume replays"),
+                ("--response-timeout-s", 5.0, "a request unanswered this long resumes the stream"),
+                ("--codes-seed", 0, "seed of the streams' random codes"))

@@ -21,15 +21,13 @@ from mimi_code2wav.export.render import COMMON_DIR
 
 from .duplex import PER_FRAME, run_point
 from .profile import add_server_arguments, local_server, point_profile, prepare_server
-from .provenance import REPO_ROOT, log, md_row, run_meta, write_run
+from .provenance import add_options, log, md_row, run_meta, write_run
 
 FRONTS = ("code2wav", "minimal_front")
-REQUESTS_PER_S_PER_CONVERSATION = 1 / FRAME_DURATION_S  # per-frame: one request per 80 ms frame
 
 
 def unpaced_requests_per_s(url: str, model_name: str, conversations: int, seconds: float) -> float:
-    """Requests/s of `conversations` 1-frame conversations of `model_name` for `seconds`, each sending
-    its next request when the last is answered."""
+    """Requests/s of `conversations` unpaced 1-frame conversations of `model_name` for `seconds`."""
     from mimi_code2wav.client.aio import Code2WavClient
 
     async def conversation(client, codes, until: float) -> int:
@@ -52,9 +50,8 @@ def unpaced_requests_per_s(url: str, model_name: str, conversations: int, second
 
 
 def measure_instances(repository: Path, instances: int, args) -> dict:
-    """Every part of the run for one count of front instances, on `repository` (null, with that many front
-    instances) with `minimal_front` served beside code2wav: code2wav's rendered config (same inputs,
-    batching and instances) under the other name, its model file and model_lifecycle.py."""
+    """The run for one count of front instances on `repository` (rendered with that many), `minimal_front` served
+    beside code2wav with code2wav's config (same inputs, batching and instances) under its own name."""
     folder = repository / "minimal_front"
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "1").mkdir(parents=True)
@@ -84,14 +81,12 @@ def measure_instances(repository: Path, instances: int, args) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_server_arguments(parser, url=False, build_dir="bench-front")
+    add_server_arguments(parser, url=False, build_dir="bench-front", out_dir="bench_results/front")
     parser.set_defaults(decoder="null")
     parser.add_argument("--instances", type=int, nargs="+", default=[1, 2], help="front instance counts (default 1 2)")
-    for flag, default, text in (("--conversations", 64, "live per-frame conversations"),
-                                ("--unpaced", 32, "unpaced 1-frame conversations"), ("--seconds", 8.0, "length of each measurement"),
-                                ("--rounds", 3, "ABAB rounds of the throughput part"), ("--budget-ms", 80.0, "playout budget of a frame")):
-        parser.add_argument(flag, type=type(default), default=default, help=f"{text} (default %(default)s)")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results" / "front")
+    add_options(parser, ("--conversations", 64, "live per-frame conversations"),
+                ("--unpaced", 32, "unpaced 1-frame conversations"), ("--seconds", 8.0, "length of each measurement"),
+                ("--rounds", 3, "ABAB rounds of the throughput part"), ("--budget-ms", 80.0, "playout budget of a frame"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,26 +103,15 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(p["live"][f]["result"]["failed"] for p in points for f in FRONTS) else 0
 
 
-# ---- the report ------------------------------------------------------------------------------------
-
-def breakdown(point: dict, front: str) -> list[tuple[str, float]]:
-    """(what, ms per request) of one front's live point: Triton's queue and execution, then the CPU
-    of each process; a recorded run's py-spy samples (`sampled`) split the front's stubs by their shares."""
+def breakdown(point: dict, front: str) -> dict[str, float]:
+    """What ms per request of one front's live point: Triton's queue and execution, then each process's CPU."""
     profile = point["live"][front]["profile"]
-    rows = []
-    figures = profile.get(front) or {}
-    if figures.get("requests"):
-        rows += [("waiting in Triton's queue", figures["queue_ms_per_request"]),
-                 ("execute (Triton's compute time of its batch)", figures["execute_ms"]),
-                 ("(requests per execution)", figures["mean_batch"])]
-    cpu = profile.get("server_cpu_ms_per_request", {})
-    samples = (point.get("sampled") or {}).get(front, {}).get("samples")
-    for role, label in (("tritonserver", "tritonserver"), (f"stub {front}", "front stub"), ("stub mimi_decoder", "decoder stub")):
-        ms = cpu.get(role, 0.0)
-        if label == "front stub" and samples and sum(samples.values()):
-            rows += [(f"CPU: front stub, {part}", ms * count / sum(samples.values())) for part, count in samples.items()]
-        rows.append((f"CPU: {label}", ms))
-    return [*rows, ("CPU: load generator", profile.get("load_cpu_ms_per_request", 0.0))]
+    figures, cpu = profile.get(front) or {}, profile.get("server_cpu_ms_per_request", {})
+    rows = {"waiting in Triton's queue": figures["queue_ms_per_request"], "execute (Triton's compute time of its batch)":
+            figures["execute_ms"], "(requests per execution)": figures["mean_batch"]} if figures.get("requests") else {}
+    return {**rows, "CPU: tritonserver": cpu.get("tritonserver", 0.0), "CPU: front stub": cpu.get(f"stub {front}", 0.0),
+            "CPU: decoder stub": cpu.get("stub mimi_decoder", 0.0),
+            "CPU: load generator": profile.get("load_cpu_ms_per_request", 0.0)}
 
 
 def front_markdown(results: dict) -> str:
@@ -143,41 +127,31 @@ def front_markdown(results: dict) -> str:
               f"{results['seconds']:g} s; a miss is a frame more than {results['budget_ms']:g} ms late.", "",
               "| front instances | front | late p50 / p99 ms | misses | server CPU ms / request | cores busy |",
               "|---:|---|---:|---:|---:|---:|"]
-    for point in results["points"]:
-        for front, live in point["live"].items():
-            result, profile = live["result"], live["profile"]
-            lines.append(md_row(point["instances"], front, f"{result['late_ms']['p50']:.0f} / {result['late_ms']['p99']:.0f}",
-                                result["misses"], f"{profile.get('server_cpu_ms_per_request_total', float('nan')):.3f}",
-                                f"{profile.get('server_cpu_cores_busy') or float('nan'):.2f}"))
-    lines += ["", *sizing(results)]
-    for point in results["points"]:
-        sampler = f", py-spy at {results['rate']} Hz on the stubs" if point.get("sampled") else ""
-        lines += ["", f"Where a live request's time and CPU go, {point['instances']} front instance(s){sampler}:", "",
-                  "| | code2wav ms / request | minimal front ms / request |", "|---|---:|---:|"]
-        code2wav_rows, minimal_rows = (dict(breakdown(point, front)) for front in FRONTS)
-        lines += [md_row(what, *("" if rows.get(what) is None else f"{rows[what]:.3f}" for rows in (code2wav_rows, minimal_rows)))
-                  for what in dict.fromkeys([*code2wav_rows, *minimal_rows])]
-        sampled = (point.get("sampled") or {}).get("code2wav")
-        if sampled:
-            lines += ["", "| code2wav's busiest lines (innermost of its own) | samples |", "|---|---:|"]
-            lines += [md_row(f"`{frame}`: `{text}`", count) for frame, text, count in sampled["busiest_lines"]]
-    return "\n".join(lines)
-
-
-def sizing(results: dict) -> list[str]:
-    """Host sizing from code2wav's live points: the server CPU a per-frame conversation costs, and the
-    most conversations one front instance's process can carry (one core at most, under its GIL)."""
-    lines = ["Sizing from the live code2wav runs (server CPU only; the null decoder, so the decoder's own "
-             "cost comes on top; rerun on the serving host):", "",
-             "| front instances | server CPU ms / request | per-frame conversations per server core | "
-             "front stub CPU ms / request | per-frame conversations one front instance carries at most |",
-             "|---:|---:|---:|---:|---:|"]
+    lines += [md_row(point["instances"], front, "{p50:.0f} / {p99:.0f}".format(**live["result"]["late_ms"]),
+                     live["result"]["misses"],
+                     f"{live['profile'].get('server_cpu_ms_per_request_total', float('nan')):.3f}",
+                     f"{live['profile'].get('server_cpu_cores_busy') or float('nan'):.2f}")
+              for point in results["points"] for front, live in point["live"].items()]
+    # Host sizing: a per-frame conversation sends a request per 80 ms frame; one front instance's process uses a
+    # core at most (its GIL).
+    lines += ["", "Sizing from the live code2wav runs (server CPU only; the null decoder, so the decoder's own "
+              "cost comes on top; rerun on the serving host):", "",
+              "| front instances | server CPU ms / request | per-frame conversations per server core | "
+              "front stub CPU ms / request | per-frame conversations one front instance carries at most |",
+              "|---:|---:|---:|---:|---:|"]
     for point in results["points"]:
         profile = point["live"]["code2wav"]["profile"]
         server_ms = profile.get("server_cpu_ms_per_request_total")
         stub_ms = profile.get("server_cpu_ms_per_request", {}).get("stub code2wav")
         if server_ms and stub_ms:  # the stubs' CPU per request, whichever instance served it
-            lines.append(md_row(point["instances"], f"{server_ms:.3f}", f"{1000 / server_ms / REQUESTS_PER_S_PER_CONVERSATION:.0f}",
-                                f"{stub_ms:.3f}", f"{1000 / stub_ms / REQUESTS_PER_S_PER_CONVERSATION:.0f}"))
-    return [*lines, "", "Cores for N per-frame conversations: N x 12.5 requests/s x the server CPU per request; front "
-            "instances: N over the last column, at least."]
+            lines.append(md_row(point["instances"], f"{server_ms:.3f}", f"{FRAME_DURATION_S * 1000 / server_ms:.0f}",
+                                f"{stub_ms:.3f}", f"{FRAME_DURATION_S * 1000 / stub_ms:.0f}"))
+    lines += ["", "Cores for N per-frame conversations: N x 12.5 requests/s x the server CPU per request; front "
+              "instances: N over the last column, at least."]
+    for point in results["points"]:
+        lines += ["", f"Where a live request's time and CPU go, {point['instances']} front instance(s):", "",
+                  "| | code2wav ms / request | minimal front ms / request |", "|---|---:|---:|"]
+        code2wav_rows, minimal_rows = (breakdown(point, front) for front in FRONTS)
+        lines += [md_row(what, *("" if rows.get(what) is None else f"{rows[what]:.3f}" for rows in (code2wav_rows, minimal_rows)))
+                  for what in dict.fromkeys([*code2wav_rows, *minimal_rows])]
+    return "\n".join(lines)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mimi_code2wav.client.protocol import FRAMES_PER_SECOND
 
-from .provenance import log, md_row, run_meta, write_run
+from .provenance import add_options, log, md_row, run_meta, write_run
 
 EXIT_NO_CUDA = 3
 
@@ -77,11 +77,9 @@ def gpu_markdown(results: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--frames-per-call", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--kv-cache-dtype", choices=("float32", "float16"), default="float32")
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    add_options(parser, ("--batches", [1, 8, 64, 256], "batch sizes"), ("--frames-per-call", [1, 2], "frames per call"),
+                ("--seconds", 3.0, "measuring time per configuration"), ("--out", Path("bench_results"), "where results go"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA device (or PyTorch without CUDA): this benchmark needs a GPU", file=sys.stderr)
         return EXIT_NO_CUDA
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 numerics, as the parity tests check them
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32, as the parity tests check
     from mimi_code2wav.export.step import MimiDecoderStep
     from mimi_code2wav.export.weights import random_model
 

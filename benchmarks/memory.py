@@ -8,6 +8,7 @@ whether memory is given back or creeps. Writes OUT_DIR/memory.json and memory.md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import re
 import time
@@ -17,28 +18,25 @@ from pathlib import Path
 import numpy as np
 
 from mimi_code2wav.client.protocol import SAMPLES_PER_FRAME, contract_arrays, infer_inputs, random_codes
-from mimi_code2wav.export.render import positive_int
+from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, positive_int, set_idle_timeout
 from mimi_code2wav.server.processes import group_pids
 from mimi_code2wav.server.triton import fetch_metrics, metric_value
 
 from .profile import add_server_arguments, local_server, prepare_server, process_role
-from .provenance import REPO_ROOT, log, md_row, parse_counts, run_meta, write_run
+from .provenance import add_options, log, md_row, parse_counts, run_meta, write_run
 
 MIB = 2**20
 STEPS, IDLE_TIMEOUT_S = [1, 4, 4], 4.0  # frames per request of every stream; the served idle timeout
 
 
 def snapshot(pgid: int, label: str, live: dict[str, float | None]) -> dict:
-    """RSS and PSS (MiB) of the processes of process group `pgid` (a server and its Python stubs) in
-    total and per role (one process of each)."""
+    """RSS and PSS (MiB) of process group `pgid` (a server and its stubs), in total and per role."""
     found = []
     for pid in group_pids(pgid):
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # gone meanwhile
             rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
             rss, pss = (int(re.search(rf"^{key}:\s+(\d+) kB", rollup, re.M).group(1)) * 1024 for key in ("Rss", "Pss"))
-        except (OSError, AttributeError):
-            continue  # gone meanwhile
-        found.append((process_role(pid), pid, rss, pss))
+            found.append((process_role(pid), pid, rss, pss))
     found.sort()
     return {"label": label, "live_streams": live,
             "rss_mib": sum(rss for _, _, rss, _ in found) / MIB, "pss_mib": sum(pss for *_, pss in found) / MIB,
@@ -51,9 +49,8 @@ def live_streams(metrics_url: str) -> dict[str, float | None]:
 
 
 def open_streams(url: str, first_id: int, count: int, steps: list[int], seed: int, settle_s: float = 0.3) -> None:
-    """START `count` streams (ids first_id ..) and run each through `steps` (frames per request), every
-    step of all streams sent at once so that they are batched together; the streams are left open.
-    Returns `settle_s` after the last answer: a backend frees a run's gathered inputs only after it has answered."""
+    """START `count` streams (ids from first_id), each step of all sent at once (batched), left open; returns
+    `settle_s` after the last answer, as a backend frees a run's gathered inputs only after answering."""
     import tritonclient.grpc as grpcclient
 
     codes = [random_codes(sum(steps), seed + i) for i in range(count)]
@@ -83,8 +80,7 @@ def wait_expired(metrics_url: str, timeout_s: float, decoder_margin_s: float = 0
     while True:
         live = live_streams(metrics_url)
         if all(value == 0 for value in live.values() if value is not None):
-            if live.get("mimi_decoder") is None:
-                time.sleep(decoder_margin_s)
+            time.sleep(decoder_margin_s if live.get("mimi_decoder") is None else 0)
             return time.monotonic() - began
         if time.monotonic() - began > timeout_s:
             raise RuntimeError(f"streams still live after {timeout_s:.0f} s: {live}")
@@ -105,9 +101,8 @@ def memory_markdown(results: dict) -> str:
     ]
     base = results["rows"][0]["pss_mib"]
     for row in results["rows"]:
-        live = row["live_streams"].get("mimi_decoder")
-        if live is None:  # the native decoder reports no live streams
-            live = row["live_streams"].get("code2wav")
+        live = row["live_streams"].get("mimi_decoder")  # None: a native decoder, which reports none
+        live = row["live_streams"].get("code2wav") if live is None else live
         per_stream = (row["pss_mib"] - base) / live if live else None
         lines.append(md_row(row["label"], "" if live is None else int(live), f"{row['pss_mib']:.0f}", f"{row['rss_mib']:.0f}",
                             *(f"{row['processes'][r]['rss_mib']:.0f}" if r in row["processes"] else "" for r in roles),
@@ -127,23 +122,19 @@ def memory_markdown(results: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, url=False, build_dir="memory")
-    parser.add_argument("--streams", type=parse_counts, default=[16, 32, 64],
-                        help="live-stream counts to measure at (default 16,32,64)")
-    parser.add_argument("--bursts", type=positive_int, default=1,
-                        help="bursts of the largest count after the first expiry, each expired (default %(default)s)")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go")
+    add_options(parser, ("--streams", "16,32,64", "live-stream counts to measure at", parse_counts),
+                ("--bursts", 1, "bursts of the largest count after the first expiry, each expired", positive_int))
 
 
 def run(args: argparse.Namespace) -> int:
     from mimi_code2wav.export.onnx_export import read_manifest
-    from mimi_code2wav.export.render import DECODER_IDLE_MARGIN_US, set_idle_timeout
     from mimi_code2wav.export.spec import DecoderSpec
 
     counts, rows, opened = sorted(set(args.streams)), [], 0
     repository = prepare_server(args)
     set_idle_timeout(repository, IDLE_TIMEOUT_S)
-    spec = DecoderSpec.from_dict(read_manifest(next((args.build_dir / "export").iterdir()))["spec"])
-    state_mib = spec.state_bytes_per_stream() / MIB
+    manifest = read_manifest(next((args.build_dir / "export").iterdir()))
+    state_mib = DecoderSpec.from_dict(manifest["spec"]).state_bytes_per_stream() / MIB
     with local_server(repository) as server:
 
         def take(label: str) -> None:
@@ -152,8 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 f"live {rows[-1]['live_streams']}")
 
         def expire(settle: bool = True) -> float:
-            """Seconds until every stream expired (plus the native decoder's later timeout and Triton's reaper's
-            moment); with `settle`, then the batches' shared arrays go with their last stream."""
+            """Seconds until every stream expired; with `settle`, then the batches' shared arrays go with their last stream."""
             waited = wait_expired(server.metrics_url, 10 * IDLE_TIMEOUT_S + 30, DECODER_IDLE_MARGIN_US / 1e6 + 0.5)
             time.sleep(2 * IDLE_TIMEOUT_S if settle else 0)
             return waited

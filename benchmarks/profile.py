@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from mimi_code2wav.client.credentials import PLAINTEXT, Credentials
 from mimi_code2wav.client.protocol import ClientError
 from mimi_code2wav.export.render import add_serving_arguments, serving_from_args
 from mimi_code2wav.server.processes import group_pids
@@ -43,8 +44,9 @@ def local_server(repository: Path) -> contextlib.AbstractContextManager:
     return running_server(repository, log_path=Path(repository).parent / "tritonserver.log", ready_timeout_s=120.0)
 
 
-def add_server_arguments(parser: argparse.ArgumentParser, url: bool = True, build_dir: str = "bench") -> None:
-    """A running server (`--url`, or $URL as perf.sh reads it), else a local one of its own."""
+def add_server_arguments(parser: argparse.ArgumentParser, url: bool = True, build_dir: str = "bench",
+                         out_dir: str = "bench_results") -> None:
+    """A running server (`--url`, or $URL as perf.sh reads it), else a local one of its own; where results go."""
     if url:
         parser.add_argument("--url", default=os.environ.get("URL") or None,
                             help="Triton gRPC address of a running server (default: $URL, else start a local one)")
@@ -54,18 +56,21 @@ def add_server_arguments(parser: argparse.ArgumentParser, url: bool = True, buil
     parser.add_argument("--weights", help="weights for the local server (default: seeded random weights)")
     parser.add_argument("--build-dir", type=Path, default=REPO_ROOT / "build" / build_dir,
                         help="export folder of the local server")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / out_dir, help=f"where results go (default {out_dir}/)")
     add_serving_arguments(parser)
 
 
 @contextlib.contextmanager
-def measured_server(args: argparse.Namespace) -> Iterator:
-    """The local server `add_server_arguments` asks for, running for the block; None with `--url`."""
-    if args.url:
-        yield None
-        return
-    log("starting a local server ...")
-    with local_server(prepare_server(args)) as server:
-        yield server
+def measured_server(args: argparse.Namespace, credentials: Credentials = PLAINTEXT) -> Iterator[tuple]:
+    """(the local server `add_server_arguments` asks for, None with `--url`; its gRPC address), answering."""
+    from mimi_code2wav.client.sync import Code2WavClient
+
+    if not args.url:
+        log("starting a local server ...")
+    with contextlib.nullcontext() if args.url else local_server(prepare_server(args)) as server:
+        url = args.url or server.grpc_url
+        Code2WavClient(url, credentials=credentials).check_ready()  # a bad address or credential stops here, in one line
+        yield server, url
 
 
 def server_meta(benchmark: str, args: argparse.Namespace, server, **fields) -> dict:
@@ -81,27 +86,24 @@ def server_meta(benchmark: str, args: argparse.Namespace, server, **fields) -> d
 
 def process_role(pid: int) -> str:
     """'tritonserver', or 'stub <model>' for a Python backend stub; '?' when the process is gone."""
-    try:
+    with contextlib.suppress(OSError):
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "?"
-    name = Path(argv[0].decode(errors="replace")).name
-    if name == "triton_python_backend_stub" and len(argv) > 1:  # argv[1] is .../<model>/<version>/model.py
-        return f"stub {Path(argv[1].decode(errors='replace')).parent.parent.name}"
-    return name
+        name = Path(argv[0].decode(errors="replace")).name
+        if name == "triton_python_backend_stub" and len(argv) > 1:  # argv[1] is .../<model>/<version>/model.py
+            return f"stub {Path(argv[1].decode(errors='replace')).parent.parent.name}"
+        return name
+    return "?"
 
 
 def settle_gc() -> None:
-    """Collect, then freeze what survives, so that a point's collections scan only its own objects: a
-    full collection of the load generator's torch and export objects stalls every stream at once."""
+    """Collect, then freeze the survivors: a full collection of the load generator's objects stalls every stream."""
     gc.collect()
     gc.freeze()
 
 
 class PointProfile:
-    """What one point cost, as differences over it: the CPU time of each process of a local server
-    (process group `pgid`) and of the load generator, and Triton's statistics of `models` (the front
-    first) from `metrics_url`. Either source may be None (a remote server): its fields are then missing."""
+    """What one point cost: the CPU time of each process of process group `pgid` and of the load generator,
+    and Triton's statistics of `models` (the front first) at `metrics_url`; either None: its fields are missing."""
 
     MODELS = ("code2wav", "mimi_decoder")
 
@@ -109,19 +111,14 @@ class PointProfile:
         self._pgid, self._metrics_url, self.models = pgid, metrics_url, models
 
     def _read(self) -> dict:
-        times = os.times()
-        state = {"monotonic": time.monotonic(),
-                 "load_cpu_s": times.user + times.system + times.children_user + times.children_system}
+        state = {"monotonic": time.monotonic(), "load_cpu_s": sum(os.times()[:4])}  # user and system, children's too
         if self._pgid is not None:  # CPU time (user + system, all threads) of each role, instances added up
             state["cpu_s"] = cpu_s = {}
             for pid in group_pids(self._pgid):
-                try:  # after the parenthesised command, utime and stime are the 12th and 13th fields
+                with contextlib.suppress(OSError, ValueError, IndexError):  # utime, stime: 12th, 13th after the ")"
                     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-                    seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-                except (OSError, ValueError, IndexError):
-                    continue
-                role = process_role(pid)
-                cpu_s[role] = cpu_s.get(role, 0.0) + seconds
+                    role = process_role(pid)
+                    cpu_s[role] = cpu_s.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         if self._metrics_url is not None:
             with contextlib.suppress(OSError):
                 samples = fetch_metrics(self._metrics_url)
@@ -145,8 +142,7 @@ class PointProfile:
             for model in self.models:
                 delta = {name: value - before["triton"][model][name] for name, value in after["triton"][model].items()}
                 done, executions = delta["request_success"], delta["exec_count"]
-                # Triton charges every request of a batch the whole execution's compute time, so the
-                # mean over requests is the mean execution's time.
+                # Triton charges each request of a batch the whole execution's compute: its mean is per execution.
                 compute_us = sum(delta[f"compute_{t}_duration_us"] for t in ("input", "infer", "output"))
                 profile[model] = {"requests": done, "executions": executions,
                                   "mean_batch": done / executions if executions else None,
@@ -159,9 +155,8 @@ class PointProfile:
             if "cpu_s" in before:
                 per_role = {role: (after["cpu_s"].get(role, 0.0) - before["cpu_s"].get(role, 0.0)) / requests * 1e3
                             for role in after["cpu_s"]}
-                profile["server_cpu_ms_per_request"] = per_role
-                profile["server_cpu_ms_per_request_total"] = sum(per_role.values())
-                profile["server_cpu_cores_busy"] = sum(per_role.values()) * requests / 1e3 / wall_s if wall_s else None
+                profile.update(server_cpu_ms_per_request=per_role, server_cpu_ms_per_request_total=sum(per_role.values()),
+                               server_cpu_cores_busy=sum(per_role.values()) * requests / 1e3 / wall_s if wall_s else None)
         return profile
 
 

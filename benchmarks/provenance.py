@@ -27,25 +27,20 @@ def log(message: str) -> None:
 
 def cpu_model() -> str:
     """The CPU model from /proc/cpuinfo ('AMD EPYC ...'), else what `platform` knows."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+    with contextlib.suppress(OSError, StopIteration):
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
     return platform.processor() or platform.machine()
 
 
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-
-
 def run_meta(kind: str, gpu: str | None = None, **fields) -> dict:
-    """The stamp every benchmark JSON carries under "meta": its `kind` (the record's section), this
-    process's command, the machine, the commit (marked when tracked files changed) and the date (UTC)."""
-    try:
+    """A run's "meta": its `kind` (the record's section), command, machine, commit (marked when dirty) and UTC date."""
+    git = lambda *args: subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,  # noqa: E731
+                                       timeout=10).stdout.strip()
+    commit = "unknown"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         commit = (git("rev-parse", "--short", "HEAD") or "unknown") + (
             " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
     return {
         "kind": kind, "command": " ".join(["python -m benchmarks", *map(shlex.quote, sys.argv[1:])]),
         "machine": f"{os.cpu_count()} CPU cores ({cpu_model()}), {gpu or 'no GPU'}, {platform.system()} {platform.release()}",
@@ -83,6 +78,14 @@ def parse_counts(text: str) -> list[int]:
     return values
 
 
+def add_options(parser: argparse.ArgumentParser, *options: tuple) -> None:
+    """Each (flag, default, help[, type]): typed as its default (a list: one or more of its items) unless given."""
+    for flag, default, text, *kind in options:
+        many = isinstance(default, list)
+        parser.add_argument(flag, type=kind[0] if kind else type(default[0] if many else default), default=default,
+                            nargs="+" if many else None, help=f"{text} (default %(default)s)")
+
+
 def _rounded(value):
     if isinstance(value, float):
         return float(f"{value:.6g}") if math.isfinite(value) else value
@@ -92,8 +95,7 @@ def _rounded(value):
 
 
 def record_json(run: dict) -> str:
-    """A run's JSON as results and the record store it: one line per top-level key and per row of a
-    list of rows, floats to 6 significant digits (more than any table shows)."""
+    """A run's JSON: a line per top-level key and per row of a list, floats to 6 significant digits (more than shown)."""
     def entry(key, value) -> str:
         if isinstance(value, list) and value and all(isinstance(item, (dict, list)) for item in value):
             return f"  {json.dumps(key)}: [\n" + ",\n".join(f"    {json.dumps(item)}" for item in value) + "\n  ]"
@@ -106,7 +108,6 @@ def write_run(out_dir: Path, name: str, results: dict, table: str, title: str = 
     """Print a run's table under its stamp (and `title`) and write it as OUT_DIR/NAME.md, its results as NAME.json."""
     text = f"{title}{stamp(results['meta'])}\n\n{table}"
     print(text)
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.md").write_text(text + "\n")
     (out_dir / f"{name}.json").write_text(record_json(results))

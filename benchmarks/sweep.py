@@ -29,14 +29,13 @@ from mimi_code2wav.server.processes import log_tail
 
 from .decoder import ort_step_s
 from .profile import SERVER_ROLES, PointProfile, add_server_arguments, measured_server, point_profile, server_meta
-from .provenance import REPO_ROOT, log, md_row, parse_counts, write_run
+from .provenance import REPO_ROOT, add_options, log, md_row, parse_counts, write_run
 
 PERF_SH = Path(client_package.__file__).resolve().parent / "perf.sh"
 
 
 def decode_streams(url: str, codes: list[np.ndarray], chunk_frames: int) -> RunReport:
-    """Every stream of `codes` at once through one asyncio client (one channel), unpaced: 1 frame, then
-    `chunk_frames` per request, each sent when the last returned (END on the last)."""
+    """Every stream of `codes` at once through one asyncio client, unpaced: 1 frame, then `chunk_frames` per request."""
     from mimi_code2wav.client.aio import Code2WavClient
 
     options = StreamOptions(chunk_frames=chunk_frames)
@@ -60,24 +59,9 @@ def decode_streams(url: str, codes: list[np.ndarray], chunk_frames: int) -> RunR
     return RunReport(results, options, max(r.finished_s for r in results) - min(r.started_s for r in results))
 
 
-def parse_perf_report(text: str) -> dict:
-    """Server and composing-model counts from perf_analyzer's text report."""
-    parsed = {}
-    server = re.search(r"Server:\s*\n\s*Inference count: (\d+)\s*\n\s*Execution count: (\d+)", text)
-    if server:
-        parsed["code2wav_requests"], parsed["code2wav_executions"] = int(server.group(1)), int(server.group(2))
-    decoder = re.search(r"mimi_decoder, version: \S*\s*\n\s*Inference count: (\d+)\s*\n\s*Execution count: (\d+).*?"
-                        r"queue (\d+) usec \+ compute input (\d+) usec \+ compute infer (\d+) usec", text, re.S)
-    if decoder:
-        inferences, executions = int(decoder.group(1)), int(decoder.group(2))
-        parsed.update(decoder_steps=inferences, decoder_mean_batch=inferences / executions if executions else None,
-                      decoder_queue_ms=int(decoder.group(3)) / 1e3, decoder_compute_infer_ms=int(decoder.group(5)) / 1e3)
-    return parsed
-
-
 def run_until_done(command: list[str], env: dict, timeout_s: float, server_alive, log_path: Path) -> int | str:
-    """perf.sh's exit code, its output in `log_path`; or why it was stopped: perf_analyzer waits for a
-    dead server until its timeout, so it is killed as soon as `server_alive()` is false."""
+    """perf.sh's exit code (output in `log_path`), or why it was killed: at once when `server_alive()` is false,
+    as perf_analyzer waits for a dead server until its timeout."""
     started = time.monotonic()
     with log_path.open("w") as output:
         output.write(f"$ {' '.join(command)}\n")
@@ -95,9 +79,8 @@ def run_until_done(command: list[str], env: dict, timeout_s: float, server_alive
 
 
 class Sweep:
-    """The points of one run against one server (`url`, or a local `server`): rows go to `client`
-    and `perf`, failed points are counted in `failures`, `server_exit` says how a local server died.
-    Stream i of every point decodes `frames` random frames of seed `seed + i`."""
+    """A run's points against `url` or a local `server`: rows in `client` and `perf`, failed ones counted in
+    `failures`, how the server died in `server_exit`; stream i decodes `frames` random frames of seed `seed + i`."""
 
     def __init__(self, raw_dir: Path, frames: int, seed: int, point_seconds: float, url: str | None = None, server=None):
         self.raw_dir, self.frames, self.seed, self.point_seconds, self.server = raw_dir, frames, seed, point_seconds, server
@@ -161,7 +144,17 @@ class Sweep:
             requests_per_s=float(record["Inferences/Second"]), frames_per_s=float(record["Inferences/Second"]) * frames_per_step,
             p50_ms=us("p50 latency"), p90_ms=us("p90 latency"), p99_ms=us("p99 latency"), server_queue_ms=us("Server Queue"),
             server_compute_ms=us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output"))
-        return {**row, **parse_perf_report(output)}
+        # Server and composing-model counts from perf_analyzer's text report.
+        server = re.search(r"Server:\s*\n\s*Inference count: (\d+)\s*\n\s*Execution count: (\d+)", output)
+        if server:
+            row.update(code2wav_requests=int(server.group(1)), code2wav_executions=int(server.group(2)))
+        decoder = re.search(r"mimi_decoder, version: \S*\s*\n\s*Inference count: (\d+)\s*\n\s*Execution count: (\d+).*?"
+                            r"queue (\d+) usec \+ compute input (\d+) usec \+ compute infer (\d+) usec", output, re.S)
+        if decoder:
+            inferences, executions = int(decoder.group(1)), int(decoder.group(2))
+            row.update(decoder_steps=inferences, decoder_mean_batch=inferences / executions if executions else None,
+                       decoder_queue_ms=int(decoder.group(3)) / 1e3, decoder_compute_infer_ms=int(decoder.group(5)) / 1e3)
+        return row
 
     def point(self, streams: int, chunk_frames: int) -> None:
         """The point with the asyncio client, then with perf_analyzer sized by the client's request rate."""
@@ -172,23 +165,17 @@ class Sweep:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
-    parser.add_argument("--streams", type=parse_counts, default=[1, 8, 32], help="concurrent streams, swept (default 1,8,32)")
-    parser.add_argument("--chunk-frames", type=parse_counts, default=[1, 4, 16],
-                        help="frames per request after the first, swept (default 1,4,16)")
-    parser.add_argument("--frames", type=int, default=96, help="frames per stream (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the codes; stream i uses seed + i")
-    parser.add_argument("--point-seconds", type=float, default=5.0, help="approximate seconds per perf_analyzer point")
+    add_options(parser, ("--streams", "1,8,32", "concurrent streams, swept", parse_counts),
+                ("--chunk-frames", "1,4,16", "frames per request after the first, swept", parse_counts),
+                ("--frames", 96, "frames per stream"), ("--seed", 0, "seed of the codes; stream i uses seed + i"),
+                ("--point-seconds", 5.0, "approximate seconds per perf_analyzer point"))
     parser.add_argument("--onnx", type=Path, help="the served ONNX step, for the overhead column (a local server's is known)")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench_results", help="where results go (default bench_results/)")
 
 
 def run(args: argparse.Namespace) -> int:
     (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)
-    from mimi_code2wav.client.sync import Code2WavClient
-
-    with measured_server(args) as local:
-        sweep = Sweep(args.out_dir / "raw", args.frames, args.seed, args.point_seconds, url=args.url, server=local)
-        Code2WavClient(sweep.url).check_ready()
+    with measured_server(args) as (local, url):
+        sweep = Sweep(args.out_dir / "raw", args.frames, args.seed, args.point_seconds, url=url, server=local)
         for chunk in args.chunk_frames:  # a fresh server's first requests pay one-off set-up costs: not measured
             decode_streams(sweep.url, [random_codes(2 * chunk + 1, args.seed)], chunk)
         meta = server_meta("triton", args, local, url=sweep.url, front_instances=args.front_instances if local else None,
@@ -196,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                            if local else None, frames=args.frames, chunk_frames=args.chunk_frames, streams=args.streams)
         results = {"meta": meta, "client": sweep.client, "perf": sweep.perf, "decoder_step_ms": {}}
         onnx_path = args.onnx or (local.model_repository / "mimi_decoder" / "1" / "model.onnx" if local else None)
-        if onnx_path is not None and onnx_path.is_file():
+        if onnx_path is not None and (args.onnx or onnx_path.is_file()):  # the null decoder serves no ONNX step
             import onnxruntime as ort
 
             log("the ONNX step alone, batch 1 ...")
@@ -234,28 +221,6 @@ def summarize(results: dict) -> dict:
         if row["streams"] == 8 and row["chunk_frames"] == 4 and "error" not in row:
             summary["frames_per_s_8_streams_4_frames"] = row["frames_per_s"]
     return {**summary, "triton_overhead_ms_p50": {c: solo[c]["p50_ms"] - step_ms[c] for c in solo if c in step_ms}}
-
-
-def _summary_lines(results: dict) -> list[str]:
-    meta, summary = results["meta"], results["summary"]
-    step_ms = {int(chunk): ms for chunk, ms in results.get("decoder_step_ms", {}).items()}  # JSON keys are strings
-    return [
-        f"- server: {meta['server']}",
-        f"- streams of {meta['frames']} frames ({meta['frames'] / FRAMES_PER_SECOND:.2f} s), each sending its next "
-        "request when the last returned: requests of 1 then F frames (the client sends frame_offset, perf_analyzer "
-        "deltas); live pacing is the duplex benchmark's",
-        f"- **the load generators (this client, perf_analyzer) share the machine's {meta['cpu_cores']} CPU cores with "
-        "the server**: numbers are lower bounds for a dedicated server",
-        *([f"- **the server exited during the run**; the points after it were not measured:\n\n"
-           f"```\n{meta['server_exit']}\n```"] if "server_exit" in meta else []),
-        *([f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**"]
-          if "p50_16_frames_over_1_frame" in summary else []),
-        *([f"- 8 streams, 4-frame requests: **{summary['frames_per_s_8_streams_4_frames']:.1f} frames/s**"]
-          if "frames_per_s_8_streams_4_frames" in summary else []),
-        *(f"- Triton overhead per {chunk}-frame request (1-stream p50 minus the ONNX step alone, {step_ms[chunk]:.1f} "
-          f"ms): {overhead:.1f} ms"
-          for chunk, overhead in sorted((int(c), ms) for c, ms in summary.get("triton_overhead_ms_p50", {}).items())),
-    ]
 
 
 # Each table of the sweep: title, what it shows, header row, alignment row.
@@ -332,7 +297,26 @@ def sweep_markdown(results: dict, heading: str = "##") -> str:
     tables = {"client": [_client_row(row) for row in results["client"]],
               "perf": [_perf_row(row) for row in results["perf"]],
               "profile": [_profile_row(tool, row) for tool, row in profiled]}
-    lines = [*_summary_lines(results), ""]
+    meta, summary = results["meta"], results["summary"]
+    step_ms = {int(chunk): ms for chunk, ms in results.get("decoder_step_ms", {}).items()}  # JSON keys are strings
+    lines = [
+        f"- server: {meta['server']}",
+        f"- streams of {meta['frames']} frames ({meta['frames'] / FRAMES_PER_SECOND:.2f} s), each sending its next "
+        "request when the last returned: requests of 1 then F frames (the client sends frame_offset, perf_analyzer "
+        "deltas); live pacing is the duplex benchmark's",
+        f"- **the load generators (this client, perf_analyzer) share the machine's {meta['cpu_cores']} CPU cores with "
+        "the server**: numbers are lower bounds for a dedicated server",
+        *([f"- **the server exited during the run**; the points after it were not measured:\n\n"
+           f"```\n{meta['server_exit']}\n```"] if "server_exit" in meta else []),
+        *([f"- one stream, request p50 of 16 frames / of 1 frame: **{summary['p50_16_frames_over_1_frame']:.2f}x**"]
+          if "p50_16_frames_over_1_frame" in summary else []),
+        *([f"- 8 streams, 4-frame requests: **{summary['frames_per_s_8_streams_4_frames']:.1f} frames/s**"]
+          if "frames_per_s_8_streams_4_frames" in summary else []),
+        *(f"- Triton overhead per {chunk}-frame request (1-stream p50 minus the ONNX step alone, {step_ms[chunk]:.1f} "
+          f"ms): {overhead:.1f} ms"
+          for chunk, overhead in sorted((int(c), ms) for c, ms in summary.get("triton_overhead_ms_p50", {}).items())),
+        "",
+    ]
     for name, rows in tables.items():
         if rows:
             title, note, header, align = TABLES[name]

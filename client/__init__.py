@@ -1,7 +1,5 @@
-"""The code2wav client (`mimi_code2wav.client`): codes in, 24 kHz PCM out, over Triton's gRPC API; threads
-here (`sync`), asyncio in `aio`. Needs numpy and tritonclient only (a test holds it to that). Relative
-imports let `python -m client.perf_inputs` run from a plain checkout, as the perf_analyzer SDK container does.
-"""
+"""The code2wav client: codes in, 24 kHz PCM out over Triton's gRPC; threads (`sync`) or asyncio (`aio`); numpy and
+tritonclient only. Relative imports let `python -m client.perf_inputs` run from a plain checkout (perf_analyzer's)."""
 
 from .credentials import Credentials
 from .plan import Resume

@@ -1,5 +1,4 @@
-"""Command line of the code2wav client (`code2wav-client`, or `python -m mimi_code2wav.client`): `decode`
-streams codes through a running server (`sync.run_streams`), prints a summary and writes WAV."""
+"""The code2wav client's command line: `decode` streams codes through a running server, prints stats, writes WAV."""
 
 from __future__ import annotations
 
@@ -60,23 +59,8 @@ def summary_table(report: RunReport, url: str, servers: list[str] | None) -> str
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
-def load_codes(args: argparse.Namespace) -> np.ndarray:
-    if args.codes is None:
-        if args.frames is None:
-            raise protocol.ClientError("--random needs --frames N (N >= 1)")
-        return protocol.random_codes(args.frames, args.seed)
-    try:
-        return protocol.validate_codes(np.load(args.codes, allow_pickle=False))
-    except ValueError:  # numpy says "pickled data" for any file that is not .npy / .npz
-        raise protocol.ClientError(f"cannot read codes from {args.codes}: not a .npy file of integer codes [8, frames] "
-                            "(np.save writes one)") from None
-    except OSError as exc:
-        raise protocol.ClientError(f"cannot read codes from {args.codes}: {exc}") from None
-
-
 def output_paths(out: Path, streams: int) -> list[Path]:
-    """out.wav for one stream; out_0.wav, out_1.wav, ... for several; checked writable before streaming (not
-    after, losing the audio)."""
+    """out.wav, or out_0.wav, out_1.wav ... for several streams; checked writable before streaming, not after."""
     paths = [out] if streams == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix or '.wav'}") for i in range(streams)]
     for path in paths:
         try:
@@ -101,7 +85,18 @@ def write_outputs(paths: list[Path], pcms: list[np.ndarray], wav_format: str, fr
 
 
 def decode_command(args: argparse.Namespace) -> int:
-    codes = load_codes(args)
+    if args.codes is None:
+        if args.frames is None:
+            raise protocol.ClientError("--random needs --frames N (N >= 1)")
+        codes = protocol.random_codes(args.frames, args.seed)
+    else:
+        try:
+            codes = protocol.validate_codes(np.load(args.codes, allow_pickle=False))
+        except ValueError:  # numpy says "pickled data" for any file that is not .npy / .npz
+            raise protocol.ClientError(f"cannot read codes from {args.codes}: not a .npy file of integer codes "
+                                       "[8, frames] (np.save writes one)") from None
+        except OSError as exc:
+            raise protocol.ClientError(f"cannot read codes from {args.codes}: {exc}") from None
     paths = None if args.out is None else output_paths(args.out, args.streams)
     resume_settings = {name: value for name, value in (("resume_history_frames", args.resume_history_frames),
                                                        ("resume_timeout_s", args.resume_timeout)) if value is not None}
@@ -155,19 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="delta: each request holds its new frames; cumulative: the whole stream so far")
     add("--no-offsets", action="store_true", help="omit frame_offset (the server's dedupe_mode reads each request)")
     add("--streams", type=int, default=1, help="concurrent streams, each its own sequence, all decoding the same codes")
-    pacing = decode.add_mutually_exclusive_group()
-    pacing.add_argument("--paced", action="store_true", help="send each chunk once its frames would exist (a frame "
-                        "per 80 ms) and the previous answer came back")
-    pacing.add_argument("--unpaced", dest="paced", action="store_false", help="send each chunk once the previous "
-                        "answer came back (default)")
+    add("--paced", action="store_true", help="send each chunk once its frames would exist (a frame per 80 ms) and "
+        "the previous answer came back (default: once the previous answer came back)")
     add("--catch-up", action="store_true", help="paced, each request with every frame produced since the last")
     add("--wav-format", choices=SAMPLE_FORMATS, default="float32",
         help="float32: as decoded (default); int16: clipped to [-1, 1]")
     add("--timeout", type=float, default=60.0, help="seconds to wait for any one response (default %(default)s)")
-    progress = decode.add_mutually_exclusive_group()
-    progress.add_argument("--progress", action="store_true", default=None,
-                          help=f"draw a progress bar on stderr (default: on a terminal, for >= {PROGRESS_MIN_FRAMES} frames)")
-    progress.add_argument("--no-progress", dest="progress", action="store_false", help="never draw one")
+    add("--progress", action=argparse.BooleanOptionalAction,
+        help=f"draw a progress bar on stderr (default: on a terminal, for >= {PROGRESS_MIN_FRAMES} frames)")
     resume = decode.add_argument_group(
         "resume by replay", "A stream whose server is lost goes on in a new sequence (on the next --failover-url, or "
         "where a proxy routes its key) that re-sends its last frames as history; any of these options turns it on.")

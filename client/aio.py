@@ -1,13 +1,11 @@
-"""The asyncio client: many live conversations on one event loop, over one gRPC channel per server,
-driving `plan.StreamPlan`. Calls made while a stream's request is in flight wait in call order (at most
-`max_pending_calls`) and go as one request of up to `COALESCE_MAX_FRAMES` frames; a cancelled `decode`
-(`asyncio.wait_for`, barge-in) leaves its frames owed to the next call."""
+"""The asyncio client: many conversations on one event loop, one gRPC channel per server. Calls made while a
+stream's request is out wait in order (at most `max_pending_calls`) and go as one request (at most
+`COALESCE_MAX_FRAMES`); a cancelled `decode` (`asyncio.wait_for`, barge-in) leaves its frames owed to the next."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from typing import Sequence
 
 import numpy as np
@@ -34,7 +32,7 @@ class Code2WavStream(PlannedStream):
     """One conversation of a `Code2WavClient`: `await decode(codes)`, then `await close()` ENDs it."""
 
     def __init__(self, client: Code2WavClient, sequence_id: int | None, stream_key: str | None):
-        super().__init__(client, sequence_id, stream_key, time.monotonic)
+        super().__init__(client, sequence_id, stream_key)
         self._turn = asyncio.Lock()  # held by the call whose request is in flight; FIFO: calls stay in order
         self._queue: list[_Call] = []  # calls not answered yet, in call order
 
@@ -72,8 +70,7 @@ class Code2WavStream(PlannedStream):
                 await self._exchange(handed, handed, True)
 
     async def _send_queued(self) -> None:
-        """One request for the queued calls, up to COALESCE_MAX_FRAMES frames (at least the first call);
-        each call gets its own frames' PCM (or the request's ClientError)."""
+        """One request for the queued calls (the first, then up to COALESCE_MAX_FRAMES): each gets its PCM or error."""
         batch, frames = [], 0
         for call in self._queue:
             if batch and frames + call.stop - call.first > COALESCE_MAX_FRAMES:
@@ -106,8 +103,7 @@ class Code2WavStream(PlannedStream):
 
 
 class Code2WavClient(PlannedClient):
-    """Streams decoded by code2wav from one event loop; requests always carry `frame_offset`. Channels open
-    on first use, in the running loop; `await close()` (or `async with`) closes them."""
+    """Streams from one event loop, each request with `frame_offset`; channels open on first use, close on `close()`."""
 
     stream_type = Code2WavStream
 

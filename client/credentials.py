@@ -1,5 +1,4 @@
-"""How a client proves itself to a server that requires it (docs/design.md §5.3): TLS (server CA; for mutual
-TLS, the client's certificate and key) and the inference key, never printed nor put in a repr."""
+"""A client's TLS (mutual too) and inference key (docs/design.md §5.3); the key is never printed nor in a repr."""
 
 from __future__ import annotations
 
@@ -35,9 +34,7 @@ class Credentials:
     tls_key: str | None = None
     key: str | None = field(default=None, repr=False)
 
-    @property
-    def uses_tls(self) -> bool:
-        return self.tls or any((self.tls_ca, self.tls_cert, self.tls_key))
+    uses_tls = property(lambda self: self.tls or any((self.tls_ca, self.tls_cert, self.tls_key)))
 
     @classmethod
     def from_options(cls, tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
@@ -49,7 +46,7 @@ class Credentials:
             try:
                 text = Path(key_file).read_text().strip()
             except (OSError, UnicodeDecodeError) as exc:
-                reason = exc.strerror or exc.__class__.__name__
+                reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc.strerror or exc
                 raise ClientError(f"cannot read the key file {key_file}: {reason}") from None
             key = check_key(text, f"the key in {key_file}")
         elif environ.get(KEY_ENV):

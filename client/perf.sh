@@ -44,10 +44,14 @@ SEQUENCE_LENGTH=$("$PYTHON" -m client.perf_inputs --out "$INPUT_DATA" --model "$
 COMPOSING=()  # code2wav's statistics include its composing model
 if [ "$MODEL" = code2wav ]; then COMPOSING=(--bls-composing-models=mimi_decoder); fi
 
-for pair in TLS_CA:ca.pem TLS_CERT:client.pem TLS_KEY:client.key KEY_FILE:inference.key ADMIN_KEY_FILE:admin.key; do
+for pair in TLS_CA:ca.pem KEY_FILE:inference.key ADMIN_KEY_FILE:admin.key; do
   var=${pair%%:*} file=${ACCESS_DIR:-}/${pair#*:}  # each variable not set, from its file in ACCESS_DIR
   if [ -n "${ACCESS_DIR:-}" ] && [ -z "${!var:-}" ] && [ -f "$file" ]; then printf -v "$var" %s "$file"; fi
 done
+# The client certificate and its key come from ACCESS_DIR together, or not at all.
+if [ -n "${ACCESS_DIR:-}" ] && [ -z "${TLS_CERT:-}" ] && [ -f "$ACCESS_DIR/client.pem" ] && [ -f "$ACCESS_DIR/client.key" ]; then
+  TLS_CERT=$ACCESS_DIR/client.pem TLS_KEY=$ACCESS_DIR/client.key
+fi
 ACCESS=()
 if [ -n "${TLS_CA:-}" ]; then ACCESS+=(--ssl-grpc-use-ssl "--ssl-grpc-root-certifications-file=$TLS_CA"); fi
 if [ -n "${TLS_CERT:-}" ]; then

@@ -1,9 +1,7 @@
 """perf_analyzer `--input-data` for code2wav (or mimi_decoder itself): one sequence per stream, one step per chunk.
 
-Steps lack the batch dimension (perf_analyzer adds it): code2wav's `input_ids` [8 * F], or the decoder's
-`codes` [8, F] with `--model mimi_decoder`. They are deltas WITHOUT frame_offset: perf_analyzer ends a
-sequence in flight by sending its last step with END, skipping those between, which an offset would reject.
-"""
+Steps lack the batch dimension (perf_analyzer adds it). They are deltas WITHOUT frame_offset: perf_analyzer ends a
+sequence in flight by sending its last step with END, skipping those between, which an offset would reject."""
 
 from __future__ import annotations
 

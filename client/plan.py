@@ -1,8 +1,8 @@
-"""What a stream sends next, and how it resumes after a lost server (docs/design.md §2.4), without I/O:
-`sync` and `aio` drive `StreamPlan.exchange` with their own."""
+"""What a stream sends next and how it resumes after a lost server (docs/design.md §2.4), without I/O."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
@@ -44,24 +44,21 @@ class Resume:
                 f"of history replayed): {self.error}")
 
 
-# What `exchange` asks its driver for: a request to the plan's `url` (answered with the InferResult or a
-# RequestFailure), or a wait in seconds.
+# What `exchange` asks its driver for: a request to `url` (answered: InferResult or RequestFailure), or a wait (s).
 Step = Generator["PlannedRequest | float", "object | RequestFailure | None", np.ndarray]
 
 
 class StreamPlan:
-    """One stream's requests, START first, END last. A resumable failure (with `options.resume`) STARTs a new
-    sequence on the next URL with the last `resume_history_frames` frames as history, then the unanswered
-    ones: at once, then after 0.1, 0.2 ... 2 s, until `resume_timeout_s`. An abandoned call's frames stay owed."""
+    """One stream's requests, START first, END last. A resumable failure STARTs a new sequence on the next URL with
+    the last frames as history, then the unanswered ones: at once, then after 0.1, 0.2 ... 2 s, until the timeout."""
 
     def __init__(self, urls: list[str], options: StreamOptions, sequence_id: int | None, stream_key: str | None,
                  clock: Callable[[], float]):
-        self.urls, self.options, self._clock = urls, options, clock
+        self.urls, self.options, self._clock, self._url_index = urls, options, clock, 0
         self.sequence_id = protocol.draw_sequence_ids(1, None if sequence_id is None else [sequence_id])[0]
         self.stream_key = str(self.sequence_id) if stream_key is None else stream_key
         if not self.stream_key:
             raise ClientError("the stream key must not be empty")
-        self._url_index = 0
         # Answered codes kept for a resume (the last `resume_history_frames`; cumulative: from `_base` on).
         self._kept, self._kept_from = np.zeros((NUM_CODEBOOKS, 0), np.int64), 0
         self._owed = np.zeros((NUM_CODEBOOKS, 0), np.int64)  # handed frames whose audio has not come back
@@ -100,9 +97,8 @@ class StreamPlan:
         return first, first + codes.shape[1]
 
     def exchange(self, first: int, stop: int, end: bool) -> Step:
-        """The PCM of handed frames [first, stop) from a request (or resume) carrying every owed frame before
-        `stop`. Nothing changes before the answer (an abandoned generator leaves the frames owed). Raises
-        ClientError if not resumable or out of time."""
+        """The PCM of handed frames [first, stop) from a request (or resume) carrying every owed frame before `stop`;
+        nothing changes before the answer (an abandoned generator leaves them owed). ClientError if it cannot."""
         if self._last_answer_s is None:
             self._last_answer_s = self._clock()
         new = self._owed[:, : stop - self.next_frame]
@@ -146,10 +142,9 @@ class StreamPlan:
         for done in range(0, last + 1, piece):
             codes = history[:, done : done + piece] if done < last else np.concatenate([history[:, done:], new], axis=1)
             history_frames = min(piece, history.shape[1] - done)
-            arrays = protocol.contract_arrays(codes, history_from + done, history_frames)
-            requests.append(PlannedRequest(arrays, not requests, end and done == last,
-                                           history_from + done + history_frames, new.shape[1] if done == last else 0,
-                                           history_frames))
+            requests.append(PlannedRequest(protocol.contract_arrays(codes, history_from + done, history_frames),
+                                           not requests, end and done == last, history_from + done + history_frames,
+                                           new.shape[1] if done == last else 0, history_frames))
         return requests
 
     def _where(self, request: PlannedRequest) -> str:
@@ -183,16 +178,15 @@ class StreamPlan:
             attempts += 1
             requests = self.resume_requests(new, end)
             outcome = yield from self._send_all(requests)
-            if isinstance(outcome, RequestFailure):
-                if not outcome.resumable:
-                    raise ClientError(f"stream {self.stream_key} (sequence {self.sequence_id}): resuming at frame "
-                                      f"{self.next_frame} on {self.url} failed: {outcome}")
-                last = outcome
-                continue
-            self.resumes.append(Resume(
-                frame=self.next_frame, stall_s=self._clock() - self._last_answer_s, error=str(failure),
-                attempts=attempts, url=self.url, history_frames=sum(r.history_frames for r in requests)))
-            return outcome, requests
+            if not isinstance(outcome, RequestFailure):
+                self.resumes.append(Resume(
+                    frame=self.next_frame, stall_s=self._clock() - self._last_answer_s, error=str(failure),
+                    attempts=attempts, url=self.url, history_frames=sum(r.history_frames for r in requests)))
+                return outcome, requests
+            if not outcome.resumable:
+                raise ClientError(f"stream {self.stream_key} (sequence {self.sequence_id}): resuming at frame "
+                                  f"{self.next_frame} on {self.url} failed: {outcome}")
+            last = outcome
 
 
 class PlannedClient:
@@ -200,13 +194,13 @@ class PlannedClient:
 
     stream_type: type
 
-    def __init__(self, urls: str | Sequence[str], options: StreamOptions, credentials):
+    def __init__(self, urls: str | Sequence[str], options: StreamOptions, credentials, clock=time.monotonic):
         options.validate()
         credentials.validate()
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ClientError("the client needs at least one server URL")
-        self.options, self.credentials = options, credentials
+        self.options, self.credentials, self._clock = options, credentials, clock
 
     def stream(self, stream_key: str | None = None, sequence_id: int | None = None):
         """A new stream; `sequence_id` (non-zero) defaults to random, `stream_key` to it in decimal."""
@@ -216,9 +210,8 @@ class PlannedClient:
 class PlannedStream:
     """What both clients' streams show of their `StreamPlan` (`stream_key`: the `code2wav-stream` header)."""
 
-    def __init__(self, client: PlannedClient, sequence_id: int | None, stream_key: str | None,
-                 clock: Callable[[], float]):
-        self._plan = StreamPlan(client.urls, client.options, sequence_id, stream_key, clock)
+    def __init__(self, client: PlannedClient, sequence_id: int | None, stream_key: str | None):
+        self._plan = StreamPlan(client.urls, client.options, sequence_id, stream_key, client._clock)
         self._client = client
 
     sequence_id = property(lambda self: self._plan.sequence_id)

@@ -1,5 +1,4 @@
-"""The request contract of `code2wav` as the clients speak it (docs/design.md §2), without I/O: request
-tensors, answer checks, what a client does about each error, sequence ids, stream options."""
+"""The request contract of `code2wav` as the clients speak it (docs/design.md §2), without I/O."""
 
 from __future__ import annotations
 
@@ -23,13 +22,10 @@ DEFAULT_CHUNK_FRAMES = 4
 FIRST_CHUNK_FRAMES = 1
 MODES = ("delta", "cumulative")
 HISTORY_FRAMES_INPUT = "history_frames"
-# gRPC metadata valued the stream key: a proxy hashing it sends a whole stream to one replica.
-STREAM_KEY_HEADER = "code2wav-stream"
-# 250 frames (20 s) of history rebuild the decoder state (`python -m benchmarks resume`).
-DEFAULT_RESUME_HISTORY_FRAMES = 250
+STREAM_KEY_HEADER = "code2wav-stream"  # gRPC metadata: a proxy hashing it sends a whole stream to one replica
+DEFAULT_RESUME_HISTORY_FRAMES = 250  # 20 s of history rebuild the decoder state (`python -m benchmarks resume`)
 DEFAULT_RESUME_TIMEOUT_S = 30.0
-# History frames per resume request: short pieces share the server's replay lane (docs/design.md §2.4).
-DEFAULT_RESUME_PIECE_FRAMES = 16
+DEFAULT_RESUME_PIECE_FRAMES = 16  # history frames per resume request: short pieces share the server's replay lane
 # No message size limit, and reconnects within a second instead of gRPC's backoff of up to two minutes.
 CHANNEL_ARGS = (("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
                 ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -127,8 +123,8 @@ def infer_inputs(grpc_module, arrays: dict[str, np.ndarray]) -> list:
 def answer_pcm(result, least_frames: int, most_frames: int, where: str) -> np.ndarray:
     """An InferResult's `model_outputs` as float32 [N * 1920], N in [least_frames, most_frames]; `sr` checked."""
     sample_rate = result.as_numpy("sr")
-    if sample_rate is not None and int(sample_rate.reshape(-1)[0]) != SAMPLE_RATE_HZ:
-        raise ClientError(f"{where}: server reports sample rate {int(sample_rate.reshape(-1)[0])}, expected {SAMPLE_RATE_HZ}")
+    if sample_rate is not None and (rate := int(sample_rate.reshape(-1)[0])) != SAMPLE_RATE_HZ:
+        raise ClientError(f"{where}: server reports sample rate {rate}, expected {SAMPLE_RATE_HZ}")
     pcm = result.as_numpy("model_outputs")
     pcm = np.zeros(0, np.float32) if pcm is None else pcm.reshape(-1)
     least, most = least_frames * SAMPLES_PER_FRAME, most_frames * SAMPLES_PER_FRAME
@@ -163,11 +159,9 @@ def unreachable(url: str, exc: Exception, tls_hint: str | None = None) -> Client
     """The error for a server that failed a liveness check, with what to try."""
     if tls_hint:
         return ClientError(f"cannot connect to Triton (gRPC) at {url}: {tls_hint} ({grpc_reason(exc)})")
-    hint = "is the server running?"
-    if "://" in url:
-        hint = "give the gRPC address as host:port, without a scheme such as http://"
-    elif ":" not in url:
-        hint = "give the gRPC address as host:port (the gRPC port, 8001 by default)"
+    hint = ("give the gRPC address as host:port, without a scheme such as http://" if "://" in url
+            else "give the gRPC address as host:port (the gRPC port, 8001 by default)" if ":" not in url
+            else "is the server running?")
     return ClientError(f"cannot reach Triton (gRPC) at {url}: {grpc_reason(exc)}; {hint}")
 
 
@@ -193,8 +187,7 @@ _KIND_TAG = re.compile(r"\s*\[code2wav\.([a-z_]+)\]")
 
 def error_kind(message: str) -> str | None:
     """The kind of a code2wav error message (`[code2wav.KIND] ...`); None for a message without one."""
-    match = _KIND_TAG.match(message)
-    return match.group(1) if match else None
+    return match.group(1) if (match := _KIND_TAG.match(message)) else None
 
 
 def request_failure(exc: Exception) -> RequestFailure:

@@ -1,5 +1,4 @@
-"""The thread client: each `Code2WavStream` is one Triton sequence over a gRPC connection of its own,
-driving `plan.StreamPlan` with one request in flight; `run_streams` decodes several, a thread each."""
+"""The thread client: each stream one Triton sequence on a gRPC connection of its own; `run_streams`: a thread each."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ from .report import RunReport, StreamResult
 
 
 def grpc_connection(url: str, credentials: Credentials):
-    """A stream's own gRPC channel to `url` (no subchannel shared with other clients of this process):
-    `infer(stream, request)` returns the InferResult or raises RequestFailure. Tests connect to fakes."""
+    """A stream's own channel to `url` (no shared subchannel); `infer(stream, request)` raises RequestFailure."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -41,9 +39,7 @@ class Code2WavStream(PlannedStream):
     """One stream of a `Code2WavClient`. A resumed sequence keeps the sequence id: a replica that still
     holds it (a lost connection) resets it rather than let a second copy idle out."""
 
-    def __init__(self, client: Code2WavClient, sequence_id: int | None = None, stream_key: str | None = None):
-        super().__init__(client, sequence_id, stream_key, client._clock)
-        self._connection = None
+    _connection = None  # a gRPC connection to `url`, opened by the first request
 
     def __enter__(self) -> Code2WavStream:
         return self
@@ -52,8 +48,7 @@ class Code2WavStream(PlannedStream):
         self.close()
 
     def close(self) -> None:
-        """Close the connection (a later request opens another); the server drops a stream not ENDed after
-        its idle timeout."""
+        """Close the connection (a later request opens another); a stream not ENDed idles out on the server."""
         connection, self._connection = self._connection, None
         if connection is not None:
             connection.close()
@@ -89,15 +84,8 @@ class Code2WavClient(PlannedClient):
     def __init__(self, urls: str | Sequence[str] = DEFAULT_URL, options: StreamOptions = DEFAULT_OPTIONS,
                  connect: Callable | None = None, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, credentials: Credentials = PLAINTEXT):
-        super().__init__(urls, options, credentials)
-        self._connect = connect or (lambda url: grpc_connection(url, credentials))
-        self._clock, self._sleep = clock, sleep
-
-    def __enter__(self) -> Code2WavClient:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        pass  # every stream closes its own connection
+        super().__init__(urls, options, credentials, clock)
+        self._connect, self._sleep = connect or (lambda url: grpc_connection(url, credentials)), sleep
 
     def check_ready(self, timeout_s: float = 10.0) -> None:
         """The asyncio client's `check_ready`, for where no event loop runs."""
@@ -123,11 +111,10 @@ def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
                 options: StreamOptions = DEFAULT_OPTIONS, sequence_ids: Sequence[int] | None = None,
                 stream_keys: Sequence[str] | None = None, progress: Callable[[int, int], None] | None = None,
                 connect: Callable | None = None, credentials: Credentials = PLAINTEXT) -> RunReport:
-    """Decode each [k, F] code array as its own `Code2WavStream`, one thread each. Requests hold
-    `options.first_chunk_frames` frames, then `options.chunk_frames`; unpaced, each goes when the previous
-    answer came back; paced, when its last frame would exist too (frame j at j * 80 ms, the streams'
-    starts spread over one request's period); with `catch_up`, each carries every frame existing by then.
-    The first stream to fail stops the others: StreamsFailed."""
+    """Decode each [k, F] code array as its own stream, one thread each, in `first_chunk_frames`, then `chunk_frames`;
+    a request goes when the previous answer came back (paced: and its last frame exists, frame j at j * 80 ms,
+    starts spread over one request's period; `catch_up`: with every frame existing by then). The first stream to
+    fail stops the others: StreamsFailed."""
     client = Code2WavClient(urls, options, connect, credentials=credentials)
     codes_list = [protocol.validate_codes(c) for c in streams_codes]
     if not codes_list:
@@ -180,8 +167,7 @@ def run_streams(urls: str | Sequence[str], streams_codes: Sequence[np.ndarray],
         try:
             run_one(index)
         except BaseException as exc:  # reported by the caller's thread
-            with lock:
-                failures.append(exc)
+            failures.append(exc)
             stop.set()
 
     threads = [threading.Thread(target=guarded, args=(i,), name=f"code2wav-stream-{i}", daemon=True)

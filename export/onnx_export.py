@@ -74,8 +74,7 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     onnx.save(model, str(path))
     onnx.checker.check_model(str(path), full_check=True)
-    found = sorted({node.op_type for node in model.graph.node} & set(FORBIDDEN_OPS))
-    if found:
+    if found := sorted({node.op_type for node in model.graph.node} & set(FORBIDDEN_OPS)):
         raise RuntimeError(f"exported graph contains data-dependent ops: {found}")
     log(f"  {path} ({path.stat().st_size / 2**20:.1f} MiB) passed onnx.checker (full check)")
     return spec
@@ -83,13 +82,11 @@ def export_onnx(step: MimiDecoderStep, path: Path, opset: int = 17, log=print) -
 
 def exporter_sha256() -> str:
     """Hash of the code that shapes the graph: an export made by other code is stale."""
-    digest = hashlib.sha256()
-    for name in ("step.py", "spec.py", "onnx_export.py"):
-        digest.update((Path(__file__).parent / name).read_bytes())
-    return digest.hexdigest()
+    files = ("step.py", "spec.py", "onnx_export.py")
+    return hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes() for name in files)).hexdigest()
 
 
-def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weights) -> Path:
+def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weights) -> None:
     """manifest.json beside the export: what it was made from (`weights`: a `LoadedMimi`) and its spec."""
     import onnx
 
@@ -97,9 +94,7 @@ def write_manifest(folder: Path, spec: DecoderSpec, options: ExportOptions, weig
                 "options": asdict(options), "spec": spec.to_dict(), "spec_sha256": spec.sha256(),
                 "exporter_sha256": exporter_sha256(), "created_unix": int(time.time()),
                 "versions": {"torch": torch.__version__, "onnx": onnx.__version__}}
-    path = folder / MANIFEST_FILE
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    return path
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def read_manifest(folder: Path) -> dict | None:

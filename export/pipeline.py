@@ -45,17 +45,15 @@ def choose_weights(weights: str | None, random_init: bool, seed: int | None, all
 
 def build(options: ExportOptions, loaded, out_dir: Path, force: bool = False) -> Path:
     """Export model.onnx + manifest.json into out_dir unless an up-to-date export is there."""
-    reason = stale_reason(out_dir, options, loaded.sha256)
-    if reason is None and not force:
+    if (reason := stale_reason(out_dir, options, loaded.sha256)) is None and not force:
         log(f"{out_dir}: up to date with {loaded.source} ({loaded.kind}); nothing to do")
         return out_dir
     log(f"exporting to {out_dir}: {reason or 'forced'}")
     spec = export_onnx(build_step(loaded.model, options), out_dir / MODEL_FILE, opset=options.opset, log=log)
     write_manifest(out_dir, spec, options, loaded)
     state_bytes = spec.state_bytes_per_stream()
-    log(f"state per stream: {state_bytes / 2**20:.2f} MiB ({state_bytes} bytes) in {len(spec.states)} tensors")
-    for state in spec.states:
-        log(f"  {state.input:24s} {state.dtype:8s} {list(state.shape)}")
+    log(f"state per stream: {state_bytes / 2**20:.2f} MiB ({state_bytes} bytes) in {len(spec.states)} tensors\n"
+        + "\n".join(f"  {state.input:24s} {state.dtype:8s} {list(state.shape)}" for state in spec.states))
     return out_dir
 
 
@@ -76,11 +74,10 @@ def spec_for_options(options: ExportOptions):
 
 
 def render_export(export_dir: Path, out_dir: Path, target: str, serving, plan_path: Path | None = None) -> Path:
-    manifest = read_manifest(export_dir)
-    if manifest is None:
+    if (manifest := read_manifest(export_dir)) is None:
         raise FileNotFoundError(f"{export_dir} holds no export (run `code2wav-export build` first)")
-    spec = DecoderSpec.from_dict(manifest["spec"])
-    return render_repository(spec, export_dir / MODEL_FILE, out_dir, target, serving, plan_path)
+    return render_repository(DecoderSpec.from_dict(manifest["spec"]), export_dir / MODEL_FILE, out_dir, target, serving,
+                             plan_path)
 
 
 def encode_file(input_path: Path, weights: str, out_path: Path, num_codebooks: int = 8) -> np.ndarray:

@@ -1,6 +1,4 @@
-"""Render model repositories around an export: `mimi_decoder`'s config from the spec for each target
-(docs/design.md §4; `null` is bench only), `code2wav`'s from the tracked one with the spec's and serving
-values set, and the serving flags, declared once for `code2wav-export render` and `benchmarks sweep`."""
+"""Model repositories around an export: the configs per target (docs/design.md §4) and their serving flags."""
 
 from __future__ import annotations
 
@@ -22,8 +20,8 @@ CODE2WAV_DIR = MODELS_DIR / "code2wav"
 CHECKED_IN_CODE2WAV_CONFIG = CODE2WAV_DIR / "config.pbtxt"
 PYTHON_ORT_FILES = ("model.py", "python_ort_core.py", "python_ort_config.py")
 # The Python-backend decoders (no implicit state): their sources, copied into the version folder.
-PYTHON_DECODERS = {"python-ort": (MODELS_DIR / "mimi_decoder" / "python_ort", PYTHON_ORT_FILES),
-                   "null": (MODELS_DIR / "mimi_decoder" / "null", ("model.py",))}
+PYTHON_DECODERS = {"python-ort": [MODELS_DIR / "mimi_decoder" / "python_ort" / name for name in PYTHON_ORT_FILES],
+                   "null": [MODELS_DIR / "mimi_decoder" / "null" / "model.py"]}
 COMMON_DIR = MODELS_DIR / "common"  # no model: its files are copied beside each Python model.py
 TARGETS = ("onnxruntime", "tensorrt", "python-ort", "null")
 SERVER_ARGS_FILE = "tritonserver.args"  # in the repository root; Triton only loads model folders
@@ -33,10 +31,8 @@ DEFAULT_PINNED_POOL_BYTES = 256 * MIB  # Triton's own default; the rendered size
 
 def _field(text: str, name: str, where: object) -> re.Match:
     """The one `name: 123` field (`parameter:KEY`: that string parameter) outside comments: (before, value, after)."""
-    if name.startswith("parameter:"):
-        pattern = rf'^([^#\n]*key: "{name.removeprefix("parameter:")}"\s+value: \{{ string_value: ")([^"\n]*)(")'
-    else:
-        pattern = rf"^([^#\n]*\b{name}:\s*)(\d+)()"
+    pattern = (rf'^([^#\n]*key: "{name.removeprefix("parameter:")}"\s+value: \{{ string_value: ")([^"\n]*)(")'
+               if name.startswith("parameter:") else rf"^([^#\n]*\b{name}:\s*)(\d+)()")
     found = list(re.finditer(pattern, text, flags=re.M))
     if len(found) != 1:
         raise ValueError(f"{where}: {name} appears {len(found)} times, expected once")
@@ -82,8 +78,7 @@ class DecoderServing:
         if self.front_instances > self.max_candidate_sequences:
             raise ValueError(f"front_instances ({self.front_instances}) must not exceed the streams the decoder "
                              f"holds ({self.max_candidate_sequences}): each instance admits at least one")
-        too_big = [size for size in self.preferred_batch_sizes if size > self.max_batch_size]
-        if too_big:
+        if too_big := [size for size in self.preferred_batch_sizes if size > self.max_batch_size]:
             raise ValueError(f"preferred batch sizes {too_big} exceed max_batch_size {self.max_batch_size}")
 
 
@@ -137,8 +132,7 @@ def _tensor_block(kind: str, tensor: TensorSpec) -> str:
 
 
 def _state_block(spec: DecoderSpec, same_buffer: bool) -> str:
-    """Triton's implicit state; `same_buffer` suits a backend that copies outputs into the state after
-    the run, as the ONNX Runtime backend does (docs/design.md §5.1)."""
+    """Implicit state; `same_buffer` suits ONNX Runtime's backend, which copies outputs into it after the run (§5.1)."""
     entries = []
     for state in spec.states:
         typed = f"data_type: {TRITON_DTYPES[state.dtype]} dims: [ {_dims(state.shape)} ]"
@@ -220,8 +214,7 @@ instance_group [ {{ kind: {"KIND_CPU" if python else serving.instance_kind} coun
 
 def set_idle_timeout(repository: Path, idle_timeout_s: float, decoder_model_name: str = "mimi_decoder") -> None:
     """code2wav's stream idle timeout; the decoder's DECODER_IDLE_MARGIN_US above (it outlives the front's streams)."""
-    front_us = round(idle_timeout_s * 1e6)
-    if front_us <= 0:
+    if (front_us := round(idle_timeout_s * 1e6)) <= 0:
         raise ValueError(f"the idle timeout must be positive, got {idle_timeout_s!r}")
     for name, value in (("code2wav", front_us), (decoder_model_name, front_us + DECODER_IDLE_MARGIN_US)):
         config = Path(repository) / name / "config.pbtxt"
@@ -256,8 +249,7 @@ def render_code2wav_config(spec: DecoderSpec, serving: DecoderServing | None = N
 
 def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target: str = "python-ort",
                       serving: DecoderServing | None = None, plan_path: Path | None = None) -> Path:
-    """code2wav + mimi_decoder for `target` in `out_dir` (outside model_repository/), and for a KIND_GPU
-    decoder with implicit state `tritonserver.args`, its `memory_pool_args`."""
+    """code2wav + mimi_decoder for `target` in `out_dir`, and a native KIND_GPU decoder's `tritonserver.args`."""
     out_dir, tracked = out_dir.resolve(), MODELS_DIR.resolve()
     if out_dir == tracked or tracked in out_dir.parents:
         raise ValueError(f"refusing to render into the tracked model repository: {out_dir}")
@@ -279,17 +271,12 @@ def render_repository(spec: DecoderSpec, onnx_path: Path, out_dir: Path, target:
         except OSError:
             shutil.copy2(model, decoder / "1" / name)
     common = sorted(COMMON_DIR.glob("*.py"))
-    copies = [(code2wav / "1", common)]
-    if target in PYTHON_DECODERS:
-        model_dir, files = PYTHON_DECODERS[target]
-        copies.append((decoder / "1", [model_dir / name for name in files] + common))
-    for version, sources in copies:
+    decoder_sources = [*PYTHON_DECODERS[target], *common] if target in PYTHON_DECODERS else []
+    for version, sources in ((code2wav / "1", common), (decoder / "1", decoder_sources)):
         for source in sources:
             shutil.copy2(source, version / source.name)
-    args_file = out_dir / SERVER_ARGS_FILE
+    (out_dir / SERVER_ARGS_FILE).unlink(missing_ok=True)
     if serving.instance_kind == "KIND_GPU" and target not in PYTHON_DECODERS:
         pools = memory_pool_args(spec, serving.max_candidate_sequences, serving.max_batch_size)
-        args_file.write_text("".join(f"{arg}\n" for arg in pools))
-    elif args_file.exists():
-        args_file.unlink()
+        (out_dir / SERVER_ARGS_FILE).write_text("".join(f"{arg}\n" for arg in pools))
     return out_dir

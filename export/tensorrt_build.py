@@ -19,22 +19,17 @@ NGC_TRTEXEC = Path("/usr/src/tensorrt/bin/trtexec")
 
 def profile_shapes(spec: DecoderSpec, max_batch: int) -> dict[str, dict[str, list[int]]]:
     """min/opt/max shape of every input; opt is live streams' one frame per call at batch <= 16."""
-
-    def dims(tensor, batch: int, frames: int) -> list[int]:
-        return [batch, *(frames if size == -1 else size for size in tensor.shape)]
-
-    opt_batch = max(1, min(max_batch, 16))
-    return {tensor.name: {"min": dims(tensor, 1, 1), "opt": dims(tensor, opt_batch, 1),
-                          "max": dims(tensor, max_batch, spec.max_frames_per_step)} for tensor in spec.inputs}
+    sizes = {"min": (1, 1), "opt": (max(1, min(max_batch, 16)), 1), "max": (max_batch, spec.max_frames_per_step)}
+    return {tensor.name: {kind: [batch, *(frames if size == -1 else size for size in tensor.shape)]
+                          for kind, (batch, frames) in sizes.items()} for tensor in spec.inputs}
 
 
 def trtexec_command(trtexec: str, onnx_path: Path, plan_path: Path, spec: DecoderSpec, max_batch: int,
                     fp16: bool) -> list[str]:
     shapes = profile_shapes(spec, max_batch)
-    command = [trtexec, f"--onnx={onnx_path}", f"--saveEngine={plan_path}"]
-    for kind in ("min", "opt", "max"):
-        command.append(f"--{kind}Shapes=" + ",".join(f"{name}:{'x'.join(map(str, dims[kind]))}"
-                                                     for name, dims in shapes.items()))
+    command = [trtexec, f"--onnx={onnx_path}", f"--saveEngine={plan_path}", *(
+        f"--{kind}Shapes=" + ",".join(f"{name}:{'x'.join(map(str, dims[kind]))}" for name, dims in shapes.items())
+        for kind in ("min", "opt", "max"))]
     if not fp16:
         return command
     import onnx

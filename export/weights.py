@@ -1,6 +1,5 @@
-"""Mimi weights into a `transformers.MimiModel`, safetensors only: a transformers folder or hub id (kyutai/mimi),
-a moshi-format file (e.g. PersonaPlex's tokenizer) or seeded random weights, each checked against the architecture
-name by name and shape by shape, in kyutai/mimi's flat naming."""
+"""Mimi weights into a `transformers.MimiModel`, safetensors only: a transformers folder or hub id, a moshi-format
+file (e.g. PersonaPlex's tokenizer) or seeded random weights, checked name by name and shape by shape."""
 
 from __future__ import annotations
 
@@ -45,20 +44,17 @@ def new_model(config=None):
 def load_flat_state_dict(model, flat: dict[str, torch.Tensor], source: str) -> None:
     """Load checkpoint-named tensors; a missing, extra or mis-shaped tensor raises WeightsError naming it."""
     expected = {_flat_name(name): (name, tensor) for name, tensor in model.state_dict().items()}
-    missing = sorted(set(expected) - set(flat))
-    extra = sorted(set(flat) - set(expected))
+    missing, extra = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
     shapes = sorted(f"{name}: checkpoint {tuple(flat[name].shape)}, model {tuple(expected[name][1].shape)}"
                     for name in set(expected) & set(flat) if flat[name].shape != expected[name][1].shape)
-    problems = [f"{what} tensors ({len(names)}): {_short(names)}"
-                for what, names in (("missing", missing), ("unexpected", extra), ("mis-shaped", shapes)) if names]
-    if problems:
+    if problems := [f"{what} tensors ({len(names)}): {_short(names)}"
+                    for what, names in (("missing", missing), ("unexpected", extra), ("mis-shaped", shapes)) if names]:
         raise WeightsError(f"{source} does not fit the Mimi architecture: " + "; ".join(problems))
     model.load_state_dict({expected[name][0]: tensor for name, tensor in flat.items()}, strict=True)
 
 
 def _short(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 _LAYER = r"^(encoder|decoder)_transformer\.transformer\.layers\.(\d+)\."  # moshi's transformer layers
@@ -76,16 +72,14 @@ _MOSHI_RULES = (
     (r"^quantizer\.rvq_rest\.", "quantizer.acoustic_residual_vector_quantizer."),
 )
 _MOSHI_LEAF = {"codebook._initialized": "codebook.initialized", "codebook.embedding_sum": "codebook.embed_sum"}
-# Shipped checkpoints name the fused projections `in_proj_weight` / `out_proj.weight`; moshi's modules
-# call them `in_projs.0.weight` / `out_projs.0.weight` (moshi's loader accepts both, and so do we).
+# moshi's fused q/k/v as Kyutai ships it (`in_proj_weight`) or as its modules name it (`in_projs.0.weight`).
 _MOSHI_QKV = re.compile(_LAYER + r"self_attn\.(?:in_projs\.0\.weight|in_proj_weight|in_proj\.weight)$")
 
 
 def _rope_pairs_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Reorder q/k output rows per head from adjacent (real, imag) pairs to (all real, all imag) halves."""
     rows, cols = weight.shape
-    head_dim = rows // num_heads
-    return weight.view(num_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return weight.view(num_heads, rows // num_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def to_shipped_moshi_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -96,9 +90,8 @@ def to_shipped_moshi_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def moshi_to_flat(state: dict[str, torch.Tensor], num_heads: int = 8) -> dict[str, torch.Tensor]:
-    """Map a moshi-format Mimi state dict onto transformers' flat checkpoint names; a name no rule
-    knows raises WeightsError naming it. moshi fuses q/k/v and applies RoPE to adjacent pairs where
-    transformers rotates halves, so the q and k rows are permuted per head."""
+    """moshi-format names -> transformers' flat ones (WeightsError names any no rule knows); moshi's fused q/k/v
+    are split, and q and k rows permuted per head: moshi's RoPE rotates adjacent pairs, transformers' halves."""
     flat: dict[str, torch.Tensor] = {}
     unknown = []
     for name, tensor in state.items():
@@ -123,8 +116,7 @@ def moshi_to_flat(state: dict[str, torch.Tensor], num_heads: int = 8) -> dict[st
 
 
 def randomize_(model, seed: int) -> None:
-    """Seeded, non-degenerate random weights in place: default inits are degenerate for parity tests
-    (zero codebooks, LayerScale 0.01, near-constant conv outputs)."""
+    """Seeded random weights in place, non-degenerate for parity tests (unlike zero codebooks, LayerScale 0.01)."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(shape, std):
@@ -144,8 +136,7 @@ def randomize_(model, seed: int) -> None:
             elif "layernorm" in name or re.search(r"\.norm\d\.", name):
                 param.copy_((1.0 if leaf == "weight" else 0.0) + randn(param.shape, 0.1))
             elif leaf == "weight" and param.dim() == 3:  # conv / transposed conv
-                fan_in = param.shape[1] * param.shape[2]
-                param.copy_(randn(param.shape, 1.2 / fan_in**0.5))
+                param.copy_(randn(param.shape, 1.2 / (param.shape[1] * param.shape[2]) ** 0.5))
             elif leaf == "weight" and param.dim() == 2:  # linear
                 param.copy_(randn(param.shape, 1.0 / param.shape[1] ** 0.5))
             elif leaf == "bias":
@@ -208,8 +199,7 @@ def resolve_hub_id(repo_id: str) -> Path:
 
 
 def load_weights(source: str | os.PathLike | None, seed: int | None = None) -> LoadedMimi:
-    """Load Mimi from a transformers folder, a moshi .safetensors file, a hub id, or random weights
-    (`source=None` with a seed; they produce noise, and say so loudly). Raises WeightsError."""
+    """Mimi from a transformers folder, moshi .safetensors file, hub id, or (None, seed) loud random weights."""
     if source is None:
         if seed is None:
             raise WeightsError("no weights given: pass a folder, a .safetensors file, a hub id, or a random seed")

@@ -1,7 +1,4 @@
-"""Command line of the server side (`code2wav-server`, or `python -m mimi_code2wav.server`).
-
-Each command is a module (`security` for `certs`) with `add_arguments(parser)` and `run(args) -> exit code`.
-"""
+"""Command line of the server side (`code2wav-server`, or `python -m mimi_code2wav.server`)."""
 
 from __future__ import annotations
 
@@ -11,11 +8,12 @@ import sys
 from . import security, serve, verify
 from .processes import ServerError, report
 
-COMMANDS = {"serve": serve, "certs": security, "verify": verify}  # each one's help: its docstring's first line
+# Each command's module has `add_arguments(parser)`, `run(args) -> exit code` and its help as its docstring.
+COMMANDS = {"serve": serve, "certs": security, "verify": verify}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="code2wav-server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="code2wav-server", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         command = commands.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,

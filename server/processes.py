@@ -33,20 +33,17 @@ def log_tail(path: Path | str | None, lines: int = 40) -> str:
 def group_pids(pgid: int) -> list[int]:
     """The live processes of process group `pgid`."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getpgid(int(entry.name)) == pgid:
-                    pids.append(int(entry.name))
+    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+        with contextlib.suppress(OSError):  # exited meanwhile
+            if os.getpgid(pid) == pgid:
+                pids.append(pid)
     return pids
 
 
 def process_group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
+    except OSError as error:  # PermissionError: alive, another user's
+        return not isinstance(error, ProcessLookupError)
     return True
 

@@ -1,13 +1,12 @@
 """Make a private CA with server and client certificates, for trying TLS (`code2wav-server certs`).
 
-The access folder of TLS and keys (docs/design.md §5.3) that `serve` writes from its options: the entrypoint
-script (`ENTRYPOINT`) alone maps it to tritonserver's flags. No log line or error message quotes a key.
-"""
+The access folder of TLS and keys (docs/design.md §5.3) that `serve` writes from its options: the entrypoint script
+(`ENTRYPOINT`) alone maps it to tritonserver's flags. No log line or error message quotes a key."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -76,7 +75,7 @@ def make_certificates(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.
         return ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key"]
 
     openssl("req", "-x509", *new_key("ca"), "-out", "ca.pem", "-days", str(days), "-subj", "/CN=code2wav private CA")
-    names = ",".join(f"IP:{host}" if re.fullmatch(r"[\d.]+|.*:.*", host) else f"DNS:{host}" for host in hosts)
+    names = ",".join(f"IP:{host}" if _is_ip(host) else f"DNS:{host}" for host in hosts)
     (folder / "server.ext").write_text(f"subjectAltName={names}\n")
     for name, subject, extensions in (("server", hosts[0], ["-extfile", "server.ext"]), ("client", "code2wav client", [])):
         openssl("req", *new_key(name), "-out", f"{name}.csr", "-subj", f"/CN={subject}")
@@ -102,3 +101,11 @@ def run(args) -> int:
           "(--tls-cert, --tls-key), client.pem + client.key (mutual TLS: --tls-cert, --tls-key on the client); "
           "ca.key signs more and belongs nowhere near a server")
     return 0
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -1,12 +1,11 @@
 """Run the local tritonserver in the foreground, supervised (docs/design.md §5.2); Ctrl-C stops it.
 
-Without --model-repository the repository for --decoder is exported (when missing or stale for the
-weights) and rendered under the build folder. tritonserver runs under the entrypoint script, with TLS and
-keys from the options below: it kills a hung server or one whose Python stub died. A server that exits is
-started again on the same ports after a delay that doubles while it keeps dying soon after its start;
---no-restart exits with it. SIGHUP drains it and starts it again at once, reading the repository afresh.
-Ctrl-C or SIGTERM drains and stops it within its exit timeout (25 s), then exits 0.
-"""
+Without --model-repository the repository for --decoder is exported (when missing or stale for the weights) and
+rendered under the build folder. tritonserver runs under the entrypoint script, with TLS and keys from the options
+below: it kills a hung server or one whose Python stub died. A server that exits is started again on the same ports
+after a delay that doubles while it keeps dying soon after its start; --no-restart exits with it. SIGHUP drains it
+and starts it again at once, reading the repository afresh. Ctrl-C or SIGTERM drains and stops it within its exit
+timeout (25 s), then exits 0."""
 
 from __future__ import annotations
 

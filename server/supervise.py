@@ -26,13 +26,10 @@ class StopRequested(Exception):
 
 def describe_exit(code: int | None) -> str:
     """'exited with code 1', 'was killed by SIGKILL' (a negative Popen code, or 128 + the signal from a shell)."""
-    signum = None if code is None or 0 <= code <= 128 else -code if code < 0 else code - 128
-    if signum is None:
+    if code is None or 0 <= code <= 128:
         return f"exited with code {code}"
-    try:
-        return f"was killed by {signal.Signals(signum).name}"
-    except ValueError:
-        return f"was killed by signal {signum}"
+    signum = -code if code < 0 else code - 128
+    return f"was killed by {next((s.name for s in signal.Signals if s == signum), f'signal {signum}')}"
 
 
 def restart_delay_s(previous_s: float, lived_s: float) -> float:
@@ -42,9 +39,8 @@ def restart_delay_s(previous_s: float, lived_s: float) -> float:
 
 
 class Supervisor:
-    """A foreground command's signals and the server it keeps up. Armed, the first SIGINT or SIGTERM raises
-    StopRequested in the main thread, once; disarmed (while tritonserver is being created) it is only
-    recorded, so that the stop ends every process started. SIGHUPs are counted, never lost."""
+    """A foreground command's signals and the server it keeps up. The first SIGINT or SIGTERM raises StopRequested
+    once, deferred while tritonserver is being created so that the stop ends all it started; SIGHUPs are counted."""
 
     def __init__(self, restart: bool, ready_timeout_s: float):
         self.restart, self.ready_timeout_s = restart, ready_timeout_s
@@ -70,8 +66,7 @@ class Supervisor:
             raise StopRequested(self.received[0])
 
     def run(self, command: Callable[[], int]) -> int:
-        """`command`'s exit code, or 0 once SIGINT/SIGTERM drained and stopped tritonserver. The server
-        stops at the end with later signals ignored."""
+        """`command`'s exit code, or 0 once SIGINT/SIGTERM drained tritonserver; later signals are ignored."""
         try:
             self.arm()
             return command()
@@ -138,9 +133,8 @@ class Supervisor:
 @contextlib.contextmanager
 def running_server(model_repository: Path | str, *, ready_timeout_s: float = 60.0, attempts: int = 3,
                    **kwargs) -> Iterator[TritonServer]:
-    """A ready TritonServer (keyword arguments go to it), stopped on exit. A port picked free but taken before the
-    server bound it, or tritonserver 2.51 aborting as its backends initialise (docs/design.md §7): it starts again
-    (new ports where they were picked), up to `attempts` times, saying so. Else ServerError with the log tail."""
+    """A ready TritonServer(**kwargs), stopped on exit; started again up to `attempts` times when a picked port was
+    taken meanwhile or tritonserver 2.51 aborted initialising its backends (docs/design.md §7)."""
     ports_fixed = any(kwargs.get(name) for name in ("http_port", "grpc_port", "metrics_port"))
     for attempt in range(1, attempts + 1):
         server = TritonServer(model_repository, **kwargs)

@@ -63,16 +63,14 @@ fi
 inference_key=$(read_key inference.key) || exit 2
 admin_key=$(read_key admin.key) || exit 2
 inference_protocols=$INFERENCE_PROTOCOLS,$ADMIN_PROTOCOLS
+admin="admin calls open"
+[ -z "$inference_key" ] || admin="admin calls take the inference key"
 if [ -n "$admin_key" ]; then
     [ "$admin_key" != "$inference_key" ] || die "admin.key must differ from inference.key"
     restricted="$ADMIN_PROTOCOLS:code2wav-admin-key=$admin_key"
     set -- "$@" "--grpc-restricted-protocol=$restricted" "--http-restricted-api=$restricted"
     inference_protocols=$INFERENCE_PROTOCOLS
     admin="admin key required"
-elif [ -n "$inference_key" ]; then
-    admin="admin calls take the inference key"
-else
-    admin="admin calls open"
 fi
 if [ -n "$inference_key" ]; then
     restricted="$inference_protocols:code2wav-key=$inference_key"

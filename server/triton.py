@@ -45,8 +45,7 @@ def prepare_triton() -> tuple[Path, Path, dict[str, str]]:
     libs = root.parent.parent / "nvidia_pytriton.libs"
     backend_files = {python_backend / "libtriton_python.so": 0o755, python_backend / "triton_python_backend_utils.py": 0o644,
                      root / "python_backend_stubs" / version / "triton_python_backend_stub": 0o755}
-    missing = [str(path) for path in (binary, libs, *backend_files) if not path.exists()]
-    if missing:
+    if missing := [str(path) for path in (binary, libs, *backend_files) if not path.exists()]:
         raise ServerError("the pytriton wheel lacks: " + "; ".join(missing))
     # A checkout's build folder, else (an installed package) the user's cache folder.
     checkout = Path(__file__).resolve().parent.parent
@@ -79,17 +78,6 @@ def free_ports(count: int, host: str = LOCALHOST) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
-def port_is_free(port: int, host: str = LOCALHOST) -> bool:
-    """True when a server could bind `host:port` (connections lingering in TIME_WAIT do not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
 def fetch_metrics(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """Scrape a Prometheus text endpoint into {'name{labels}': value} (histogram series included)."""
     with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
@@ -110,10 +98,9 @@ def metric_value(samples: dict[str, float], name: str, **labels: str) -> float |
 
 @dataclasses.dataclass(eq=False)
 class TritonServer:
-    """One tritonserver leading its own process group, its output in `log_path` (None: a temporary file); ports
-    left None or 0 are picked free at `start()`. With `access_dir` (the entrypoint's access folder) or `watch`
-    (its health checks and stub probes; `watch_env`: WATCHDOG_* settings) it runs under the entrypoint script,
-    whose pid `pid` then is. `dataclasses.replace(server)` is a new server with the same settings and ports."""
+    """One tritonserver leading its own process group, logging to `log_path` (None: a temporary file); ports None
+    or 0 are picked at `start()`. With `access_dir` or `watch` (`watch_env`: WATCHDOG_* settings) it runs under
+    the entrypoint script, `pid` then being its. `dataclasses.replace(server)`: a new one, same settings and ports."""
 
     model_repository: Path
     _: dataclasses.KW_ONLY
@@ -176,9 +163,8 @@ class TritonServer:
         self.http_port, self.grpc_port, self.metrics_port = (
             port or next(picked) for port in (self.http_port, self.grpc_port, self.metrics_port))
         if self.log_path is None:
-            handle, name = tempfile.mkstemp(prefix=f"tritonserver-{self.http_port}-", suffix=".log")
-            os.close(handle)
-            self.log_path = Path(name)
+            with tempfile.NamedTemporaryFile(prefix=f"tritonserver-{self.http_port}-", suffix=".log", delete=False) as log:
+                self.log_path = Path(log.name)
         # The command holds any keys: never print it.
         command = [
             str(binary), f"--model-repository={self.model_repository}", f"--backend-directory={backend_dir}",
@@ -191,8 +177,8 @@ class TritonServer:
             env.update({"WATCHDOG_HTTP": f"http://{self.http_url}", "WATCHDOG_ACCESS_DIR": str(self.access_dir or ""),
                         **({} if self.watch else {"WATCHDOG_CHECKS": "0", "WATCHDOG_PROBE_S": "0"}), **self.watch_env})
             command = ["sh", str(ENTRYPOINT), *command]
-        # Linux SIGTERMs the server when this process dies (PR_SET_PDEATHSIG): a launcher killed without stop()
-        # takes it along. setpriv, not a preexec_fn: Python code in a threaded process's fork can crash.
+        # Where util-linux's setpriv is (Debian, NGC), Linux SIGTERMs the server when this process dies: a launcher
+        # killed without stop() takes it along. Not a preexec_fn: Python code in a threaded process's fork can crash.
         if setpriv := shutil.which("setpriv", path=f"{os.environ.get('PATH', '')}{os.pathsep}/usr/bin{os.pathsep}/bin"):
             command = [setpriv, "--pdeathsig", "TERM", "--", *command]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,10 +196,10 @@ class TritonServer:
         return "a port" if "already in use" in tail or "Address in use" in tail else None
 
     def wait_ready(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> float:
-        """Poll `/v2/health/ready`, then the metrics (which listen after HTTP does), until both answer 200;
-        returns the seconds since `start()`. Raises ServerError with the log tail if the process exits first
-        or is not ready within `timeout_s` (a Python stub that cannot start leaves its model loading); does
-        not stop the server."""
+        """Seconds from `start()` until `/v2/health/ready`, then the metrics (they listen later), answer 200;
+        ServerError with the log tail if it exits first or is not ready in `timeout_s`. Never stops the server."""
+        if self.process is None:
+            raise ServerError("wait_ready() before start()")
         deadline = time.monotonic() + timeout_s
         while (seen := _http_ready(f"http://{self.http_url}/v2/health/ready") or _http_ready(self.metrics_url)):
             code = self.process.poll()
@@ -231,9 +217,8 @@ class TritonServer:
         return self.ready_after_s
 
     def stop(self, grace_s: float | None = None) -> int | None:
-        """SIGTERM the server, SIGKILL its process group after `grace_s` (default: the exit timeout for the live
-        streams, plus 10 s for the unload); then give the rest of the group (Python stubs) 5 s to go before
-        killing it too; remove its shared-memory regions. Idempotent; its exit code (None: never started)."""
+        """SIGTERM, SIGKILL its group after `grace_s` (default: the exit timeout plus 10 s to unload), the stubs
+        left 5 s later; its shared memory removed. Idempotent; the exit code (None: never started)."""
         process = self.process
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)  # not yet reaped: a zombie at worst
@@ -262,7 +247,5 @@ def _http_ready(url: str) -> str | None:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as response:
             return None if response.status == 200 else f"HTTP {response.status}"
-    except urllib.error.HTTPError as error:
-        return f"HTTP {error.code}"
-    except OSError as error:  # URLError and ConnectionError among them
-        return str(error)
+    except OSError as error:  # HTTPError, URLError and ConnectionError among them
+        return f"HTTP {error.code}" if isinstance(error, urllib.error.HTTPError) else str(error)

@@ -1,10 +1,9 @@
 """Check a RUNNING code2wav server against a streaming reference decode of the same weights.
 
-Seeded codes are streamed through the server concurrently and decoded by the reference one frame per call:
-moshi's streaming decoder for a moshi .safetensors file, else this project's streaming step (held equal to
-moshi's by the parity tests). Each stream passes with max abs error <= 1e-4 and SNR >= 100 dB: exit code 0 on
-PASS, 1 on FAIL or error. Needs the export extra (PyTorch, transformers), and moshi for moshi checkpoints.
-"""
+Seeded codes are streamed through the server concurrently and decoded by the reference one frame per call: moshi's
+streaming decoder for a moshi .safetensors file, else this project's streaming step (held equal to moshi's by the
+parity tests). Each stream passes with max abs error <= 1e-4 and SNR >= 100 dB: exit code 0 on PASS, 1 on FAIL or
+error. Needs the export extra (PyTorch, transformers), and moshi for moshi checkpoints."""
 
 from __future__ import annotations
 
@@ -28,8 +27,6 @@ from .processes import report
 
 MAX_ABS_ERROR = 1e-4
 MIN_SNR_DB = 100.0
-# 150 frames (12 s) fills the decoder's 250-step attention window (125 frames) and goes past it.
-DEFAULT_FRAMES = 150
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-init", action="store_true", help="the server serves seeded random weights")
     parser.add_argument("--seed", type=int, default=None, help="seed of --random-init (default 0)")
     parser.add_argument("--streams", type=int, default=2, help="concurrent streams (default %(default)s)")
-    parser.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="frames per stream (default %(default)s)")
+    parser.add_argument("--frames", type=int, default=150, help="frames per stream (default %(default)s: past "
+                        "the decoder's 125-frame attention window)")
     parser.add_argument("--chunk-frames", type=int, default=DEFAULT_CHUNK_FRAMES, help="frames per request after the first")
     parser.add_argument("--codes-seed", type=int, default=0, help="seed of stream 0's codes; stream i uses seed + i")
 
@@ -80,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         passed &= ok
         print(f"  stream {index} (sequence {result.sequence_id}): max abs error {error:.3g}, SNR {snr:.1f} dB "
               f"over {result.frames} frames: {'ok' if ok else 'FAIL'}")
-    verdict = "PASS" if passed else "FAIL"
-    print(f"{verdict}: server vs reference, tolerances max abs <= {MAX_ABS_ERROR:g}, SNR >= {MIN_SNR_DB:g} dB "
-          f"({SAMPLES_PER_FRAME} samples x {args.frames} frames x {args.streams} streams, {NUM_CODEBOOKS} codebooks)")
+    print(f"{'PASS' if passed else 'FAIL'}: server vs reference, tolerances max abs <= {MAX_ABS_ERROR:g}, SNR >= "
+          f"{MIN_SNR_DB:g} dB ({SAMPLES_PER_FRAME} samples x {args.frames} frames x {args.streams} streams, "
+          f"{NUM_CODEBOOKS} codebooks)")
     return 0 if passed else 1

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -366,3 +367,14 @@ def perf_analyzer_problem() -> str | None:
     if not list(libs.glob("libb64-*.so.0d")) or not list(libs.glob("libcudart-*.so.12*")):
         return f"libb64/libcudart that perf_analyzer links are not in {libs} (the nvidia-pytriton wheel)"
     return None
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when a server could bind `host:port` (connections lingering in TIME_WAIT do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True

@@ -24,7 +24,6 @@ END = code2wav_settings.FLAG_SEQUENCE_END
 StreamRequest = code2wav_plan.StreamRequest
 DecoderError = code2wav_settings.DecoderError
 RequestError = code2wav_settings.RequestError
-StreamCapError = code2wav_settings.StreamCapError
 SAMPLES = 4  # samples per frame in most tests: small, so outputs are easy to read
 
 
@@ -517,7 +516,7 @@ def test_starts_past_max_live_streams_are_refused_and_touch_nothing():
         opening = table.submit_batch([StreamRequest(cid, START, flat(codes[:, :1])) for cid in (1, 2)], decoder)
         refused, after = await process_batch(table, [StreamRequest(3, START, flat(codes[:, :1])),
                                                      StreamRequest(3, 0, flat(codes[:, 1:]))], decoder)
-        assert isinstance(refused, StreamCapError) and (refused.kind, refused.code) == ("stream_cap", "UNAVAILABLE")
+        assert isinstance(refused, model_errors.ModelError) and (refused.kind, refused.code) == ("stream_cap", "UNAVAILABLE")
         assert str(refused).startswith(
             "resource exhausted: this code2wav instance already holds 2 live streams, its limit (max_live_streams=2); "
             "the new stream was refused and no other stream was affected. Retry later, or END streams that are done")

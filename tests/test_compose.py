@@ -16,9 +16,9 @@ import tomllib
 import yaml
 
 from benchmarks.docker_env import REPLICAS
-from mimi_code2wav.client.protocol import STREAM_KEY_HEADER
+from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME, STREAM_KEY_HEADER
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, export_spec
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "docker" / "export.Dockerfile"
@@ -386,7 +386,10 @@ for arg in "$@"; do case $arg in --saveEngine=*) printf 'engine' > "${{arg#--sav
     assert sorted(p.name for p in models.iterdir()) == ["code2wav", "mimi_decoder", "tritonserver.args"]
     assert sorted(p.name for p in models_cpu.iterdir()) == ["code2wav", "mimi_decoder"]
     state, mib, pools = 8177156, 2**20, (models / "tritonserver.args").read_text().splitlines()
-    assert pools[0] == f"--cuda-memory-pool-byte-size=0:{-(-(2 * 1024 + 64) * state // mib) * mib}" and len(pools) == 2
+    io = 4 * 16 * (NUM_CODEBOOKS + SAMPLES_PER_FRAME)  # a row's int32 codes and fp32 PCM, 16 frames a step
+    assert export_spec(export_dir).state_bytes_per_stream() == state  # fp32 KV 8x2x8x248x64 + 12672 conv floats + 1
+    assert pools == [f"--cuda-memory-pool-byte-size=0:{-(-(2 * 1024 + 64) * state // mib) * mib}",
+                     f"--pinned-memory-pool-byte-size={max(256 * mib, -(-64 * (state + io) // mib) * mib)}"]
 
     # trtexec command lines, one argument per line, with the paths the NGC job will see.
     for precision in ("fp32", "fp16"):

@@ -21,9 +21,9 @@ from mimi_code2wav.client.sync import Code2WavClient, Code2WavStream
 from mimi_code2wav.export.reference import snr_db
 from mimi_code2wav.export.render import CODE2WAV_IDLE_TIMEOUT_US
 from mimi_code2wav.server.processes import process_group_alive
-from mimi_code2wav.server.triton import TritonServer, free_ports, port_is_free
+from mimi_code2wav.server.triton import TritonServer, free_ports
 
-from helpers import metric, print_and_record, serve_cli, snr_after, stop_cli, wait_until
+from helpers import metric, port_is_free, print_and_record, serve_cli, snr_after, stop_cli, wait_until
 from mimi_fixtures import assert_equal_audio
 
 pytestmark = pytest.mark.server

@@ -19,12 +19,13 @@ import pytest
 from mimi_code2wav.client.protocol import NUM_CODEBOOKS, SAMPLES_PER_FRAME
 from mimi_code2wav.server.processes import ServerError, process_group_alive
 from mimi_code2wav.server.supervise import describe_exit, restart_delay_s, running_server
-from mimi_code2wav.server.triton import SHM_DIR, TritonServer, free_ports, port_is_free
+from mimi_code2wav.server.triton import SHM_DIR, TritonServer, free_ports
 
 from helpers import (
     REPO_ROOT,
     copy_repository,
     infer,
+    port_is_free,
     process_exists,
     serve_cli,
     serve_command,

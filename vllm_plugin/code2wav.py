@@ -1,7 +1,6 @@
-"""`TritonPersonaPlexCode2Wav`: vLLM-Omni's PersonaPlex codec stage, decoded by the code2wav service
-(docs/design.md §2.5). Each request id is one stream (its key), a `forward`'s requests go together,
-`on_requests_finished` ENDs their streams, and a failed request raises once the others are answered.
-Warm-up requests (`meta.personaplex_dummy_profile`) are answered empty, without a call."""
+"""`TritonPersonaPlexCode2Wav`: vLLM-Omni's PersonaPlex codec stage, decoded by the code2wav service (docs/design.md
+§2.5). Each request id is one stream (its key), a `forward`'s requests go together, `on_requests_finished` ENDs their
+streams, a failed request raises once the others are answered, warm-up requests are answered empty without a call."""
 
 from __future__ import annotations
 
@@ -78,9 +77,8 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
             raise ValueError(f"the code2wav service decodes {served}; this model's Mimi config asks for {asked}")
         settings = self.settings = plugin_settings((vllm_config.additional_config or {}).get(CONFIG_KEY), os.environ)
         urls = [url.strip() for url in settings["url"].split(",") if url.strip()]
-        options = StreamOptions(model_name=settings["model"], response_timeout_s=settings["response_timeout_s"],
-                                resume_timeout_s=settings["resume_timeout_s"],
-                                resume_history_frames=settings["resume_history_frames"])
+        options = StreamOptions(model_name=settings["model"], **{name: settings[name] for name in (
+            "response_timeout_s", "resume_timeout_s", "resume_history_frames")})
         try:  # errors name what is wrong, never the key
             credentials = Credentials.from_options(settings["tls"], settings["tls_ca"], settings["tls_cert"],
                                                    settings["tls_key"], settings["key_file"], environ=dict(os.environ))
@@ -139,8 +137,7 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
         failures = [f"request {request_id}: {result}" for (_, request_id, _), result in zip(work, results)
                     if isinstance(result, BaseException)]
         if failures:
-            url = self.settings["url"]
-            raise RuntimeError(f"the code2wav service at {url} could not decode: " + "; ".join(failures))
+            raise RuntimeError(f"the code2wav service at {self.settings['url']} could not decode: {'; '.join(failures)}")
         return results
 
     async def _decode(self, request_id: str | None, codes: np.ndarray) -> np.ndarray:
@@ -158,8 +155,7 @@ class TritonPersonaPlexCode2Wav(PersonaPlexCode2Wav):
 
     def on_requests_finished(self, finished_req_ids: set[str] | list[str]) -> None:
         """END the streams of finished requests; the runner does not wait for the answers."""
-        streams = [self._streams.pop(str(request_id)) for request_id in finished_req_ids
-                   if str(request_id) in self._streams]
+        streams = [s for s in (self._streams.pop(str(rid), None) for rid in finished_req_ids) if s is not None]
         if streams:
             asyncio.run_coroutine_threadsafe(self._close(streams), self._loop)
 

@@ -9,10 +9,9 @@ from typing import Callable
 
 
 class IdleSweeper:
-    """Calls `expire()` under `lock` every quarter of the idle timeout (within [50 ms, 1 s]) on a thread
-    named `<model_name>-idle-expiry`, started at once. Triton drops an idle sequence without telling
-    the model, so this frees a stream's memory (and the live-streams gauge) without waiting for traffic;
-    the model's execute holds `lock` while it touches its stream table."""
+    """Calls `expire()` under `lock` (which execute holds too) every quarter of the idle timeout, within [50 ms, 1 s],
+    on a thread `<model_name>-idle-expiry`: Triton drops an idle sequence silently, and its memory must not wait
+    for traffic."""
 
     def __init__(self, model_name: str, idle_timeout_s: float, expire: Callable[[], object],
                  log_error: Callable[[str], None]):

@@ -7,9 +7,8 @@ import json
 from typing import Any, Callable, Dict, Mapping, Tuple
 
 # The names of pb_utils.TritonError's codes; model.py turns one into the code with getattr.
-TRITON_ERROR_CODES = (
-    "UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS", "CANCELLED",
-)
+TRITON_ERROR_CODES = ("UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS",
+                      "CANCELLED")
 
 
 class ModelError(Exception):
@@ -40,8 +39,8 @@ def tagged_message(model_name: str, exc: BaseException) -> str:
 
 IDLE_TIMEOUT_FIELD = "sequence_batching.max_sequence_idle_microseconds"
 
-# How a failed parse of the plain types reads; other parsers raise ValueError with their own message.
-_PARSE_FAILURES = {int: "not an integer", float: "not a number", json.loads: "not valid JSON"}
+# How a failed parse of the plain types (or of JSON) reads; other parsers' ValueErrors carry their own message.
+_PARSE_FAILURES = {int: "not an integer", float: "not a number"}
 
 
 class ConfigError(ValueError):
@@ -55,10 +54,8 @@ class ConfigError(ValueError):
 def read_parameters(
     config: Mapping[str, Any], schema: Mapping[str, Callable[[str], Any]]
 ) -> Tuple[Dict[str, Any], float]:
-    """(values by name, idle timeout in s) of a model config (Triton's JSON, parsed), each parameter's
-    stripped string parsed by `schema[name]`. Strict, so a typo fails the load instead of running on a
-    default: every parameter of `schema` required, no other, and a positive idle timeout (Triton's default
-    is a silent 1 s). Raises ConfigError naming the parameter."""
+    """(values by name, idle timeout in s) of a model config, each parameter's stripped string parsed by
+    `schema[name]`. Strict, so a typo fails the load: all of `schema` required, no other, a positive idle timeout."""
     parameters = config.get("parameters") or {}
     unknown = sorted(set(parameters) - set(schema))
     if unknown:
@@ -74,7 +71,7 @@ def read_parameters(
         try:
             values[name] = parse(text.strip())
         except ValueError as exc:
-            failure = _PARSE_FAILURES.get(parse)
+            failure = "not valid JSON" if isinstance(exc, json.JSONDecodeError) else _PARSE_FAILURES.get(parse)
             raise ConfigError(name, f"{failure}: {text!r}" if failure else str(exc)) from None
 
     idle_us = (config.get("sequence_batching") or {}).get("max_sequence_idle_microseconds")

@@ -8,8 +8,7 @@ from typing import Any, Callable, Sequence
 
 
 class DeltaMetric:
-    """A Triton gauge or counter (anything with `increment`) fed with one instance's absolute value
-    and sent as changes, so that the instances of a model add up in their shared series."""
+    """A Triton gauge or counter fed with one instance's absolute value, sent as changes: instances add up."""
 
     def __init__(self, metric: Any):
         self.metric, self.sent = metric, 0
@@ -22,9 +21,8 @@ class DeltaMetric:
 
 @dataclass(frozen=True)
 class Family:
-    """`kind`: GAUGE, COUNTER or HISTOGRAM. `field`: the stats attribute that fills it, a number, with `label`
-    a mapping label value -> number (`label_values` exist from the load, at 0), or for a HISTOGRAM a list
-    of new observations, which `report` empties."""
+    """`kind`: GAUGE, COUNTER or HISTOGRAM. `field`: the stats attribute that fills it: a number, with `label` a
+    mapping label value -> number (`label_values` exist at 0 from the load), a HISTOGRAM's list `report` empties."""
 
     name: str
     kind: str

@@ -1,6 +1,6 @@
 """Core of the `code2wav` BLS model, the stream table: admission, each stream's requests in turn, lifecycle,
-expiry, the replay lane (docs/design.md §2). Pure numpy + stdlib, Python 3.10+. A request is planned, its decoder steps run
-through an injected async `decode_step`, then committed, or its stream is dropped if a step failed."""
+expiry, the replay lane (docs/design.md §2). Pure numpy + stdlib, Python 3.10+. A request is planned, its decoder
+steps run through an injected async `decode_step`, then committed, or its stream is dropped if a step failed."""
 
 from __future__ import annotations
 
@@ -21,19 +21,14 @@ from code2wav_settings import (
     Code2WavSettings,
     DecoderError,
     RequestError,
-    StreamCapError,
 )
 from model_errors import ModelError
 
 IDLE_GRACE_S = 1.0  # streams expire this long after the idle timeout (see StreamTable.expire_idle)
-
-
 # decode_step(correlation_id, codes int32 [1, k, S], flags) -> PCM with samples_per_frame * S samples
 DecodeStep = Callable[[int, np.ndarray, int], Awaitable[np.ndarray]]
 # finish(result): called with a request's PCM or the exception it failed with.
 Finish = Callable[[Union[np.ndarray, Exception]], None]
-
-
 # A replay step waits up to this long for the live steps in the decoder to finish.
 REPLAY_WAIT_FOR_IDLE_S = 0.1
 # Replay steps in flight while no live step has run for LIVE_QUIET_S: a full run of the python-ort
@@ -43,23 +38,16 @@ LIVE_QUIET_S = 1.0
 
 
 class ReplayLane:
-    """Decoder steps of replayed history (resumes, docs/design.md §2.4) as background work. Live steps go
-    straight to the decoder; `live()` only counts them. A replay step (`replay()`) waits its turn, in order:
-    at most `steps_in_flight` at a time, REPLAY_STEPS_WHEN_IDLE once no live step ran for LIVE_QUIET_S; then
-    up to REPLAY_WAIT_FOR_IDLE_S for the live steps to finish, so a live step finds at most `steps_in_flight`
-    replay rows beside it."""
+    """Replayed history's decoder steps (docs/design.md §2.4) as background work; `live()` only counts live steps.
+    A `replay()` step waits its turn, `steps_in_flight` at a time (REPLAY_STEPS_WHEN_IDLE once no live step ran
+    for LIVE_QUIET_S), then up to REPLAY_WAIT_FOR_IDLE_S for live steps to end: they meet few replay rows."""
 
     def __init__(self, steps_in_flight: int, clock: Callable[[], float] = time.monotonic):
         self.steps_in_flight = steps_in_flight
         self.live_steps = self.replay_steps = self.replays_waiting = 0
         self._clock = clock
         self._last_live_s = -LIVE_QUIET_S
-        self._condition: Optional[asyncio.Condition] = None  # made in the event loop that uses it
-
-    def _lock(self) -> asyncio.Condition:
-        if self._condition is None:
-            self._condition = asyncio.Condition()
-        return self._condition
+        self._condition = asyncio.Condition()  # bound to the event loop that first waits on it (Python 3.10+)
 
     def _replay_may_start(self) -> bool:
         # Waiters wake whenever a replay step or the last live step ends, so the quiet time is looked at again.
@@ -75,13 +63,12 @@ class ReplayLane:
             self.live_steps -= 1
             self._last_live_s = self._clock()
             if not self.live_steps and self.replays_waiting:  # live steps cost no lock otherwise
-                condition = self._lock()
-                async with condition:
-                    condition.notify_all()
+                async with self._condition:
+                    self._condition.notify_all()
 
     @contextlib.asynccontextmanager
     async def replay(self):
-        condition = self._lock()
+        condition = self._condition
         async with condition:
             self.replays_waiting += 1
             try:
@@ -126,9 +113,8 @@ class StreamTable:
         self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
 
     def expire_idle(self, keep: Iterable[int] = ()) -> List[int]:
-        """Drop and return the streams idle past the timeout, but those in `keep` (in the current batch) or
-        with a request queued or running. The grace spares a request queued just before the timeout (Triton
-        itself refuses a non-START request for a sequence it expired, so this only frees memory)."""
+        """Drop and return the streams idle past the timeout (and a grace, for a request queued just before it),
+        but those in `keep` (the current batch) or with a request queued or running. This only frees memory."""
         deadline = self._clock() - self.settings.stream_idle_timeout_s - IDLE_GRACE_S
         keep = set(keep) | set(self._queued)
         expired = [correlation_id for correlation_id, stream in self._streams.items()
@@ -250,11 +236,11 @@ class StreamTable:
             live = len(self._streams) + len(self._opening)
             if live >= self.settings.max_live_streams:
                 self.count_error("stream_cap")
-                error = StreamCapError(
-                    f"resource exhausted: this code2wav instance already holds {live} live streams, its limit "
-                    f"(max_live_streams={self.settings.max_live_streams}); the new stream was refused and no other "
-                    "stream was affected. Retry later, or END streams that are done (an abandoned stream is freed "
-                    f"after {self.settings.stream_idle_timeout_s:g} s idle)")
+                error = ModelError("stream_cap", f"resource exhausted: this code2wav instance already holds {live} "
+                                   f"live streams, its limit (max_live_streams={self.settings.max_live_streams}); the "
+                                   "new stream was refused and no other stream was affected. Retry later, or END "
+                                   "streams that are done (an abandoned stream is freed after "
+                                   f"{self.settings.stream_idle_timeout_s:g} s idle)", "UNAVAILABLE")
                 if finish is not None:
                     finish(error)
                 refused = loop.create_future()

@@ -93,20 +93,15 @@ class DecodePlan:
     """What one validated request does: run the steps in order, then `StreamTable.commit(plan)`."""
 
     correlation_id: int
-    # The new frames, int32 [k, N]; N may be 0. Their PCM is the response.
-    new_codes: np.ndarray
+    new_codes: np.ndarray  # the new frames, int32 [k, N], N may be 0: their PCM is the response
     steps: Tuple[DecoderStep, ...]
-    # START: the stream is created, or reset if it was live (barge-in).
-    starts_stream: bool
-    # END: the stream is removed once the steps succeeded.
-    ends_stream: bool
+    starts_stream: bool  # START: the stream is created, or reset if it was live (barge-in)
+    ends_stream: bool  # END: the stream is removed once the steps succeeded
     # Resume: the frames replayed before new_codes to rebuild the decoder state, int32 [k, H]; the
     # steps decode them first and their PCM is dropped. None without history_frames.
     history_codes: Optional[np.ndarray] = None
-    # The request carried history_frames with START: it opens a resumed stream whose first frame is `base`.
-    resumes_stream: bool = False
-    # Stream index of the stream's first held frame once the plan is committed.
-    base: int = 0
+    resumes_stream: bool = False  # history_frames with START: a resumed stream whose first frame is `base`
+    base: int = 0  # stream index of the stream's first held frame once the plan is committed
     # The table entry the plan was made against (None for a new stream): commit checks it is unchanged.
     entry: Optional[StreamEntry] = dataclasses.field(default=None, repr=False, compare=False)
 

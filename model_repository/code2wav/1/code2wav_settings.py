@@ -37,13 +37,6 @@ class DecoderError(ModelError):
         super().__init__(kind, message, code)
 
 
-class StreamCapError(ModelError):
-    """A START for a new stream while the instance holds `max_live_streams`: refused, nothing changed."""
-
-    def __init__(self, message: str):
-        super().__init__("stream_cap", message, "UNAVAILABLE")
-
-
 @dataclasses.dataclass(frozen=True)
 class Code2WavSettings:
     """Everything the core needs from the model config: one field per parameter (same name) and the

@@ -91,7 +91,7 @@ class TritonPythonModel:
                 responses[position] = self._response(task.result())
             else:
                 held.discard(position)  # answered through its sender when it finishes
-        self._report_metrics()  # before the answers: a client that reads the metrics next sees its request
+        self._metrics.report(self._table)  # before the answers: a client that reads the metrics next sees its request
         return responses
 
     def _response(self, result):
@@ -113,15 +113,12 @@ class TritonPythonModel:
 
     def _send_answers(self):
         answers, self._answers = self._answers, []
-        self._report_metrics()  # before the answers: a client that reads the metrics next sees its request
+        self._metrics.report(self._table)  # before the answers: a client that reads the metrics next sees its request
         for sender, result in answers:
             try:
                 sender.send(self._response(result), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception as exc:  # the client went away; nothing else depends on this response
                 pb_utils.Logger.log_warn(f"model '{self._model_name}': a response could not be sent: {exc}")
-
-    def _report_metrics(self):
-        self._metrics.report(self._table)
 
     async def _decode_step(self, correlation_id, codes, flags):
         """The one way into the decoder: one step of one stream. Raises DecoderError with the decoder's message."""
@@ -153,7 +150,7 @@ class TritonPythonModel:
 
     def _expire_on_loop(self):
         if self._table.expire_idle():
-            self._report_metrics()
+            self._metrics.report(self._table)
 
     def _error_response(self, exc):
         code = model_errors.error_code(exc)

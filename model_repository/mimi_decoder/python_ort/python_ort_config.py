@@ -1,10 +1,10 @@
-"""Configuration of the python-ort `mimi_decoder`, read strictly and checked against the ONNX graph: anything
-wrong raises ValueError (`ConfigError` naming a parameter), a failed load. The config: `input` / `output` list
-the non-state tensors, `max_batch_size` > 0, `sequence_batching` has an idle timeout and no `state` block."""
+"""The python-ort `mimi_decoder`'s config, read strictly (`ConfigError` names a bad parameter) and checked against
+the ONNX graph: anything wrong raises ValueError, a failed load. `input` / `output` list the non-state tensors."""
 
 from __future__ import annotations
 
 import json
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -19,19 +19,10 @@ ORT_TYPES = {f"tensor({name})": np.dtype({"float": "float32", "double": "float64
              for name in ("float", "float16", "double", "int8", "int16", "int32", "int64", "uint8", "bool")}
 
 
-@dataclass(frozen=True)
-class StateTensor:  # fed as `input`, returned updated as `output`; `shape` is per stream (no batch)
-    input: str
-    output: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class IOTensor:  # a non-state input or output; `dims` is per request row, -1 for any size
-    name: str
-    dtype: np.dtype
-    dims: tuple[int, ...]
+# A state tensor, fed as `input` and returned updated as `output`; `shape` is per stream (no batch).
+StateTensor = namedtuple("StateTensor", "input output dtype shape")
+# A non-state input or output; `dims` is per request row, -1 for any size.
+IOTensor = namedtuple("IOTensor", "name dtype dims")
 
 
 @dataclass(frozen=True)
@@ -47,8 +38,7 @@ class DecoderConfig:  # the tensors, the idle timeout, and one field per paramet
     max_live_streams: int
 
     @property
-    def output_names(self) -> list[str]:
-        """What one session run returns, in order: the config's outputs, then each state's output."""
+    def output_names(self) -> list[str]:  # what one session run returns, in order
         return [t.name for t in self.outputs] + [s.output for s in self.states]
 
 
@@ -56,15 +46,8 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _json(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc})") from None
-
-
 def parse_state_spec(text: str) -> tuple[StateTensor, ...]:
-    entries = _json(text)
+    entries = json.loads(text)
     if not isinstance(entries, list) or not entries:
         raise ValueError("must be a non-empty JSON list")
     states = []
@@ -88,7 +71,7 @@ def _per_input(valid: Callable[[list], Any], expected: str) -> Callable[[str], d
     """A parser of a JSON object {"input name": a list that `valid` accepts, ...}; lists become tuples."""
 
     def parse(text: str) -> dict:
-        table = _json(text)
+        table = json.loads(text)
         if not isinstance(table, dict):
             raise ValueError(f'must be a JSON object {{"input name": {expected}, ...}}, got {text!r}')
         for name, value in table.items():
@@ -104,8 +87,7 @@ def _per_input(valid: Callable[[list], Any], expected: str) -> Callable[[str], d
 PARAMETER_TYPES = {
     "onnx_file": str,  # the ONNX file, relative to the version folder
     "intra_op_threads": int,  # ONNX Runtime intra-op threads (0: its default)
-    # JSON list of {"input", "output", "dtype", "shape"}: dtype float32, float16, int32 or int64, shape per
-    # stream (an optional "description" is ignored)
+    # JSON list of {"input", "output", "dtype" (STATE_DTYPES), "shape" (per stream)}; a "description" is ignored
     "state_spec": parse_state_spec,
     # JSON object, input name -> [low, high]: its values must lie in [low, high)
     "value_ranges": _per_input(lambda b: len(b) == 2 and all(map(_is_int, b)) and b[0] < b[1],
@@ -165,9 +147,8 @@ def check_against_onnx(config: DecoderConfig, session_inputs, session_outputs) -
             raise ValueError(f"ONNX {what} {sorted(graph)} are not the config's {what} and state {what} {names}")
     checks = [(graph_inputs[t.name], t.dtype, t.dims, "input") for t in config.inputs]
     checks += [(graph_outputs[t.name], t.dtype, t.dims, "output") for t in config.outputs]
-    for s in config.states:
-        checks += [(graph_inputs[s.input], s.dtype, s.shape, "state input"),
-                   (graph_outputs[s.output], s.dtype, s.shape, "state output")]
+    checks += [(graph[name], s.dtype, s.shape, f"state {what}") for s in config.states
+               for graph, name, what in ((graph_inputs, s.input, "input"), (graph_outputs, s.output, "output"))]
     for arg, dtype, dims, what in checks:
         if ORT_TYPES.get(arg.type) != dtype:
             raise ValueError(f"{what} '{arg.name}': ONNX type {arg.type}, expected {dtype}")

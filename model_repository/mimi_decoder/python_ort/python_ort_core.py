@@ -1,46 +1,30 @@
-"""Core of the python-ort `mimi_decoder`: a streaming ONNX step whose per-sequence state the model keeps itself
-(the Python backend ignores a `state` block): per correlation id, its row of each state output of the run it
-last stepped in; zeros on START, dropped on END and after the idle timeout. One session run per input shape
-of a batch; a bad request fails alone. Pure numpy + stdlib."""
+"""Core of the python-ort `mimi_decoder`: a streaming ONNX step whose per-sequence state (the Python backend ignores
+a `state` block) the model keeps: zeros on START, dropped on END and after the idle timeout. One session run per
+input shape of a batch; a bad request fails alone. Pure numpy + stdlib."""
 
 from __future__ import annotations
 
 import collections
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from model_errors import ModelError
 from python_ort_config import DecoderConfig
 
-
-@dataclass
-class StepRequest:
-    """One request: its sequence (correlation id), flags and inputs (`[1, *dims]`, as Triton checked them)."""
-
-    sequence_id: int
-    start: bool
-    end: bool
-    inputs: Mapping[str, np.ndarray]
+# One request: its sequence (correlation id), flags and inputs by name (`[1, *dims]`, as Triton checked them).
+StepRequest = collections.namedtuple("StepRequest", "sequence_id start end inputs")
 
 
 def _waves(requests: Sequence[StepRequest]) -> list[list[int]]:
     """Request indices in waves, a sequence's n-th request in the n-th: its steps run in order."""
-    waves: list[list[int]] = []
-    seen: dict = {}
+    waves, seen = collections.defaultdict(list), collections.Counter()
     for index, request in enumerate(requests):
-        wave = seen[request.sequence_id] = seen.get(request.sequence_id, -1) + 1
-        if wave == len(waves):
-            waves.append([])
-        waves[wave].append(index)
-    return waves
-
-
-def _stack(parts: list[np.ndarray]) -> np.ndarray:
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        waves[seen[request.sequence_id]].append(index)
+        seen[request.sequence_id] += 1
+    return list(waves.values())
 
 
 class StreamingDecoderCore:
@@ -94,8 +78,7 @@ class StreamingDecoderCore:
         return rows
 
     def _admit(self, request: StepRequest, new_streams: int) -> bool:
-        """Whether the request opens a stream (`new_streams`: opened earlier in this wave); raises ModelError for
-        a step of a sequence without state or a START beyond max_live_streams."""
+        """Whether the request opens a stream (`new_streams`: opened earlier in this wave); ModelError if refused."""
         timeout_s, known = self.config.idle_timeout_s, request.sequence_id in self._streams
         if not request.start and not known:
             raise ModelError("unknown_sequence", f"sequence {request.sequence_id} has no decoder state in model "
@@ -137,9 +120,9 @@ class StreamingDecoderCore:
     def _run_group(self, members: list, results: list) -> None:
         """One session run of `members` ((index, request, inputs) of equal shapes), results into `results`."""
         states = [self._zeros if request.start else self._streams[request.sequence_id][0] for _, request, _ in members]
-        feeds = {spec.name: _stack([rows[spec.name] for *_, rows in members]) for spec in self.config.inputs}
+        feeds = {spec.name: np.concatenate([rows[spec.name] for *_, rows in members]) for spec in self.config.inputs}
         for position, state in enumerate(self.config.states):
-            feeds[state.input] = _stack([rows[position] for rows in states])
+            feeds[state.input] = np.concatenate([rows[position] for rows in states])
         count = len(members)
         try:
             outputs = list(self._run(feeds))
