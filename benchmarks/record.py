@@ -102,7 +102,7 @@ def render_record(directory: Path = RECORD_DIR) -> str:
              "renders this file and the README's headline table again.", ""]
     anchor = lambda title: "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")  # noqa: E731
     lines += [f"- [{section.title}](#{anchor(section.title)})" for section in SECTIONS if section.kind in runs]
-    lines += [f"- [{title}](#{anchor(title)}) (retired: its command is gone)" for title in re.findall(r"^## (.+)$", retired, re.M)]
+    lines += [f"- [{title}](#{anchor(title)}) (retired: recorded, no longer measured)" for title in re.findall(r"^## (.+)$", retired, re.M)]
     if absent := [section for section in SECTIONS if section.kind not in runs]:
         lines += ["", "Not recorded yet: " + "; ".join(f"{s.title[0].lower()}{s.title[1:]} (`{s.command}`)" for s in absent) + "."]
     for section in SECTIONS:

@@ -23,7 +23,7 @@ import numpy as np
 
 from mimi_code2wav import client as client_package
 from mimi_code2wav.client.perf_inputs import describe, input_data
-from mimi_code2wav.client.protocol import FRAMES_PER_SECOND, StreamOptions, chunk_bounds, random_codes
+from mimi_code2wav.client.protocol import FRAMES_PER_SECOND, ClientError, StreamOptions, chunk_bounds, random_codes
 from mimi_code2wav.client.report import RunReport, StreamResult
 from mimi_code2wav.server.processes import log_tail
 
@@ -173,6 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.onnx is not None and not args.onnx.is_file():
+        raise ClientError(f"--onnx {args.onnx}: no such file")
     (args.out_dir / "raw").mkdir(parents=True, exist_ok=True)
     with measured_server(args) as (local, url):
         sweep = Sweep(args.out_dir / "raw", args.frames, args.seed, args.point_seconds, url=url, server=local)
@@ -183,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
                            if local else None, frames=args.frames, chunk_frames=args.chunk_frames, streams=args.streams)
         results = {"meta": meta, "client": sweep.client, "perf": sweep.perf, "decoder_step_ms": {}}
         onnx_path = args.onnx or (local.model_repository / "mimi_decoder" / "1" / "model.onnx" if local else None)
-        if onnx_path is not None and (args.onnx or onnx_path.is_file()):  # the null decoder serves no ONNX step
+        if onnx_path is not None and onnx_path.is_file():  # the null decoder serves no ONNX step
             import onnxruntime as ort
 
             log("the ONNX step alone, batch 1 ...")

@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--streams", type=int, default=1, help="concurrent streams, each its own sequence, all decoding the same codes")
     add("--paced", action="store_true", help="send each chunk once its frames would exist (a frame per 80 ms) and "
         "the previous answer came back (default: once the previous answer came back)")
+    add("--unpaced", dest="paced", action="store_false", help="the default: each request once the previous answer is back")
     add("--catch-up", action="store_true", help="paced, each request with every frame produced since the last")
     add("--wav-format", choices=SAMPLE_FORMATS, default="float32",
         help="float32: as decoded (default); int16: clipped to [-1, 1]")

@@ -49,7 +49,7 @@ for pair in TLS_CA:ca.pem KEY_FILE:inference.key ADMIN_KEY_FILE:admin.key; do
   if [ -n "${ACCESS_DIR:-}" ] && [ -z "${!var:-}" ] && [ -f "$file" ]; then printf -v "$var" %s "$file"; fi
 done
 # The client certificate and its key come from ACCESS_DIR together, or not at all.
-if [ -n "${ACCESS_DIR:-}" ] && [ -z "${TLS_CERT:-}" ] && [ -f "$ACCESS_DIR/client.pem" ] && [ -f "$ACCESS_DIR/client.key" ]; then
+if [ -n "${ACCESS_DIR:-}" ] && [ -z "${TLS_CERT:-}${TLS_KEY:-}" ] && [ -f "$ACCESS_DIR/client.pem" ] && [ -f "$ACCESS_DIR/client.key" ]; then
   TLS_CERT=$ACCESS_DIR/client.pem TLS_KEY=$ACCESS_DIR/client.key
 fi
 ACCESS=()

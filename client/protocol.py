@@ -23,7 +23,7 @@ FIRST_CHUNK_FRAMES = 1
 MODES = ("delta", "cumulative")
 HISTORY_FRAMES_INPUT = "history_frames"
 STREAM_KEY_HEADER = "code2wav-stream"  # gRPC metadata: a proxy hashing it sends a whole stream to one replica
-DEFAULT_RESUME_HISTORY_FRAMES = 250  # 20 s of history rebuild the decoder state (`python -m benchmarks resume`)
+DEFAULT_RESUME_HISTORY_FRAMES = 250  # 20 s of history rebuild the decoder state (docs/benchmarks.md, "Resume by replay")
 DEFAULT_RESUME_TIMEOUT_S = 30.0
 DEFAULT_RESUME_PIECE_FRAMES = 16  # history frames per resume request: short pieces share the server's replay lane
 # No message size limit, and reconnects within a second instead of gRPC's backoff of up to two minutes.

@@ -87,6 +87,12 @@ class Code2WavClient(PlannedClient):
         super().__init__(urls, options, credentials, clock)
         self._connect, self._sleep = connect or (lambda url: grpc_connection(url, credentials)), sleep
 
+    def __enter__(self) -> Code2WavClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:  # nothing to close: each stream closes its own connection
+        pass
+
     def check_ready(self, timeout_s: float = 10.0) -> None:
         """The asyncio client's `check_ready`, for where no event loop runs."""
         from .aio import Code2WavClient as AsyncClient

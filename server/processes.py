@@ -43,7 +43,9 @@ def group_pids(pgid: int) -> list[int]:
 def process_group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
-    except OSError as error:  # PermissionError: alive, another user's
-        return not isinstance(error, ProcessLookupError)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
     return True
 

@@ -39,7 +39,7 @@ def tagged_message(model_name: str, exc: BaseException) -> str:
 
 IDLE_TIMEOUT_FIELD = "sequence_batching.max_sequence_idle_microseconds"
 
-# How a failed parse of the plain types (or of JSON) reads; other parsers' ValueErrors carry their own message.
+# How a failed parse of the plain types (and "not valid JSON") reads; other parsers' ValueErrors carry their own message.
 _PARSE_FAILURES = {int: "not an integer", float: "not a number"}
 
 

@@ -120,9 +120,12 @@ class StreamingDecoderCore:
     def _run_group(self, members: list, results: list) -> None:
         """One session run of `members` ((index, request, inputs) of equal shapes), results into `results`."""
         states = [self._zeros if request.start else self._streams[request.sequence_id][0] for _, request, _ in members]
-        feeds = {spec.name: np.concatenate([rows[spec.name] for *_, rows in members]) for spec in self.config.inputs}
+        def stack(parts):  # one row as it is: a stream's state is megabytes
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+        feeds = {spec.name: stack([rows[spec.name] for *_, rows in members]) for spec in self.config.inputs}
         for position, state in enumerate(self.config.states):
-            feeds[state.input] = np.concatenate([rows[position] for rows in states])
+            feeds[state.input] = stack([rows[position] for rows in states])
         count = len(members)
         try:
             outputs = list(self._run(feeds))
