@@ -26,9 +26,10 @@ STREAM_KEY_HEADER = "code2wav-stream"  # gRPC metadata: a proxy hashing it sends
 DEFAULT_RESUME_HISTORY_FRAMES = 250  # 20 s of history rebuild the decoder state (docs/benchmarks.md, "Resume by replay")
 DEFAULT_RESUME_TIMEOUT_S = 30.0
 DEFAULT_RESUME_PIECE_FRAMES = 16  # history frames per resume request: short pieces share the server's replay lane
-# No message size limit, and reconnects within a second instead of gRPC's backoff of up to two minutes.
+# No message size limit, and reconnects within a second instead of gRPC's backoff of up to two minutes. gRPC reads
+# min_reconnect_backoff_ms as the least time a connection attempt gets: 5 s, so a loaded host still connects.
 CHANNEL_ARGS = (("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
-                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 5000),
                 ("grpc.max_reconnect_backoff_ms", 1000))
 # Triton's answer (UNAVAILABLE, as a lost server) to a restricted-protocol call without the right key.
 RESTRICTED_FRAGMENT = "is restricted, expecting header"
