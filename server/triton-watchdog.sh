@@ -4,9 +4,9 @@
 # runs the command with the access folder's flags, passes SIGTERM and SIGINT on (the server drains) and exits
 # with its code; SIGKILLs a hung server or one with a dead Python stub and exits 137, for the restart policy.
 # Hung: WATCHDOG_CHECKS (3; 0: off) /v2/health/live checks in a row, one every WATCHDOG_INTERVAL_S (1), unanswered
-# within WATCHDOG_TIMEOUT_S (2); a refused connection (loading) or any answer resets the count. Dead stub: Triton
-# 2.51 answers ready while requests fail "Stub process '...' is not healthy"; every WATCHDOG_PROBE_S (5; 0: off)
-# code2wav, then the decoder, get a START+END request within WATCHDOG_PROBE_TIMEOUT_S (10), at WATCHDOG_HTTP.
+# within WATCHDOG_TIMEOUT_S (2); a refused connection (loading) or any answer resets the count. Dead stub: unless
+# it aborts, Triton 2.51 answers ready while requests fail "Stub process '...' is not healthy"; every WATCHDOG_PROBE_S
+# (5; 0: off) code2wav, then the decoder, get a START+END call within WATCHDOG_PROBE_TIMEOUT_S (10), at WATCHDOG_HTTP.
 # WATCHDOG_ACCESS_DIR (/run/code2wav-access; empty: none; docker/access/README.md): server.pem + server.key TLS,
 # client-ca.pem mutual TLS, inference.key and admin.key (else admin calls take the inference key). Triton takes
 # keys only on its command line; the probe gives curl the key on stdin. Needs sh, curl, sed, date and sleep.

@@ -114,6 +114,8 @@ def test_every_bad_credential_is_refused_with_its_own_message_and_a_live_stream_
         first = stream.decode(codes[:, :half])
         refusals = {case: _refusal(url, credentials) for case, (credentials, _) in cases.items()}
         second = stream.decode(codes[:, half:], end=True)
+    Code2WavClient(url, credentials=_good(pki)).check_ready(timeout_s=5)  # good credentials still pass
+    assert not stream.resumes, [r.describe() for r in stream.resumes]
     for case, (_, says) in cases.items():
         print(f"{case}: {refusals[case]}")
         # A key's refusal is the whole message; TLS's name gRPC's reason too.

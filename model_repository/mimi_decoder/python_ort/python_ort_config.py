@@ -26,7 +26,7 @@ IOTensor = namedtuple("IOTensor", "name dtype dims")
 
 
 @dataclass(frozen=True)
-class DecoderConfig:  # the tensors, the idle timeout, and one field per parameter (PARAMETER_TYPES)
+class DecoderConfig:  # the tensors (state_spec: `states`), the idle timeout, the other parameters
     inputs: tuple[IOTensor, ...]
     outputs: tuple[IOTensor, ...]
     states: tuple[StateTensor, ...]
