@@ -134,8 +134,12 @@ class PointProfile:
         return self
 
     def finish(self, requests: int) -> dict:
-        """The point's profile; `requests` is the load generator's count (Triton's, when at hand, wins)."""
-        before, after = self._before, self._read()
+        """The point's profile; `requests`: the load generator's count (Triton's wins, once its front has them all)."""
+        before, after, deadline, front = self._before, self._read(), time.monotonic() + 10.0, self.models[0]
+        while ("triton" in before and "triton" in after and time.monotonic() < deadline
+               and after["triton"][front]["request_success"] - before["triton"][front]["request_success"] < requests):
+            time.sleep(0.05)
+            after["triton"] = self._read().get("triton", after["triton"])
         wall_s = after["monotonic"] - before["monotonic"]
         profile: dict = {"wall_s": wall_s}
         if "triton" in before and "triton" in after:

@@ -32,6 +32,7 @@ from helpers import (
     export_spec,
     infer,
     infer_error,
+    metric,
     pcm_of,
     raw_input,
     sequence_ids,
@@ -541,9 +542,13 @@ def test_two_front_instances_behind_the_null_decoder_and_the_bench_profile_count
     assert roles == ["stub code2wav", "stub code2wav", "stub mimi_decoder", "tritonserver"]
     profile = PointProfile(server.pid, server.metrics_url)
     profile.start()
+    decoded = metric(server, "nv_inference_request_success", model="mimi_decoder")
     # 1 frame, then 13 per request: 4 requests of each stream.
     report = decode_streams(server.grpc_url, [random_codes(40, seed) for seed in range(6)], chunk_frames=13)
-    result = profile.finish(0)
+    requests = sum(len(r.chunk_frames) for r in report.results)
+    # Triton counts a request once answered: finish waits for the front's count, this for the decoder's.
+    assert wait_until(lambda: metric(server, "nv_inference_request_success", model="mimi_decoder") - decoded == requests, 10)
+    result = profile.finish(requests)
     assert [r.pcm.shape for r in report.results] == [(40 * SAMPLES_PER_FRAME,)] * 6
     assert all(not r.pcm.any() for r in report.results)
     assert result["requests"] == 6 * 4 == result["code2wav"]["requests"] == result["mimi_decoder"]["requests"]
