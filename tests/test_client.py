@@ -22,7 +22,7 @@ from mimi_code2wav.client.protocol import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME, chu
 from mimi_code2wav.client.wav import INT16_FULL_SCALE, WAVE_FORMAT_IEEE_FLOAT, WAVE_FORMAT_PCM, read_wav, write_wav
 from mimi_code2wav.server.triton import free_ports
 
-from helpers import MODEL_REPOSITORY, REPO_ROOT, FakeClock, load_model_module, metric
+from helpers import MODEL_REPOSITORY, REPO_ROOT, FakeClock, load_model_module, metric, wait_until
 from mimi_fixtures import assert_equal_audio
 
 FRAMES = 40
@@ -173,7 +173,8 @@ def test_decode_sends_one_request_per_chunk_of_each_stream_and_equals_moshi(code
     for pattern in says:
         assert re.search(pattern.replace("{url}", re.escape(code2wav_server.grpc_url)), done.stdout), done.stdout
     assert "resumed" not in done.stderr
-    assert metric(code2wav_server, "nv_inference_request_success", model="code2wav") - before == streams * len(chunk_bounds(FRAMES, chunk_frames))
+    requests = streams * len(chunk_bounds(FRAMES, chunk_frames))  # counted once answered: waited for
+    assert wait_until(lambda: metric(code2wav_server, "nv_inference_request_success", model="code2wav") - before == requests, 10)
     for name in ["x.wav"] if streams == 1 else [f"x_{index}.wav" for index in range(streams)]:
         assert_equal_audio(read_wav(tmp_path / name).samples[:, 0], reference, what=f"{name} ({' '.join(args)}) vs moshi")
 
