@@ -105,11 +105,16 @@ def test_a_stream_its_server_forgot_is_resumed_on_the_same_server(code2wav_serve
                        what="resumed with the whole history vs ONNX step")
 
 
-def unread_bytes(port: int) -> int:
-    """Bytes that reached established TCP connections to local `port` and that no process has read."""
+def tcp_sockets(port: int) -> list[tuple[str, int, str]]:
+    """(state, bytes received and not read, remote address) of each TCP socket on local `port`."""
     rows = [line.split() for table in ("/proc/net/tcp", "/proc/net/tcp6") if Path(table).exists()
             for line in Path(table).read_text().splitlines()[1:]]
-    return sum(int(row[4].split(":")[1], 16) for row in rows if row[3] == "01" and int(row[1].rsplit(":", 1)[1], 16) == port)
+    return [(row[3], int(row[4].split(":")[1], 16), row[2]) for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port]
+
+
+def unread_bytes(port: int) -> int:
+    """Bytes that reached connections to local `port` (established, or closed by the peer) that no process read."""
+    return sum(unread for state, unread, _ in tcp_sockets(port) if state in ("01", "08"))
 
 
 def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code2wav_server, ort_decode, tmp_path):
@@ -132,7 +137,9 @@ def test_failover_after_sigkill_with_a_request_in_flight(served_repository, code
             with concurrent.futures.ThreadPoolExecutor(1) as sender:
                 lost = sender.submit(stream.decode, codes[:, t : t + 16])
                 # The request holds 16 frames of 8 int64 codes.
-                assert wait_until(lambda: unread_bytes(server_a.grpc_port) > unread_before + 16 * 8 * 8, 60)
+                assert wait_until(lambda: unread_bytes(server_a.grpc_port) > unread_before + 16 * 8 * 8, 60), (
+                    f"the request did not reach A: sockets {tcp_sockets(server_a.grpc_port)} (before: {unread_before} B"
+                    f" unread), the call {lost.exception() if lost.done() else 'waiting'}, {stream.resumes}")
                 os.killpg(server_a.pid, signal.SIGKILL)
                 pcm.append(lost.result(timeout=120))  # raises the stream's error if it did not resume
             pcm.append(stream.decode(codes[:, t + 16 :], end=True))
