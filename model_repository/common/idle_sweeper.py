@@ -9,9 +9,9 @@ from typing import Callable
 
 
 class IdleSweeper:
-    """Calls `expire()` under `lock` (a model's execute may hold it too) every quarter of the idle timeout, within [50 ms, 1 s],
-    on a thread `<model_name>-idle-expiry`: Triton drops an idle sequence silently, and its memory must not wait
-    for traffic."""
+    """Calls `expire()` under `lock` (a model's execute may hold it too) every quarter of the idle timeout, within
+    [50 ms, 1 s], on a thread `<model_name>-idle-expiry`: Triton drops an idle sequence silently, and its memory
+    must not wait for traffic."""
 
     def __init__(self, model_name: str, idle_timeout_s: float, expire: Callable[[], object],
                  log_error: Callable[[str], None]):

@@ -27,6 +27,10 @@ def _waves(requests: Sequence[StepRequest]) -> list[list[int]]:
     return list(waves.values())
 
 
+def _stack(parts: list[np.ndarray]) -> np.ndarray:  # one row as it is: a stream's state is megabytes
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 class StreamingDecoderCore:
     """Per-sequence state and batched steps; not thread-safe. `run(feeds)` runs one batched step: inputs and
     state inputs by name, `[rows, ...]` each -> the outputs in the order of `config.output_names`."""
@@ -120,12 +124,9 @@ class StreamingDecoderCore:
     def _run_group(self, members: list, results: list) -> None:
         """One session run of `members` ((index, request, inputs) of equal shapes), results into `results`."""
         states = [self._zeros if request.start else self._streams[request.sequence_id][0] for _, request, _ in members]
-        def stack(parts):  # one row as it is: a stream's state is megabytes
-            return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-        feeds = {spec.name: stack([rows[spec.name] for *_, rows in members]) for spec in self.config.inputs}
+        feeds = {spec.name: _stack([rows[spec.name] for *_, rows in members]) for spec in self.config.inputs}
         for position, state in enumerate(self.config.states):
-            feeds[state.input] = stack([rows[position] for rows in states])
+            feeds[state.input] = _stack([rows[position] for rows in states])
         count = len(members)
         try:
             outputs = list(self._run(feeds))
